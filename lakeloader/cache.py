@@ -1,0 +1,188 @@
+"""The decoded-unit cache of one rank: fetched ahead in plan order, evicted once used.
+
+Units are decoded by a small thread pool in the process that owns the loader. With worker
+processes the decoded units are written as Arrow IPC files into a cache folder (in shared
+memory, ``/dev/shm``, when there is one) that every worker of the rank memory-maps, so a unit
+is fetched and decoded once per rank per epoch however many workers build batches from it.
+Without workers they simply stay in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.plan import EpochPlan, release_slots
+from lakeloader.reader import UnitReader
+
+logger = logging.getLogger(__name__)
+
+#: Where unit files go by default when there are worker processes.
+SHM_DIR = "/dev/shm"
+
+#: A decoded unit as a worker gets it: the table itself, or the path of its Arrow IPC file.
+UnitRef: TypeAlias = "pa.Table | str"
+
+
+def default_cache_dir() -> str | None:
+    """Shared memory when the machine has it, else None (the system's temporary folder)."""
+    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
+
+
+def load_unit(ref: UnitRef) -> pa.Table:
+    """Open a decoded unit: zero-copy memory map of its IPC file, or the table itself."""
+    if isinstance(ref, pa.Table):
+        return ref
+    with pa.memory_map(ref, "r") as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+@dataclass
+class _Entry:
+    future: Future[UnitRef]
+    release: int
+    nbytes: int
+
+
+class UnitStore:
+    """Decoded units of one epoch for one rank.
+
+    Args:
+        reader: Reads units from the lake.
+        plan: The epoch's plan.
+        directory: Folder for IPC unit files (worker processes), or None to keep tables in
+            memory (no workers).
+        threads: Units decoded at once.
+    """
+
+    def __init__(
+        self, reader: UnitReader, plan: EpochPlan, directory: str | None, threads: int
+    ) -> None:
+        self._reader = reader
+        self._plan = plan
+        self._dir = directory
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
+        self._entries: dict[int, _Entry] = {}
+        self._lock = threading.Lock()
+        self.peak_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held or being decoded (estimates until a unit is decoded)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def _estimate(self, position: int) -> int:
+        units, unit = self._plan.units, int(self._plan.order[position])
+        info = self._reader.snapshot.files[int(units.file_index[unit])]
+        rg = int(units.row_group[unit])
+        share = int(units.num_rows[unit]) / max(1, info.row_group_rows[rg])
+        return int(info.row_group_bytes[rg] * share)
+
+    def _decode(self, position: int) -> UnitRef:
+        units, unit = self._plan.units, int(self._plan.order[position])
+        table = self._reader.read(
+            int(units.file_index[unit]),
+            int(units.row_group[unit]),
+            int(units.row_start[unit]),
+            int(units.num_rows[unit]),
+        )
+        if self._dir is None:
+            size: int = table.nbytes
+            ref: UnitRef = table
+        else:
+            path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
+            with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+            os.replace(path + ".tmp", path)
+            size, ref = os.path.getsize(path), path
+        with self._lock:
+            entry = self._entries.get(position)
+            if entry is not None:
+                entry.nbytes = size
+            self.peak_bytes = max(self.peak_bytes, sum(e.nbytes for e in self._entries.values()))
+        return ref
+
+    def request(self, positions: np.ndarray, on_ready: Callable[[], None] | None = None) -> None:
+        """Start decoding the units at these positions unless already held or underway.
+
+        Args:
+            positions: Virtual-sequence positions of the units.
+            on_ready: Called (from a decoding thread) when each newly started unit is done.
+        """
+        with self._lock:
+            missing = [int(p) for p in positions if int(p) not in self._entries]
+        if not missing:
+            return
+        releases = release_slots(self._plan, np.asarray(missing, dtype=np.int64))
+        for pos, rel in zip(missing, releases.tolist(), strict=True):
+            entry = _Entry(self._pool.submit(self._decode, pos), rel, self._estimate(pos))
+            with self._lock:
+                self._entries[pos] = entry
+            if on_ready is not None:
+                entry.future.add_done_callback(lambda _f: on_ready())
+
+    def ready(self, positions: np.ndarray) -> bool:
+        """Whether every unit at these positions is decoded (or failed)."""
+        with self._lock:
+            return all(self._entries[int(p)].future.done() for p in positions)
+
+    def get(self, positions: np.ndarray) -> list[UnitRef]:
+        """Wait for the units at these positions (requesting them if needed).
+
+        Raises:
+            UnreadableFileError: If a unit cannot be read.
+        """
+        self.request(positions)
+        with self._lock:
+            futures = [self._entries[int(p)].future for p in positions]
+        return [f.result() for f in futures]
+
+    def describe(self, positions: np.ndarray) -> list[str]:
+        """Name the units at these positions as ``file, row group, rows [a, b)``."""
+        units, files = self._plan.units, self._reader.snapshot.files
+        out = []
+        for p in positions:
+            u = int(self._plan.order[int(p)])
+            start = int(units.row_start[u])
+            out.append(
+                f"{files[int(units.file_index[u])].path}, row group {int(units.row_group[u])}, "
+                f"rows [{start}, {start + int(units.num_rows[u])})"
+            )
+        return out
+
+    def release(self, delivered: int) -> None:
+        """Evict every unit whose last use lies before global slot ``delivered``."""
+        with self._lock:
+            done = [p for p, e in self._entries.items() if e.release <= delivered]
+            entries = [self._entries.pop(p) for p in done]
+        for entry in entries:
+            self._discard(entry)
+
+    def _discard(self, entry: _Entry) -> None:
+        if not entry.future.done():
+            entry.future.cancel()
+            return
+        ref = entry.future.result() if entry.future.exception() is None else None
+        if isinstance(ref, str):
+            try:
+                os.unlink(ref)
+            except FileNotFoundError:
+                logger.debug("unit file %s was already gone", ref)
+
+    def close(self) -> None:
+        """Stop decoding and drop every unit (deleting unit files)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            self._discard(entry)

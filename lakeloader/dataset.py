@@ -1,0 +1,192 @@
+"""``LakeDataset``: a pinned Parquet lake plus the configuration that defines its order.
+
+The dataset owns what every rank and worker must agree on (snapshot, units, seed, ``C``,
+window, shuffle, columns) and nothing about topology, so several loaders (simulated ranks)
+can share one dataset object.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import fsspec
+
+from lakeloader.collate import Transform
+from lakeloader.discovery import Source
+from lakeloader.plan import (
+    DEFAULT_MAX_UNIT_ROWS,
+    DEFAULT_NUM_PARTITIONS,
+    DEFAULT_WINDOW,
+    EpochPlan,
+    Units,
+    make_units,
+    plan_epoch,
+)
+from lakeloader.reader import UnitReader
+from lakeloader.snapshot import Snapshot, snapshot_lake
+from lakeloader.state import config_hash
+
+logger = logging.getLogger(__name__)
+
+#: Epoch plans kept per dataset (the current epoch and a neighbour are enough).
+PLAN_CACHE_EPOCHS = 4
+
+
+@dataclass(frozen=True)
+class OrderConfig:
+    """Everything that changes the order of rows; hashed into every state.
+
+    Attributes:
+        seed: Seed of the unit permutation and of the window shuffles.
+        shuffle: Shuffle units and windows (False: path order).
+        num_partitions: Canonical partitions C (fixed for the life of a run).
+        window: Rows shuffled together inside a partition.
+        max_unit_rows: Row groups above this many rows are split into row ranges.
+        columns: Columns read, in order.
+    """
+
+    seed: int
+    shuffle: bool
+    num_partitions: int
+    window: int
+    max_unit_rows: int
+    columns: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (columns as a list)."""
+        d = asdict(self)
+        d["columns"] = list(self.columns)
+        return d
+
+
+class LakeDataset:
+    """A Parquet lake, pinned, with a deterministic order of rows per epoch.
+
+    Args:
+        source: A folder, glob, file or list of them; local paths or any fsspec URL.
+        columns: Columns to read (file and hive partition columns); None reads all.
+        storage_options: fsspec options (credentials, endpoint, ...).
+        seed: Seed of the order.
+        shuffle: Shuffle (True) or keep path order (False).
+        num_partitions: Canonical partitions C; None means ``DEFAULT_NUM_PARTITIONS`` when
+            shuffling and 1 (exact path order) when not.
+        window: Rows shuffled together inside a partition.
+        max_unit_rows: Split row groups larger than this into row ranges.
+        transform: Called on each row (a dict) in the workers before collation.
+        progress: Progress bar while reading footers (None: for many files on a terminal).
+
+    Raises:
+        LakeNotFoundError: If the source holds no data file.
+        UnreadableFileError: If a footer cannot be read.
+        SchemaMismatchError: If file schemas conflict.
+        KeyError: If a requested column does not exist.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"id": range(100)}), f"{root}/part-0.parquet")
+        >>> ds = LakeDataset(root, seed=1)
+        >>> len(ds), ds.config.num_partitions
+        (100, 16)
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_partitions: int | None = None,
+        window: int = DEFAULT_WINDOW,
+        max_unit_rows: int = DEFAULT_MAX_UNIT_ROWS,
+        transform: Transform | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        self.source = source
+        self.storage_options = dict(storage_options or {})
+        self.transform = transform
+        fs, snapshot = snapshot_lake(source, self.storage_options, progress=progress)
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.snapshot: Snapshot = snapshot
+        names = snapshot.schema.names
+        if columns is not None:
+            unknown = [c for c in columns if c not in names]
+            if unknown:
+                raise KeyError(f"columns {unknown} are not in the lake; it has {names}")
+        if num_partitions is None:
+            num_partitions = DEFAULT_NUM_PARTITIONS if shuffle else 1
+        self.config = OrderConfig(
+            seed=int(seed),
+            shuffle=bool(shuffle),
+            num_partitions=int(num_partitions),
+            window=int(window),
+            max_unit_rows=int(max_unit_rows),
+            columns=tuple(columns if columns is not None else names),
+        )
+        if self.config.num_partitions < 1 or self.config.window < 1:
+            raise ValueError(
+                f"num_partitions and window must be >= 1, got {num_partitions} and {window}"
+            )
+        self.units: Units = make_units(
+            [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows
+        )
+        self.config_hash = config_hash(self.config.to_dict())
+        self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)
+        logger.info(
+            "lake %s: %d files, %d row groups, %d units, %d rows, fingerprint %s",
+            source,
+            len(snapshot.files),
+            snapshot.num_row_groups,
+            len(self.units),
+            snapshot.num_rows,
+            snapshot.fingerprint,
+        )
+
+    def __len__(self) -> int:
+        return self.snapshot.num_rows
+
+    def __repr__(self) -> str:
+        return (
+            f"LakeDataset({self.source!r}, rows={len(self)}, files={len(self.snapshot.files)}, "
+            f"C={self.config.num_partitions}, window={self.config.window}, "
+            f"shuffle={self.config.shuffle}, seed={self.config.seed})"
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """The pinned snapshot's fingerprint."""
+        return self.snapshot.fingerprint
+
+    def _plan(self, epoch: int) -> EpochPlan:
+        c = self.config
+        return plan_epoch(
+            self.units,
+            seed=c.seed,
+            epoch=epoch,
+            shuffle=c.shuffle,
+            num_partitions=c.num_partitions,
+            window=c.window,
+        )
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """The plan of one epoch (cached for the last few epochs)."""
+        return self._plan_cached(epoch)
+
+    def reader(self) -> UnitReader:
+        """A fresh unit reader (with its own counters) for the selected columns."""
+        return UnitReader(self.fs, self.snapshot, self.config.columns)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_plan_cached")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)

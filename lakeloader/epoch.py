@@ -1,0 +1,239 @@
+"""One pass over an epoch for one rank: plan ahead, decode ahead, build, deliver in order.
+
+The iterator walks the rank's steps from the start position. It plans steps ahead (each a
+:class:`~lakeloader.plan.BatchSpec`), asks the unit store to decode their units in plan order
+within the byte budget, hands each step whose units are ready to a worker (or builds it
+in-process without workers), and yields batches strictly in step order. Only when a batch is
+handed to the training loop does the loader's position move.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lakeloader.cache import UnitStore
+from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
+from lakeloader.errors import WorkerError
+from lakeloader.plan import BatchSpec, EpochPlan, batch_spec, steps_in_epoch
+from lakeloader.reader import UnitReader
+from lakeloader.workers import Death, Result, Task, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+#: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
+LOOKAHEAD_STEPS = 256
+#: Attempts at one batch whose worker keeps dying before the loader gives up.
+MAX_BATCH_ATTEMPTS = 3
+#: Seconds between liveness checks while waiting for workers.
+POLL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class IterConfig:
+    """What one epoch pass needs to know besides the plan (all plain values)."""
+
+    plan: EpochPlan
+    start: int
+    global_batch: int
+    world_size: int
+    rank: int
+    drop_last: bool
+    num_workers: int
+    prefetch_factor: int
+    timeout: float
+    cache_bytes: int
+    io_threads: int
+    pin_memory: bool
+    transform: Transform | None
+    collate_fn: Collate | None
+
+
+OnDelivered = Callable[[int, int, bool], None]
+
+
+class EpochIterator:
+    """Iterator over one rank's batches of one epoch (see the module docstring).
+
+    Args:
+        cfg: The pass's configuration.
+        reader: Reads units (its counters are the loader's).
+        on_delivered: Called with ``(slot_stop, rows, is_last)`` as each batch is handed over.
+        on_finish: Called once with the number of worker restarts when the pass ends.
+        pool: Worker processes, or None to build batches in this process.
+        unit_dir: Folder for decoded unit files shared with the workers (with a pool).
+    """
+
+    def __init__(
+        self,
+        cfg: IterConfig,
+        reader: UnitReader,
+        on_delivered: OnDelivered,
+        on_finish: Callable[[int], None],
+        pool: WorkerPool | None,
+        unit_dir: str | None,
+    ) -> None:
+        self.cfg = cfg
+        self._schema = reader.schema
+        self._on_delivered = on_delivered
+        self._on_finish = on_finish
+        self._pool = pool
+        self.num_steps = steps_in_epoch(
+            cfg.start, cfg.plan.num_rows, cfg.global_batch, cfg.drop_last
+        )
+        self._store = UnitStore(reader, cfg.plan, unit_dir if pool else None, cfg.io_threads)
+        self._specs: dict[int, BatchSpec] = {}
+        self._done: dict[int, Result] = {}
+        self._attempts: dict[int, int] = {}
+        self._next_plan = self._next_dispatch = self._next_deliver = 0
+        self.worker_restarts = 0
+        self._wake_r, self._wake_w = os.pipe() if pool else (-1, -1)
+        self._closed = False
+
+    # ------------------------------------------------------------------ planning
+    def _slots(self, step: int) -> tuple[int, int]:
+        start = self.cfg.start + step * self.cfg.global_batch
+        return start, min(start + self.cfg.global_batch, self.cfg.plan.num_rows)
+
+    def _plan_ahead(self) -> None:
+        c = self.cfg
+        while (
+            self._next_plan < self.num_steps
+            and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
+            and (self._next_plan == self._next_deliver or self._store.nbytes < c.cache_bytes)
+        ):
+            step = self._next_plan
+            spec = batch_spec(c.plan, step, *self._slots(step), c.world_size, c.rank)
+            self._store.request(spec.positions, on_ready=self._wake)
+            self._specs[step] = spec
+            self._next_plan += 1
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                logger.debug("wake pipe closed")
+
+    # ------------------------------------------------------------------ delivery
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed or self._next_deliver >= self.num_steps:
+            self.close()
+            raise StopIteration
+        step = self._next_deliver
+        self._plan_ahead()
+        spec = self._specs[step]
+        if self._pool is None:
+            refs = self._store.get(spec.positions)
+            payload = build_payload(
+                refs, spec.take, self._schema, self.cfg.transform, self.cfg.collate_fn
+            )
+        else:
+            payload = self._from_workers(step)
+        batch = finish_payload(payload)
+        if self.cfg.pin_memory:
+            batch = pin(batch)
+        del self._specs[step]
+        self._next_deliver += 1
+        self._on_delivered(spec.slot_stop, spec.num_rows, self._next_deliver == self.num_steps)
+        self._store.release(spec.slot_stop)
+        return batch
+
+    def _dispatch(self, pool: WorkerPool) -> None:
+        cap = max(1, self.cfg.num_workers * self.cfg.prefetch_factor)
+        while self._next_dispatch < self._next_plan and pool.num_owed < cap:
+            spec = self._specs[self._next_dispatch]
+            if not self._store.ready(spec.positions):
+                return
+            refs = self._store.get(spec.positions)
+            pool.submit(Task(spec.step, [str(r) for r in refs], spec.take))
+            self._next_dispatch += 1
+
+    def _from_workers(self, step: int) -> Any:
+        pool = self._pool
+        assert pool is not None
+        waited_since = time.monotonic()
+        while step not in self._done:
+            self._plan_ahead()
+            self._dispatch(pool)
+            results, deaths, woke = pool.wait(POLL_SECONDS, extra=[self._wake_r])
+            if woke:
+                os.read(self._wake_r, 1 << 16)
+            for result in results:
+                self._done[result.step] = result
+            if deaths:
+                self._recover(pool, deaths)
+            if results:
+                waited_since = time.monotonic()
+            elif self.cfg.timeout and time.monotonic() - waited_since > self.cfg.timeout:
+                raise RuntimeError(
+                    f"DataLoader timed out after {self.cfg.timeout} seconds waiting for step "
+                    f"{step} of epoch {self.cfg.plan.epoch}"
+                )
+        result = self._done.pop(step)
+        if result.error is not None:
+            raise WorkerError(
+                f"worker {result.worker} failed to build step {step} of epoch "
+                f"{self.cfg.plan.epoch}:\n{result.error}"
+            )
+        return result.payload
+
+    def _recover(self, pool: WorkerPool, deaths: list[Death]) -> None:
+        for death in deaths:
+            self.worker_restarts += 1
+            steps = sorted(t.step for t in death.owed if t.step not in self._done)
+            logger.warning(
+                "DataLoader worker %d (pid %s) died with exit code %s; rebuilding steps %s of "
+                "epoch %d in a fresh worker",
+                death.worker,
+                death.pid,
+                death.exitcode,
+                steps,
+                self.cfg.plan.epoch,
+            )
+            for task in sorted(death.owed, key=lambda t: t.step):
+                if task.step in self._done:
+                    continue
+                attempts = self._attempts.get(task.step, 1) + 1
+                if attempts > MAX_BATCH_ATTEMPTS:
+                    raise WorkerError(self._describe_poison(task.step, attempts - 1))
+                self._attempts[task.step] = attempts
+                pool.submit(task)
+
+    def _describe_poison(self, step: int, attempts: int) -> str:
+        spec = self._specs[step]
+        plan = self.cfg.plan
+        files = self._store.describe(spec.positions)
+        return (
+            f"step {step} of epoch {plan.epoch} killed its worker {attempts} times; giving up. "
+            f"Its units: {files}. Check the transform and collate_fn on those rows, and the "
+            "memory available to workers"
+        )
+
+    # ------------------------------------------------------------------- teardown
+    def cache_bytes(self) -> int:
+        """Bytes of decoded units held now."""
+        return self._store.nbytes
+
+    def cache_peak_bytes(self) -> int:
+        """Most bytes of decoded units held at once in this pass."""
+        return self._store.peak_bytes
+
+    def close(self) -> None:
+        """Stop decoding and drop the cached units (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._store.close()
+        if self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
+        self._on_finish(self.worker_restarts)

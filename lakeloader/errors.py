@@ -1,0 +1,35 @@
+"""Exceptions raised by lakeloader.
+
+Every error says what went wrong, where (file, row group, key) and what to do about it, so
+that a failure deep inside a DataLoader worker is actionable from the training log alone.
+"""
+
+from __future__ import annotations
+
+
+class LakeError(Exception):
+    """Base class of every error lakeloader raises on purpose."""
+
+
+class LakeNotFoundError(LakeError):
+    """The source names no Parquet file (an empty folder, a glob that matches nothing)."""
+
+
+class SchemaMismatchError(LakeError):
+    """Two files of a lake have schemas that cannot be unified into one."""
+
+
+class UnreadableFileError(LakeError):
+    """A Parquet file (or one of its row groups) cannot be read or decoded."""
+
+
+class StateMismatchError(LakeError):
+    """A saved state belongs to another lake snapshot or another configuration."""
+
+
+class StateFormatError(LakeError):
+    """A saved state is malformed or has a format version this library cannot read."""
+
+
+class WorkerError(LakeError):
+    """A DataLoader worker failed to build a batch (its exception is chained)."""

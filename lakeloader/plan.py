@@ -1,0 +1,290 @@
+"""The order of an epoch: pure functions over numpy arrays (see docs/design.md).
+
+Nothing here does I/O or depends on the number of workers; the rank and world size only
+enter in :func:`rank_bounds`, which slices a global batch. Everything is cheap enough to plan
+a million units in well under a second, so every process recomputes what it needs instead
+of shipping plans around.
+
+The order, in short: units (row groups or row ranges of them) are permuted with an RNG seeded
+by ``(seed, epoch)`` and concatenated into a virtual row sequence of ``N`` rows. That sequence
+is cut into ``C`` contiguous *partitions*; global slot ``j`` is served by partition
+``j mod C`` at its position ``j // C``. Positions inside a partition are shuffled within
+windows of ``window`` rows. A global batch is a slot range, ordered partition-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Canonical partitions used when shuffling and the caller does not choose (see docs/design.md).
+DEFAULT_NUM_PARTITIONS = 16
+#: Rows shuffled together inside a partition (see docs/design.md for the measurements).
+DEFAULT_WINDOW = 16_384
+#: Row groups with more rows than this are split into row ranges of at most this many rows.
+DEFAULT_MAX_UNIT_ROWS = 262_144
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units of a snapshot, in path order: parallel arrays, one entry per unit.
+
+    Attributes:
+        file_index: Index of the unit's file in the snapshot.
+        row_group: Row group index inside that file.
+        row_start: First row of the unit inside the row group.
+        num_rows: Rows in the unit (always > 0: empty row groups give no unit).
+    """
+
+    file_index: np.ndarray
+    row_group: np.ndarray
+    row_start: np.ndarray
+    num_rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.num_rows)
+
+
+def make_units(row_group_rows: Sequence[Sequence[int]], max_unit_rows: int) -> Units:
+    """Cut every row group into units of at most ``max_unit_rows`` rows.
+
+    >>> u = make_units([[5, 0], [], [3]], max_unit_rows=2)
+    >>> u.file_index.tolist(), u.row_start.tolist(), u.num_rows.tolist()
+    ([0, 0, 0, 2, 2], [0, 2, 4, 0, 2], [2, 2, 1, 2, 1])
+    """
+    if max_unit_rows < 1:
+        raise ValueError(f"max_unit_rows must be >= 1, got {max_unit_rows}")
+    counts = [len(rgs) for rgs in row_group_rows]
+    rg_rows = np.fromiter((n for rgs in row_group_rows for n in rgs), dtype=np.int64)
+    rg_file = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    rg_index = np.concatenate([np.arange(c, dtype=np.int64) for c in counts] + [_EMPTY])
+    pieces = -(-rg_rows // max_unit_rows)  # ceil; 0 for empty row groups
+    unit_rg = np.repeat(np.arange(len(rg_rows)), pieces)
+    first_unit = np.cumsum(pieces) - pieces
+    piece = np.arange(len(unit_rg)) - np.repeat(first_unit, pieces)
+    row_start = piece * max_unit_rows
+    num_rows = np.minimum(rg_rows[unit_rg] - row_start, max_unit_rows)
+    return Units(
+        file_index=rg_file[unit_rg].astype(np.int64),
+        row_group=rg_index[unit_rg].astype(np.int64),
+        row_start=row_start.astype(np.int64),
+        num_rows=num_rows.astype(np.int64),
+    )
+
+
+def _rng(*key: int) -> np.random.Generator:
+    """A generator seeded by a tuple of integers (negative ones wrap modulo 2**64).
+
+    Keys are encoded as fixed-width 64-bit words behind a length prefix, so that no two
+    distinct keys (``(seed, epoch)`` vs ``(seed, epoch, 0, 0)``, or a seed wider than 32 bits
+    vs a later epoch) can feed the generator the same entropy.
+    """
+    words = np.array([len(key), *[k % 2**64 for k in key]], dtype=np.uint64).view(np.uint32)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
+
+
+def unit_order(num_units: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """Order of the units in an epoch's virtual sequence: a permutation, or path order."""
+    if not shuffle:
+        return np.arange(num_units, dtype=np.int64)
+    return np.asarray(_rng(seed, epoch).permutation(num_units), dtype=np.int64)
+
+
+def partition_starts(num_rows: int, num_partitions: int) -> np.ndarray:
+    """Virtual-row start of each partition, plus ``num_rows`` at the end.
+
+    Partition ``c`` holds ``ceil((N - c) / C)`` rows, so sizes differ by at most one.
+
+    >>> partition_starts(10, 4).tolist()
+    [0, 3, 6, 8, 10]
+    """
+    c = np.arange(num_partitions, dtype=np.int64)
+    sizes = np.maximum(num_rows - c + num_partitions - 1, 0) // num_partitions
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def partition_consumed(position: int, num_partitions: int) -> np.ndarray:
+    """Rows each partition has given after ``position`` global slots: ``#{j < G : j % C == c}``.
+
+    >>> partition_consumed(10, 4).tolist()
+    [3, 3, 2, 2]
+    """
+    c = np.arange(num_partitions, dtype=np.int64)
+    return np.maximum(position - c + num_partitions - 1, 0) // num_partitions
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Everything needed to map a global slot to a row of the lake in one epoch.
+
+    Attributes:
+        units: The snapshot's units in path order.
+        order: Unit index at each position of the virtual sequence.
+        offsets: Virtual start row of each position, plus N at the end.
+        starts: Virtual start row of each partition, plus N at the end.
+        seed: Seed of the run.
+        epoch: The epoch.
+        shuffle: Whether windows are shuffled.
+        window: Rows per window.
+    """
+
+    units: Units
+    order: np.ndarray
+    offsets: np.ndarray
+    starts: np.ndarray
+    seed: int
+    epoch: int
+    shuffle: bool
+    window: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the epoch (N)."""
+        return int(self.offsets[-1])
+
+    @property
+    def num_partitions(self) -> int:
+        """Canonical partitions (C)."""
+        return len(self.starts) - 1
+
+
+def plan_epoch(
+    units: Units, *, seed: int, epoch: int, shuffle: bool, num_partitions: int, window: int
+) -> EpochPlan:
+    """Plan one epoch (O(units); no per-row work)."""
+    if num_partitions < 1 or window < 1:
+        raise ValueError(f"num_partitions and window must be >= 1: {num_partitions}, {window}")
+    order = unit_order(len(units), seed, epoch, shuffle)
+    offsets = np.concatenate([[0], np.cumsum(units.num_rows[order])]).astype(np.int64)
+    starts = partition_starts(int(offsets[-1]), num_partitions)
+    return EpochPlan(units, order, offsets, starts, seed, epoch, shuffle, window)
+
+
+def window_permutation(plan: EpochPlan, partition: int, window: int) -> np.ndarray:
+    """Permutation of the positions of one window (identity when not shuffling)."""
+    size = int(plan.starts[partition + 1] - plan.starts[partition])
+    length = max(0, min(plan.window, size - window * plan.window))
+    if not plan.shuffle:
+        return np.arange(length, dtype=np.int64)
+    perm = _rng(plan.seed, plan.epoch, partition, window).permutation(length)
+    return np.asarray(perm, dtype=np.int64)
+
+
+def slots_to_virtual(plan: EpochPlan, slots: np.ndarray) -> np.ndarray:
+    """Map global slots to virtual rows (vectorised, one RNG per window touched)."""
+    C, W = plan.num_partitions, plan.window
+    part, pos = slots % C, slots // C
+    win, inner = pos // W, pos % W
+    out = plan.starts[part] + win * W
+    if plan.shuffle:
+        keys = part * (int(plan.num_rows) // W + 2) + win
+        for key in np.unique(keys):
+            sel = keys == key
+            c, w = int(part[sel][0]), int(win[sel][0])
+            out[sel] += window_permutation(plan, c, w)[inner[sel]]
+    else:
+        out += inner
+    return np.asarray(out, dtype=np.int64)
+
+
+def batch_slots(start: int, stop: int, num_partitions: int) -> np.ndarray:
+    """Slots of the global batch ``[start, stop)``, partition-major (partition 0's first).
+
+    >>> batch_slots(4, 12, 4).tolist()
+    [4, 8, 5, 9, 6, 10, 7, 11]
+    """
+    slots = np.arange(start, stop, dtype=np.int64)
+    return slots[np.argsort(slots % num_partitions, kind="stable")]
+
+
+def rank_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` of a global batch of ``length`` rows that ``rank`` takes.
+
+    A full batch splits in equal blocks; a short last batch as evenly as possible (the first
+    ``length % world_size`` ranks get one row more).
+
+    >>> [rank_bounds(10, 4, r) for r in range(4)]
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
+    base, extra = divmod(length, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def steps_in_epoch(position: int, num_rows: int, global_batch: int, drop_last: bool) -> int:
+    """Global steps left from ``position`` (a short last batch counts unless dropped).
+
+    >>> [steps_in_epoch(g, 10, 4, drop) for g, drop in [(0, False), (0, True), (10, False)]]
+    [3, 2, 0]
+    """
+    left = max(0, num_rows - position)
+    return left // global_batch if drop_last else -(-left // global_batch)
+
+
+def virtual_to_unit(plan: EpochPlan, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Map virtual rows to (position in the virtual sequence, row inside that unit)."""
+    pos = np.searchsorted(plan.offsets, virtual, side="right") - 1
+    return pos, virtual - plan.offsets[pos]
+
+
+def release_slots(plan: EpochPlan, positions: np.ndarray) -> np.ndarray:
+    """First global slot from which the units at ``positions`` are needed no more.
+
+    A unit is needed until the last window that overlaps it has been fully consumed, in every
+    partition it overlaps. The cache evicts a unit once the delivered position reaches this.
+    """
+    C, W = plan.num_partitions, plan.window
+    first = plan.offsets[positions]
+    last = plan.offsets[positions + 1] - 1
+    part_hi = np.searchsorted(plan.starts, last, side="right") - 1
+    part_lo = np.searchsorted(plan.starts, first, side="right") - 1
+    sizes = np.diff(plan.starts)
+    win_last = (last - plan.starts[part_hi]) // W
+    pos_last = np.minimum((win_last + 1) * W, sizes[part_hi]) - 1
+    release = pos_last * C + part_hi + 1
+    for i in np.nonzero(part_lo < part_hi)[0]:
+        cs = np.arange(part_lo[i], part_hi[i])
+        release[i] = max(int(release[i]), int(((sizes[cs] - 1) * C + cs).max()) + 1)
+    return np.asarray(release, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What one rank needs for one step: which units, and which of their rows in what order.
+
+    Attributes:
+        step: Step index in the epoch (0-based, counted from the epoch's start position).
+        slot_start: First global slot of the global batch.
+        slot_stop: One past the last global slot of the global batch.
+        positions: Sorted unique virtual-sequence positions of the units needed.
+        take: Row indices into the concatenation of those units, in batch order.
+    """
+
+    step: int
+    slot_start: int
+    slot_stop: int
+    positions: np.ndarray
+    take: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this rank gets in this step."""
+        return len(self.take)
+
+
+def batch_spec(
+    plan: EpochPlan, step: int, slot_start: int, slot_stop: int, world_size: int, rank: int
+) -> BatchSpec:
+    """Build one rank's share of the global batch ``[slot_start, slot_stop)``."""
+    slots = batch_slots(slot_start, slot_stop, plan.num_partitions)
+    lo, hi = rank_bounds(len(slots), world_size, rank)
+    pos, row = virtual_to_unit(plan, slots_to_virtual(plan, slots[lo:hi]))
+    positions, inverse = np.unique(pos, return_inverse=True)
+    sizes = plan.units.num_rows[plan.order[positions]]
+    base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return BatchSpec(step, slot_start, slot_stop, positions, base[inverse] + row)

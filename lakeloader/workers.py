@@ -1,0 +1,217 @@
+"""DataLoader worker processes that build batches from the shared unit cache.
+
+Any worker can build any batch: a task names the step, the unit files and the row indices,
+and the worker answers with the batch's payload on its own pipe. The pool notices a worker
+that died (its sentinel becomes ready), hands back the tasks it owed so the loader can give
+them to another worker, and starts a fresh one in its place.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import random
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from lakeloader.collate import Collate, Transform, build_payload
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a worker gets to exit after being asked to, before it is terminated.
+SHUTDOWN_GRACE = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What every worker needs, sent once when it starts (pickled for spawn contexts).
+
+    Attributes:
+        schema: Schema of the decoded units.
+        transform: Per-row transform, or None.
+        collate_fn: The user's collate function, or None.
+        worker_init_fn: Called with the worker id once the worker has started, as in torch.
+        base_seed: Worker ``i`` seeds ``torch`` and ``random`` with ``base_seed + i``.
+        num_workers: Workers in the pool.
+    """
+
+    schema: pa.Schema
+    transform: Transform | None
+    collate_fn: Collate | None
+    worker_init_fn: Callable[[int], None] | None
+    base_seed: int
+    num_workers: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """Build one batch: the step, the decoded units' files and the row indices."""
+
+    step: int
+    refs: Sequence[str]
+    take: np.ndarray
+
+
+@dataclass(frozen=True)
+class Result:
+    """A worker's answer: the payload, or the formatted traceback of its failure."""
+
+    step: int
+    worker: int
+    payload: Any = None
+    error: str | None = None
+
+
+def _worker_main(worker_id: int, setup: WorkerSetup, tasks: Any, results: Connection) -> None:
+    torch.set_num_threads(1)
+    seed = setup.base_seed + worker_id
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if setup.worker_init_fn is not None:
+        setup.worker_init_fn(worker_id)
+    while True:
+        task: Task | None = tasks.get()
+        if task is None:
+            return
+        try:
+            payload = build_payload(
+                task.refs, task.take, setup.schema, setup.transform, setup.collate_fn
+            )
+            results.send(Result(task.step, worker_id, payload=payload))
+        except Exception:
+            results.send(Result(task.step, worker_id, error=traceback.format_exc()))
+
+
+@dataclass
+class _Slot:
+    process: Any
+    tasks: Any
+    results: Connection
+    owed: dict[int, Task] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Death:
+    """A worker that died, with the tasks it still owed."""
+
+    worker: int
+    pid: int | None
+    exitcode: int | None
+    owed: list[Task]
+
+
+class WorkerPool:
+    """A fixed number of worker processes, each with a task queue and a result pipe.
+
+    Args:
+        setup: What every worker needs.
+        num_workers: Processes to run.
+        context: A multiprocessing context or its name (None: the platform default).
+    """
+
+    def __init__(
+        self, setup: WorkerSetup, num_workers: int, context: BaseContext | str | None
+    ) -> None:
+        self._setup = setup
+        self._ctx: Any = (
+            mp.get_context(context) if not isinstance(context, BaseContext) else context
+        )
+        self._slots = [self._start(i) for i in range(num_workers)]
+
+    def _start(self, worker_id: int) -> _Slot:
+        tasks = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=_worker_main,
+            args=(worker_id, self._setup, tasks, writer),
+            name=f"lakeloader-worker-{worker_id}",
+            daemon=True,
+        )
+        proc.start()
+        writer.close()
+        return _Slot(proc, tasks, reader)
+
+    @property
+    def num_owed(self) -> int:
+        """Tasks handed out and not yet answered."""
+        return sum(len(s.owed) for s in self._slots)
+
+    def pids(self) -> list[int | None]:
+        """Process ids of the workers, by worker id."""
+        return [s.process.pid for s in self._slots]
+
+    def submit(self, task: Task) -> int:
+        """Give a task to the worker that owes the fewest; returns that worker's id."""
+        worker = min(range(len(self._slots)), key=lambda i: len(self._slots[i].owed))
+        slot = self._slots[worker]
+        slot.owed[task.step] = task
+        slot.tasks.put(task)
+        return worker
+
+    def _drain(self, slot: _Slot, into: list[Result]) -> None:
+        try:
+            while slot.results.poll():
+                result: Result = slot.results.recv()
+                slot.owed.pop(result.step, None)
+                into.append(result)
+        except (EOFError, OSError):
+            return
+
+    def wait(
+        self, timeout: float | None, extra: Sequence[int] = ()
+    ) -> tuple[list[Result], list[Death], bool]:
+        """Wait for results, worker deaths or one of the ``extra`` file descriptors.
+
+        Returns:
+            The results that arrived, the workers that died (already replaced by fresh
+            ones, their owed tasks returned for resubmission), and whether an ``extra``
+            descriptor became readable.
+        """
+        by_conn = {s.results: s for s in self._slots}
+        by_sentinel = {s.process.sentinel: i for i, s in enumerate(self._slots)}
+        ready = wait([*by_conn, *by_sentinel, *extra], timeout)
+        results: list[Result] = []
+        deaths: list[Death] = []
+        for obj in ready:
+            if obj in by_conn:
+                self._drain(by_conn[obj], results)
+        for obj in ready:
+            if isinstance(obj, int) and obj in by_sentinel:
+                worker = by_sentinel[obj]
+                slot = self._slots[worker]
+                self._drain(slot, results)
+                slot.process.join(timeout=SHUTDOWN_GRACE)
+                deaths.append(
+                    Death(worker, slot.process.pid, slot.process.exitcode, list(slot.owed.values()))
+                )
+                self._close_slot(slot)
+                self._slots[worker] = self._start(worker)
+        return results, deaths, any(fd in ready for fd in extra)
+
+    def _close_slot(self, slot: _Slot) -> None:
+        slot.tasks.cancel_join_thread()
+        slot.tasks.close()
+        slot.results.close()
+
+    def shutdown(self) -> None:
+        """Ask every worker to exit, then terminate those that do not."""
+        for slot in self._slots:
+            try:
+                slot.tasks.put(None)
+            except (OSError, ValueError):
+                logger.debug("worker %s queue already closed", slot.process.name)
+        for slot in self._slots:
+            slot.process.join(timeout=SHUTDOWN_GRACE)
+            if slot.process.is_alive():
+                slot.process.terminate()
+                slot.process.join(timeout=SHUTDOWN_GRACE)
+            self._close_slot(slot)
+        self._slots = []
