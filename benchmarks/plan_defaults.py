@@ -36,8 +36,10 @@ Run: ``PYTHONPATH=. python benchmarks/plan_defaults.py`` (about a minute and a h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
+import multiprocessing
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -51,35 +53,53 @@ EPOCH = 0
 
 @dataclass(frozen=True)
 class Layout:
+    """A synthetic snapshot: ``files`` x ``row_groups`` row groups of ``rows`` rows.
+
+    With ``ragged``, the last row group of every file is cut to a seeded random 1..``rows``
+    rows, as a writer leaves it, so partition boundaries fall inside units.
+    """
+
     name: str
     files: int
     row_groups: int
     rows: int
+    ragged: bool = False
+
+    def row_group_rows(self) -> list[list[int]]:
+        last = np.random.default_rng(7).integers(1, self.rows + 1, self.files)
+        return [
+            [self.rows] * (self.row_groups - 1) + [int(last[f]) if self.ragged else self.rows]
+            for f in range(self.files)
+        ]
 
     @property
     def num_rows(self) -> int:
-        return self.files * self.row_groups * self.rows
+        return sum(map(sum, self.row_group_rows()))
 
     def describe(self) -> str:
+        cut = f" (last of each file cut to 1..{self.rows:,})" if self.ragged else ""
         return (
             f"{self.name}: {self.files} files x {self.row_groups} row groups x "
-            f"{self.rows:,} rows = {self.num_rows:,} rows"
+            f"{self.rows:,} rows{cut} = {self.num_rows:,} rows"
         )
 
 
 FULL_LAYOUTS = (
     Layout("reference", 32, 4, 32_768),
     Layout("small-rg", 512, 8, 1_024),
+    Layout("reference-ragged", 32, 4, 32_768, ragged=True),
 )
 QUICK_LAYOUTS = (
     Layout("reference/8", 32, 4, 4_096),
     Layout("small-rg/8", 64, 8, 1_024),
+    Layout("ragged/8", 32, 4, 4_096, ragged=True),
 )
 FULL_CS = (1, 4, 8, 16, 32, 64)
-FULL_WINDOWS = (1_024, 4_096, 16_384, 65_536)
+FULL_WINDOWS = (1_024, 4_096, 16_384, 32_768, 65_536)
 QUICK_CS = (1, 16, 64)
 QUICK_WINDOWS = (1_024, 16_384)
 WORLD_SIZES = (1, 8)
+TYPICAL_GLOBAL_BATCHES = (32, 64, 128, 256, 1024)
 
 
 @dataclass
@@ -94,6 +114,7 @@ class Memory:
     worst_rank: int
     worst_peak_rows: int
     worst_peak_windows: float
+    read_amplification: float
 
 
 @dataclass
@@ -136,21 +157,30 @@ def slot_virtual(plan: lp.EpochPlan) -> np.ndarray:
 
 def rank_of_slots(n: int, num_partitions: int, global_batch: int, world_size: int) -> np.ndarray:
     """Rank that receives every global slot (``batch_slots`` + ``rank_bounds``, vectorised)."""
+    if world_size == 1:
+        return np.zeros(n, dtype=np.int64)
     C, B = num_partitions, global_batch
     steps = -(-n // B)
     start = np.arange(steps, dtype=np.int64) * B
     stop = np.minimum(start + B, n)
-    cons_lo = np.stack([lp.partition_consumed(int(s), C) for s in start])  # (T, C)
-    cons_hi = np.stack([lp.partition_consumed(int(s), C) for s in stop])
+    cs = np.arange(C, dtype=np.int64)
+    # partition_consumed for every step boundary at once (checked against the library below).
+    cons_lo = np.maximum(start[:, None] - cs + C - 1, 0) // C  # (T, C)
+    cons_hi = np.maximum(stop[:, None] - cs + C - 1, 0) // C
+    for t in (0, steps // 2, steps - 1):
+        assert np.array_equal(cons_lo[t], lp.partition_consumed(int(start[t]), C))
+        assert np.array_equal(cons_hi[t], lp.partition_consumed(int(stop[t]), C))
     counts = cons_hi - cons_lo
-    before = np.cumsum(counts, axis=1) - counts  # batch positions before partition c
+    # Batch position of the first slot of each partition, minus that partition's consumed count.
+    shift = (np.cumsum(counts, axis=1) - counts - cons_lo).ravel()
     j = np.arange(n, dtype=np.int64)
-    t, c = j // B, j % C
-    q = before[t, c] + (j // C - cons_lo[t, c])  # position of slot j in its batch
-    length = (stop - start)[t]
+    t = j // B
+    q = shift[t * C + j % C] + j // C  # position of slot j in its batch (partition-major)
+    length = stop - start
     base, extra = length // world_size, length % world_size
-    cut = extra * (base + 1)
-    return np.where(q < cut, q // (base + 1), extra + (q - cut) // np.maximum(base, 1))
+    cut = (extra * (base + 1))[t]
+    base_t, extra_t = base[t], extra[t]
+    return np.where(q < cut, q // (base_t + 1), extra_t + (q - cut) // np.maximum(base_t, 1))
 
 
 def check_against_batch_spec(
@@ -196,25 +226,27 @@ def memory_for(
     """Exact peak resident rows per rank over the epoch (sweep over residency intervals)."""
     n, P = plan.num_rows, len(pos_rows)
     steps = -(-n // global_batch)
-    # Resident during step t iff first_step <= t and t * B < release.
+    # Resident during step t iff first_step <= t and t * B < release (evicted once the
+    # delivered position, t * B before step t, reaches the release slot).
     last_step = np.minimum(-(-release // global_batch) - 1, steps - 1)
-    key = ranks * P + unit_pos
-    uniq, first = np.unique(key, return_index=True)  # first slot of each (rank, unit)
-    rank_u, pos_u = uniq // P, uniq % P
-    first_step = first // global_batch
+    first = np.full(world_size * P, n, dtype=np.int64)
+    np.minimum.at(first, ranks * P + unit_pos, np.arange(n, dtype=np.int64))
+    touched = np.flatnonzero(first < n)  # (rank, unit) pairs: first slot of the unit for the rank
+    rank_u, pos_u = touched // P, touched % P
+    first_step = first[touched] // global_batch
     stop = np.maximum(last_step[pos_u], first_step) + 1
     peaks, means, pinned = [], [], []
     for rank in range(world_size):
         sel = rank_u == rank
-        rows = pos_rows[pos_u[sel]]
+        rows = pos_rows[pos_u[sel]].astype(np.float64)
         delta = np.bincount(first_step[sel], rows, minlength=steps + 1)
         delta -= np.bincount(stop[sel], rows, minlength=steps + 1)
         resident = np.cumsum(delta)[:steps]
         t_peak = int(np.argmax(resident))
         live = (first_step[sel] <= t_peak) & (stop[sel] > t_peak) & straddles[pos_u[sel]]
-        peaks.append(int(resident[t_peak]))
+        peaks.append(round(resident[t_peak]))
         means.append(float(resident.mean()))
-        pinned.append(int(rows[live].sum()))
+        pinned.append(round(rows[live].sum()))
     worst = int(np.argmax(peaks))
     return Memory(
         world_size=world_size,
@@ -227,6 +259,7 @@ def memory_for(
         worst_rank=worst,
         worst_peak_rows=peaks[worst],
         worst_peak_windows=peaks[worst] / plan.window,
+        read_amplification=float(pos_rows[pos_u].sum()) / n,
     )
 
 
@@ -250,20 +283,20 @@ def group_stats(keys: np.ndarray, batch: int) -> tuple[float, float]:
 def breadth_of(src: np.ndarray, row_file: np.ndarray, row_rg: np.ndarray, batch: int) -> Breadth:
     """Breadth metrics of an output order given as path-order row index per slot."""
     n = len(src)
-    files, _ = group_stats(row_file[src], batch)
-    rgs, eff = group_stats(row_rg[src], batch)
-    d = np.diff(src)
-    rg = row_rg[src]
     fl = row_file[src]
-    dd = (src - np.arange(n)).astype(np.float64)
+    rg = row_rg[src]
+    files, _ = group_stats(fl, batch)
+    rgs, eff = group_stats(rg, batch)
+    d = src[1:] - src[:-1]
+    dd = (src - np.arange(n, dtype=src.dtype)).astype(np.float64)
     rho = 1.0 - 6.0 * float(np.dot(dd, dd)) / (n * (float(n) ** 2 - 1.0))
     return Breadth(
         files_per_batch=files,
         row_groups_per_batch=rgs,
         effective_row_groups=eff,
-        adjacent_frac=float(np.mean(np.abs(d) == 1)),
-        same_row_group_frac=float(np.mean(rg[1:] == rg[:-1])),
-        same_file_frac=float(np.mean(fl[1:] == fl[:-1])),
+        adjacent_frac=float(np.count_nonzero((d == 1) | (d == -1))) / (n - 1),
+        same_row_group_frac=float(np.count_nonzero(rg[1:] == rg[:-1])) / (n - 1),
+        same_file_frac=float(np.count_nonzero(fl[1:] == fl[:-1])) / (n - 1),
         spearman=rho,
     )
 
@@ -272,17 +305,20 @@ def breadth_of(src: np.ndarray, row_file: np.ndarray, row_rg: np.ndarray, batch:
 # One configuration
 
 
+@functools.lru_cache(maxsize=1)
+def make_layout(layout: Layout) -> tuple[lp.Units, np.ndarray, np.ndarray]:
+    """Units of the layout, and the file and row-group id of every path-order row."""
+    units = lp.make_units(layout.row_group_rows(), lp.DEFAULT_MAX_UNIT_ROWS)
+    row_file = np.repeat(units.file_index, units.num_rows)
+    rg_id = units.file_index * (int(units.row_group.max()) + 1) + units.row_group
+    row_rg = np.repeat(rg_id, units.num_rows)
+    return units, row_file, row_rg
+
+
 def run_config(
-    layout: Layout,
-    units: lp.Units,
-    row_file: np.ndarray,
-    row_rg: np.ndarray,
-    C: int,
-    W: int,
-    batch_per_rank: int,
-    metric_batch: int,
-    check_steps: int,
+    layout: Layout, C: int, W: int, batch_per_rank: int, metric_batch: int, check_steps: int
 ) -> Result:
+    units, row_file, row_rg = make_layout(layout)
     plan = lp.plan_epoch(units, seed=SEED, epoch=EPOCH, shuffle=True, num_partitions=C, window=W)
     n = plan.num_rows
     virt = slot_virtual(plan)
@@ -310,19 +346,11 @@ def run_config(
     return result
 
 
-def ideal(units: lp.Units, row_file: np.ndarray, row_rg: np.ndarray, metric_batch: int) -> Breadth:
-    n = int(units.num_rows.sum())
-    src = lp._rng(SEED, EPOCH, 99).permutation(n)
+def ideal(layout: Layout, metric_batch: int) -> Breadth:
+    """Breadth of an ideal full row shuffle of the layout (one seeded permutation)."""
+    _, row_file, row_rg = make_layout(layout)
+    src = np.random.default_rng(SEED).permutation(len(row_file))
     return breadth_of(src, row_file, row_rg, metric_batch)
-
-
-def make_layout(layout: Layout) -> tuple[lp.Units, np.ndarray, np.ndarray]:
-    rgs = [[layout.rows] * layout.row_groups for _ in range(layout.files)]
-    units = lp.make_units(rgs, lp.DEFAULT_MAX_UNIT_ROWS)
-    row_file = np.repeat(units.file_index, units.num_rows)
-    rg_id = units.file_index * (int(units.row_group.max()) + 1) + units.row_group
-    row_rg = np.repeat(rg_id, units.num_rows)
-    return units, row_file, row_rg
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,43 +393,36 @@ def plan_time(num_units: int, rows_per_unit: int, repeats: int) -> dict[str, flo
 # Report
 
 
-def fmt_rows(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.2f}M"
-    if x >= 1e4:
-        return f"{x / 1e3:.0f}k"
-    return f"{x:,.0f}"
-
-
-def print_layout(layout: Layout, results: list[Result], ref: Breadth, batch_per_rank: int) -> None:
+def print_layout(layout: Layout, results: list[Result], ref: Breadth) -> None:
+    n = layout.num_rows
     print()
-    print("=" * 100)
+    print("=" * 104)
     print(layout.describe())
-    print("=" * 100)
-    gbs = ", ".join(f"ws={ws}: B={batch_per_rank * ws}" for ws in WORLD_SIZES)
+    print("=" * 104)
+    gbs = ", ".join(f"ws={m.world_size}: B={m.global_batch}" for m in results[0].memory)
     print(f"Memory: peak decoded rows resident on a rank over the epoch ({gbs})")
     print(
-        f"{'C':>3} {'window':>7} {'C*W/N':>6} | "
-        f"{'ws=1 peak':>9} {'xW':>6} {'pinned':>7} | "
-        f"{'ws=8 r0 peak':>12} {'xW':>6} {'mean':>6} {'pinned':>7} | "
-        f"{'worst':>5} {'peak':>7} {'xW':>6} | {'C|B':>4}"
+        f"{'C':>3} {'window':>6} {'C*W/N':>6} | {'ws=1 peak':>9} {'xW':>7} {'pinned':>7} | "
+        f"{'ws=8 r0':>8} {'xW':>6} {'pinned':>7} {'worst':>8} {'xW':>6} {'reads':>5} | {'C|B':>6}"
     )
     for r in results:
         m1, m8 = r.memory
-        div = "yes" if m1.c_divides_batch and m8.c_divides_batch else "NO"
+        div = "/".join("y" if m.c_divides_batch else "NO" for m in r.memory)
         print(
-            f"{r.num_partitions:>3} {r.window:>7} {r.num_partitions * r.window / layout.num_rows:>6.3f} | "
-            f"{fmt_rows(m1.rank0_peak_rows):>9} {m1.rank0_peak_windows:>6.2f} "
+            f"{r.num_partitions:>3} {r.window:>6} {r.num_partitions * r.window / n:>6.3f} | "
+            f"{fmt_rows(m1.rank0_peak_rows):>9} {m1.rank0_peak_windows:>7.2f} "
             f"{fmt_rows(m1.rank0_pinned_rows):>7} | "
-            f"{fmt_rows(m8.rank0_peak_rows):>12} {m8.rank0_peak_windows:>6.2f} "
-            f"{fmt_rows(m8.rank0_mean_rows):>6} {fmt_rows(m8.rank0_pinned_rows):>7} | "
-            f"{'r' + str(m8.worst_rank):>5} {fmt_rows(m8.worst_peak_rows):>7} "
-            f"{m8.worst_peak_windows:>6.2f} | {div:>4}"
+            f"{fmt_rows(m8.rank0_peak_rows):>8} {m8.rank0_peak_windows:>6.2f} "
+            f"{fmt_rows(m8.rank0_pinned_rows):>7} {fmt_rows(m8.worst_peak_rows):>8} "
+            f"{m8.worst_peak_windows:>6.2f} {m8.read_amplification:>5.2f} | {div:>6}"
         )
     print()
-    print("Shuffle breadth: per global batch of the metric size; consecutive output rows; epoch")
     print(
-        f"{'C':>3} {'window':>7} | {'files/b':>7} {'RGs/b':>7} {'effRG/b':>7} {'eff%':>5} | "
+        f"Shuffle breadth: global batches of {METRIC_BATCH[0]} rows; consecutive output rows; "
+        "whole epoch"
+    )
+    print(
+        f"{'C':>3} {'window':>6} | {'files/b':>7} {'RGs/b':>7} {'effRG/b':>7} {'eff%':>5} | "
         f"{'adjacent':>8} {'same RG':>8} {'same file':>9} | {'spearman':>9}"
     )
 
@@ -415,88 +436,92 @@ def print_layout(layout: Layout, results: list[Result], ref: Breadth, batch_per_
         )
 
     for r in results:
-        print(line(f"{r.num_partitions:>3} {r.window:>7}", r.breadth))
-    print(line(f"{'ideal full shuffle':>11}", ref))
+        print(line(f"{r.num_partitions:>3} {r.window:>6}", r.breadth))
+    print(line(f"{'full shuffle':>10}", ref))
 
 
-def recommend(
+#: The metric batch, set by main (printing only).
+METRIC_BATCH = [1024]
+
+
+def fmt_rows(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.0f}k"
+    return f"{x:,.0f}"
+
+
+def print_candidates(
     layouts: tuple[Layout, ...],
     all_results: dict[str, list[Result]],
     refs: dict[str, Breadth],
-    target: float,
-) -> dict[str, object]:
-    """Smallest (C, window) whose breadth reaches ``target`` of the best in the grid, per layout.
+    keys: list[tuple[int, int]],
+) -> None:
+    """One line per candidate (C, window): breadth and memory on every layout."""
+    head = " | ".join(f"{lay.name[:22]:^33}" for lay in layouts)
+    print(f"{'':>12} | {head}")
+    cols = f"{'effRG':>6} {'eff%':>4} {'ws=1':>6} {'ws=8':>6} {'pin1':>6}"
+    sub = " | ".join(cols for _ in layouts)
+    print(f"{'C   window':>12} | {sub}")
+    for key in keys:
+        cells = []
+        for lay in layouts:
+            r = next(
+                (x for x in all_results[lay.name] if (x.num_partitions, x.window) == key), None
+            )
+            if r is None:
+                cells.append(f"{'-':>33}")
+                continue
+            m1, m8 = r.memory
+            eff = r.breadth.effective_row_groups
+            cells.append(
+                f"{eff:>6.1f} {100 * eff / refs[lay.name].effective_row_groups:>3.0f}%"
+                f" {fmt_rows(m1.rank0_peak_rows):>6} {fmt_rows(m8.worst_peak_rows):>6}"
+                f" {fmt_rows(m1.rank0_pinned_rows):>6}"
+            )
+        mark = " <- current" if key == (lp.DEFAULT_NUM_PARTITIONS, lp.DEFAULT_WINDOW) else ""
+        print(f"{key[0]:>3} {key[1]:>8} | " + " | ".join(cells) + mark)
 
-    Breadth is the effective row groups per batch, as a fraction of the best the grid reaches on
-    that layout (the ideal full shuffle is not reachable by design when a layout has few row
-    groups); the pick minimises the worst rank's peak memory at ``world_size=8`` among the
-    configurations that qualify, preferring the smaller C on ties.
-    """
-    picks = {}
-    for layout in layouts:
-        res = all_results[layout.name]
-        best = max(r.breadth.effective_row_groups for r in res)
-        ok = [r for r in res if r.breadth.effective_row_groups >= target * best]
-        pick = min(ok, key=lambda r: (r.memory[1].worst_peak_rows, r.num_partitions, r.window))
-        picks[layout.name] = {
-            "num_partitions": pick.num_partitions,
-            "window": pick.window,
-            "effective_row_groups": pick.breadth.effective_row_groups,
-            "best_in_grid": best,
-            "ideal": refs[layout.name].effective_row_groups,
-            "ws8_worst_peak_rows": pick.memory[1].worst_peak_rows,
-            "ws1_peak_rows": pick.memory[0].rank0_peak_rows,
-        }
-    return picks
 
-
-def summary_row(r: Result, ref: Breadth) -> str:
-    m1, m8 = r.memory
-    return (
-        f"C={r.num_partitions:<3} W={r.window:<6} effRG/b={r.breadth.effective_row_groups:6.1f} "
-        f"({100 * r.breadth.effective_row_groups / ref.effective_row_groups:3.0f}% of ideal), "
-        f"RGs/b={r.breadth.row_groups_per_batch:6.1f}, files/b={r.breadth.files_per_batch:5.1f}; "
-        f"peak ws=1 {fmt_rows(m1.rank0_peak_rows)} rows, ws=8 worst rank "
-        f"{fmt_rows(m8.worst_peak_rows)} rows ({m8.worst_peak_windows:.1f} windows)"
-    )
+def _worker(args: tuple[Layout, int, int, int, int, int]) -> Result:
+    return run_config(*args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small layouts and grid (seconds)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead")
-    ap.add_argument("--batch-per-rank", type=int, default=64, help="rows per rank per step")
+    ap.add_argument("--batch-per-rank", type=int, default=32, help="rows per rank per step")
     ap.add_argument("--metric-batch", type=int, default=1024, help="global batch for breadth")
+    ap.add_argument("--partitions", type=int, nargs="+", help="values of C (overrides the grid)")
+    ap.add_argument("--windows", type=int, nargs="+", help="windows (overrides the grid)")
     ap.add_argument("--plan-units", type=int, default=None, help="units for the plan timing")
-    ap.add_argument(
-        "--target", type=float, default=0.5, help="breadth fraction of the grid's best to aim at"
-    )
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="processes")
     args = ap.parse_args(argv)
+    METRIC_BATCH[0] = args.metric_batch
 
     layouts = QUICK_LAYOUTS if args.quick else FULL_LAYOUTS
-    cs = QUICK_CS if args.quick else FULL_CS
-    windows = QUICK_WINDOWS if args.quick else FULL_WINDOWS
+    cs = tuple(args.partitions or (QUICK_CS if args.quick else FULL_CS))
+    windows = tuple(args.windows or (QUICK_WINDOWS if args.quick else FULL_WINDOWS))
     plan_units = args.plan_units or (65_536 if args.quick else 1_048_576)
     t_start = time.perf_counter()
 
-    all_results: dict[str, list[Result]] = {}
-    refs: dict[str, Breadth] = {}
-    for layout in layouts:
-        units, row_file, row_rg = make_layout(layout)
-        refs[layout.name] = ideal(units, row_file, row_rg, args.metric_batch)
-        all_results[layout.name] = [
-            run_config(
-                layout, units, row_file, row_rg, C, W, args.batch_per_rank, args.metric_batch, 4
-            )
-            for C in cs
-            for W in windows
-        ]
-        if not args.json:
-            print_layout(layout, all_results[layout.name], refs[layout.name], args.batch_per_rank)
-            sys.stdout.flush()
-
+    tasks = [
+        (lay, C, W, args.batch_per_rank, args.metric_batch, 4)
+        for lay in layouts
+        for C in cs
+        for W in windows
+    ]
+    if args.jobs > 1:
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(args.jobs) as pool:
+            flat = pool.map(_worker, tasks, chunksize=1)
+    else:
+        flat = [_worker(t) for t in tasks]
+    all_results = {lay.name: [r for r in flat if r.layout == lay.name] for lay in layouts}
+    refs = {lay.name: ideal(lay, args.metric_batch) for lay in layouts}
     timing = plan_time(plan_units, 4_096, repeats=3)
-    picks = recommend(layouts, all_results, refs, args.target)
     elapsed = time.perf_counter() - t_start
 
     if args.json:
@@ -506,57 +531,52 @@ def main(argv: list[str] | None = None) -> int:
             "batch_per_rank": args.batch_per_rank,
             "metric_batch": args.metric_batch,
             "world_sizes": list(WORLD_SIZES),
-            "layouts": [asdict(layout) | {"num_rows": layout.num_rows} for layout in layouts],
+            "layouts": [
+                asdict(lay) | {"num_rows": lay.num_rows, "description": lay.describe()}
+                for lay in layouts
+            ],
             "ideal": {k: asdict(v) for k, v in refs.items()},
-            "results": [asdict(r) for res in all_results.values() for r in res],
+            "results": [asdict(r) for r in flat],
             "plan_time": timing,
-            "recommendation": picks,
             "defaults": {"num_partitions": lp.DEFAULT_NUM_PARTITIONS, "window": lp.DEFAULT_WINDOW},
             "elapsed_s": elapsed,
         }
         print(json.dumps(doc, indent=1))
         return 0
 
+    print(
+        f"lakeloader.plan order: memory vs shuffle breadth (seed {SEED}, epoch {EPOCH}, "
+        f"{args.batch_per_rank} rows per rank per step)"
+    )
+    for lay in layouts:
+        print_layout(lay, all_results[lay.name], refs[lay.name])
+
     print()
-    print("=" * 100)
+    print("=" * 104)
     print(
         f"Plan time, {timing['num_units']:,} units ({timing['num_rows']:,} rows), "
         f"C={lp.DEFAULT_NUM_PARTITIONS}, window={lp.DEFAULT_WINDOW} (best of 3):"
     )
-    print(f"  make_units (from per-file row-group sizes)  {timing['make_units_s'] * 1e3:8.1f} ms")
-    print(f"  plan_epoch                                  {timing['plan_epoch_s'] * 1e3:8.1f} ms")
-    print(
-        f"  release_slots for every position            "
-        f"{timing['release_slots_all_s'] * 1e3:8.1f} ms"
-    )
-    print(
-        f"  batch_spec, 1024-row batch, ws=8            {timing['batch_spec_1024_s'] * 1e3:8.1f} ms"
-    )
+    for label, key in (
+        ("make_units (from per-file row-group sizes)", "make_units_s"),
+        ("plan_epoch", "plan_epoch_s"),
+        ("release_slots for every position", "release_slots_all_s"),
+        ("batch_spec, one 1024-row global batch, ws=8", "batch_spec_1024_s"),
+    ):
+        print(f"  {label:<46} {timing[key] * 1e3:8.1f} ms")
 
     print()
-    print("=" * 100)
-    print(
-        f"Recommendation input: cheapest (ws=8 worst-rank peak) config reaching "
-        f"{args.target:.0%} of the grid's best effective row groups per batch"
+    print("=" * 104)
+    print("Candidates (effRG = effective row groups per global batch of "
+          f"{args.metric_batch}; ws=1 = peak rows, ws=8 = worst rank's peak rows;")
+    print(" pin1 = rows of the ws=1 peak held by units that straddle a partition boundary)")
+    keys = sorted(
+        {(r.num_partitions, r.window) for r in flat}
+        & {(c, w) for c in (8, 16, 32) for w in (16_384, 32_768, 65_536)}
     )
-    for layout in layouts:
-        p = picks[layout.name]
-        print(f"  {layout.name}: C={p['num_partitions']}, window={p['window']}")
-    print("Current defaults and neighbours:")
-    for layout in layouts:
-        res = {(r.num_partitions, r.window): r for r in all_results[layout.name]}
-        print(f"  {layout.name}:")
-        for key in sorted(res):
-            if key in {
-                (lp.DEFAULT_NUM_PARTITIONS, lp.DEFAULT_WINDOW),
-                (lp.DEFAULT_NUM_PARTITIONS, 4_096),
-                (lp.DEFAULT_NUM_PARTITIONS // 2, lp.DEFAULT_WINDOW),
-                (lp.DEFAULT_NUM_PARTITIONS * 2, lp.DEFAULT_WINDOW),
-                (lp.DEFAULT_NUM_PARTITIONS * 2, 4_096),
-                (lp.DEFAULT_NUM_PARTITIONS, 65_536),
-            }:
-                print("    " + summary_row(res[key], refs[layout.name]))
-    checked = sum(r.checked_steps for res in all_results.values() for r in res)
+    print_candidates(layouts, all_results, refs, keys)
+    checked = sum(r.checked_steps for r in flat)
+    print()
     print(f"({checked} sampled steps cross-checked against batch_spec; {elapsed:.1f} s in all)")
     return 0
 

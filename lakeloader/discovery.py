@@ -9,6 +9,7 @@ folders) of each, without opening any file. Only names decide what is data: ``_S
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from fsspec.core import url_to_fs
 from lakeloader._keys import NON_DATA_NAMES
 from lakeloader.errors import LakeNotFoundError
 
-Source = str | Sequence[str]
+Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ def discover(
     Raises:
         LakeNotFoundError: If the source holds no data file.
     """
-    items = [source] if isinstance(source, str) else list(source)
+    entries = [source] if isinstance(source, str | os.PathLike) else list(source)
+    items = [os.fspath(s) for s in entries]
     if not items:
         raise LakeNotFoundError("the source is an empty list: name at least one Parquet file")
     fs, first = url_to_fs(items[0], **(storage_options or {}))

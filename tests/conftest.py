@@ -1,0 +1,98 @@
+"""Shared fixtures: small generated lakes with a unique row id, and multi-rank collection."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import lakeloader as ll
+
+
+def write_lake(
+    root: Path,
+    layout: Sequence[Sequence[int]],
+    *,
+    hive: bool = False,
+    seed: int = 0,
+) -> int:
+    """Write one file per entry of ``layout``, each with row groups of the given sizes.
+
+    Every row gets a unique ``id`` (0..N-1 in path order), a float ``x`` derived from it, a
+    string ``s`` and an int32 ``label``. Returns N.
+    """
+    rng = np.random.default_rng(seed)
+    next_id = 0
+    for i, row_groups in enumerate(layout):
+        folder = root / (f"part={i % 3}" if hive else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"file-{i:04d}.parquet"
+        schema = pa.schema(
+            [("id", pa.int64()), ("x", pa.float32()), ("s", pa.string()), ("label", pa.int32())]
+        )
+        with pq.ParquetWriter(path, schema) as writer:
+            for n in row_groups:
+                ids = np.arange(next_id, next_id + n, dtype=np.int64)
+                writer.write_table(
+                    pa.table(
+                        {
+                            "id": ids,
+                            "x": (ids * 0.5).astype(np.float32),
+                            "s": [f"row-{j}" for j in ids],
+                            "label": rng.integers(0, 10, n).astype(np.int32),
+                        },
+                        schema=schema,
+                    ),
+                    row_group_size=max(1, n),
+                )
+                next_id += n
+    return next_id
+
+
+#: A layout with uneven files, an empty file (no row groups) and an empty row group.
+LAYOUT = [[300, 200], [], [50, 0, 250], [400], [123, 77, 100]]
+LAYOUT_ROWS = sum(sum(f) for f in LAYOUT)
+
+
+@pytest.fixture(scope="session")
+def lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("lake")
+    write_lake(root, LAYOUT)
+    return root
+
+
+@pytest.fixture(scope="session")
+def dataset(lake: Path) -> ll.LakeDataset:
+    return ll.LakeDataset(lake, seed=7, num_partitions=4, window=64, max_unit_rows=128)
+
+
+def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """A state after a msgpack trip, as a checkpoint would give it back."""
+    out: dict[str, Any] = msgpack.unpackb(msgpack.packb(state), raw=False)
+    return out
+
+
+def make_loaders(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[ll.DataLoader]:
+    return [ll.DataLoader(ds, rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
+
+
+def global_batches(loaders: Sequence[ll.DataLoader]) -> Iterator[list[int]]:
+    """Iterate all ranks in lockstep; yield each global batch as row ids in rank order."""
+    for shares in zip(*(iter(loader) for loader in loaders), strict=True):
+        yield list(itertools.chain.from_iterable(s["id"].tolist() for s in shares))
+
+
+def run_epoch(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[list[int]]:
+    loaders = make_loaders(ds, world_size, **kwargs)
+    try:
+        return list(global_batches(loaders))
+    finally:
+        for loader in loaders:
+            loader.close()
