@@ -14,6 +14,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
     LakeError,
     LakeNotFoundError,
+    NullValuesError,
     SchemaMismatchError,
     StateFormatError,
     StateMismatchError,
@@ -34,6 +35,7 @@ __all__ = [
     "LakeDataset",
     "LakeError",
     "LakeNotFoundError",
+    "NullValuesError",
     "PartitionWarning",
     "SchemaMismatchError",
     "StateFormatError",

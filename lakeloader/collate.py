@@ -1,8 +1,8 @@
 """Turning decoded units into a batch: gather rows, apply the transform, collate.
 
 The default batch is a dict of column name to tensor, built column-wise with no per-row
-Python work: numeric and boolean columns without nulls become tensors, everything else
-(strings, nested types, decimals, columns with nulls) a Python list. With a ``transform`` or a
+Python work: numeric, boolean and temporal (as integer ticks) columns become tensors (nulls
+in float columns as NaN), everything else (strings, nested types, decimals) a Python list. With a ``transform`` or a
 ``collate_fn``, rows are materialised as dicts, as torch's DataLoader would hand them over:
 ``transform(row)`` per row, then ``collate_fn(rows)`` (torch's ``default_collate`` when none).
 
@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import default_collate
 
 from lakeloader.cache import UnitRef, load_unit
+from lakeloader.errors import NullValuesError
 
 Transform = Callable[[dict[str, Any]], Any]
 Collate = Callable[[list[Any]], Any]
@@ -39,18 +41,70 @@ def gather(units: Sequence[pa.Table], take: np.ndarray, schema: pa.Schema) -> pa
 
 
 def _is_tensor_type(typ: pa.DataType) -> bool:
-    return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ))
+    return bool(
+        pa.types.is_integer(typ)
+        or pa.types.is_floating(typ)
+        or pa.types.is_boolean(typ)
+        or pa.types.is_temporal(typ)
+    )
+
+
+def _tensor_view(name: str, col: pa.ChunkedArray) -> np.ndarray:
+    """A numeric, boolean or temporal column as a numpy array fit for a tensor.
+
+    Dates, times, timestamps and durations map to their integer ticks (int32 or int64, in
+    the column's own unit), so that no value is lost to Python's datetime range. Nulls in a
+    float column become NaN; an integer, boolean or temporal tensor cannot hold a null.
+
+    Raises:
+        NullValuesError: If a non-float column holds nulls.
+    """
+    typ = col.type
+    if col.null_count and pa.types.is_floating(typ):
+        col = pc.fill_null(col, pa.scalar(float("nan"), typ))
+    elif col.null_count:
+        raise NullValuesError(
+            f"column {name!r} ({typ}) holds {col.null_count} null(s) in this batch, and a "
+            f"{typ} tensor cannot hold a null: fill them in a transform or a collate_fn, or "
+            "leave the column out with columns=[...]"
+        )
+    if pa.types.is_temporal(typ):
+        col = col.cast(pa.int64() if typ.bit_width == 64 else pa.int32())
+    return np.asarray(col.to_numpy())
 
 
 def to_columns(table: pa.Table) -> dict[str, Any]:
-    """Numeric columns without nulls as numpy arrays, the others as Python lists."""
+    """Columns as numpy arrays where the type fits a tensor, else as Python lists.
+
+    The choice depends on the column's type only, never on a batch's values, so a column has
+    the same kind in every batch. A column whose values Python cannot represent (a date past
+    year 9999 inside a struct, say) comes as an Arrow array rather than failing the batch.
+
+    Raises:
+        NullValuesError: If an integer, boolean or temporal column holds nulls.
+    """
     out: dict[str, Any] = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
-        if _is_tensor_type(col.type) and col.null_count == 0:
-            out[name] = col.to_numpy()
-        else:
-            out[name] = col.to_pylist()
+        if _is_tensor_type(col.type):
+            out[name] = _tensor_view(name, col)
+            continue
+        out[name] = _python_values(col)
     return out
+
+
+def _python_values(col: pa.ChunkedArray) -> list[Any] | pa.Array:
+    """The column's values as Python objects, or the Arrow array if Python cannot hold them."""
+    try:
+        values: list[Any] = col.to_pylist()
+    except (OverflowError, ValueError, pa.ArrowException):
+        return col.combine_chunks()
+    return values
+
+
+def to_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """Rows as dicts of Python values (Arrow scalars where Python cannot hold a value)."""
+    columns = [list(_python_values(col)) for col in table.columns]
+    return [dict(zip(table.column_names, values, strict=True)) for values in zip(*columns)]
 
 
 def columns_to_tensors(columns: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +136,7 @@ def build_payload(
         return COLUMNS, to_columns(table)
     if table.num_rows == 0 and collate_fn is None:
         return COLUMNS, to_columns(table)  # an empty share of a short last batch
-    rows: list[Any] = table.to_pylist()
+    rows: list[Any] = to_rows(table)
     if transform is not None:
         rows = [transform(row) for row in rows]
     return COLLATED, (collate_fn or default_collate)(rows)

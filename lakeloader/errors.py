@@ -33,3 +33,7 @@ class StateFormatError(LakeError):
 
 class WorkerError(LakeError):
     """A DataLoader worker failed to build a batch (its exception is chained)."""
+
+
+class NullValuesError(LakeError, ValueError):
+    """A column whose type maps to an integer or boolean tensor holds nulls."""
