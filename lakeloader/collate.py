@@ -2,8 +2,9 @@
 
 The default batch is a dict of column name to tensor, built column-wise with no per-row
 Python work: numeric, boolean and temporal (as integer ticks) columns become tensors (nulls
-in float columns as NaN), everything else (strings, nested types, decimals) a Python list. With a ``transform`` or a
-``collate_fn``, rows are materialised as dicts, as torch's DataLoader would hand them over:
+in float columns as NaN), everything else (strings, nested types, decimals) a Python list.
+With a ``transform`` or a ``collate_fn``, rows are materialised as dicts, as torch's
+DataLoader would hand them over:
 ``transform(row)`` per row, then ``collate_fn(rows)`` (torch's ``default_collate`` when none).
 
 Workers return the columnar form as numpy arrays, which pickle as one buffer each; the process
@@ -104,7 +105,9 @@ def _python_values(col: pa.ChunkedArray) -> list[Any] | pa.Array:
 def to_rows(table: pa.Table) -> list[dict[str, Any]]:
     """Rows as dicts of Python values (Arrow scalars where Python cannot hold a value)."""
     columns = [list(_python_values(col)) for col in table.columns]
-    return [dict(zip(table.column_names, values, strict=True)) for values in zip(*columns)]
+    return [
+        dict(zip(table.column_names, values, strict=True)) for values in zip(*columns, strict=True)
+    ]
 
 
 def columns_to_tensors(columns: dict[str, Any]) -> dict[str, Any]:
