@@ -1,36 +1,43 @@
 """Measure memory against shuffle breadth for the epoch order, to choose C and the window.
 
-Everything here uses only :mod:`lakeloader.plan` on synthetic layouts (no Parquet I/O). For each
-layout and each ``(C, window)`` of the grid it reports:
+Everything here uses only :mod:`lakeloader.plan` on synthetic layouts (no Parquet I/O): large
+aligned row groups like the reference lake, small row groups, and large row groups whose last
+one per file is cut short (so partition boundaries fall inside units, as in real lakes). For
+each layout and each ``(C, window)`` of the grid it reports:
 
 Memory (per rank)
     The peak number of decoded rows a rank holds. A unit at virtual position ``p`` is resident
     from the first step that gives this rank one of its rows until the step during which the
     delivered global position reaches ``release_slots(plan, [p])`` (the cache evicts it then).
-    This is computed exactly for every step of the epoch (interval sweep, no sampling). Given
-    for ``world_size=1`` and for ``world_size=8`` (rank 0 and the worst rank), in rows and as a
-    multiple of the window. ``pinned`` is the part of the peak due to units that straddle a
-    partition boundary: release waits for the end of the earlier partition, so such a unit stays
-    resident until almost the end of the epoch once a rank has touched it.
+    Computed exactly for every step of the epoch (interval sweep, no sampling), for
+    ``world_size`` 1, 8 and 64 with ``--batch-per-rank`` rows per rank (global batch
+    ``B = batch_per_rank * ws``; ``C|B`` says whether C divides it), in rows and as a multiple
+    of the window, for rank 0 and the worst rank. ``pinned``: the part of the peak held by units
+    that straddle a partition boundary (release waits for the end of the earlier partition, so
+    such a unit stays resident until late in the epoch once touched). ``reads``: rows decoded
+    by all ranks together over the epoch, per row of the epoch (ranks sharing a partition decode
+    the same units).
 
 Shuffle breadth (the global order; the same for every world size)
     For global batches of ``--metric-batch`` consecutive slots: mean distinct files, mean
     distinct row groups, and the effective number of row groups ``1 / sum(share**2)`` (the
     inverse Simpson index: if rows of a row group are alike, the variance of a batch mean scales
-    as ``sum(share**2)``, so this is the number of independent row groups the batch is worth).
-    Then the fraction of consecutive output rows that are adjacent in path order (``|d| == 1``)
-    or come from the same row group, and the Spearman correlation between output slot and
-    path-order row index over the epoch. An ideal full row shuffle is given for reference.
+    as ``sum(share**2)``, so this is the number of independent row groups the batch is worth),
+    also as a percentage of an ideal full row shuffle. Then the fraction of consecutive output
+    rows that are adjacent in path order (``|d| == 1``) or come from the same row group or file,
+    and the Spearman correlation between output slot and path-order row index over the epoch
+    (dominated by the unit permutation, so it is noise of about ``1/sqrt(units)``).
 
 Plan time
     ``make_units``, ``plan_epoch``, ``release_slots`` for every position and one ``batch_spec``
     on a synthetic snapshot of 1M units.
 
-A few steps of every configuration are cross-checked against ``batch_spec`` so the vectorised
+Sampled steps of every configuration are cross-checked against ``batch_spec`` so the vectorised
 simulation cannot drift from the library's own definition of a rank's rows.
 
-Run: ``PYTHONPATH=. python benchmarks/plan_defaults.py`` (about a minute on two cores), or
-``--quick`` (a few seconds, smaller layouts and grid), ``--json`` for machine output.
+Run: ``PYTHONPATH=. python benchmarks/plan_defaults.py`` (about 80 s on two cores), or
+``--quick`` (a few seconds: smaller layouts and grid, no recommendation), ``--json`` for one
+JSON document, ``--jobs 1`` to stay in one process.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import functools
 import json
 import multiprocessing
 import os
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -441,6 +449,10 @@ def print_layout(layout: Layout, results: list[Result], ref: Breadth) -> None:
     for r in results:
         print(line(f"{r.num_partitions:>3} {r.window:>6}", r.breadth))
     print(line(f"{'full shuffle':>10}", ref))
+    print(
+        "(Spearman over the epoch is dominated by the unit permutation: its noise is about "
+        f"1/sqrt(units) = {1 / np.sqrt(len(make_layout(layout)[0])):.3f} here.)"
+    )
 
 
 #: The metric batch, set by main (printing only).
@@ -538,76 +550,75 @@ def recommendation(
         ]
         c_min = ok_cs[0]
         pinned = get(ragged, C0, W0).memory[0].rank0_pinned_rows
-        lines = [
-            "1. Breadth is bought with resident row groups, however it is split between C and W.",
-            f"   On {small.name}, C=16/W=65536, C=32/W=32768 and C=64/W=16384 all hold "
+        paras = [
+            "1. Breadth is bought with resident row groups, however it is split between C and W. "
+            f"On {small.name}, C=16/W=65536, C=32/W=32768 and C=64/W=16384 hold "
             f"{fmt_rows(ws1(small, 16, 65_536))}/{fmt_rows(ws1(small, 32, 32_768))}/"
-            f"{fmt_rows(ws1(small, 64, 16_384))} rows at ws=1",
-            f"   and give {eff(small, 16, 65_536):.1f}/{eff(small, 32, 32_768):.1f}/"
+            f"{fmt_rows(ws1(small, 64, 16_384))} rows at ws=1 and give "
+            f"{eff(small, 16, 65_536):.1f}/{eff(small, 32, 32_768):.1f}/"
             f"{eff(small, 64, 16_384):.1f} effective row groups per batch of {metric_batch}; "
-            f"1/(1/B + 1/R) with R = {R:.0f}",
-            f"   resident row groups predicts {model:.1f}. Half of a full shuffle "
-            f"({refs[small.name].effective_row_groups:.1f}) needs R ~ B = {metric_batch} "
-            "row groups resident:",
-            f"   {fmt_rows(metric_batch * small.rows)} rows with {small.rows:,}-row groups, "
-            f"{fmt_rows(metric_batch * big.rows)} with {big.rows:,}-row groups. There is no "
-            "knee to find:",
-            "   the defaults are a memory budget.",
+            f"1/(1/B + 1/R) with R = {R:.0f} resident row groups predicts {model:.1f}. Half of "
+            f"a full shuffle ({refs[small.name].effective_row_groups:.1f}) needs R ~ B = "
+            f"{metric_batch} row groups resident: {fmt_rows(metric_batch * small.rows)} rows "
+            f"with {small.rows:,}-row groups, {fmt_rows(metric_batch * big.rows)} with "
+            f"{big.rows:,}-row groups. There is no knee to find: the defaults are a memory "
+            "budget.",
             "2. A window below the row-group size costs nothing and buys nothing: on "
-            f"{big.name}, C=16 holds {fmt_rows(ws1(big, 16, 1_024))} rows",
-            f"   (ws=1) at W=1024 and {fmt_rows(ws1(big, 16, 32_768))} at W=32768, "
-            f"{eff(big, 16, 1_024):.1f} vs {eff(big, 16, 32_768):.1f} effective row groups "
-            "(= C). Per rank: ~ (C/ws) x max(W, unit rows)",
-            f"   (measured ws=8 worst rank, C=16/W={W0}: {fmt_rows(worst(small, 16, W0, 1))} "
-            f"rows = {worst(small, 16, W0, 1) / W0:.2f} windows with small groups, "
-            f"{fmt_rows(worst(big, 16, W0, 1))} with {big.rows:,}-row groups).",
+            f"{big.name}, C=16 holds {fmt_rows(ws1(big, 16, 1_024))} rows (ws=1) at W=1024 "
+            f"and {fmt_rows(ws1(big, 16, 32_768))} at W=32768, {eff(big, 16, 1_024):.1f} vs "
+            f"{eff(big, 16, 32_768):.1f} effective row groups (= C). Per rank: "
+            f"~ max(1, C/ws) x max(W, unit rows); measured at ws=8, C=16/W={W0}, worst rank: "
+            f"{fmt_rows(worst(small, 16, W0, 1))} rows = "
+            f"{worst(small, 16, W0, 1) / W0:.2f} windows with {small.rows:,}-row groups, "
+            f"{fmt_rows(worst(big, 16, W0, 1))} with {big.rows:,}-row groups.",
             "3. Units that straddle a partition boundary stay resident until the earlier "
-            "partition ends",
-            f"   (release_slots takes the max over partitions): on {ragged.name}, C={C0}/"
-            f"W={W0} holds {fmt_rows(ws1(ragged, C0, W0))} rows at ws=1,",
-            f"   {fmt_rows(pinned)} ({100 * pinned / ws1(ragged, C0, W0):.0f}%) of them "
+            "partition ends (release_slots takes the max over partitions): on "
+            f"{ragged.name}, C={C0}/W={W0} holds {fmt_rows(ws1(ragged, C0, W0))} rows at "
+            f"ws=1, {fmt_rows(pinned)} ({100 * pinned / ws1(ragged, C0, W0):.0f}%) of them "
             "pinned boundary units that add no breadth; at ws=8 the worst rank holds "
-            f"{fmt_rows(worst(ragged, C0, W0, 1))}",
-            f"   vs {fmt_rows(get(ragged, C0, W0).memory[1].rank0_peak_rows)} on rank 0. "
-            "Releasing a straddling unit per partition (re-reading it for the late piece)",
-            "   would remove this term.",
-            f"4. C below the world size multiplies reads by ws/C: at ws=8, C=1/4/8 read "
+            f"{fmt_rows(worst(ragged, C0, W0, 1))} vs "
+            f"{fmt_rows(get(ragged, C0, W0).memory[1].rank0_peak_rows)} on rank 0 (one "
+            "boundary fewer). Releasing a straddling unit per partition (re-reading it for the "
+            "late piece) would remove this term.",
+            "4. C below the world size multiplies reads by ws/C: at ws=8, C=1/4/8 read "
             f"{reads(small, 1, W0, 1):.2f}/{reads(small, 4, W0, 1):.2f}/"
-            f"{reads(small, 8, W0, 1):.2f}x the epoch;",
-            f"   at ws=64, C=16/32/64 read {reads(small, 16, W0, 2):.2f}/"
-            f"{reads(small, 32, W0, 2):.2f}/{reads(small, 64, W0, 2):.2f}x. "
-            "At ws >= C a rank holds one window whatever C is",
-            f"   (ws=64 worst rank: {fmt_rows(worst(small, 16, W0, 2))} rows at C=16, "
+            f"{reads(small, 8, W0, 1):.2f}x the epoch; at ws=64, C=16/32/64 read "
+            f"{reads(small, 16, W0, 2):.2f}/{reads(small, 32, W0, 2):.2f}/"
+            f"{reads(small, 64, W0, 2):.2f}x. At ws >= C a rank holds one window whatever C is "
+            f"(ws=64 worst rank: {fmt_rows(worst(small, 16, W0, 2))} rows at C=16, "
             f"{fmt_rows(worst(small, 64, W0, 2))} at C=64).",
             "",
-            f"Verdict: keep DEFAULT_NUM_PARTITIONS = {C0} and DEFAULT_WINDOW = {W0}.",
+            f"Verdict: the measurements support DEFAULT_NUM_PARTITIONS = {C0} and "
+            f"DEFAULT_WINDOW = {W0}; keep both.",
             f"- C: {c_min} is the smallest grid value that divides every typical global batch "
-            f"{TYPICAL_GLOBAL_BATCHES} and reads each row once at ws=8.",
-            f"  {C0} is one doubling above it: no read amplification up to ws={C0}, "
-            f"{eff(big, C0, W0):.1f} vs {eff(big, c_min, W0):.1f} effective row groups per batch "
-            f"on {big.rows:,}-row groups,",
-            f"  for {fmt_rows(worst(big, C0, W0, 1))} vs {fmt_rows(worst(big, c_min, W0, 1))} "
-            f"rows per rank at ws=8. 32 doubles memory at every W "
-            f"({fmt_rows(ws1(big, 32, W0))} rows at ws=1 on {big.name}); 64 does not divide "
-            "a global batch of 32.",
-            f"- W: {W0} already gives {eff(small, C0, W0):.1f} effective row groups "
-            f"({100 * eff(small, C0, W0) / refs[small.name].effective_row_groups:.0f}% "
-            f"of a full shuffle) on {small.rows:,}-row groups for {fmt_rows(ws1(small, C0, W0))} "
-            f"rows at ws=1 /",
-            f"  {fmt_rows(worst(small, C0, W0, 1))} per rank at ws=8. Doubling W to 32768 gives "
-            f"{pct(eff(small, C0, 32_768), eff(small, C0, W0))} breadth for "
-            f"{pct(ws1(small, C0, 32_768), ws1(small, C0, W0))} memory there,",
-            f"  {pct(eff(ragged, C0, 32_768), eff(ragged, C0, W0))} for "
+            f"{TYPICAL_GLOBAL_BATCHES} and reads each row once at ws=8. {C0} is one doubling "
+            f"above it: reads stay 1x up to ws={C0} (reads = max(1, ws/C), point 4), and it "
+            f"gives {eff(big, C0, W0):.1f} vs {eff(big, c_min, W0):.1f} effective row groups "
+            f"per batch on {big.rows:,}-row groups, for {fmt_rows(worst(big, C0, W0, 1))} vs "
+            f"{fmt_rows(worst(big, c_min, W0, 1))} rows per rank at ws=8. 32 doubles memory "
+            f"at every W ({fmt_rows(ws1(big, 32, W0))} rows at ws=1 on {big.name}); 64 does "
+            "not divide a global batch of 32.",
+            f"- W: {W0} gives {eff(small, C0, W0):.1f} effective row groups "
+            f"({100 * eff(small, C0, W0) / refs[small.name].effective_row_groups:.0f}% of a "
+            f"full shuffle) on {small.rows:,}-row groups for {fmt_rows(ws1(small, C0, W0))} "
+            f"rows at ws=1 / {fmt_rows(worst(small, C0, W0, 1))} per rank at ws=8. Doubling W "
+            f"to 32768 gives {pct(eff(small, C0, 32_768), eff(small, C0, W0))} breadth for "
+            f"{pct(ws1(small, C0, 32_768), ws1(small, C0, W0))} memory there, "
+            f"{pct(eff(ragged, C0, 32_768), eff(ragged, C0, W0))} for "
             f"{pct(ws1(ragged, C0, 32_768), ws1(ragged, C0, W0))} on {ragged.name}, and "
             f"{pct(eff(big, C0, 32_768), eff(big, C0, W0))} for "
             f"{pct(ws1(big, C0, 32_768), ws1(big, C0, W0))} on {big.name}. Small row groups "
-            "usually mean wide rows",
-            "  (writers size groups in bytes), where memory binds, so the default stays at "
-            f"{W0}; advise window = row-group rows when groups are larger.",
-            "- Document: resident rows per rank ~ max(1, C/ws) x max(W, unit rows) (+ boundary "
-            "units, see 3); set C to the",
-            "  largest world size expected (a power of two) to keep reads at 1x when ws > C.",
+            "usually mean wide rows (writers size groups in bytes), where memory binds, so "
+            f"the default stays at {W0}; advise window = row-group rows when groups are "
+            "larger (free in memory, point 2).",
+            "- Document: resident rows per rank ~ max(1, C/ws) x max(W, unit rows), plus "
+            "boundary units (point 3); set C to the largest world size expected (a power of "
+            "two) to keep reads at 1x when ws > C.",
         ]
+        lines = []
+        for para in paras:
+            indent = "   " if para[:1].isdigit() else "  " if para.startswith("- ") else ""
+            lines.extend(textwrap.wrap(para, 100, subsequent_indent=indent) or [""])
         doc: dict[str, object] = {
             "num_partitions": C0,
             "window": W0,

@@ -63,7 +63,7 @@ class EpochIterator:
         cfg: The pass's configuration.
         reader: Reads units (its counters are the loader's).
         on_delivered: Called with ``(slot_stop, rows, is_last)`` as each batch is handed over.
-        on_finish: Called once with the number of worker restarts when the pass ends.
+        on_finish: Called once when the pass ends (or is closed).
         pool: Worker processes, or None to build batches in this process.
         unit_dir: Folder for decoded unit files shared with the workers (with a pool).
     """
@@ -73,7 +73,7 @@ class EpochIterator:
         cfg: IterConfig,
         reader: UnitReader,
         on_delivered: OnDelivered,
-        on_finish: Callable[[int], None],
+        on_finish: Callable[[], None],
         pool: WorkerPool | None,
         unit_dir: str | None,
     ) -> None:
@@ -90,7 +90,6 @@ class EpochIterator:
         self._done: dict[int, Result] = {}
         self._attempts: dict[int, int] = {}
         self._next_plan = self._next_dispatch = self._next_deliver = 0
-        self.worker_restarts = 0
         self._wake_r, self._wake_w = os.pipe() if pool else (-1, -1)
         self._closed = False
 
@@ -187,7 +186,6 @@ class EpochIterator:
 
     def _recover(self, pool: WorkerPool, deaths: list[Death]) -> None:
         for death in deaths:
-            self.worker_restarts += 1
             steps = sorted(t.step for t in death.owed if t.step not in self._done)
             logger.warning(
                 "DataLoader worker %d (pid %s) died with exit code %s; rebuilding steps %s of "
@@ -236,4 +234,4 @@ class EpochIterator:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
-        self._on_finish(self.worker_restarts)
+        self._on_finish()

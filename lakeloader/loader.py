@@ -259,8 +259,7 @@ class DataLoader:
         if last and self.drop_last:
             self._dropped = len(self.dataset) - slot_stop
 
-    def _on_epoch_end(self, worker_restarts: int) -> None:
-        self._worker_restarts += worker_restarts
+    def _on_epoch_end(self) -> None:
         if not self.persistent_workers:
             self._shutdown_workers()
 
@@ -271,6 +270,7 @@ class DataLoader:
 
     def _shutdown_workers(self) -> None:
         if self._pool is not None:
+            self._worker_restarts += self._pool.restarts
             self._pool.shutdown()
             self._pool = None
         if self._unit_dir is not None:
@@ -329,7 +329,7 @@ class DataLoader:
             "rows_delivered": self._rows_delivered,
             "cache_bytes": it.cache_bytes() if it is not None else 0,
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
-            "worker_restarts": self._worker_restarts + (it.worker_restarts if it else 0),
+            "worker_restarts": self._worker_restarts + (self._pool.restarts if self._pool else 0),
         }
 
 

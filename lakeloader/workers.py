@@ -125,6 +125,7 @@ class WorkerPool:
             mp.get_context(context) if not isinstance(context, BaseContext) else context
         )
         self._slots = [self._start(i) for i in range(num_workers)]
+        self.restarts = 0
 
     def _start(self, worker_id: int) -> _Slot:
         tasks = self._ctx.Queue()
@@ -194,6 +195,7 @@ class WorkerPool:
                 )
                 self._close_slot(slot)
                 self._slots[worker] = self._start(worker)
+                self.restarts += 1
         return results, deaths, any(fd in ready for fd in extra)
 
     def _close_slot(self, slot: _Slot) -> None:
