@@ -68,7 +68,7 @@ def test_worker_init_fn_and_persistent_workers(
 ) -> None:
     monkeypatch.setenv("LL_TEST_INIT_DIR", str(tmp_path))
     loader = ll.DataLoader(
-        dataset, batch_size=50, num_workers=2, worker_init_fn=_touch_init, persistent_workers=True
+        dataset, batch_size=48, num_workers=2, worker_init_fn=_touch_init, persistent_workers=True
     )
     for _ in range(2):
         assert sum(b["id"].numel() for b in loader) == LAYOUT_ROWS
@@ -81,7 +81,7 @@ def test_workers_restart_each_epoch_when_not_persistent(
     dataset: ll.LakeDataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LL_TEST_INIT_DIR", str(tmp_path))
-    loader = ll.DataLoader(dataset, batch_size=50, num_workers=2, worker_init_fn=_touch_init)
+    loader = ll.DataLoader(dataset, batch_size=48, num_workers=2, worker_init_fn=_touch_init)
     for _ in range(2):
         list(loader)
     assert len(list(tmp_path.iterdir())) == 4
@@ -96,7 +96,7 @@ def test_spawn_context(dataset: ll.LakeDataset) -> None:
 def test_timeout(lake: Path) -> None:
     ds = ll.LakeDataset(lake, transform=_slow_row, num_partitions=4)
     loader = ll.DataLoader(ds, batch_size=64, num_workers=1, timeout=0.5)
-    with pytest.raises(RuntimeError, match="timed out after 0.5 seconds"):
+    with pytest.raises(RuntimeError, match=r"timed out after 0\.5 seconds"):
         next(iter(loader))
     loader.close()
 
