@@ -1,0 +1,73 @@
+"""Plain-text tables and JSON output for the command line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Align columns; numbers right-aligned with thousands separators.
+
+    >>> print(format_table(["file", "rows"], [["a.parquet", 1200], ["b.parquet", 7]]))
+    file        rows
+    ---------  -----
+    a.parquet  1,200
+    b.parquet      7
+    """
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], int | float) for row in rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(list(headers)), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+def format_pairs(pairs: Sequence[tuple[str, Any]]) -> str:
+    """Key/value lines with aligned values.
+
+    >>> print(format_pairs([("rows", 1200), ("fingerprint", "ab12")]))
+    rows         1,200
+    fingerprint  ab12
+    """
+    width = max((len(k) for k, _ in pairs), default=0)
+    return "\n".join(f"{k.ljust(width)}  {_cell(v)}" for k, v in pairs)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes with a binary unit.
+
+    >>> human_bytes(1536), human_bytes(3 * 2**30)
+    ('1.5 KiB', '3.0 GiB')
+    """
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
+
+
+def to_json(data: Any) -> str:
+    """Indented JSON with sorted keys, for ``--json``."""
+    return json.dumps(data, indent=2, sort_keys=True, default=str)
