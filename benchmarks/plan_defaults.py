@@ -205,7 +205,7 @@ def check_against_batch_spec(
         lo, hi = t * global_batch, min((t + 1) * global_batch, n)
         for rank in sorted({0, world_size - 1}):
             spec = lp.batch_spec(plan, t, lo, hi, world_size, rank)
-            sizes = plan.units.num_rows[plan.order[spec.positions]]
+            sizes = plan.piece_rows(spec.positions)
             base = np.concatenate([[0], np.cumsum(sizes)])
             k = np.searchsorted(base, spec.take, side="right") - 1
             theirs = plan.offsets[spec.positions[k]] + spec.take - base[k]
@@ -330,10 +330,14 @@ def run_config(
     plan = lp.plan_epoch(units, seed=SEED, epoch=EPOCH, shuffle=True, num_partitions=C, window=W)
     n = plan.num_rows
     virt = slot_virtual(plan)
-    pos_rows = units.num_rows[plan.order]
+    pos_rows = plan.piece_rows(np.arange(plan.num_pieces, dtype=np.int64))
     unit_pos = np.repeat(np.arange(len(pos_rows), dtype=np.int64), pos_rows)[virt]
     path_start = np.concatenate([[0], np.cumsum(units.num_rows)])[:-1]
-    src = path_start[plan.order[unit_pos]] + (virt - plan.offsets[unit_pos])
+    src = (
+        path_start[plan.piece_unit[unit_pos]]
+        + plan.piece_start[unit_pos]
+        + (virt - plan.offsets[unit_pos])
+    )
     breadth = breadth_of(src, row_file, row_rg, metric_batch)
     del src
     positions = np.arange(len(pos_rows), dtype=np.int64)
@@ -571,15 +575,12 @@ def recommendation(
             f"{fmt_rows(worst(small, 16, W0, 1))} rows = "
             f"{worst(small, 16, W0, 1) / W0:.2f} windows with {small.rows:,}-row groups, "
             f"{fmt_rows(worst(big, 16, W0, 1))} with {big.rows:,}-row groups.",
-            "3. Units that straddle a partition boundary stay resident until the earlier "
-            "partition ends (release_slots takes the max over partitions): on "
+            "3. Units that straddle a partition boundary are cut there into pieces "
+            "(plan.cut_pieces), so no piece waits for another partition: on "
             f"{ragged.name}, C={C0}/W={W0} holds {fmt_rows(ws1(ragged, C0, W0))} rows at "
-            f"ws=1, {fmt_rows(pinned)} ({100 * pinned / ws1(ragged, C0, W0):.0f}%) of them "
-            "pinned boundary units that add no breadth; at ws=8 the worst rank holds "
-            f"{fmt_rows(worst(ragged, C0, W0, 1))} vs "
-            f"{fmt_rows(get(ragged, C0, W0).memory[1].rank0_peak_rows)} on rank 0 (one "
-            "boundary fewer). Releasing a straddling unit per partition (re-reading it for the "
-            "late piece) would remove this term.",
+            f"ws=1, of which {fmt_rows(pinned)} in boundary-pinned units; at ws=8 the worst "
+            f"rank holds {fmt_rows(worst(ragged, C0, W0, 1))} vs "
+            f"{fmt_rows(get(ragged, C0, W0).memory[1].rank0_peak_rows)} on rank 0.",
             "4. C below the world size multiplies reads by ws/C: at ws=8, C=1/4/8 read "
             f"{reads(small, 1, W0, 1):.2f}/{reads(small, 4, W0, 1):.2f}/"
             f"{reads(small, 8, W0, 1):.2f}x the epoch; at ws=64, C=16/32/64 read "

@@ -80,21 +80,21 @@ class UnitStore:
         with self._lock:
             return sum(e.nbytes for e in self._entries.values())
 
+    def _locate(self, position: int) -> tuple[int, int, int, int]:
+        """(file index, row group, first row in the row group, rows) of a piece."""
+        plan = self._plan
+        unit = int(plan.piece_unit[position])
+        rows = int(plan.offsets[position + 1] - plan.offsets[position])
+        start = int(plan.units.row_start[unit]) + int(plan.piece_start[position])
+        return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows
+
     def _estimate(self, position: int) -> int:
-        units, unit = self._plan.units, int(self._plan.order[position])
-        info = self._reader.snapshot.files[int(units.file_index[unit])]
-        rg = int(units.row_group[unit])
-        share = int(units.num_rows[unit]) / max(1, info.row_group_rows[rg])
-        return int(info.row_group_bytes[rg] * share)
+        file_index, rg, _, rows = self._locate(position)
+        info = self._reader.snapshot.files[file_index]
+        return int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
 
     def _decode(self, position: int) -> UnitRef:
-        units, unit = self._plan.units, int(self._plan.order[position])
-        table = self._reader.read(
-            int(units.file_index[unit]),
-            int(units.row_group[unit]),
-            int(units.row_start[unit]),
-            int(units.num_rows[unit]),
-        )
+        table = self._reader.read(*self._locate(position))
         if self._dir is None:
             size: int = table.nbytes
             ref: UnitRef = table
@@ -148,15 +148,11 @@ class UnitStore:
 
     def describe(self, positions: np.ndarray) -> list[str]:
         """Name the units at these positions as ``file, row group, rows [a, b)``."""
-        units, files = self._plan.units, self._reader.snapshot.files
         out = []
         for p in positions:
-            u = int(self._plan.order[int(p)])
-            start = int(units.row_start[u])
-            out.append(
-                f"{files[int(units.file_index[u])].path}, row group {int(units.row_group[u])}, "
-                f"rows [{start}, {start + int(units.num_rows[u])})"
-            )
+            file_index, rg, start, rows = self._locate(int(p))
+            path = self._reader.snapshot.files[file_index].path
+            out.append(f"{path}, row group {rg}, rows [{start}, {start + rows})")
         return out
 
     def release(self, delivered: int) -> None:
@@ -171,7 +167,9 @@ class UnitStore:
         if not entry.future.done():
             entry.future.cancel()
             return
-        ref = entry.future.result() if entry.future.exception() is None else None
+        if entry.future.cancelled() or entry.future.exception() is not None:
+            return
+        ref = entry.future.result()
         if isinstance(ref, str):
             try:
                 os.unlink(ref)

@@ -122,10 +122,18 @@ def partition_consumed(position: int, num_partitions: int) -> np.ndarray:
 class EpochPlan:
     """Everything needed to map a global slot to a row of the lake in one epoch.
 
+    The virtual sequence is made of *pieces*: the units in epoch order, with the (at most
+    ``C - 1``) units that straddle a partition boundary cut in two there. A piece therefore
+    lies in exactly one partition, and the cache can let go of it as soon as that partition
+    is done with it, instead of holding a straddling unit until the earlier partition ends.
+    Pieces are what the cache fetches and decodes: the "units of the plan".
+
     Attributes:
         units: The snapshot's units in path order.
-        order: Unit index at each position of the virtual sequence.
-        offsets: Virtual start row of each position, plus N at the end.
+        order: Unit index at each position of the epoch's unit permutation.
+        piece_unit: Unit index of each piece, in virtual order.
+        piece_start: First row of each piece inside its unit.
+        offsets: Virtual start row of each piece, plus N at the end.
         starts: Virtual start row of each partition, plus N at the end.
         seed: Seed of the run.
         epoch: The epoch.
@@ -135,6 +143,8 @@ class EpochPlan:
 
     units: Units
     order: np.ndarray
+    piece_unit: np.ndarray
+    piece_start: np.ndarray
     offsets: np.ndarray
     starts: np.ndarray
     seed: int
@@ -152,6 +162,41 @@ class EpochPlan:
         """Canonical partitions (C)."""
         return len(self.starts) - 1
 
+    @property
+    def num_pieces(self) -> int:
+        """Pieces in the epoch: what a rank that reads everything decodes once each."""
+        return len(self.piece_unit)
+
+    def piece_rows(self, positions: np.ndarray) -> np.ndarray:
+        """Rows of the pieces at these positions."""
+        return np.asarray(self.offsets[positions + 1] - self.offsets[positions], dtype=np.int64)
+
+
+def cut_pieces(
+    unit_rows: np.ndarray, starts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut a sequence of units at partition boundaries.
+
+    Args:
+        unit_rows: Rows of each unit, in sequence order (all > 0).
+        starts: Partition starts plus N, from :func:`partition_starts`.
+
+    Returns:
+        For each piece: its index in the unit sequence, its first row inside that unit, and
+        the virtual start offsets (plus N at the end).
+
+    >>> seq, first, offsets = cut_pieces(np.array([4, 4]), np.array([0, 3, 6, 8]))
+    >>> seq.tolist(), first.tolist(), offsets.tolist()
+    ([0, 0, 1, 1], [0, 3, 0, 2], [0, 3, 4, 6, 8])
+    """
+    unit_offsets = np.concatenate([[0], np.cumsum(unit_rows)]).astype(np.int64)
+    total = int(unit_offsets[-1])
+    cuts = np.unique(np.concatenate([unit_offsets[:-1], starts[1:-1]]))
+    cuts = cuts[cuts < total]
+    seq = np.searchsorted(unit_offsets, cuts, side="right") - 1
+    offsets = np.concatenate([cuts, [total]]).astype(np.int64)
+    return seq.astype(np.int64), (cuts - unit_offsets[seq]).astype(np.int64), offsets
+
 
 def plan_epoch(
     units: Units, *, seed: int, epoch: int, shuffle: bool, num_partitions: int, window: int
@@ -160,9 +205,9 @@ def plan_epoch(
     if num_partitions < 1 or window < 1:
         raise ValueError(f"num_partitions and window must be >= 1: {num_partitions}, {window}")
     order = unit_order(len(units), seed, epoch, shuffle)
-    offsets = np.concatenate([[0], np.cumsum(units.num_rows[order])]).astype(np.int64)
-    starts = partition_starts(int(offsets[-1]), num_partitions)
-    return EpochPlan(units, order, offsets, starts, seed, epoch, shuffle, window)
+    starts = partition_starts(int(units.num_rows.sum()), num_partitions)
+    seq, first, offsets = cut_pieces(units.num_rows[order], starts)
+    return EpochPlan(units, order, order[seq], first, offsets, starts, seed, epoch, shuffle, window)
 
 
 def window_permutation(plan: EpochPlan, partition: int, window: int) -> np.ndarray:
@@ -226,43 +271,39 @@ def steps_in_epoch(position: int, num_rows: int, global_batch: int, drop_last: b
     return left // global_batch if drop_last else -(-left // global_batch)
 
 
-def virtual_to_unit(plan: EpochPlan, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Map virtual rows to (position in the virtual sequence, row inside that unit)."""
+def virtual_to_piece(plan: EpochPlan, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Map virtual rows to (piece position in the virtual sequence, row inside that piece)."""
     pos = np.searchsorted(plan.offsets, virtual, side="right") - 1
     return pos, virtual - plan.offsets[pos]
 
 
 def release_slots(plan: EpochPlan, positions: np.ndarray) -> np.ndarray:
-    """First global slot from which the units at ``positions`` are needed no more.
+    """First global slot from which the pieces at ``positions`` are needed no more.
 
-    A unit is needed until the last window that overlaps it has been fully consumed, in every
-    partition it overlaps. The cache evicts a unit once the delivered position reaches this.
+    A piece lies in one partition and is needed until the last window of that partition that
+    overlaps it has been fully consumed. The cache evicts a piece once the delivered position
+    reaches this.
     """
     C, W = plan.num_partitions, plan.window
     first = plan.offsets[positions]
     last = plan.offsets[positions + 1] - 1
-    part_hi = np.searchsorted(plan.starts, last, side="right") - 1
-    part_lo = np.searchsorted(plan.starts, first, side="right") - 1
+    part = np.searchsorted(plan.starts, first, side="right") - 1
     sizes = np.diff(plan.starts)
-    win_last = (last - plan.starts[part_hi]) // W
-    pos_last = np.minimum((win_last + 1) * W, sizes[part_hi]) - 1
-    release = pos_last * C + part_hi + 1
-    for i in np.nonzero(part_lo < part_hi)[0]:
-        cs = np.arange(part_lo[i], part_hi[i])
-        release[i] = max(int(release[i]), int(((sizes[cs] - 1) * C + cs).max()) + 1)
-    return np.asarray(release, dtype=np.int64)
+    win_last = (last - plan.starts[part]) // W
+    pos_last = np.minimum((win_last + 1) * W, sizes[part]) - 1
+    return np.asarray(pos_last * C + part + 1, dtype=np.int64)
 
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """What one rank needs for one step: which units, and which of their rows in what order.
+    """What one rank needs for one step: which pieces, and which of their rows in what order.
 
     Attributes:
         step: Step index in the epoch (0-based, counted from the epoch's start position).
         slot_start: First global slot of the global batch.
         slot_stop: One past the last global slot of the global batch.
-        positions: Sorted unique virtual-sequence positions of the units needed.
-        take: Row indices into the concatenation of those units, in batch order.
+        positions: Sorted unique positions of the pieces needed.
+        take: Row indices into the concatenation of those pieces, in batch order.
     """
 
     step: int
@@ -283,8 +324,8 @@ def batch_spec(
     """Build one rank's share of the global batch ``[slot_start, slot_stop)``."""
     slots = batch_slots(slot_start, slot_stop, plan.num_partitions)
     lo, hi = rank_bounds(len(slots), world_size, rank)
-    pos, row = virtual_to_unit(plan, slots_to_virtual(plan, slots[lo:hi]))
+    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots[lo:hi]))
     positions, inverse = np.unique(pos, return_inverse=True)
-    sizes = plan.units.num_rows[plan.order[positions]]
+    sizes = plan.piece_rows(positions)
     base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     return BatchSpec(step, slot_start, slot_stop, positions, base[inverse] + row)

@@ -28,7 +28,7 @@ from lakeloader.plan import (
     slots_to_virtual,
     steps_in_epoch,
     unit_order,
-    virtual_to_unit,
+    virtual_to_piece,
 )
 
 FAST = settings(max_examples=80, deadline=None)
@@ -64,7 +64,7 @@ def all_virtual(plan: EpochPlan) -> np.ndarray:
 
 def decode(plan: EpochPlan, spec: BatchSpec) -> np.ndarray:
     """Virtual rows that a BatchSpec designates, independently of how it was built."""
-    sizes = plan.units.num_rows[plan.order[spec.positions]]
+    sizes = plan.piece_rows(spec.positions)
     ends = np.cumsum(sizes)
     assert np.all((spec.take >= 0) & (spec.take < (ends[-1] if len(ends) else 0)))
     k = np.searchsorted(ends, spec.take, side="right")
@@ -317,9 +317,9 @@ def test_batches_deliver_each_row_once_for_any_topology(
 
 
 def last_use(plan: EpochPlan) -> np.ndarray:
-    """Last global slot that maps into the unit at each position (-1 if none)."""
-    pos, _ = virtual_to_unit(plan, all_virtual(plan))
-    last = np.full(len(plan.units), -1, dtype=np.int64)
+    """Last global slot that maps into the piece at each position (-1 if none)."""
+    pos, _ = virtual_to_piece(plan, all_virtual(plan))
+    last = np.full(plan.num_pieces, -1, dtype=np.int64)
     np.maximum.at(last, pos, np.arange(plan.num_rows, dtype=np.int64))
     return last
 
@@ -327,7 +327,7 @@ def last_use(plan: EpochPlan) -> np.ndarray:
 @FAST
 @given(plan=plans())
 def test_release_after_last_use(plan: EpochPlan) -> None:
-    positions = np.arange(len(plan.units), dtype=np.int64)
+    positions = np.arange(plan.num_pieces, dtype=np.int64)
     release = release_slots(plan, positions)
     assert release.shape == positions.shape
     last = last_use(plan)
@@ -345,7 +345,7 @@ def test_release_matches_last_overlapping_window(plan: EpochPlan) -> None:
     """The documented rule: released once every window that overlaps the unit is consumed."""
     c_count, w = plan.num_partitions, plan.window
     sizes = np.diff(plan.starts)
-    expected = np.zeros(len(plan.units), dtype=np.int64)
+    expected = np.zeros(plan.num_pieces, dtype=np.int64)
     for c in range(c_count):
         for win in range(-(-int(sizes[c]) // w)):
             v_lo = int(plan.starts[c]) + win * w
@@ -353,8 +353,26 @@ def test_release_matches_last_overlapping_window(plan: EpochPlan) -> None:
             last_slot = (v_hi - int(plan.starts[c]) - 1) * c_count + c
             overlapping = (plan.offsets[:-1] < v_hi) & (plan.offsets[1:] > v_lo)
             expected[overlapping] = np.maximum(expected[overlapping], last_slot + 1)
-    positions = np.arange(len(plan.units), dtype=np.int64)
+    positions = np.arange(plan.num_pieces, dtype=np.int64)
     assert np.array_equal(release_slots(plan, positions), expected)
+
+
+@FAST
+@given(plan=plans())
+def test_pieces_cut_units_only_at_partition_boundaries(plan: EpochPlan) -> None:
+    part_of_first = np.searchsorted(plan.starts, plan.offsets[:-1], side="right") - 1
+    part_of_last = np.searchsorted(plan.starts, plan.offsets[1:] - 1, side="right") - 1
+    assert np.array_equal(part_of_first, part_of_last), "a piece spans two partitions"
+    assert plan.num_pieces <= len(plan.units) + plan.num_partitions - 1
+    # Pieces of a unit tile it, in order, and follow the unit order of the epoch.
+    rows = plan.piece_rows(np.arange(plan.num_pieces))
+    for unit in range(len(plan.units)):
+        mine = np.nonzero(plan.piece_unit == unit)[0]
+        starts = plan.piece_start[mine]
+        assert starts[0] == 0 and np.all(np.diff(mine) == 1)
+        assert np.array_equal(starts[1:], np.cumsum(rows[mine])[:-1])
+        assert rows[mine].sum() == plan.units.num_rows[unit]
+    assert np.array_equal(plan.piece_unit[plan.piece_start == 0], plan.order)
 
 
 @SLOW
@@ -369,7 +387,7 @@ def test_units_needed_by_a_step_are_not_released_yet(
         for rank in range(world_size):
             spec = batch_spec(plan, step, start, stop, world_size, rank)
             lo, hi = rank_bounds(len(slots), world_size, rank)
-            pos, _ = virtual_to_unit(plan, full[slots[lo:hi]])
+            pos, _ = virtual_to_piece(plan, full[slots[lo:hi]])
             release = release_slots(plan, spec.positions)
             for p, r in zip(spec.positions.tolist(), release.tolist(), strict=True):
                 assert r > slots[lo:hi][pos == p].max()
