@@ -111,14 +111,18 @@ class LakeDataset:
         self.source = source
         self.storage_options = dict(storage_options or {})
         self.transform = transform
-        fs, snapshot = snapshot_lake(source, self.storage_options, progress=progress)
+        fs, snapshot = snapshot_lake(
+            source, self.storage_options, progress=progress, columns=columns
+        )
         self.fs: fsspec.AbstractFileSystem = fs
         self.snapshot: Snapshot = snapshot
         names = snapshot.schema.names
         if columns is not None:
             unknown = [c for c in columns if c not in names]
             if unknown:
-                raise KeyError(f"columns {unknown} are not in the lake; it has {names}")
+                raise KeyError(
+                    f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
+                )
         if num_partitions is None:
             num_partitions = DEFAULT_NUM_PARTITIONS if shuffle else 1
         self.config = OrderConfig(

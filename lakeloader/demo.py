@@ -122,10 +122,10 @@ def train(
                 y = torch.cat([s["label"] for s in shares])
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 optim.zero_grad()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 optim.step()
                 step += 1
-                losses.append(float(loss))
+                losses.append(loss.item())
                 ids = torch.cat([s["id"] for s in shares]).tolist()
                 out.write(msgpack.packb([loaders[0].epoch, step, ids]))
                 out.flush()
@@ -149,7 +149,7 @@ def train(
 
 def _read_log(log: Path) -> list[tuple[int, int, list[int]]]:
     with log.open("rb") as fh:
-        return [tuple(rec) for rec in msgpack.Unpacker(fh, raw=False)]  # type: ignore[misc]
+        return [tuple(rec) for rec in msgpack.Unpacker(fh, raw=False)]
 
 
 def _run_child(lake: Path, ckpt: Path, log: Path, crash_at: int) -> tuple[int, float]:

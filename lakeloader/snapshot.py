@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 #: From this many files on, footer reading shows a progress bar (on a terminal).
 PROGRESS_MIN_FILES = 64
+_INT_RE = re.compile(r"-?[0-9]+")
 _VERSION_KEYS = ("ETag", "etag", "generation", "version_id", "mtime", "LastModified", "updated")
 
 
@@ -66,14 +68,17 @@ class Snapshot:
 
     Attributes:
         files: The data files, sorted by path.
-        schema: The unified schema of all files, partition columns last.
+        schema: The unified schema of the selected columns, partition columns last.
         partition_types: Arrow type of each hive partition column.
-        fingerprint: Hash of everything above; equal fingerprints mean the same data.
+        column_names: Every column of every file, then the partition keys.
+        fingerprint: Hash of the files (paths, sizes, versions, row groups, schemas);
+            equal fingerprints mean the same data.
     """
 
     files: tuple[FileInfo, ...]
     schema: pa.Schema
     partition_types: tuple[tuple[str, pa.DataType], ...]
+    column_names: tuple[str, ...]
     fingerprint: str
 
     @property
@@ -129,32 +134,51 @@ def read_file_info(fs: fsspec.AbstractFileSystem, found: DiscoveredFile) -> File
     )
 
 
-def unify_schemas(files: Sequence[FileInfo]) -> pa.Schema:
-    """Unify the file schemas, naming both files and both schemas on a conflict.
+def unify_schemas(files: Sequence[FileInfo], columns: Sequence[str] | None = None) -> pa.Schema:
+    """Unify the file schemas (of the selected columns), naming both files on a conflict.
+
+    Args:
+        files: The files, in path order.
+        columns: Only these columns need to agree (None: all of them).
 
     Raises:
-        SchemaMismatchError: If two files disagree on a column's type.
+        SchemaMismatchError: If two files disagree on a column's type; the message names the
+            file that set the type the other one conflicts with.
     """
     unified: pa.Schema | None = None
-    first_seen: dict[str, FileInfo] = {}
+    set_by: dict[str, FileInfo] = {}
     for f in files:
         if f.schema is None:
             continue
+        schema = f.schema
+        if columns is not None:
+            schema = pa.schema([field for field in schema if field.name in columns])
         try:
-            unified = f.schema if unified is None else pa.unify_schemas([unified, f.schema])
+            merged = schema if unified is None else pa.unify_schemas([unified, schema])
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            for field in f.schema:
-                other = first_seen.get(field.name)
-                if other and other.schema and other.schema.field(field.name).type != field.type:
-                    raise SchemaMismatchError(
-                        f"column {field.name!r} differs between {other.path} and {f.path}:"
-                        f"\n--- {other.path}\n{other.schema}\n--- {f.path}\n{f.schema}\n"
-                        "rewrite one of them, or select other columns with columns=[...]"
-                    ) from exc
-            raise SchemaMismatchError(f"{f.path}: schema cannot be unified: {exc}") from exc
-        for field in f.schema:
-            first_seen.setdefault(field.name, f)
+            raise _conflict(unified, schema, f, set_by) from exc
+        before = {} if unified is None else dict(zip(unified.names, unified.types, strict=True))
+        for field in merged:
+            if before.get(field.name) != field.type:
+                set_by[field.name] = f
+        unified = merged
     return unified if unified is not None else pa.schema([])
+
+
+def _conflict(
+    unified: pa.Schema | None, schema: pa.Schema, f: FileInfo, set_by: dict[str, FileInfo]
+) -> SchemaMismatchError:
+    for field in schema:
+        if unified is not None and field.name in unified.names:
+            have = unified.field(field.name).type
+            if have != field.type and not pa.types.is_null(have):
+                other = set_by[field.name]
+                return SchemaMismatchError(
+                    f"column {field.name!r} is {have} in {other.path} but {field.type} in "
+                    f"{f.path}:\n--- {other.path}\n{other.schema}\n--- {f.path}\n{f.schema}\n"
+                    "rewrite one of them, or leave the column out with columns=[...]"
+                )
+    return SchemaMismatchError(f"{f.path}: its schema cannot be unified with the lake's:\n{schema}")
 
 
 def _partition_types(files: Sequence[FileInfo]) -> tuple[tuple[str, pa.DataType], ...]:
@@ -162,19 +186,36 @@ def _partition_types(files: Sequence[FileInfo]) -> tuple[tuple[str, pa.DataType]
     for f in files:
         for key, value in f.partitions:
             values.setdefault(key, []).append(value)
-    result = []
-    for key, vals in values.items():
-        is_int = all(v.lstrip("-").isdigit() for v in vals)
-        result.append((key, pa.int64() if is_int else pa.string()))
-    return tuple(result)
+    return tuple(
+        (key, pa.int64() if all(_is_int64(v) for v in vals) else pa.string())
+        for key, vals in values.items()
+    )
 
 
-def fingerprint(files: Sequence[FileInfo], schema: pa.Schema) -> str:
-    """Hash the identity of a snapshot: paths, sizes, versions, row groups and schema."""
+def _is_int64(text: str) -> bool:
+    """Whether a hive partition value is a plain ASCII integer that fits in int64.
+
+    >>> [_is_int64(v) for v in ["2024", "-5", "--5", "05a", "99999999999999999999"]]
+    [True, True, False, False, False]
+    """
+    return bool(_INT_RE.fullmatch(text)) and -(2**63) <= int(text) < 2**63
+
+
+def fingerprint(files: Sequence[FileInfo]) -> str:
+    """Hash the identity of a snapshot: paths, sizes, versions, row groups and file schemas."""
     payload = [
         SNAPSHOT_FORMAT_VERSION,
-        [[f.path, f.size, f.version, list(f.row_group_rows), list(f.partitions)] for f in files],
-        schema.to_string(show_schema_metadata=False),
+        [
+            [
+                f.path,
+                f.size,
+                f.version,
+                list(f.row_group_rows),
+                list(f.partitions),
+                f.schema.to_string(show_schema_metadata=False) if f.schema is not None else "",
+            ]
+            for f in files
+        ],
     ]
     return hashlib.sha256(msgpack.packb(payload)).hexdigest()[:32]
 
@@ -185,6 +226,7 @@ def build_snapshot(
     *,
     max_threads: int = 32,
     progress: bool | None = None,
+    columns: Sequence[str] | None = None,
     reader: Callable[[fsspec.AbstractFileSystem, DiscoveredFile], FileInfo] = read_file_info,
 ) -> Snapshot:
     """Read every footer in parallel and freeze the result.
@@ -194,6 +236,7 @@ def build_snapshot(
         found: The discovered data files, sorted by path.
         max_threads: Footers read at once (I/O bound, so more than the core count).
         progress: Show a progress bar; None shows one for many files on a terminal.
+        columns: Only these columns must have compatible types across files (None: all).
         reader: Reads one file's info (a seam for object stores' single-request footers).
 
     Raises:
@@ -208,22 +251,35 @@ def build_snapshot(
                 total=len(found),
                 desc="reading footers",
                 unit="file",
-                disable=None if show else True,
+                disable=not show,
             )
         )
-    schema = unify_schemas(infos)
     ptypes = _partition_types(infos)
-    for key, typ in ptypes:
-        if key in schema.names:
+    names = {n for f in infos if f.schema is not None for n in f.schema.names}
+    for key, _ in ptypes:
+        if key in names:
             raise SchemaMismatchError(
                 f"hive partition key {key!r} is also a column in the files; rename the folder"
             )
-        schema = schema.append(pa.field(key, typ))
-    return Snapshot(tuple(infos), schema, ptypes, fingerprint(infos, schema))
+    schema = unify_schemas(infos, columns)
+    for key, typ in ptypes:
+        if columns is None or key in columns:
+            schema = schema.append(pa.field(key, typ))
+    all_names = tuple(
+        dict.fromkeys(
+            [n for f in infos if f.schema is not None for n in f.schema.names]
+            + [k for k, _ in ptypes]
+        )
+    )
+    return Snapshot(tuple(infos), schema, ptypes, all_names, fingerprint(infos))
 
 
 def snapshot_lake(
-    source: Source, storage_options: dict[str, Any] | None = None, *, progress: bool | None = None
+    source: Source,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    progress: bool | None = None,
+    columns: Sequence[str] | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """Discover a lake and read its footers: the one call that pins a lake.
 
@@ -235,4 +291,4 @@ def snapshot_lake(
     (10, (4, 4, 2))
     """
     fs, found = discover(source, storage_options)
-    return fs, build_snapshot(fs, found, progress=progress)
+    return fs, build_snapshot(fs, found, progress=progress, columns=columns)

@@ -239,12 +239,6 @@ def test_negative_integer_partitions_are_int64(tmp_path: Path) -> None:
     assert column(stream(ds, batch_size=2), "k") == [-3, 7, 7]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _partition_types calls a value an integer when v.lstrip('-').isdigit(), which "
-    "also accepts '--5', unicode digits ('٣') and values beyond int64; the column is typed int64 "
-    "and streaming then fails with a raw pyarrow.ArrowInvalid from the reader's cast",
-)
 @pytest.mark.parametrize("value", ["--5", "99999999999999999999", "٣"])
 def test_partition_value_that_int64_cannot_hold_is_a_string(tmp_path: Path, value: str) -> None:
     put(tmp_path / f"k={value}" / "a.parquet", {"id": [0, 1]})
@@ -427,12 +421,6 @@ def test_conflicting_types_name_both_files_and_both_types(tmp_path: Path) -> Non
     assert "'v'" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: unify_schemas blames the first file that had the column (first_seen), even "
-    "when that file's type is null and unified fine; the file that set the conflicting type is "
-    "not named",
-)
 def test_conflict_names_the_file_that_set_the_conflicting_type(tmp_path: Path) -> None:
     put(tmp_path / "a.parquet", {"id": [0], "v": pa.nulls(1)})  # an all-null column: type null
     b = put(tmp_path / "b.parquet", {"id": [1], "v": pa.array([1], pa.int64())})
@@ -444,12 +432,6 @@ def test_conflict_names_the_file_that_set_the_conflicting_type(tmp_path: Path) -
     assert "v: int64" in message and "v: string" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the SchemaMismatchError advises 'select other columns with columns=[...]', but "
-    "the snapshot unifies every column of every file before columns= is looked at, so selecting "
-    "only non-conflicting columns still raises",
-)
 def test_selecting_columns_avoids_a_conflict_in_other_columns(tmp_path: Path) -> None:
     put(tmp_path / "a.parquet", {"id": [0], "v": pa.array([1], pa.int64())})
     put(tmp_path / "b.parquet", {"id": [1], "v": pa.array(["one"], pa.string())})
@@ -505,12 +487,6 @@ def test_selected_columns_come_in_the_requested_order(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ progress
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: build_snapshot passes tqdm(disable=None) when progress=True, and tqdm reads "
-    "disable=None as 'disable on a non-terminal', so an explicit progress=True shows nothing "
-    "when stderr is not a terminal (logs, CI, capsys)",
-)
 def test_progress_true_writes_reading_footers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
