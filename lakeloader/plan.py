@@ -191,8 +191,10 @@ def cut_pieces(
     """
     unit_offsets = np.concatenate([[0], np.cumsum(unit_rows)]).astype(np.int64)
     total = int(unit_offsets[-1])
-    cuts = np.unique(np.concatenate([unit_offsets[:-1], starts[1:-1]]))
-    cuts = cuts[cuts < total]
+    cuts = np.sort(np.concatenate([unit_offsets[:-1], starts[1:-1]]))  # np.unique is slower
+    keep = cuts < total
+    keep[1:] &= np.diff(cuts) != 0
+    cuts = cuts[keep]
     seq = np.searchsorted(unit_offsets, cuts, side="right") - 1
     offsets = np.concatenate([cuts, [total]]).astype(np.int64)
     return seq.astype(np.int64), (cuts - unit_offsets[seq]).astype(np.int64), offsets

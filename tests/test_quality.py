@@ -1,0 +1,30 @@
+"""The code stays clean: ruff and mypy, as configured in pyproject.toml, find nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+
+
+def test_ruff_finds_nothing() -> None:
+    result = _run("ruff", "check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_applied() -> None:
+    result = _run("ruff", "format", "--check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_strict_finds_nothing() -> None:
+    result = _run("mypy")
+    assert result.returncode == 0, result.stdout + result.stderr
