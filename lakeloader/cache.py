@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: Where unit files go by default when there are worker processes.
 SHM_DIR = "/dev/shm"
+#: Name prefix of the per-process unit folders.
+UNIT_DIR_PREFIX = "lakeloader"
 
 #: A decoded unit as a worker gets it: the table itself, or the path of its Arrow IPC file.
 UnitRef: TypeAlias = "pa.Table | str"
@@ -35,6 +39,32 @@ UnitRef: TypeAlias = "pa.Table | str"
 def default_cache_dir() -> str | None:
     """Shared memory when the machine has it, else None (the system's temporary folder)."""
     return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
+
+
+def make_unit_dir(root: str | None) -> str:
+    """Create this process's unit folder, first removing folders left by dead processes.
+
+    A loader whose process was killed cannot delete its decoded units; since they live in
+    shared memory, they would hold RAM until reboot. Folder names carry the owner's pid.
+    """
+    base = root if root is not None else tempfile.gettempdir()
+    for name in os.listdir(base):
+        prefix, _, rest = name.partition("-")
+        pid = rest.split("-")[0]
+        if prefix == UNIT_DIR_PREFIX and pid.isdigit() and not _alive(int(pid)):
+            logger.info("removing %s, left by dead process %s", name, pid)
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def load_unit(ref: UnitRef) -> pa.Table:

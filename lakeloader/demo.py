@@ -155,12 +155,15 @@ def _read_log(log: Path) -> list[tuple[int, int, list[int]]]:
 def _run_child(lake: Path, ckpt: Path, log: Path, crash_at: int) -> tuple[int, float]:
     """Start phase one in a child process and SIGKILL it once it passed ``crash_at``."""
     cmd = [sys.executable, "-m", "lakeloader.demo", str(lake), str(ckpt), str(log)]
-    child = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    errors = log.with_suffix(".stderr")
+    with errors.open("wb") as err:
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     start = time.monotonic()
     while time.monotonic() - start < CHILD_DEADLINE:
         if child.poll() is not None:
-            err = child.stderr.read().decode() if child.stderr else ""
-            raise RuntimeError(f"the training child exited early ({child.returncode}):\n{err}")
+            raise RuntimeError(
+                f"the training child exited early ({child.returncode}):\n{errors.read_text()}"
+            )
         if log.exists() and log.stat().st_size and _read_log(log)[-1][1] >= crash_at:
             child.send_signal(signal.SIGKILL)
             child.wait()

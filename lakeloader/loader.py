@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from lakeloader import _keys as K
-from lakeloader.cache import default_cache_dir
+from lakeloader.cache import default_cache_dir, make_unit_dir
 from lakeloader.collate import Collate
 from lakeloader.dataset import LakeDataset
 from lakeloader.epoch import EpochIterator, IterConfig
@@ -218,7 +217,7 @@ class DataLoader:
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
         if self._unit_dir is None:
-            self._unit_dir = tempfile.mkdtemp(prefix="lakeloader-", dir=self._cache_root())
+            self._unit_dir = make_unit_dir(self._cache_root())
         if self._pool is None:
             setup = WorkerSetup(
                 schema=self._reader.schema,

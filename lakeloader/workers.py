@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import queue
 import random
 import traceback
 from collections.abc import Callable, Sequence
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a worker gets to exit after being asked to, before it is terminated.
 SHUTDOWN_GRACE = 5.0
+#: Seconds between a waiting worker's checks that the loader's process is still alive.
+WATCHDOG_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,14 @@ def _worker_main(worker_id: int, setup: WorkerSetup, tasks: Any, results: Connec
     random.seed(seed)
     if setup.worker_init_fn is not None:
         setup.worker_init_fn(worker_id)
+    parent = os.getppid()
     while True:
-        task: Task | None = tasks.get()
+        try:
+            task: Task | None = tasks.get(timeout=WATCHDOG_SECONDS)
+        except queue.Empty:
+            if os.getppid() != parent:  # the loader's process died: do not linger as an orphan
+                return
+            continue
         if task is None:
             return
         try:

@@ -229,3 +229,15 @@ def test_malformed_states_are_refused(dataset: ll.LakeDataset, mutate: Any, matc
     loader = ll.DataLoader(dataset, batch_size=4)
     with pytest.raises(ll.StateFormatError, match=match):
         loader.load_state_dict(mutate(loader.state_dict()))
+
+
+def test_unit_folders_of_dead_processes_are_swept(dataset: ll.LakeDataset, tmp_path: Path) -> None:
+    stale = tmp_path / "lakeloader-999999999-abc"  # above any pid_max: a dead process
+    stale.mkdir()
+    (stale / "e0-p1.arrow").write_bytes(b"x" * 100)
+    mine = tmp_path / f"lakeloader-{os.getpid()}-live"
+    mine.mkdir()
+    loader = ll.DataLoader(dataset, batch_size=48, num_workers=1, cache_dir=str(tmp_path))
+    assert sum(b["id"].numel() for b in loader) == LAYOUT_ROWS
+    assert not stale.exists() and mine.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [mine.name], "the loader cleans up after itself"
