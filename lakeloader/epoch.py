@@ -91,6 +91,7 @@ class EpochIterator:
         self._attempts: dict[int, int] = {}
         self._next_plan = self._next_dispatch = self._next_deliver = 0
         self._wake_r, self._wake_w = os.pipe() if pool else (-1, -1)
+        self._generation = pool.new_generation() if pool else 0
         self._closed = False
 
     # ------------------------------------------------------------------ planning
@@ -152,7 +153,7 @@ class EpochIterator:
             if not self._store.ready(spec.positions):
                 return
             refs = self._store.get(spec.positions)
-            pool.submit(Task(spec.step, [str(r) for r in refs], spec.take))
+            pool.submit(Task(self._generation, spec.step, [str(r) for r in refs], spec.take))
             self._next_dispatch += 1
 
     def _from_workers(self, step: int) -> Any:

@@ -57,8 +57,13 @@ class WorkerSetup:
 
 @dataclass(frozen=True)
 class Task:
-    """Build one batch: the step, the decoded units' files and the row indices."""
+    """Build one batch: the step, the decoded units' files and the row indices.
 
+    ``generation`` tells apart the passes of a pool that outlives one (persistent workers):
+    answers to a pass that was abandoned are dropped, never mistaken for the new pass's steps.
+    """
+
+    generation: int
     step: int
     refs: Sequence[str]
     take: np.ndarray
@@ -68,6 +73,7 @@ class Task:
 class Result:
     """A worker's answer: the payload, or the formatted traceback of its failure."""
 
+    generation: int
     step: int
     worker: int
     payload: Any = None
@@ -95,9 +101,10 @@ def _worker_main(worker_id: int, setup: WorkerSetup, tasks: Any, results: Connec
             payload = build_payload(
                 task.refs, task.take, setup.schema, setup.transform, setup.collate_fn
             )
-            results.send(Result(task.step, worker_id, payload=payload))
+            results.send(Result(task.generation, task.step, worker_id, payload=payload))
         except Exception:
-            results.send(Result(task.step, worker_id, error=traceback.format_exc()))
+            error = traceback.format_exc()
+            results.send(Result(task.generation, task.step, worker_id, error=error))
 
 
 @dataclass
@@ -136,6 +143,7 @@ class WorkerPool:
         )
         self._slots = [self._start(i) for i in range(num_workers)]
         self.restarts = 0
+        self.generation = 0
 
     def _start(self, worker_id: int) -> _Slot:
         tasks = self._ctx.Queue()
@@ -159,6 +167,13 @@ class WorkerPool:
         """Process ids of the workers, by worker id."""
         return [s.process.pid for s in self._slots]
 
+    def new_generation(self) -> int:
+        """Forget every task handed out so far; their late answers will be dropped."""
+        self.generation += 1
+        for slot in self._slots:
+            slot.owed.clear()
+        return self.generation
+
     def submit(self, task: Task) -> int:
         """Give a task to the worker that owes the fewest; returns that worker's id."""
         worker = min(range(len(self._slots)), key=lambda i: len(self._slots[i].owed))
@@ -171,8 +186,9 @@ class WorkerPool:
         try:
             while slot.results.poll():
                 result: Result = slot.results.recv()
-                slot.owed.pop(result.step, None)
-                into.append(result)
+                if result.generation == self.generation:
+                    slot.owed.pop(result.step, None)
+                    into.append(result)
         except (EOFError, OSError):
             return
 

@@ -155,10 +155,13 @@ def test_set_epoch_keeps_a_loaded_position(dataset: ll.LakeDataset, uninterrupte
     assert [b["id"].tolist() for b in loader] == uninterrupted[1]
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 def test_breaking_out_then_iterating_starts_the_next_epoch(
-    dataset: ll.LakeDataset, uninterrupted: list
+    dataset: ll.LakeDataset, uninterrupted: list, persistent: bool
 ) -> None:
-    loader = ll.DataLoader(dataset, batch_size=GLOBAL_BATCH, num_workers=2)
+    loader = ll.DataLoader(
+        dataset, batch_size=GLOBAL_BATCH, num_workers=2, persistent_workers=persistent
+    )
     first = list(itertools.islice(iter(loader), 3))
     assert [b["id"].tolist() for b in first] == uninterrupted[0][:3]
     assert [b["id"].tolist() for b in loader] == uninterrupted[1]
