@@ -1,17 +1,20 @@
 """lakeloader: deterministic, exactly-resumable streaming of Parquet lakes into PyTorch.
 
 >>> import lakeloader as ll
->>> sorted(n for n in ll.__all__ if n[0].isupper())[:3]
-['DataLoader', 'LakeDataset', 'LakeError']
+>>> [n for n in ('DataLoader', 'LakeDataset', 'CheckpointManager') if n in ll.__all__]
+['DataLoader', 'LakeDataset', 'CheckpointManager']
 """
 
 from __future__ import annotations
 
 import logging
-from importlib.metadata import PackageNotFoundError, version
 
+from lakeloader._version import __version__
+from lakeloader.checkpoint import Checkpoint, CheckpointManager
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
+    CheckpointError,
+    LakeChangedError,
     LakeError,
     LakeNotFoundError,
     NullValuesError,
@@ -23,14 +26,13 @@ from lakeloader.errors import (
 )
 from lakeloader.loader import DataLoader, PartitionWarning
 
-try:
-    __version__ = version("lakeloader")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.0.0+unknown"
-
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "LakeChangedError",
     "DataLoader",
     "LakeDataset",
     "LakeError",

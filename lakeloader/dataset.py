@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
+from fsspec.core import url_to_fs
 
 from lakeloader.collate import Transform
 from lakeloader.discovery import Source
@@ -78,6 +80,8 @@ class LakeDataset:
         max_unit_rows: Split row groups larger than this into row ranges.
         transform: Called on each row (a dict) in the workers before collation.
         progress: Progress bar while reading footers (None: for many files on a terminal).
+        snapshot: A pinned snapshot (from a checkpoint's manifest) to use instead of listing
+            the lake and reading its footers.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -107,13 +111,18 @@ class LakeDataset:
         max_unit_rows: int = DEFAULT_MAX_UNIT_ROWS,
         transform: Transform | None = None,
         progress: bool | None = None,
+        snapshot: Snapshot | None = None,
     ) -> None:
         self.source = source
         self.storage_options = dict(storage_options or {})
         self.transform = transform
-        fs, snapshot = snapshot_lake(
-            source, self.storage_options, progress=progress, columns=columns
-        )
+        if snapshot is None:
+            fs, snapshot = snapshot_lake(
+                source, self.storage_options, progress=progress, columns=columns
+            )
+        else:
+            first = source if isinstance(source, str | os.PathLike) else next(iter(source))
+            fs = url_to_fs(os.fspath(first), **self.storage_options)[0]
         self.fs: fsspec.AbstractFileSystem = fs
         self.snapshot: Snapshot = snapshot
         names = snapshot.schema.names

@@ -37,3 +37,11 @@ class WorkerError(LakeError):
 
 class NullValuesError(LakeError, ValueError):
     """A column whose type maps to an integer or boolean tensor holds nulls."""
+
+
+class LakeChangedError(LakeError):
+    """Files of a pinned snapshot are gone or were rewritten since a checkpoint."""
+
+
+class CheckpointError(LakeError):
+    """A checkpoint cannot be saved or no usable checkpoint can be loaded."""

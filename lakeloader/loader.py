@@ -177,13 +177,14 @@ class DataLoader:
         """The epoch the loader is in (or has just finished)."""
         return self._epoch
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
         """Make the next iteration run ``epoch`` from its start.
 
         Calling it with the epoch a loaded state is in keeps the loaded position, so the
-        usual ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume.
+        usual ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume;
+        ``restart=True`` drops the position in any case.
         """
-        if epoch == self._epoch and self._fresh:
+        if epoch == self._epoch and self._fresh and not restart:
             return
         self._close_iterator()
         self._epoch, self._position, self._dropped, self._fresh = int(epoch), 0, 0, True

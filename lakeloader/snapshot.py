@@ -92,7 +92,8 @@ class Snapshot:
         return sum(len(f.row_group_rows) for f in self.files)
 
 
-def _version_token(info: dict[str, Any]) -> str:
+def version_token(info: dict[str, Any]) -> str:
+    """A token that changes when a file is rewritten, from an fsspec ``info()`` dict."""
     for key in _VERSION_KEYS:
         if info.get(key) is not None:
             return f"{key}:{info[key]}"
@@ -112,7 +113,7 @@ def read_file_info(fs: fsspec.AbstractFileSystem, found: DiscoveredFile) -> File
     size = int(info.get("size") or 0)
     if size == 0:
         logger.warning("%s is a zero-byte file; it is taken as an empty file", found.path)
-        return FileInfo(found.path, 0, _version_token(info), (), (), found.partitions, None)
+        return FileInfo(found.path, 0, version_token(info), (), (), found.partitions, None)
     try:
         with fs.open(found.path, "rb") as fh:
             meta = pq.ParquetFile(fh).metadata
@@ -126,7 +127,7 @@ def read_file_info(fs: fsspec.AbstractFileSystem, found: DiscoveredFile) -> File
     return FileInfo(
         path=found.path,
         size=size,
-        version=_version_token(info),
+        version=version_token(info),
         row_group_rows=tuple(rg.num_rows for rg in rgs),
         row_group_bytes=tuple(rg.total_byte_size for rg in rgs),
         partitions=found.partitions,
@@ -254,10 +255,19 @@ def build_snapshot(
                 disable=not show,
             )
         )
+    return assemble_snapshot(infos, columns)
+
+
+def assemble_snapshot(infos: Sequence[FileInfo], columns: Sequence[str] | None) -> Snapshot:
+    """Freeze file infos into a snapshot: unified schema, hive columns, fingerprint.
+
+    Raises:
+        SchemaMismatchError: If the schemas cannot be unified, or a hive key is also a column.
+    """
     ptypes = _partition_types(infos)
-    names = {n for f in infos if f.schema is not None for n in f.schema.names}
+    file_names = [n for f in infos if f.schema is not None for n in f.schema.names]
     for key, _ in ptypes:
-        if key in names:
+        if key in file_names:
             raise SchemaMismatchError(
                 f"hive partition key {key!r} is also a column in the files; rename the folder"
             )
@@ -265,13 +275,8 @@ def build_snapshot(
     for key, typ in ptypes:
         if columns is None or key in columns:
             schema = schema.append(pa.field(key, typ))
-    all_names = tuple(
-        dict.fromkeys(
-            [n for f in infos if f.schema is not None for n in f.schema.names]
-            + [k for k, _ in ptypes]
-        )
-    )
-    return Snapshot(tuple(infos), schema, ptypes, all_names, fingerprint(infos))
+    names = tuple(dict.fromkeys(file_names + [k for k, _ in ptypes]))
+    return Snapshot(tuple(infos), schema, ptypes, names, fingerprint(infos))
 
 
 def snapshot_lake(

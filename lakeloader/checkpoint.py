@@ -1,0 +1,429 @@
+"""The checkpoint manager: the loader's position, saved at a sync barrier to any fsspec URL.
+
+Layout under the root URL::
+
+    manifests/<fingerprint>.msgpack   the pinned snapshot, written once and shared
+    step-000000001200/state.msgpack   loader state, context and the caller's extras
+    step-000000001200/COMMIT          written last: sizes and SHA-256 of the parts
+
+A checkpoint is visible only once its ``COMMIT`` marker exists, which works the same on a local
+disk and on object stores that cannot rename; a save killed half-way leaves a folder without a
+marker, which ``load`` ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import posixpath
+import re
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import fsspec
+import msgpack
+import torch.distributed as dist
+from fsspec.core import url_to_fs
+
+from lakeloader._version import __version__
+from lakeloader.collate import Transform
+from lakeloader.dataset import LakeDataset
+from lakeloader.errors import CheckpointError, LakeError, StateFormatError
+from lakeloader.loader import DataLoader
+from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
+from lakeloader.recovery import LakeChangePolicy, check_files, diff_snapshots, enforce
+from lakeloader.snapshot import Snapshot
+from lakeloader.state import LoaderState
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE: Final = "state.msgpack"
+COMMIT_FILE: Final = "COMMIT"
+MANIFEST_DIR: Final = "manifests"
+STEP_PREFIX: Final = "step-"
+_STEP_RE: Final = re.compile(r"step-(\d{12})$")
+CHECKPOINT_FORMAT_VERSION: Final = 1
+
+# Keys of state.msgpack.
+KEY_LOADER: Final = "loader"
+KEY_CONTEXT: Final = "context"
+KEY_EXTRA: Final = "extra"
+
+
+def step_dir_name(step: int) -> str:
+    """Folder name of a step's checkpoint (zero-padded so that names sort by step).
+
+    >>> step_dir_name(1200)
+    'step-000000001200'
+    """
+    return f"{STEP_PREFIX}{step:012d}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded, verified checkpoint.
+
+    Attributes:
+        step: The training step it was saved at.
+        path: Its folder.
+        state: The loader state (plain dict).
+        context: Library version, config, topology, time, fingerprint, manifest path.
+        extra: The caller's extras.
+        snapshot: The pinned snapshot from the manifest.
+        manifest: The manifest itself (plain dict).
+        nbytes: Size of ``state.msgpack``.
+    """
+
+    step: int
+    path: str
+    state: dict[str, Any]
+    context: dict[str, Any]
+    extra: Any
+    snapshot: Snapshot
+    manifest: dict[str, Any]
+    nbytes: int
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointManager:
+    """Save and load loader positions under one URL, with ``keep`` checkpoints retained.
+
+    Args:
+        url: Root folder, any fsspec URL (a local path, ``s3://``, ``gs://``, ...).
+        keep: Complete checkpoints kept; older ones are deleted after each save.
+        async_save: Write in a background thread; ``save`` returns once the state is
+            captured. A second save waits for the first; errors surface on the next call or
+            on :meth:`wait`.
+        storage_options: fsspec options for the URL.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> from lakeloader import LakeDataset, DataLoader
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"id": range(100)}), f"{root}/a.parquet")
+        >>> loader = DataLoader(LakeDataset(root), batch_size=16)
+        >>> batches = iter(loader); _ = next(batches); _ = next(batches)
+        >>> ckpt = CheckpointManager(tempfile.mkdtemp())
+        >>> ckpt.save(2, loader, extra={"lr": 0.1})
+        >>> fresh = DataLoader(LakeDataset(root), batch_size=32)
+        >>> ckpt.load(fresh), fresh.state_dict()["position"]
+        ({'lr': 0.1}, 32)
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep: int = 3,
+        async_save: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.url = url
+        self.keep = keep
+        self.async_save = async_save
+        self.fs: fsspec.AbstractFileSystem
+        self.fs, self.root = url_to_fs(url, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lakeloader-ckpt")
+        self._pending: Future[None] | None = None
+
+    # ------------------------------------------------------------------ listing
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def _step_dirs(self) -> dict[int, str]:
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in entries:
+            match = _STEP_RE.search(entry.rstrip("/"))
+            if match:
+                out[int(match.group(1))] = entry.rstrip("/")
+        return out
+
+    def steps(self) -> list[int]:
+        """Steps with a complete (committed) checkpoint, oldest first."""
+        dirs = self._step_dirs()
+        return sorted(s for s, d in dirs.items() if self.fs.exists(posixpath.join(d, COMMIT_FILE)))
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------- saving
+    def save(self, step: int, loader: DataLoader, extra: Any = None) -> None:
+        """Save the loader's position (collective when torch.distributed is initialised).
+
+        Every rank calls it at the same step; ranks confirm that they hold the same position
+        and the save fails, naming the ranks, if they do not. Rank 0 writes.
+
+        Raises:
+            CheckpointError: If ranks disagree, or (sync) the write fails, or a previous async
+                save failed.
+        """
+        self.wait()
+        state = loader.state_dict()
+        _confirm_same_position(state)
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        record = {
+            KEY_LOADER: state,
+            KEY_CONTEXT: _context(loader, step),
+            KEY_EXTRA: extra,
+        }
+        try:
+            payload: bytes = msgpack.packb(record, use_bin_type=True)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"extra for step {step} is not msgpack-serialisable ({exc}); pass plain types "
+                "(dicts, lists, numbers, strings, bytes)"
+            ) from exc
+        manifest = (loader.dataset.snapshot, _source(loader))
+        write: Callable[[], None] = lambda: self._write(step, payload, manifest)  # noqa: E731
+        if self.async_save:
+            self._pending = self._writer.submit(write)
+        else:
+            write()
+
+    def wait(self) -> None:
+        """Wait for a background save; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except LakeError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"background checkpoint save failed: {exc!r}") from exc
+
+    def _write(self, step: int, payload: bytes, manifest: tuple[Snapshot, Any]) -> None:
+        snapshot, source = manifest
+        manifest_rel = posixpath.join(MANIFEST_DIR, f"{snapshot.fingerprint}.msgpack")
+        manifest_path = self._path(manifest_rel)
+        if not self.fs.exists(manifest_path):
+            self.fs.makedirs(self._path(MANIFEST_DIR), exist_ok=True)
+            self._put(manifest_path, pack_manifest(snapshot, source))
+        folder = self._path(step_dir_name(step))
+        commit = posixpath.join(folder, COMMIT_FILE)
+        if self.fs.exists(commit):
+            self.fs.rm(commit)  # invisible first, then overwrite
+        self.fs.makedirs(folder, exist_ok=True)
+        self._put(posixpath.join(folder, STATE_FILE), payload)
+        marker = {
+            "version": CHECKPOINT_FORMAT_VERSION,
+            "step": step,
+            "files": {STATE_FILE: [len(payload), _sha256(payload)]},
+            "manifest": manifest_rel,
+        }
+        self._put(commit, msgpack.packb(marker))
+        logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, len(payload))
+        self._prune()
+
+    def _put(self, path: str, data: bytes) -> None:
+        with self.fs.open(path, "wb") as fh:
+            fh.write(data)
+
+    def _prune(self) -> None:
+        dirs = self._step_dirs()
+        committed = sorted(
+            s for s, d in dirs.items() if self.fs.exists(posixpath.join(d, COMMIT_FILE))
+        )
+        newest = committed[-1] if committed else -1
+        doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s < newest]
+        for s in doomed:
+            commit = posixpath.join(dirs[s], COMMIT_FILE)
+            if self.fs.exists(commit):
+                self.fs.rm(commit)  # invisible before it is incomplete
+            self.fs.rm(dirs[s], recursive=True)
+
+    # ------------------------------------------------------------------ loading
+    def read(self, step: int) -> Checkpoint:
+        """Read and verify one checkpoint.
+
+        Raises:
+            CheckpointError: If it is missing, incomplete, truncated or corrupt.
+        """
+        folder = self._path(step_dir_name(step))
+        try:
+            marker = msgpack.unpackb(self.fs.cat_file(posixpath.join(folder, COMMIT_FILE)))
+            payload = self.fs.cat_file(posixpath.join(folder, STATE_FILE))
+            size, digest = marker["files"][STATE_FILE]
+            if len(payload) != size or _sha256(payload) != digest:
+                raise CheckpointError(
+                    f"{folder}/{STATE_FILE} is {len(payload)} bytes with SHA-256 "
+                    f"{_sha256(payload)[:12]}..., its COMMIT says {size} bytes, {digest[:12]}...: "
+                    "truncated or overwritten"
+                )
+            record = msgpack.unpackb(payload, raw=False)
+            manifest_path = self._path(marker["manifest"])
+            manifest = unpack_manifest(self.fs.cat_file(manifest_path))
+            state = record[KEY_LOADER]
+            loader_state = LoaderState.from_dict(state)
+            snapshot = from_manifest(manifest, loader_state.config.get("columns"))
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
+        except (StateFormatError, CheckpointError) as exc:
+            raise CheckpointError(f"{folder}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+            raise CheckpointError(f"{folder}: corrupt ({exc!r})") from exc
+        return Checkpoint(
+            step,
+            folder,
+            state,
+            record[KEY_CONTEXT],
+            record[KEY_EXTRA],
+            snapshot,
+            manifest,
+            len(payload),
+        )
+
+    def load_checkpoint(self, step: int | None = None) -> Checkpoint:
+        """The newest usable checkpoint (or the given step), falling back past corrupt ones.
+
+        Raises:
+            CheckpointError: If the given step, or every checkpoint, is unusable.
+        """
+        if step is not None:
+            return self.read(step)
+        failures = []
+        for candidate in reversed(self.steps()):
+            try:
+                ckpt = self.read(candidate)
+            except CheckpointError as exc:
+                logger.warning("%s; falling back to the previous checkpoint", exc)
+                failures.append(str(exc))
+                continue
+            return ckpt
+        detail = "\n".join(failures) or "no committed checkpoint"
+        raise CheckpointError(f"no usable checkpoint under {self.url}:\n{detail}")
+
+    def load(
+        self,
+        loader: DataLoader,
+        step: int | None = None,
+        *,
+        on_lake_change: LakeChangePolicy = "error",
+    ) -> Any:
+        """Restore the loader from the newest usable checkpoint; return the saved extras.
+
+        The loader may have any world size, worker count or batch size. If its dataset's
+        snapshot differs from the checkpoint's, the recovery coordinator lists the files gone,
+        rewritten or added: ``on_lake_change="error"`` raises :class:`LakeChangedError` with
+        that list; ``"restart_epoch"`` runs the saved epoch again from its start on the lake as
+        it is now (at least once, not exactly once, for that epoch).
+
+        Raises:
+            CheckpointError: If no checkpoint is usable.
+            LakeChangedError: If the lake changed and the policy is ``"error"``.
+            StateMismatchError: If the order configuration differs.
+        """
+        ckpt = self.load_checkpoint(step)
+        saved = LoaderState.from_dict(ckpt.state)
+        current = loader.dataset
+        if saved.fingerprint != current.fingerprint:
+            diff = diff_snapshots(ckpt.snapshot, current.snapshot)
+            if not enforce(diff, on_lake_change, ckpt.path):
+                saved.check_matches(saved.fingerprint, current.config.to_dict())
+                loader.set_epoch(saved.epoch, restart=True)
+                return ckpt.extra
+        loader.load_state_dict(ckpt.state)
+        return ckpt.extra
+
+    def dataset(
+        self,
+        step: int | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        transform: Transform | None = None,
+        on_lake_change: LakeChangePolicy = "error",
+    ) -> LakeDataset:
+        """The dataset a checkpoint was taken on, from its manifest: no listing, no footers.
+
+        Each pinned file is checked with one metadata request. With files gone or rewritten,
+        ``on_lake_change="error"`` raises; ``"restart_epoch"`` lists the lake afresh (pass the
+        same policy to :meth:`load`, which then restarts the saved epoch).
+
+        Raises:
+            CheckpointError: If no checkpoint is usable.
+            LakeChangedError: If pinned files changed and the policy is ``"error"``.
+        """
+        ckpt = self.load_checkpoint(step)
+        cfg = ckpt.state["config"]
+        kwargs: dict[str, Any] = {
+            "columns": cfg["columns"],
+            "seed": cfg["seed"],
+            "shuffle": cfg["shuffle"],
+            "num_partitions": cfg["num_partitions"],
+            "window": cfg["window"],
+            "max_unit_rows": cfg["max_unit_rows"],
+            "storage_options": storage_options,
+            "transform": transform,
+        }
+        source = ckpt.context["source"]
+        ds = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
+        if enforce(check_files(ds.fs, ds.snapshot.files), on_lake_change, ckpt.path):
+            return ds
+        return LakeDataset(source, **kwargs)
+
+    def close(self) -> None:
+        """Finish a pending background save and stop the writer thread."""
+        try:
+            self.wait()
+        finally:
+            self._writer.shutdown(wait=True)
+
+
+def _source(loader: DataLoader) -> Any:
+    src = loader.dataset.source
+    return str(src) if isinstance(src, str) or hasattr(src, "__fspath__") else [str(s) for s in src]
+
+
+def _context(loader: DataLoader, step: int) -> dict[str, Any]:
+    ds = loader.dataset
+    return {
+        "step": step,
+        "library_version": __version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "fingerprint": ds.fingerprint,
+        "config": ds.config.to_dict(),
+        "topology": {
+            "world_size": loader.world_size,
+            "num_workers": loader.num_workers,
+            "batch_size": loader.batch_size,
+            "drop_last": loader.drop_last,
+        },
+        "source": _source(loader),
+    }
+
+
+def _confirm_same_position(state: dict[str, Any]) -> None:
+    """All-gather a digest of the position; fail naming the ranks if they disagree."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    key = [state["fingerprint"], state["config_hash"], state["epoch"], state["position"]]
+    mine = (dist.get_rank(), _sha256(msgpack.packb(key)), state["epoch"], state["position"])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    groups: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, digest, epoch, position in gathered:
+        groups.setdefault(digest, []).append((rank, epoch, position))
+    if len(groups) > 1:
+        detail = "; ".join(
+            f"ranks {[r for r, _, _ in members]} at epoch {members[0][1]}, position {members[0][2]}"
+            for members in groups.values()
+        )
+        raise CheckpointError(
+            f"ranks disagree on the loader position, refusing to save: {detail}. Every rank "
+            "must call save() after the same number of steps"
+        )

@@ -1,0 +1,149 @@
+"""The recovery coordinator: map a saved position onto the lake and topology that exist now.
+
+A saved position is ``(epoch, G)`` plus the snapshot it refers to; it does not depend on world
+size, worker count or batch size (see docs/design.md), so mapping it onto a new topology needs
+no reassignment table. What can break exactness is the lake itself: a file of the pinned
+snapshot that is gone or was rewritten. These functions find such files, without listing the
+lake or reading a footer, and apply the caller's policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import fsspec
+
+from lakeloader.errors import LakeChangedError
+from lakeloader.snapshot import FileInfo, Snapshot, version_token
+
+logger = logging.getLogger(__name__)
+
+#: What to do when the lake no longer matches a checkpoint's snapshot.
+#: ``"error"``: refuse, listing the files (the default: exactness cannot be kept).
+#: ``"restart_epoch"``: take the lake as it is now and run the saved epoch again from its start
+#: (rows delivered before the checkpoint in that epoch are delivered again: at least once).
+LakeChangePolicy = Literal["error", "restart_epoch"]
+POLICIES: Final = ("error", "restart_epoch")
+#: Files checked at once (one metadata request each).
+CHECK_THREADS = 32
+
+
+@dataclass(frozen=True)
+class LakeDiff:
+    """How the live lake differs from a pinned snapshot.
+
+    Attributes:
+        gone: Paths of the snapshot that no longer exist.
+        changed: ``(path, was, now)`` for files whose size or version token changed.
+        added: Paths that exist now but are not in the snapshot (only known when the lake
+            was listed again).
+    """
+
+    gone: tuple[str, ...] = ()
+    changed: tuple[tuple[str, str, str], ...] = ()
+    added: tuple[str, ...] = ()
+
+    @property
+    def breaks_resume(self) -> bool:
+        """Whether the saved order cannot be reproduced (any file gone, rewritten or added)."""
+        return bool(self.gone or self.changed or self.added)
+
+    def describe(self, limit: int = 20) -> str:
+        """A readable list of the differences (the first ``limit`` of each kind)."""
+        lines = [f"  gone: {p}" for p in self.gone[:limit]]
+        lines += [f"  changed: {p} ({was} -> {now})" for p, was, now in self.changed[:limit]]
+        lines += [f"  added: {p}" for p in self.added[:limit]]
+        hidden = sum(max(0, len(x) - limit) for x in (self.gone, self.changed, self.added))
+        if hidden:
+            lines.append(f"  ... and {hidden} more")
+        return "\n".join(lines)
+
+
+def _stamp(f: FileInfo) -> str:
+    return f"size {f.size}, {f.version}"
+
+
+def diff_snapshots(saved: Snapshot, current: Snapshot) -> LakeDiff:
+    """Compare a pinned snapshot with a freshly listed one (pure)."""
+    now = {f.path: f for f in current.files}
+    was = {f.path: f for f in saved.files}
+    gone = tuple(p for p in was if p not in now)
+    changed = tuple(
+        (p, _stamp(f), _stamp(now[p]))
+        for p, f in was.items()
+        if p in now and (f.size, f.version) != (now[p].size, now[p].version)
+    )
+    added = tuple(p for p in now if p not in was)
+    return LakeDiff(gone, changed, added)
+
+
+def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> LakeDiff:
+    """Ask the store about each pinned file (one metadata request each, in parallel).
+
+    This neither lists folders nor reads footers, so it stays cheap on object stores.
+    """
+
+    def probe(f: FileInfo) -> tuple[str, str | None]:
+        try:
+            info = fs.info(f.path)
+        except FileNotFoundError:
+            return f.path, None
+        now = f"size {int(info.get('size') or 0)}, {version_token(info)}"
+        return f.path, now
+
+    with ThreadPoolExecutor(max_workers=max(1, min(CHECK_THREADS, len(files)))) as pool:
+        found = dict(pool.map(probe, files))
+    gone = tuple(p for p, now in found.items() if now is None)
+    changed = tuple(
+        (f.path, _stamp(f), found[f.path] or "")
+        for f in files
+        if found[f.path] is not None and found[f.path] != _stamp(f)
+    )
+    return LakeDiff(gone, changed)
+
+
+def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str) -> bool:
+    """Apply a policy to a lake difference.
+
+    Args:
+        diff: The difference.
+        policy: ``"error"`` or ``"restart_epoch"``.
+        where: What the difference is against (a checkpoint path), for messages.
+
+    Returns:
+        True when the saved position still holds, False when the saved epoch must restart.
+
+    Raises:
+        LakeChangedError: Under ``"error"``, when files are gone or changed.
+        ValueError: For an unknown policy.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"on_lake_change must be one of {POLICIES}, got {policy!r}")
+    if not diff.breaks_resume:
+        return True
+    if policy == "error":
+        advice = (
+            "restore the files, or pass on_lake_change='restart_epoch' to run the saved epoch "
+            "again on the lake as it is now"
+        )
+        if not (diff.gone or diff.changed):
+            advice = (
+                "only files were added: build the dataset from the checkpoint's pinned "
+                "snapshot with CheckpointManager.dataset() to resume exactly, or pass "
+                "on_lake_change='restart_epoch'"
+            )
+        raise LakeChangedError(
+            f"the lake changed since {where}, so its position cannot be resumed exactly:\n"
+            f"{diff.describe()}\n{advice}"
+        )
+    logger.warning(
+        "the lake changed since %s; restarting the saved epoch from its start "
+        "(on_lake_change='restart_epoch'):\n%s",
+        where,
+        diff.describe(),
+    )
+    return False
