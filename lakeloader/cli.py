@@ -127,6 +127,35 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from lakeloader.inspect import (
+        inspect_checkpoint,
+        open_checkpoint,
+        render_text,
+        saved_topology,
+    )
+
+    overrides = {
+        "world_size": args.world_size,
+        "num_workers": args.num_workers,
+        "batch_size": args.batch_size,
+        "drop_last": args.drop_last,
+    }
+    for name, least in (("world_size", 1), ("batch_size", 1), ("num_workers", 0)):
+        if overrides[name] is not None and overrides[name] < least:
+            flag = "--" + name.replace("_", "-")
+            _emit(f"lakeloader inspect: error: {flag} must be >= {least}", error=True)
+            return 2
+    ckpt, steps = open_checkpoint(args.checkpoint, args.step, _storage_options(args.storage_option))
+    saved = saved_topology(ckpt)
+    topology = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
+    info = inspect_checkpoint(ckpt, topology=topology, ranges=args.ranges, steps_available=steps)
+    _emit(to_json(info) if args.json else render_text(info))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lakeloader`` command."""
     parser = argparse.ArgumentParser(
@@ -165,6 +194,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--crash-at", type=int, default=None, help="step of the crash")
     demo.add_argument("--json", action="store_true", help="machine-readable report")
     demo.set_defaults(func=_cmd_demo)
+
+    inspect = sub.add_parser(
+        "inspect", help="a checkpoint's position: per rank and worker, rows consumed and left"
+    )
+    inspect.add_argument("checkpoint", help="a checkpoint step folder, or the root holding them")
+    inspect.add_argument("--step", type=int, default=None, help="step to inspect under a root")
+    inspect.add_argument("--world-size", type=int, default=None, help="instead of the saved one")
+    inspect.add_argument("--num-workers", type=int, default=None, help="instead of the saved one")
+    inspect.add_argument("--batch-size", type=int, default=None, help="rows per rank per step")
+    inspect.add_argument(
+        "--drop-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="instead of the saved setting",
+    )
+    inspect.add_argument(
+        "--ranges", action="store_true", help="row ranges consumed and remaining per row group"
+    )
+    inspect.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable)",
+    )
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=_cmd_inspect)
     return parser
 
 

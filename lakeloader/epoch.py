@@ -160,16 +160,19 @@ class EpochIterator:
         pool = self._pool
         assert pool is not None
         waited_since = time.monotonic()
-        while step not in self._done:
+        while True:
             self._plan_ahead()
             self._dispatch(pool)
-            results, deaths, woke = pool.wait(POLL_SECONDS, extra=[self._wake_r])
+            ready = step in self._done  # still look (without blocking) for deaths and results
+            results, deaths, woke = pool.wait(0 if ready else POLL_SECONDS, [self._wake_r])
             if woke:
                 os.read(self._wake_r, 1 << 16)
             for result in results:
                 self._done[result.step] = result
             if deaths:
                 self._recover(pool, deaths)
+            if step in self._done:
+                break
             if results:
                 waited_since = time.monotonic()
             elif self.cfg.timeout and time.monotonic() - waited_since > self.cfg.timeout:
@@ -197,13 +200,16 @@ class EpochIterator:
                 steps,
                 self.cfg.plan.epoch,
             )
-            for task in sorted(death.owed, key=lambda t: t.step):
+            # Only the batch the worker was building when it died counts as an attempt; the
+            # others were merely queued behind it, and an idle worker's death blames nothing.
+            for task in death.owed:
                 if task.step in self._done:
                     continue
-                attempts = self._attempts.get(task.step, 1) + 1
-                if attempts > MAX_BATCH_ATTEMPTS:
-                    raise WorkerError(self._describe_poison(task.step, attempts - 1))
-                self._attempts[task.step] = attempts
+                if task.step == death.building:
+                    attempts = self._attempts.get(task.step, 1) + 1
+                    if attempts > MAX_BATCH_ATTEMPTS:
+                        raise WorkerError(self._describe_poison(task.step, attempts - 1))
+                    self._attempts[task.step] = attempts
                 pool.submit(task)
 
     def _describe_poison(self, step: int, attempts: int) -> str:

@@ -189,21 +189,18 @@ class DataLoader:
         self._close_iterator()
         self._epoch, self._position, self._dropped, self._fresh = int(epoch), 0, 0, True
 
-    def _epoch_done(self) -> bool:
-        left = steps_in_epoch(
-            self._position, len(self.dataset), self.global_batch_size, self.drop_last
-        )
-        return self._position + self._dropped >= len(self.dataset) or (
-            left == 0 and self._position > 0
-        )
-
     def __iter__(self) -> Iterator[Any]:
         self._close_iterator()
-        if not self._fresh or self._epoch_done():
-            if self._position + self._dropped < len(self.dataset) and not self._fresh:
+        n = len(self.dataset)
+        if not self._fresh:
+            if self._position + self._dropped < n:
                 logger.info("epoch %d left before its end; starting the next", self._epoch)
             self._epoch, self._position, self._dropped = self._epoch + 1, 0, 0
         self._fresh = False
+        if self.drop_last and not steps_in_epoch(
+            self._position, n, self.global_batch_size, self.drop_last
+        ):
+            self._dropped = n - self._position  # nothing left but a short tail: dropped
         pool = self._ensure_pool() if self.num_workers else None
         self._iterator = EpochIterator(
             self._iter_config(),
@@ -318,6 +315,10 @@ class DataLoader:
         state.check_matches(self.dataset.fingerprint, self.dataset.config.to_dict())
         self._close_iterator()
         self._epoch, self._position, self._dropped = state.epoch, state.position, state.rows_dropped
+        if state.position + state.rows_dropped >= len(self.dataset):
+            # A finished epoch: the next pass is the next epoch, and set_epoch(epoch + 1) at
+            # the top of the caller's loop keeps it that way.
+            self._epoch, self._position, self._dropped = state.epoch + 1, 0, 0
         self._fresh = True
 
     def stats(self) -> dict[str, int]:

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 5.0
 #: Seconds between a waiting worker's checks that the loader's process is still alive.
 WATCHDOG_SECONDS = 1.0
+#: Value of a worker's "building" cell while it waits for a task.
+IDLE = -1
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,9 @@ class Result:
     error: str | None = None
 
 
-def _worker_main(worker_id: int, setup: WorkerSetup, tasks: Any, results: Connection) -> None:
+def _worker_main(
+    worker_id: int, setup: WorkerSetup, tasks: Any, results: Connection, building: Any
+) -> None:
     torch.set_num_threads(1)
     seed = setup.base_seed + worker_id
     torch.manual_seed(seed)
@@ -97,6 +101,7 @@ def _worker_main(worker_id: int, setup: WorkerSetup, tasks: Any, results: Connec
             continue
         if task is None:
             return
+        building.value = task.step  # read by the pool if this process dies now
         try:
             payload = build_payload(
                 task.refs, task.take, setup.schema, setup.transform, setup.collate_fn
@@ -105,6 +110,7 @@ def _worker_main(worker_id: int, setup: WorkerSetup, tasks: Any, results: Connec
         except Exception:
             error = traceback.format_exc()
             results.send(Result(task.generation, task.step, worker_id, error=error))
+        building.value = IDLE
 
 
 @dataclass
@@ -112,17 +118,27 @@ class _Slot:
     process: Any
     tasks: Any
     results: Connection
+    building: Any  # shared int: the step the worker is building, or IDLE
     owed: dict[int, Task] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Death:
-    """A worker that died, with the tasks it still owed."""
+    """A worker that died, with the tasks it still owed.
+
+    Attributes:
+        worker: The worker id.
+        pid: Its process id.
+        exitcode: Its exit code (``-9`` for SIGKILL).
+        owed: The tasks it had not answered, in the order they were handed out.
+        building: The step it was building when it died, or None if it was idle.
+    """
 
     worker: int
     pid: int | None
     exitcode: int | None
     owed: list[Task]
+    building: int | None
 
 
 class WorkerPool:
@@ -148,15 +164,16 @@ class WorkerPool:
     def _start(self, worker_id: int) -> _Slot:
         tasks = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
+        building = self._ctx.Value("q", IDLE, lock=False)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(worker_id, self._setup, tasks, writer),
+            args=(worker_id, self._setup, tasks, writer, building),
             name=f"lakeloader-worker-{worker_id}",
             daemon=True,
         )
         proc.start()
         writer.close()
-        return _Slot(proc, tasks, reader)
+        return _Slot(proc, tasks, reader, building)
 
     @property
     def num_owed(self) -> int:
@@ -210,18 +227,27 @@ class WorkerPool:
         for obj in ready:
             if obj in by_conn:
                 self._drain(by_conn[obj], results)
-        for obj in ready:
-            if isinstance(obj, int) and obj in by_sentinel:
-                worker = by_sentinel[obj]
-                slot = self._slots[worker]
-                self._drain(slot, results)
-                slot.process.join(timeout=SHUTDOWN_GRACE)
-                deaths.append(
-                    Death(worker, slot.process.pid, slot.process.exitcode, list(slot.owed.values()))
+        # A sentinel is the usual signal, but a pipe end inherited by a sibling can keep it
+        # from firing; waitpid (is_alive) is the ground truth.
+        dead = {by_sentinel[obj] for obj in ready if isinstance(obj, int) and obj in by_sentinel}
+        dead |= {i for i, s in enumerate(self._slots) if not s.process.is_alive()}
+        for worker in sorted(dead):
+            slot = self._slots[worker]
+            self._drain(slot, results)
+            slot.process.join(timeout=SHUTDOWN_GRACE)
+            step = int(slot.building.value)
+            deaths.append(
+                Death(
+                    worker,
+                    slot.process.pid,
+                    slot.process.exitcode,
+                    list(slot.owed.values()),
+                    step if step != IDLE and step in slot.owed else None,
                 )
-                self._close_slot(slot)
-                self._slots[worker] = self._start(worker)
-                self.restarts += 1
+            )
+            self._close_slot(slot)
+            self._slots[worker] = self._start(worker)
+            self.restarts += 1
         return results, deaths, any(fd in ready for fd in extra)
 
     def _close_slot(self, slot: _Slot) -> None:

@@ -1,0 +1,87 @@
+"""Worker processes that die: SIGKILL at random points, and a batch that kills every worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lakeloader as ll
+from tests.conftest import LAYOUT_ROWS
+
+KILLS = 20
+
+
+def _kill_self_on_row_7(row: dict[str, Any]) -> dict[str, Any]:
+    if row["id"] == 7:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return row
+
+
+def _wait_dead(pid: int) -> None:
+    """Wait until every thread of a SIGKILLed process is gone (waitpid can then reap it).
+
+    The main thread turns zombie first; the process is only dead, and its pipes closed, once
+    its other threads (pyarrow's, torch's) have exited too.
+    """
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            threads = len(os.listdir(f"/proc/{pid}/task"))
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X") and threads <= 1:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"worker {pid} survived SIGKILL for 10 s")
+
+
+def test_twenty_workers_killed_at_random_points(
+    dataset: ll.LakeDataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    rng = random.Random(1234)
+    loader = ll.DataLoader(dataset, batch_size=24, num_workers=3, prefetch_factor=3)
+    steps = len(loader)
+    kill_at = sorted(rng.sample(range(1, steps - 1), KILLS))
+    reference = [b["id"].tolist() for b in ll.DataLoader(dataset, batch_size=24)]
+    seen: list[list[int]] = []
+    victims = []
+    with caplog.at_level(logging.WARNING, logger="lakeloader"):
+        for step, batch in enumerate(loader):
+            seen.append(batch["id"].tolist())
+            if step in kill_at:
+                pid = rng.choice(loader._pool.pids())  # type: ignore[union-attr]
+                os.kill(pid, signal.SIGKILL)
+                _wait_dead(pid)  # dead (a zombie until the pool reaps it), so surely noticed
+                victims.append(pid)
+    ids = [i for b in seen for i in b]
+    lost = LAYOUT_ROWS - len(set(ids))
+    doubled = len(ids) - len(set(ids))
+    assert (lost, doubled) == (0, 0)
+    assert seen == reference, "same batches, same order as a run without kills"
+    assert loader.stats()["worker_restarts"] == KILLS, (victims, len(set(victims)))
+    warned = {
+        int(r.message.split("(pid ")[1].split(")")[0])
+        for r in caplog.records
+        if "rebuilding steps" in r.message
+    }
+    assert warned == set(victims), "every death is reported with the worker's pid"
+
+
+def test_a_batch_that_keeps_killing_its_worker_fails_with_its_units(lake: Path) -> None:
+    ds = ll.LakeDataset(lake, transform=_kill_self_on_row_7, shuffle=False)
+    loader = ll.DataLoader(ds, batch_size=10, num_workers=2)
+    with pytest.raises(ll.WorkerError) as err:
+        list(loader)
+    message = str(err.value)
+    assert "step 0 of epoch 0 killed its worker 3 times" in message
+    assert "file-0000.parquet, row group 0, rows [0, 300)" in message
+    assert loader.state_dict()["position"] == 0
+    loader.close()
