@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, work: Path, reps: int, load_reps: int) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     lake = work / "lake"
     t0 = time.perf_counter()
     write_demo_lake(lake, rows=args.rows)
@@ -292,6 +293,7 @@ def _run(args: argparse.Namespace, work: Path, reps: int, load_reps: int) -> dic
             "torch": torch.__version__,
             "msgpack": ".".join(map(str, msgpack.version)),
             "cpus": os.cpu_count(),
+            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         },
         "saves": saves,
         "sizes": sizes,
@@ -323,7 +325,8 @@ def render(r: dict[str, Any]) -> str:
             (
                 "machine",
                 f"{s['cpus']} CPUs, Python {s['python']}, torch {s['torch']}, "
-                f"msgpack {s['msgpack']}",
+                f"msgpack {s['msgpack']}, 1-min load average "
+                f"{s['loadavg_1min'][0]} before, {s['loadavg_1min'][1]} after",
             ),
         ]
     )

@@ -44,7 +44,7 @@ STATE_FILE: Final = "state.msgpack"
 COMMIT_FILE: Final = "COMMIT"
 MANIFEST_DIR: Final = "manifests"
 STEP_PREFIX: Final = "step-"
-_STEP_RE: Final = re.compile(r"step-(\d{12})$")
+STEP_DIR_RE: Final = re.compile(r"step-(\d{12})$")
 CHECKPOINT_FORMAT_VERSION: Final = 1
 
 # Keys of state.msgpack.
@@ -146,7 +146,7 @@ class CheckpointManager:
             return {}
         out = {}
         for entry in entries:
-            match = _STEP_RE.search(entry.rstrip("/"))
+            match = STEP_DIR_RE.search(entry.rstrip("/"))
             if match:
                 out[int(match.group(1))] = entry.rstrip("/")
         return out
@@ -271,6 +271,11 @@ class CheckpointManager:
             state = record[KEY_LOADER]
             loader_state = LoaderState.from_dict(state)
             snapshot = from_manifest(manifest, loader_state.config.get("columns"))
+            if snapshot.fingerprint != loader_state.fingerprint:
+                raise CheckpointError(
+                    f"its state refers to snapshot {loader_state.fingerprint} but its manifest "
+                    f"{marker['manifest']} describes {snapshot.fingerprint}"
+                )
         except FileNotFoundError as exc:
             raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
         except (StateFormatError, CheckpointError) as exc:

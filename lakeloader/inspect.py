@@ -12,13 +12,12 @@ piece -> unit -> (file, row group, row offset inside the row group).
 from __future__ import annotations
 
 import posixpath
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from lakeloader.checkpoint import Checkpoint, CheckpointManager
+from lakeloader.checkpoint import STEP_DIR_RE, Checkpoint, CheckpointManager
 from lakeloader.errors import CheckpointError
 from lakeloader.plan import (
     EpochPlan,
@@ -33,7 +32,6 @@ from lakeloader.plan import (
 from lakeloader.snapshot import Snapshot
 from lakeloader.tables import format_pairs, format_table
 
-_STEP_DIR = re.compile(r"^step-(\d{12})$")
 #: Row ranges shown per cell of the ``--ranges`` table (``--json`` lists all of them).
 RANGES_SHOWN = 4
 #: Category codes of a row in :func:`row_ranges`.
@@ -73,7 +71,7 @@ def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     """
     path = path.rstrip("/")
     parent, name = posixpath.split(path)
-    match = _STEP_DIR.match(name)
+    match = STEP_DIR_RE.fullmatch(name)
     return (parent, int(match.group(1))) if match else (path, None)
 
 

@@ -228,12 +228,13 @@ def slots_to_virtual(plan: EpochPlan, slots: np.ndarray) -> np.ndarray:
     part, pos = slots % C, slots // C
     win, inner = pos // W, pos % W
     out = plan.starts[part] + win * W
-    if plan.shuffle:
+    if plan.shuffle and len(slots):
         keys = part * (int(plan.num_rows) // W + 2) + win
-        for key in np.unique(keys):
-            sel = keys == key
-            c, w = int(part[sel][0]), int(win[sel][0])
-            out[sel] += window_permutation(plan, c, w)[inner[sel]]
+        order = np.argsort(keys, kind="stable")  # group the slots by window, in one sort
+        bounds = np.flatnonzero(np.diff(keys[order])) + 1
+        for group in np.split(order, bounds):
+            c, w = int(part[group[0]]), int(win[group[0]])
+            out[group] += window_permutation(plan, c, w)[inner[group]]
     else:
         out += inner
     return np.asarray(out, dtype=np.int64)
