@@ -31,8 +31,10 @@ torch.distributed is not initialised here, so the all-gather that compares posit
 ranks is skipped; the library does not fsync, so ``write`` is the time to hand the bytes to the
 page cache, not to make them durable.
 
-Run: ``python benchmarks/checkpoint_latency.py`` (about 10-20 s), ``--quick`` (a few
-seconds: fewer repetitions), ``--json`` for one JSON document.
+Run: ``python benchmarks/checkpoint_latency.py`` (about 6 s on two cores, most of it imports
+and writing the lake), ``--quick`` (about 4 s: 5 saves, 3 loads), ``--json`` for one JSON
+document with every sample. The manifest's size depends on the length of the temporary path,
+which it records. The exit status is 1 if a load did not restore the saved position and extra.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import posixpath
 import re
-from collections.abc import Callable
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,7 +31,7 @@ from fsspec.core import url_to_fs
 from lakeloader._version import __version__
 from lakeloader.collate import Transform
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import CheckpointError, LakeError, StateFormatError
+from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.loader import DataLoader
 from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
 from lakeloader.recovery import LakeChangePolicy, check_files, diff_snapshots, enforce
@@ -134,6 +134,8 @@ class CheckpointManager:
         self.root = self.root.rstrip("/")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lakeloader-ckpt")
         self._pending: Future[None] | None = None
+        self._manifests: dict[str, str] = {}  # manifests known intact: path -> SHA-256
+        self._closed = False
 
     # ------------------------------------------------------------------ listing
     def _path(self, *parts: str) -> str:
@@ -166,15 +168,20 @@ class CheckpointManager:
         """Save the loader's position (collective when torch.distributed is initialised).
 
         Every rank calls it at the same step; ranks confirm that they hold the same position
-        and the save fails, naming the ranks, if they do not. Rank 0 writes.
+        (and that the previous background save succeeded) and the save fails on every rank,
+        naming the ranks, if they do not. Rank 0 writes; ``extra`` is taken from rank 0.
 
         Raises:
-            CheckpointError: If ranks disagree, or (sync) the write fails, or a previous async
-                save failed.
+            CheckpointError: If ranks disagree, the write fails (sync), a previous background
+                save failed, or the manager is closed.
         """
-        self.wait()
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
+        previous = self._settle()
         state = loader.state_dict()
-        _confirm_same_position(state)
+        _confirm_same_position(state, previous)
+        if previous is not None:
+            raise previous
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         record = {
@@ -190,30 +197,60 @@ class CheckpointManager:
                 "(dicts, lists, numbers, strings, bytes)"
             ) from exc
         manifest = (loader.dataset.snapshot, _source(loader))
-        write: Callable[[], None] = lambda: self._write(step, payload, manifest)  # noqa: E731
         if self.async_save:
-            self._pending = self._writer.submit(write)
-        else:
-            write()
+            self._pending = self._writer.submit(self._write, step, payload, manifest)
+            return
+        try:
+            self._write(step, payload, manifest)
+        except Exception as exc:
+            raise CheckpointError(f"saving step {step} to {self.url} failed: {exc!r}") from exc
+
+    def _settle(self) -> CheckpointError | None:
+        """Wait for a background save; return (not raise) its error, if any."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            pending.result()
+        except Exception as exc:
+            error = CheckpointError(f"background checkpoint save failed: {exc!r}")
+            error.__cause__ = exc
+            return error
+        return None
 
     def wait(self) -> None:
-        """Wait for a background save; raise its error if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending.result()
-            except LakeError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(f"background checkpoint save failed: {exc!r}") from exc
+        """Wait for a background save; raise its error if it failed.
+
+        Raises:
+            CheckpointError: If the background save failed.
+        """
+        error = self._settle()
+        if error is not None:
+            raise error
+
+    def _manifest(self, snapshot: Snapshot, source: Any) -> tuple[str, str]:
+        """Write the snapshot's manifest unless an intact one is there; (relative path, sha)."""
+        rel = posixpath.join(MANIFEST_DIR, f"{snapshot.fingerprint}.msgpack")
+        known = self._manifests.get(rel)
+        if known is not None:
+            return rel, known
+        data = pack_manifest(snapshot, source)
+        digest = _sha256(data)
+        path = self._path(rel)
+        try:
+            intact = _sha256(self.fs.cat_file(path)) == digest
+        except FileNotFoundError:
+            intact = False
+        if not intact:  # absent, or torn by an earlier crash: (re)write it whole
+            self.fs.makedirs(self._path(MANIFEST_DIR), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            self._put(tmp, data)
+            self.fs.mv(tmp, path)
+        self._manifests[rel] = digest
+        return rel, digest
 
     def _write(self, step: int, payload: bytes, manifest: tuple[Snapshot, Any]) -> None:
-        snapshot, source = manifest
-        manifest_rel = posixpath.join(MANIFEST_DIR, f"{snapshot.fingerprint}.msgpack")
-        manifest_path = self._path(manifest_rel)
-        if not self.fs.exists(manifest_path):
-            self.fs.makedirs(self._path(MANIFEST_DIR), exist_ok=True)
-            self._put(manifest_path, pack_manifest(snapshot, source))
+        manifest_rel, manifest_sha = self._manifest(*manifest)
         folder = self._path(step_dir_name(step))
         commit = posixpath.join(folder, COMMIT_FILE)
         if self.fs.exists(commit):
@@ -225,22 +262,23 @@ class CheckpointManager:
             "step": step,
             "files": {STATE_FILE: [len(payload), _sha256(payload)]},
             "manifest": manifest_rel,
+            "manifest_sha256": manifest_sha,
         }
         self._put(commit, msgpack.packb(marker))
         logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, len(payload))
-        self._prune()
+        self._prune(step)
 
     def _put(self, path: str, data: bytes) -> None:
         with self.fs.open(path, "wb") as fh:
             fh.write(data)
 
-    def _prune(self) -> None:
+    def _prune(self, current: int) -> None:
+        """Keep the newest ``keep`` committed checkpoints; drop half-written folders."""
         dirs = self._step_dirs()
         committed = sorted(
             s for s, d in dirs.items() if self.fs.exists(posixpath.join(d, COMMIT_FILE))
         )
-        newest = committed[-1] if committed else -1
-        doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s < newest]
+        doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s != current]
         for s in doomed:
             commit = posixpath.join(dirs[s], COMMIT_FILE)
             if self.fs.exists(commit):
@@ -261,13 +299,18 @@ class CheckpointManager:
             size, digest = marker["files"][STATE_FILE]
             if len(payload) != size or _sha256(payload) != digest:
                 raise CheckpointError(
-                    f"{folder}/{STATE_FILE} is {len(payload)} bytes with SHA-256 "
+                    f"{folder}: {STATE_FILE} is {len(payload)} bytes with SHA-256 "
                     f"{_sha256(payload)[:12]}..., its COMMIT says {size} bytes, {digest[:12]}...: "
                     "truncated or overwritten"
                 )
             record = msgpack.unpackb(payload, raw=False)
-            manifest_path = self._path(marker["manifest"])
-            manifest = unpack_manifest(self.fs.cat_file(manifest_path))
+            manifest_bytes = self.fs.cat_file(self._path(marker["manifest"]))
+            if _sha256(manifest_bytes) != marker["manifest_sha256"]:
+                raise CheckpointError(
+                    f"manifest {marker['manifest']} does not match the SHA-256 its COMMIT "
+                    "records: torn or overwritten"
+                )
+            manifest = unpack_manifest(manifest_bytes)
             state = record[KEY_LOADER]
             loader_state = LoaderState.from_dict(state)
             snapshot = from_manifest(manifest, loader_state.config.get("columns"))
@@ -278,7 +321,12 @@ class CheckpointManager:
                 )
         except FileNotFoundError as exc:
             raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
-        except (StateFormatError, CheckpointError) as exc:
+        except CheckpointError as exc:
+            message = str(exc)
+            raise CheckpointError(
+                message if message.startswith(folder) else f"{folder}: {message}"
+            ) from exc
+        except StateFormatError as exc:
             raise CheckpointError(f"{folder}: {exc}") from exc
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             raise CheckpointError(f"{folder}: corrupt ({exc!r})") from exc
@@ -386,6 +434,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._closed = True
             self._writer.shutdown(wait=True)
 
 
@@ -412,16 +461,30 @@ def _context(loader: DataLoader, step: int) -> dict[str, Any]:
     }
 
 
-def _confirm_same_position(state: dict[str, Any]) -> None:
-    """All-gather a digest of the position; fail naming the ranks if they disagree."""
+def _confirm_same_position(state: dict[str, Any], error: CheckpointError | None) -> None:
+    """All-gather a digest of the position; fail on every rank if ranks disagree or failed.
+
+    Raises:
+        CheckpointError: Naming the ranks at each position, or the ranks whose previous
+            background save failed, on every rank alike (so that none is left waiting).
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return
     key = [state["fingerprint"], state["config_hash"], state["epoch"], state["position"]]
-    mine = (dist.get_rank(), _sha256(msgpack.packb(key)), state["epoch"], state["position"])
+    mine = (
+        dist.get_rank(),
+        _sha256(msgpack.packb(key)),
+        state["epoch"],
+        state["position"],
+        None if error is None else str(error),
+    )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
+    failed = [(rank, err) for rank, _, _, _, err in gathered if err is not None]
+    if failed and error is None:
+        raise CheckpointError(f"the previous background save failed on rank(s) {failed}")
     groups: dict[str, list[tuple[int, int, int]]] = {}
-    for rank, digest, epoch, position in gathered:
+    for rank, digest, epoch, position, _ in gathered:
         groups.setdefault(digest, []).append((rank, epoch, position))
     if len(groups) > 1:
         detail = "; ".join(

@@ -11,7 +11,8 @@ exactly once (the steps after the last checkpoint, replayed after the crash, cou
 from __future__ import annotations
 
 import argparse
-import os
+import io
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from lakeloader.checkpoint import CheckpointManager
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import DataLoader
 from lakeloader.tables import format_pairs, format_table
@@ -83,10 +85,14 @@ def write_demo_lake(root: Path, rows: int, seed: int = 0) -> int:
     return rows
 
 
-def _save(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # a checkpoint is visible only once complete
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def train(
@@ -108,13 +114,13 @@ def train(
     model = torch.nn.Linear(len(FEATURES), CLASSES)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     step, losses = 0, []
-    if resume:
-        saved = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(saved["model"])
-        optim.load_state_dict(saved["optim"])
+    manager = CheckpointManager(str(ckpt))
+    if resume:  # any topology: every simulated rank restores the same position
+        extras = [manager.load(loader) for loader in loaders]
+        saved = extras[0]
+        model.load_state_dict(_from_bytes(saved["model"]))
+        optim.load_state_dict(_from_bytes(saved["optim"]))
         step = saved["step"]
-        for loader in loaders:
-            loader.load_state_dict(saved["loader"])
     with log.open("ab") as out:
         for _ in range(epochs):
             for shares in zip(*loaders, strict=True):
@@ -130,15 +136,12 @@ def train(
                 out.write(msgpack.packb([loaders[0].epoch, step, ids]))
                 out.flush()
                 if step % SAVE_EVERY == 0:
-                    _save(
-                        ckpt,
-                        {
-                            "step": step,
-                            "loader": loaders[0].state_dict(),
-                            "model": model.state_dict(),
-                            "optim": optim.state_dict(),
-                        },
-                    )
+                    extra = {
+                        "step": step,
+                        "model": _to_bytes(model.state_dict()),
+                        "optim": _to_bytes(optim.state_dict()),
+                    }
+                    manager.save(step, loaders[0], extra=extra)
             if loaders[0].epoch >= epochs - 1:
                 break
     state_bytes = len(msgpack.packb(loaders[0].state_dict()))
@@ -178,14 +181,16 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the whole demo and return the report (``text`` for people, the rest for machines)."""
     work = Path(directory or tempfile.mkdtemp(prefix="lakeloader-demo-"))
-    lake, ckpt, log = work / "lake", work / "checkpoint.pt", work / "steps.msgpack"
-    for stale in (ckpt, log):
-        stale.unlink(missing_ok=True)
+    lake, ckpt, log = work / "lake", work / "checkpoints", work / "steps.msgpack"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    log.unlink(missing_ok=True)
     write_demo_lake(lake, rows)
     steps_per_epoch = -(-rows // (BEFORE.world_size * BEFORE.batch_size))
     crash_at = steps_before_crash or int(steps_per_epoch * 0.6)
     killed_at, child_seconds = _run_child(lake, ckpt, log, crash_at)
-    saved_step = int(torch.load(ckpt, weights_only=False)["step"])
+    saved = CheckpointManager(str(ckpt)).load_checkpoint()
+    saved_step = saved.step
+    manifest_bytes = sum(p.stat().st_size for p in (ckpt / "manifests").iterdir())
     t0 = time.monotonic()
     resumed = train(lake, ckpt, log, AFTER, resume=True)
     records = _read_log(log)
@@ -218,6 +223,9 @@ def run_demo(
         "loss_first_after_resume": resumed["losses"][0],
         "loss_last": resumed["losses"][-1],
         "state_bytes": resumed["state_bytes"],
+        "checkpoint_dir": str(ckpt),
+        "checkpoint_file_bytes": saved.nbytes,
+        "manifest_bytes": manifest_bytes,
         "phase_one_seconds": round(child_seconds, 2),
         "phase_two_seconds": round(time.monotonic() - t0, 2),
         "epochs": per_epoch,
@@ -244,6 +252,11 @@ def _render(r: dict[str, Any]) -> str:
                 f"{r['loss_last']:.3f} at the end",
             ),
             ("loader state", f"{r['state_bytes']} bytes (msgpack)"),
+            (
+                "checkpoint",
+                f"{r['checkpoint_file_bytes']:,} bytes with the model, manifest "
+                f"{r['manifest_bytes']:,} bytes (lakeloader inspect {r['checkpoint_dir']})",
+            ),
         ]
     )
     table = format_table(
