@@ -1,4 +1,5 @@
-"""The ``lakeloader`` command: ``plan`` (what a lake holds, how an epoch is cut) and ``demo``."""
+"""The ``lakeloader`` command: ``plan`` (a lake and the cut of an epoch), ``inspect`` (a
+checkpoint's position under any topology) and ``demo`` (the end-to-end job)."""
 
 from __future__ import annotations
 
