@@ -1,5 +1,8 @@
-"""The ``lakeloader`` command: ``plan`` (a lake and the cut of an epoch), ``inspect`` (a
-checkpoint's position under any topology) and ``demo`` (the end-to-end job)."""
+"""The ``lakeloader`` command: ``plan``, ``inspect`` and ``demo``.
+
+``plan`` shows a lake and the cut of an epoch, ``inspect`` a checkpoint's position under any
+topology, ``demo`` runs the end-to-end job.
+"""
 
 from __future__ import annotations
 
