@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import os
 import signal
@@ -84,7 +83,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import lakeloader as ll
-from lakeloader.demo import CLASSES, FEATURES, write_demo_lake
+from lakeloader.demo import CLASSES, FEATURES, from_bytes, to_bytes, write_demo_lake
 
 SEED = 0
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -102,16 +101,6 @@ def make_model() -> torch.nn.Module:
         torch.nn.ReLU(),
         torch.nn.Linear(32, CLASSES),
     )
-
-
-def to_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class Log:

@@ -14,7 +14,6 @@ marker, which ``load`` ignores and the next save removes.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
 import posixpath
 import re
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from fsspec.core import url_to_fs
 
 from lakeloader._version import __version__
+from lakeloader.barrier import confirm_same_position, sha256
 from lakeloader.collate import Transform
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError
@@ -85,10 +85,6 @@ class Checkpoint:
     snapshot: Snapshot
     manifest: dict[str, Any]
     nbytes: int
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class CheckpointManager:
@@ -179,7 +175,7 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
         state = loader.state_dict()
-        _confirm_same_position(state, previous)
+        confirm_same_position(state, previous)
         if previous is not None:
             raise previous
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
@@ -235,10 +231,10 @@ class CheckpointManager:
         if known is not None:
             return rel, known
         data = pack_manifest(snapshot, source)
-        digest = _sha256(data)
+        digest = sha256(data)
         path = self._path(rel)
         try:
-            intact = _sha256(self.fs.cat_file(path)) == digest
+            intact = sha256(self.fs.cat_file(path)) == digest
         except FileNotFoundError:
             intact = False
         if not intact:  # absent, or torn by an earlier crash: (re)write it whole
@@ -260,7 +256,7 @@ class CheckpointManager:
         marker = {
             "version": CHECKPOINT_FORMAT_VERSION,
             "step": step,
-            "files": {STATE_FILE: [len(payload), _sha256(payload)]},
+            "files": {STATE_FILE: [len(payload), sha256(payload)]},
             "manifest": manifest_rel,
             "manifest_sha256": manifest_sha,
         }
@@ -297,15 +293,15 @@ class CheckpointManager:
             marker = msgpack.unpackb(self.fs.cat_file(posixpath.join(folder, COMMIT_FILE)))
             payload = self.fs.cat_file(posixpath.join(folder, STATE_FILE))
             size, digest = marker["files"][STATE_FILE]
-            if len(payload) != size or _sha256(payload) != digest:
+            if len(payload) != size or sha256(payload) != digest:
                 raise CheckpointError(
                     f"{folder}: {STATE_FILE} is {len(payload)} bytes with SHA-256 "
-                    f"{_sha256(payload)[:12]}..., its COMMIT says {size} bytes, {digest[:12]}...: "
+                    f"{sha256(payload)[:12]}..., its COMMIT says {size} bytes, {digest[:12]}...: "
                     "truncated or overwritten"
                 )
             record = msgpack.unpackb(payload, raw=False)
             manifest_bytes = self.fs.cat_file(self._path(marker["manifest"]))
-            if _sha256(manifest_bytes) != marker["manifest_sha256"]:
+            if sha256(manifest_bytes) != marker["manifest_sha256"]:
                 raise CheckpointError(
                     f"manifest {marker['manifest']} does not match the SHA-256 its COMMIT "
                     "records: torn or overwritten"
@@ -459,39 +455,3 @@ def _context(loader: DataLoader, step: int) -> dict[str, Any]:
         },
         "source": _source(loader),
     }
-
-
-def _confirm_same_position(state: dict[str, Any], error: CheckpointError | None) -> None:
-    """All-gather a digest of the position; fail on every rank if ranks disagree or failed.
-
-    Raises:
-        CheckpointError: Naming the ranks at each position, or the ranks whose previous
-            background save failed, on every rank alike (so that none is left waiting).
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    key = [state["fingerprint"], state["config_hash"], state["epoch"], state["position"]]
-    mine = (
-        dist.get_rank(),
-        _sha256(msgpack.packb(key)),
-        state["epoch"],
-        state["position"],
-        None if error is None else str(error),
-    )
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    failed = [(rank, err) for rank, _, _, _, err in gathered if err is not None]
-    if failed and error is None:
-        raise CheckpointError(f"the previous background save failed on rank(s) {failed}")
-    groups: dict[str, list[tuple[int, int, int]]] = {}
-    for rank, digest, epoch, position, _ in gathered:
-        groups.setdefault(digest, []).append((rank, epoch, position))
-    if len(groups) > 1:
-        detail = "; ".join(
-            f"ranks {[r for r, _, _ in members]} at epoch {members[0][1]}, position {members[0][2]}"
-            for members in groups.values()
-        )
-        raise CheckpointError(
-            f"ranks disagree on the loader position, refusing to save: {detail}. Every rank "
-            "must call save() after the same number of steps"
-        )

@@ -160,6 +160,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_io_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every command that reads a store shares: storage options and ``--json``."""
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable)",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lakeloader`` command."""
     parser = argparse.ArgumentParser(
@@ -180,14 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
     plan.add_argument("--drop-last", action="store_true")
     plan.add_argument("--files", type=int, default=DEFAULT_FILES_SHOWN, help="files to list")
-    plan.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec storage option (repeatable)",
-    )
-    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_io_arguments(plan)
     plan.set_defaults(func=_cmd_plan)
 
     demo = sub.add_parser(
@@ -216,14 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--ranges", action="store_true", help="row ranges consumed and remaining per row group"
     )
-    inspect.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec storage option (repeatable)",
-    )
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_io_arguments(inspect)
     inspect.set_defaults(func=_cmd_inspect)
     return parser
 

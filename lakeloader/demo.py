@@ -85,14 +85,16 @@ def write_demo_lake(root: Path, rows: int, seed: int = 0) -> int:
     return rows
 
 
-def _to_bytes(obj: Any) -> bytes:
+def to_bytes(obj: Any) -> bytes:
+    """A state dict as ``torch.save`` bytes, so that it fits a checkpoint's msgpack ``extra``."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
 
 
-def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def from_bytes(data: bytes) -> Any:
+    """The inverse of :func:`to_bytes` (tensors and plain containers only)."""
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def train(
@@ -118,8 +120,8 @@ def train(
     if resume:  # any topology: every simulated rank restores the same position
         extras = [manager.load(loader) for loader in loaders]
         saved = extras[0]
-        model.load_state_dict(_from_bytes(saved["model"]))
-        optim.load_state_dict(_from_bytes(saved["optim"]))
+        model.load_state_dict(from_bytes(saved["model"]))
+        optim.load_state_dict(from_bytes(saved["optim"]))
         step = saved["step"]
     with log.open("ab") as out:
         for _ in range(epochs):
@@ -138,8 +140,8 @@ def train(
                 if step % SAVE_EVERY == 0:
                     extra = {
                         "step": step,
-                        "model": _to_bytes(model.state_dict()),
-                        "optim": _to_bytes(optim.state_dict()),
+                        "model": to_bytes(model.state_dict()),
+                        "optim": to_bytes(optim.state_dict()),
                     }
                     manager.save(step, loaders[0], extra=extra)
             if loaders[0].epoch >= epochs - 1:
