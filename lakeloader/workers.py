@@ -227,8 +227,8 @@ class WorkerPool:
         for obj in ready:
             if obj in by_conn:
                 self._drain(by_conn[obj], results)
-        # A sentinel is the usual signal, but a pipe end inherited by a sibling can keep it
-        # from firing; waitpid (is_alive) is the ground truth.
+        # The sentinel fires once every thread of the worker has exited; waitpid (is_alive)
+        # is checked too, as a second, independent signal.
         dead = {by_sentinel[obj] for obj in ready if isinstance(obj, int) and obj in by_sentinel}
         dead |= {i for i, s in enumerate(self._slots) if not s.process.is_alive()}
         for worker in sorted(dead):
