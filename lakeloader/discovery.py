@@ -109,6 +109,7 @@ def discover(
     if not items:
         raise LakeNotFoundError("the source is an empty list: name at least one Parquet file")
     fs, first = url_to_fs(items[0], **(storage_options or {}))
+    fs.invalidate_cache()  # fsspec caches instances and listings: a snapshot must see the lake now
     found: dict[str, DiscoveredFile] = {}
     for item in items:
         path = first if item is items[0] else url_to_fs(item, **(storage_options or {}))[1]

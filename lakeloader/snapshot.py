@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 #: From this many files on, footer reading shows a progress bar (on a terminal).
 PROGRESS_MIN_FILES = 64
 _INT_RE = re.compile(r"-?[0-9]+")
-_VERSION_KEYS = ("ETag", "etag", "generation", "version_id", "mtime", "LastModified", "updated")
+#: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
+#: GCS's generation (gcsfs also reports an etag, which is not the object's version).
+_VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
 
 
 @dataclass(frozen=True)
