@@ -95,6 +95,7 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
         now = f"size {int(info.get('size') or 0)}, {version_token(info)}"
         return f.path, now
 
+    fs.invalidate_cache()  # a cached listing would answer with the old size and version
     with ThreadPoolExecutor(max_workers=max(1, min(CHECK_THREADS, len(files)))) as pool:
         found = dict(pool.map(probe, files))
     gone = tuple(p for p, now in found.items() if now is None)

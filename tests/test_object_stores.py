@@ -275,9 +275,7 @@ def _fixed_size_parquet(first_id: int) -> bytes:
 
 
 @pytest.mark.parametrize("writer", ["same-client", "other-client"])
-def test_rewriting_an_object_changes_the_fingerprint(
-    remote: Remote, writer: str, request: pytest.FixtureRequest
-) -> None:
+def test_rewriting_an_object_changes_the_fingerprint(remote: Remote, writer: str) -> None:
     store, path = remote.store, f"{remote.bucket}/rewrite-{writer}"
     url, obj = store.url(path), f"{path}/a.parquet"
     store.filesystem().pipe(obj, _fixed_size_parquet(0))
@@ -290,3 +288,22 @@ def test_rewriting_an_object_changes_the_fingerprint(
     assert (now.size, now.row_group_rows) == (was.size, was.row_group_rows)
     assert now.version != was.version
     assert after.fingerprint != before.fingerprint
+
+
+@pytest.mark.parametrize("store_name", ["s3_store", "gcs_store"])
+def test_a_rewrite_by_another_client_is_caught_at_recovery(
+    store_name: str, request: pytest.FixtureRequest
+) -> None:
+    store = request.getfixturevalue(store_name)
+    bucket, options = store.new_bucket(), store.storage_options
+    store.filesystem().pipe(f"{bucket}/lake/a.parquet", _fixed_size_parquet(0))
+    ds = ll.LakeDataset(store.url(f"{bucket}/lake/"), storage_options=options, num_partitions=1)
+    loader = ll.DataLoader(ds, batch_size=10)
+    next(iter(loader))
+    ckpt = ll.CheckpointManager(store.url(f"{bucket}/ckpt"), storage_options=options)
+    ckpt.save(1, loader)
+    loader.close()
+    # Same size and row counts, new content, written by a client this process never used.
+    store.filesystem(fresh=True).pipe(f"{bucket}/lake/a.parquet", _fixed_size_parquet(1000))
+    with pytest.raises(ll.LakeChangedError, match=r"changed: .*a\.parquet"):
+        ckpt.dataset(storage_options=options)
