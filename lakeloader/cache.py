@@ -206,9 +206,14 @@ class UnitStore:
             except FileNotFoundError:
                 logger.debug("unit file %s was already gone", ref)
 
-    def close(self) -> None:
-        """Stop decoding and drop every unit (deleting unit files)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop decoding and drop every unit (deleting unit files).
+
+        Args:
+            wait: Wait for decodes underway. A finaliser passes False: it may run on one of
+                this store's own threads, which must not wait for itself.
+        """
+        self._pool.shutdown(wait=wait, cancel_futures=True)
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

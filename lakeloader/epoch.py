@@ -231,12 +231,12 @@ class EpochIterator:
         """Most bytes of decoded units held at once in this pass."""
         return self._store.peak_bytes
 
-    def close(self) -> None:
-        """Stop decoding and drop the cached units (idempotent)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop decoding and drop the cached units (idempotent; see ``UnitStore.close``)."""
         if self._closed:
             return
         self._closed = True
-        self._store.close()
+        self._store.close(wait)
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)

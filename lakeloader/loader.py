@@ -260,9 +260,9 @@ class DataLoader:
         if not self.persistent_workers:
             self._shutdown_workers()
 
-    def _close_iterator(self) -> None:
+    def _close_iterator(self, wait: bool = True) -> None:
         if self._iterator is not None:
-            self._iterator.close()
+            self._iterator.close(wait)
             self._iterator = None
 
     def _shutdown_workers(self) -> None:
@@ -280,8 +280,11 @@ class DataLoader:
         self._shutdown_workers()
 
     def __del__(self) -> None:
+        # A finaliser can run on any thread, one of the loader's own decoding threads
+        # included: it must not wait for them.
         try:
-            self.close()
+            self._close_iterator(wait=False)
+            self._shutdown_workers()
         except Exception:
             logger.debug("error while closing a DataLoader", exc_info=True)
 
