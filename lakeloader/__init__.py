@@ -15,16 +15,18 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
     CheckpointError,
     LakeChangedError,
+    LakeDataError,
     LakeError,
     LakeNotFoundError,
     NullValuesError,
     SchemaMismatchError,
     StateFormatError,
     StateMismatchError,
-    UnreadableFileError,
+    StoreUnavailableError,
     WorkerError,
 )
 from lakeloader.loader import DataLoader, PartitionWarning
+from lakeloader.retry import RetryPolicy
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -33,16 +35,18 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "LakeChangedError",
+    "LakeDataError",
     "DataLoader",
     "LakeDataset",
     "LakeError",
     "LakeNotFoundError",
     "NullValuesError",
     "PartitionWarning",
+    "RetryPolicy",
     "SchemaMismatchError",
     "StateFormatError",
     "StateMismatchError",
-    "UnreadableFileError",
+    "StoreUnavailableError",
     "WorkerError",
     "__version__",
 ]

@@ -169,7 +169,7 @@ class UnitStore:
         """Wait for the units at these positions (requesting them if needed).
 
         Raises:
-            UnreadableFileError: If a unit cannot be read.
+            LakeDataError: If a unit cannot be read.
         """
         self.request(positions)
         with self._lock:

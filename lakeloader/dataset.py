@@ -29,6 +29,7 @@ from lakeloader.plan import (
     plan_epoch,
 )
 from lakeloader.reader import UnitReader
+from lakeloader.retry import RetryPolicy
 from lakeloader.snapshot import Snapshot, snapshot_lake
 from lakeloader.state import config_hash
 
@@ -82,10 +83,12 @@ class LakeDataset:
         progress: Progress bar while reading footers (None: for many files on a terminal).
         snapshot: A pinned snapshot (from a checkpoint's manifest) to use instead of listing
             the lake and reading its footers.
+        retry: How transient storage failures (a store down, resets, 5xx, throttling) are
+            retried; the default retries with backoff for up to 5 minutes per request.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
-        UnreadableFileError: If a footer cannot be read.
+        LakeDataError: If a footer cannot be read.
         SchemaMismatchError: If file schemas conflict.
         KeyError: If a requested column does not exist.
 
@@ -112,13 +115,15 @@ class LakeDataset:
         transform: Transform | None = None,
         progress: bool | None = None,
         snapshot: Snapshot | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.source = source
         self.storage_options = dict(storage_options or {})
         self.transform = transform
+        self.retry = retry or RetryPolicy()
         if snapshot is None:
             fs, snapshot = snapshot_lake(
-                source, self.storage_options, progress=progress, columns=columns
+                source, self.storage_options, progress=progress, columns=columns, retry=self.retry
             )
         else:
             first = source if isinstance(source, str | os.PathLike) else next(iter(source))
@@ -193,7 +198,7 @@ class LakeDataset:
 
     def reader(self) -> UnitReader:
         """A fresh unit reader (with its own counters) for the selected columns."""
-        return UnitReader(self.fs, self.snapshot, self.config.columns)
+        return UnitReader(self.fs, self.snapshot, self.config.columns, self.retry)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -9,6 +9,7 @@ folders) of each, without opening any file. Only names decide what is data: ``_S
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 from collections.abc import Sequence
@@ -20,8 +21,26 @@ from fsspec.core import url_to_fs
 
 from lakeloader._keys import NON_DATA_NAMES
 from lakeloader.errors import LakeNotFoundError
+from lakeloader.retry import RetryPolicy
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+#: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
+#: GCS's generation (gcsfs also reports an etag, which is not the object's version).
+_VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
+
+
+def version_token(info: dict[str, Any]) -> str:
+    """A token that changes when a file is rewritten, from an fsspec ``info()`` dict.
+
+    >>> version_token({"size": 3, "ETag": '"9b2cf5"'})
+    'ETag:"9b2cf5"'
+    """
+    for key in _VERSION_KEYS:
+        if info.get(key) is not None:
+            return f"{key}:{info[key]}"
+    return "none"
 
 
 @dataclass(frozen=True)
@@ -31,10 +50,14 @@ class DiscoveredFile:
     Attributes:
         path: The path as the filesystem names it (no protocol), used to open the file.
         partitions: Hive partition values from ``key=value`` folders, outermost first.
+        size: Size in bytes from the listing (None when the listing did not say).
+        version: Version token from the listing (None when the listing did not say).
     """
 
     path: str
     partitions: tuple[tuple[str, str], ...]
+    size: int | None = None
+    version: str | None = None
 
 
 def is_data_name(name: str) -> bool:
@@ -67,17 +90,27 @@ def _relative_dir(path: str, root: str) -> str:
     return ""
 
 
-def _expand_one(fs: fsspec.AbstractFileSystem, item: str) -> tuple[str, list[str]]:
-    """Resolve one source entry to (root folder, data-file paths)."""
-    if fs.isfile(item):
-        return posixpath.dirname(item), [item]
+Listing = dict[str, dict[str, Any]]
+
+
+def _files_only(listing: Listing) -> Listing:
+    return {p: i for p, i in listing.items() if i.get("type", "file") == "file"}
+
+
+def _expand_one(fs: fsspec.AbstractFileSystem, item: str) -> tuple[str, Listing]:
+    """Resolve one source entry to (root folder, {data-file path: fsspec info})."""
     if any(ch in item for ch in "*?["):
         root = item.split("*")[0].split("?")[0].split("[")[0]
         root = root if root.endswith("/") else posixpath.dirname(root)
-        matches = [p for p in fs.glob(item) if fs.isfile(p)]
-        return root.rstrip("/"), matches
-    if fs.isdir(item):
-        return item.rstrip("/"), list(fs.find(item))
+        return root.rstrip("/"), _files_only(fs.glob(item, detail=True))
+    try:
+        info = fs.info(item)
+    except FileNotFoundError:
+        info = {}
+    if info.get("type") == "file":
+        return posixpath.dirname(item), {item: info}
+    if info.get("type") == "directory":
+        return item.rstrip("/"), _files_only(fs.find(item, detail=True))
     raise LakeNotFoundError(
         f"{item!r} does not exist: give a folder, a glob, a Parquet file or a list of those"
     )
@@ -89,21 +122,26 @@ def _keep(path: str, root: str) -> bool:
 
 
 def discover(
-    source: Source, storage_options: dict[str, Any] | None = None
+    source: Source,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, list[DiscoveredFile]]:
-    """List the data files of a lake, sorted by path.
+    """List the data files of a lake, sorted by path, with sizes and versions from the listing.
 
     Args:
         source: A folder, glob, file, ``file://``/``s3://``/``gs://`` URL or a list of these
             (all on one filesystem).
         storage_options: Options for the fsspec filesystem (credentials, endpoint, ...).
+        retry: Retry policy for transient listing failures (None: the default policy).
 
     Returns:
         The filesystem and the data files, sorted by path, without duplicates.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
+        StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
+    retry = retry or RetryPolicy()
     entries = [source] if isinstance(source, str | os.PathLike) else list(source)
     items = [os.fspath(s) for s in entries]
     if not items:
@@ -113,10 +151,16 @@ def discover(
     found: dict[str, DiscoveredFile] = {}
     for item in items:
         path = first if item is items[0] else url_to_fs(item, **(storage_options or {}))[1]
-        root, paths = _expand_one(fs, path)
-        for p in paths:
+        root, listing = retry.call(functools.partial(_expand_one, fs, path), path)
+        for p, info in listing.items():
             if _keep(p, root) and p not in found:
-                found[p] = DiscoveredFile(p, hive_partitions(_relative_dir(p, root)))
+                size = info.get("size")
+                found[p] = DiscoveredFile(
+                    p,
+                    hive_partitions(_relative_dir(p, root)),
+                    int(size) if size is not None else None,
+                    version_token(info) if version_token(info) != "none" else None,
+                )
     if not found:
         raise LakeNotFoundError(
             f"no data file under {source!r} (after skipping _SUCCESS, _metadata, "

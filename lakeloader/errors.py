@@ -19,8 +19,17 @@ class SchemaMismatchError(LakeError):
     """Two files of a lake have schemas that cannot be unified into one."""
 
 
-class UnreadableFileError(LakeError):
-    """A Parquet file (or one of its row groups) cannot be read or decoded."""
+class LakeDataError(LakeError):
+    """A Parquet file, or one of its row groups, cannot be read or decoded.
+
+    Raised in the training process (never as a bare worker traceback), with the file's URL,
+    the row group when one is concerned, and pyarrow's own error chained and quoted. With
+    ``on_error="skip"`` the unit is quarantined instead (see ``LakeDataset``).
+    """
+
+
+class StoreUnavailableError(LakeError):
+    """The store kept failing transiently (down, refusing, 5xx) past the retry deadline."""
 
 
 class StateMismatchError(LakeError):

@@ -17,44 +17,13 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lakeloader.errors import UnreadableFileError
+from lakeloader.errors import LakeDataError, LakeError
+from lakeloader.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
+from lakeloader.retry import RetryPolicy
 from lakeloader.snapshot import FileInfo, Snapshot
 
 #: Footers kept decoded, so that reading a unit does not fetch its file's footer again.
 FOOTER_CACHE_FILES = 256
-
-
-class _CountingFile:
-    """A read-only file wrapper that counts the bytes pyarrow reads through it."""
-
-    def __init__(self, raw: Any, counter: ReadCounters) -> None:
-        self._raw = raw
-        self._counter = counter
-        self.closed = False
-
-    def read(self, nbytes: int = -1) -> bytes:
-        data: bytes = self._raw.read(nbytes)
-        self._counter.add_bytes(len(data))
-        return data
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return int(self._raw.seek(offset, whence))
-
-    def tell(self) -> int:
-        return int(self._raw.tell())
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        self.closed = True
-        self._raw.close()
 
 
 @dataclass
@@ -63,12 +32,19 @@ class ReadCounters:
 
     units_decoded: int = 0
     bytes_read: int = 0
+    requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_bytes(self, n: int) -> None:
-        """Count bytes read from storage."""
+    def add_request(self, nbytes: int) -> None:
+        """Count one ranged request to the store and the bytes it returned."""
         with self._lock:
-            self.bytes_read += n
+            self.requests += 1
+            self.bytes_read += nbytes
+
+    def add_local_read(self, nbytes: int) -> None:
+        """Count bytes that pyarrow reads from a local file itself."""
+        with self._lock:
+            self.bytes_read += nbytes
 
     def add_unit(self) -> None:
         """Count one decoded unit."""
@@ -79,62 +55,91 @@ class ReadCounters:
 class UnitReader:
     """Reads units of one snapshot; safe to call from several threads.
 
+    Local files are opened by pyarrow itself. Remote files cost one ranged request per footer
+    (kept for the last ``FOOTER_CACHE_FILES`` files) and one concurrent batch of coalesced
+    ranged requests per unit, for the selected columns only (see :mod:`lakeloader.fetch`).
+
     Args:
         fs: The lake's filesystem.
         snapshot: The pinned snapshot.
         columns: Columns to return (file columns and partition columns), in this order.
+        retry: Retry policy for transient storage failures.
     """
 
     def __init__(
-        self, fs: fsspec.AbstractFileSystem, snapshot: Snapshot, columns: Sequence[str]
+        self,
+        fs: fsspec.AbstractFileSystem,
+        snapshot: Snapshot,
+        columns: Sequence[str],
+        retry: RetryPolicy,
     ) -> None:
         self.fs = fs
         self.snapshot = snapshot
         self.columns = list(columns)
         self.schema = pa.schema([snapshot.schema.field(c) for c in self.columns])
+        self.retry = retry
         self.counters = ReadCounters()
+        self._local = is_local(fs)
         self._footers: OrderedDict[str, pq.FileMetaData] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _footer(self, info: FileInfo) -> pq.FileMetaData | None:
+    def _footer(self, info: FileInfo) -> pq.FileMetaData:
         with self._lock:
             meta = self._footers.get(info.path)
             if meta is not None:
                 self._footers.move_to_end(info.path)
-        return meta
-
-    def _remember(self, info: FileInfo, meta: pq.FileMetaData) -> None:
+                return meta
+        if self._local:
+            meta = pq.read_metadata(info.path)
+        else:
+            meta = read_footer(self.fs, info.path, info.size, self.retry, self.counters.add_request)
         with self._lock:
             self._footers[info.path] = meta
             while len(self._footers) > FOOTER_CACHE_FILES:
                 self._footers.popitem(last=False)
+        return meta
+
+    def _read_row_group(self, info: FileInfo, row_group: int, file_cols: list[str]) -> pa.Table:
+        meta = self._footer(info)
+        ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
+        if self._local:
+            source: Any = info.path
+            self.counters.add_local_read(sum(end - start for start, end in ranges))
+        else:
+            source = fetch_ranges(
+                self.fs, info.path, info.size, ranges, self.retry, self.counters.add_request
+            )
+        table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
+            row_group, columns=file_cols
+        )
+        return table
 
     def read(self, file_index: int, row_group: int, row_start: int, num_rows: int) -> pa.Table:
         """Read rows ``[row_start, row_start + num_rows)`` of one row group.
 
         Raises:
-            UnreadableFileError: Naming the file and row group, if reading or decoding fails.
+            LakeDataError: Naming the file's URL, the row group and pyarrow's error, if the
+                row group cannot be read or decoded, or no longer matches the snapshot.
+            StoreUnavailableError: If the store keeps failing past the retry deadline.
         """
         info = self.snapshot.files[file_index]
         partitions = dict(info.partitions)
         file_cols = [c for c in self.columns if info.schema is not None and c in info.schema.names]
         try:
-            with self.fs.open(info.path, "rb") as raw:
-                fh = _CountingFile(raw, self.counters)
-                meta = self._footer(info)
-                pf = pq.ParquetFile(fh, metadata=meta, pre_buffer=True)
-                self._remember(info, pf.metadata)
-                table = pf.read_row_group(row_group, columns=file_cols)
+            table = self._read_row_group(info, row_group, file_cols)
+        except LakeError:
+            raise
         except Exception as exc:
-            raise UnreadableFileError(
-                f"{info.path}, row group {row_group}: cannot read "
-                f"({type(exc).__name__}: {exc}); repair or remove the file"
+            raise LakeDataError(
+                f"{url_of(self.fs, info.path)}, row group {row_group}: cannot read or decode "
+                f"({type(exc).__name__}: {exc}); repair or remove the file, or pass "
+                "on_error='skip' to quarantine the unit"
             ) from exc
         if table.num_rows != info.row_group_rows[row_group]:
-            raise UnreadableFileError(
-                f"{info.path}, row group {row_group}: {table.num_rows} rows read but the "
-                f"snapshot says {info.row_group_rows[row_group]}; the file changed after the "
-                "snapshot was taken: rebuild the dataset"
+            raise LakeDataError(
+                f"{url_of(self.fs, info.path)}, row group {row_group}: {table.num_rows} rows "
+                f"read but the snapshot says {info.row_group_rows[row_group]}; the file "
+                "changed after the snapshot was taken: rebuild the dataset"
             )
         table = table.slice(row_start, num_rows)
         arrays = []

@@ -17,8 +17,9 @@ from typing import Final, Literal
 
 import fsspec
 
+from lakeloader.discovery import version_token
 from lakeloader.errors import LakeChangedError
-from lakeloader.snapshot import FileInfo, Snapshot, version_token
+from lakeloader.snapshot import FileInfo, Snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,17 +23,16 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from lakeloader._keys import SNAPSHOT_FORMAT_VERSION
-from lakeloader.discovery import DiscoveredFile, Source, discover
-from lakeloader.errors import SchemaMismatchError, UnreadableFileError
+from lakeloader.discovery import DiscoveredFile, Source, discover, version_token
+from lakeloader.errors import LakeDataError, SchemaMismatchError
+from lakeloader.fetch import is_local, read_footer, url_of
+from lakeloader.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
 #: From this many files on, footer reading shows a progress bar (on a terminal).
 PROGRESS_MIN_FILES = 64
 _INT_RE = re.compile(r"-?[0-9]+")
-#: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
-#: GCS's generation (gcsfs also reports an etag, which is not the object's version).
-_VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
 
 
 @dataclass(frozen=True)
@@ -94,42 +93,52 @@ class Snapshot:
         return sum(len(f.row_group_rows) for f in self.files)
 
 
-def version_token(info: dict[str, Any]) -> str:
-    """A token that changes when a file is rewritten, from an fsspec ``info()`` dict."""
-    for key in _VERSION_KEYS:
-        if info.get(key) is not None:
-            return f"{key}:{info[key]}"
-    return "none"
+def read_file_info(
+    fs: fsspec.AbstractFileSystem, found: DiscoveredFile, retry: RetryPolicy | None = None
+) -> FileInfo:
+    """Read one file's Parquet footer (one ranged request on a store), size and version.
 
-
-def read_file_info(fs: fsspec.AbstractFileSystem, found: DiscoveredFile) -> FileInfo:
-    """Read one file's size, version token and Parquet footer.
+    The size and version come from the listing when it gave them (no extra request).
 
     Raises:
-        UnreadableFileError: If the file is not a readable Parquet file.
+        LakeDataError: If the file is not a readable Parquet file.
+        StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
-    try:
-        info = fs.info(found.path)
-    except FileNotFoundError as exc:
-        raise UnreadableFileError(f"{found.path}: file vanished while listing the lake") from exc
-    size = int(info.get("size") or 0)
+    retry = retry or RetryPolicy()
+    size, version = found.size, found.version
+    if size is None or version is None:
+        try:
+            info = retry.call(lambda: fs.info(found.path), url_of(fs, found.path))
+        except FileNotFoundError as exc:
+            raise LakeDataError(
+                f"{url_of(fs, found.path)}: file vanished while listing the lake"
+            ) from exc
+        size, version = int(info.get("size") or 0), version_token(info)
     if size == 0:
         logger.warning("%s is a zero-byte file; it is taken as an empty file", found.path)
-        return FileInfo(found.path, 0, version_token(info), (), (), found.partitions, None)
+        return FileInfo(found.path, 0, version, (), (), found.partitions, None)
+    if is_local(fs):
+        try:
+            meta = pq.read_metadata(found.path)
+        except Exception as exc:
+            raise LakeDataError(
+                f"{found.path}: cannot read the Parquet footer ({type(exc).__name__}: {exc}); "
+                "repair or remove the file, or move it out of the lake"
+            ) from exc
+    else:
+        meta = read_footer(fs, found.path, size, retry)
     try:
-        with fs.open(found.path, "rb") as fh:
-            meta = pq.ParquetFile(fh).metadata
-            schema = meta.schema.to_arrow_schema().remove_metadata()
+        schema = meta.schema.to_arrow_schema().remove_metadata()
     except Exception as exc:
-        raise UnreadableFileError(
-            f"{found.path}: cannot read the Parquet footer ({type(exc).__name__}: {exc}); "
-            "repair or remove the file"
+        raise LakeDataError(
+            f"{url_of(fs, found.path)}: its Parquet schema has no Arrow equivalent "
+            f"({type(exc).__name__}: {exc}); rewrite the file or leave it out of the lake"
         ) from exc
     rgs = [meta.row_group(i) for i in range(meta.num_row_groups)]
     return FileInfo(
         path=found.path,
         size=size,
-        version=version_token(info),
+        version=version,
         row_group_rows=tuple(rg.num_rows for rg in rgs),
         row_group_bytes=tuple(rg.total_byte_size for rg in rgs),
         partitions=found.partitions,
@@ -230,7 +239,7 @@ def build_snapshot(
     max_threads: int = 32,
     progress: bool | None = None,
     columns: Sequence[str] | None = None,
-    reader: Callable[[fsspec.AbstractFileSystem, DiscoveredFile], FileInfo] = read_file_info,
+    retry: RetryPolicy | None = None,
 ) -> Snapshot:
     """Read every footer in parallel and freeze the result.
 
@@ -240,17 +249,17 @@ def build_snapshot(
         max_threads: Footers read at once (I/O bound, so more than the core count).
         progress: Show a progress bar; None shows one for many files on a terminal.
         columns: Only these columns must have compatible types across files (None: all).
-        reader: Reads one file's info (a seam for object stores' single-request footers).
+        retry: Retry policy for transient storage failures (None: the default policy).
 
     Raises:
-        UnreadableFileError: If a footer cannot be read.
+        LakeDataError: If a footer cannot be read.
         SchemaMismatchError: If the schemas cannot be unified.
     """
     show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
     with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(found)))) as pool:
         infos = list(
             tqdm(
-                pool.map(lambda d: reader(fs, d), found),
+                pool.map(lambda d: read_file_info(fs, d, retry), found),
                 total=len(found),
                 desc="reading footers",
                 unit="file",
@@ -287,6 +296,7 @@ def snapshot_lake(
     *,
     progress: bool | None = None,
     columns: Sequence[str] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """Discover a lake and read its footers: the one call that pins a lake.
 
@@ -297,5 +307,5 @@ def snapshot_lake(
     >>> snap.num_rows, snap.files[0].row_group_rows
     (10, (4, 4, 2))
     """
-    fs, found = discover(source, storage_options)
-    return fs, build_snapshot(fs, found, progress=progress, columns=columns)
+    fs, found = discover(source, storage_options, retry)
+    return fs, build_snapshot(fs, found, progress=progress, columns=columns, retry=retry)

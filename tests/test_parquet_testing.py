@@ -60,7 +60,7 @@ def _check_column(name: str, parts: list[Any], want: pa.ChunkedArray) -> None:
 def test_file_streams_like_pyarrow(path: Path) -> None:
     table = _readable(path)
     if table is None:
-        with pytest.raises(ll.UnreadableFileError, match=path.name):
+        with pytest.raises(ll.LakeDataError, match=path.name):
             ds = ll.LakeDataset(str(path), shuffle=False)
             list(ll.DataLoader(ds, batch_size=37))
         return

@@ -446,7 +446,7 @@ def test_file_that_is_not_parquet_raises_unreadable_naming_it(tmp_path: Path) ->
     put(tmp_path / "a.parquet", {"id": [1]})
     bad = tmp_path / "b.parquet"
     bad.write_bytes(np.random.default_rng(0).bytes(4096))
-    with pytest.raises(ll.UnreadableFileError) as exc:
+    with pytest.raises(ll.LakeDataError) as exc:
         ll.LakeDataset(tmp_path)
     assert str(bad) in str(exc.value)
     assert isinstance(exc.value, ll.LakeError)
@@ -456,7 +456,7 @@ def test_truncated_parquet_file_raises_unreadable(tmp_path: Path) -> None:
     good = put(tmp_path / "a.parquet", {"id": list(range(100))})
     bad = tmp_path / "b.parquet"
     bad.write_bytes(good.read_bytes()[:-20])
-    with pytest.raises(ll.UnreadableFileError, match=re.escape(str(bad))):
+    with pytest.raises(ll.LakeDataError, match=re.escape(str(bad))):
         ll.LakeDataset(tmp_path)
 
 

@@ -1,0 +1,207 @@
+"""Retrying transient storage failures with exponential backoff, jitter and a deadline.
+
+Object stores have bad minutes: connections refused while a server restarts, resets, timeouts,
+HTTP 5xx and throttling. Those are retried until a deadline; anything else (a missing file, a
+denied request, a corrupt file) fails at once, because waiting cannot fix it. Retrying never
+changes what is read, so a retried unit is exactly the unit that failed: nothing is skipped or
+quarantined because a store was briefly down.
+
+The clients do not agree on exception types (s3fs raises ``OSError`` with an errno for HTTP
+errors but botocore's own classes for connection failures; aiohttp and gcsfs have theirs), so
+:func:`is_transient` classifies by type, errno, HTTP status and class name, along the whole
+chain of causes, without importing the optional clients.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from lakeloader.errors import StoreUnavailableError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: errno values that mean "try again": s3fs maps 503/SlowDown and 409 to EBUSY, 500 to
+#: EREMOTEIO; the rest are the socket's own.
+TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.EBUSY,
+        errno.EREMOTEIO,
+        errno.ETIMEDOUT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.EAGAIN,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+    }
+)
+#: Fully qualified names of client exception classes that are transient whatever they carry:
+#: botocore's connection failures (EndpointConnectionError, ReadTimeoutError, ...) and every
+#: aiohttp client error (dropped connections, truncated bodies, refused connects).
+TRANSIENT_CLASSES = frozenset(
+    {
+        "botocore.exceptions.ConnectionError",
+        "botocore.exceptions.HTTPClientError",
+        "aiohttp.client_exceptions.ClientError",
+    }
+)
+#: Failures that no wait can fix, whatever they were raised while handling.
+DEFINITIVE = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+#: HTTP statuses worth retrying (request timeout, throttling, server errors).
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: S3 error codes that are throttling or a server's bad moment.
+TRANSIENT_S3_CODES = frozenset(
+    {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long and how often to retry a transient storage failure.
+
+    Attempt ``n`` (from 0) waits a random time in ``[0, min(max_delay, initial_delay * 2**n)]``
+    ("full jitter", so that many ranks hitting the same store do not retry in lockstep),
+    until ``deadline`` seconds have passed since the first failure.
+
+    Attributes:
+        deadline: Seconds to keep retrying one operation before giving up.
+        initial_delay: Upper bound of the first wait, in seconds.
+        max_delay: Upper bound of any wait, in seconds.
+
+    Example:
+        >>> RetryPolicy(deadline=0).call(lambda: 42, "s3://bucket/lake/a.parquet")
+        42
+    """
+
+    deadline: float = 300.0
+    initial_delay: float = 0.25
+    max_delay: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.deadline < 0 or self.initial_delay <= 0 or self.max_delay < self.initial_delay:
+            raise ValueError(
+                "RetryPolicy needs deadline >= 0 and 0 < initial_delay <= max_delay; got "
+                f"deadline={self.deadline}, initial_delay={self.initial_delay}, "
+                f"max_delay={self.max_delay}"
+            )
+
+    def call(self, fn: Callable[[], T], url: str) -> T:
+        """Run ``fn``, retrying transient failures until the deadline.
+
+        Args:
+            fn: The storage operation.
+            url: What it reads or writes, for logs and errors (never credentials).
+
+        Raises:
+            StoreUnavailableError: When the deadline passes; names the URL, the number of
+                attempts and the last cause (chained).
+            Exception: Whatever ``fn`` raised, at once, if it is not transient.
+        """
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                elapsed = time.monotonic() - started
+                if elapsed >= self.deadline:
+                    raise StoreUnavailableError(
+                        f"{url}: the store kept failing for {elapsed:.1f} s over "
+                        f"{attempt + 1} attempts (retry deadline {self.deadline:g} s); last "
+                        f"cause: {describe(exc)}. Check that the store is up and reachable, "
+                        "or raise RetryPolicy(deadline=...); the loader's position is "
+                        "unchanged, so a state taken before this error resumes exactly"
+                    ) from exc
+                cap = min(self.max_delay, self.initial_delay * 2.0**attempt)
+                delay = min(random.uniform(0.0, cap), self.deadline - elapsed)
+                logger.warning(
+                    "transient storage error on %s (%s); retry %d in %.2f s",
+                    url,
+                    describe(exc),
+                    attempt + 1,
+                    delay,
+                )
+                time.sleep(delay)
+                attempt += 1
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _qualified_names(exc: BaseException) -> set[str]:
+    return {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+
+
+def _status(exc: BaseException) -> int | None:
+    """An HTTP status carried by the exception (gcsfs ``code``, botocore ``response``)."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return str(code) if code is not None else None
+    return None
+
+
+def _transient_here(exc: BaseException) -> bool:
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+        return True
+    if _qualified_names(exc) & TRANSIENT_CLASSES:
+        return True
+    status = _status(exc)
+    return (status is not None and status in TRANSIENT_STATUSES) or (
+        _s3_code(exc) in TRANSIENT_S3_CODES
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether waiting and retrying could make this failure go away.
+
+    The exception and its causes are examined (s3fs chains botocore's error as the cause of
+    the ``OSError`` it raises).
+
+    >>> is_transient(ConnectionRefusedError(111, "refused"))
+    True
+    >>> is_transient(OSError(errno.EBUSY, "SlowDown"))
+    True
+    >>> is_transient(FileNotFoundError("s3://bucket/a.parquet"))
+    False
+    >>> is_transient(ValueError("Parquet magic bytes not found"))
+    False
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DEFINITIVE):
+            return False
+        if _transient_here(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
