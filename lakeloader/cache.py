@@ -22,8 +22,12 @@ from typing import TypeAlias
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.errors import LakeDataError
+from lakeloader.fetch import url_of
 from lakeloader.plan import EpochPlan, release_slots
+from lakeloader.quarantine import OnError, QuarantineEntry, Validate, verdict
 from lakeloader.reader import UnitReader
+from lakeloader.retry import describe
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,23 @@ UNIT_DIR_PREFIX = "lakeloader"
 
 #: A decoded unit as a worker gets it: the table itself, or the path of its Arrow IPC file.
 UnitRef: TypeAlias = "pa.Table | str"
+#: What the store holds for a unit: the decoded unit, or why it is quarantined.
+Held: TypeAlias = "UnitRef | QuarantineEntry"
+
+
+@dataclass(frozen=True)
+class Screening:
+    """What to do with units that fail to decode or that the user's validator rejects.
+
+    Attributes:
+        on_error: ``"raise"`` a :class:`LakeDataError`, or ``"skip"`` (quarantine) the unit.
+        validate: The user's check of each decoded unit, or None.
+        known: Units already quarantined (from the loaded state): skipped without reading.
+    """
+
+    on_error: OnError = "raise"
+    validate: Validate | None = None
+    known: tuple[QuarantineEntry, ...] = ()
 
 
 def default_cache_dir() -> str | None:
@@ -77,7 +98,7 @@ def load_unit(ref: UnitRef) -> pa.Table:
 
 @dataclass
 class _Entry:
-    future: Future[UnitRef]
+    future: Future[Held]
     release: int
     nbytes: int
 
@@ -91,12 +112,19 @@ class UnitStore:
         directory: Folder for IPC unit files (worker processes), or None to keep tables in
             memory (no workers).
         threads: Units decoded at once.
+        screening: What to do with units that cannot be decoded or are rejected.
     """
 
     def __init__(
-        self, reader: UnitReader, plan: EpochPlan, directory: str | None, threads: int
+        self,
+        reader: UnitReader,
+        plan: EpochPlan,
+        directory: str | None,
+        threads: int,
+        screening: Screening,
     ) -> None:
         self._reader = reader
+        self._screening = screening
         self._plan = plan
         self._dir = directory
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
@@ -123,11 +151,43 @@ class UnitStore:
         info = self._reader.snapshot.files[file_index]
         return int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
 
-    def _decode(self, position: int) -> UnitRef:
-        table = self._reader.read(*self._locate(position))
-        if self._dir is None:
-            size: int = table.nbytes
-            ref: UnitRef = table
+    def _screen(self, position: int) -> pa.Table | QuarantineEntry:
+        """Read a unit, or say why it is quarantined."""
+        file_index, rg, start, rows = self._locate(position)
+        path = self._reader.snapshot.files[file_index].path
+        rules = self._screening
+        for known in rules.known:
+            if known.covers(path, rg, start, rows):
+                return QuarantineEntry(path, rg, start, rows, known.reason)
+        try:
+            table = self._reader.read(file_index, rg, start, rows)
+        except LakeDataError as exc:
+            if rules.on_error != "skip":
+                raise
+            reason = describe(exc.__cause__ or exc)
+        else:
+            rejected = None if rules.validate is None else verdict(rules.validate, table)
+            if rejected is None:
+                return table
+            if rules.on_error != "skip":
+                raise LakeDataError(
+                    f"{url_of(self._reader.fs, path)}, row group {rg}, rows [{start}, "
+                    f"{start + rows}): rejected by validate: {rejected}. Fix the data, or pass "
+                    "on_error='skip' to quarantine such units"
+                )
+            reason = f"rejected by validate: {rejected}"
+        logger.warning(
+            "quarantined %s, row group %d, rows [%d, %d): %s", path, rg, start, start + rows, reason
+        )
+        return QuarantineEntry(path, rg, start, rows, reason)
+
+    def _decode(self, position: int) -> Held:
+        table = self._screen(position)
+        ref: Held
+        if isinstance(table, QuarantineEntry):
+            size, ref = 0, table
+        elif self._dir is None:
+            size, ref = table.nbytes, table
         else:
             path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
             with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
@@ -165,11 +225,21 @@ class UnitStore:
         with self._lock:
             return all(self._entries[int(p)].future.done() for p in positions)
 
-    def get(self, positions: np.ndarray) -> list[UnitRef]:
+    def failed(self, positions: np.ndarray) -> bool:
+        """Whether reading any unit at these positions failed (``get`` would raise)."""
+        with self._lock:
+            futures = [self._entries[int(p)].future for p in positions]
+        return any(f.done() and not f.cancelled() and f.exception() for f in futures)
+
+    def get(self, positions: np.ndarray) -> list[Held]:
         """Wait for the units at these positions (requesting them if needed).
 
+        Returns:
+            Each unit, or its quarantine entry when it is skipped.
+
         Raises:
-            LakeDataError: If a unit cannot be read.
+            LakeDataError: If a unit cannot be read (and ``on_error`` is ``"raise"``).
+            StoreUnavailableError: If the store stays down past the retry deadline.
         """
         self.request(positions)
         with self._lock:
@@ -200,7 +270,7 @@ class UnitStore:
         if entry.future.cancelled() or entry.future.exception() is not None:
             return
         ref = entry.future.result()
-        if isinstance(ref, str):
+        if isinstance(ref, str):  # a quarantine entry or a table leaves nothing behind
             try:
                 os.unlink(ref)
             except FileNotFoundError:

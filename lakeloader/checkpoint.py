@@ -34,6 +34,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.loader import DataLoader
 from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
+from lakeloader.quarantine import QuarantineEntry
 from lakeloader.recovery import LakeChangePolicy, check_files, diff_snapshots, enforce
 from lakeloader.snapshot import Snapshot
 from lakeloader.state import LoaderState
@@ -175,9 +176,12 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
         state = loader.state_dict()
-        confirm_same_position(state, previous)
+        everyone = confirm_same_position(state, previous)
         if previous is not None:
             raise previous
+        if everyone:
+            loader.adopt_quarantine([QuarantineEntry.from_dict(q) for q in everyone])
+            state = loader.state_dict()
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         record = {

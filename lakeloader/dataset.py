@@ -28,6 +28,7 @@ from lakeloader.plan import (
     make_units,
     plan_epoch,
 )
+from lakeloader.quarantine import ON_ERROR_CHOICES, OnError, Validate
 from lakeloader.reader import UnitReader
 from lakeloader.retry import RetryPolicy
 from lakeloader.snapshot import Snapshot, snapshot_lake
@@ -116,11 +117,17 @@ class LakeDataset:
         progress: bool | None = None,
         snapshot: Snapshot | None = None,
         retry: RetryPolicy | None = None,
+        on_error: OnError = "raise",
+        validate: Validate | None = None,
     ) -> None:
         self.source = source
         self.storage_options = dict(storage_options or {})
         self.transform = transform
         self.retry = retry or RetryPolicy()
+        if on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+        self.on_error: OnError = on_error
+        self.validate = validate
         if snapshot is None:
             fs, snapshot = snapshot_lake(
                 source, self.storage_options, progress=progress, columns=columns, retry=self.retry

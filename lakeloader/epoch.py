@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lakeloader.cache import UnitStore
+from lakeloader.cache import Held, Screening, UnitRef, UnitStore
 from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
 from lakeloader.errors import WorkerError
 from lakeloader.plan import BatchSpec, EpochPlan, batch_spec, steps_in_epoch
+from lakeloader.quarantine import QuarantineEntry, drop_pieces
 from lakeloader.reader import UnitReader
 from lakeloader.workers import Death, Result, Task, WorkerPool
 
@@ -51,9 +52,37 @@ class IterConfig:
     pin_memory: bool
     transform: Transform | None
     collate_fn: Collate | None
+    screening: Screening
 
 
-OnDelivered = Callable[[int, int, bool], None]
+@dataclass(frozen=True)
+class Delivery:
+    """What the loader learns as a batch is handed over.
+
+    Attributes:
+        slot_stop: One past the last global slot of the step (the new position G).
+        rows: Rows this rank delivered.
+        last: Whether it is the pass's last step.
+        skipped: Quarantined units whose rows this step would have held.
+        rows_skipped: Rows of this rank's share left out for them.
+    """
+
+    slot_stop: int
+    rows: int
+    last: bool
+    skipped: tuple[QuarantineEntry, ...]
+    rows_skipped: int
+
+
+OnDelivered = Callable[[Delivery], None]
+
+
+@dataclass(frozen=True)
+class _Screened:
+    """A step's decoded units and row indices once quarantined units are left out."""
+
+    refs: list[UnitRef]
+    take: Any
 
 
 class EpochIterator:
@@ -62,7 +91,7 @@ class EpochIterator:
     Args:
         cfg: The pass's configuration.
         reader: Reads units (its counters are the loader's).
-        on_delivered: Called with ``(slot_stop, rows, is_last)`` as each batch is handed over.
+        on_delivered: Called with a :class:`Delivery` as each batch is handed over.
         on_finish: Called once when the pass ends (or is closed).
         pool: Worker processes, or None to build batches in this process.
         unit_dir: Folder for decoded unit files shared with the workers (with a pool).
@@ -85,8 +114,12 @@ class EpochIterator:
         self.num_steps = steps_in_epoch(
             cfg.start, cfg.plan.num_rows, cfg.global_batch, cfg.drop_last
         )
-        self._store = UnitStore(reader, cfg.plan, unit_dir if pool else None, cfg.io_threads)
+        self._store = UnitStore(
+            reader, cfg.plan, unit_dir if pool else None, cfg.io_threads, cfg.screening
+        )
         self._specs: dict[int, BatchSpec] = {}
+        #: Per screened step: the quarantined units and the rows of this rank they cost.
+        self._skipped: dict[int, tuple[tuple[QuarantineEntry, ...], int]] = {}
         self._done: dict[int, Result] = {}
         self._attempts: dict[int, int] = {}
         self._next_plan = self._next_dispatch = self._next_deliver = 0
@@ -131,9 +164,9 @@ class EpochIterator:
         self._plan_ahead()
         spec = self._specs[step]
         if self._pool is None:
-            refs = self._store.get(spec.positions)
+            screened = self._screened(spec)
             payload = build_payload(
-                refs, spec.take, self._schema, self.cfg.transform, self.cfg.collate_fn
+                screened.refs, screened.take, self._schema, self.cfg.transform, self.cfg.collate_fn
             )
         else:
             payload = self._from_workers(step)
@@ -141,10 +174,31 @@ class EpochIterator:
         if self.cfg.pin_memory:
             batch = pin(batch)
         del self._specs[step]
+        skipped, rows = self._skipped.pop(step)
         self._next_deliver += 1
-        self._on_delivered(spec.slot_stop, spec.num_rows, self._next_deliver == self.num_steps)
+        self._on_delivered(
+            Delivery(
+                spec.slot_stop,
+                spec.num_rows - rows,
+                self._next_deliver == self.num_steps,
+                skipped,
+                rows,
+            )
+        )
         self._store.release(spec.slot_stop)
         return batch
+
+    def _screened(self, spec: BatchSpec) -> _Screened:
+        """The step's units without quarantined ones, and its rows renumbered to match."""
+        held: list[Held] = self._store.get(spec.positions)
+        bad = [isinstance(h, QuarantineEntry) for h in held]
+        refs = [h for h in held if not isinstance(h, QuarantineEntry)]
+        skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
+        take = spec.take
+        if skipped:
+            take = drop_pieces(spec.take, self.cfg.plan.piece_rows(spec.positions).tolist(), bad)
+        self._skipped[spec.step] = (skipped, spec.num_rows - len(take))
+        return _Screened(refs, take)
 
     def _dispatch(self, pool: WorkerPool) -> None:
         cap = max(1, self.cfg.num_workers * self.cfg.prefetch_factor)
@@ -152,8 +206,15 @@ class EpochIterator:
             spec = self._specs[self._next_dispatch]
             if not self._store.ready(spec.positions):
                 return
-            refs = self._store.get(spec.positions)
-            pool.submit(Task(self._generation, spec.step, [str(r) for r in refs], spec.take))
+            if self._store.failed(spec.positions):
+                # The error belongs to this step: raise it only once every earlier batch
+                # has been delivered, so the position says exactly how far training got.
+                if spec.step == self._next_deliver:
+                    self._screened(spec)
+                return
+            screened = self._screened(spec)
+            refs = [str(r) for r in screened.refs]
+            pool.submit(Task(self._generation, spec.step, refs, screened.take))
             self._next_dispatch += 1
 
     def _from_workers(self, step: int) -> Any:

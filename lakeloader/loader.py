@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from lakeloader import _keys as K
-from lakeloader.cache import default_cache_dir, make_unit_dir
+from lakeloader.cache import Screening, default_cache_dir, make_unit_dir
 from lakeloader.collate import Collate
 from lakeloader.dataset import LakeDataset
-from lakeloader.epoch import EpochIterator, IterConfig
+from lakeloader.epoch import Delivery, EpochIterator, IterConfig
 from lakeloader.plan import steps_in_epoch
+from lakeloader.quarantine import QuarantineEntry, merge
 from lakeloader.reader import UnitReader
 from lakeloader.state import LoaderState
 from lakeloader.topology import resolve_topology
@@ -135,6 +136,8 @@ class DataLoader:
         self._dropped = 0
         self._fresh = True
         self._rows_delivered = 0
+        self._rows_skipped = 0
+        self._quarantine: list[QuarantineEntry] = []
         self._iterator: EpochIterator | None = None
         self._pool: WorkerPool | None = None
         self._worker_restarts = 0
@@ -247,14 +250,20 @@ class DataLoader:
             pin_memory=self.pin_memory,
             transform=self.dataset.transform,
             collate_fn=self.collate_fn,
+            screening=Screening(
+                self.dataset.on_error, self.dataset.validate, tuple(self._quarantine)
+            ),
         )
 
-    def _on_delivered(self, slot_stop: int, rows: int, last: bool) -> None:
+    def _on_delivered(self, d: Delivery) -> None:
         """Called by the iterator just before it hands a batch to the training loop."""
-        self._position = slot_stop
-        self._rows_delivered += rows
-        if last and self.drop_last:
-            self._dropped = len(self.dataset) - slot_stop
+        self._position = d.slot_stop
+        self._rows_delivered += d.rows
+        self._rows_skipped += d.rows_skipped
+        if d.skipped:
+            self._quarantine = merge(self._quarantine, d.skipped)
+        if d.last and self.drop_last:
+            self._dropped = len(self.dataset) - d.slot_stop
 
     def _on_epoch_end(self) -> None:
         if not self.persistent_workers:
@@ -305,6 +314,7 @@ class DataLoader:
                 K.TOPO_NUM_WORKERS: self.num_workers,
                 K.TOPO_BATCH_SIZE: self.batch_size,
             },
+            quarantine=[e.to_dict() for e in self._quarantine],
         ).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -318,11 +328,21 @@ class DataLoader:
         state.check_matches(self.dataset.fingerprint, self.dataset.config.to_dict())
         self._close_iterator()
         self._epoch, self._position, self._dropped = state.epoch, state.position, state.rows_dropped
+        self._quarantine = merge(QuarantineEntry.from_dict(q) for q in state.quarantine)
         if state.position + state.rows_dropped >= len(self.dataset):
             # A finished epoch: the next pass is the next epoch, and set_epoch(epoch + 1) at
             # the top of the caller's loop keeps it that way.
             self._epoch, self._position, self._dropped = state.epoch + 1, 0, 0
         self._fresh = True
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
+        return list(self._quarantine)
+
+    def adopt_quarantine(self, entries: list[QuarantineEntry]) -> None:
+        """Add other ranks' quarantine entries (the checkpoint barrier does this)."""
+        self._quarantine = merge(self._quarantine, entries)
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks (cumulative over the loader's life)."""
@@ -331,6 +351,7 @@ class DataLoader:
             "units_decoded": self._reader.counters.units_decoded,
             "bytes_read": self._reader.counters.bytes_read,
             "rows_delivered": self._rows_delivered,
+            "rows_skipped": self._rows_skipped,
             "cache_bytes": it.cache_bytes() if it is not None else 0,
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
             "worker_restarts": self._worker_restarts + (self._pool.restarts if self._pool else 0),

@@ -27,6 +27,7 @@ from lakeloader.discovery import DiscoveredFile, Source, discover, version_token
 from lakeloader.errors import LakeDataError, SchemaMismatchError
 from lakeloader.fetch import is_local, read_footer, url_of
 from lakeloader.retry import RetryPolicy
+from lakeloader.schema import unify_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -144,53 +145,6 @@ def read_file_info(
         partitions=found.partitions,
         schema=schema,
     )
-
-
-def unify_schemas(files: Sequence[FileInfo], columns: Sequence[str] | None = None) -> pa.Schema:
-    """Unify the file schemas (of the selected columns), naming both files on a conflict.
-
-    Args:
-        files: The files, in path order.
-        columns: Only these columns need to agree (None: all of them).
-
-    Raises:
-        SchemaMismatchError: If two files disagree on a column's type; the message names the
-            file that set the type the other one conflicts with.
-    """
-    unified: pa.Schema | None = None
-    set_by: dict[str, FileInfo] = {}
-    for f in files:
-        if f.schema is None:
-            continue
-        schema = f.schema
-        if columns is not None:
-            schema = pa.schema([field for field in schema if field.name in columns])
-        try:
-            merged = schema if unified is None else pa.unify_schemas([unified, schema])
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise _conflict(unified, schema, f, set_by) from exc
-        before = {} if unified is None else dict(zip(unified.names, unified.types, strict=True))
-        for field in merged:
-            if before.get(field.name) != field.type:
-                set_by[field.name] = f
-        unified = merged
-    return unified if unified is not None else pa.schema([])
-
-
-def _conflict(
-    unified: pa.Schema | None, schema: pa.Schema, f: FileInfo, set_by: dict[str, FileInfo]
-) -> SchemaMismatchError:
-    for field in schema:
-        if unified is not None and field.name in unified.names:
-            have = unified.field(field.name).type
-            if have != field.type and not pa.types.is_null(have):
-                other = set_by[field.name]
-                return SchemaMismatchError(
-                    f"column {field.name!r} is {have} in {other.path} but {field.type} in "
-                    f"{f.path}:\n--- {other.path}\n{other.schema}\n--- {f.path}\n{f.schema}\n"
-                    "rewrite one of them, or leave the column out with columns=[...]"
-                )
-    return SchemaMismatchError(f"{f.path}: its schema cannot be unified with the lake's:\n{schema}")
 
 
 def _partition_types(files: Sequence[FileInfo]) -> tuple[tuple[str, pa.DataType], ...]:

@@ -40,7 +40,8 @@ class LoaderState:
         rows_dropped: Rows of the epoch dropped by ``drop_last`` (counted, never silent).
         num_rows: Rows in the epoch (N), for reports.
         topology: The topology the state was taken under (information, not a constraint).
-        quarantine: Units skipped as unreadable (reserved; always empty for now).
+        quarantine: Units skipped for good (``on_error="skip"``), as plain dicts (see
+            :class:`lakeloader.quarantine.QuarantineEntry`).
     """
 
     fingerprint: str
@@ -51,7 +52,7 @@ class LoaderState:
     rows_dropped: int
     num_rows: int
     topology: dict[str, int]
-    quarantine: list[Any] = field(default_factory=list)
+    quarantine: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only: msgpack- and JSON-serialisable."""
@@ -97,7 +98,7 @@ class LoaderState:
                 rows_dropped=int(state[K.STATE_DROPPED]),
                 num_rows=int(state[K.STATE_NUM_ROWS]),
                 topology={str(k): int(v) for k, v in state[K.STATE_TOPOLOGY].items()},
-                quarantine=list(state[K.STATE_QUARANTINE]),
+                quarantine=[dict(q) for q in state[K.STATE_QUARANTINE]],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFormatError(f"malformed lakeloader state: {exc!r}") from exc

@@ -1,0 +1,135 @@
+"""Quarantine: units that cannot be read, or that the user's validator rejects, skipped alike.
+
+With ``on_error="skip"`` a unit (a row range of one row group, as the epoch's plan cut it)
+that fails to decode, or that ``validate`` rejects, is not delivered. Its rows are dropped
+from the batches that would have held them; every other row keeps its place, so the global
+sequence of the remaining rows is the same for every world size, worker count and resume.
+Because decoding and validation are functions of the data, every rank that needs the unit
+reaches the same verdict on its own; the entries also travel in the loader's state (merged
+across ranks at a checkpoint's barrier), so a resumed run skips them without reading them
+again and ``lakeloader inspect`` can show them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+#: What a dataset does with a unit that fails to decode or is rejected by ``validate``.
+OnError = Literal["raise", "skip"]
+ON_ERROR_CHOICES: tuple[OnError, ...] = ("raise", "skip")
+#: A user check of a decoded unit: True (or None) keeps it; False or a reason rejects it.
+Validate = Callable[[pa.Table], "bool | str | None"]
+
+# Keys of one quarantine entry in a state dict.
+Q_PATH = "path"
+Q_ROW_GROUP = "row_group"
+Q_ROW_START = "row_start"
+Q_NUM_ROWS = "num_rows"
+Q_REASON = "reason"
+
+
+@dataclass(frozen=True)
+class QuarantineEntry:
+    """A unit skipped for good.
+
+    Attributes:
+        path: The file (as the snapshot names it).
+        row_group: The row group.
+        row_start: First row of the unit in the row group.
+        num_rows: Rows skipped.
+        reason: Why: the decoding error, or the validator's verdict.
+    """
+
+    path: str
+    row_group: int
+    row_start: int
+    num_rows: int
+    reason: str
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """Identity of the unit (the reason aside)."""
+        return (self.path, self.row_group, self.row_start, self.num_rows)
+
+    def covers(self, path: str, row_group: int, row_start: int, num_rows: int) -> bool:
+        """Whether this entry spans the whole of the given unit."""
+        return (
+            path == self.path
+            and row_group == self.row_group
+            and self.row_start <= row_start
+            and row_start + num_rows <= self.row_start + self.num_rows
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types for the state dict."""
+        return {
+            Q_PATH: self.path,
+            Q_ROW_GROUP: self.row_group,
+            Q_ROW_START: self.row_start,
+            Q_NUM_ROWS: self.num_rows,
+            Q_REASON: self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuarantineEntry:
+        """Parse :meth:`to_dict`'s output."""
+        return cls(
+            str(d[Q_PATH]),
+            int(d[Q_ROW_GROUP]),
+            int(d[Q_ROW_START]),
+            int(d[Q_NUM_ROWS]),
+            str(d[Q_REASON]),
+        )
+
+
+def merge(*groups: Iterable[QuarantineEntry]) -> list[QuarantineEntry]:
+    """Union of entries (one per unit), sorted by file, row group and row: the same on all ranks.
+
+    >>> a = QuarantineEntry("f", 1, 0, 10, "bad page")
+    >>> b = QuarantineEntry("e", 0, 5, 5, "all NaN")
+    >>> [e.path for e in merge([a], [b, a])]
+    ['e', 'f']
+    """
+    unique = {e.key: e for group in groups for e in group}
+    return [unique[k] for k in sorted(unique)]
+
+
+def verdict(validate: Validate, table: pa.Table) -> str | None:
+    """Run the user's validator: None to keep the unit, else the reason to reject it.
+
+    >>> verdict(lambda t: t.num_rows > 0, pa.table({"x": [1]})) is None
+    True
+    >>> verdict(lambda t: "all NaN", pa.table({"x": [1]}))
+    'all NaN'
+    """
+    result = validate(table)
+    if result is True or result is None:
+        return None
+    if result is False:
+        return "rejected by validate"
+    return str(result)
+
+
+def drop_pieces(take: np.ndarray, sizes: Sequence[int], bad: Sequence[bool]) -> np.ndarray:
+    """Row indices of a batch without the rows of quarantined pieces, renumbered.
+
+    ``take`` indexes the concatenation of the pieces (of ``sizes`` rows each); the result
+    indexes the concatenation of the pieces that are not ``bad``, in the same order.
+
+    >>> drop_pieces(np.array([4, 0, 2, 3]), [2, 3], [True, False]).tolist()
+    [2, 0, 1]
+    """
+    sizes_a = np.asarray(sizes, dtype=np.int64)
+    bad_a = np.asarray(bad, dtype=bool)
+    old_base = np.concatenate([[0], np.cumsum(sizes_a)[:-1]]).astype(np.int64)
+    kept_sizes = np.where(bad_a, 0, sizes_a)
+    new_base = np.concatenate([[0], np.cumsum(kept_sizes)[:-1]]).astype(np.int64)
+    piece = np.searchsorted(old_base, take, side="right") - 1
+    keep = ~bad_a[piece]
+    out: np.ndarray = take[keep] - old_base[piece[keep]] + new_base[piece[keep]]
+    return out.astype(np.int64)
