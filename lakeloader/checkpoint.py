@@ -29,13 +29,18 @@ from fsspec.core import url_to_fs
 
 from lakeloader._version import __version__
 from lakeloader.barrier import confirm_same_position, sha256
-from lakeloader.collate import Transform
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.loader import DataLoader
 from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
 from lakeloader.quarantine import QuarantineEntry
-from lakeloader.recovery import LakeChangePolicy, check_files, diff_snapshots, enforce
+from lakeloader.recovery import (
+    LakeChangePolicy,
+    check_files,
+    diff_snapshots,
+    enforce,
+    lost_units,
+)
 from lakeloader.snapshot import Snapshot
 from lakeloader.state import LoaderState
 
@@ -386,10 +391,16 @@ class CheckpointManager:
         current = loader.dataset
         if saved.fingerprint != current.fingerprint:
             diff = diff_snapshots(ckpt.snapshot, current.snapshot)
-            if not enforce(diff, on_lake_change, ckpt.path):
+            if not enforce(diff, on_lake_change, ckpt.path, _finished(saved)):
                 saved.check_matches(saved.fingerprint, current.config.to_dict())
                 loader.set_epoch(saved.epoch, restart=True)
                 return ckpt.extra
+            pinned = LakeDataset(
+                ckpt.context["source"], snapshot=ckpt.snapshot, **_settings(current)
+            )
+            lost = () if _finished(saved) else lost_units(ckpt.snapshot, diff)
+            pinned.hand_over(saved.epoch + 1, current, lost)
+            loader.rebase(pinned)
         loader.load_state_dict(ckpt.state)
         return ckpt.extra
 
@@ -398,21 +409,33 @@ class CheckpointManager:
         step: int | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
-        transform: Transform | None = None,
         on_lake_change: LakeChangePolicy = "error",
+        **settings: Any,
     ) -> LakeDataset:
         """The dataset a checkpoint was taken on, from its manifest: no listing, no footers.
 
-        Each pinned file is checked with one metadata request. With files gone or rewritten,
-        ``on_lake_change="error"`` raises; ``"restart_epoch"`` lists the lake afresh (pass the
-        same policy to :meth:`load`, which then restarts the saved epoch).
+        Each pinned file is checked with one metadata request. With files gone or rewritten
+        that the rest of the saved epoch needs, ``on_lake_change="error"`` raises listing
+        them; ``"skip"`` finishes the epoch without their units (later epochs list the lake
+        afresh); ``"restart_epoch"`` lists the lake afresh (pass the same policy to
+        :meth:`load`, which then restarts the saved epoch). Files added since are not seen
+        here: build a :class:`LakeDataset` on the live lake and call :meth:`load`, which
+        finishes the saved epoch on the pinned snapshot and lets them join at the next epoch.
+
+        Args:
+            step: The checkpoint's step (None: the newest usable one).
+            storage_options: fsspec options for the lake (never stored in checkpoints).
+            on_lake_change: One of ``"error"``, ``"skip"``, ``"restart_epoch"``.
+            **settings: Other :class:`LakeDataset` arguments that do not change the order
+                (``transform``, ``retry``, ``on_error``, ``validate``, ``progress``).
 
         Raises:
             CheckpointError: If no checkpoint is usable.
             LakeChangedError: If pinned files changed and the policy is ``"error"``.
         """
         ckpt = self.load_checkpoint(step)
-        cfg = ckpt.state["config"]
+        saved = LoaderState.from_dict(ckpt.state)
+        cfg = saved.config
         kwargs: dict[str, Any] = {
             "columns": cfg["columns"],
             "seed": cfg["seed"],
@@ -421,13 +444,18 @@ class CheckpointManager:
             "window": cfg["window"],
             "max_unit_rows": cfg["max_unit_rows"],
             "storage_options": storage_options,
-            "transform": transform,
+            **settings,
         }
         source = ckpt.context["source"]
         ds = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
-        if enforce(check_files(ds.fs, ds.snapshot.files), on_lake_change, ckpt.path):
+        diff = check_files(ds.fs, ds.snapshot.files)
+        if not (diff.gone or diff.changed):
             return ds
-        return LakeDataset(source, **kwargs)
+        if not enforce(diff, on_lake_change, ckpt.path, _finished(saved)):
+            return LakeDataset(source, **kwargs)
+        lost = () if _finished(saved) else lost_units(ckpt.snapshot, diff)
+        ds.hand_over(saved.epoch + 1, LakeDataset(source, **kwargs), lost)
+        return ds
 
     def close(self) -> None:
         """Finish a pending background save and stop the writer thread."""
@@ -436,6 +464,29 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
+
+
+def _finished(state: LoaderState) -> bool:
+    """Whether a state sits at its epoch's end (the rest of the epoch needs no file)."""
+    return state.position + state.rows_dropped >= state.num_rows
+
+
+def _settings(ds: LakeDataset) -> dict[str, Any]:
+    """A dataset's arguments, so that a pinned twin orders and reads rows alike."""
+    c = ds.config
+    return {
+        "columns": list(c.columns),
+        "seed": c.seed,
+        "shuffle": c.shuffle,
+        "num_partitions": c.num_partitions,
+        "window": c.window,
+        "max_unit_rows": c.max_unit_rows,
+        "storage_options": ds.storage_options,
+        "transform": ds.transform,
+        "retry": ds.retry,
+        "on_error": ds.on_error,
+        "validate": ds.validate,
+    }
 
 
 def _source(loader: DataLoader) -> Any:

@@ -28,7 +28,7 @@ from lakeloader.plan import (
     make_units,
     plan_epoch,
 )
-from lakeloader.quarantine import ON_ERROR_CHOICES, OnError, Validate
+from lakeloader.quarantine import ON_ERROR_CHOICES, OnError, QuarantineEntry, Validate
 from lakeloader.reader import UnitReader
 from lakeloader.retry import RetryPolicy
 from lakeloader.snapshot import Snapshot, snapshot_lake
@@ -162,6 +162,10 @@ class LakeDataset:
             [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows
         )
         self.config_hash = config_hash(self.config.to_dict())
+        #: Units of this snapshot known to be lost (files gone or rewritten since a
+        #: checkpoint, under ``on_lake_change="skip"``): skipped like quarantined units.
+        self.lost: tuple[QuarantineEntry, ...] = ()
+        self._successor: tuple[int, LakeDataset] | None = None
         self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)
         logger.info(
             "lake %s: %d files, %d row groups, %d units, %d rows, fingerprint %s",
@@ -202,6 +206,30 @@ class LakeDataset:
     def plan(self, epoch: int) -> EpochPlan:
         """The plan of one epoch (cached for the last few epochs)."""
         return self._plan_cached(epoch)
+
+    def hand_over(
+        self, epoch: int, successor: LakeDataset, lost: Sequence[QuarantineEntry] = ()
+    ) -> None:
+        """From ``epoch`` on, epochs run on ``successor`` (the lake as it is now).
+
+        The recovery coordinator uses this to finish a checkpoint's epoch on its pinned
+        snapshot while files added since join at the next epoch boundary.
+
+        Args:
+            epoch: The first epoch of the successor.
+            successor: The dataset of the later epochs (same order configuration).
+            lost: Units of this snapshot that can no longer be read, to be skipped.
+        """
+        if successor.config != self.config:
+            raise ValueError("a successor dataset must have the same order configuration")
+        self._successor = (int(epoch), successor)
+        self.lost = tuple(lost)
+
+    def for_epoch(self, epoch: int) -> LakeDataset:
+        """The dataset that epoch ``epoch`` runs on: this one, or its successor."""
+        if self._successor is not None and epoch >= self._successor[0]:
+            return self._successor[1].for_epoch(epoch)
+        return self
 
     def reader(self) -> UnitReader:
         """A fresh unit reader (with its own counters) for the selected columns."""

@@ -114,6 +114,7 @@ class DataLoader:
                 "prefetch_factor and persistent_workers need num_workers > 0 (as in torch)"
             )
         assert batch_size is not None
+        self._base = dataset
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.num_workers = int(num_workers)
@@ -204,6 +205,7 @@ class DataLoader:
             self._position, n, self.global_batch_size, self.drop_last
         ):
             self._dropped = n - self._position  # nothing left but a short tail: dropped
+        self._follow_dataset()
         pool = self._ensure_pool() if self.num_workers else None
         self._iterator = EpochIterator(
             self._iter_config(),
@@ -214,6 +216,28 @@ class DataLoader:
             self._unit_dir,
         )
         return self._iterator
+
+    def _follow_dataset(self, epoch: int | None = None) -> None:
+        """Switch to the dataset that an epoch (default: the current one) runs on."""
+        epoch = self._epoch if epoch is None else epoch
+        current = self._base.for_epoch(epoch)
+        if current is not self.dataset:
+            logger.info(
+                "epoch %d runs on snapshot %s (was %s)",
+                epoch,
+                current.fingerprint,
+                self.dataset.fingerprint,
+            )
+            self._shutdown_workers()  # their schema may have widened
+            self.dataset = current
+            self._reader = current.reader()
+
+    def rebase(self, dataset: LakeDataset) -> None:
+        """Use another dataset (same order configuration); the recovery coordinator's hook."""
+        self._close_iterator()
+        self._shutdown_workers()
+        self._base = self.dataset = dataset
+        self._reader = dataset.reader()
 
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
@@ -251,7 +275,9 @@ class DataLoader:
             transform=self.dataset.transform,
             collate_fn=self.collate_fn,
             screening=Screening(
-                self.dataset.on_error, self.dataset.validate, tuple(self._quarantine)
+                self.dataset.on_error,
+                self.dataset.validate,
+                tuple(self._quarantine) + self.dataset.lost,
             ),
         )
 
@@ -325,8 +351,9 @@ class DataLoader:
             StateMismatchError: If it belongs to another lake snapshot or configuration.
         """
         state = LoaderState.from_dict(state_dict)
-        state.check_matches(self.dataset.fingerprint, self.dataset.config.to_dict())
         self._close_iterator()
+        self._follow_dataset(state.epoch)
+        state.check_matches(self.dataset.fingerprint, self.dataset.config.to_dict())
         self._epoch, self._position, self._dropped = state.epoch, state.position, state.rows_dropped
         self._quarantine = merge(QuarantineEntry.from_dict(q) for q in state.quarantine)
         if state.position + state.rows_dropped >= len(self.dataset):

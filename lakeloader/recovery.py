@@ -19,16 +19,22 @@ import fsspec
 
 from lakeloader.discovery import version_token
 from lakeloader.errors import LakeChangedError
+from lakeloader.quarantine import QuarantineEntry
 from lakeloader.snapshot import FileInfo, Snapshot
 
 logger = logging.getLogger(__name__)
 
-#: What to do when the lake no longer matches a checkpoint's snapshot.
-#: ``"error"``: refuse, listing the files (the default: exactness cannot be kept).
+#: What to do when files of a checkpoint's snapshot are gone or rewritten and the rest of the
+#: saved epoch needs them (files *added* since are never a problem: they join at the next
+#: epoch boundary; and a checkpoint taken at an epoch's end needs no old file at all):
+#: ``"error"``: refuse, listing each file with its old and new size and version (the default:
+#: exactness cannot be kept).
+#: ``"skip"``: finish the saved epoch on its pinned snapshot, skipping (quarantining) the units
+#: of those files; the rows this costs are reported. Later epochs run on the lake as it is now.
 #: ``"restart_epoch"``: take the lake as it is now and run the saved epoch again from its start
 #: (rows delivered before the checkpoint in that epoch are delivered again: at least once).
-LakeChangePolicy = Literal["error", "restart_epoch"]
-POLICIES: Final = ("error", "restart_epoch")
+LakeChangePolicy = Literal["error", "skip", "restart_epoch"]
+POLICIES: Final = ("error", "skip", "restart_epoch")
 #: Files checked at once (one metadata request each).
 CHECK_THREADS = 32
 
@@ -47,11 +53,6 @@ class LakeDiff:
     gone: tuple[str, ...] = ()
     changed: tuple[tuple[str, str, str], ...] = ()
     added: tuple[str, ...] = ()
-
-    @property
-    def breaks_resume(self) -> bool:
-        """Whether the saved order cannot be reproduced (any file gone, rewritten or added)."""
-        return bool(self.gone or self.changed or self.added)
 
     def describe(self, limit: int = 20) -> str:
         """A readable list of the differences (the first ``limit`` of each kind)."""
@@ -108,40 +109,66 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
     return LakeDiff(gone, changed)
 
 
-def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str) -> bool:
+def lost_units(snapshot: Snapshot, diff: LakeDiff) -> tuple[QuarantineEntry, ...]:
+    """Quarantine entries for every row group of the files gone or rewritten (pure)."""
+    reasons = {p: "file gone since the checkpoint" for p in diff.gone}
+    reasons.update(
+        {p: f"file rewritten since the checkpoint ({was} -> {now})" for p, was, now in diff.changed}
+    )
+    return tuple(
+        QuarantineEntry(f.path, rg, 0, rows, reasons[f.path])
+        for f in snapshot.files
+        if f.path in reasons
+        for rg, rows in enumerate(f.row_group_rows)
+    )
+
+
+def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool) -> bool:
     """Apply a policy to a lake difference.
 
     Args:
         diff: The difference.
-        policy: ``"error"`` or ``"restart_epoch"``.
+        policy: One of :data:`POLICIES`.
         where: What the difference is against (a checkpoint path), for messages.
+        finished: Whether the saved position is at its epoch's end (then no old file is
+            needed, and only the next epoch's lake matters).
 
     Returns:
-        True when the saved position still holds, False when the saved epoch must restart.
+        True when the saved position holds (resume it; with ``"skip"`` the caller skips
+        :func:`lost_units`), False when the saved epoch must restart.
 
     Raises:
-        LakeChangedError: Under ``"error"``, when files are gone or changed.
+        LakeChangedError: Under ``"error"``, when files the rest of the epoch needs are gone
+            or rewritten.
         ValueError: For an unknown policy.
     """
     if policy not in POLICIES:
         raise ValueError(f"on_lake_change must be one of {POLICIES}, got {policy!r}")
-    if not diff.breaks_resume:
+    if diff.added:
+        logger.warning(
+            "%d file(s) were added to the lake since %s; they join at the next epoch boundary:\n%s",
+            len(diff.added),
+            where,
+            LakeDiff(added=diff.added).describe(),
+        )
+    if not (diff.gone or diff.changed) or finished:
         return True
     if policy == "error":
-        advice = (
-            "restore the files, or pass on_lake_change='restart_epoch' to run the saved epoch "
-            "again on the lake as it is now"
-        )
-        if not (diff.gone or diff.changed):
-            advice = (
-                "only files were added: build the dataset from the checkpoint's pinned "
-                "snapshot with CheckpointManager.dataset() to resume exactly, or pass "
-                "on_lake_change='restart_epoch'"
-            )
         raise LakeChangedError(
-            f"the lake changed since {where}, so its position cannot be resumed exactly:\n"
-            f"{diff.describe()}\n{advice}"
+            f"the lake changed since {where}, and the rest of the saved epoch needs these "
+            f"files, so its position cannot be resumed exactly:\n{diff.describe()}\n"
+            "restore the files; or pass on_lake_change='skip' to skip their units for the "
+            "rest of the epoch (counted as skipped), or 'restart_epoch' to run the saved "
+            "epoch again on the lake as it is now"
         )
+    if policy == "skip":
+        logger.warning(
+            "the lake changed since %s; the rest of the saved epoch skips the units of these "
+            "files (on_lake_change='skip'):\n%s",
+            where,
+            diff.describe(),
+        )
+        return True
     logger.warning(
         "the lake changed since %s; restarting the saved epoch from its start "
         "(on_lake_change='restart_epoch'):\n%s",
