@@ -130,7 +130,12 @@ class LakeDataset:
         self.validate = validate
         if snapshot is None:
             fs, snapshot = snapshot_lake(
-                source, self.storage_options, progress=progress, columns=columns, retry=self.retry
+                source,
+                self.storage_options,
+                progress=progress,
+                columns=columns,
+                retry=self.retry,
+                skip_unreadable=on_error == "skip",
             )
         else:
             first = source if isinstance(source, str | os.PathLike) else next(iter(source))

@@ -378,7 +378,13 @@ def render_text(info: dict[str, Any]) -> str:
                     if extra["keys"] is not None
                     else ("none" if extra["type"] == "NoneType" else extra["type"]),
                 ),
-                ("quarantine", "; ".join(map(str, quarantine)) if quarantine else "none"),
+                (
+                    "quarantine",
+                    f"{len(quarantine):,} units, {sum(q['num_rows'] for q in quarantine):,} rows"
+                    " skipped (listed below)"
+                    if quarantine
+                    else "none",
+                ),
             ]
         ),
         "",
@@ -416,6 +422,19 @@ def render_text(info: dict[str, Any]) -> str:
                 for w in info["workers"]
             ]
             out.append(format_table(["rank", "worker", "step", "rows", *loc], rows))
+    if quarantine:
+        out += ["", "quarantine (units skipped for good, on every rank and after every resume):"]
+        rows = [
+            [
+                q["path"],
+                q["row_group"],
+                f"[{q['row_start']:,}, {q['row_start'] + q['num_rows']:,})",
+                q["num_rows"],
+                q["reason"],
+            ]
+            for q in quarantine
+        ]
+        out.append(format_table(["file", "row group", "rows", "count", "reason"], rows))
     if "ranges" in info:
         rows = [
             [r["file"], r["row_group"], r["rows"]] + [_ranges_text(r[c]) for c in _CATEGORIES]

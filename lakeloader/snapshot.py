@@ -194,6 +194,7 @@ def build_snapshot(
     progress: bool | None = None,
     columns: Sequence[str] | None = None,
     retry: RetryPolicy | None = None,
+    skip_unreadable: bool = False,
 ) -> Snapshot:
     """Read every footer in parallel and freeze the result.
 
@@ -204,23 +205,35 @@ def build_snapshot(
         progress: Show a progress bar; None shows one for many files on a terminal.
         columns: Only these columns must have compatible types across files (None: all).
         retry: Retry policy for transient storage failures (None: the default policy).
+        skip_unreadable: Leave out files whose footer cannot be read, with a warning
+            naming each (``on_error="skip"``), instead of raising.
 
     Raises:
-        LakeDataError: If a footer cannot be read.
+        LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
         SchemaMismatchError: If the schemas cannot be unified.
     """
+
+    def read(d: DiscoveredFile) -> FileInfo | None:
+        try:
+            return read_file_info(fs, d, retry)
+        except LakeDataError as exc:
+            if not skip_unreadable:
+                raise
+            logger.warning("left out of the snapshot (on_error='skip'): %s", exc)
+            return None
+
     show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
     with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(found)))) as pool:
         infos = list(
             tqdm(
-                pool.map(lambda d: read_file_info(fs, d, retry), found),
+                pool.map(read, found),
                 total=len(found),
                 desc="reading footers",
                 unit="file",
                 disable=not show,
             )
         )
-    return assemble_snapshot(infos, columns)
+    return assemble_snapshot([i for i in infos if i is not None], columns)
 
 
 def assemble_snapshot(infos: Sequence[FileInfo], columns: Sequence[str] | None) -> Snapshot:
@@ -251,6 +264,7 @@ def snapshot_lake(
     progress: bool | None = None,
     columns: Sequence[str] | None = None,
     retry: RetryPolicy | None = None,
+    skip_unreadable: bool = False,
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """Discover a lake and read its footers: the one call that pins a lake.
 
@@ -262,4 +276,7 @@ def snapshot_lake(
     (10, (4, 4, 2))
     """
     fs, found = discover(source, storage_options, retry)
-    return fs, build_snapshot(fs, found, progress=progress, columns=columns, retry=retry)
+    snapshot = build_snapshot(
+        fs, found, progress=progress, columns=columns, retry=retry, skip_unreadable=skip_unreadable
+    )
+    return fs, snapshot

@@ -15,6 +15,7 @@ import msgpack
 
 from lakeloader import _keys as K
 from lakeloader.errors import StateFormatError, StateMismatchError
+from lakeloader.quarantine import QuarantineEntry
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -98,7 +99,9 @@ class LoaderState:
                 rows_dropped=int(state[K.STATE_DROPPED]),
                 num_rows=int(state[K.STATE_NUM_ROWS]),
                 topology={str(k): int(v) for k, v in state[K.STATE_TOPOLOGY].items()},
-                quarantine=[dict(q) for q in state[K.STATE_QUARANTINE]],
+                quarantine=[
+                    QuarantineEntry.from_dict(q).to_dict() for q in state[K.STATE_QUARANTINE]
+                ],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFormatError(f"malformed lakeloader state: {exc!r}") from exc

@@ -8,6 +8,7 @@ shows when that unit is read).
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from conftest import global_batches, make_loaders, roundtrip, write_lake
 
 import lakeloader as ll
+from lakeloader.cli import main
 from lakeloader.quarantine import QuarantineEntry, merge
 
 LAYOUT = [[200, 150], [300], [100, 100, 100], [250, 50]]
@@ -256,3 +258,35 @@ def test_validate_rejection_raises_by_default(tmp_path: Path) -> None:
 def test_on_error_must_be_a_known_choice(good_lake: Path) -> None:
     with pytest.raises(ValueError, match=r"on_error must be one of \('raise', 'skip'\)"):
         _open(good_lake, on_error="ignore")  # type: ignore[arg-type]
+
+
+def test_inspect_shows_the_quarantine(
+    bad_page_lake: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loader = ll.DataLoader(_open(bad_page_lake, on_error="skip"), batch_size=32)
+    list(loader)
+    ll.CheckpointManager(str(tmp_path / "ckpt")).save(1, loader)
+    assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["quarantine"] == loader.state_dict()["quarantine"] != []
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
+    text = capsys.readouterr().out
+    assert f"{len(info['quarantine'])} units, 100 rows skipped" in text
+    for entry in info["quarantine"]:
+        line = next(x for x in text.splitlines() if f"[{entry['row_start']}, " in x)
+        assert BAD_FILE in line and "Deserializing page header failed" in line
+
+
+def test_skip_leaves_a_file_with_an_unreadable_footer_out(
+    good_lake: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = Path(__file__).resolve().parents[2] / "shared/parquet-testing/data"
+    broken = real / "incorrect_map_schema.parquet"  # a real writer's bad map schema
+    if not broken.exists():
+        pytest.fail(f"{broken} is missing: ../shared/parquet-testing must be beside the repo")
+    sources = [str(good_lake / "file-0000.parquet"), str(broken)]
+    with pytest.raises(ll.LakeDataError, match=r"incorrect_map_schema\.parquet"):
+        ll.LakeDataset(sources)
+    ds = ll.LakeDataset(sources, on_error="skip", shuffle=False)
+    assert [Path(f.path).name for f in ds.snapshot.files] == ["file-0000.parquet"]
+    assert "left out of the snapshot" in caplog.text and "Map keys" in caplog.text

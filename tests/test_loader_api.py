@@ -143,6 +143,8 @@ def test_partition_warning_once_with_advice(dataset: ll.LakeDataset) -> None:
         ({"shuffle": False}, "pass shuffle= to LakeDataset"),
         ({"generator": torch.Generator()}, "LakeDataset\\(seed="),
         ({"batch_size": None}, "batch_size must be a positive integer"),
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+        ({"batch_size": -2}, "batch_size must be a positive integer, got -2"),
         ({"prefetch_factor": 2}, "need num_workers > 0"),
         ({"persistent_workers": True}, "need num_workers > 0"),
         ({"rank": 3, "world_size": 2}, "rank 3 is not in"),
@@ -223,6 +225,7 @@ def test_state_of_another_config_shows_both_values(lake: Path, dataset: ll.LakeD
         (lambda s: {**s, "version": 99}, "version 99 is not supported"),
         (lambda s: {**s, "position": "x"}, "malformed"),
         (lambda s: {k: v for k, v in s.items() if k != "epoch"}, "malformed"),
+        (lambda s: {**s, "quarantine": [{"path": "a.parquet"}]}, "malformed"),
     ],
 )
 def test_malformed_states_are_refused(dataset: ll.LakeDataset, mutate: Any, match: str) -> None:
