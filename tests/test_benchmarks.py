@@ -1,0 +1,107 @@
+"""Smoke test of the benchmarks: each script runs on a tiny lake and writes a complete JSON.
+
+The peer libraries are not needed: the peers benchmark runs with this interpreter for every
+loader, so peers that do not import here are skipped (which only ``--smoke`` allows, and says).
+lakeloader and pyarrow always run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_reference_lake_is_deterministic_and_idempotent(tmp_path: Path) -> None:
+    from benchmarks.reference_lake import (
+        ALL_COLUMNS,
+        MARKER,
+        NUMERIC_COLUMNS,
+        write_reference_lake,
+    )
+
+    a = write_reference_lake(tmp_path / "a", files=2, row_groups=2, rows_per_group=100, seed=3)
+    b = write_reference_lake(tmp_path / "b", files=2, row_groups=2, rows_per_group=100, seed=3)
+    first = (a / "part-00001.parquet").read_bytes()
+    assert first == (b / "part-00001.parquet").read_bytes()
+    mtime = (a / MARKER).stat().st_mtime_ns
+    write_reference_lake(a, files=2, row_groups=2, rows_per_group=100, seed=3)
+    assert (a / MARKER).stat().st_mtime_ns == mtime  # the same parameters: nothing rewritten
+    write_reference_lake(a, files=1, row_groups=2, rows_per_group=100, seed=3)
+    assert sorted(p.name for p in a.glob("part-*")) == ["part-00000.parquet"]
+    meta = pq.ParquetFile(a / "part-00000.parquet").metadata
+    assert meta.num_row_groups == 2
+    assert meta.row_group(0).column(0).compression == "ZSTD"
+    table = pq.read_table(b)
+    assert table.column_names == ALL_COLUMNS
+    assert ALL_COLUMNS[:-1] == NUMERIC_COLUMNS
+    assert table.column("id").to_pylist() == list(range(400))
+
+
+def test_peers_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = _run(
+        "benchmarks.peers",
+        "--smoke",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--bench-python",
+        sys.executable,
+        "--mosaic-python",
+        sys.executable,
+    )
+    report = json.loads((out / "peers-smoke.json").read_text())
+    assert (out / "peers-smoke.md").read_text().startswith("# Peers")
+    for kind in ("numeric", "text"):
+        rows = {r["loader"]: r for r in report["runs"][kind]}
+        for name in ("pyarrow-dataset", "pyarrow-iter", "lakeloader-w0", "lakeloader-w2"):
+            assert rows[name]["ok"], rows[name]
+            assert rows[name]["rows"] == report["setup"]["lake_info"]["rows"]
+            assert rows[name]["peak_rss_tree"] > 0
+            assert rows[name]["dtypes"]["label"] == "Tensor torch.int32"
+        assert rows["pyarrow-dataset"]["x_reference"] == 1.0
+        ran_or_skipped = set(rows) | set(report["skipped"])
+        assert {"torch-map", "torchdata", "hf-streaming", "litdata", "mosaic"} <= ran_or_skipped
+    assert ("text" in rows["lakeloader-w2"]["dtypes"]) is True
+    for name in report["skipped"]:
+        assert f"skipped {name}" in result.stdout
+
+
+def test_scale_smoke(tmp_path: Path) -> None:
+    _run("benchmarks.scale", "--smoke", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "scale-smoke.json").read_text())
+    assert report["planning"]["units"] == 10_000
+    for topo in report["lake"]["topologies"]:
+        assert topo["state_bytes"] < 1024
+        assert set(topo["recovery"]) == {"state_s", "plan_s", "reassign_s", "total_s"}
+
+
+@pytest.mark.parametrize("script", ["benchmarks.memory"])
+def test_memory_smoke(tmp_path: Path, script: str) -> None:
+    _run(script, "--smoke", "--lake", str(tmp_path / "lake"), "--out", str(tmp_path))
+    report = json.loads((tmp_path / "memory-smoke.json").read_text())
+    assert {(r["workers"], r["budget"]) for r in report["runs"]} == {
+        (w, b * 2**20) for w in (0, 2) for b in (1, 64)
+    }
+    assert all(r["rows"] == 80_000 and r["peak_pss_plus_shm"] > 0 for r in report["runs"])
