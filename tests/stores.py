@@ -31,10 +31,10 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import pytest
@@ -292,8 +292,8 @@ def _launch(
     ready: Callable[[], bool],
     env: dict[str, str] | None = None,
     after_stop: Callable[[], None] | None = None,
-) -> tuple[int, float]:
-    """Start a server, register its stop as a finalizer, wait for it; (pid, ready seconds).
+) -> tuple[subprocess.Popen[bytes], float]:
+    """Start a server, register its stop as a finalizer, wait for it; (process, ready seconds).
 
     A server that does not become ready is stopped at once and the error re-raised.
     ``after_stop`` removes what the server leaves behind.
@@ -316,7 +316,7 @@ def _launch(
     except BaseException:
         stop()
         raise
-    return proc.pid, timing["ready"]
+    return proc, timing["ready"]
 
 
 def _weed_argv(binary: str, root: Path, ports: dict[str, int]) -> list[str]:
@@ -376,14 +376,22 @@ def _lists_buckets(port: int) -> bool:
 START_ATTEMPTS = 3
 
 
-@pytest.fixture(scope="session")
-def s3_store(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _loopback_env: Any
-) -> ObjectStore:
-    """SeaweedFS ``weed mini`` serving S3 on loopback."""
+@dataclass
+class _Weed:
+    """How a ``weed mini`` was started, to start it again the same way."""
+
+    argv: list[str]
+    env: dict[str, str]
+    ports: dict[str, int]
+    proc: subprocess.Popen[bytes]
+    ready: float
+
+
+def _launch_weed(request: pytest.FixtureRequest, root: Path) -> _Weed:
+    """Start ``weed mini`` on free ports with its data in ``root / "data"``, stopped at the end
+    of ``request``'s scope."""
     _require("s3fs", "s3fs")
     binary = _weed_binary()
-    root = tmp_path_factory.mktemp("s3-store")
     data, log = root / "data", root / "server.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     for attempt in range(START_ATTEMPTS):
@@ -393,7 +401,7 @@ def s3_store(
         ports = dict(zip(components, _free_weed_ports(len(components)), strict=True))
         argv = _weed_argv(binary, root, ports)
         try:
-            pid, ready = _launch(
+            proc, ready = _launch(
                 request,
                 "weed mini",
                 argv,
@@ -402,21 +410,112 @@ def s3_store(
                 env,
                 functools.partial(_remove_weed_sockets, ports),
             )
-            break
+            return _Weed(argv, env, ports, proc, ready)
         except RuntimeError:
             if attempt == START_ATTEMPTS - 1:
                 raise
-    endpoint = f"http://{HOST}:{ports['s3']}"
-    return ObjectStore(
+    raise AssertionError("unreachable")
+
+
+_Store = TypeVar("_Store", bound=ObjectStore)
+
+
+def _s3_store(cls: type[_Store], root: Path, weed: _Weed, **fields: Any) -> _Store:
+    endpoint = f"http://{HOST}:{weed.ports['s3']}"
+    return cls(
         name="weed mini",
         protocol="s3",
         endpoint=endpoint,
         storage_options={"key": S3_KEY, "secret": S3_SECRET, "endpoint_url": endpoint},
-        pid=pid,
-        data_dir=data,
-        log=log,
-        ready_seconds=ready,
+        pid=weed.proc.pid,
+        data_dir=root / "data",
+        log=root / "server.log",
+        ready_seconds=weed.ready,
+        **fields,
     )
+
+
+@pytest.fixture(scope="session")
+def s3_store(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _loopback_env: Any
+) -> ObjectStore:
+    """SeaweedFS ``weed mini`` serving S3 on loopback."""
+    root = tmp_path_factory.mktemp("s3-store")
+    return _s3_store(ObjectStore, root, _launch_weed(request, root))
+
+
+@dataclass
+class RestartableStore(ObjectStore):
+    """An S3 store of its own that a test may stop and start again (same data, same ports).
+
+    ``pid`` and ``ready_seconds`` follow the current process. Stopping is by PID: SIGTERM,
+    then SIGKILL after ``STOP_GRACE`` seconds (or SIGKILL at once with ``kill=True``, a crash);
+    the data written before survives either way.
+    """
+
+    _weed: _Weed | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._weed is not None and self._weed.proc.poll() is None
+
+    def stop(self, *, kill: bool = False) -> float:
+        """Stop the server (nothing if it is stopped); seconds it took."""
+        assert self._weed is not None
+        proc = self._weed.proc
+        if kill and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        seconds = _stop(proc)
+        _remove_weed_sockets(self._weed.ports)
+        return seconds
+
+    def start(self) -> float:
+        """Start the server again on the same folder and ports; seconds until it answers."""
+        assert self._weed is not None
+        if self.running:
+            raise RuntimeError(f"{self.name} (pid {self.pid}) is running")
+        weed = self._weed
+        weed.proc = _start(weed.argv, self.log, weed.env)
+        self.pid = weed.proc.pid
+        self.ready_seconds = _wait_ready(
+            weed.proc, self.name, self.log, functools.partial(_answers, weed.ports["s3"])
+        )
+        return self.ready_seconds
+
+    def restart(self, *, kill: bool = False) -> float:
+        """``stop(kill=kill)`` then ``start()``; seconds from the stop to the first answer."""
+        began = time.monotonic()
+        self.stop(kill=kill)
+        self.start()
+        return time.monotonic() - began
+
+    @contextlib.contextmanager
+    def outage(self, *, kill: bool = False) -> Iterator[None]:
+        """The server is stopped for the ``with`` block, and started again after it."""
+        self.stop(kill=kill)
+        try:
+            yield
+        finally:
+            self.start()
+
+    def close(self) -> None:
+        """Stop the server for good (the fixture does this at the end of the test)."""
+        if self._weed is not None:
+            self.stop()
+
+
+@pytest.fixture
+def restartable_s3_store(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _loopback_env: Any
+) -> Iterator[RestartableStore]:
+    """A ``weed mini`` of the test's own (not the session's), which it may stop and restart."""
+    root = tmp_path_factory.mktemp("s3-restartable")
+    weed = _launch_weed(request, root)
+    store = _s3_store(RestartableStore, root, weed, _weed=weed)
+    yield store
+    store.close()
 
 
 @pytest.fixture(scope="session")
@@ -443,7 +542,7 @@ def gcs_store(
         port = _free_port()
         argv = _fake_gcs_argv(binary, data, port)
         try:
-            pid, ready = _launch(
+            proc, ready = _launch(
                 request, "fake-gcs-server", argv, log, functools.partial(_lists_buckets, port)
             )
             break
@@ -456,7 +555,7 @@ def gcs_store(
         protocol="gs",
         endpoint=endpoint,
         storage_options={"endpoint_url": endpoint, "token": "anon", "project": "test"},
-        pid=pid,
+        pid=proc.pid,
         data_dir=data,
         log=log,
         ready_seconds=ready,
