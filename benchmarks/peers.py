@@ -26,7 +26,8 @@ Loaders (each in its own subprocess, so that memory is per loader):
                     ``.with_format("torch")``, ``.iter(batch_size=1024)`` in process
 ``litdata``         ``litdata.StreamingDataset`` over the Parquet files (``index_parquet_dataset``
                     on a folder of symlinks, ``ParquetLoader(columns=...)``, shuffle=True),
-                    ``StreamingDataLoader(batch_size=1024, num_workers=2)``
+                    ``StreamingDataLoader(batch_size=1024, num_workers=2)`` (spawn: with
+                    polars imported for the index it refuses fork)
 ``mosaic``          ``streaming.StreamingDataset`` (shuffle=True, seed 0) over an MDS copy,
                     torch ``DataLoader(batch_size=1024, num_workers=2)``; the conversion
                     (``MDSWriter``, row by row) is timed apart and is of the first
@@ -299,7 +300,10 @@ def _litdata(lake: str, columns: list[str], args: argparse.Namespace) -> Iterabl
         seed=SEED,
         cache_dir=str(Path(args.work) / "litdata-cache"),
     )
-    loader: Iterable[Any] = StreamingDataLoader(ds, batch_size=BATCH, num_workers=2)
+    # LitData refuses fork once polars (its Parquet indexer) is imported: spawn, as it asks.
+    loader: Iterable[Any] = StreamingDataLoader(
+        ds, batch_size=BATCH, num_workers=2, multiprocessing_context="spawn"
+    )
     return loader
 
 
