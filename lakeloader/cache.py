@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from lakeloader.errors import LakeDataError
 from lakeloader.fetch import url_of
+from lakeloader.packed import Packed, RowLayout, pack
 from lakeloader.plan import EpochPlan, release_slots
 from lakeloader.quarantine import OnError, QuarantineEntry, Validate, verdict
 from lakeloader.reader import UnitReader
@@ -36,8 +37,28 @@ SHM_DIR = "/dev/shm"
 #: Name prefix of the per-process unit folders.
 UNIT_DIR_PREFIX = "lakeloader"
 
-#: A decoded unit as a worker gets it: the table itself, or the path of its Arrow IPC file.
-UnitRef: TypeAlias = "pa.Table | str"
+
+@dataclass(frozen=True)
+class UnitFiles:
+    """A decoded unit in the cache folder, as worker processes receive it.
+
+    Attributes:
+        rows: The ``.npy`` file of its packed row bytes, or None.
+        table: The Arrow IPC file of its other columns.
+        packed: Names of the packed columns.
+    """
+
+    rows: str | None
+    table: str
+    packed: tuple[str, ...]
+
+    def paths(self) -> list[str]:
+        """Every file of the unit."""
+        return [p for p in (self.rows, self.table) if p is not None]
+
+
+#: A decoded unit as a batch builder gets it: in memory, or as files in the cache folder.
+UnitRef: TypeAlias = "Packed | UnitFiles"
 #: What the store holds for a unit: the decoded unit, or why it is quarantined.
 Held: TypeAlias = "UnitRef | QuarantineEntry"
 
@@ -88,12 +109,40 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load_unit(ref: UnitRef) -> pa.Table:
-    """Open a decoded unit: zero-copy memory map of its IPC file, or the table itself."""
-    if isinstance(ref, pa.Table):
+def load_unit(ref: UnitRef) -> Packed:
+    """Open a decoded unit: zero-copy memory maps of its files, or the unit itself."""
+    if isinstance(ref, Packed):
         return ref
-    with pa.memory_map(ref, "r") as source:
-        return pa.ipc.open_file(source).read_all()
+    rows = np.load(ref.rows, mmap_mode="r") if ref.rows is not None else None
+    with pa.memory_map(ref.table, "r") as source:
+        table = pa.ipc.open_file(source).read_all()
+    return Packed(rows, ref.packed, table)
+
+
+class UnitOpener:
+    """Opens units for a worker, keeping the maps of the previous batch's units.
+
+    Consecutive batches share most of their units (they draw from the same windows), and
+    mapping a file costs more than the rows a batch takes from it. Maps older than the
+    previous batch are dropped, so that the memory of units the loader has evicted is freed.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[UnitFiles, Packed] = {}
+
+    def open(self, refs: Sequence[UnitRef]) -> list[Packed]:
+        """The units of one batch."""
+        now: dict[UnitFiles, Packed] = {}
+        out = []
+        for ref in refs:
+            if isinstance(ref, Packed):
+                out.append(ref)
+                continue
+            unit = now.get(ref) or self._open.get(ref) or load_unit(ref)
+            now[ref] = unit
+            out.append(unit)
+        self._open = now
+        return out
 
 
 @dataclass
@@ -113,6 +162,8 @@ class UnitStore:
             memory (no workers).
         threads: Units decoded at once.
         screening: What to do with units that cannot be decoded or are rejected.
+        layout: How to pack tensor-typed columns (None: keep units as Arrow tables, for
+            transforms and collate functions that want rows with their Arrow types).
     """
 
     def __init__(
@@ -122,8 +173,10 @@ class UnitStore:
         directory: str | None,
         threads: int,
         screening: Screening,
+        layout: RowLayout | None,
     ) -> None:
         self._reader = reader
+        self._layout = layout
         self._screening = screening
         self._plan = plan
         self._dir = directory
@@ -186,20 +239,34 @@ class UnitStore:
         ref: Held
         if isinstance(table, QuarantineEntry):
             size, ref = 0, table
-        elif self._dir is None:
-            size, ref = table.nbytes, table
         else:
-            path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
-            with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-            os.replace(path + ".tmp", path)
-            size, ref = os.path.getsize(path), path
+            unit = pack(table, self._layout) if self._layout else Packed(None, (), table)
+            size = unit.table.nbytes + (unit.rows.nbytes if unit.rows is not None else 0)
+            ref = unit if self._dir is None else self._write(position, unit)
         with self._lock:
             entry = self._entries.get(position)
             if entry is not None:
                 entry.nbytes = size
             self.peak_bytes = max(self.peak_bytes, sum(e.nbytes for e in self._entries.values()))
         return ref
+
+    def _write(self, position: int, unit: Packed) -> UnitFiles:
+        """Write a unit into the cache folder (temporary names, then renamed)."""
+        base = os.path.join(self._dir or "", f"e{self._plan.epoch}-p{position}")
+        rows = None
+        if unit.rows is not None:
+            rows = base + ".rows.npy"
+            with open(rows + ".tmp", "wb") as fh:
+                np.save(fh, unit.rows)
+            os.replace(rows + ".tmp", rows)
+        table = base + ".arrow"
+        with (
+            pa.OSFile(table + ".tmp", "wb") as sink,
+            pa.ipc.new_file(sink, unit.table.schema) as writer,
+        ):
+            writer.write_table(unit.table)
+        os.replace(table + ".tmp", table)
+        return UnitFiles(rows, table, unit.packed)
 
     def request(self, positions: np.ndarray, on_ready: Callable[[], None] | None = None) -> None:
         """Start decoding the units at these positions unless already held or underway.
@@ -270,11 +337,12 @@ class UnitStore:
         if entry.future.cancelled() or entry.future.exception() is not None:
             return
         ref = entry.future.result()
-        if isinstance(ref, str):  # a quarantine entry or a table leaves nothing behind
-            try:
-                os.unlink(ref)
-            except FileNotFoundError:
-                logger.debug("unit file %s was already gone", ref)
+        if isinstance(ref, UnitFiles):  # units in memory and quarantine entries leave none
+            for path in ref.paths():
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    logger.debug("unit file %s was already gone", path)
 
     def close(self, wait: bool = True) -> None:
         """Stop decoding and drop every unit (deleting unit files).

@@ -18,12 +18,21 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from torch.utils.data import default_collate
 
-from lakeloader.cache import UnitRef, load_unit
 from lakeloader.errors import NullValuesError
+from lakeloader.packed import (
+    Packed,
+    RowLayout,
+    Selection,
+    column_of,
+    gather_arrow,
+    gather_rows,
+    is_tensor_type,
+    select,
+    tensor_numpy,
+)
 
 Transform = Callable[[dict[str, Any]], Any]
 Collate = Callable[[list[Any]], Any]
@@ -34,23 +43,7 @@ COLUMNS = "columns"
 COLLATED = "collated"
 
 
-def gather(units: Sequence[pa.Table], take: np.ndarray, schema: pa.Schema) -> pa.Table:
-    """Rows ``take`` of the concatenation of ``units``, in that order."""
-    if not units:
-        return schema.empty_table()
-    return pa.concat_tables(units).take(pa.array(take, type=pa.int64()))
-
-
-def _is_tensor_type(typ: pa.DataType) -> bool:
-    return bool(
-        pa.types.is_integer(typ)
-        or pa.types.is_floating(typ)
-        or pa.types.is_boolean(typ)
-        or pa.types.is_temporal(typ)
-    )
-
-
-def _tensor_view(name: str, col: pa.ChunkedArray) -> np.ndarray:
+def _tensor_view(name: str, col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A numeric, boolean or temporal column as a numpy array fit for a tensor.
 
     Dates, times, timestamps and durations map to their integer ticks (int32 or int64, in
@@ -60,18 +53,69 @@ def _tensor_view(name: str, col: pa.ChunkedArray) -> np.ndarray:
     Raises:
         NullValuesError: If a non-float column holds nulls.
     """
-    typ = col.type
-    if col.null_count and pa.types.is_floating(typ):
-        col = pc.fill_null(col, pa.scalar(float("nan"), typ))
-    elif col.null_count:
+    if col.null_count and not pa.types.is_floating(col.type):
         raise NullValuesError(
-            f"column {name!r} ({typ}) holds {col.null_count} null(s) in this batch, and a "
-            f"{typ} tensor cannot hold a null: fill them in a transform or a collate_fn, or "
-            "leave the column out with columns=[...]"
+            f"column {name!r} ({col.type}) holds {col.null_count} null(s) in this batch, and "
+            f"a {col.type} tensor cannot hold a null: fill them in a transform or a "
+            "collate_fn, or leave the column out with columns=[...]"
         )
-    if pa.types.is_temporal(typ):
-        col = col.cast(pa.int64() if typ.bit_width == 64 else pa.int32())
-    return np.asarray(col.to_numpy())
+    return tensor_numpy(col)
+
+
+def _arrow_column(
+    units: Sequence[Packed], sel: Selection, field: pa.Field, layout: RowLayout | None
+) -> pa.Array:
+    """One column of the batch through Arrow (units that packed it give it from their bytes)."""
+    parts = []
+    for unit in units:
+        if field.name in unit.table.column_names:
+            parts.append(unit.table.column(field.name).combine_chunks())
+        else:
+            assert layout is not None
+            parts.append(pa.array(column_of(unit, field.name, layout)).cast(field.type))
+    return gather_arrow(parts, sel)
+
+
+def gather_columns(
+    units: Sequence[Packed], take: np.ndarray, schema: pa.Schema, layout: RowLayout | None
+) -> dict[str, Any]:
+    """The batch in columnar form: rows ``take`` of the concatenation of ``units``.
+
+    Columns that every unit packed come from one ``np.take`` per unit (see
+    :mod:`lakeloader.packed`); the others through Arrow, then as tensors or Python lists.
+
+    Raises:
+        NullValuesError: If an integer, boolean or temporal column holds nulls in the batch.
+    """
+    sel = select([u.num_rows for u in units], take)
+    fast = [n for n in layout.names if all(n in u.packed for u in units)] if layout else []
+    rows = gather_rows(units, sel, layout.row_bytes) if layout and fast and units else None
+    out: dict[str, Any] = {}
+    for field in schema:
+        if field.name in fast and layout is not None:
+            i = layout.names.index(field.name)
+            dtype, offset = layout.dtypes[i], layout.offsets[i]
+            if rows is None:
+                out[field.name] = np.empty(0, dtype=dtype)
+                continue
+            raw = rows[:, offset : offset + dtype.itemsize]
+            out[field.name] = np.ascontiguousarray(raw).view(dtype).reshape(-1)
+            continue
+        col = _arrow_column(units, sel, field, layout) if units else pa.array([], field.type)
+        out[field.name] = (
+            _tensor_view(field.name, col) if is_tensor_type(field.type) else _python_values(col)
+        )
+    return out
+
+
+def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> pa.Table:
+    """The batch as an Arrow table with the columns' own types (for the row path)."""
+    sel = select([u.num_rows for u in units], take)
+    arrays = [
+        _arrow_column(units, sel, field, None) if units else pa.array([], field.type)
+        for field in schema
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def to_columns(table: pa.Table) -> dict[str, Any]:
@@ -86,19 +130,19 @@ def to_columns(table: pa.Table) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
-        if _is_tensor_type(col.type):
+        if is_tensor_type(col.type):
             out[name] = _tensor_view(name, col)
             continue
         out[name] = _python_values(col)
     return out
 
 
-def _python_values(col: pa.ChunkedArray) -> list[Any] | pa.Array:
+def _python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
     """The column's values as Python objects, or the Arrow array if Python cannot hold them."""
     try:
         values: list[Any] = col.to_pylist()
     except (OverflowError, ValueError, pa.ArrowException):
-        return col.combine_chunks()
+        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     return values
 
 
@@ -122,9 +166,10 @@ def columns_to_tensors(columns: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_payload(
-    refs: Sequence[UnitRef],
+    units: Sequence[Packed],
     take: np.ndarray,
     schema: pa.Schema,
+    layout: RowLayout | None,
     transform: Transform | None,
     collate_fn: Collate | None,
 ) -> tuple[str, Any]:
@@ -134,9 +179,9 @@ def build_payload(
         ``(COLUMNS, dict of numpy arrays or lists)`` on the default path, else
         ``(COLLATED, whatever collate_fn returned)``.
     """
-    table = gather([load_unit(r) for r in refs], take, schema)
     if transform is None and collate_fn is None:
-        return COLUMNS, to_columns(table)
+        return COLUMNS, gather_columns(units, take, schema, layout)
+    table = gather_table(units, take, schema)
     if table.num_rows == 0 and collate_fn is None:
         return COLUMNS, to_columns(table)  # an empty share of a short last batch
     rows: list[Any] = to_rows(table)

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lakeloader.cache import Held, Screening, UnitRef, UnitStore
+from lakeloader.cache import Held, Screening, UnitRef, UnitStore, load_unit
 from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
 from lakeloader.errors import WorkerError
+from lakeloader.packed import RowLayout
 from lakeloader.plan import BatchSpec, EpochPlan, batch_spec, steps_in_epoch
 from lakeloader.quarantine import QuarantineEntry, drop_pieces
 from lakeloader.reader import UnitReader
@@ -53,6 +54,7 @@ class IterConfig:
     transform: Transform | None
     collate_fn: Collate | None
     screening: Screening
+    layout: RowLayout | None
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class EpochIterator:
             cfg.start, cfg.plan.num_rows, cfg.global_batch, cfg.drop_last
         )
         self._store = UnitStore(
-            reader, cfg.plan, unit_dir if pool else None, cfg.io_threads, cfg.screening
+            reader, cfg.plan, unit_dir if pool else None, cfg.io_threads, cfg.screening, cfg.layout
         )
         self._specs: dict[int, BatchSpec] = {}
         #: Per screened step: the quarantined units and the rows of this rank they cost.
@@ -165,8 +167,10 @@ class EpochIterator:
         spec = self._specs[step]
         if self._pool is None:
             screened = self._screened(spec)
+            c = self.cfg
+            units = [load_unit(r) for r in screened.refs]
             payload = build_payload(
-                screened.refs, screened.take, self._schema, self.cfg.transform, self.cfg.collate_fn
+                units, screened.take, self._schema, c.layout, c.transform, c.collate_fn
             )
         else:
             payload = self._from_workers(step)
@@ -213,8 +217,7 @@ class EpochIterator:
                     self._screened(spec)
                 return
             screened = self._screened(spec)
-            refs = [str(r) for r in screened.refs]
-            pool.submit(Task(self._generation, spec.step, refs, screened.take))
+            pool.submit(Task(self._generation, spec.step, screened.refs, screened.take))
             self._next_dispatch += 1
 
     def _from_workers(self, step: int) -> Any:

@@ -20,6 +20,7 @@ from lakeloader.cache import Screening, default_cache_dir, make_unit_dir
 from lakeloader.collate import Collate
 from lakeloader.dataset import LakeDataset
 from lakeloader.epoch import Delivery, EpochIterator, IterConfig
+from lakeloader.packed import RowLayout
 from lakeloader.plan import steps_in_epoch
 from lakeloader.quarantine import QuarantineEntry, merge
 from lakeloader.reader import UnitReader
@@ -246,6 +247,7 @@ class DataLoader:
         if self._pool is None:
             setup = WorkerSetup(
                 schema=self._reader.schema,
+                layout=self._layout(),
                 transform=self.dataset.transform,
                 collate_fn=self.collate_fn,
                 worker_init_fn=self.worker_init_fn,
@@ -254,6 +256,12 @@ class DataLoader:
             )
             self._pool = WorkerPool(setup, self.num_workers, self.multiprocessing_context)
         return self._pool
+
+    def _layout(self) -> RowLayout | None:
+        """Pack tensor-typed columns unless rows go to a transform or a collate_fn."""
+        if self.dataset.transform is None and self.collate_fn is None:
+            return RowLayout.of(self._reader.schema)
+        return None
 
     def _cache_root(self) -> str | None:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()
@@ -279,6 +287,7 @@ class DataLoader:
                 self.dataset.validate,
                 tuple(self._quarantine) + self.dataset.lost,
             ),
+            layout=self._layout(),
         )
 
     def _on_delivered(self, d: Delivery) -> None:
