@@ -31,6 +31,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,6 +434,14 @@ def _s3_store(cls: type[_Store], root: Path, weed: _Weed, **fields: Any) -> _Sto
         ready_seconds=weed.ready,
         **fields,
     )
+
+
+@contextlib.contextmanager
+def s3_server(root: Path) -> Iterator[ObjectStore]:
+    """A ``weed mini`` outside pytest (for benchmarks), data in ``root``, stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        finalizers = types.SimpleNamespace(addfinalizer=stack.callback)
+        yield _s3_store(ObjectStore, root, _launch_weed(finalizers, root))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
