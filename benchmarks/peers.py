@@ -64,6 +64,7 @@ to ``benchmarks/results/peers.json`` and ``peers.md`` (``--out`` elsewhere).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -355,8 +356,6 @@ def convert_mds(lake: str, work: str, columns: list[str], files: int) -> dict[st
     out = _mds_dir(work, columns)
     marker = out / "_converted.json"
     if marker.exists():
-        import json
-
         done: dict[str, Any] = json.loads(marker.read_text())
         if done.get("files") == files and done.get("lake") == lake_info(lake)["params"]:
             return done
@@ -382,8 +381,6 @@ def convert_mds(lake: str, work: str, columns: list[str], files: int) -> dict[st
         "lake": lake_info(lake)["params"],
         "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()),
     }
-    import json
-
     marker.write_text(json.dumps(done))
     return done
 
@@ -546,7 +543,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                 check=True,
                 cwd=Path(__file__).parents[1],
             )
-            conversions[kind] = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+            conversions[kind] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"mosaic conversion ({kind}): {conversions[kind]}", flush=True)
     mds = [_mds_dir(args.work, c) for c in (NUMERIC_COLUMNS, ALL_COLUMNS)]
     warmed = warm_page_cache([args.lake, *[d for d in mds if d.exists()]])
@@ -713,6 +710,41 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Rows/s of every loader, numeric and with text, on a log scale (False: no matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    kinds = [k for k in ("numeric", "text") if k in report["runs"]]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), sharey=True)
+    for ax, kind in zip(list(getattr(axes, "flat", [axes])), kinds, strict=True):
+        rows = [r for r in report["runs"][kind] if r["ok"]][::-1]
+        names = [r["loader"] for r in rows]
+        rates = [r["rows_per_s"] for r in rows]
+        colors = [
+            "tab:blue"
+            if n.startswith("lakeloader")
+            else "tab:gray"
+            if n.startswith("pyarrow")
+            else "tab:orange"
+            for n in names
+        ]
+        ax.barh(names, rates, color=colors)
+        ax.set_xscale("log")
+        ax.set_xlabel("rows/s (log)")
+        ax.set_title(f"{kind}: batch {report['setup']['batch_size']}, best of reps")
+        for y, r in enumerate(rows):
+            ax.text(r["rows_per_s"], y, f" {r['x_reference']:.3g}x", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lake", help=f"the lake's folder (default {DEFAULT_LAKE})")
@@ -736,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         default=default_bench if Path(default_bench).exists() else sys.executable,
     )
     parser.add_argument("--mosaic-python", default="/work/mosaicenv/bin/python")
+    parser.add_argument("--render", help="re-render the .md and .png of this JSON; no run")
     parser.add_argument("--child", choices=list(BY_NAME), help=argparse.SUPPRESS)
     parser.add_argument("--text", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shm-dir", help=argparse.SUPPRESS)
@@ -747,10 +780,12 @@ def main(argv: list[str] | None = None) -> int:
     args.lake = args.lake or (str(Path(args.work) / "smoke-lake") if args.smoke else DEFAULT_LAKE)
     args.name = args.name or ("peers-smoke" if args.smoke else "peers")
     args.src = args.src or ("worktree" if args.smoke else "HEAD")
-    report = parent(args)
+    report = json.loads(Path(args.render).read_text()) if args.render else parent(args)
     json_path, md_path = write_results(args.name, report, render(report), args.out)
     print(render(report))
     print(f"wrote {json_path} and {md_path}")
+    if plot(report, json_path.with_suffix(".png")):
+        print(f"wrote {json_path.with_suffix('.png')}")
     return 0 if all(r["ok"] for run in report["runs"].values() for r in run) else 1
 
 
