@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -52,14 +54,48 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+class _FooterCache:
+    """Footers parsed in this process, by (URL, size, version).
+
+    A footer read to build the snapshot is not fetched again to read the file's units.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._items: OrderedDict[tuple[str, int, str], pq.FileMetaData] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int, str]) -> pq.FileMetaData | None:
+        with self._lock:
+            meta = self._items.get(key)
+            if meta is not None:
+                self._items.move_to_end(key)
+            return meta
+
+    def put(self, key: tuple[str, int, str], meta: pq.FileMetaData) -> None:
+        with self._lock:
+            self._items[key] = meta
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+
+
+#: Footers kept per process (a few KB each for ordinary schemas).
+FOOTER_CACHE_FILES = 4096
+_FOOTERS = _FooterCache(FOOTER_CACHE_FILES)
+
+
 def read_footer(
     fs: fsspec.AbstractFileSystem,
     path: str,
     size: int,
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None = None,
+    version: str = "",
 ) -> pq.FileMetaData:
-    """Read and parse a Parquet footer with one ranged request (two for huge footers).
+    """A file's parsed Parquet footer: one ranged request (two for huge footers), or none.
+
+    Footers are cached per process by URL, size and version, so building a snapshot and
+    reading units fetch each footer once.
 
     Args:
         fs: The filesystem.
@@ -67,12 +103,38 @@ def read_footer(
         size: Its size in bytes (from the listing or the snapshot).
         retry: Retry policy for transient failures.
         on_request: Called with the bytes of each request made (for counters).
+        version: The file's version token (a rewrite of the same size is another file).
 
     Raises:
         LakeDataError: If the file is not a Parquet file, is truncated, or its footer does
             not parse; names the URL and the cause.
         StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
+    url = url_of(fs, path)
+    key = (url, size, version)
+    cached = _FOOTERS.get(key)
+    if cached is not None:
+        return cached
+    meta = _fetch_footer(fs, path, size, retry, on_request) if not is_local(fs) else None
+    if meta is None:
+        try:
+            meta = pq.read_metadata(path)
+        except Exception as exc:
+            raise LakeDataError(
+                f"{path}: cannot read the Parquet footer ({type(exc).__name__}: {exc}); "
+                "repair or remove the file, or move it out of the lake"
+            ) from exc
+    _FOOTERS.put(key, meta)
+    return meta
+
+
+def _fetch_footer(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    retry: RetryPolicy,
+    on_request: Callable[[int], None] | None,
+) -> pq.FileMetaData:
     url = url_of(fs, path)
     start = max(0, size - FOOTER_TAIL_BYTES)
     tail = _cat(fs, path, start, size, retry, on_request)

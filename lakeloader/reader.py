@@ -8,7 +8,6 @@ different files concatenate into one batch.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +20,6 @@ from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
 from lakeloader.retry import RetryPolicy
 from lakeloader.snapshot import FileInfo, Snapshot
-
-#: Footers kept decoded, so that reading a unit does not fetch its file's footer again.
-FOOTER_CACHE_FILES = 256
 
 
 @dataclass
@@ -56,8 +52,9 @@ class UnitReader:
     """Reads units of one snapshot; safe to call from several threads.
 
     Local files are opened by pyarrow itself. Remote files cost one ranged request per footer
-    (kept for the last ``FOOTER_CACHE_FILES`` files) and one concurrent batch of coalesced
-    ranged requests per unit, for the selected columns only (see :mod:`lakeloader.fetch`).
+    (cached per process, so none when this process built the snapshot) and one concurrent
+    batch of coalesced ranged requests per unit, for the selected columns only (see
+    :mod:`lakeloader.fetch`).
 
     Args:
         fs: The lake's filesystem.
@@ -80,24 +77,11 @@ class UnitReader:
         self.retry = retry
         self.counters = ReadCounters()
         self._local = is_local(fs)
-        self._footers: OrderedDict[str, pq.FileMetaData] = OrderedDict()
-        self._lock = threading.Lock()
 
     def _footer(self, info: FileInfo) -> pq.FileMetaData:
-        with self._lock:
-            meta = self._footers.get(info.path)
-            if meta is not None:
-                self._footers.move_to_end(info.path)
-                return meta
-        if self._local:
-            meta = pq.read_metadata(info.path)
-        else:
-            meta = read_footer(self.fs, info.path, info.size, self.retry, self.counters.add_request)
-        with self._lock:
-            self._footers[info.path] = meta
-            while len(self._footers) > FOOTER_CACHE_FILES:
-                self._footers.popitem(last=False)
-        return meta
+        return read_footer(
+            self.fs, info.path, info.size, self.retry, self.counters.add_request, info.version
+        )
 
     def _read_row_group(self, info: FileInfo, row_group: int, file_cols: list[str]) -> pa.Table:
         meta = self._footer(info)

@@ -19,13 +19,12 @@ from typing import Any
 import fsspec
 import msgpack
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from lakeloader._keys import SNAPSHOT_FORMAT_VERSION
 from lakeloader.discovery import DiscoveredFile, Source, discover, version_token
 from lakeloader.errors import LakeDataError, SchemaMismatchError
-from lakeloader.fetch import is_local, read_footer, url_of
+from lakeloader.fetch import read_footer, url_of
 from lakeloader.retry import RetryPolicy
 from lakeloader.schema import unify_schemas
 
@@ -118,16 +117,7 @@ def read_file_info(
     if size == 0:
         logger.warning("%s is a zero-byte file; it is taken as an empty file", found.path)
         return FileInfo(found.path, 0, version, (), (), found.partitions, None)
-    if is_local(fs):
-        try:
-            meta = pq.read_metadata(found.path)
-        except Exception as exc:
-            raise LakeDataError(
-                f"{found.path}: cannot read the Parquet footer ({type(exc).__name__}: {exc}); "
-                "repair or remove the file, or move it out of the lake"
-            ) from exc
-    else:
-        meta = read_footer(fs, found.path, size, retry)
+    meta = read_footer(fs, found.path, size, retry, version=version)
     try:
         schema = meta.schema.to_arrow_schema().remove_metadata()
     except Exception as exc:
