@@ -163,11 +163,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, work: Path, reps: int, load_reps: int) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
-    lake = work / "lake"
+    lake = Path(args.lake) if args.lake else work / "lake"
     t0 = time.perf_counter()
-    write_demo_lake(lake, rows=args.rows)
+    if not args.lake:
+        write_demo_lake(lake, rows=args.rows)
     lake_seconds = time.perf_counter() - t0
-    ds = LakeDataset(lake, columns=COLUMNS, seed=0)
+    ds = LakeDataset(lake, columns=args.columns.split(",") if args.columns else COLUMNS, seed=0)
 
     loader = _make_loader(ds, args.num_workers)
     batches = iter(loader)
@@ -272,8 +273,9 @@ def _run(args: argparse.Namespace, work: Path, reps: int, load_reps: int) -> dic
         )
     report: dict[str, Any] = {
         "setup": {
-            "rows": args.rows,
-            "columns": COLUMNS,
+            "rows": len(ds),
+            "lake": str(args.lake) if args.lake else "demo lake",
+            "columns": list(ds.config.columns),
             "lake_files": sum(1 for _ in lake.rglob("*.parquet")),
             "lake_seconds": round(lake_seconds, 2),
             "loader": {
@@ -311,7 +313,7 @@ def render(r: dict[str, Any]) -> str:
     lo = s["loader"]
     head = format_pairs(
         [
-            ("lake", f"{s['rows']:,} rows, {s['lake_files']} files (demo lake), {COLUMNS}"),
+            ("lake", f"{s['rows']:,} rows, {s['lake_files']} files ({s['lake']}), {s['columns']}"),
             (
                 "loader",
                 f"rank 0 of {lo['world_size']} x {lo['batch_size']} rows, "
@@ -416,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         "--num-workers", type=int, default=BEFORE.num_workers, help="loader workers (demo: 2)"
     )
     parser.add_argument("--tmp", default="/tmp", help="parent of the work folder (/tmp)")
+    parser.add_argument(
+        "--lake", help="an existing lake instead of the demo's (e.g. the reference lake)"
+    )
+    parser.add_argument("--columns", help="comma-separated columns to read from --lake")
     parser.add_argument("--keep-files", action="store_true", help="leave the work folder")
     args = parser.parse_args(argv)
     report = run(args)
