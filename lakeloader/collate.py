@@ -32,6 +32,7 @@ from lakeloader.packed import (
     is_tensor_type,
     select,
     tensor_numpy,
+    unpack_columns,
 )
 
 Transform = Callable[[dict[str, Any]], Any]
@@ -90,16 +91,11 @@ def gather_columns(
     sel = select([u.num_rows for u in units], take)
     fast = [n for n in layout.names if all(n in u.packed for u in units)] if layout else []
     rows = gather_rows(units, sel, layout.row_bytes) if layout and fast and units else None
+    unpacked = unpack_columns(rows, layout, set(fast)) if rows is not None and layout else {}
     out: dict[str, Any] = {}
     for field in schema:
-        if field.name in fast and layout is not None:
-            i = layout.names.index(field.name)
-            dtype, offset = layout.dtypes[i], layout.offsets[i]
-            if rows is None:
-                out[field.name] = np.empty(0, dtype=dtype)
-                continue
-            raw = rows[:, offset : offset + dtype.itemsize]
-            out[field.name] = np.ascontiguousarray(raw).view(dtype).reshape(-1)
+        if field.name in unpacked:
+            out[field.name] = unpacked[field.name]
             continue
         col = _arrow_column(units, sel, field, layout) if units else pa.array([], field.type)
         out[field.name] = (

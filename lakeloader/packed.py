@@ -189,3 +189,38 @@ def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
     if not parts:
         return columns[0].slice(0, 0) if columns else pa.array([])
     return pa.concat_arrays(parts).take(pa.array(sel.inverse))
+
+
+def unpack_columns(rows: np.ndarray, layout: RowLayout, names: set[str]) -> dict[str, np.ndarray]:
+    """Columns ``names`` of gathered row bytes, each a contiguous array.
+
+    Neighbouring columns of one dtype (the 16 float32 features of a typical table) come out
+    of a single transposing copy rather than one copy each.
+
+    >>> t = pa.table({"id": [1, 2], "a": [0.5, 1.5], "b": [2.5, 3.5]})
+    >>> lay = RowLayout.of(t.schema)
+    >>> cols = unpack_columns(pack(t, lay).rows, lay, {"id", "a", "b"})
+    >>> {k: v.tolist() for k, v in cols.items()}
+    {'id': [1, 2], 'a': [0.5, 1.5], 'b': [2.5, 3.5]}
+    """
+    out: dict[str, np.ndarray] = {}
+    i = 0
+    while i < len(layout.names):
+        if layout.names[i] not in names:
+            i += 1
+            continue
+        dtype, start = layout.dtypes[i], layout.offsets[i]
+        j = i + 1
+        while (
+            j < len(layout.names)
+            and layout.names[j] in names
+            and layout.dtypes[j] == dtype
+            and layout.offsets[j] == start + (j - i) * dtype.itemsize
+        ):
+            j += 1
+        block = np.ascontiguousarray(rows[:, start : start + (j - i) * dtype.itemsize])
+        columns = np.ascontiguousarray(block.view(dtype).T)  # one row per column
+        for k in range(j - i):
+            out[layout.names[i + k]] = columns[k]
+        i = j
+    return out

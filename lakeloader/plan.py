@@ -277,9 +277,15 @@ def batch_slots(start: int, stop: int, num_partitions: int) -> np.ndarray:
 
     >>> batch_slots(4, 12, 4).tolist()
     [4, 8, 5, 9, 6, 10, 7, 11]
+    >>> batch_slots(5, 12, 4).tolist()
+    [8, 5, 9, 6, 10, 7, 11]
     """
-    slots = np.arange(start, stop, dtype=np.int64)
-    return slots[np.argsort(slots % num_partitions, kind="stable")]
+    C = num_partitions
+    first = start + (np.arange(C, dtype=np.int64) - start) % C  # first slot of each partition
+    counts = np.maximum(0, (stop - first + C - 1) // C)
+    runs = np.cumsum(counts) - counts
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(runs, counts)
+    return np.asarray(np.repeat(first, counts) + C * within, dtype=np.int64)
 
 
 def rank_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
