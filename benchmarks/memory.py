@@ -27,6 +27,7 @@ Run: ``python -m benchmarks.memory`` (about 8 minutes; writes the lake to
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -149,9 +150,16 @@ def _row_group_bytes(lake: str) -> int:
     return int(meta.row_group(0).total_byte_size)
 
 
+def _unaccounted(run: dict[str, Any]) -> int:
+    """Peak memory the cache did not count: PSS+shm - base - the cache's own peak."""
+    peak = int(run["peak_pss_plus_shm"]) - int(run["base_rss"])
+    return peak - int(run["stats"].get("cache_peak_bytes", 0))
+
+
 def render(r: dict[str, Any]) -> str:
     s = r["setup"]
     p = s["lake_info"]["params"]
+    ok = [x for x in r["runs"] if "stats" in x]
     table = markdown_table(
         [
             "workers",
@@ -164,6 +172,7 @@ def render(r: dict[str, Any]) -> str:
             "shm files MiB",
             "over budget MiB",
             "cache peak MiB",
+            "not in cache MiB",
         ],
         [
             [
@@ -177,9 +186,15 @@ def render(r: dict[str, Any]) -> str:
                 mib(x["peak_shm_files"]),
                 mib(x["over_budget"]) if "over_budget" in x else None,
                 mib(x["stats"].get("cache_peak_bytes", 0)) if "stats" in x else None,
+                mib(_unaccounted(x)) if "stats" in x else None,
             ]
             for x in r["runs"]
         ],
+    )
+    unaccounted = ", ".join(
+        f"{w} workers: {mib(max(_unaccounted(x) for x in ok if x['workers'] == int(w)))} MiB"
+        for w in r["constant_overhead"]
+        if any(x["workers"] == int(w) for x in ok)
     )
     const = ", ".join(
         f"{w} workers: {mib(v) if v is not None else '-'} MiB"
@@ -198,7 +213,8 @@ def render(r: dict[str, Any]) -> str:
             "",
             table,
             "",
-            f"Largest overhead beyond the budget (PSS+shm - base - budget): {const}.",
+            f"Largest overhead beyond the budget (PSS+shm - base - budget): {const}. Largest "
+            f"memory the cache did not count (PSS+shm - base - cache peak): {unaccounted}.",
             "",
             f"Machine: {s['machine']}. lakeloader measured: {s['lakeloader_source']}.",
         ]
@@ -214,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--seconds", type=float, default=60.0, help="cap per run")
     parser.add_argument("--src", help="git revision to measure (HEAD; smoke: worktree)")
+    parser.add_argument("--render", help="re-render the .md of this JSON; no run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     default_lake = "/tmp/lakeloader-memory-lake" + ("-smoke" if args.smoke else "")
     args.lake = args.lake or default_lake
     args.src = args.src or ("worktree" if args.smoke else "HEAD")
-    report = parent(args)
+    report = json.loads(Path(args.render).read_text()) if args.render else parent(args)
     name = args.name or ("memory-smoke" if args.smoke else "memory")
     json_path, md_path = write_results(name, report, render(report), args.out)
     print(render(report))
