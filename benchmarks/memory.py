@@ -55,7 +55,7 @@ BATCH = 1024
 LAKE = {"files": 2, "row_groups": 2, "rows_per_group": 1_536_000}
 SMOKE_LAKE = {"files": 2, "row_groups": 2, "rows_per_group": 20_000}
 BUDGETS_MIB = [256, 1024, 2048]
-SMOKE_BUDGETS_MIB = [1, 64]
+SMOKE_BUDGETS_MIB = [1]
 WORKERS = [0, 2]
 
 

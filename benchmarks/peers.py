@@ -130,6 +130,7 @@ LOADERS = [
     Loader("mosaic", "mosaic", False, "py1e over shards", 2, "streaming"),
 ]
 BY_NAME = {x.name: x for x in LOADERS}
+SMOKE_LEFT_OUT = ("pyarrow-iter", "lakeloader-w1")  # same code paths as their neighbours
 
 
 # =============================================================================== children
@@ -751,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/lakeloader-peers-work", help="MDS, caches")
     parser.add_argument("--out", help="results folder (default benchmarks/results)")
     parser.add_argument("--name", help="results file name (default peers, smoke: peers-smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny lake, 1 rep, 2 s cap")
+    parser.add_argument("--smoke", action="store_true", help="tiny lake, 1 rep, 1 s cap")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--peer-seconds", type=float, default=30.0)
     parser.add_argument("--mosaic-files", type=int, default=8)
@@ -775,8 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
-    if args.smoke:
-        args.reps, args.peer_seconds, args.mosaic_files = 1, min(args.peer_seconds, 2.0), 1
+    if args.smoke:  # seconds: 1 repetition, 1 s caps, the reference, lakeloader at 0 and 2
+        args.reps, args.peer_seconds, args.mosaic_files = 1, min(args.peer_seconds, 1.0), 1
+        args.loaders = args.loaders or [n for n in BY_NAME if n not in SMOKE_LEFT_OUT]
     args.lake = args.lake or (str(Path(args.work) / "smoke-lake") if args.smoke else DEFAULT_LAKE)
     args.name = args.name or ("peers-smoke" if args.smoke else "peers")
     args.src = args.src or ("worktree" if args.smoke else "HEAD")

@@ -31,7 +31,10 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def test_reference_lake_is_deterministic_and_idempotent(tmp_path: Path) -> None:
+def test_reference_lake_is_deterministic_and_idempotent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))  # benchmarks/ is not a package that is installed
     from benchmarks.reference_lake import (
         ALL_COLUMNS,
         MARKER,
@@ -75,7 +78,7 @@ def test_peers_smoke(tmp_path: Path) -> None:
     assert (out / "peers-smoke.md").read_text().startswith("# Peers")
     for kind in ("numeric", "text"):
         rows = {r["loader"]: r for r in report["runs"][kind]}
-        for name in ("pyarrow-dataset", "pyarrow-iter", "lakeloader-w0", "lakeloader-w2"):
+        for name in ("pyarrow-dataset", "lakeloader-w0", "lakeloader-w2"):
             assert rows[name]["ok"], rows[name]
             assert rows[name]["rows"] == report["setup"]["lake_info"]["rows"]
             assert rows[name]["peak_rss_tree"] > 0
@@ -101,7 +104,5 @@ def test_scale_smoke(tmp_path: Path) -> None:
 def test_memory_smoke(tmp_path: Path, script: str) -> None:
     _run(script, "--smoke", "--lake", str(tmp_path / "lake"), "--out", str(tmp_path))
     report = json.loads((tmp_path / "memory-smoke.json").read_text())
-    assert {(r["workers"], r["budget"]) for r in report["runs"]} == {
-        (w, b * 2**20) for w in (0, 2) for b in (1, 64)
-    }
+    assert {(r["workers"], r["budget"]) for r in report["runs"]} == {(w, 2**20) for w in (0, 2)}
     assert all(r["rows"] == 80_000 and r["peak_pss_plus_shm"] > 0 for r in report["runs"])
