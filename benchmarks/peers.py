@@ -704,6 +704,18 @@ def render(report: dict[str, Any]) -> str:
             ),
             "",
         ]
+        ref = next((r for r in report["runs"][kind] if r["loader"] == REFERENCE and r["ok"]), None)
+        for r in report["runs"][kind]:
+            if ref is None or not r["ok"]:
+                continue
+            widened = [
+                f"{c} {t.split()[-1]}"
+                for c, t in sorted(r["dtypes"].items())
+                if ref["dtypes"].get(c) != t
+            ]
+            if widened:
+                lines += [f"- {r['loader']} delivers other types than the lake's: "]
+                lines[-1] += ", ".join(widened) + " (MB/s counts the lake's types)."
         failed = [r for r in report["runs"][kind] if not r["ok"]]
         for r in failed:
             lines += [f"- {r['loader']} failed: `{r['samples'][-1].get('error', '')[-400:]}`"]
