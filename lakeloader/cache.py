@@ -239,10 +239,12 @@ class UnitStore:
         ref: Held
         if isinstance(table, QuarantineEntry):
             size, ref = 0, table
+        elif self._dir is None:
+            unit = self._pack(table, None)
+            size, ref = unit.table.nbytes + (unit.rows.nbytes if unit.rows is not None else 0), unit
         else:
-            unit = pack(table, self._layout) if self._layout else Packed(None, (), table)
-            size = unit.table.nbytes + (unit.rows.nbytes if unit.rows is not None else 0)
-            ref = unit if self._dir is None else self._write(position, unit)
+            ref = self._write(position, table)
+            size = sum(os.path.getsize(p) for p in ref.paths())
         with self._lock:
             entry = self._entries.get(position)
             if entry is not None:
@@ -250,23 +252,34 @@ class UnitStore:
             self.peak_bytes = max(self.peak_bytes, sum(e.nbytes for e in self._entries.values()))
         return ref
 
-    def _write(self, position: int, unit: Packed) -> UnitFiles:
-        """Write a unit into the cache folder (temporary names, then renamed)."""
+    def _pack(self, table: pa.Table, out: np.ndarray | None) -> Packed:
+        if self._layout is None or not self._layout.names:
+            return Packed(None, (), table.combine_chunks())
+        return pack(table, self._layout, out)
+
+    def _write(self, position: int, table: pa.Table) -> UnitFiles:
+        """Pack a unit straight into the cache folder (temporary names, then renamed)."""
         base = os.path.join(self._dir or "", f"e{self._plan.epoch}-p{position}")
-        rows = None
-        if unit.rows is not None:
-            rows = base + ".rows.npy"
-            with open(rows + ".tmp", "wb") as fh:
-                np.save(fh, unit.rows)
-            os.replace(rows + ".tmp", rows)
-        table = base + ".arrow"
+        rows_path, out = base + ".rows.npy", None
+        if self._layout is not None and self._layout.names:
+            shape = (table.num_rows, self._layout.row_bytes)
+            out = np.lib.format.open_memmap(rows_path + ".tmp", "w+", np.uint8, shape)
+        unit = self._pack(table, out)
+        if out is not None:
+            out.flush()
+            del out
+            if unit.rows is None:  # nothing could be packed after all
+                os.unlink(rows_path + ".tmp")
+            else:
+                os.replace(rows_path + ".tmp", rows_path)
+        table_path = base + ".arrow"
         with (
-            pa.OSFile(table + ".tmp", "wb") as sink,
+            pa.OSFile(table_path + ".tmp", "wb") as sink,
             pa.ipc.new_file(sink, unit.table.schema) as writer,
         ):
             writer.write_table(unit.table)
-        os.replace(table + ".tmp", table)
-        return UnitFiles(rows, table, unit.packed)
+        os.replace(table_path + ".tmp", table_path)
+        return UnitFiles(rows_path if unit.rows is not None else None, table_path, unit.packed)
 
     def request(self, positions: np.ndarray, on_ready: Callable[[], None] | None = None) -> None:
         """Start decoding the units at these positions unless already held or underway.

@@ -70,7 +70,8 @@ def _arrow_column(
     parts = []
     for unit in units:
         if field.name in unit.table.column_names:
-            parts.append(unit.table.column(field.name).combine_chunks())
+            col = unit.table.column(field.name)  # one chunk: combined when decoded
+            parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
         else:
             assert layout is not None
             parts.append(pa.array(column_of(unit, field.name, layout)).cast(field.type))

@@ -12,6 +12,7 @@ must stay that of the batch that holds them) stay Arrow columns and take the gen
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,18 @@ class RowLayout:
     offsets: tuple[int, ...]
     row_bytes: int
 
+    @functools.cached_property
+    def record(self) -> np.dtype:
+        """The row as a numpy structured dtype (field access copies far faster than slices)."""
+        return np.dtype(
+            {
+                "names": list(self.names),
+                "formats": list(self.dtypes),
+                "offsets": list(self.offsets),
+                "itemsize": self.row_bytes,
+            }
+        )
+
     @classmethod
     def of(cls, schema: pa.Schema) -> RowLayout:
         """The layout of a schema's tensor-typed columns.
@@ -99,35 +112,41 @@ class Packed:
         return self.table.num_rows if self.rows is None else len(self.rows)
 
 
-def pack(table: pa.Table, layout: RowLayout) -> Packed:
+def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> Packed:
     """Pack a unit's tensor-typed columns into row bytes (once per unit).
+
+    The other columns are combined into one chunk each here, once, rather than in every
+    batch that takes rows from the unit.
+
+    Args:
+        table: The decoded unit.
+        layout: Where each column goes in a row.
+        out: A ``(num_rows, layout.row_bytes)`` uint8 array to pack into (a memory-mapped
+            file in the cache folder, say); None allocates one.
 
     >>> t = pa.table({"id": [1, 2], "x": pa.array([0.5, None], pa.float32()), "s": ["a", "b"]})
     >>> p = pack(t, RowLayout.of(t.schema))
     >>> p.packed, p.rows.shape, p.table.column_names
     (('id', 'x'), (2, 12), ['s'])
     """
-    rows = np.empty((table.num_rows, layout.row_bytes), dtype=np.uint8)
+    rows = np.empty((table.num_rows, layout.row_bytes), dtype=np.uint8) if out is None else out
+    records = rows.view(layout.record).reshape(table.num_rows)
     packed: list[str] = []
-    for name, dtype, offset in zip(layout.names, layout.dtypes, layout.offsets, strict=True):
+    for name in layout.names:
         col = table.column(name)
         if col.null_count and not pa.types.is_floating(col.type):
             continue  # nulls an integer tensor cannot hold: the batch decides (NullValuesError)
-        rows[:, offset : offset + dtype.itemsize] = (
-            tensor_numpy(col).view(np.uint8).reshape(table.num_rows, dtype.itemsize)
-        )
+        records[name] = tensor_numpy(col)
         packed.append(name)
-    rest = table.drop_columns(packed)
+    rest = table.drop_columns(packed).combine_chunks()
     return Packed(rows if packed else None, tuple(packed), rest)
 
 
 def column_of(unit: Packed, name: str, layout: RowLayout) -> np.ndarray:
     """One packed column of a unit, as a contiguous array."""
-    i = layout.names.index(name)
     assert unit.rows is not None
-    width = layout.dtypes[i].itemsize
-    raw = unit.rows[:, layout.offsets[i] : layout.offsets[i] + width]
-    return np.ascontiguousarray(raw).view(layout.dtypes[i]).reshape(-1)
+    column: np.ndarray = unit.rows.view(layout.record).reshape(-1)[name].copy()
+    return column
 
 
 @dataclass(frozen=True)
@@ -139,12 +158,14 @@ class Selection:
         bounds: ``[start, stop)`` of each run in the sorted order.
         local: Row inside its unit, in the sorted order.
         inverse: Position in the sorted order of each batch row.
+        order: Batch position of each row of the sorted order.
     """
 
     unit: tuple[int, ...]
     bounds: tuple[tuple[int, int], ...]
     local: np.ndarray
     inverse: np.ndarray
+    order: np.ndarray
 
 
 def select(sizes: Sequence[int], take: np.ndarray) -> Selection:
@@ -166,7 +187,7 @@ def select(sizes: Sequence[int], take: np.ndarray) -> Selection:
     inverse[order] = np.arange(len(take), dtype=np.int64)
     units = tuple(int(u) for u in sorted_piece[starts]) if len(take) else ()
     bounds = tuple(zip(starts.tolist(), stops.tolist(), strict=True)) if len(take) else ()
-    return Selection(units, bounds, local, inverse)
+    return Selection(units, bounds, local, inverse, order)
 
 
 def gather_rows(units: Sequence[Packed], sel: Selection, row_bytes: int) -> np.ndarray:
@@ -175,9 +196,8 @@ def gather_rows(units: Sequence[Packed], sel: Selection, row_bytes: int) -> np.n
     for u, (start, stop) in zip(sel.unit, sel.bounds, strict=True):
         rows = units[u].rows
         assert rows is not None
-        np.take(rows, sel.local[start:stop], axis=0, out=out[start:stop])
-    ordered: np.ndarray = out[sel.inverse]
-    return ordered
+        out[sel.order[start:stop]] = np.take(rows, sel.local[start:stop], axis=0)
+    return out
 
 
 def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
@@ -194,33 +214,13 @@ def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
 def unpack_columns(rows: np.ndarray, layout: RowLayout, names: set[str]) -> dict[str, np.ndarray]:
     """Columns ``names`` of gathered row bytes, each a contiguous array.
 
-    Neighbouring columns of one dtype (the 16 float32 features of a typical table) come out
-    of a single transposing copy rather than one copy each.
-
     >>> t = pa.table({"id": [1, 2], "a": [0.5, 1.5], "b": [2.5, 3.5]})
     >>> lay = RowLayout.of(t.schema)
     >>> cols = unpack_columns(pack(t, lay).rows, lay, {"id", "a", "b"})
     >>> {k: v.tolist() for k, v in cols.items()}
     {'id': [1, 2], 'a': [0.5, 1.5], 'b': [2.5, 3.5]}
     """
-    out: dict[str, np.ndarray] = {}
-    i = 0
-    while i < len(layout.names):
-        if layout.names[i] not in names:
-            i += 1
-            continue
-        dtype, start = layout.dtypes[i], layout.offsets[i]
-        j = i + 1
-        while (
-            j < len(layout.names)
-            and layout.names[j] in names
-            and layout.dtypes[j] == dtype
-            and layout.offsets[j] == start + (j - i) * dtype.itemsize
-        ):
-            j += 1
-        block = np.ascontiguousarray(rows[:, start : start + (j - i) * dtype.itemsize])
-        columns = np.ascontiguousarray(block.view(dtype).T)  # one row per column
-        for k in range(j - i):
-            out[layout.names[i + k]] = columns[k]
-        i = j
-    return out
+    records = rows.view(layout.record).reshape(len(rows))
+    # .copy(), not ascontiguousarray: a one-row field view counts as contiguous but keeps the
+    # row's stride, which torch.from_numpy refuses.
+    return {n: records[n].copy() for n in layout.names if n in names}
