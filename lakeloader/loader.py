@@ -309,10 +309,10 @@ class DataLoader:
             self._iterator.close(wait)
             self._iterator = None
 
-    def _shutdown_workers(self) -> None:
+    def _shutdown_workers(self, graceful: bool = True) -> None:
         if self._pool is not None:
             self._worker_restarts += self._pool.restarts
-            self._pool.shutdown()
+            self._pool.shutdown(graceful)
             self._pool = None
         if self._unit_dir is not None:
             shutil.rmtree(self._unit_dir, ignore_errors=True)
@@ -328,7 +328,7 @@ class DataLoader:
         # included: it must not wait for them.
         try:
             self._close_iterator(wait=False)
-            self._shutdown_workers()
+            self._shutdown_workers(graceful=False)
         except Exception:
             logger.debug("error while closing a DataLoader", exc_info=True)
 

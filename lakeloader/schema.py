@@ -94,8 +94,12 @@ def unify_schemas(files: Sequence[FileInfo], columns: Sequence[str] | None = Non
     with_schema = [f for f in files if f.schema is not None]
     unified = pa.schema([])
     set_by: dict[str, FileInfo] = {}
+    seen: set[pa.Schema] = set()
     for f in with_schema:
         schema = _selected(f, columns)
+        if schema in seen:  # most files of a lake share a schema: unify each one once
+            continue
+        seen.add(schema)
         try:
             merged = pa.unify_schemas([unified, schema], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -278,13 +279,22 @@ class WorkerPool:
         slot.tasks.close()
         slot.results.close()
 
-    def shutdown(self) -> None:
-        """Ask every worker to exit, then terminate those that do not."""
-        for slot in self._slots:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Ask every worker to exit, then terminate those that do not.
+
+        Args:
+            graceful: Ask first (a ``None`` task). A finaliser passes False, and so does an
+                interpreter that is shutting down: putting on a queue starts its feeder
+                thread, which can no longer start then, and the put would hang.
+        """
+        graceful = graceful and not sys.is_finalizing()
+        for slot in self._slots if graceful else ():
             try:
                 slot.tasks.put(None)
             except (OSError, ValueError):
                 logger.debug("worker %s queue already closed", slot.process.name)
+        for slot in self._slots if not graceful else ():
+            slot.process.terminate()
         for slot in self._slots:
             slot.process.join(timeout=SHUTDOWN_GRACE)
             if slot.process.is_alive():
