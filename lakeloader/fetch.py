@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from lakeloader.errors import LakeDataError
-from lakeloader.retry import RetryPolicy
+from lakeloader.retry import RetryPolicy, describe
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def read_footer(
             meta = pq.read_metadata(path)
         except Exception as exc:
             raise LakeDataError(
-                f"{path}: cannot read the Parquet footer ({type(exc).__name__}: {exc}); "
+                f"{path}: cannot read the Parquet footer ({describe(exc)}); "
                 "repair or remove the file, or move it out of the lake"
             ) from exc
     _FOOTERS.put(key, meta)
@@ -156,7 +156,7 @@ def _fetch_footer(
         return pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
     except Exception as exc:
         raise LakeDataError(
-            f"{url}: cannot parse the Parquet footer ({type(exc).__name__}: {exc}); "
+            f"{url}: cannot parse the Parquet footer ({describe(exc)}); "
             "repair or remove the file"
         ) from exc
 

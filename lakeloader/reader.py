@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
-from lakeloader.retry import RetryPolicy
+from lakeloader.retry import RetryPolicy, describe
 from lakeloader.snapshot import FileInfo, Snapshot
 
 
@@ -116,7 +116,7 @@ class UnitReader:
         except Exception as exc:
             raise LakeDataError(
                 f"{url_of(self.fs, info.path)}, row group {row_group}: cannot read or decode "
-                f"({type(exc).__name__}: {exc}); repair or remove the file, or pass "
+                f"({describe(exc)}); repair or remove the file, or pass "
                 "on_error='skip' to quarantine the unit"
             ) from exc
         if table.num_rows != info.row_group_rows[row_group]:

@@ -25,7 +25,7 @@ from lakeloader._keys import SNAPSHOT_FORMAT_VERSION
 from lakeloader.discovery import DiscoveredFile, Source, discover, version_token
 from lakeloader.errors import LakeDataError, SchemaMismatchError
 from lakeloader.fetch import read_footer, url_of
-from lakeloader.retry import RetryPolicy
+from lakeloader.retry import RetryPolicy, describe
 from lakeloader.schema import unify_schemas
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def read_file_info(
     except Exception as exc:
         raise LakeDataError(
             f"{url_of(fs, found.path)}: its Parquet schema has no Arrow equivalent "
-            f"({type(exc).__name__}: {exc}); rewrite the file or leave it out of the lake"
+            f"({describe(exc)}); rewrite the file or leave it out of the lake"
         ) from exc
     rgs = [meta.row_group(i) for i in range(meta.num_row_groups)]
     return FileInfo(
