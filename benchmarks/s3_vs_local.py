@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lake-dir", default=None)
     parser.add_argument("--src", default="worktree", help="'worktree' or a git revision")
     parser.add_argument("--out", default=None, help="folder for the results")
+    parser.add_argument(
+        "--workers", type=int, default=WORKERS, help="num_workers (2; other values add -wN)"
+    )
     args = parser.parse_args(argv)
     if args.src != "worktree" and PINNED_ENV not in os.environ:
         folder, note = pinned_tree(args.src)
@@ -411,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     result["machine"] = machine()
     result["code"] = note
+    global WORKERS  # one loader configuration per run, read by one_pass and render
+    WORKERS = args.workers
     name = "s3_vs_local_smoke" if args.smoke else "s3_vs_local"
+    name += "" if WORKERS == 2 else f"-w{WORKERS}"
     markdown = _markdown(result, note)
     paths = write_results(name, result, markdown, args.out or ROOT / "benchmarks" / "results")
     print(markdown)
