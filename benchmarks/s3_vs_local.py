@@ -381,6 +381,7 @@ def _mmm(s: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global WORKERS  # one loader configuration per run, read by one_pass and render
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny lake, one repetition")
     parser.add_argument("--files", type=int, default=None)
@@ -414,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     result["machine"] = machine()
     result["code"] = note
-    global WORKERS  # one loader configuration per run, read by one_pass and render
     WORKERS = args.workers
     name = "s3_vs_local_smoke" if args.smoke else "s3_vs_local"
     name += "" if WORKERS == 2 else f"-w{WORKERS}"
