@@ -248,6 +248,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     store_root = Path(tempfile.mkdtemp(prefix="s3-vs-local-"))
     try:
         with s3_server(store_root) as store:
+            if args.pin:
+                # The store on one core, this process and its loader workers on the other, for
+                # local and S3 passes alike: the loader's CPU is the same in both, and what is
+                # left is the cost of reading through S3 on the client side.
+                os.sched_setaffinity(store.pid, {1})
+                os.sched_setaffinity(0, {0})
             return _measure(args, lake, names, layouts, store)
     finally:
         shutil.rmtree(store_root, ignore_errors=True)
@@ -365,11 +371,13 @@ def _markdown(result: dict[str, Any], note: dict[str, Any]) -> str:
             ["epoch: fetched / selected", e["fetched_over_selected"]],
         ],
     )
+    pinned = " (store pinned to CPU 1; this process and its workers to CPU 0)"
+    pinned = pinned if result.get("pinned") else ""
     return (
         f"# lakeloader: loopback S3 (SeaweedFS) vs local\n\n"
         f"Lake: {lake['files']} files x {lake['row_groups_per_file']} row groups x "
         f"{lake['rows_per_group']:,} rows, {lake['bytes']:,} bytes; columns "
-        f"{', '.join(lake['columns'])}; batch {BATCH}, {WORKERS} workers; best of "
+        f"{', '.join(lake['columns'])}; batch {BATCH}, {WORKERS} workers{pinned}; best of "
         f"{len(result['passes']['local'])} interleaved passes. Code: {json.dumps(note)}. "
         f"Machine: {json.dumps(result['machine'])}.\n\n{table}\n\n"
         f"Requests of the last s3+proxy pass:\n\n{figures}\n"
@@ -394,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=WORKERS, help="num_workers (2; other values add -wN)"
     )
+    parser.add_argument(
+        "--pin", action="store_true", help="store on CPU 1, loader on CPU 0 (adds -pinned)"
+    )
     args = parser.parse_args(argv)
     if args.src != "worktree" and PINNED_ENV not in os.environ:
         folder, note = pinned_tree(args.src)
@@ -414,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = run(args)
     result["machine"] = machine()
+    result["pinned"] = args.pin
     result["code"] = note
     WORKERS = args.workers
     name = "s3_vs_local_smoke" if args.smoke else "s3_vs_local"
-    name += "" if WORKERS == 2 else f"-w{WORKERS}"
+    name += ("" if WORKERS == 2 else f"-w{WORKERS}") + ("-pinned" if args.pin else "")
     markdown = _markdown(result, note)
     paths = write_results(name, result, markdown, args.out or ROOT / "benchmarks" / "results")
     print(markdown)
