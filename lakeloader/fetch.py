@@ -156,8 +156,7 @@ def _fetch_footer(
         return pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
     except Exception as exc:
         raise LakeDataError(
-            f"{url}: cannot parse the Parquet footer ({describe(exc)}); "
-            "repair or remove the file"
+            f"{url}: cannot parse the Parquet footer ({describe(exc)}); repair or remove the file"
         ) from exc
 
 
