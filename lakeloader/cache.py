@@ -9,12 +9,13 @@ Without workers they simply stay in memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 #: Where unit files go by default when there are worker processes.
 SHM_DIR = "/dev/shm"
+#: Seconds between checks of a decode waiting for the byte gate.
+GATE_POLL_SECONDS = 0.5
+#: Row groups from this size on are followed by returning freed memory to the system.
+RELEASE_BYTES = 64 << 20
 #: Name prefix of the per-process unit folders.
 UNIT_DIR_PREFIX = "lakeloader"
 
@@ -145,6 +150,42 @@ class UnitOpener:
         return out
 
 
+class _ByteGate:
+    """Admits decodes while the row groups being decoded fit a byte limit.
+
+    Decoding a unit materialises its whole row group first (a 256 MB row group split into
+    units is decoded whole for each), so on lakes of large row groups the decodes under way,
+    not the cache, decide peak memory. One decode is always admitted, however large.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, limit)
+        self._used = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def admit(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` (capped at the limit) of the budget for the ``with`` block."""
+        n = min(max(0, nbytes), self._limit)
+        with self._cond:
+            while self._used and self._used + n > self._limit and not self._closed:
+                self._cond.wait(GATE_POLL_SECONDS)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let every waiting decode through (the store is closing; its results are dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
 @dataclass
 class _Entry:
     future: Future[Held]
@@ -164,6 +205,8 @@ class UnitStore:
         screening: What to do with units that cannot be decoded or are rejected.
         layout: How to pack tensor-typed columns (None: keep units as Arrow tables, for
             transforms and collate functions that want rows with their Arrow types).
+        decode_bytes: Uncompressed row-group bytes decoded at once at most (one decode is
+            always allowed).
     """
 
     def __init__(
@@ -174,6 +217,7 @@ class UnitStore:
         threads: int,
         screening: Screening,
         layout: RowLayout | None,
+        decode_bytes: int,
     ) -> None:
         self._reader = reader
         self._layout = layout
@@ -181,6 +225,7 @@ class UnitStore:
         self._plan = plan
         self._dir = directory
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
+        self._gate = _ByteGate(decode_bytes)
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
         self.peak_bytes = 0
@@ -235,6 +280,15 @@ class UnitStore:
         return QuarantineEntry(path, rg, start, rows, reason)
 
     def _decode(self, position: int) -> Held:
+        file_index, rg, _, _ = self._locate(position)
+        rg_bytes = self._reader.snapshot.files[file_index].row_group_bytes[rg]
+        with self._gate.admit(rg_bytes):
+            held = self._decode_admitted(position)
+        if rg_bytes >= RELEASE_BYTES:  # hand a big row group's memory back to the system
+            pa.default_memory_pool().release_unused()
+        return held
+
+    def _decode_admitted(self, position: int) -> Held:
         table = self._screen(position)
         ref: Held
         if isinstance(table, QuarantineEntry):
@@ -364,6 +418,7 @@ class UnitStore:
             wait: Wait for decodes underway. A finaliser passes False: it may run on one of
                 this store's own threads, which must not wait for itself.
         """
+        self._gate.close()
         self._pool.shutdown(wait=wait, cancel_futures=True)
         with self._lock:
             entries = list(self._entries.values())

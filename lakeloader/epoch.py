@@ -117,7 +117,13 @@ class EpochIterator:
             cfg.start, cfg.plan.num_rows, cfg.global_batch, cfg.drop_last
         )
         self._store = UnitStore(
-            reader, cfg.plan, unit_dir if pool else None, cfg.io_threads, cfg.screening, cfg.layout
+            reader,
+            cfg.plan,
+            unit_dir if pool else None,
+            cfg.io_threads,
+            cfg.screening,
+            cfg.layout,
+            decode_bytes=cfg.cache_bytes,
         )
         self._specs: dict[int, BatchSpec] = {}
         #: Per screened step: the quarantined units and the rows of this rank they cost.
