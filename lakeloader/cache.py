@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from lakeloader.errors import LakeDataError
 from lakeloader.fetch import url_of
-from lakeloader.packed import Packed, RowLayout, pack
+from lakeloader.packed import Packed, RowLayout, compact, pack
 from lakeloader.plan import EpochPlan, release_slots
 from lakeloader.quarantine import OnError, QuarantineEntry, Validate, verdict
 from lakeloader.reader import UnitReader
@@ -308,7 +308,7 @@ class UnitStore:
 
     def _pack(self, table: pa.Table, out: np.ndarray | None) -> Packed:
         if self._layout is None or not self._layout.names:
-            return Packed(None, (), table.combine_chunks())
+            return Packed(None, (), compact(table))
         return pack(table, self._layout, out)
 
     def _write(self, position: int, table: pa.Table) -> UnitFiles:
