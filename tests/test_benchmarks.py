@@ -106,3 +106,30 @@ def test_memory_smoke(tmp_path: Path, script: str) -> None:
     report = json.loads((tmp_path / "memory-smoke.json").read_text())
     assert {(r["workers"], r["budget"]) for r in report["runs"]} == {(w, 2**20) for w in (0, 2)}
     assert all(r["rows"] == 80_000 and r["peak_pss_plus_shm"] > 0 for r in report["runs"])
+
+
+def test_s3_vs_local_smoke(tmp_path: Path) -> None:
+    _run(
+        "benchmarks.s3_vs_local",
+        "--smoke",
+        "--lake-dir",
+        str(tmp_path / "lake"),
+        "--out",
+        str(tmp_path),
+        timeout=180,
+    )
+    report = json.loads((tmp_path / "s3_vs_local_smoke.json").read_text())
+    assert set(report["passes"]) >= {"local", "s3", "s3+proxy"}
+    assert all(p["rows_per_s"] > 0 for passes in report["passes"].values() for p in passes)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["checkpoint_latency", "--quick", "--json"],
+        ["plan_defaults", "--quick", "--json", "--jobs", "1"],
+    ],
+)
+def test_checkpoint_and_plan_benchmarks_smoke(args: list[str]) -> None:
+    result = _run(f"benchmarks.{args[0]}", *args[1:], timeout=180)
+    assert json.loads(result.stdout)
