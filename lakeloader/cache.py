@@ -1,10 +1,11 @@
 """The decoded-unit cache of one rank: fetched ahead in plan order, evicted once used.
 
-Units are decoded by a small thread pool in the process that owns the loader. With worker
-processes the decoded units are written as Arrow IPC files into a cache folder (in shared
-memory, ``/dev/shm``, when there is one) that every worker of the rank memory-maps, so a unit
-is fetched and decoded once per rank per epoch however many workers build batches from it.
-Without workers they simply stay in memory.
+Units are decoded by a small thread pool in the process that owns the loader, screened
+(quarantine), and packed (:mod:`lakeloader.packed`). With worker processes a decoded unit is
+written into a cache folder (in shared memory, ``/dev/shm``, when there is one) as a ``.npy``
+file of packed row bytes plus an Arrow IPC file of its other columns, which every worker of
+the rank memory-maps, so a unit is fetched and decoded once per rank per epoch however many
+workers build batches from it. Without workers units simply stay in memory.
 """
 
 from __future__ import annotations
@@ -249,9 +250,10 @@ class UnitStore:
         info = self._reader.snapshot.files[file_index]
         return int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
 
-    def _screen(self, position: int) -> pa.Table | QuarantineEntry:
+    def _screen(
+        self, file_index: int, rg: int, start: int, rows: int
+    ) -> pa.Table | QuarantineEntry:
         """Read a unit, or say why it is quarantined."""
-        file_index, rg, start, rows = self._locate(position)
         path = self._reader.snapshot.files[file_index].path
         rules = self._screening
         for known in rules.known:
@@ -280,16 +282,17 @@ class UnitStore:
         return QuarantineEntry(path, rg, start, rows, reason)
 
     def _decode(self, position: int) -> Held:
-        file_index, rg, _, _ = self._locate(position)
+        where = self._locate(position)
+        file_index, rg = where[0], where[1]
         rg_bytes = self._reader.snapshot.files[file_index].row_group_bytes[rg]
         with self._gate.admit(rg_bytes):
-            held = self._decode_admitted(position)
+            held = self._decode_admitted(position, where)
         if rg_bytes >= RELEASE_BYTES:  # hand a big row group's memory back to the system
             pa.default_memory_pool().release_unused()
         return held
 
-    def _decode_admitted(self, position: int) -> Held:
-        table = self._screen(position)
+    def _decode_admitted(self, position: int, where: tuple[int, int, int, int]) -> Held:
+        table = self._screen(*where)
         ref: Held
         if isinstance(table, QuarantineEntry):
             size, ref = 0, table

@@ -34,13 +34,7 @@ from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.loader import DataLoader
 from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
 from lakeloader.quarantine import QuarantineEntry
-from lakeloader.recovery import (
-    LakeChangePolicy,
-    check_files,
-    diff_snapshots,
-    enforce,
-    lost_units,
-)
+from lakeloader.recovery import LakeChangePolicy, pinned_dataset, restore
 from lakeloader.snapshot import Snapshot
 from lakeloader.state import LoaderState
 
@@ -387,21 +381,7 @@ class CheckpointManager:
             StateMismatchError: If the order configuration differs.
         """
         ckpt = self.load_checkpoint(step)
-        saved = LoaderState.from_dict(ckpt.state)
-        current = loader.dataset
-        if saved.fingerprint != current.fingerprint:
-            diff = diff_snapshots(ckpt.snapshot, current.snapshot)
-            if not enforce(diff, on_lake_change, ckpt.path, _finished(saved)):
-                saved.check_matches(saved.fingerprint, current.config.to_dict())
-                loader.set_epoch(saved.epoch, restart=True)
-                return ckpt.extra
-            pinned = LakeDataset(
-                ckpt.context["source"], snapshot=ckpt.snapshot, **_settings(current)
-            )
-            lost = () if _finished(saved) else lost_units(ckpt.snapshot, diff)
-            pinned.hand_over(saved.epoch + 1, current, lost)
-            loader.rebase(pinned)
-        loader.load_state_dict(ckpt.state)
+        restore(loader, ckpt, on_lake_change)
         return ckpt.extra
 
     def dataset(
@@ -434,28 +414,9 @@ class CheckpointManager:
             LakeChangedError: If pinned files changed and the policy is ``"error"``.
         """
         ckpt = self.load_checkpoint(step)
-        saved = LoaderState.from_dict(ckpt.state)
-        cfg = saved.config
-        kwargs: dict[str, Any] = {
-            "columns": cfg["columns"],
-            "seed": cfg["seed"],
-            "shuffle": cfg["shuffle"],
-            "num_partitions": cfg["num_partitions"],
-            "window": cfg["window"],
-            "max_unit_rows": cfg["max_unit_rows"],
-            "storage_options": storage_options,
-            **settings,
-        }
-        source = ckpt.context["source"]
-        ds = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
-        diff = check_files(ds.fs, ds.snapshot.files)
-        if not (diff.gone or diff.changed):
-            return ds
-        if not enforce(diff, on_lake_change, ckpt.path, _finished(saved)):
-            return LakeDataset(source, **kwargs)
-        lost = () if _finished(saved) else lost_units(ckpt.snapshot, diff)
-        ds.hand_over(saved.epoch + 1, LakeDataset(source, **kwargs), lost)
-        return ds
+        return pinned_dataset(
+            ckpt, on_lake_change, {"storage_options": storage_options, **settings}
+        )
 
     def close(self) -> None:
         """Finish a pending background save and stop the writer thread."""
@@ -464,29 +425,6 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
-
-
-def _finished(state: LoaderState) -> bool:
-    """Whether a state sits at its epoch's end (the rest of the epoch needs no file)."""
-    return state.position + state.rows_dropped >= state.num_rows
-
-
-def _settings(ds: LakeDataset) -> dict[str, Any]:
-    """A dataset's arguments, so that a pinned twin orders and reads rows alike."""
-    c = ds.config
-    return {
-        "columns": list(c.columns),
-        "seed": c.seed,
-        "shuffle": c.shuffle,
-        "num_partitions": c.num_partitions,
-        "window": c.window,
-        "max_unit_rows": c.max_unit_rows,
-        "storage_options": ds.storage_options,
-        "transform": ds.transform,
-        "retry": ds.retry,
-        "on_error": ds.on_error,
-        "validate": ds.validate,
-    }
 
 
 def _source(loader: DataLoader) -> Any:

@@ -253,20 +253,15 @@ def slots_to_virtual(plan: EpochPlan, slots: np.ndarray) -> np.ndarray:
     out = plan.starts[part] + win * W
     if plan.shuffle and len(slots):
         keys = part * (int(plan.num_rows) // W + 2) + win
-        steps = np.diff(keys)
-        if (steps >= 0).all():  # a batch's slots come grouped by partition and window
-            bounds = np.flatnonzero(steps) + 1
-            starts = np.concatenate([[0], bounds]).tolist()
-            stops = np.concatenate([bounds, [len(keys)]]).tolist()
-            for a, b in zip(starts, stops, strict=True):
-                perm = window_permutation(plan, int(part[a]), int(win[a]))
-                out[a:b] += perm[inner[a:b]]
-        else:
-            order = np.argsort(keys, kind="stable")  # group the slots by window
-            bounds = np.flatnonzero(np.diff(keys[order])) + 1
-            for group in np.split(order, bounds):
-                c, w = int(part[group[0]]), int(win[group[0]])
-                out[group] += window_permutation(plan, c, w)[inner[group]]
+        # A batch's slots come grouped by partition and window already; sort only if not.
+        order = None if (np.diff(keys) >= 0).all() else np.argsort(keys, kind="stable")
+        grouped = keys if order is None else keys[order]
+        cuts = (np.flatnonzero(np.diff(grouped)) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, len(keys)], strict=True):
+            idx = slice(a, b) if order is None else order[a:b]
+            first = a if order is None else int(order[a])
+            perm = window_permutation(plan, int(part[first]), int(win[first]))
+            out[idx] += perm[inner[idx]]
     else:
         out += inner
     return np.asarray(out, dtype=np.int64)

@@ -55,6 +55,11 @@ class LoaderState:
     topology: dict[str, int]
     quarantine: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def at_epoch_end(self) -> bool:
+        """Whether the position sits at its epoch's end (the rest of the epoch is empty)."""
+        return self.position + self.rows_dropped >= self.num_rows
+
     def to_dict(self) -> dict[str, Any]:
         """Plain types only: msgpack- and JSON-serialisable."""
         return {

@@ -288,13 +288,14 @@ class WorkerPool:
                 thread, which can no longer start then, and the put would hang.
         """
         graceful = graceful and not sys.is_finalizing()
-        for slot in self._slots if graceful else ():
+        for slot in self._slots:
+            if not graceful:
+                slot.process.terminate()
+                continue
             try:
                 slot.tasks.put(None)
             except (OSError, ValueError):
                 logger.debug("worker %s queue already closed", slot.process.name)
-        for slot in self._slots if not graceful else ():
-            slot.process.terminate()
         for slot in self._slots:
             slot.process.join(timeout=SHUTDOWN_GRACE)
             if slot.process.is_alive():
