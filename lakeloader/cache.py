@@ -1,11 +1,12 @@
 """The decoded-unit cache of one rank: fetched ahead in plan order, evicted once used.
 
 Units are decoded by a small thread pool in the process that owns the loader, screened
-(quarantine), and packed (:mod:`lakeloader.packed`). With worker processes a decoded unit is
-written into a cache folder (in shared memory, ``/dev/shm``, when there is one) as a ``.npy``
-file of packed row bytes plus an Arrow IPC file of its other columns, which every worker of
-the rank memory-maps, so a unit is fetched and decoded once per rank per epoch however many
-workers build batches from it. Without workers units simply stay in memory.
+(quarantine), and packed (:mod:`lakeloader.packed`): their tensor-typed columns as rows of the
+rank's :class:`~lakeloader.arena.Arena`, a memory-mapped file in the cache folder (in shared
+memory, ``/dev/shm``, when there is one). With worker processes the other columns (strings,
+nested types) go to an Arrow IPC file beside it; every worker memory-maps both, so a unit is
+fetched and decoded once per rank per epoch however many workers build batches from it.
+Without workers those columns simply stay in memory.
 """
 
 from __future__ import annotations
@@ -19,18 +20,17 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from lakeloader.errors import LakeDataError
-from lakeloader.fetch import url_of
-from lakeloader.packed import Packed, RowLayout, compact, pack
+from lakeloader.arena import Arena, unlink_quietly
+from lakeloader.decode import DecodeJob, Held, UnitDecoder, UnitRef
+from lakeloader.packed import Packed, RowLayout
 from lakeloader.plan import EpochPlan, release_slots
-from lakeloader.quarantine import OnError, QuarantineEntry, Validate, verdict
+from lakeloader.quarantine import OnError, QuarantineEntry, Validate
 from lakeloader.reader import UnitReader
-from lakeloader.retry import describe
 
 logger = logging.getLogger(__name__)
 
@@ -38,35 +38,12 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 #: Seconds between checks of a decode waiting for the byte gate.
 GATE_POLL_SECONDS = 0.5
-#: Row groups from this size on are followed by returning freed memory to the system.
-RELEASE_BYTES = 64 << 20
 #: Name prefix of the per-process unit folders.
 UNIT_DIR_PREFIX = "lakeloader"
 
 
-@dataclass(frozen=True)
-class UnitFiles:
-    """A decoded unit in the cache folder, as worker processes receive it.
-
-    Attributes:
-        rows: The ``.npy`` file of its packed row bytes, or None.
-        table: The Arrow IPC file of its other columns.
-        packed: Names of the packed columns.
-    """
-
-    rows: str | None
-    table: str
-    packed: tuple[str, ...]
-
-    def paths(self) -> list[str]:
-        """Every file of the unit."""
-        return [p for p in (self.rows, self.table) if p is not None]
-
-
-#: A decoded unit as a batch builder gets it: in memory, or as files in the cache folder.
-UnitRef: TypeAlias = "Packed | UnitFiles"
-#: What the store holds for a unit: the decoded unit, or why it is quarantined.
-Held: TypeAlias = "UnitRef | QuarantineEntry"
+#: The columns of a unit that has every column packed.
+_NO_COLUMNS = pa.table({})
 
 
 @dataclass(frozen=True)
@@ -115,40 +92,44 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load_unit(ref: UnitRef) -> Packed:
-    """Open a decoded unit: zero-copy memory maps of its files, or the unit itself."""
-    if isinstance(ref, Packed):
-        return ref
-    rows = np.load(ref.rows, mmap_mode="r") if ref.rows is not None else None
-    with pa.memory_map(ref.table, "r") as source:
-        table = pa.ipc.open_file(source).read_all()
-    return Packed(rows, ref.packed, table)
-
-
 class UnitOpener:
-    """Opens units for a worker, keeping the maps of the previous batch's units.
+    """Opens units for a batch builder, keeping the tables of the previous batch's units.
 
     Consecutive batches share most of their units (they draw from the same windows), and
-    mapping a file costs more than the rows a batch takes from it. Maps older than the
+    mapping a file costs more than the rows a batch takes from it. Tables older than the
     previous batch are dropped, so that the memory of units the loader has evicted is freed.
     """
 
     def __init__(self) -> None:
-        self._open: dict[UnitFiles, Packed] = {}
+        self._open: dict[str, pa.Table] = {}
 
-    def open(self, refs: Sequence[UnitRef]) -> list[Packed]:
-        """The units of one batch."""
-        now: dict[UnitFiles, Packed] = {}
+    def open(self, refs: Sequence[UnitRef], records: np.ndarray | None) -> list[Packed]:
+        """The units of one batch, their packed rows as slices of the arena ``records``."""
+        now: dict[str, pa.Table] = {}
         out = []
         for ref in refs:
-            if isinstance(ref, Packed):
-                out.append(ref)
-                continue
-            unit = now.get(ref) or self._open.get(ref) or load_unit(ref)
-            now[ref] = unit
-            out.append(unit)
+            table = ref.table
+            if isinstance(table, str):
+                path = table
+                table = now.get(path) or self._open.get(path) or _read_ipc(path)
+                now[path] = table
+            rows = None
+            if ref.start >= 0:
+                assert records is not None
+                rows = records[ref.start : ref.start + ref.num_rows]
+            out.append(Packed(rows, ref.packed, _NO_COLUMNS if table is None else table))
         self._open = now
         return out
+
+    def drop(self) -> None:
+        """Forget the tables held (an idle worker must not keep evicted units alive)."""
+        self._open = {}
+
+
+def _read_ipc(path: str) -> pa.Table:
+    """A unit's table from its IPC file, memory-mapped (zero copy)."""
+    with pa.memory_map(path, "r") as source:
+        return pa.ipc.open_file(source).read_all()
 
 
 class _ByteGate:
@@ -187,11 +168,59 @@ class _ByteGate:
             self._cond.notify_all()
 
 
+class Decodes(Protocol):
+    """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
+
+    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
+        """Start decoding ``job`` (whose row group has ``nbytes`` uncompressed bytes)."""
+
+    def close(self, wait: bool) -> None:
+        """Stop: drop queued jobs (their futures are cancelled)."""
+
+
+class LocalDecodes:
+    """Decodes in a thread pool of this process, gated by row-group bytes.
+
+    Args:
+        decoder: Does the work.
+        threads: Units decoded at once.
+        limit: Uncompressed row-group bytes decoded at once at most (one always runs).
+        records: The arena's rows, read at each decode (it may have grown), or None.
+    """
+
+    def __init__(
+        self,
+        decoder: UnitDecoder,
+        threads: int,
+        limit: int,
+        records: Callable[[], np.ndarray | None],
+    ) -> None:
+        self._decoder = decoder
+        self._records = records
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
+        self._gate = _ByteGate(limit)
+
+    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
+        """Queue ``job`` for a decoding thread."""
+        return self._pool.submit(self._run, job, nbytes)
+
+    def _run(self, job: DecodeJob, nbytes: int) -> Held:
+        with self._gate.admit(nbytes):
+            return self._decoder.decode(job, self._records())
+
+    def close(self, wait: bool) -> None:
+        """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
+        self._gate.close()
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
 @dataclass
 class _Entry:
     future: Future[Held]
     release: int
     nbytes: int
+    start: int  # first of the arena rows reserved for the unit, or -1
+    rows: int
 
 
 class UnitStore:
@@ -200,33 +229,31 @@ class UnitStore:
     Args:
         reader: Reads units from the lake.
         plan: The epoch's plan.
-        directory: Folder for IPC unit files (worker processes), or None to keep tables in
-            memory (no workers).
-        threads: Units decoded at once.
-        screening: What to do with units that cannot be decoded or are rejected.
-        layout: How to pack tensor-typed columns (None: keep units as Arrow tables, for
-            transforms and collate functions that want rows with their Arrow types).
-        decode_bytes: Uncompressed row-group bytes decoded at once at most (one decode is
-            always allowed).
+        layout: How tensor-typed columns are packed (None: units stay Arrow tables).
+        arena: Where packed rows go (None when nothing is packed).
+        table_dir: Folder for the IPC files of the columns not packed, when another process
+            reads them (None: they stay in memory).
+        known: Units already quarantined (from the loaded state): skipped without reading.
+        decodes: Runs the decode jobs.
     """
 
     def __init__(
         self,
         reader: UnitReader,
         plan: EpochPlan,
-        directory: str | None,
-        threads: int,
-        screening: Screening,
         layout: RowLayout | None,
-        decode_bytes: int,
+        arena: Arena | None,
+        table_dir: str | None,
+        known: tuple[QuarantineEntry, ...],
+        decodes: Decodes,
     ) -> None:
         self._reader = reader
-        self._layout = layout
-        self._screening = screening
         self._plan = plan
-        self._dir = directory
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
-        self._gate = _ByteGate(decode_bytes)
+        self._layout = layout
+        self._arena = arena
+        self._dir = table_dir
+        self._known = known
+        self._decodes = decodes
         self._entries: dict[int, _Entry] = {}
         self._lock = threading.Lock()
         self.peak_bytes = 0
@@ -245,98 +272,44 @@ class UnitStore:
         start = int(plan.units.row_start[unit]) + int(plan.piece_start[position])
         return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows
 
-    def _estimate(self, position: int) -> int:
-        file_index, rg, _, rows = self._locate(position)
+    def _start(self, position: int) -> _Entry:
+        """Start a unit's decode (its entry's release slot is filled in by the caller)."""
+        file_index, rg, row_start, rows = self._locate(position)
         info = self._reader.snapshot.files[file_index]
-        return int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
+        estimate = int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
+        for known in self._known:
+            if known.covers(info.path, rg, row_start, rows):
+                done: Future[Held] = Future()
+                done.set_result(QuarantineEntry(info.path, rg, row_start, rows, known.reason))
+                return _Entry(done, 0, 0, -1, rows)
+        packs = self._arena is not None and self._layout is not None and bool(self._layout.names)
+        start = self._arena.alloc(rows) if packs and self._arena is not None else -1
+        path = None
+        if self._dir is not None:
+            path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
+        job = DecodeJob(position, file_index, rg, row_start, rows, start, path)
+        future = self._decodes.submit(job, info.row_group_bytes[rg])
+        future.add_done_callback(lambda f: self._decoded(position, f))
+        return _Entry(future, 0, estimate, start, rows)
 
-    def _screen(
-        self, file_index: int, rg: int, start: int, rows: int
-    ) -> pa.Table | QuarantineEntry:
-        """Read a unit, or say why it is quarantined."""
-        path = self._reader.snapshot.files[file_index].path
-        rules = self._screening
-        for known in rules.known:
-            if known.covers(path, rg, start, rows):
-                return QuarantineEntry(path, rg, start, rows, known.reason)
-        try:
-            table = self._reader.read(file_index, rg, start, rows)
-        except LakeDataError as exc:
-            if rules.on_error != "skip":
-                raise
-            reason = describe(exc.__cause__ or exc)
-        else:
-            rejected = None if rules.validate is None else verdict(rules.validate, table)
-            if rejected is None:
-                return table
-            if rules.on_error != "skip":
-                raise LakeDataError(
-                    f"{url_of(self._reader.fs, path)}, row group {rg}, rows [{start}, "
-                    f"{start + rows}): rejected by validate: {rejected}. Fix the data, or pass "
-                    "on_error='skip' to quarantine such units"
-                )
-            reason = f"rejected by validate: {rejected}"
-        logger.warning(
-            "quarantined %s, row group %d, rows [%d, %d): %s", path, rg, start, start + rows, reason
-        )
-        return QuarantineEntry(path, rg, start, rows, reason)
-
-    def _decode(self, position: int) -> Held:
-        where = self._locate(position)
-        file_index, rg = where[0], where[1]
-        rg_bytes = self._reader.snapshot.files[file_index].row_group_bytes[rg]
-        with self._gate.admit(rg_bytes):
-            held = self._decode_admitted(position, where)
-        if rg_bytes >= RELEASE_BYTES:  # hand a big row group's memory back to the system
-            pa.default_memory_pool().release_unused()
-        return held
-
-    def _decode_admitted(self, position: int, where: tuple[int, int, int, int]) -> Held:
-        table = self._screen(*where)
-        ref: Held
-        if isinstance(table, QuarantineEntry):
-            size, ref = 0, table
-        elif self._dir is None:
-            unit = self._pack(table, None)
-            size, ref = unit.table.nbytes + (unit.rows.nbytes if unit.rows is not None else 0), unit
-        else:
-            ref = self._write(position, table)
-            size = sum(os.path.getsize(p) for p in ref.paths())
+    def _decoded(self, position: int, future: Future[Held]) -> None:
+        """Count a decoded unit's real size (called as its decode finishes)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        held = future.result()
+        size = 0 if isinstance(held, QuarantineEntry) else self._size(held)
         with self._lock:
             entry = self._entries.get(position)
             if entry is not None:
                 entry.nbytes = size
             self.peak_bytes = max(self.peak_bytes, sum(e.nbytes for e in self._entries.values()))
-        return ref
 
-    def _pack(self, table: pa.Table, out: np.ndarray | None) -> Packed:
-        if self._layout is None or not self._layout.names:
-            return Packed(None, (), compact(table))
-        return pack(table, self._layout, out)
-
-    def _write(self, position: int, table: pa.Table) -> UnitFiles:
-        """Pack a unit straight into the cache folder (temporary names, then renamed)."""
-        base = os.path.join(self._dir or "", f"e{self._plan.epoch}-p{position}")
-        rows_path, out = base + ".rows.npy", None
-        if self._layout is not None and self._layout.names:
-            shape = (table.num_rows, self._layout.row_bytes)
-            out = np.lib.format.open_memmap(rows_path + ".tmp", "w+", np.uint8, shape)
-        unit = self._pack(table, out)
-        if out is not None:
-            out.flush()
-            del out
-            if unit.rows is None:  # nothing could be packed after all
-                os.unlink(rows_path + ".tmp")
-            else:
-                os.replace(rows_path + ".tmp", rows_path)
-        table_path = base + ".arrow"
-        with (
-            pa.OSFile(table_path + ".tmp", "wb") as sink,
-            pa.ipc.new_file(sink, unit.table.schema) as writer,
-        ):
-            writer.write_table(unit.table)
-        os.replace(table_path + ".tmp", table_path)
-        return UnitFiles(rows_path if unit.rows is not None else None, table_path, unit.packed)
+    def _size(self, ref: UnitRef) -> int:
+        """Bytes a unit holds: its packed rows and its other columns."""
+        size = ref.num_rows * self._layout.row_bytes if ref.start >= 0 and self._layout else 0
+        if isinstance(ref.table, str):
+            return size + os.path.getsize(ref.table)
+        return size + (ref.table.nbytes if ref.table is not None else 0)
 
     def request(self, positions: np.ndarray, on_ready: Callable[[], None] | None = None) -> None:
         """Start decoding the units at these positions unless already held or underway.
@@ -351,9 +324,12 @@ class UnitStore:
             return
         releases = release_slots(self._plan, np.asarray(missing, dtype=np.int64))
         for pos, rel in zip(missing, releases.tolist(), strict=True):
-            entry = _Entry(self._pool.submit(self._decode, pos), rel, self._estimate(pos))
+            entry = self._start(pos)
+            entry.release = rel
             with self._lock:
                 self._entries[pos] = entry
+            if entry.future.done():  # finished before it had an entry to count itself in
+                self._decoded(pos, entry.future)
             if on_ready is not None:
                 entry.future.add_done_callback(lambda _f: on_ready())
 
@@ -368,8 +344,12 @@ class UnitStore:
             futures = [self._entries[int(p)].future for p in positions]
         return any(f.done() and not f.cancelled() and f.exception() for f in futures)
 
-    def get(self, positions: np.ndarray) -> list[Held]:
+    def get(self, positions: np.ndarray, timeout: float | None = None) -> list[Held]:
         """Wait for the units at these positions (requesting them if needed).
+
+        Args:
+            positions: Virtual-sequence positions of the units.
+            timeout: Seconds to wait for any one unit (None: forever).
 
         Returns:
             Each unit, or its quarantine entry when it is skipped.
@@ -377,11 +357,12 @@ class UnitStore:
         Raises:
             LakeDataError: If a unit cannot be read (and ``on_error`` is ``"raise"``).
             StoreUnavailableError: If the store stays down past the retry deadline.
+            TimeoutError: If a unit is not decoded within ``timeout`` seconds.
         """
         self.request(positions)
         with self._lock:
             futures = [self._entries[int(p)].future for p in positions]
-        return [f.result() for f in futures]
+        return [f.result(timeout) for f in futures]
 
     def describe(self, positions: np.ndarray) -> list[str]:
         """Name the units at these positions as ``file, row group, rows [a, b)``."""
@@ -401,18 +382,15 @@ class UnitStore:
             self._discard(entry)
 
     def _discard(self, entry: _Entry) -> None:
-        if not entry.future.done():
-            entry.future.cancel()
-            return
+        if not entry.future.done() and not entry.future.cancel():
+            return  # a decode underway may still write its rows: they stay reserved
+        if entry.start >= 0 and self._arena is not None:
+            self._arena.free(entry.start, entry.rows)
         if entry.future.cancelled() or entry.future.exception() is not None:
             return
         ref = entry.future.result()
-        if isinstance(ref, UnitFiles):  # units in memory and quarantine entries leave none
-            for path in ref.paths():
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    logger.debug("unit file %s was already gone", path)
+        if isinstance(ref, UnitRef) and isinstance(ref.table, str):
+            unlink_quietly(ref.table)
 
     def close(self, wait: bool = True) -> None:
         """Stop decoding and drop every unit (deleting unit files).
@@ -421,8 +399,7 @@ class UnitStore:
             wait: Wait for decodes underway. A finaliser passes False: it may run on one of
                 this store's own threads, which must not wait for itself.
         """
-        self._gate.close()
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        self._decodes.close(wait)
         with self._lock:
             entries = list(self._entries.values())
             self._entries.clear()

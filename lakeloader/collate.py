@@ -7,13 +7,14 @@ With a ``transform`` or a ``collate_fn``, rows are materialised as dicts, as tor
 DataLoader would hand them over:
 ``transform(row)`` per row, then ``collate_fn(rows)`` (torch's ``default_collate`` when none).
 
-Workers return the columnar form as numpy arrays, which pickle as one buffer each; the process
-that owns the loader turns them into tensors without a copy.
+Packed columns are gathered from the rank's arena into one fresh flat buffer per batch, and
+each column becomes a tensor viewing it (no further copy). The batches that workers build for
+a transform or a collate_fn cross between processes as pickles.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,9 @@ from lakeloader.packed import (
     Selection,
     column_of,
     gather_arrow,
-    gather_rows,
     is_tensor_type,
     select,
     tensor_numpy,
-    unpack_columns,
 )
 
 Transform = Callable[[dict[str, Any]], Any]
@@ -79,26 +78,32 @@ def _arrow_column(
 
 
 def gather_columns(
-    units: Sequence[Packed], take: np.ndarray, schema: pa.Schema, layout: RowLayout | None
+    units: Sequence[Packed],
+    take: np.ndarray,
+    schema: pa.Schema,
+    layout: RowLayout | None,
+    ready: Mapping[str, np.ndarray],
 ) -> dict[str, Any]:
     """The batch in columnar form: rows ``take`` of the concatenation of ``units``.
 
-    Columns that every unit packed come from one ``np.take`` per unit (see
-    :mod:`lakeloader.packed`); the others through Arrow, then as tensors or Python lists.
+    Columns in ``ready`` were already gathered from the arena (one row copy for the whole
+    batch, see :func:`lakeloader.packed.gather_packed`); the others come through Arrow, then
+    as tensors or Python lists.
 
     Raises:
         NullValuesError: If an integer, boolean or temporal column holds nulls in the batch.
     """
-    sel = select([u.num_rows for u in units], take)
-    fast = [n for n in layout.names if all(n in u.packed for u in units)] if layout else []
-    rows = gather_rows(units, sel, layout.row_bytes) if layout and fast and units else None
-    unpacked = unpack_columns(rows, layout, set(fast)) if rows is not None and layout else {}
+    sel: Selection | None = None
     out: dict[str, Any] = {}
     for field in schema:
-        if field.name in unpacked:
-            out[field.name] = unpacked[field.name]
+        if field.name in ready:
+            out[field.name] = ready[field.name]
             continue
-        col = _arrow_column(units, sel, field, layout) if units else pa.array([], field.type)
+        if not units:
+            col = pa.array([], field.type)
+        else:
+            sel = sel or select([u.num_rows for u in units], take)
+            col = _arrow_column(units, sel, field, layout)
         out[field.name] = (
             _tensor_view(field.name, col) if is_tensor_type(field.type) else _python_values(col)
         )
@@ -169,15 +174,25 @@ def build_payload(
     layout: RowLayout | None,
     transform: Transform | None,
     collate_fn: Collate | None,
+    ready: Mapping[str, np.ndarray],
 ) -> tuple[str, Any]:
     """Build one batch from decoded units: the work a DataLoader worker does.
+
+    Args:
+        units: The batch's units.
+        take: Row indices into their concatenation, in batch order.
+        schema: The batch's columns.
+        layout: How the units packed their tensor-typed columns.
+        transform: Per-row transform, or None.
+        collate_fn: The user's collate function, or None.
+        ready: Columns already gathered from the arena (default path only).
 
     Returns:
         ``(COLUMNS, dict of numpy arrays or lists)`` on the default path, else
         ``(COLLATED, whatever collate_fn returned)``.
     """
     if transform is None and collate_fn is None:
-        return COLUMNS, gather_columns(units, take, schema, layout)
+        return COLUMNS, gather_columns(units, take, schema, layout, ready)
     table = gather_table(units, take, schema)
     if table.num_rows == 0 and collate_fn is None:
         return COLUMNS, to_columns(table)  # an empty share of a short last batch

@@ -9,26 +9,37 @@ handed to the training loop does the loader's position move.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lakeloader.cache import Held, Screening, UnitRef, UnitStore, load_unit
+import numpy as np
+
+from lakeloader.arena import Arena, ArenaHandle
+from lakeloader.cache import Decodes, LocalDecodes, Screening, UnitOpener, UnitStore
 from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
+from lakeloader.decode import DecodeJob, Held, UnitDecoder, UnitRef
 from lakeloader.errors import WorkerError
-from lakeloader.packed import RowLayout
-from lakeloader.plan import BatchSpec, EpochPlan, batch_spec, steps_in_epoch
+from lakeloader.packed import BatchBuffer, RowLayout, gather_packed
+from lakeloader.plan import BatchSpec, EpochPlan, batch_specs, steps_in_epoch
 from lakeloader.quarantine import QuarantineEntry, drop_pieces
 from lakeloader.reader import UnitReader
+from lakeloader.remote import RemoteDecodes
 from lakeloader.workers import Death, Result, Task, WorkerPool
 
 logger = logging.getLogger(__name__)
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
 LOOKAHEAD_STEPS = 256
+#: Steps planned by one call (planning is vectorised across steps; see plan.batch_specs).
+PLAN_CHUNK = 64
+#: Numbers the passes of this process, to name their arena and slot files apart.
+_PASSES = itertools.count()
 #: Attempts at one batch whose worker keeps dying before the loader gives up.
 MAX_BATCH_ATTEMPTS = 3
 #: Seconds between liveness checks while waiting for workers.
@@ -81,10 +92,19 @@ OnDelivered = Callable[[Delivery], None]
 
 @dataclass(frozen=True)
 class _Screened:
-    """A step's decoded units and row indices once quarantined units are left out."""
+    """A step's decoded units and row indices once quarantined units are left out.
+
+    Attributes:
+        refs: The units the columns not in ``names`` come from (empty when none are left).
+        take: Row indices into the concatenation of ``refs``.
+        rows: Arena row of each batch row (the packed columns), or None.
+        names: The packed columns every unit of the step has.
+    """
 
     refs: list[UnitRef]
-    take: Any
+    take: np.ndarray
+    rows: np.ndarray | None
+    names: tuple[str, ...]
 
 
 class EpochIterator:
@@ -95,8 +115,10 @@ class EpochIterator:
         reader: Reads units (its counters are the loader's).
         on_delivered: Called with a :class:`Delivery` as each batch is handed over.
         on_finish: Called once when the pass ends (or is closed).
-        pool: Worker processes, or None to build batches in this process.
-        unit_dir: Folder for decoded unit files shared with the workers (with a pool).
+        pool: Worker processes: they decode units (default tensor path) or build batches
+            (with a transform or a collate_fn). None: everything happens in this process.
+        unit_dir: Folder for the arena and the unit files shared with the workers (None:
+            nothing is packed, every column takes the Arrow path).
     """
 
     def __init__(
@@ -116,15 +138,46 @@ class EpochIterator:
         self.num_steps = steps_in_epoch(
             cfg.start, cfg.plan.num_rows, cfg.global_batch, cfg.drop_last
         )
+        layout = cfg.layout if cfg.layout is not None and cfg.layout.names else None
+        self._arena: Arena | None = None
+        self._buffer: BatchBuffer | None = None
+        if layout is not None and unit_dir is not None:
+            budget_rows = cfg.cache_bytes // layout.row_bytes
+            tag = f"{os.getpid()}-{next(_PASSES)}"
+            self._arena = Arena(unit_dir, layout.record, tag, budget_rows, budget_rows)
+            self._buffer = BatchBuffer.of(layout, -(-cfg.global_batch // cfg.world_size))
+        self._generation = pool.new_generation() if pool else 0
+        self._remote: RemoteDecodes | None = None
+        decodes: Decodes
+        if pool is not None and self._arena is not None:
+            # The default tensor path: workers decode, this process assembles (a row copy).
+            self._remote = decodes = RemoteDecodes(
+                pool,
+                self._generation,
+                self._arena_handle,
+                cfg.cache_bytes,
+                cfg.prefetch_factor,
+                reader.counters,
+                self._describe_job,
+            )
+            pool = None
+        else:
+            decoder = UnitDecoder(
+                reader, cfg.layout, cfg.screening.on_error, cfg.screening.validate
+            )
+            decodes = LocalDecodes(decoder, cfg.io_threads, cfg.cache_bytes, self._records)
+        self._pool = pool
         self._store = UnitStore(
             reader,
             cfg.plan,
-            unit_dir if pool else None,
-            cfg.io_threads,
-            cfg.screening,
             cfg.layout,
-            decode_bytes=cfg.cache_bytes,
+            self._arena,
+            unit_dir if self._remote is not None or pool is not None else None,
+            cfg.screening.known,
+            decodes,
         )
+        self._opener = UnitOpener()
+        self._planned: deque[BatchSpec] = deque()
         self._specs: dict[int, BatchSpec] = {}
         #: Per screened step: the quarantined units and the rows of this rank they cost.
         self._skipped: dict[int, tuple[tuple[QuarantineEntry, ...], int]] = {}
@@ -132,14 +185,16 @@ class EpochIterator:
         self._attempts: dict[int, int] = {}
         self._next_plan = self._next_dispatch = self._next_deliver = 0
         self._wake_r, self._wake_w = os.pipe() if pool else (-1, -1)
-        self._generation = pool.new_generation() if pool else 0
         self._closed = False
 
-    # ------------------------------------------------------------------ planning
-    def _slots(self, step: int) -> tuple[int, int]:
-        start = self.cfg.start + step * self.cfg.global_batch
-        return start, min(start + self.cfg.global_batch, self.cfg.plan.num_rows)
+    def _records(self) -> np.ndarray | None:
+        """The arena's rows now (it may have grown since the last call)."""
+        return self._arena.records if self._arena is not None else None
 
+    def _arena_handle(self) -> ArenaHandle | None:
+        return self._arena.handle if self._arena is not None else None
+
+    # ------------------------------------------------------------------ planning
     def _plan_ahead(self) -> None:
         c = self.cfg
         while (
@@ -147,10 +202,16 @@ class EpochIterator:
             and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
             and (self._next_plan == self._next_deliver or self._store.nbytes < c.cache_bytes)
         ):
-            step = self._next_plan
-            spec = batch_spec(c.plan, step, *self._slots(step), c.world_size, c.rank)
+            if not self._planned:
+                n = min(PLAN_CHUNK, self.num_steps - self._next_plan)
+                self._planned.extend(
+                    batch_specs(
+                        c.plan, self._next_plan, n, c.start, c.global_batch, c.world_size, c.rank
+                    )
+                )
+            spec = self._planned.popleft()
             self._store.request(spec.positions, on_ready=self._wake)
-            self._specs[step] = spec
+            self._specs[spec.step] = spec
             self._next_plan += 1
 
     def _wake(self) -> None:
@@ -169,17 +230,11 @@ class EpochIterator:
             self.close()
             raise StopIteration
         step = self._next_deliver
+        if self._remote is not None:
+            self._remote.reap()
         self._plan_ahead()
         spec = self._specs[step]
-        if self._pool is None:
-            screened = self._screened(spec)
-            c = self.cfg
-            units = [load_unit(r) for r in screened.refs]
-            payload = build_payload(
-                units, screened.take, self._schema, c.layout, c.transform, c.collate_fn
-            )
-        else:
-            payload = self._from_workers(step)
+        payload = self._build(spec) if self._pool is None else self._from_workers(step)
         batch = finish_payload(payload)
         if self.cfg.pin_memory:
             batch = pin(batch)
@@ -200,15 +255,53 @@ class EpochIterator:
 
     def _screened(self, spec: BatchSpec) -> _Screened:
         """The step's units without quarantined ones, and its rows renumbered to match."""
-        held: list[Held] = self._store.get(spec.positions)
-        bad = [isinstance(h, QuarantineEntry) for h in held]
+        c = self.cfg
+        try:
+            held: list[Held] = self._store.get(spec.positions, c.timeout or None)
+        except TimeoutError:
+            raise self._timed_out(spec.step) from None
         refs = [h for h in held if not isinstance(h, QuarantineEntry)]
         skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
-        take = spec.take
+        take, inverse, row = spec.take, spec.inverse, spec.row
         if skipped:
-            take = drop_pieces(spec.take, self.cfg.plan.piece_rows(spec.positions).tolist(), bad)
+            bad = [isinstance(h, QuarantineEntry) for h in held]
+            take = drop_pieces(take, self.cfg.plan.piece_rows(spec.positions).tolist(), bad)
+            keep = ~np.asarray(bad, dtype=bool)[inverse]
+            inverse, row = inverse[keep], row[keep]
         self._skipped[spec.step] = (skipped, spec.num_rows - len(take))
-        return _Screened(refs, take)
+        names = self._packed_by_all(refs)
+        rows = None
+        if names:
+            starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
+            rows = np.asarray(starts, dtype=np.int64)[inverse] + row
+        if len(names) == len(self._schema):  # nothing is left for the Arrow path
+            return _Screened([], take[:0], rows, names)
+        return _Screened(refs, take, rows, names)
+
+    def _packed_by_all(self, refs: list[UnitRef]) -> tuple[str, ...]:
+        """The packed columns that every one of the units has (usually all of the layout's)."""
+        layout = self.cfg.layout
+        if self._arena is None or layout is None:
+            return ()
+        if all(r.packed is layout.names for r in refs):
+            return layout.names
+        have = set(layout.names).intersection(*(r.packed for r in refs))
+        return tuple(n for n in layout.names if n in have)
+
+    def _build(self, spec: BatchSpec) -> Any:
+        """Build a step's batch in this process (no workers)."""
+        c, screened = self.cfg, self._screened(spec)
+        records = self._records()
+        ready: dict[str, np.ndarray] = {}
+        if screened.rows is not None and records is not None and self._buffer is not None:
+            assert c.layout is not None
+            buf = np.empty(self._buffer.nbytes, dtype=np.uint8)
+            ready = self._buffer.columns(buf, len(screened.rows), screened.names)
+            gather_packed(records, screened.rows, c.layout, ready)
+        units = self._opener.open(screened.refs, records)
+        return build_payload(
+            units, screened.take, self._schema, c.layout, c.transform, c.collate_fn, ready
+        )
 
     def _dispatch(self, pool: WorkerPool) -> None:
         cap = max(1, self.cfg.num_workers * self.cfg.prefetch_factor)
@@ -246,10 +339,7 @@ class EpochIterator:
             if results:
                 waited_since = time.monotonic()
             elif self.cfg.timeout and time.monotonic() - waited_since > self.cfg.timeout:
-                raise RuntimeError(
-                    f"DataLoader timed out after {self.cfg.timeout} seconds waiting for step "
-                    f"{step} of epoch {self.cfg.plan.epoch}"
-                )
+                raise self._timed_out(step)
         result = self._done.pop(step)
         if result.error is not None:
             raise WorkerError(
@@ -282,6 +372,15 @@ class EpochIterator:
                     self._attempts[task.step] = attempts
                 pool.submit(task)
 
+    def _timed_out(self, step: int) -> RuntimeError:
+        return RuntimeError(
+            f"DataLoader timed out after {self.cfg.timeout} seconds waiting for step {step} "
+            f"of epoch {self.cfg.plan.epoch}"
+        )
+
+    def _describe_job(self, job: DecodeJob) -> str:
+        return self._store.describe(np.array([job.position]))[0]
+
     def _describe_poison(self, step: int, attempts: int) -> str:
         spec = self._specs[step]
         plan = self.cfg.plan
@@ -307,6 +406,8 @@ class EpochIterator:
             return
         self._closed = True
         self._store.close(wait)
+        if self._arena is not None:
+            self._arena.close()
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)

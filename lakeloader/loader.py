@@ -19,6 +19,7 @@ from lakeloader import _keys as K
 from lakeloader.cache import Screening, default_cache_dir, make_unit_dir
 from lakeloader.collate import Collate
 from lakeloader.dataset import LakeDataset
+from lakeloader.decode import UnitDecoder
 from lakeloader.epoch import Delivery, EpochIterator, IterConfig
 from lakeloader.packed import RowLayout
 from lakeloader.plan import steps_in_epoch
@@ -63,7 +64,7 @@ class DataLoader:
         in_order: Must be True: batches are always delivered in step order.
         rank: This process's rank (default: torch.distributed, then ``RANK``, then 0).
         world_size: Ranks in the run (default: torch.distributed, then ``WORLD_SIZE``, then 1).
-        cache_dir: Folder for decoded units shared with workers (default: ``/dev/shm``).
+        cache_dir: Folder for decoded units and what workers share (default: ``/dev/shm``).
         cache_bytes: Byte budget for decoded units held ahead of use.
         io_threads: Threads fetching and decoding units.
 
@@ -208,6 +209,8 @@ class DataLoader:
             self._dropped = n - self._position  # nothing left but a short tail: dropped
         self._follow_dataset()
         pool = self._ensure_pool() if self.num_workers else None
+        if self._unit_dir is None:  # the arena lives there, with or without workers
+            self._unit_dir = make_unit_dir(self._cache_root())
         self._iterator = EpochIterator(
             self._iter_config(),
             self._reader,
@@ -242,17 +245,21 @@ class DataLoader:
 
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
-        if self._unit_dir is None:
-            self._unit_dir = make_unit_dir(self._cache_root())
         if self._pool is None:
+            layout = self._layout()
+            decoder = None
+            if layout is not None and layout.names:  # the workers decode; see lakeloader.remote
+                ds = self.dataset
+                decoder = UnitDecoder(self._reader, layout, ds.on_error, ds.validate)
             setup = WorkerSetup(
                 schema=self._reader.schema,
-                layout=self._layout(),
+                layout=layout,
                 transform=self.dataset.transform,
                 collate_fn=self.collate_fn,
                 worker_init_fn=self.worker_init_fn,
                 base_seed=self.dataset.config.seed * 1_000_003 + self.rank * 1_009,
                 num_workers=self.num_workers,
+                decoder=decoder,
             )
             self._pool = WorkerPool(setup, self.num_workers, self.multiprocessing_context)
         return self._pool

@@ -47,6 +47,18 @@ class ReadCounters:
         with self._lock:
             self.units_decoded += 1
 
+    def add(self, units: int, nbytes: int, requests: int) -> None:
+        """Count what another process's reader did (a worker that decoded for this one)."""
+        with self._lock:
+            self.units_decoded += units
+            self.bytes_read += nbytes
+            self.requests += requests
+
+    def totals(self) -> tuple[int, int, int]:
+        """(units decoded, bytes read, requests) so far."""
+        with self._lock:
+            return self.units_decoded, self.bytes_read, self.requests
+
 
 class UnitReader:
     """Reads units of one snapshot; safe to call from several threads.
@@ -77,6 +89,19 @@ class UnitReader:
         self.retry = retry
         self.counters = ReadCounters()
         self._local = is_local(fs)
+
+    def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
+        """The same reader over another filesystem object, with counters of its own."""
+        return UnitReader(fs, self.snapshot, self.columns, self.retry)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["counters"]  # a lock does not pickle; counts stay with their process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["counters"] = ReadCounters()
+        self.__dict__.update(state)
 
     def _footer(self, info: FileInfo) -> pq.FileMetaData:
         return read_footer(

@@ -1,7 +1,10 @@
 """DataLoader worker processes that build batches from the shared unit cache.
 
-Any worker can build any batch: a task names the step, the unit files and the row indices,
-and the worker answers with the batch's payload on its own pipe. The pool notices a worker
+Workers do one of two kinds of task. On the default tensor path they decode units into the
+rank's arena (:class:`DecodeTask`), and the loader's process assembles batches from it, which
+costs a row copy per batch. With a transform or a collate_fn, which run per row, they build
+batches (:class:`Task`) from units the loader decoded. Any worker can do any task and answers
+on its own pipe, where its log records travel too. The pool notices a worker
 that died (its sentinel becomes ready), hands back the tasks it owed so the loader can give
 them to another worker, and starts a fresh one in its place.
 """
@@ -12,23 +15,28 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
-import queue
+import pickle
 import random
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from lakeloader.cache import UnitOpener, UnitRef
+from lakeloader.arena import ArenaHandle, FileMap
+from lakeloader.cache import UnitOpener
 from lakeloader.collate import Collate, Transform, build_payload
+from lakeloader.decode import DecodeJob, UnitDecoder, UnitRef
+from lakeloader.errors import LakeError
 from lakeloader.packed import RowLayout
+from lakeloader.retry import describe
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ SHUTDOWN_GRACE = 5.0
 WATCHDOG_SECONDS = 1.0
 #: Value of a worker's "building" cell while it waits for a task.
 IDLE = -1
+#: The package's logger: what workers forward to the loader's process.
+LOGGER = "lakeloader"
 #: fcntl command to set a pipe's capacity (Linux), and the capacity asked for.
 F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
@@ -55,6 +65,7 @@ class WorkerSetup:
         worker_init_fn: Called with the worker id once the worker has started, as in torch.
         base_seed: Worker ``i`` seeds ``torch`` and ``random`` with ``base_seed + i``.
         num_workers: Workers in the pool.
+        decoder: Decodes units (when workers decode for the loader), or None.
     """
 
     schema: pa.Schema
@@ -64,11 +75,12 @@ class WorkerSetup:
     worker_init_fn: Callable[[int], None] | None
     base_seed: int
     num_workers: int
+    decoder: UnitDecoder | None = None
 
 
 @dataclass(frozen=True)
 class Task:
-    """Build one batch: the step, the decoded units' files and the row indices.
+    """Build one batch (a transform or collate_fn's row path): the units and the row indices.
 
     ``generation`` tells apart the passes of a pool that outlives one (persistent workers):
     answers to a pass that was abandoned are dropped, never mistaken for the new pass's steps.
@@ -81,18 +93,144 @@ class Task:
 
 
 @dataclass(frozen=True)
+class DecodeTask:
+    """Decode one unit into the loader's arena (the default tensor path).
+
+    ``step`` is the unit's position in the epoch's virtual sequence: a task's key, as a
+    batch's step is for a :class:`Task`.
+    """
+
+    generation: int
+    step: int
+    job: DecodeJob
+    arena: ArenaHandle | None
+
+
+#: Anything handed to a worker.
+Work: TypeAlias = "Task | DecodeTask"
+
+
+@dataclass(frozen=True)
 class Result:
-    """A worker's answer: the payload, or the formatted traceback of its failure."""
+    """A worker's answer: the payload, or its failure.
+
+    Attributes:
+        generation: The pass the task belonged to.
+        step: The task's key.
+        worker: The worker that answered.
+        payload: A batch's payload, or a decoded unit (:data:`~lakeloader.decode.Held`).
+        error: The formatted traceback of a failure.
+        exception: A lakeloader error to raise as it is (bad data, a store that is down).
+        cause: That error's cause (pickling drops ``__cause__``; the loader puts it back).
+        counts: What the worker's reader did for a decode: units, bytes, requests.
+    """
 
     generation: int
     step: int
     worker: int
     payload: Any = None
     error: str | None = None
+    exception: LakeError | None = None
+    cause: BaseException | None = None
+    counts: tuple[int, int, int] = (0, 0, 0)
+
+    def raised(self) -> LakeError | None:
+        """The lakeloader error to raise in the loader's process, with its cause, or None."""
+        if self.exception is not None:
+            self.exception.__cause__ = self.cause
+        return self.exception
+
+
+class _ForwardLogs(logging.Handler):
+    """Sends a worker's log records to the loader's process, which logs them as its own.
+
+    Retries, quarantine warnings and the like then reach the handlers the user configured
+    (and ``caplog``), whichever process did the work.
+    """
+
+    def __init__(self, results: Connection, lock: threading.Lock) -> None:
+        super().__init__()
+        self._results = results
+        self._lock = lock
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.msg, record.args = record.getMessage(), None
+        record.exc_info, record.exc_text = None, None
+        try:
+            with self._lock:
+                self._results.send(record)
+        except (OSError, ValueError):  # the loader is gone
+            return
+
+
+class _Worker:
+    """A worker's state between tasks: its decoder and its maps of the shared files."""
+
+    def __init__(self, setup: WorkerSetup, worker_id: int, results: Connection) -> None:
+        self._setup = setup
+        self._id = worker_id
+        self._results = results
+        self._lock = threading.Lock()  # log records may come from pyarrow's threads too
+        self._decoder = setup.decoder.in_child() if setup.decoder is not None else None
+        self._arena = FileMap(writable=True)
+        self._opener = UnitOpener()
+        forward = _ForwardLogs(results, self._lock)
+        forward.setLevel(logging.getLogger(LOGGER).getEffectiveLevel())
+        root = logging.getLogger(LOGGER)
+        root.handlers, root.propagate = [forward], False
+
+    def run(self, task: Work) -> None:
+        """Do a task and answer it."""
+        try:
+            result = self._decode(task) if isinstance(task, DecodeTask) else self._build(task)
+        except LakeError as exc:
+            cause = _portable(exc.__cause__)
+            result = Result(task.generation, task.step, self._id, exception=exc, cause=cause)
+        except Exception:
+            result = Result(task.generation, task.step, self._id, error=traceback.format_exc())
+        with self._lock:
+            self._results.send(result)
+
+    def _build(self, task: Task) -> Result:
+        setup = self._setup
+        units = self._opener.open(task.refs, None)
+        payload = build_payload(
+            units, task.take, setup.schema, setup.layout, setup.transform, setup.collate_fn, {}
+        )
+        return Result(task.generation, task.step, self._id, payload=payload)
+
+    def _decode(self, task: DecodeTask) -> Result:
+        decoder, layout = self._decoder, self._setup.layout
+        assert decoder is not None
+        records = None
+        if task.arena is not None and layout is not None:
+            size = task.arena.capacity * layout.row_bytes
+            records = self._arena.bytes(task.arena.path, size).view(layout.record)
+        before = decoder.reader.counters.totals()
+        held = decoder.decode(task.job, records)
+        after = decoder.reader.counters.totals()
+        counts = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+        return Result(task.generation, task.step, self._id, payload=held, counts=counts)
+
+    def idle(self) -> None:
+        """Let go of every map and table: the pass may be over."""
+        self._arena.drop()
+        self._opener.drop()
+
+
+def _portable(exc: BaseException | None) -> BaseException | None:
+    """The exception itself if it pickles, else a RuntimeError that says what it was."""
+    if exc is None:
+        return None
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return RuntimeError(describe(exc))
+    return exc
 
 
 def _worker_main(
-    worker_id: int, setup: WorkerSetup, tasks: Any, results: Connection, building: Any
+    worker_id: int, setup: WorkerSetup, tasks: Connection, results: Connection, building: Any
 ) -> None:
     torch.set_num_threads(1)
     seed = setup.base_seed + worker_id
@@ -101,26 +239,21 @@ def _worker_main(
     if setup.worker_init_fn is not None:
         setup.worker_init_fn(worker_id)
     parent = os.getppid()
-    opener = UnitOpener()
+    worker = _Worker(setup, worker_id, results)
     while True:
-        try:
-            task: Task | None = tasks.get(timeout=WATCHDOG_SECONDS)
-        except queue.Empty:
+        if not tasks.poll(WATCHDOG_SECONDS):
             if os.getppid() != parent:  # the loader's process died: do not linger as an orphan
                 return
+            worker.idle()
             continue
+        try:
+            task: Work | None = tasks.recv()
+        except EOFError:
+            return
         if task is None:
             return
         building.value = task.step  # read by the pool if this process dies now
-        try:
-            units = opener.open(task.refs)
-            payload = build_payload(
-                units, task.take, setup.schema, setup.layout, setup.transform, setup.collate_fn
-            )
-            results.send(Result(task.generation, task.step, worker_id, payload=payload))
-        except Exception:
-            error = traceback.format_exc()
-            results.send(Result(task.generation, task.step, worker_id, error=error))
+        worker.run(task)
         building.value = IDLE
 
 
@@ -139,10 +272,10 @@ def _widen_pipe(fd: int) -> None:
 @dataclass
 class _Slot:
     process: Any
-    tasks: Any
+    tasks: Connection
     results: Connection
     building: Any  # shared int: the step the worker is building, or IDLE
-    owed: dict[int, Task] = field(default_factory=dict)
+    owed: dict[int, Work] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -160,7 +293,7 @@ class Death:
     worker: int
     pid: int | None
     exitcode: int | None
-    owed: list[Task]
+    owed: list[Work]
     building: int | None
 
 
@@ -185,19 +318,20 @@ class WorkerPool:
         self.generation = 0
 
     def _start(self, worker_id: int) -> _Slot:
-        tasks = self._ctx.Queue()
+        task_reader, task_writer = self._ctx.Pipe(duplex=False)
         reader, writer = self._ctx.Pipe(duplex=False)
         _widen_pipe(reader.fileno())
         building = self._ctx.Value("q", IDLE, lock=False)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(worker_id, self._setup, tasks, writer, building),
+            args=(worker_id, self._setup, task_reader, writer, building),
             name=f"lakeloader-worker-{worker_id}",
             daemon=True,
         )
         proc.start()
         writer.close()
-        return _Slot(proc, tasks, reader, building)
+        task_reader.close()
+        return _Slot(proc, task_writer, reader, building)
 
     @property
     def num_owed(self) -> int:
@@ -215,23 +349,32 @@ class WorkerPool:
             slot.owed.clear()
         return self.generation
 
-    def submit(self, task: Task) -> int:
+    def submit(self, task: Work) -> int:
         """Give a task to the worker that owes the fewest; returns that worker's id."""
         worker = min(range(len(self._slots)), key=lambda i: len(self._slots[i].owed))
         slot = self._slots[worker]
         slot.owed[task.step] = task
-        slot.tasks.put(task)
+        try:
+            slot.tasks.send(task)
+        except OSError:  # it died: wait() reports it and hands the task back
+            logger.debug("worker %d is gone; step %d waits for its replacement", worker, task.step)
         return worker
 
     def _drain(self, slot: _Slot, into: list[Result]) -> None:
         try:
             while slot.results.poll():
-                result: Result = slot.results.recv()
-                if result.generation == self.generation:
-                    slot.owed.pop(result.step, None)
-                    into.append(result)
+                message = slot.results.recv()
+                if isinstance(message, logging.LogRecord):  # a worker's log line
+                    logging.getLogger(message.name).handle(message)
+                elif message.generation == self.generation:
+                    slot.owed.pop(message.step, None)
+                    into.append(message)
         except (EOFError, OSError):
             return
+
+    def waitables(self) -> list[Any]:
+        """What :meth:`collect` needs to hear about: result pipes and process sentinels."""
+        return [*(s.results for s in self._slots), *(s.process.sentinel for s in self._slots)]
 
     def wait(
         self, timeout: float | None, extra: Sequence[int] = ()
@@ -243,9 +386,19 @@ class WorkerPool:
             ones, their owed tasks returned for resubmission), and whether an ``extra``
             descriptor became readable.
         """
+        ready = wait([*self.waitables(), *extra], timeout)
+        results, deaths = self.collect(ready)
+        return results, deaths, any(fd in ready for fd in extra)
+
+    def collect(self, ready: Sequence[Any]) -> tuple[list[Result], list[Death]]:
+        """Take the results that arrived and replace the workers that died.
+
+        Args:
+            ready: What a :func:`multiprocessing.connection.wait` over :meth:`waitables`
+                returned (it may be stale: objects of workers replaced since are ignored).
+        """
         by_conn = {s.results: s for s in self._slots}
         by_sentinel = {s.process.sentinel: i for i, s in enumerate(self._slots)}
-        ready = wait([*by_conn, *by_sentinel, *extra], timeout)
         results: list[Result] = []
         deaths: list[Death] = []
         for obj in ready:
@@ -257,8 +410,10 @@ class WorkerPool:
         dead |= {i for i, s in enumerate(self._slots) if not s.process.is_alive()}
         for worker in sorted(dead):
             slot = self._slots[worker]
-            self._drain(slot, results)
             slot.process.join(timeout=SHUTDOWN_GRACE)
+            if slot.process.is_alive():  # a stale sentinel whose number a new one reuses
+                continue
+            self._drain(slot, results)
             step = int(slot.building.value)
             deaths.append(
                 Death(
@@ -272,10 +427,9 @@ class WorkerPool:
             self._close_slot(slot)
             self._slots[worker] = self._start(worker)
             self.restarts += 1
-        return results, deaths, any(fd in ready for fd in extra)
+        return results, deaths
 
     def _close_slot(self, slot: _Slot) -> None:
-        slot.tasks.cancel_join_thread()
         slot.tasks.close()
         slot.results.close()
 
@@ -284,8 +438,7 @@ class WorkerPool:
 
         Args:
             graceful: Ask first (a ``None`` task). A finaliser passes False, and so does an
-                interpreter that is shutting down: putting on a queue starts its feeder
-                thread, which can no longer start then, and the put would hang.
+                interpreter that is shutting down.
         """
         graceful = graceful and not sys.is_finalizing()
         for slot in self._slots:
@@ -293,7 +446,7 @@ class WorkerPool:
                 slot.process.terminate()
                 continue
             try:
-                slot.tasks.put(None)
+                slot.tasks.send(None)
             except (OSError, ValueError):
                 logger.debug("worker %s queue already closed", slot.process.name)
         for slot in self._slots:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -24,6 +25,12 @@ def _kill_self_on_row_7(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _kill_always_on_row_7(table: Any) -> bool:
+    if 7 in table.column("id").to_pylist():
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def _wait_dead(pid: int) -> None:
     """Wait until every thread of a SIGKILLed process is gone (waitpid can then reap it).
 
@@ -35,7 +42,7 @@ def _wait_dead(pid: int) -> None:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             threads = len(os.listdir(f"/proc/{pid}/task"))
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped already
             return
         if state in ("Z", "X") and threads <= 1:
             return
@@ -70,18 +77,63 @@ def test_twenty_workers_killed_at_random_points(
     warned = {
         int(r.message.split("(pid ")[1].split(")")[0])
         for r in caplog.records
-        if "rebuilding steps" in r.message
+        if "died with exit code" in r.message
     }
     assert warned == set(victims), "every death is reported with the worker's pid"
 
 
-def test_a_batch_that_keeps_killing_its_worker_fails_with_its_units(lake: Path) -> None:
-    ds = ll.LakeDataset(lake, transform=_kill_self_on_row_7, shuffle=False)
+@pytest.mark.parametrize(
+    ("kills", "what"),
+    [
+        ({"transform": _kill_self_on_row_7}, "step 0 of epoch 0 killed its worker 3 times"),
+        ({"validate": _kill_always_on_row_7}, "killed its worker 3 times"),
+    ],
+    ids=["building a batch", "decoding a unit"],
+)
+def test_work_that_keeps_killing_its_worker_fails_with_its_units(
+    lake: Path, kills: dict[str, Any], what: str
+) -> None:
+    ds = ll.LakeDataset(lake, shuffle=False, **kills)
     loader = ll.DataLoader(ds, batch_size=10, num_workers=2)
     with pytest.raises(ll.WorkerError) as err:
         list(loader)
     message = str(err.value)
-    assert "step 0 of epoch 0 killed its worker 3 times" in message
+    assert what in message
     assert "file-0000.parquet, row group 0, rows [0, 300)" in message
     assert loader.state_dict()["position"] == 0
+    loader.close()
+
+
+class _KillOnce:
+    """A validate that SIGKILLs its worker the first time it sees the unit holding row 7.
+
+    The marker file is how the fresh worker knows it has been done (processes share no memory).
+    """
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __call__(self, table: Any) -> bool:
+        if 7 in table.column("id").to_pylist() and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return True
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_worker_killed_while_decoding_has_its_unit_decoded_again(
+    lake: Path, tmp_path: Path, workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the tensor path workers decode units: a death mid-decode loses and doubles nothing."""
+    reference = [b["id"].tolist() for b in ll.DataLoader(ll.LakeDataset(lake, seed=3), 32)]
+    ds = ll.LakeDataset(lake, seed=3, validate=_KillOnce(tmp_path / "killed"))
+    loader = ll.DataLoader(ds, batch_size=32, num_workers=workers)
+    with caplog.at_level(logging.WARNING, logger="lakeloader"):
+        seen = [b["id"].tolist() for b in loader]
+    assert (tmp_path / "killed").exists(), "the unit with row 7 was decoded by a worker"
+    assert seen == reference
+    assert loader.stats()["worker_restarts"] == 1
+    assert any(
+        re.search(r"decoding [1-9]\d* unit\(s\) it held again", r.message) for r in caplog.records
+    )
     loader.close()
