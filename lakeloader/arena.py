@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: Rows the arena starts with at least (address space only: pages are allocated on write).
 MIN_CAPACITY_ROWS = 1 << 16
-#: Name of the arena file inside the pass's unit folder.
-ARENA_FILE = "arena-{tag}.rows"
+#: Name of the arena file inside the pass's folder.
+ARENA_FILE = "arena.rows"
 
 
 def unlink_quietly(path: str) -> None:
@@ -55,19 +55,16 @@ class Arena:
     Thread-safe: decoding threads allocate while the loader's thread frees.
 
     Args:
-        directory: Folder for the file (the pass's unit folder).
+        directory: Folder for the file (the pass's folder).
         record: The row's structured dtype (:attr:`lakeloader.packed.RowLayout.record`).
-        tag: Distinguishes the arena files of one folder (an epoch pass, say).
         capacity: Rows to start with (grown on demand).
         keep_rows: Freed rows below this mark keep their pages for reuse; above it their
             memory is returned to the system.
     """
 
-    def __init__(
-        self, directory: str, record: np.dtype, tag: str, capacity: int, keep_rows: int
-    ) -> None:
+    def __init__(self, directory: str, record: np.dtype, capacity: int, keep_rows: int) -> None:
         self.record = record
-        self.path = os.path.join(directory, ARENA_FILE.format(tag=tag))
+        self.path = os.path.join(directory, ARENA_FILE)
         self._keep_rows = max(0, keep_rows)
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -148,9 +145,11 @@ class Arena:
             return sum(stop - start for start, stop in self._free)
 
     def close(self) -> None:
-        """Delete the file (maps that still exist keep its pages until they are dropped)."""
+        """Delete the file and drop this map (other maps keep its pages until dropped)."""
         with self._lock:
             self._free = []
+            self.records = np.zeros(0, dtype=self.record)
+            self._map = None
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
@@ -161,7 +160,7 @@ class FileMap:
     """A worker's map of a file the loader shares, remapped when the file or its size changes.
 
     Args:
-        writable: Map for writing (result slots) or read-only (the arena).
+        writable: Map for writing (a worker decoding into the arena) or read-only.
     """
 
     def __init__(self, writable: bool) -> None:

@@ -1,12 +1,12 @@
 """The decoded-unit cache of one rank: fetched ahead in plan order, evicted once used.
 
-Units are decoded by a small thread pool in the process that owns the loader, screened
-(quarantine), and packed (:mod:`lakeloader.packed`): their tensor-typed columns as rows of the
-rank's :class:`~lakeloader.arena.Arena`, a memory-mapped file in the cache folder (in shared
-memory, ``/dev/shm``, when there is one). With worker processes the other columns (strings,
-nested types) go to an Arrow IPC file beside it; every worker memory-maps both, so a unit is
-fetched and decoded once per rank per epoch however many workers build batches from it.
-Without workers those columns simply stay in memory.
+The store reserves each unit's rows in the rank's :class:`~lakeloader.arena.Arena` (a
+memory-mapped file in the pass's folder, in shared memory, ``/dev/shm``, when there is one)
+and has it decoded (:mod:`lakeloader.decode`: read, screen, pack) by the loader's own threads
+(:class:`LocalDecodes`) or by the DataLoader's worker processes
+(:class:`lakeloader.remote.RemoteDecodes`). Columns that are not packed (strings, nested types)
+stay in memory, or go to an Arrow IPC file beside the arena when another process has them or
+needs them. Either way a unit is fetched and decoded once per rank per epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,9 +63,30 @@ class Screening:
     known: tuple[QuarantineEntry, ...] = ()
 
 
-def default_cache_dir() -> str | None:
-    """Shared memory when the machine has it, else None (the system's temporary folder)."""
-    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else None
+def default_cache_dir(need_bytes: int) -> str | None:
+    """Shared memory when the machine has room there, else None (the system's temp folder).
+
+    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, which kills the process
+    without a Python error (a container's default 64 MiB is full at once); so unless
+    ``need_bytes`` are free there, decoded units go to the temporary folder instead, which
+    is slower, and a warning says how to get the speed back.
+    """
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return None
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if free >= need_bytes:
+        return SHM_DIR
+    logger.warning(
+        "only %d MiB are free in %s, less than cache_bytes (%d MiB): decoded units go to %s "
+        "instead, which is slower. Give the machine or container more shared memory (docker: "
+        "--shm-size), lower cache_bytes, or choose a folder with cache_dir=...",
+        free >> 20,
+        SHM_DIR,
+        need_bytes >> 20,
+        tempfile.gettempdir(),
+    )
+    return None
 
 
 def make_unit_dir(root: str | None) -> str:
@@ -349,7 +372,7 @@ class UnitStore:
 
         Args:
             positions: Virtual-sequence positions of the units.
-            timeout: Seconds to wait for any one unit (None: forever).
+            timeout: Seconds to wait for all of them (None: forever).
 
         Returns:
             Each unit, or its quarantine entry when it is skipped.
@@ -357,12 +380,15 @@ class UnitStore:
         Raises:
             LakeDataError: If a unit cannot be read (and ``on_error`` is ``"raise"``).
             StoreUnavailableError: If the store stays down past the retry deadline.
-            TimeoutError: If a unit is not decoded within ``timeout`` seconds.
+            concurrent.futures.TimeoutError: If they are not all decoded within ``timeout``
+                seconds.
         """
         self.request(positions)
         with self._lock:
             futures = [self._entries[int(p)].future for p in positions]
-        return [f.result(timeout) for f in futures]
+        if timeout is not None and wait_futures(futures, timeout).not_done:
+            raise FutureTimeout()
+        return [f.result() for f in futures]
 
     def describe(self, positions: np.ndarray) -> list[str]:
         """Name the units at these positions as ``file, row group, rows [a, b)``."""

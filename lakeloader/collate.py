@@ -73,7 +73,7 @@ def _arrow_column(
             parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
         else:
             assert layout is not None
-            parts.append(pa.array(column_of(unit, field.name, layout)).cast(field.type))
+            parts.append(pa.array(column_of(unit, field.name)).cast(field.type))
     return gather_arrow(parts, sel)
 
 

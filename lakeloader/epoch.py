@@ -9,12 +9,14 @@ handed to the training loop does the loader's position move.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +38,10 @@ logger = logging.getLogger(__name__)
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
 LOOKAHEAD_STEPS = 256
+#: Rows an arena starts with at most (address space only; it grows if the budget needs more).
+ARENA_START_ROWS = 1 << 24
 #: Steps planned by one call (planning is vectorised across steps; see plan.batch_specs).
 PLAN_CHUNK = 64
-#: Numbers the passes of this process, to name their arena and slot files apart.
-_PASSES = itertools.count()
 #: Attempts at one batch whose worker keeps dying before the loader gives up.
 MAX_BATCH_ATTEMPTS = 3
 #: Seconds between liveness checks while waiting for workers.
@@ -139,12 +141,15 @@ class EpochIterator:
             cfg.start, cfg.plan.num_rows, cfg.global_batch, cfg.drop_last
         )
         layout = cfg.layout if cfg.layout is not None and cfg.layout.names else None
+        # Everything this pass shares lives in a folder of its own, deleted as it closes:
+        # decodes of an abandoned pass that a worker finishes late cannot touch the next's.
+        self._dir = tempfile.mkdtemp(prefix="pass-", dir=unit_dir) if unit_dir else None
         self._arena: Arena | None = None
         self._buffer: BatchBuffer | None = None
-        if layout is not None and unit_dir is not None:
+        if layout is not None and self._dir is not None:
             budget_rows = cfg.cache_bytes // layout.row_bytes
-            tag = f"{os.getpid()}-{next(_PASSES)}"
-            self._arena = Arena(unit_dir, layout.record, tag, budget_rows, budget_rows)
+            start_rows = min(budget_rows, ARENA_START_ROWS)
+            self._arena = Arena(self._dir, layout.record, start_rows, budget_rows)
             self._buffer = BatchBuffer.of(layout, -(-cfg.global_batch // cfg.world_size))
         self._generation = pool.new_generation() if pool else 0
         self._remote: RemoteDecodes | None = None
@@ -172,7 +177,7 @@ class EpochIterator:
             cfg.plan,
             cfg.layout,
             self._arena,
-            unit_dir if self._remote is not None or pool is not None else None,
+            self._dir if self._remote is not None or pool is not None else None,
             cfg.screening.known,
             decodes,
         )
@@ -258,7 +263,7 @@ class EpochIterator:
         c = self.cfg
         try:
             held: list[Held] = self._store.get(spec.positions, c.timeout or None)
-        except TimeoutError:
+        except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise self._timed_out(spec.step) from None
         refs = [h for h in held if not isinstance(h, QuarantineEntry)]
         skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
@@ -283,8 +288,9 @@ class EpochIterator:
         layout = self.cfg.layout
         if self._arena is None or layout is None:
             return ()
-        if all(r.packed is layout.names for r in refs):
-            return layout.names
+        full = layout.names
+        if all(r.packed is full or r.packed == full for r in refs):  # unpickled: equal, not same
+            return full
         have = set(layout.names).intersection(*(r.packed for r in refs))
         return tuple(n for n in layout.names if n in have)
 
@@ -408,6 +414,8 @@ class EpochIterator:
         self._store.close(wait)
         if self._arena is not None:
             self._arena.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
         if self._wake_r >= 0:
             os.close(self._wake_r)
             os.close(self._wake_w)

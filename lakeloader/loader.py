@@ -271,7 +271,9 @@ class DataLoader:
         return None
 
     def _cache_root(self) -> str | None:
-        return self.cache_dir if self.cache_dir is not None else default_cache_dir()
+        if self.cache_dir is not None:
+            return self.cache_dir
+        return default_cache_dir(self.cache_bytes)
 
     def _iter_config(self) -> IterConfig:
         return IterConfig(

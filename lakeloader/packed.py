@@ -4,8 +4,9 @@ A shuffled batch takes a few rows from each of many units. Gathering them column
 costs one call per (unit, column), about 300 for a batch of 16 units and 18 columns, which
 is where a naive loader spends its time (pyarrow's ``take`` over chunked columns is worse: it
 concatenates every unit first). So when a unit is decoded, its tensor-typed columns (numbers,
-booleans, temporal values as integer ticks, float nulls as NaN) are packed once into a
-row-major byte matrix; a batch then needs one ``np.take`` per unit and one slice per column.
+booleans, temporal values as integer ticks, float nulls as NaN) are packed once as rows of a
+structured dtype, in the rank's arena (:mod:`lakeloader.arena`); a batch then needs one
+``np.take`` of arena rows, whatever the units it touches, and one copy per column.
 Columns that do not fit (strings, nested types, and integer columns with nulls, whose error
 must stay that of the batch that holds them) stay Arrow columns and take the general path.
 """
@@ -171,7 +172,7 @@ def compact(table: pa.Table) -> pa.Table:
     return table.take(pa.array(np.arange(table.num_rows, dtype=np.int64)))
 
 
-def column_of(unit: Packed, name: str, layout: RowLayout) -> np.ndarray:
+def column_of(unit: Packed, name: str) -> np.ndarray:
     """One packed column of a unit, as a contiguous array."""
     assert unit.rows is not None
     column: np.ndarray = unit.rows[name].copy()

@@ -24,6 +24,7 @@ from lakeloader.arena import ArenaHandle
 from lakeloader.decode import DecodeJob, Held
 from lakeloader.errors import WorkerError
 from lakeloader.reader import ReadCounters
+from lakeloader.retry import describe
 from lakeloader.workers import Death, DecodeTask, Result, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -108,24 +109,46 @@ class RemoteDecodes:
 
     def _receive(self) -> None:
         try:
-            while True:
-                with self._lock:
-                    if self._closed:
-                        return
-                    self._send()
-                    waitables = [*self._pool.waitables(), self._wake_r]
-                ready = wait(waitables, POLL_SECONDS)
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 1 << 16)
-                with self._lock:
-                    if self._closed:
-                        return
-                    self._handle(*self._pool.collect([r for r in ready if r != self._wake_r]))
+            self._loop()
+        except BaseException as exc:  # never leave the loader waiting on futures forever
+            logger.exception("the thread receiving decoded units failed")
+            self._fail(exc)
         finally:
             with self._lock:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_r = self._wake_w = -1
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                self._send()
+                waitables = [*self._pool.waitables(), self._wake_r]
+            try:
+                ready = wait(waitables, POLL_SECONDS)
+            except (OSError, ValueError):  # a worker replaced meanwhile: its pipe is closed
+                continue
+            if self._wake_r in ready:
+                os.read(self._wake_r, 1 << 16)
+            with self._lock:
+                if self._closed:
+                    return
+                self._handle(*self._pool.collect([r for r in ready if r != self._wake_r]))
+
+    def _fail(self, exc: BaseException) -> None:
+        """Fail every job not answered yet with ``exc``."""
+        with self._lock:
+            self._closed = True
+            items = [*self._sent.values(), *self._queue]
+            self._sent.clear()
+            self._queue.clear()
+        error = WorkerError(f"decoding in the workers stopped: {describe(exc)}")
+        error.__cause__ = exc
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(error)
 
     def _send(self) -> None:
         """Hand queued jobs to workers while the byte budget and the queues allow."""
@@ -157,7 +180,10 @@ class RemoteDecodes:
                 item.future.set_exception(raised)
             elif result.error is not None:
                 item.future.set_exception(
-                    WorkerError(f"worker {result.worker} failed to decode a unit:\n{result.error}")
+                    WorkerError(
+                        f"worker {result.worker} failed to decode "
+                        f"{self._describe(item.job)}:\n{result.error}"
+                    )
                 )
             else:
                 item.future.set_result(result.payload)

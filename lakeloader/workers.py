@@ -1,4 +1,4 @@
-"""DataLoader worker processes that build batches from the shared unit cache.
+"""DataLoader worker processes: they decode units, or build batches for a transform.
 
 Workers do one of two kinds of task. On the default tensor path they decode units into the
 rank's arena (:class:`DecodeTask`), and the loader's process assembles batches from it, which
@@ -184,12 +184,20 @@ class _Worker:
         try:
             result = self._decode(task) if isinstance(task, DecodeTask) else self._build(task)
         except LakeError as exc:
-            cause = _portable(exc.__cause__)
-            result = Result(task.generation, task.step, self._id, exception=exc, cause=cause)
+            result = self._failed(task, exc)
         except Exception:
             result = Result(task.generation, task.step, self._id, error=traceback.format_exc())
         with self._lock:
             self._results.send(result)
+
+    def _failed(self, task: Work, exc: LakeError) -> Result:
+        """A lakeloader error to raise as it is in the loader, with its cause."""
+        if not _round_trips(exc):  # the loader gets it as a traceback instead
+            return Result(task.generation, task.step, self._id, error=traceback.format_exc())
+        cause = exc.__cause__
+        if cause is not None and not _round_trips(cause):
+            cause = RuntimeError(describe(cause))
+        return Result(task.generation, task.step, self._id, exception=exc, cause=cause)
 
     def _build(self, task: Task) -> Result:
         setup = self._setup
@@ -218,15 +226,13 @@ class _Worker:
         self._opener.drop()
 
 
-def _portable(exc: BaseException | None) -> BaseException | None:
-    """The exception itself if it pickles, else a RuntimeError that says what it was."""
-    if exc is None:
-        return None
+def _round_trips(exc: BaseException) -> bool:
+    """Whether an exception survives pickling both ways (a custom ``__init__`` may not)."""
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))
     except Exception:
-        return RuntimeError(describe(exc))
-    return exc
+        return False
+    return True
 
 
 def _worker_main(

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lakeloader as ll
 from lakeloader.arena import Arena, FileMap
+from lakeloader.cache import SHM_DIR, default_cache_dir
 from lakeloader.packed import RowLayout, gather_packed, pack
 
 LAYOUT = RowLayout.of(pa.schema([("id", pa.int64()), ("x", pa.float32())]))
 
 
 def _arena(tmp_path: os.PathLike[str], capacity: int = 16, keep: int = 0) -> Arena:
-    return Arena(str(tmp_path), LAYOUT.record, "t", capacity, keep)
+    return Arena(str(tmp_path), LAYOUT.record, capacity, keep)
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,7 +78,7 @@ def test_growth_keeps_old_views_valid(tmp_path) -> None:
 def test_memory_above_the_kept_mark_is_returned(tmp_path) -> None:
     """Freed pages above keep_rows leave the file (a hole); those below stay for reuse."""
     rows = (1 << 22) // LAYOUT.row_bytes  # 4 MiB
-    arena = Arena(str(tmp_path), LAYOUT.record, "t", 2 * rows, rows)
+    arena = Arena(str(tmp_path), LAYOUT.record, 2 * rows, rows)
     low, high = arena.alloc(rows), arena.alloc(rows)
     arena.records["id"][:] = 1  # touch every page
     full = os.stat(arena.path).st_blocks * 512
@@ -100,3 +104,18 @@ def test_a_worker_map_sees_the_loader_rows(tmp_path) -> None:
     assert out["id"].tolist() == [9, 0, 4]
     assert out["x"].tolist() == [9.0, 0.0, 4.0]
     arena.close()
+
+
+def test_units_leave_shared_memory_that_has_no_room(
+    dataset: ll.LakeDataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full /dev/shm would be a SIGBUS: the loader goes to the temporary folder, and says so."""
+    assert default_cache_dir(1) == SHM_DIR
+    huge = 1 << 60  # more than any /dev/shm holds
+    with caplog.at_level(logging.WARNING, logger="lakeloader"):
+        assert default_cache_dir(huge) is None
+        loader = ll.DataLoader(dataset, batch_size=48, num_workers=1, cache_bytes=huge)
+        batches = [b["id"].tolist() for b in loader]
+    assert "--shm-size" in caplog.text and "less than cache_bytes" in caplog.text
+    assert batches == [b["id"].tolist() for b in ll.DataLoader(dataset, batch_size=48)]
+    loader.close()
