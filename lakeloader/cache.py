@@ -12,6 +12,8 @@ needs them. Either way a unit is fetched and decoded once per rank per epoch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import heapq
 import logging
 import os
 import shutil
@@ -278,14 +280,13 @@ class UnitStore:
         self._known = known
         self._decodes = decodes
         self._entries: dict[int, _Entry] = {}
+        #: Units decoded (or quarantined), by position: what a step reads without a lock.
+        self._held: dict[int, Held] = {}
+        #: (release slot, position) of every entry, the next to evict first.
+        self._releases: list[tuple[int, int]] = []
         self._lock = threading.Lock()
+        self.nbytes = 0  # held or being decoded (estimates until a unit is decoded)
         self.peak_bytes = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held or being decoded (estimates until a unit is decoded)."""
-        with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
 
     def _locate(self, position: int) -> tuple[int, int, int, int]:
         """(file index, row group, first row in the row group, rows) of a piece."""
@@ -320,12 +321,20 @@ class UnitStore:
         if future.cancelled() or future.exception() is not None:
             return
         held = future.result()
+        full = self._layout.names if self._layout is not None else ()
+        if isinstance(held, UnitRef) and held.packed is not full and held.packed == full:
+            # A unit from a worker arrives with a copy of the names: make it the layout's own
+            # tuple again, so that a step can tell with ``is`` that everything is packed.
+            held = dataclasses.replace(held, packed=full)
         size = 0 if isinstance(held, QuarantineEntry) else self._size(held)
         with self._lock:
             entry = self._entries.get(position)
-            if entry is not None:
-                entry.nbytes = size
-            self.peak_bytes = max(self.peak_bytes, sum(e.nbytes for e in self._entries.values()))
+            if entry is None or entry.future is not future:
+                return  # evicted already
+            self.nbytes += size - entry.nbytes
+            entry.nbytes = size
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+            self._held[position] = held
 
     def _size(self, ref: UnitRef) -> int:
         """Bytes a unit holds: its packed rows and its other columns."""
@@ -341,8 +350,8 @@ class UnitStore:
             positions: Virtual-sequence positions of the units.
             on_ready: Called (from a decoding thread) when each newly started unit is done.
         """
-        with self._lock:
-            missing = [int(p) for p in positions if int(p) not in self._entries]
+        entries = self._entries
+        missing = [p for p in positions.tolist() if p not in entries]  # only this thread adds
         if not missing:
             return
         releases = release_slots(self._plan, np.asarray(missing, dtype=np.int64))
@@ -350,7 +359,9 @@ class UnitStore:
             entry = self._start(pos)
             entry.release = rel
             with self._lock:
-                self._entries[pos] = entry
+                entries[pos] = entry
+                heapq.heappush(self._releases, (rel, pos))
+                self.nbytes += entry.nbytes
             if entry.future.done():  # finished before it had an entry to count itself in
                 self._decoded(pos, entry.future)
             if on_ready is not None:
@@ -383,9 +394,13 @@ class UnitStore:
             concurrent.futures.TimeoutError: If they are not all decoded within ``timeout``
                 seconds.
         """
+        wanted = positions.tolist()
+        held = [self._held.get(p) for p in wanted]
+        if None not in held:  # all decoded: the common case, without a lock or a wait
+            return held  # type: ignore[return-value]
         self.request(positions)
         with self._lock:
-            futures = [self._entries[int(p)].future for p in positions]
+            futures = [self._entries[p].future for p in wanted]
         if timeout is not None and wait_futures(futures, timeout).not_done:
             raise FutureTimeout()
         return [f.result() for f in futures]
@@ -401,11 +416,20 @@ class UnitStore:
 
     def release(self, delivered: int) -> None:
         """Evict every unit whose last use lies before global slot ``delivered``."""
+        entries = []
         with self._lock:
-            done = [p for p, e in self._entries.items() if e.release <= delivered]
-            entries = [self._entries.pop(p) for p in done]
+            while self._releases and self._releases[0][0] <= delivered:
+                _, pos = heapq.heappop(self._releases)
+                entries.append(self._pop(pos))
         for entry in entries:
             self._discard(entry)
+
+    def _pop(self, position: int) -> _Entry:
+        """Forget a unit (caller holds the lock)."""
+        entry = self._entries.pop(position)
+        self._held.pop(position, None)
+        self.nbytes -= entry.nbytes
+        return entry
 
     def _discard(self, entry: _Entry) -> None:
         if not entry.future.done() and not entry.future.cancel():
@@ -427,7 +451,7 @@ class UnitStore:
         """
         self._decodes.close(wait)
         with self._lock:
-            entries = list(self._entries.values())
-            self._entries.clear()
+            entries = [self._pop(p) for p in list(self._entries)]
+            self._releases = []
         for entry in entries:
             self._discard(entry)

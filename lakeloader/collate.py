@@ -93,6 +93,8 @@ def gather_columns(
     Raises:
         NullValuesError: If an integer, boolean or temporal column holds nulls in the batch.
     """
+    if len(ready) == len(schema):  # every column was packed: only the order to set
+        return {name: ready[name] for name in schema.names}
     sel: Selection | None = None
     out: dict[str, Any] = {}
     for field in schema:

@@ -27,7 +27,7 @@ from lakeloader.cache import Decodes, LocalDecodes, Screening, UnitOpener, UnitS
 from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
 from lakeloader.decode import DecodeJob, Held, UnitDecoder, UnitRef
 from lakeloader.errors import WorkerError
-from lakeloader.packed import BatchBuffer, RowLayout, gather_packed
+from lakeloader.packed import RowLayout, gather_packed
 from lakeloader.plan import BatchSpec, EpochPlan, batch_specs, steps_in_epoch
 from lakeloader.quarantine import QuarantineEntry, drop_pieces
 from lakeloader.reader import UnitReader
@@ -145,12 +145,10 @@ class EpochIterator:
         # decodes of an abandoned pass that a worker finishes late cannot touch the next's.
         self._dir = tempfile.mkdtemp(prefix="pass-", dir=unit_dir) if unit_dir else None
         self._arena: Arena | None = None
-        self._buffer: BatchBuffer | None = None
         if layout is not None and self._dir is not None:
             budget_rows = cfg.cache_bytes // layout.row_bytes
             start_rows = min(budget_rows, ARENA_START_ROWS)
             self._arena = Arena(self._dir, layout.record, start_rows, budget_rows)
-            self._buffer = BatchBuffer.of(layout, -(-cfg.global_batch // cfg.world_size))
         self._generation = pool.new_generation() if pool else 0
         self._remote: RemoteDecodes | None = None
         decodes: Decodes
@@ -265,10 +263,11 @@ class EpochIterator:
             held: list[Held] = self._store.get(spec.positions, c.timeout or None)
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise self._timed_out(spec.step) from None
-        refs = [h for h in held if not isinstance(h, QuarantineEntry)]
-        skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
+        refs = [h for h in held if isinstance(h, UnitRef)]
+        skipped: tuple[QuarantineEntry, ...] = ()
         take, inverse, row = spec.take, spec.inverse, spec.row
-        if skipped:
+        if len(refs) < len(held):
+            skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
             bad = [isinstance(h, QuarantineEntry) for h in held]
             take = drop_pieces(take, self.cfg.plan.piece_rows(spec.positions).tolist(), bad)
             keep = ~np.asarray(bad, dtype=bool)[inverse]
@@ -289,7 +288,7 @@ class EpochIterator:
         if self._arena is None or layout is None:
             return ()
         full = layout.names
-        if all(r.packed is full or r.packed == full for r in refs):  # unpickled: equal, not same
+        if all(r.packed is full for r in refs):  # the store hands out the layout's own tuple
             return full
         have = set(layout.names).intersection(*(r.packed for r in refs))
         return tuple(n for n in layout.names if n in have)
@@ -299,12 +298,9 @@ class EpochIterator:
         c, screened = self.cfg, self._screened(spec)
         records = self._records()
         ready: dict[str, np.ndarray] = {}
-        if screened.rows is not None and records is not None and self._buffer is not None:
-            assert c.layout is not None
-            buf = np.empty(self._buffer.nbytes, dtype=np.uint8)
-            ready = self._buffer.columns(buf, len(screened.rows), screened.names)
-            gather_packed(records, screened.rows, c.layout, ready)
-        units = self._opener.open(screened.refs, records)
+        if screened.rows is not None and records is not None and c.layout is not None:
+            ready = gather_packed(records, screened.rows, c.layout, screened.names)
+        units = self._opener.open(screened.refs, records) if screened.refs else []
         return build_payload(
             units, screened.take, self._schema, c.layout, c.transform, c.collate_fn, ready
         )

@@ -231,63 +231,18 @@ def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
     return pa.concat_arrays(parts).take(pa.array(sel.inverse))
 
 
-@dataclass(frozen=True)
-class BatchBuffer:
-    """Where each packed column of a batch sits in one flat buffer, column after column.
-
-    A batch of up to ``capacity`` rows is written into one fresh buffer: one allocation per
-    batch instead of one per column, and each column a contiguous view of it.
-
-    Attributes:
-        names: The layout's packed columns.
-        dtypes: Their dtypes.
-        offsets: Byte offset of each column's block (8-byte aligned).
-        capacity: Rows the buffer holds at most.
-        nbytes: Size of the buffer.
-    """
-
-    names: tuple[str, ...]
-    dtypes: tuple[np.dtype, ...]
-    offsets: tuple[int, ...]
-    capacity: int
-    nbytes: int
-
-    @classmethod
-    def of(cls, layout: RowLayout, capacity: int) -> BatchBuffer:
-        """The buffer layout for batches of at most ``capacity`` rows.
-
-        >>> t = pa.table({"id": [1], "x": pa.array([0.5], pa.float32())})
-        >>> BatchBuffer.of(RowLayout.of(t.schema), 3).offsets
-        (0, 24)
-        """
-        offsets, at = [], 0
-        for dtype in layout.dtypes:
-            offsets.append(at)
-            at += -(-capacity * dtype.itemsize // 8) * 8
-        return cls(layout.names, layout.dtypes, tuple(offsets), capacity, max(at, 8))
-
-    def columns(self, buf: np.ndarray, rows: int, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """Views of ``buf`` (uint8) for columns ``names`` of a batch of ``rows`` rows."""
-        wanted = set(names)
-        return {
-            name: buf[off : off + rows * dtype.itemsize].view(dtype)
-            for name, dtype, off in zip(self.names, self.dtypes, self.offsets, strict=True)
-            if name in wanted
-        }
-
-
 def gather_packed(
-    records: np.ndarray, rows: np.ndarray, layout: RowLayout, out: dict[str, np.ndarray]
-) -> None:
-    """Copy arena ``rows`` into the column arrays ``out`` (one row copy, one pass per column).
+    records: np.ndarray, rows: np.ndarray, layout: RowLayout, names: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Columns ``names`` of arena ``rows``: one row copy, then one contiguous copy per column.
 
     >>> t = pa.table({"id": [1, 2, 3], "x": [0.5, 1.5, 2.5]})
     >>> lay = RowLayout.of(t.schema)
-    >>> out = {"id": np.empty(2, np.int64), "x": np.empty(2)}
-    >>> gather_packed(pack(t, lay).rows, np.array([2, 0]), lay, out)
+    >>> out = gather_packed(pack(t, lay).rows, np.array([2, 0]), lay, ("id", "x"))
     >>> {k: v.tolist() for k, v in out.items()}
     {'id': [3, 1], 'x': [2.5, 0.5]}
     """
     taken = np.take(records.view(layout.void), rows).view(layout.record)
-    for name, column in out.items():
-        column[...] = taken[name]
+    # .copy(), not ascontiguousarray: a one-row field view counts as contiguous but keeps the
+    # row's stride, which torch.from_numpy refuses.
+    return {name: taken[name].copy() for name in names}

@@ -98,6 +98,8 @@ class RemoteDecodes:
         The loader calls it at each step, so that a death is handled before the next batch
         whatever the receiving thread is doing.
         """
+        if self._pool.all_alive():  # a waitpid per worker; the lock only after a death
+            return
         with self._lock:
             if not self._closed:
                 self._handle(*self._pool.collect([]))

@@ -378,6 +378,10 @@ class WorkerPool:
         except (EOFError, OSError):
             return
 
+    def all_alive(self) -> bool:
+        """Whether no worker has died (and not been replaced yet)."""
+        return all(s.process.is_alive() for s in self._slots)
+
     def waitables(self) -> list[Any]:
         """What :meth:`collect` needs to hear about: result pipes and process sentinels."""
         return [*(s.results for s in self._slots), *(s.process.sentinel for s in self._slots)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,3 +98,22 @@ def run_epoch(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[list[i
     finally:
         for loader in loaders:
             loader.close()
+
+
+def wait_dead(pid: int) -> None:
+    """Wait until every thread of a SIGKILLed process is gone (waitpid can then reap it).
+
+    The main thread turns zombie first; the process is only dead, and its pipes closed, once
+    its other threads (pyarrow's, torch's) have exited too.
+    """
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            threads = len(os.listdir(f"/proc/{pid}/task"))
+        except (FileNotFoundError, ProcessLookupError):  # reaped already
+            return
+        if state in ("Z", "X") and threads <= 1:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"worker {pid} survived SIGKILL for 10 s")

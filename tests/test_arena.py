@@ -99,8 +99,8 @@ def test_a_worker_map_sees_the_loader_rows(tmp_path) -> None:
     pack(table, LAYOUT, arena.records[start : start + 10])
     handle = arena.handle
     records = FileMap(writable=False).bytes(handle.path, handle.capacity * LAYOUT.row_bytes)
-    out = {"id": np.empty(3, np.int64), "x": np.empty(3, np.float32)}
-    gather_packed(records.view(LAYOUT.record), np.array([start + 9, start, start + 4]), LAYOUT, out)
+    rows = np.array([start + 9, start, start + 4])
+    out = gather_packed(records.view(LAYOUT.record), rows, LAYOUT, LAYOUT.names)
     assert out["id"].tolist() == [9, 0, 4]
     assert out["x"].tolist() == [9.0, 0.0, 4.0]
     arena.close()

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 import lakeloader as ll
-from tests.conftest import LAYOUT_ROWS, roundtrip, write_lake
+from tests.conftest import LAYOUT_ROWS, roundtrip, wait_dead, write_lake
 
 
 def _pid_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -126,6 +126,7 @@ def test_killed_worker_is_replaced_and_nothing_is_lost(
     victim = loader._pool.pids()[0]  # type: ignore[union-attr]
     with caplog.at_level(logging.WARNING, logger="lakeloader"):
         os.kill(victim, signal.SIGKILL)
+        wait_dead(victim)  # dead, so the next step notices (a busy machine is slow to kill)
         ids += [i for b in it for i in b["id"].tolist()]
     assert sorted(ids) == list(range(LAYOUT_ROWS))
     assert loader.stats()["worker_restarts"] == 1

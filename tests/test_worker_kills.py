@@ -7,14 +7,13 @@ import os
 import random
 import re
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import lakeloader as ll
-from tests.conftest import LAYOUT_ROWS
+from tests.conftest import LAYOUT_ROWS, wait_dead
 
 KILLS = 20
 
@@ -29,25 +28,6 @@ def _kill_always_on_row_7(table: Any) -> bool:
     if 7 in table.column("id").to_pylist():
         os.kill(os.getpid(), signal.SIGKILL)
     return True
-
-
-def _wait_dead(pid: int) -> None:
-    """Wait until every thread of a SIGKILLed process is gone (waitpid can then reap it).
-
-    The main thread turns zombie first; the process is only dead, and its pipes closed, once
-    its other threads (pyarrow's, torch's) have exited too.
-    """
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            threads = len(os.listdir(f"/proc/{pid}/task"))
-        except (FileNotFoundError, ProcessLookupError):  # reaped already
-            return
-        if state in ("Z", "X") and threads <= 1:
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"worker {pid} survived SIGKILL for 10 s")
 
 
 def test_twenty_workers_killed_at_random_points(
@@ -66,7 +46,7 @@ def test_twenty_workers_killed_at_random_points(
             if step in kill_at:
                 pid = rng.choice(loader._pool.pids())  # type: ignore[union-attr]
                 os.kill(pid, signal.SIGKILL)
-                _wait_dead(pid)  # dead (a zombie until the pool reaps it), so surely noticed
+                wait_dead(pid)  # dead (a zombie until the pool reaps it), so surely noticed
                 victims.append(pid)
     ids = [i for b in seen for i in b]
     lost = LAYOUT_ROWS - len(set(ids))
