@@ -167,13 +167,19 @@ def pss_bytes(pid: int) -> int:
     return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
+def pss_shmem_bytes(pid: int) -> int:
+    """The part of a process's PSS that is shared memory (tmpfs files it maps)."""
+    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss_Shmem:")
+
+
 def dir_bytes(path: str | Path) -> int:
-    """Bytes of the files below ``path`` (0 if it is gone)."""
+    """Memory held by the files below ``path``: allocated blocks, so a sparse file (the
+    arena) counts the pages written, not its size (0 if it is gone)."""
     total = 0
     for folder, _, names in os.walk(path):
         for name in names:
             try:
-                total += os.stat(os.path.join(folder, name)).st_size
+                total += os.stat(os.path.join(folder, name)).st_blocks * 512
             except OSError:
                 continue
     return total
@@ -186,8 +192,9 @@ class TreeSampler:
     ``peak_rss`` is the peak of the *sum* of the RSS of every process of the tree (pages
     shared between processes counted once per process, as asked for); ``peak_pss`` is the peak
     sum of proportional set sizes (shared pages split, so it does not double count);
-    ``peak_dir`` the peak bytes of files under ``watch_dir`` (tmpfs files count as memory but
-    are in no process's RSS until mapped). ``peak_processes``: most processes seen at once.
+    ``peak_dir`` the peak memory of files under ``watch_dir`` (allocated blocks: tmpfs files
+    count as memory but are in no process's RSS until mapped); ``peak_total`` the peak of PSS
+    without its shared-memory part, plus those files (so a mapped page counts once). ``peak_processes``: most processes seen at once.
     """
 
     pid: int
@@ -208,10 +215,12 @@ class TreeSampler:
         rss = sum(rss_bytes(p) for p in pids)
         pss = sum(pss_bytes(p) for p in pids) if self.pss else 0
         shm = dir_bytes(self.watch_dir) if self.watch_dir else 0
+        # Mapped shared-memory pages are in PSS and in the files both: count them once.
+        mapped_shm = sum(pss_shmem_bytes(p) for p in pids) if self.pss and shm else 0
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_pss = max(self.peak_pss, pss)
         self.peak_dir = max(self.peak_dir, shm)
-        self.peak_total = max(self.peak_total, (pss if self.pss else rss) + shm)
+        self.peak_total = max(self.peak_total, (pss - mapped_shm if self.pss else rss) + shm)
         self.peak_processes = max(self.peak_processes, len(pids))
         self.samples += 1
 

@@ -53,7 +53,8 @@ Rules, the same for every loader:
 - Memory is sampled every 0.1 s by the parent over the child and all its descendants:
   ``peak RSS`` is the peak of the sum of RSS over the tree (shared pages counted once per
   process), ``PSS+shm`` the peak sum of proportional set sizes (no double counting) plus the
-  files lakeloader's cache keeps in ``/dev/shm``.
+  memory of the files lakeloader's cache keeps in ``/dev/shm`` (allocated blocks; the pages
+  of them that processes map are taken out of the PSS so that they count once).
 
 Run: ``python -m benchmarks.peers`` (about 20 minutes; peers from the venvs named by
 ``--bench-python`` and ``--mosaic-python``, see benchmarks/README.md), ``--smoke`` for a tiny
