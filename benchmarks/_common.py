@@ -194,7 +194,8 @@ class TreeSampler:
     sum of proportional set sizes (shared pages split, so it does not double count);
     ``peak_dir`` the peak memory of files under ``watch_dir`` (allocated blocks: tmpfs files
     count as memory but are in no process's RSS until mapped); ``peak_total`` the peak of PSS
-    without its shared-memory part, plus those files (so a mapped page counts once). ``peak_processes``: most processes seen at once.
+    without its shared-memory part, plus those files (so a mapped page counts once).
+    ``peak_processes``: most processes seen at once.
     """
 
     pid: int

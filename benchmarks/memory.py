@@ -15,10 +15,10 @@ The parent samples the child's process tree every 0.1 s (see :mod:`benchmarks._c
 counted once per process); ``PSS+shm`` sums proportional set sizes (no double counting) and
 adds the memory of the files of lakeloader's cache folder in ``/dev/shm`` (their allocated
 blocks: tmpfs is memory, yet in no RSS until mapped; the mapped part is taken out of the PSS
-so that it counts once), which is the loader's real footprint. ``base`` is the child's RSS after imports and
-the dataset (footers) but before the pass; ``over budget`` is ``PSS+shm - base - B``, what the
-pass takes beyond its budget; ``cache peak`` is what lakeloader itself counted
-(``loader.stats()["cache_peak_bytes"]``).
+so that it counts once), which is the loader's real footprint. ``base`` is the child's RSS
+after imports and the dataset (footers) but before the pass; ``over budget`` is
+``PSS+shm - base - B``, what the pass takes beyond its budget; ``cache peak`` is what
+lakeloader itself counted (``loader.stats()["cache_peak_bytes"]``).
 
 Run: ``python -m benchmarks.memory`` (about 8 minutes; writes the lake to
 ``/tmp/lakeloader-memory-lake`` once), ``--smoke`` for a tiny lake in seconds. Results:
