@@ -58,7 +58,9 @@ class DataLoader:
         worker_init_fn: Called with the worker id in each worker, as in torch.
         multiprocessing_context: Context (or its name) for the workers.
         generator: Not supported (the dataset's seed defines the order); must be None.
-        prefetch_factor: Batches handed to each worker ahead (default 2 with workers).
+        prefetch_factor: Work handed to each worker ahead (default 2 with workers): units to
+            decode on the default tensor path, batches to build with a transform or
+            collate_fn.
         persistent_workers: Keep the workers alive between epochs.
         pin_memory_device: Accepted for compatibility; pinning uses the default device.
         in_order: Must be True: batches are always delivered in step order.
@@ -66,7 +68,8 @@ class DataLoader:
         world_size: Ranks in the run (default: torch.distributed, then ``WORLD_SIZE``, then 1).
         cache_dir: Folder for decoded units and what workers share (default: ``/dev/shm``).
         cache_bytes: Byte budget for decoded units held ahead of use.
-        io_threads: Threads fetching and decoding units.
+        io_threads: Threads fetching and decoding units in this process: without workers, or
+            with a transform or collate_fn (on the tensor path the workers decode).
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

@@ -100,6 +100,15 @@ def test_scale_smoke(tmp_path: Path) -> None:
         assert set(topo["recovery"]) == {"state_s", "plan_s", "reassign_s", "total_s"}
 
 
+def test_cpu_split_smoke(tmp_path: Path) -> None:
+    _run("benchmarks.cpu_split", "--smoke", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "cpu_split-smoke.json").read_text())
+    for name in ("pyarrow-dataset", "lakeloader-w0", "lakeloader-w2"):
+        run = report["best"][name]
+        assert run["batches"] == 16 and run["wall_s"] > 0 and run["main_thread_cpu_s"] > 0
+    assert report["best"]["lakeloader-w2"]["workers_cpu_s"] > 0
+
+
 @pytest.mark.parametrize("script", ["benchmarks.memory"])
 def test_memory_smoke(tmp_path: Path, script: str) -> None:
     _run(script, "--smoke", "--lake", str(tmp_path / "lake"), "--out", str(tmp_path))
