@@ -289,17 +289,22 @@ def run_child(
             os.killpg(proc.pid, 9)
             out, err = proc.communicate()
             err += f"\n(killed after the {timeout:.0f} s timeout)"
-    result = None
-    for line in out.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX) :])
     return ChildRun(
         proc.returncode,
-        result,
+        result_of(out),
         "\n".join(err.strip().splitlines()[-15:]),
         sampler.peaks(),
         time.perf_counter() - t0,
     )
+
+
+def result_of(stdout: str) -> dict[str, Any] | None:
+    """The result a child handed over with :func:`emit_result` (its last one), or None."""
+    result = None
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX) :])
+    return result
 
 
 def emit_result(result: dict[str, Any]) -> None:

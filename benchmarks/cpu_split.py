@@ -25,7 +25,6 @@ Results: ``benchmarks/results/cpu_split.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -37,11 +36,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import (
-    RESULT_PREFIX,
     emit_result,
     machine,
     markdown_table,
     pinned_tree,
+    result_of,
     warm_page_cache,
     write_results,
 )
@@ -101,6 +100,7 @@ def child(name: str, lake: str) -> None:
 
 
 def _run(src: Path, name: str, lake: str) -> dict[str, Any]:
+    """One configuration in a fresh process (no memory sampling: it would cost CPU here)."""
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.cpu_split", "--child", name, "--lake", lake],
         cwd=src,
@@ -109,8 +109,9 @@ def _run(src: Path, name: str, lake: str) -> dict[str, Any]:
         timeout=600,
         check=True,
     ).stdout
-    line = next(x for x in out.splitlines() if x.startswith(RESULT_PREFIX))
-    result: dict[str, Any] = json.loads(line[len(RESULT_PREFIX) :])
+    result = result_of(out)
+    if result is None:
+        raise RuntimeError(f"{name} handed over no result:\n{out[-2000:]}")
     return result
 
 

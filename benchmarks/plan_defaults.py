@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from lakeloader import batches as lb
 from lakeloader import plan as lp
 
 SEED = 1234
@@ -204,7 +205,7 @@ def check_against_batch_spec(
     for t in steps:
         lo, hi = t * global_batch, min((t + 1) * global_batch, n)
         for rank in sorted({0, world_size - 1}):
-            spec = lp.batch_spec(plan, t, lo, hi, world_size, rank)
+            spec = lb.batch_spec(plan, t, lo, hi, world_size, rank)
             sizes = plan.piece_rows(spec.positions)
             base = np.concatenate([[0], np.cumsum(sizes)])
             k = np.searchsorted(base, spec.take, side="right") - 1
@@ -397,7 +398,7 @@ def plan_time(num_units: int, rows_per_unit: int, repeats: int) -> dict[str, flo
             )
         ),
         "release_slots_all_s": best(lambda: lp.release_slots(plan, positions)),
-        "batch_spec_1024_s": best(lambda: lp.batch_spec(plan, 0, mid, mid + 1024, 8, 0)),
+        "batch_spec_1024_s": best(lambda: lb.batch_spec(plan, 0, mid, mid + 1024, 8, 0)),
     }
 
 

@@ -55,6 +55,7 @@ if __package__ in (None, ""):
 
 from benchmarks._common import RESULTS_DIR, machine, markdown_table, pinned_tree, write_results
 from lakeloader import _keys as K
+from lakeloader import batches as lb
 from lakeloader import plan as lp
 from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
 from lakeloader.snapshot import FileInfo, Snapshot, assemble_snapshot
@@ -141,7 +142,7 @@ def planning(files: int, row_groups: int, rows: int) -> dict[str, Any]:
         )
     )
     _, t_release = _timed(lambda: lp.release_slots(plan, np.arange(plan.num_pieces)))
-    _, t_spec = _timed(lambda: lp.batch_spec(plan, 0, 0, 256 * BATCH, 256, 0))
+    _, t_spec = _timed(lambda: lb.batch_spec(plan, 0, 0, 256 * BATCH, 256, 0))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     arrays = [units.file_index, units.row_group, units.row_start, units.num_rows]
@@ -195,7 +196,7 @@ def recover(snapshot: Snapshot, blob: bytes, ranks: int, rank: int) -> dict[str,
     for k in range(WORKERS * PREFETCH):
         start = state.position + k * global_batch
         stop = min(start + global_batch, plan.num_rows)
-        pieces.append(lp.batch_spec(plan, k, start, stop, ranks, rank).positions)
+        pieces.append(lb.batch_spec(plan, k, start, stop, ranks, rank).positions)
     lp.release_slots(plan, np.unique(np.concatenate(pieces)))
     t3 = time.perf_counter()
     return {"state_s": t1 - t0, "plan_s": t2 - t1, "reassign_s": t3 - t2, "total_s": t3 - t0}

@@ -11,7 +11,6 @@ needs them. Either way a unit is fetched and decoded once per rank per epoch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import heapq
 import logging
@@ -19,18 +18,17 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from lakeloader.arena import Arena, unlink_quietly
-from lakeloader.decode import DecodeJob, Held, UnitDecoder, UnitRef
+from lakeloader.decode import DecodeJob, Decodes, Held, UnitRef
 from lakeloader.packed import Packed, RowLayout
 from lakeloader.plan import EpochPlan, release_slots
 from lakeloader.quarantine import OnError, QuarantineEntry, Validate
@@ -40,8 +38,6 @@ logger = logging.getLogger(__name__)
 
 #: Where unit files go by default when there are worker processes.
 SHM_DIR = "/dev/shm"
-#: Seconds between checks of a decode waiting for the byte gate.
-GATE_POLL_SECONDS = 0.5
 #: Name prefix of the per-process unit folders.
 UNIT_DIR_PREFIX = "lakeloader"
 
@@ -155,88 +151,6 @@ def _read_ipc(path: str) -> pa.Table:
     """A unit's table from its IPC file, memory-mapped (zero copy)."""
     with pa.memory_map(path, "r") as source:
         return pa.ipc.open_file(source).read_all()
-
-
-class _ByteGate:
-    """Admits decodes while the row groups being decoded fit a byte limit.
-
-    Decoding a unit materialises its whole row group first (a 256 MB row group split into
-    units is decoded whole for each), so on lakes of large row groups the decodes under way,
-    not the cache, decide peak memory. One decode is always admitted, however large.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = max(1, limit)
-        self._used = 0
-        self._cond = threading.Condition()
-        self._closed = False
-
-    @contextlib.contextmanager
-    def admit(self, nbytes: int) -> Iterator[None]:
-        """Hold ``nbytes`` (capped at the limit) of the budget for the ``with`` block."""
-        n = min(max(0, nbytes), self._limit)
-        with self._cond:
-            while self._used and self._used + n > self._limit and not self._closed:
-                self._cond.wait(GATE_POLL_SECONDS)
-            self._used += n
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._used -= n
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        """Let every waiting decode through (the store is closing; its results are dropped)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-class Decodes(Protocol):
-    """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
-
-    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Start decoding ``job`` (whose row group has ``nbytes`` uncompressed bytes)."""
-
-    def close(self, wait: bool) -> None:
-        """Stop: drop queued jobs (their futures are cancelled)."""
-
-
-class LocalDecodes:
-    """Decodes in a thread pool of this process, gated by row-group bytes.
-
-    Args:
-        decoder: Does the work.
-        threads: Units decoded at once.
-        limit: Uncompressed row-group bytes decoded at once at most (one always runs).
-        records: The arena's rows, read at each decode (it may have grown), or None.
-    """
-
-    def __init__(
-        self,
-        decoder: UnitDecoder,
-        threads: int,
-        limit: int,
-        records: Callable[[], np.ndarray | None],
-    ) -> None:
-        self._decoder = decoder
-        self._records = records
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
-        self._gate = _ByteGate(limit)
-
-    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Queue ``job`` for a decoding thread."""
-        return self._pool.submit(self._run, job, nbytes)
-
-    def _run(self, job: DecodeJob, nbytes: int) -> Held:
-        with self._gate.admit(nbytes):
-            return self._decoder.decode(job, self._records())
-
-    def close(self, wait: bool) -> None:
-        """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
-        self._gate.close()
-        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 @dataclass

@@ -25,7 +25,6 @@ from torch.utils.data import default_collate
 from lakeloader.errors import NullValuesError
 from lakeloader.packed import (
     Packed,
-    RowLayout,
     Selection,
     column_of,
     gather_arrow,
@@ -62,9 +61,7 @@ def _tensor_view(name: str, col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return tensor_numpy(col)
 
 
-def _arrow_column(
-    units: Sequence[Packed], sel: Selection, field: pa.Field, layout: RowLayout | None
-) -> pa.Array:
+def _arrow_column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> pa.Array:
     """One column of the batch through Arrow (units that packed it give it from their bytes)."""
     parts = []
     for unit in units:
@@ -72,7 +69,6 @@ def _arrow_column(
             col = unit.table.column(field.name)  # one chunk: combined when decoded
             parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
         else:
-            assert layout is not None
             parts.append(pa.array(column_of(unit, field.name)).cast(field.type))
     return gather_arrow(parts, sel)
 
@@ -81,7 +77,6 @@ def gather_columns(
     units: Sequence[Packed],
     take: np.ndarray,
     schema: pa.Schema,
-    layout: RowLayout | None,
     ready: Mapping[str, np.ndarray],
 ) -> dict[str, Any]:
     """The batch in columnar form: rows ``take`` of the concatenation of ``units``.
@@ -105,7 +100,7 @@ def gather_columns(
             col = pa.array([], field.type)
         else:
             sel = sel or select([u.num_rows for u in units], take)
-            col = _arrow_column(units, sel, field, layout)
+            col = _arrow_column(units, sel, field)
         out[field.name] = (
             _tensor_view(field.name, col) if is_tensor_type(field.type) else _python_values(col)
         )
@@ -116,8 +111,7 @@ def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -
     """The batch as an Arrow table with the columns' own types (for the row path)."""
     sel = select([u.num_rows for u in units], take)
     arrays = [
-        _arrow_column(units, sel, field, None) if units else pa.array([], field.type)
-        for field in schema
+        _arrow_column(units, sel, field) if units else pa.array([], field.type) for field in schema
     ]
     return pa.Table.from_arrays(arrays, schema=schema)
 
@@ -173,7 +167,6 @@ def build_payload(
     units: Sequence[Packed],
     take: np.ndarray,
     schema: pa.Schema,
-    layout: RowLayout | None,
     transform: Transform | None,
     collate_fn: Collate | None,
     ready: Mapping[str, np.ndarray],
@@ -184,7 +177,6 @@ def build_payload(
         units: The batch's units.
         take: Row indices into their concatenation, in batch order.
         schema: The batch's columns.
-        layout: How the units packed their tensor-typed columns.
         transform: Per-row transform, or None.
         collate_fn: The user's collate function, or None.
         ready: Columns already gathered from the arena (default path only).
@@ -194,7 +186,7 @@ def build_payload(
         ``(COLLATED, whatever collate_fn returned)``.
     """
     if transform is None and collate_fn is None:
-        return COLUMNS, gather_columns(units, take, schema, layout, ready)
+        return COLUMNS, gather_columns(units, take, schema, ready)
     table = gather_table(units, take, schema)
     if table.num_rows == 0 and collate_fn is None:
         return COLUMNS, to_columns(table)  # an empty share of a short last batch

@@ -1,20 +1,25 @@
 """Decoding one unit into its cached form: read, screen, pack into the arena, keep the rest.
 
-The same :class:`UnitDecoder` runs in the loader's own threads (no workers, or workers that
-build batches for a transform) and in DataLoader worker processes (the default tensor path,
-where workers decode and the loader's process only assembles batches). Either way the
-loader allocates the unit's rows in the arena first, so that decoders never allocate and a
-unit can be decoded again, into the same rows, if its worker dies.
+The same :class:`UnitDecoder` runs in the loader's own threads (:class:`LocalDecodes`: no
+workers, or workers that build batches for a transform) and in DataLoader worker processes
+(:class:`lakeloader.remote.RemoteDecodes`: on the default tensor path, where workers decode and
+the loader's process only assembles batches). Either way the loader allocates the unit's rows
+in the arena first, so that decoders never allocate and a unit can be decoded again, into the
+same rows, if its worker dies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import pickle
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: Row groups from this size on are followed by returning freed memory to the system.
 RELEASE_BYTES = 64 << 20
+#: Seconds between checks of a decode waiting for the byte gate.
+GATE_POLL_SECONDS = 0.5
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,3 +179,85 @@ def _keep_table(table: pa.Table | None, path: str | None) -> pa.Table | str | No
         writer.write_table(table)
     os.replace(path + ".tmp", path)
     return path
+
+
+class _ByteGate:
+    """Admits decodes while the row groups being decoded fit a byte limit.
+
+    Decoding a unit materialises its whole row group first (a 256 MB row group split into
+    units is decoded whole for each), so on lakes of large row groups the decodes under way,
+    not the cache, decide peak memory. One decode is always admitted, however large.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, limit)
+        self._used = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def admit(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` (capped at the limit) of the budget for the ``with`` block."""
+        n = min(max(0, nbytes), self._limit)
+        with self._cond:
+            while self._used and self._used + n > self._limit and not self._closed:
+                self._cond.wait(GATE_POLL_SECONDS)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let every waiting decode through (the store is closing; its results are dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class Decodes(Protocol):
+    """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
+
+    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
+        """Start decoding ``job`` (whose row group has ``nbytes`` uncompressed bytes)."""
+
+    def close(self, wait: bool) -> None:
+        """Stop: drop queued jobs (their futures are cancelled)."""
+
+
+class LocalDecodes:
+    """Decodes in a thread pool of this process, gated by row-group bytes.
+
+    Args:
+        decoder: Does the work.
+        threads: Units decoded at once.
+        limit: Uncompressed row-group bytes decoded at once at most (one always runs).
+        records: The arena's rows, read at each decode (it may have grown), or None.
+    """
+
+    def __init__(
+        self,
+        decoder: UnitDecoder,
+        threads: int,
+        limit: int,
+        records: Callable[[], np.ndarray | None],
+    ) -> None:
+        self._decoder = decoder
+        self._records = records
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
+        self._gate = _ByteGate(limit)
+
+    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
+        """Queue ``job`` for a decoding thread."""
+        return self._pool.submit(self._run, job, nbytes)
+
+    def _run(self, job: DecodeJob, nbytes: int) -> Held:
+        with self._gate.admit(nbytes):
+            return self._decoder.decode(job, self._records())
+
+    def close(self, wait: bool) -> None:
+        """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
+        self._gate.close()
+        self._pool.shutdown(wait=wait, cancel_futures=True)

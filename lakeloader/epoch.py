@@ -1,7 +1,7 @@
 """One pass over an epoch for one rank: plan ahead, decode ahead, build, deliver in order.
 
 The iterator walks the rank's steps from the start position. It plans steps ahead (each a
-:class:`~lakeloader.plan.BatchSpec`), asks the unit store to decode their units in plan order
+:class:`~lakeloader.batches.BatchSpec`), asks the unit store to decode their units in plan order
 within the byte budget, hands each step whose units are ready to a worker (or builds it
 in-process without workers), and yields batches strictly in step order. Only when a batch is
 handed to the training loop does the loader's position move.
@@ -23,16 +23,18 @@ from typing import Any
 import numpy as np
 
 from lakeloader.arena import Arena, ArenaHandle
-from lakeloader.cache import Decodes, LocalDecodes, Screening, UnitOpener, UnitStore
+from lakeloader.batches import BatchSpec, batch_specs
+from lakeloader.cache import Screening, UnitOpener, UnitStore
 from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
-from lakeloader.decode import DecodeJob, Held, UnitDecoder, UnitRef
+from lakeloader.decode import DecodeJob, Decodes, Held, LocalDecodes, UnitDecoder, UnitRef
 from lakeloader.errors import WorkerError
 from lakeloader.packed import RowLayout, gather_packed
-from lakeloader.plan import BatchSpec, EpochPlan, batch_specs, steps_in_epoch
+from lakeloader.plan import EpochPlan, steps_in_epoch
 from lakeloader.quarantine import QuarantineEntry, drop_pieces
 from lakeloader.reader import UnitReader
 from lakeloader.remote import RemoteDecodes
-from lakeloader.workers import Death, Result, Task, WorkerPool
+from lakeloader.worker_process import Result, Task
+from lakeloader.workers import Death, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 LOOKAHEAD_STEPS = 256
 #: Rows an arena starts with at most (address space only; it grows if the budget needs more).
 ARENA_START_ROWS = 1 << 24
-#: Steps planned by one call (planning is vectorised across steps; see plan.batch_specs).
+#: Steps planned by one call (planning is vectorised across steps; see batches.batch_specs).
 PLAN_CHUNK = 64
 #: Attempts at one batch whose worker keeps dying before the loader gives up.
 MAX_BATCH_ATTEMPTS = 3
@@ -301,9 +303,7 @@ class EpochIterator:
         if screened.rows is not None and records is not None and c.layout is not None:
             ready = gather_packed(records, screened.rows, c.layout, screened.names)
         units = self._opener.open(screened.refs, records) if screened.refs else []
-        return build_payload(
-            units, screened.take, self._schema, c.layout, c.transform, c.collate_fn, ready
-        )
+        return build_payload(units, screened.take, self._schema, c.transform, c.collate_fn, ready)
 
     def _dispatch(self, pool: WorkerPool) -> None:
         cap = max(1, self.cfg.num_workers * self.cfg.prefetch_factor)

@@ -27,7 +27,8 @@ from lakeloader.quarantine import QuarantineEntry, merge
 from lakeloader.reader import UnitReader
 from lakeloader.state import LoaderState
 from lakeloader.topology import resolve_topology
-from lakeloader.workers import WorkerPool, WorkerSetup
+from lakeloader.worker_process import WorkerSetup
+from lakeloader.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 

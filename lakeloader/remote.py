@@ -25,7 +25,8 @@ from lakeloader.decode import DecodeJob, Held
 from lakeloader.errors import WorkerError
 from lakeloader.reader import ReadCounters
 from lakeloader.retry import describe
-from lakeloader.workers import Death, DecodeTask, Result, WorkerPool
+from lakeloader.worker_process import DecodeTask, Result
+from lakeloader.workers import Death, WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lakeloader.batches as lb
 import lakeloader.plan as lp
+from lakeloader.batches import BatchSpec, batch_spec, batch_specs
 from lakeloader.plan import (
-    BatchSpec,
     EpochPlan,
     batch_slots,
-    batch_spec,
-    batch_specs,
     make_units,
     plan_epoch,
     rank_bounds,
@@ -118,7 +117,7 @@ def test_unique_inverse_by_flags_or_by_sorting(values: list[int], extra: int) ->
     array = np.array(values, dtype=np.int64)
     want_unique, want_inverse = np.unique(array, return_inverse=True)
     for span in (None, 301 + extra):
-        unique, inverse = lp._unique_inverse(array, span)
+        unique, inverse = lb._unique_inverse(array, span)
         assert np.array_equal(unique, want_unique)
         assert np.array_equal(inverse, want_inverse)
 

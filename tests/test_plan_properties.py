@@ -13,12 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lakeloader.batches import BatchSpec, batch_spec
 from lakeloader.plan import (
-    BatchSpec,
     EpochPlan,
     Units,
     batch_slots,
-    batch_spec,
     make_units,
     partition_consumed,
     partition_starts,
