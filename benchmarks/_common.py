@@ -162,14 +162,25 @@ def rss_bytes(pid: int) -> int:
     return _kib_field(f"/proc/{pid}/status", "VmRSS:")
 
 
-def pss_bytes(pid: int) -> int:
-    """Proportional set size of one process (shared pages split among their users)."""
-    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss:")
+def pss_and_shmem_bytes(pid: int) -> tuple[int, int]:
+    """(proportional set size, its shared-memory part) of one process, (0, 0) if it is gone.
 
-
-def pss_shmem_bytes(pid: int) -> int:
-    """The part of a process's PSS that is shared memory (tmpfs files it maps)."""
-    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss_Shmem:")
+    PSS splits shared pages among their users; the shared-memory part is the pages of tmpfs
+    files it maps. Both come from one read of ``smaps_rollup``: the kernel walks every page
+    table of the process for each read, which costs tens of milliseconds for a process that
+    maps a large file, so the sampler reads it once per process per sample.
+    """
+    pss = shmem = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+                elif line.startswith("Pss_Shmem:"):
+                    shmem = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return pss, shmem
 
 
 def dir_bytes(path: str | Path) -> int:
@@ -195,7 +206,8 @@ class TreeSampler:
     ``peak_dir`` the peak memory of files under ``watch_dir`` (allocated blocks: tmpfs files
     count as memory but are in no process's RSS until mapped); ``peak_total`` the peak of PSS
     without its shared-memory part, plus those files (so a mapped page counts once).
-    ``peak_processes``: most processes seen at once.
+    ``peak_processes``: most processes seen at once; ``cpu_seconds``: the CPU the sampling
+    thread itself used (it shares the machine with what it measures).
     """
 
     pid: int
@@ -208,22 +220,26 @@ class TreeSampler:
     peak_total: int = 0
     peak_processes: int = 0
     samples: int = 0
+    cpu_seconds: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def sample(self) -> None:
+        t0 = time.thread_time()
         pids = tree_pids(self.pid)
         rss = sum(rss_bytes(p) for p in pids)
-        pss = sum(pss_bytes(p) for p in pids) if self.pss else 0
+        both = [pss_and_shmem_bytes(p) for p in pids] if self.pss else []
+        pss = sum(p for p, _ in both)
         shm = dir_bytes(self.watch_dir) if self.watch_dir else 0
         # Mapped shared-memory pages are in PSS and in the files both: count them once.
-        mapped_shm = sum(pss_shmem_bytes(p) for p in pids) if self.pss and shm else 0
+        mapped_shm = sum(s for _, s in both) if shm else 0
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_pss = max(self.peak_pss, pss)
         self.peak_dir = max(self.peak_dir, shm)
         self.peak_total = max(self.peak_total, (pss - mapped_shm if self.pss else rss) + shm)
         self.peak_processes = max(self.peak_processes, len(pids))
         self.samples += 1
+        self.cpu_seconds += time.thread_time() - t0
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -248,6 +264,7 @@ class TreeSampler:
             "peak_pss_plus_shm": self.peak_total,
             "peak_processes": self.peak_processes,
             "memory_samples": self.samples,
+            "sampler_cpu_ms_per_sample": round(1e3 * self.cpu_seconds / max(1, self.samples), 2),
         }
 
 
@@ -270,8 +287,13 @@ def run_child(
     watch_dir: str | None = None,
     env: dict[str, str] | None = None,
     cwd: str | Path = ROOT,
+    pss: bool = True,
 ) -> ChildRun:
-    """Run ``cmd``, sample its process tree's memory, and parse its ``RESULT_PREFIX`` line."""
+    """Run ``cmd``, sample its process tree's memory, and parse its ``RESULT_PREFIX`` line.
+
+    ``pss=False`` samples RSS and the watched folder only: proportional set sizes cost the
+    sampler (and so the machine it shares with the child) a page-table walk per process.
+    """
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         list(cmd),
@@ -282,7 +304,7 @@ def run_child(
         env=env,
         start_new_session=True,
     )
-    with TreeSampler(proc.pid, interval=interval, watch_dir=watch_dir) as sampler:
+    with TreeSampler(proc.pid, interval=interval, watch_dir=watch_dir, pss=pss) as sampler:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -46,15 +46,22 @@ Rules, the same for every loader:
   converts only the first ``--mosaic-files`` (default 8 of 64) files; its capped run reads
   far fewer rows than that, so the cap, not the subset, ends it.
 - Repetitions interleave (all loaders once, then all again in reverse order); the best
-  rows/s of ``--reps`` (2) is reported, with the largest memory peak of the repetitions.
+  rows/s of ``--reps`` (2) is reported, and the median beside it (the reference itself swings
+  by up to 2x between repetitions on this machine).
+- The timed repetitions sample only RSS and the cache folder, which cost the sampler
+  microseconds. Proportional set sizes (PSS) come from one more repetition per loader, whose
+  speed is kept in the JSON but not used: reading ``smaps_rollup`` walks every page table of a
+  process, 5-7 ms per sample for pyarrow and 12-14 ms for lakeloader with two workers (three
+  processes mapping the cache), which slowed the runs it observed unevenly.
 - MB/s is rows/s times the decoded bytes of a row in the lake (76 B numeric; 76 B plus the
   mean UTF-8 bytes of ``text`` with text), the same for every loader whatever dtype it
   delivers; the dtypes it delivered are in the JSON.
 - Memory is sampled every 0.1 s by the parent over the child and all its descendants:
-  ``peak RSS`` is the peak of the sum of RSS over the tree (shared pages counted once per
-  process), ``PSS+shm`` the peak sum of proportional set sizes (no double counting) plus the
-  memory of the files lakeloader's cache keeps in ``/dev/shm`` (allocated blocks; the pages
-  of them that processes map are taken out of the PSS so that they count once).
+  ``peak RSS`` is the peak (over every repetition) of the sum of RSS over the tree (shared
+  pages counted once per process), ``PSS+shm`` (the memory repetition) the peak sum of
+  proportional set sizes (no double counting) plus the memory of the files lakeloader's
+  cache keeps in ``/dev/shm`` (allocated blocks; the pages of them that processes map are
+  taken out of the PSS so that they count once).
 
 Run: ``python -m benchmarks.peers`` (about 20 minutes; peers from the venvs named by
 ``--bench-python`` and ``--mosaic-python``, see benchmarks/README.md), ``--smoke`` for a tiny
@@ -68,6 +75,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -553,7 +561,8 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     for text in (False, True):
         kind = "text" if text else "numeric"
         samples: dict[str, list[dict[str, Any]]] = {x.name: [] for x in runnable}
-        for rep in range(args.reps):
+        for rep in range(args.reps + 1):  # the last one measures memory (PSS)
+            timed = rep < args.reps
             for loader in runnable if rep % 2 == 0 else runnable[::-1]:
                 shm = tempfile.mkdtemp(prefix="lakeloader-bench-", dir="/dev/shm")
                 try:
@@ -562,10 +571,12 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                         timeout=args.timeout,
                         watch_dir=shm,
                         cwd=tree,
+                        pss=not timed,
                     )
                 finally:
                     shutil.rmtree(shm, ignore_errors=True)
                 sample: dict[str, Any] = {"rep": rep, "returncode": run.returncode, **run.peaks}
+                sample["timed"] = timed
                 sample["wall_seconds"] = run.wall_seconds
                 if run.result is None:
                     sample["error"] = run.stderr_tail
@@ -575,9 +586,10 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                 samples[loader.name].append(sample)
                 rate = sample.get("rows_per_s")
                 print(
-                    f"[{kind} rep {rep}] {loader.name}: "
+                    f"[{kind} {'rep ' + str(rep) if timed else 'memory rep'}] {loader.name}: "
                     + (f"{rate:,.0f} rows/s" if rate else f"FAILED: {run.stderr_tail[-300:]}")
-                    + f", peak RSS tree {mib(run.peaks['peak_rss_tree'])} MiB",
+                    + f", peak RSS tree {mib(run.peaks['peak_rss_tree'])} MiB, memory sampler "
+                    + f"{run.peaks['sampler_cpu_ms_per_sample']} ms CPU per sample",
                     flush=True,
                 )
         runs[kind] = _summarise(runnable, samples, row_bytes[kind])
@@ -610,7 +622,8 @@ def _summarise(
 ) -> list[dict[str, Any]]:
     rows = []
     for loader in loaders:
-        ok = [s for s in samples[loader.name] if "rows_per_s" in s]
+        ok = [s for s in samples[loader.name] if "rows_per_s" in s and s["timed"]]
+        memory = [s for s in samples[loader.name] if not s["timed"]]
         best = max(ok, key=lambda s: s["rows_per_s"]) if ok else None
         rows.append(
             {
@@ -620,6 +633,7 @@ def _summarise(
                 "full_pass": loader.full_pass,
                 "ok": best is not None,
                 "rows_per_s": best["rows_per_s"] if best else None,
+                "median_rows_per_s": statistics.median(s["rows_per_s"] for s in ok) if ok else None,
                 "mb_per_s": best["rows_per_s"] * row_bytes / 1e6 if best else None,
                 "rows": best["rows"] if best else None,
                 "seconds": best["seconds"] if best else None,
@@ -628,7 +642,7 @@ def _summarise(
                 "capped": best["capped"] if best else None,
                 "dtypes": best["dtypes"] if best else None,
                 "peak_rss_tree": max(s["peak_rss_tree"] for s in samples[loader.name]),
-                "peak_pss_plus_shm": max(s["peak_pss_plus_shm"] for s in samples[loader.name]),
+                "peak_pss_plus_shm": max(s["peak_pss_plus_shm"] for s in memory),
                 "peak_processes": max(s["peak_processes"] for s in samples[loader.name]),
                 "samples": samples[loader.name],
             }
@@ -637,6 +651,11 @@ def _summarise(
     for r in rows:
         r["x_reference"] = (
             r["rows_per_s"] / ref["rows_per_s"] if ref is not None and r["ok"] else None
+        )
+        r["x_reference_median"] = (
+            r["median_rows_per_s"] / ref["median_rows_per_s"]
+            if ref is not None and r["ok"]
+            else None
         )
     return rows
 
@@ -650,7 +669,10 @@ def render(report: dict[str, Any]) -> str:
         f"Lake: {s['lake_info']['rows']:,} rows, {p['files']} files x {p['row_groups']} row "
         f"groups x {p['rows_per_group']:,} rows, {s['lake_info']['bytes_on_disk'] / 1e9:.2f} GB "
         f"on disk, zstd. Batch {s['batch_size']:,}. Page cache: {s['page_cache']}. "
-        f"Best of {s['reps']} interleaved repetitions; memory is the largest peak of them.",
+        f"Best of {s['reps']} interleaved repetitions (x pyarrow: best against best; the "
+        "median column: median against median, since the reference itself swings by up to 2x "
+        "between repetitions here). Peak RSS is the largest of every repetition; PSS+shm "
+        "comes from one more repetition that samples it (see the module docstring).",
         "",
         f"Cap: lakeloader and pyarrow do a full pass; every peer stops at the first of a full "
         f"pass or {s['peer_seconds']:g} s of iteration (start-up included). Machine: "
@@ -680,6 +702,7 @@ def render(report: dict[str, Any]) -> str:
                     "rows/s",
                     "MB/s",
                     "x pyarrow",
+                    "x pyarrow (medians)",
                     "peak RSS tree MiB",
                     "PSS+shm MiB",
                     "setup s",
@@ -695,6 +718,7 @@ def render(report: dict[str, Any]) -> str:
                         round(r["rows_per_s"]) if r["ok"] else None,
                         round(r["mb_per_s"], 1) if r["ok"] else None,
                         round(r["x_reference"], 3) if r["x_reference"] is not None else None,
+                        _rounded(r.get("x_reference_median")),
                         mib(r["peak_rss_tree"]),
                         mib(r["peak_pss_plus_shm"]),
                         round(r["setup_seconds"], 2) if r["ok"] else None,
@@ -722,6 +746,11 @@ def render(report: dict[str, Any]) -> str:
             lines += [f"- {r['loader']} failed: `{r['samples'][-1].get('error', '')[-400:]}`"]
         lines += [""]
     return "\n".join(lines)
+
+
+def _rounded(ratio: float | None) -> float | None:
+    """A ratio to 3 decimals (None stays None: a failed loader, or a report from before)."""
+    return None if ratio is None else round(ratio, 3)
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:

@@ -137,7 +137,9 @@ class DataLoader:
         self.cache_dir = cache_dir
         self.cache_bytes = int(cache_bytes)
         self.io_threads = int(io_threads)
-        self._reader: UnitReader = dataset.reader()
+        self._reader: UnitReader
+        self._row_layout: RowLayout | None
+        self._use_reader(dataset.reader())
         self._epoch = 0
         self._position = 0
         self._dropped = 0
@@ -238,19 +240,19 @@ class DataLoader:
             )
             self._shutdown_workers()  # their schema may have widened
             self.dataset = current
-            self._reader = current.reader()
+            self._use_reader(current.reader())
 
     def rebase(self, dataset: LakeDataset) -> None:
         """Use another dataset (same order configuration); the recovery coordinator's hook."""
         self._close_iterator()
         self._shutdown_workers()
         self._base = self.dataset = dataset
-        self._reader = dataset.reader()
+        self._use_reader(dataset.reader())
 
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
         if self._pool is None:
-            layout = self._layout()
+            layout = self._row_layout
             decoder = None
             if layout is not None and layout.names:  # the workers decode; see lakeloader.remote
                 ds = self.dataset
@@ -268,11 +270,18 @@ class DataLoader:
             self._pool = WorkerPool(setup, self.num_workers, self.multiprocessing_context)
         return self._pool
 
-    def _layout(self) -> RowLayout | None:
-        """Pack tensor-typed columns unless rows go to a transform or a collate_fn."""
+    def _use_reader(self, reader: UnitReader) -> None:
+        """Read through ``reader``, and work out now how its rows are packed.
+
+        Tensor-typed columns are packed unless rows go to a transform or a collate_fn. The
+        layout is computed here, not at ``iter()``, because it is pyarrow's first conversion
+        in the process: where pandas is installed, pyarrow imports it then (about 0.3 s),
+        which belongs to building the loader rather than to the wait for the first batch.
+        """
+        self._reader = reader
+        self._row_layout = None
         if self.dataset.transform is None and self.collate_fn is None:
-            return RowLayout.of(self._reader.schema)
-        return None
+            self._row_layout = RowLayout.of(reader.schema)
 
     def _cache_root(self) -> str | None:
         if self.cache_dir is not None:
@@ -300,7 +309,7 @@ class DataLoader:
                 self.dataset.validate,
                 tuple(self._quarantine) + self.dataset.lost,
             ),
-            layout=self._layout(),
+            layout=self._row_layout,
         )
 
     def _on_delivered(self, d: Delivery) -> None:
