@@ -226,7 +226,8 @@ class UnitStore:
         if self._dir is not None:
             path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
         job = DecodeJob(position, file_index, rg, row_start, rows, start, path)
-        future = self._decodes.submit(job, info.row_group_bytes[rg])
+        whole = row_start == 0 and rows == info.row_group_rows[rg]
+        future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate)
         future.add_done_callback(lambda f: self._decoded(position, f))
         return _Entry(future, 0, estimate, start, rows)
 

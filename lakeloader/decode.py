@@ -182,11 +182,13 @@ def _keep_table(table: pa.Table | None, path: str | None) -> pa.Table | str | No
 
 
 class _ByteGate:
-    """Admits decodes while the row groups being decoded fit a byte limit.
+    """Admits decodes while the bytes they hold fit a byte limit.
 
-    Decoding a unit materialises its whole row group first (a 256 MB row group split into
-    units is decoded whole for each), so on lakes of large row groups the decodes under way,
-    not the cache, decide peak memory. One decode is always admitted, however large.
+    A decode is charged what it holds at its peak: a whole row group is read at once, so it
+    is charged the row group's uncompressed bytes; a unit that is a row range of its row
+    group is streamed (:meth:`lakeloader.reader.UnitReader.read`) and holds about its own
+    rows plus one batch, so it is charged its share of the row group's bytes. One decode is
+    always admitted, however large.
     """
 
     def __init__(self, limit: int) -> None:
@@ -221,19 +223,19 @@ class Decodes(Protocol):
     """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
 
     def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Start decoding ``job`` (whose row group has ``nbytes`` uncompressed bytes)."""
+        """Start decoding ``job``, which holds about ``nbytes`` bytes while it runs."""
 
     def close(self, wait: bool) -> None:
         """Stop: drop queued jobs (their futures are cancelled)."""
 
 
 class LocalDecodes:
-    """Decodes in a thread pool of this process, gated by row-group bytes.
+    """Decodes in a thread pool of this process, gated by the bytes each decode holds.
 
     Args:
         decoder: Does the work.
         threads: Units decoded at once.
-        limit: Uncompressed row-group bytes decoded at once at most (one always runs).
+        limit: Bytes held by the decodes under way at most (one always runs).
         records: The arena's rows, read at each decode (it may have grown), or None.
     """
 

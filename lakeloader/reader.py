@@ -7,8 +7,9 @@ different files concatenate into one batch.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,96 @@ from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
 from lakeloader.retry import RetryPolicy, describe
 from lakeloader.snapshot import FileInfo, Snapshot
+
+#: Most rows decoded at once when a unit that is a row range of its row group is streamed.
+#: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient
+#: memory to about one batch (plus the read buffers), where reading the row group whole took
+#: all of it (268 MiB for a row group of 1.5 M rows of the memory benchmark).
+STREAM_BATCH_ROWS = 64 * 1024
+#: Most uncompressed bytes (of the selected columns, by the footer) in one streamed batch.
+#: Rows of a few hundred bytes reach ``STREAM_BATCH_ROWS`` first; wide rows get fewer.
+STREAM_BATCH_BYTES = 16 << 20
+#: Read buffer per column chunk when streaming: column chunks are read a buffer at a time
+#: rather than whole (pyarrow's ``buffer_size``; ``pre_buffer`` is off).
+STREAM_BUFFER_BYTES = 1 << 20
+
+
+def stream_batch_rows(meta: pq.FileMetaData, row_group: int, names: Collection[str]) -> int:
+    """Rows per batch to stream a row group's ``names`` (top-level columns) with.
+
+    The largest power of two within ``STREAM_BATCH_ROWS`` whose rows hold at most
+    ``STREAM_BATCH_BYTES`` uncompressed bytes, by the footer. A power of two, so that units
+    of the default ``max_unit_rows`` (2**18) begin and end on batch boundaries and their
+    edges need no slicing. The footer's sizes are of encoded pages: a dictionary-encoded
+    column decodes larger, so its batches may exceed the byte bound.
+
+    >>> import io, pyarrow as pa, pyarrow.parquet as pq
+    >>> buf = io.BytesIO()
+    >>> text = [f"{i:01000d}" for i in range(1000)]
+    >>> pq.write_table(pa.table({"a": [1.0] * 1000, "s": text}), buf)
+    >>> meta = pq.read_metadata(pa.BufferReader(buf.getvalue()))
+    >>> stream_batch_rows(meta, 0, {"a"}), stream_batch_rows(meta, 0, {"a", "s"}) < 32768
+    (65536, True)
+    """
+    rg = meta.row_group(row_group)
+    size = sum(
+        rg.column(i).total_uncompressed_size
+        for i in range(rg.num_columns)
+        if rg.column(i).path_in_schema.split(".")[0] in names
+    )
+    row_bytes = max(1.0, size / max(1, rg.num_rows))
+    rows = max(1, min(STREAM_BATCH_ROWS, int(STREAM_BATCH_BYTES / row_bytes)))
+    return 1 << (rows.bit_length() - 1)
+
+
+def stream_rows(
+    source: Any,
+    meta: pq.FileMetaData,
+    row_group: int,
+    row_start: int,
+    num_rows: int,
+    columns: list[str],
+) -> tuple[list[pa.RecordBatch], int]:
+    """Rows ``[row_start, row_start + num_rows)`` of a row group, streamed.
+
+    Column chunks are read ``STREAM_BUFFER_BYTES`` at a time and decoded in batches of
+    :func:`stream_batch_rows` rows; the stream stops after the range's last row, so the
+    decode holds about the range plus one batch and the read buffers, never the row group.
+    pyarrow 26's Python API cannot start at a row (no reading of row ranges through the page
+    index), so the batches before ``row_start`` are decoded and dropped.
+
+    Args:
+        source: A local path or a file object, as :class:`pyarrow.parquet.ParquetFile` takes.
+        meta: The file's footer.
+        row_group: The row group.
+        row_start: First row of the range inside the row group.
+        num_rows: Rows in the range (at least one).
+        columns: Top-level columns to read.
+
+    Returns:
+        The range's batches (the first and last sliced to it), and the rows of the row group
+        streamed: fewer than ``row_start + num_rows`` when the row group ended early.
+    """
+    stop = row_start + num_rows
+    batch_rows = min(stream_batch_rows(meta, row_group, columns), stop)
+    kept: list[pa.RecordBatch] = []
+    end = 0
+    with (
+        pq.ParquetFile(
+            source, metadata=meta, buffer_size=STREAM_BUFFER_BYTES, pre_buffer=False
+        ) as parquet,
+        contextlib.closing(
+            parquet.iter_batches(batch_size=batch_rows, row_groups=[row_group], columns=columns)
+        ) as batches,
+    ):
+        for batch in batches:
+            first, end = end, end + batch.num_rows
+            if end > row_start:
+                lo = max(row_start - first, 0)
+                kept.append(batch.slice(lo, min(stop - first, batch.num_rows) - lo))
+            if end >= stop:
+                break
+    return kept, end
 
 
 @dataclass
@@ -108,8 +199,19 @@ class UnitReader:
             self.fs, info.path, info.size, self.retry, self.counters.add_request, info.version
         )
 
-    def _read_row_group(self, info: FileInfo, row_group: int, file_cols: list[str]) -> pa.Table:
+    def _read_rows(
+        self, info: FileInfo, row_group: int, row_start: int, num_rows: int, file_cols: list[str]
+    ) -> pa.Table:
+        """Rows ``[row_start, row_start + num_rows)`` of a row group's ``file_cols``.
+
+        A whole row group is read at once (fastest); a row range of one is streamed
+        (:func:`stream_rows`).
+        """
         meta = self._footer(info)
+        expected = info.row_group_rows[row_group]
+        found = meta.row_group(row_group).num_rows
+        if found != expected:
+            raise self._changed(info, row_group, found, "in its footer")
         ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
         if self._local:
             source: Any = info.path
@@ -118,10 +220,25 @@ class UnitReader:
             source = fetch_ranges(
                 self.fs, info.path, info.size, ranges, self.retry, self.counters.add_request
             )
-        table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
-            row_group, columns=file_cols
+        if row_start == 0 and num_rows == expected:
+            table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
+                row_group, columns=file_cols
+            )
+            if table.num_rows != expected:
+                raise self._changed(info, row_group, table.num_rows, "read")
+            return table
+        kept, streamed = stream_rows(source, meta, row_group, row_start, num_rows, file_cols)
+        if streamed < row_start + num_rows:
+            raise self._changed(info, row_group, streamed, "in its stream")
+        return pa.Table.from_batches(kept)
+
+    def _changed(self, info: FileInfo, row_group: int, rows: int, how: str) -> LakeDataError:
+        """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's."""
+        return LakeDataError(
+            f"{url_of(self.fs, info.path)}, row group {row_group}: {rows} rows {how} but "
+            f"the snapshot says {info.row_group_rows[row_group]}; the file changed after the "
+            "snapshot was taken: rebuild the dataset"
         )
-        return table
 
     def read(self, file_index: int, row_group: int, row_start: int, num_rows: int) -> pa.Table:
         """Read rows ``[row_start, row_start + num_rows)`` of one row group.
@@ -135,7 +252,7 @@ class UnitReader:
         partitions = dict(info.partitions)
         file_cols = [c for c in self.columns if info.schema is not None and c in info.schema.names]
         try:
-            table = self._read_row_group(info, row_group, file_cols)
+            table = self._read_rows(info, row_group, row_start, num_rows, file_cols)
         except LakeError:
             raise
         except Exception as exc:
@@ -144,13 +261,6 @@ class UnitReader:
                 f"({describe(exc)}); repair or remove the file, or pass "
                 "on_error='skip' to quarantine the unit"
             ) from exc
-        if table.num_rows != info.row_group_rows[row_group]:
-            raise LakeDataError(
-                f"{url_of(self.fs, info.path)}, row group {row_group}: {table.num_rows} rows "
-                f"read but the snapshot says {info.row_group_rows[row_group]}; the file "
-                "changed after the snapshot was taken: rebuild the dataset"
-            )
-        table = table.slice(row_start, num_rows)
         arrays = []
         for f in self.schema:
             if f.name in file_cols:
