@@ -256,6 +256,11 @@ def train(args: argparse.Namespace) -> None:
     loader.close()
     log.write("end", step=step, epoch=loader.epoch)
     log.close()
+    # DDP's reducer holds the process group. Dropped last, with the GIL held, it would run
+    # the gloo group's destructor, which joins a thread that may need the GIL to free the
+    # final barrier's tensor: a hang at exit (pytorch/pytorch#56297). So drop the model
+    # first, and let destroy_process_group (which releases the GIL) end the group.
+    del ddp
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ from lakeloader._version import __version__
 from lakeloader.checkpoint import Checkpoint, CheckpointManager
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
+    CacheBudgetWarning,
     CheckpointError,
     LakeChangedError,
     LakeDataError,
@@ -31,6 +32,7 @@ from lakeloader.retry import RetryPolicy
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
+    "CacheBudgetWarning",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",

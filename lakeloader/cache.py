@@ -28,11 +28,12 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.arena import Arena, unlink_quietly
-from lakeloader.decode import DecodeJob, Decodes, Held, UnitRef
+from lakeloader.decode import DecodeJob, Decodes, Held, UnitRef, read_ipc
 from lakeloader.packed import Packed, RowLayout
 from lakeloader.plan import EpochPlan, release_slots
 from lakeloader.quarantine import OnError, QuarantineEntry, Validate
 from lakeloader.reader import UnitReader
+from lakeloader.views import ViewBuffers, data_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class UnitOpener:
             table = ref.table
             if isinstance(table, str):
                 path = table
-                table = now.get(path) or self._open.get(path) or _read_ipc(path)
+                table = now.get(path) or self._open.get(path) or read_ipc(path)
                 now[path] = table
             rows = None
             if ref.start >= 0:
@@ -147,12 +148,6 @@ class UnitOpener:
         self._open = {}
 
 
-def _read_ipc(path: str) -> pa.Table:
-    """A unit's table from its IPC file, memory-mapped (zero copy)."""
-    with pa.memory_map(path, "r") as source:
-        return pa.ipc.open_file(source).read_all()
-
-
 @dataclass
 class _Entry:
     future: Future[Held]
@@ -160,6 +155,7 @@ class _Entry:
     nbytes: int
     start: int  # first of the arena rows reserved for the unit, or -1
     rows: int
+    buffers: tuple[int, ...] = ()  # data buffer indices reserved for its views
 
 
 class UnitStore:
@@ -199,6 +195,7 @@ class UnitStore:
         #: (release slot, position) of every entry, the next to evict first.
         self._releases: list[tuple[int, int]] = []
         self._lock = threading.Lock()
+        self._views = ViewBuffers()
         self.nbytes = 0  # held or being decoded (estimates until a unit is decoded)
         self.peak_bytes = 0
 
@@ -225,11 +222,13 @@ class UnitStore:
         path = None
         if self._dir is not None:
             path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
-        job = DecodeJob(position, file_index, rg, row_start, rows, start, path)
+        views = self._layout.views if start >= 0 and self._layout is not None else ()
+        buffers = tuple(self._views.reserve() for _ in views)
+        job = DecodeJob(position, file_index, rg, row_start, rows, start, path, buffers)
         whole = row_start == 0 and rows == info.row_group_rows[rg]
         future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate)
         future.add_done_callback(lambda f: self._decoded(position, f))
-        return _Entry(future, 0, estimate, start, rows)
+        return _Entry(future, 0, estimate, start, rows, buffers)
 
     def _decoded(self, position: int, future: Future[Held]) -> None:
         """Count a decoded unit's real size (called as its decode finishes)."""
@@ -246,10 +245,33 @@ class UnitStore:
             entry = self._entries.get(position)
             if entry is None or entry.future is not future:
                 return  # evicted already
+            if isinstance(held, UnitRef) and held.views:
+                held = self._register_views(held, entry)
             self.nbytes += size - entry.nbytes
             entry.nbytes = size
             self.peak_bytes = max(self.peak_bytes, self.nbytes)
             self._held[position] = held
+
+    def _register_views(self, ref: UnitRef, entry: _Entry) -> UnitRef:
+        """Hold the data buffers a decoded unit's views point into, at the indices reserved.
+
+        A unit from a worker comes with its other columns in an IPC file, which is mapped
+        here (pages are read only as batches touch them).
+        """
+        assert self._layout is not None
+        full = self._layout.views
+        table = read_ipc(ref.table) if isinstance(ref.table, str) else ref.table
+        assert table is not None
+        for name in ref.views:
+            index = entry.buffers[full.index(name)]
+            self._views.put(index, data_buffer(table.column(name).chunk(0)))
+        # The layout's own tuple when every column has views: steps test it with ``is``.
+        return dataclasses.replace(ref, views=full) if ref.views == full else ref
+
+    @property
+    def view_buffers(self) -> tuple[pa.Buffer, ...]:
+        """The data buffers the arena's views point into, by index (see lakeloader.views)."""
+        return self._views.snapshot
 
     def _size(self, ref: UnitRef) -> int:
         """Bytes a unit holds: its packed rows and its other columns."""
@@ -318,7 +340,13 @@ class UnitStore:
             futures = [self._entries[p].future for p in wanted]
         if timeout is not None and wait_futures(futures, timeout).not_done:
             raise FutureTimeout()
-        return [f.result() for f in futures]
+        results = [f.result() for f in futures]  # raises a unit's error
+        for p, f in zip(wanted, futures, strict=True):
+            if p not in self._held:
+                # Done, but its callback may not have run yet: the unit's views are only
+                # usable once their data buffers are registered, so register them now.
+                self._decoded(p, f)
+        return [self._held.get(p, r) for p, r in zip(wanted, results, strict=True)]
 
     def describe(self, positions: np.ndarray) -> list[str]:
         """Name the units at these positions as ``file, row group, rows [a, b)``."""
@@ -351,6 +379,7 @@ class UnitStore:
             return  # a decode underway may still write its rows: they stay reserved
         if entry.start >= 0 and self._arena is not None:
             self._arena.free(entry.start, entry.rows)
+        self._views.free(entry.buffers)
         if entry.future.cancelled() or entry.future.exception() is not None:
             return
         ref = entry.future.result()

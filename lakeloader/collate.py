@@ -102,7 +102,7 @@ def gather_columns(
             sel = sel or select([u.num_rows for u in units], take)
             col = _arrow_column(units, sel, field)
         out[field.name] = (
-            _tensor_view(field.name, col) if is_tensor_type(field.type) else _python_values(col)
+            _tensor_view(field.name, col) if is_tensor_type(field.type) else python_values(col)
         )
     return out
 
@@ -131,12 +131,16 @@ def to_columns(table: pa.Table) -> dict[str, Any]:
         if is_tensor_type(col.type):
             out[name] = _tensor_view(name, col)
             continue
-        out[name] = _python_values(col)
+        out[name] = python_values(col)
     return out
 
 
-def _python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
-    """The column's values as Python objects, or the Arrow array if Python cannot hold them."""
+def python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
+    """The column's values as Python objects, or the Arrow array if Python cannot hold them.
+
+    >>> python_values(pa.array(["a", None]))
+    ['a', None]
+    """
     try:
         values: list[Any] = col.to_pylist()
     except (OverflowError, ValueError, pa.ArrowException):
@@ -146,7 +150,7 @@ def _python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
 
 def to_rows(table: pa.Table) -> list[dict[str, Any]]:
     """Rows as dicts of Python values (Arrow scalars where Python cannot hold a value)."""
-    columns = [list(_python_values(col)) for col in table.columns]
+    columns = [list(python_values(col)) for col in table.columns]
     return [
         dict(zip(table.column_names, values, strict=True)) for values in zip(*columns, strict=True)
     ]

@@ -4,8 +4,9 @@ The same :class:`UnitDecoder` runs in the loader's own threads (:class:`LocalDec
 workers, or workers that build batches for a transform) and in DataLoader worker processes
 (:class:`lakeloader.remote.RemoteDecodes`: on the default tensor path, where workers decode and
 the loader's process only assembles batches). Either way the loader allocates the unit's rows
-in the arena first, so that decoders never allocate and a unit can be decoded again, into the
-same rows, if its worker dies.
+in the arena first (and the data buffer indices of its string views, see
+:mod:`lakeloader.views`), so that decoders never allocate and a unit can be decoded again,
+into the same rows, if its worker dies.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lakeloader.packed import Packed, RowLayout, compact, pack
 from lakeloader.quarantine import OnError, QuarantineEntry, Validate, verdict
 from lakeloader.reader import UnitReader
 from lakeloader.retry import describe
+from lakeloader.views import write_unit_views
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +51,15 @@ class UnitRef:
         packed: Names of the packed columns.
         table: Its other columns: in memory, an Arrow IPC file in the cache folder (when
             another process needs them), or None when every column is packed.
+        views: Its string and binary columns whose views are in its arena rows (they stay
+            in ``table`` too: the views point into their data buffers).
     """
 
     start: int
     num_rows: int
     packed: tuple[str, ...]
     table: pa.Table | str | None
+    views: tuple[str, ...] = ()
 
 
 #: What the store holds for a unit: the decoded unit, or why it is quarantined.
@@ -73,6 +78,8 @@ class DecodeJob:
         num_rows: Rows.
         start: Arena row to pack into (-1: nothing is packed).
         table_path: IPC file for the columns not packed (None: keep them in memory).
+        view_buffers: The data buffer index of each of the layout's view columns (empty:
+            write no views).
     """
 
     position: int
@@ -82,6 +89,7 @@ class DecodeJob:
     num_rows: int
     start: int
     table_path: str | None
+    view_buffers: tuple[int, ...] = ()
 
 
 class UnitDecoder:
@@ -136,10 +144,18 @@ class UnitDecoder:
         rows = table.num_rows
         if job.start < 0 or self.layout is None or not self.layout.names or records is None:
             return UnitRef(-1, rows, (), _keep_table(compact(table), job.table_path))
-        unit: Packed = pack(table, self.layout, records[job.start : job.start + rows])
+        out = records[job.start : job.start + rows]
+        unit: Packed = pack(table, self.layout, out)
         start = job.start if unit.rows is not None else -1
         rest = unit.table if unit.table.num_columns or start < 0 else None
-        return UnitRef(start, rows, unit.packed, _keep_table(rest, job.table_path))
+        kept = _keep_table(rest, job.table_path)
+        views: tuple[str, ...] = ()
+        if start >= 0 and job.view_buffers and kept is not None:
+            # From the columns as the loader's process will hold them (read back from the
+            # IPC file when there is one), so that the views point into its data buffers.
+            as_kept = read_ipc(kept) if isinstance(kept, str) else kept
+            views = write_unit_views(as_kept, self.layout.views, job.view_buffers, out)
+        return UnitRef(start, rows, unit.packed, kept, views)
 
     def _screen(self, job: DecodeJob) -> pa.Table | QuarantineEntry:
         """Read a unit, or say why it is quarantined."""
@@ -179,6 +195,12 @@ def _keep_table(table: pa.Table | None, path: str | None) -> pa.Table | str | No
         writer.write_table(table)
     os.replace(path + ".tmp", path)
     return path
+
+
+def read_ipc(path: str) -> pa.Table:
+    """A unit's table from its IPC file, memory-mapped (zero copy)."""
+    with pa.memory_map(path, "r") as source:
+        return pa.ipc.open_file(source).read_all()
 
 
 class _ByteGate:

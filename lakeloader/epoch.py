@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -25,14 +26,23 @@ import numpy as np
 from lakeloader.arena import Arena, ArenaHandle
 from lakeloader.batches import BatchSpec, batch_specs
 from lakeloader.cache import Screening, UnitOpener, UnitStore
-from lakeloader.collate import Collate, Transform, build_payload, finish_payload, pin
-from lakeloader.decode import DecodeJob, Decodes, Held, LocalDecodes, UnitDecoder, UnitRef
-from lakeloader.errors import WorkerError
+from lakeloader.collate import (
+    Collate,
+    Transform,
+    build_payload,
+    finish_payload,
+    pin,
+    python_values,
+)
+from lakeloader.decode import DecodeJob, Decodes, Held, LocalDecodes, UnitDecoder
+from lakeloader.errors import CacheBudgetWarning, WorkerError
 from lakeloader.packed import RowLayout, gather_packed
 from lakeloader.plan import EpochPlan, steps_in_epoch
-from lakeloader.quarantine import QuarantineEntry, drop_pieces
+from lakeloader.quarantine import QuarantineEntry
 from lakeloader.reader import UnitReader
 from lakeloader.remote import RemoteDecodes
+from lakeloader.screening import Screened, screen
+from lakeloader.views import views_array
 from lakeloader.worker_process import Result, Task
 from lakeloader.workers import Death, WorkerPool
 
@@ -46,6 +56,8 @@ ARENA_START_ROWS = 1 << 24
 PLAN_CHUNK = 64
 #: Attempts at one batch whose worker keeps dying before the loader gives up.
 MAX_BATCH_ATTEMPTS = 3
+#: Bytes in a MiB, for messages.
+MIB = 1 << 20
 #: Seconds between liveness checks while waiting for workers.
 POLL_SECONDS = 1.0
 
@@ -92,23 +104,6 @@ class Delivery:
 
 
 OnDelivered = Callable[[Delivery], None]
-
-
-@dataclass(frozen=True)
-class _Screened:
-    """A step's decoded units and row indices once quarantined units are left out.
-
-    Attributes:
-        refs: The units the columns not in ``names`` come from (empty when none are left).
-        take: Row indices into the concatenation of ``refs``.
-        rows: Arena row of each batch row (the packed columns), or None.
-        names: The packed columns every unit of the step has.
-    """
-
-    refs: list[UnitRef]
-    take: np.ndarray
-    rows: np.ndarray | None
-    names: tuple[str, ...]
 
 
 class EpochIterator:
@@ -191,6 +186,7 @@ class EpochIterator:
         self._next_plan = self._next_dispatch = self._next_deliver = 0
         self._wake_r, self._wake_w = os.pipe() if pool else (-1, -1)
         self._closed = False
+        self._budget_warned = False
 
     def _records(self) -> np.ndarray | None:
         """The arena's rows now (it may have grown since the last call)."""
@@ -243,6 +239,8 @@ class EpochIterator:
         batch = finish_payload(payload)
         if self.cfg.pin_memory:
             batch = pin(batch)
+        if self._store.nbytes > self.cfg.cache_bytes and self._next_plan == step + 1:
+            self._warn_budget(spec)
         del self._specs[step]
         skipped, rows = self._skipped.pop(step)
         self._next_deliver += 1
@@ -258,50 +256,47 @@ class EpochIterator:
         self._store.release(spec.slot_stop)
         return batch
 
-    def _screened(self, spec: BatchSpec) -> _Screened:
+    def _warn_budget(self, spec: BatchSpec) -> None:
+        """Say once that the step being delivered alone holds more than the budget."""
+        if self._budget_warned:
+            return
+        self._budget_warned = True
+        held, plan = self._store.nbytes, self.cfg.plan
+        most = int(plan.piece_rows(spec.positions).max())
+        warnings.warn(
+            f"this step's {len(spec.positions)} decoded pieces (up to {most:,} rows each) hold "
+            f"{held / MIB:,.1f} MiB, more than cache_bytes={self.cfg.cache_bytes / MIB:,.1f} "
+            "MiB: a step draws from about C pieces, each decoded whole, so the loader holds them "
+            "whatever the budget, and decodes nothing ahead. Give it cache_bytes of at least "
+            f"{2 * held / MIB:,.0f} MiB, or build the dataset with a smaller max_unit_rows (this "
+            "changes the order; row groups larger than it then cost more decoding)",
+            CacheBudgetWarning,
+            stacklevel=3,
+        )
+
+    def _screened(self, spec: BatchSpec) -> Screened:
         """The step's units without quarantined ones, and its rows renumbered to match."""
-        c = self.cfg
         try:
-            held: list[Held] = self._store.get(spec.positions, c.timeout or None)
+            held: list[Held] = self._store.get(spec.positions, self.cfg.timeout or None)
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise self._timed_out(spec.step) from None
-        refs = [h for h in held if isinstance(h, UnitRef)]
-        skipped: tuple[QuarantineEntry, ...] = ()
-        take, inverse, row = spec.take, spec.inverse, spec.row
-        if len(refs) < len(held):
-            skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
-            bad = [isinstance(h, QuarantineEntry) for h in held]
-            take = drop_pieces(take, self.cfg.plan.piece_rows(spec.positions).tolist(), bad)
-            keep = ~np.asarray(bad, dtype=bool)[inverse]
-            inverse, row = inverse[keep], row[keep]
-        self._skipped[spec.step] = (skipped, spec.num_rows - len(take))
-        names = self._packed_by_all(refs)
-        rows = None
-        if names:
-            starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
-            rows = np.asarray(starts, dtype=np.int64)[inverse] + row
-        if len(names) == len(self._schema):  # nothing is left for the Arrow path
-            return _Screened([], take[:0], rows, names)
-        return _Screened(refs, take, rows, names)
-
-    def _packed_by_all(self, refs: list[UnitRef]) -> tuple[str, ...]:
-        """The packed columns that every one of the units has (usually all of the layout's)."""
-        layout = self.cfg.layout
-        if self._arena is None or layout is None:
-            return ()
-        full = layout.names
-        if all(r.packed is full for r in refs):  # the store hands out the layout's own tuple
-            return full
-        have = set(layout.names).intersection(*(r.packed for r in refs))
-        return tuple(n for n in layout.names if n in have)
+        layout = self.cfg.layout if self._arena is not None else None
+        screened = screen(spec, held, self.cfg.plan, layout, len(self._schema))
+        self._skipped[spec.step] = (screened.skipped, spec.num_rows - len(screened.take))
+        return screened
 
     def _build(self, spec: BatchSpec) -> Any:
         """Build a step's batch in this process (no workers)."""
         c, screened = self.cfg, self._screened(spec)
         records = self._records()
-        ready: dict[str, np.ndarray] = {}
+        ready: dict[str, Any] = {}
         if screened.rows is not None and records is not None and c.layout is not None:
-            ready = gather_packed(records, screened.rows, c.layout, screened.names)
+            fields = screened.names + screened.views
+            ready.update(gather_packed(records, screened.rows, c.layout, fields))
+            buffers = self._store.view_buffers
+            for name in screened.views:
+                typ = self._schema.field(name).type
+                ready[name] = python_values(views_array(ready[name], typ, buffers))
         units = self._opener.open(screened.refs, records) if screened.refs else []
         return build_payload(units, screened.take, self._schema, c.transform, c.collate_fn, ready)
 

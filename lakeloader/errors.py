@@ -54,3 +54,11 @@ class LakeChangedError(LakeError):
 
 class CheckpointError(LakeError):
     """A checkpoint cannot be saved or no usable checkpoint can be loaded."""
+
+
+class CacheBudgetWarning(UserWarning):
+    """One step's decoded pieces alone exceed ``cache_bytes``: the loader holds them anyway.
+
+    A step draws rows from about ``C`` pieces (one per canonical partition), each decoded
+    whole, so the cache cannot go below what they hold, whatever the budget.
+    """

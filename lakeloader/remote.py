@@ -99,8 +99,10 @@ class RemoteDecodes:
         The loader calls it at each step, so that a death is handled before the next batch
         whatever the receiving thread is doing.
         """
-        if self._pool.all_alive():  # a waitpid per worker; the lock only after a death
+        if self._pool.all_alive():  # a waitid per worker; the lock only after a death
             return
+        # The receiving thread collects under the lock too: a death it was handling
+        # meanwhile has its replacement started by now, and collect() finds any other.
         with self._lock:
             if not self._closed:
                 self._handle(*self._pool.collect([]))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import multiprocessing as mp
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 5.0
 #: Seconds to reap a worker whose sentinel fired (it has exited: this is only a cap).
 REAP_SECONDS = 0.5
+#: waitid flags: report a child that has exited, without waiting or reaping it.
+_EXITED_UNREAPED = os.WEXITED | os.WNOHANG | os.WNOWAIT
 #: fcntl command to set a pipe's capacity (Linux), and the capacity asked for.
 F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
@@ -91,6 +94,7 @@ class WorkerPool:
             mp.get_context(context) if not isinstance(context, BaseContext) else context
         )
         self._slots = [self._start(i) for i in range(num_workers)]
+        self._collecting = 0  # collect() calls under way (see all_alive)
         self.restarts = 0
         self.generation = 0
 
@@ -150,8 +154,22 @@ class WorkerPool:
             return
 
     def all_alive(self) -> bool:
-        """Whether no worker has died (and not been replaced yet)."""
-        return all(s.process.is_alive() for s in self._slots)
+        """Whether every worker is surely running; False when one may have died.
+
+        Cheap enough for every step: one ``waitid`` per worker, which leaves an exited
+        worker unreaped (``WNOWAIT``), so that reaping stays with :meth:`collect`. Callers
+        confirm a False with :meth:`collect` under the lock that serialises their collects.
+        A worker that a collect() in another thread is reaping at this very moment looks
+        running to ``waitid``, so the answer is also False while a collect() is under way.
+        """
+        for slot in self._slots:
+            try:
+                if os.waitid(os.P_PID, slot.process.pid, _EXITED_UNREAPED) is None:
+                    continue  # running
+            except ChildProcessError:  # reaped already, by a collect()
+                pass
+            return False
+        return not self._collecting
 
     def waitables(self) -> list[Any]:
         """What :meth:`collect` needs to hear about: result pipes and process sentinels."""
@@ -178,6 +196,13 @@ class WorkerPool:
             ready: What a :func:`multiprocessing.connection.wait` over :meth:`waitables`
                 returned (it may be stale: objects of workers replaced since are ignored).
         """
+        self._collecting += 1
+        try:
+            return self._collect(ready)
+        finally:
+            self._collecting -= 1
+
+    def _collect(self, ready: Sequence[Any]) -> tuple[list[Result], list[Death]]:
         by_conn = {s.results: s for s in self._slots}
         by_sentinel = {s.process.sentinel: i for i, s in enumerate(self._slots)}
         results: list[Result] = []

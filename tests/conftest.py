@@ -101,13 +101,23 @@ def run_epoch(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[list[i
 
 
 def wait_dead(pid: int) -> None:
-    """Wait until every thread of a SIGKILLed process is gone (waitpid can then reap it).
+    """Wait until a SIGKILLed process is dead and its parent can reap it.
 
     The main thread turns zombie first; the process is only dead, and its pipes closed, once
-    its other threads (pyarrow's, torch's) have exited too.
+    its other threads (pyarrow's, torch's) have exited too, and it becomes waitable a moment
+    after its last thread leaves ``/proc/PID/task``. For a child of this process, ``waitid``
+    with ``WNOWAIT`` says exactly when it is waitable, without reaping it (the pool's own
+    ``waitpid`` must do that); for others, ``/proc`` is the best signal.
     """
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+            time.sleep(0.001)
+            continue
+        except ChildProcessError:  # not a child of this process, or reaped already
+            pass
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             threads = len(os.listdir(f"/proc/{pid}/task"))

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,27 @@ def test_partition_warning_once_with_advice(dataset: ll.LakeDataset) -> None:
         list(loader)
         list(loader)
     assert len([w for w in record if w.category is ll.PartitionWarning]) == 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_budget_below_one_steps_pieces_warns_once_and_stays_exact(
+    dataset: ll.LakeDataset, num_workers: int
+) -> None:
+    reference = [b["id"].tolist() for b in ll.DataLoader(dataset, batch_size=16)]
+    small = ll.DataLoader(dataset, batch_size=16, num_workers=num_workers, cache_bytes=4096)
+    with pytest.warns(ll.CacheBudgetWarning, match=r"cache_bytes=0\.0 MiB") as record:
+        seen = [b["id"].tolist() for b in small]
+    assert seen == reference
+    assert len([w for w in record if w.category is ll.CacheBudgetWarning]) == 1
+    message = str(next(w.message for w in record if w.category is ll.CacheBudgetWarning))
+    assert "max_unit_rows" in message and "up to 128 rows each" in message
+
+
+def test_no_budget_warning_when_a_step_fits(dataset: ll.LakeDataset) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ll.CacheBudgetWarning)
+        rows = sum(len(b["id"]) for b in ll.DataLoader(dataset, batch_size=16))
+    assert rows == LAYOUT_ROWS
 
 
 @pytest.mark.parametrize(
