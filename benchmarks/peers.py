@@ -63,7 +63,7 @@ Rules, the same for every loader:
   cache keeps in ``/dev/shm`` (allocated blocks; the pages of them that processes map are
   taken out of the PSS so that they count once).
 
-Run: ``python -m benchmarks.peers`` (about 20 minutes; peers from the venvs named by
+Run: ``python -m benchmarks.peers`` (about 25 minutes; peers from the venvs named by
 ``--bench-python`` and ``--mosaic-python``, see benchmarks/README.md), ``--smoke`` for a tiny
 lake in a few seconds per loader (peers that do not import are skipped, and say so). Results go
 to ``benchmarks/results/peers.json`` and ``peers.md`` (``--out`` elsewhere).

@@ -282,7 +282,7 @@ class EpochIterator:
             raise self._timed_out(spec.step) from None
         layout = self.cfg.layout if self._arena is not None else None
         screened = screen(spec, held, self.cfg.plan, layout, len(self._schema))
-        self._skipped[spec.step] = (screened.skipped, spec.num_rows - len(screened.take))
+        self._skipped[spec.step] = (screened.skipped, screened.lost)
         return screened
 
     def _build(self, spec: BatchSpec) -> Any:

@@ -31,6 +31,7 @@ class Screened:
         names: The packed columns every unit of the step has.
         views: The string and binary columns every unit of the step has views of.
         skipped: The step's quarantined units.
+        lost: This rank's rows of the step that they held.
     """
 
     refs: list[UnitRef]
@@ -39,6 +40,7 @@ class Screened:
     names: tuple[str, ...]
     views: tuple[str, ...]
     skipped: tuple[QuarantineEntry, ...]
+    lost: int
 
 
 def screen(
@@ -66,6 +68,7 @@ def screen(
         take = drop_pieces(take, plan.piece_rows(spec.positions).tolist(), bad)
         keep = ~np.asarray(bad, dtype=bool)[inverse]
         inverse, row = inverse[keep], row[keep]
+    lost = spec.num_rows - len(take)
     names = by_all(refs, layout.names, "packed") if layout is not None else ()
     views = by_all(refs, layout.views, "views") if layout is not None and names else ()
     rows = None
@@ -73,8 +76,8 @@ def screen(
         starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
         rows = np.asarray(starts, dtype=np.int64)[inverse] + row
     if len(names) + len(views) == num_columns:  # nothing is left for the Arrow path
-        return Screened([], take[:0], rows, names, views, skipped)
-    return Screened(refs, take, rows, names, views, skipped)
+        return Screened([], take[:0], rows, names, views, skipped, lost)
+    return Screened(refs, take, rows, names, views, skipped, lost)
 
 
 def by_all(refs: Sequence[UnitRef], full: tuple[str, ...], kind: str) -> tuple[str, ...]:
