@@ -42,6 +42,7 @@ from lakeloader.quarantine import QuarantineEntry
 from lakeloader.reader import UnitReader
 from lakeloader.remote import RemoteDecodes
 from lakeloader.screening import Screened, screen
+from lakeloader.tables import human_bytes
 from lakeloader.views import views_array
 from lakeloader.worker_process import Result, Task
 from lakeloader.workers import Death, WorkerPool
@@ -56,8 +57,6 @@ ARENA_START_ROWS = 1 << 24
 PLAN_CHUNK = 64
 #: Attempts at one batch whose worker keeps dying before the loader gives up.
 MAX_BATCH_ATTEMPTS = 3
-#: Bytes in a MiB, for messages.
-MIB = 1 << 20
 #: Seconds between liveness checks while waiting for workers.
 POLL_SECONDS = 1.0
 
@@ -265,10 +264,10 @@ class EpochIterator:
         most = int(plan.piece_rows(spec.positions).max())
         warnings.warn(
             f"this step's {len(spec.positions)} decoded pieces (up to {most:,} rows each) hold "
-            f"{held / MIB:,.1f} MiB, more than cache_bytes={self.cfg.cache_bytes / MIB:,.1f} "
-            "MiB: a step draws from about C pieces, each decoded whole, so the loader holds them "
+            f"{human_bytes(held)}, more than cache_bytes={human_bytes(self.cfg.cache_bytes)}: a "
+            "step draws from about C pieces, each decoded whole, so the loader holds them "
             "whatever the budget, and decodes nothing ahead. Give it cache_bytes of at least "
-            f"{2 * held / MIB:,.0f} MiB, or build the dataset with a smaller max_unit_rows (this "
+            f"{human_bytes(2 * held)}, or build the dataset with a smaller max_unit_rows (this "
             "changes the order; row groups larger than it then cost more decoding)",
             CacheBudgetWarning,
             stacklevel=3,

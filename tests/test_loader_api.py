@@ -150,7 +150,7 @@ def test_a_budget_below_one_steps_pieces_warns_once_and_stays_exact(
 ) -> None:
     reference = [b["id"].tolist() for b in ll.DataLoader(dataset, batch_size=16)]
     small = ll.DataLoader(dataset, batch_size=16, num_workers=num_workers, cache_bytes=4096)
-    with pytest.warns(ll.CacheBudgetWarning, match=r"cache_bytes=0\.0 MiB") as record:
+    with pytest.warns(ll.CacheBudgetWarning, match=r"cache_bytes=4\.0 KiB") as record:
         seen = [b["id"].tolist() for b in small]
     assert seen == reference
     assert len([w for w in record if w.category is ll.CacheBudgetWarning]) == 1
