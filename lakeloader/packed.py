@@ -76,7 +76,7 @@ class RowLayout:
         The string and binary columns of ``views`` follow the packed ones, as one Arrow
         binary view (``VIEW_BYTES``) each: see :func:`write_views`.
         """
-        at = self.offsets[-1] + self.dtypes[-1].itemsize if self.names else 0
+        at = self.row_bytes - VIEW_BYTES * len(self.views)  # the views come last
         return np.dtype(
             {
                 "names": [*self.names, *self.views],

@@ -50,7 +50,7 @@ class RemoteDecodes:
         pool: The DataLoader's workers (started, with a decoder in their setup).
         generation: The pass's generation of the pool.
         arena: The arena's current handle (it grows), or None when nothing is packed.
-        limit: Uncompressed row-group bytes decoded at once at most (one always runs).
+        limit: Bytes held by the decodes sent and not answered, at most (one always runs).
         per_worker: Jobs handed to each worker ahead.
         counters: Where the workers' reads are counted.
         describe: Names a job's unit (file, row group, rows) for error messages.

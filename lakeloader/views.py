@@ -129,8 +129,12 @@ def views_array(views: np.ndarray, typ: pa.DataType, buffers: Sequence[pa.Buffer
     gathered = pa.Array.from_buffers(
         VIEW_TYPES[typ], len(ints), [validity, pa.py_buffer(views), *buffers]
     )
-    # Every view is checked against the buffers (about 20 µs a batch): a view that pointed
-    # anywhere else would read stray memory, where this raises.
+    # Every view is checked against the buffers: a view that pointed anywhere else would
+    # read stray memory, where this raises. The check reads every value, which is the first
+    # touch of values scattered over many pieces (most of this function's 160 µs a batch on
+    # the reference lake), but it leaves them in cache for to_pylist: checking only the
+    # views' numbers with numpy was measured slower overall (w2 with text 1.0-1.2 M rows/s
+    # against 1.4 M), since to_pylist then made the first touch, one value at a time.
     gathered.validate(full=True)
     return gathered
 
