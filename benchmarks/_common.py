@@ -55,7 +55,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def cell(value: Any) -> str:
     """One table cell, formatted as lakeloader's plain-text tables do; None as a dash."""
-    from lakeloader.tables import _cell  # here: the peers' children need not import lakeloader
+    from lakeloader.cli.tables import _cell  # here: the peers' children need not import lakeloader
 
     return "-" if value is None else _cell(value)
 

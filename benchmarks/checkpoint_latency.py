@@ -1,6 +1,6 @@
 """Measure what a checkpoint costs the training loop: ``CheckpointManager.save`` at the barrier.
 
-Setup: the demo lake (``lakeloader.demo.write_demo_lake``, 60,000 rows, 16 files in
+Setup: the demo lake (``lakeloader.cli.demo.write_demo_lake``, 60,000 rows, 16 files in
 ``day=0..3/``) in a temporary folder, a ``LakeDataset`` over the demo's columns, and a
 ``DataLoader`` in the demo's pre-crash topology (rank 0 of 2 ranks x 64 rows, 2 workers)
 advanced a few steps and left mid-epoch with its iterator open, as in a training loop.
@@ -58,9 +58,9 @@ import numpy as np
 import torch
 
 from lakeloader import CheckpointManager, DataLoader, LakeDataset
-from lakeloader.checkpoint import COMMIT_FILE, MANIFEST_DIR, STATE_FILE, step_dir_name
-from lakeloader.demo import BEFORE, FEATURES, write_demo_lake
-from lakeloader.tables import format_pairs, format_table, human_bytes, to_json
+from lakeloader.checkpoint.manager import COMMIT_FILE, MANIFEST_DIR, STATE_FILE, step_dir_name
+from lakeloader.cli.demo import BEFORE, FEATURES, write_demo_lake
+from lakeloader.cli.tables import format_pairs, format_table, human_bytes, to_json
 
 COLUMNS = ["id", *FEATURES, "label"]
 MODES = ("sync", "async")

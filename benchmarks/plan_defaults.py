@@ -1,6 +1,6 @@
 """Measure memory against shuffle breadth for the epoch order, to choose C and the window.
 
-Everything here uses only :mod:`lakeloader.plan` on synthetic layouts (no Parquet I/O): large
+Everything here uses only :mod:`lakeloader.order.plan` on synthetic layouts (no Parquet I/O): large
 aligned row groups like the reference lake, small row groups, and large row groups whose last
 one per file is cut short (so partition boundaries fall inside units, as in real lakes). For
 each layout and each ``(C, window)`` of the grid it reports:
@@ -53,8 +53,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from lakeloader import batches as lb
-from lakeloader import plan as lp
+from lakeloader.order import batches as lb
+from lakeloader.order import plan as lp
 
 SEED = 1234
 EPOCH = 0
@@ -696,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     print(
-        f"lakeloader.plan order: memory vs shuffle breadth (seed {SEED}, epoch {EPOCH}, "
+        f"lakeloader.order.plan order: memory vs shuffle breadth (seed {SEED}, epoch {EPOCH}, "
         f"{args.batch_per_rank} rows per rank per step)"
     )
     for lay in layouts:

@@ -1,7 +1,7 @@
 """Scale without the hardware: planning, state and recovery on synthetic snapshots.
 
 No data file is read or written: snapshots are assembled from synthetic ``FileInfo``s (the
-reference lake's schema, an ETag per file) with :func:`lakeloader.snapshot.assemble_snapshot`,
+reference lake's schema, an ETag per file) with :func:`lakeloader.lake.snapshot.assemble_snapshot`,
 and everything else is lakeloader's own pure functions.
 
 Planning (1 M units)
@@ -54,12 +54,12 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import RESULTS_DIR, machine, markdown_table, pinned_tree, write_results
-from lakeloader import _keys as K
-from lakeloader import batches as lb
-from lakeloader import plan as lp
-from lakeloader.manifest import from_manifest, pack_manifest, unpack_manifest
-from lakeloader.snapshot import FileInfo, Snapshot, assemble_snapshot
-from lakeloader.state import LoaderState, config_hash
+from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manifest
+from lakeloader.lake.snapshot import FileInfo, Snapshot, assemble_snapshot
+from lakeloader.order import batches as lb
+from lakeloader.order import plan as lp
+from lakeloader.state import keys as K
+from lakeloader.state.loader_state import LoaderState, config_hash
 
 T = TypeVar("T")
 

@@ -83,7 +83,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import lakeloader as ll
-from lakeloader.demo import CLASSES, FEATURES, from_bytes, to_bytes, write_demo_lake
+from lakeloader.cli.demo import CLASSES, FEATURES, from_bytes, to_bytes, write_demo_lake
 
 SEED = 0
 STORE_TIMEOUT = datetime.timedelta(minutes=5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from lakeloader._version import __version__
-from lakeloader.checkpoint import Checkpoint, CheckpointManager
+from lakeloader.checkpoint.manager import Checkpoint, CheckpointManager
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
     CacheBudgetWarning,
@@ -26,8 +26,8 @@ from lakeloader.errors import (
     StoreUnavailableError,
     WorkerError,
 )
+from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader, PartitionWarning
-from lakeloader.retry import RetryPolicy
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

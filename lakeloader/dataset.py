@@ -17,9 +17,11 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.collate import Transform
-from lakeloader.discovery import Source
-from lakeloader.plan import (
+from lakeloader.io.reader import UnitReader
+from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.discovery import Source
+from lakeloader.lake.snapshot import Snapshot, snapshot_lake
+from lakeloader.order.plan import (
     DEFAULT_MAX_UNIT_ROWS,
     DEFAULT_NUM_PARTITIONS,
     DEFAULT_WINDOW,
@@ -28,11 +30,9 @@ from lakeloader.plan import (
     make_units,
     plan_epoch,
 )
-from lakeloader.quarantine import ON_ERROR_CHOICES, OnError, QuarantineEntry, Validate
-from lakeloader.reader import UnitReader
-from lakeloader.retry import RetryPolicy
-from lakeloader.snapshot import Snapshot, snapshot_lake
-from lakeloader.state import config_hash
+from lakeloader.pipeline.collate import Transform
+from lakeloader.state.loader_state import config_hash
+from lakeloader.state.quarantine import ON_ERROR_CHOICES, OnError, QuarantineEntry, Validate
 
 logger = logging.getLogger(__name__)
 

@@ -15,20 +15,20 @@ from typing import Any
 
 import torch
 
-from lakeloader import _keys as K
-from lakeloader.cache import Screening, default_cache_dir, make_unit_dir
-from lakeloader.collate import Collate
+from lakeloader.cache.decode import UnitDecoder
+from lakeloader.cache.packed import RowLayout
+from lakeloader.cache.store import Screening, default_cache_dir, make_unit_dir
 from lakeloader.dataset import LakeDataset
-from lakeloader.decode import UnitDecoder
-from lakeloader.epoch import Delivery, EpochIterator, IterConfig
-from lakeloader.packed import RowLayout
-from lakeloader.plan import steps_in_epoch
-from lakeloader.quarantine import QuarantineEntry, merge
-from lakeloader.reader import UnitReader
-from lakeloader.state import LoaderState
+from lakeloader.io.reader import UnitReader
+from lakeloader.order.plan import steps_in_epoch
+from lakeloader.pipeline.collate import Collate
+from lakeloader.pipeline.iterator import Delivery, EpochIterator, IterConfig
+from lakeloader.state import keys as K
+from lakeloader.state.loader_state import LoaderState
+from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import resolve_topology
-from lakeloader.worker_process import WorkerSetup
-from lakeloader.workers import WorkerPool
+from lakeloader.workers.pool import WorkerPool
+from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,9 @@ class DataLoader:
         if self._pool is None:
             layout = self._row_layout
             decoder = None
-            if layout is not None and layout.names:  # the workers decode; see lakeloader.remote
+            if (
+                layout is not None and layout.names
+            ):  # the workers decode; see lakeloader.workers.dispatch
                 ds = self.dataset
                 decoder = UnitDecoder(self._reader, layout, ds.on_error, ds.validate)
             setup = WorkerSetup(

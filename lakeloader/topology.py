@@ -10,7 +10,7 @@ import os
 
 import torch.distributed as dist
 
-from lakeloader._keys import ENV_RANK, ENV_WORLD_SIZE
+from lakeloader.state.keys import ENV_RANK, ENV_WORLD_SIZE
 
 
 def resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lakeloader as ll
-from lakeloader.arena import Arena, FileMap
-from lakeloader.cache import SHM_DIR, default_cache_dir
-from lakeloader.packed import RowLayout, gather_packed, pack
+from lakeloader.cache.arena import Arena, FileMap
+from lakeloader.cache.packed import RowLayout, gather_packed, pack
+from lakeloader.cache.store import SHM_DIR, default_cache_dir
 
 LAYOUT = RowLayout.of(pa.schema([("id", pa.int64()), ("x", pa.float32())]))
 

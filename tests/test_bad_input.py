@@ -19,8 +19,8 @@ import pytest
 from conftest import global_batches, make_loaders, roundtrip, write_lake
 
 import lakeloader as ll
-from lakeloader.cli import main
-from lakeloader.quarantine import QuarantineEntry, merge
+from lakeloader.cli.main import main
+from lakeloader.state.quarantine import QuarantineEntry, merge
 
 LAYOUT = [[200, 150], [300], [100, 100, 100], [250, 50]]
 ROWS = sum(map(sum, LAYOUT))

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import lakeloader.batches as lb
-import lakeloader.plan as lp
-from lakeloader.batches import BatchSpec, batch_spec, batch_specs
-from lakeloader.plan import (
+import lakeloader.order.batches as lb
+import lakeloader.order.plan as lp
+from lakeloader.order.batches import BatchSpec, batch_spec, batch_specs
+from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
     make_units,

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
-import lakeloader.snapshot
-from lakeloader.checkpoint import COMMIT_FILE, STATE_FILE, step_dir_name
+import lakeloader.lake.snapshot
+from lakeloader.checkpoint.manager import COMMIT_FILE, STATE_FILE, step_dir_name
 from tests.conftest import LAYOUT, write_lake
 
 BATCH = 48
@@ -105,7 +105,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(
         f"""
         import os, signal
         import lakeloader as ll
-        from lakeloader.checkpoint import CheckpointManager, STATE_FILE
+        from lakeloader.checkpoint.manager import CheckpointManager, STATE_FILE
         ds = ll.LakeDataset({str(own_lake)!r}, seed=7, num_partitions=4, window=64,
                             max_unit_rows=128)
         loader = ll.DataLoader(ds, batch_size={BATCH})
@@ -215,8 +215,8 @@ def test_recovery_never_lists_the_lake_or_reads_footers(
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("recovery listed the lake or read a footer")
 
-    monkeypatch.setattr(lakeloader.snapshot, "discover", forbidden)
-    monkeypatch.setattr(lakeloader.snapshot, "read_file_info", forbidden)
+    monkeypatch.setattr(lakeloader.lake.snapshot, "discover", forbidden)
+    monkeypatch.setattr(lakeloader.lake.snapshot, "read_file_info", forbidden)
     ds = ckpt.dataset()
     assert ds.fingerprint == loader.dataset.fingerprint
     fresh = ll.DataLoader(ds, batch_size=BATCH)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lakeloader.cli import main
+from lakeloader.cli.main import main
 from tests.conftest import LAYOUT, LAYOUT_ROWS
 
 

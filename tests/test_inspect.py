@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import lakeloader as ll
-from lakeloader.cli import main
+from lakeloader.cli.main import main
 from tests.conftest import LAYOUT, LAYOUT_ROWS, make_loaders
 
 pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.PartitionWarning")
@@ -304,9 +304,9 @@ def test_a_path_without_checkpoint_is_a_clear_error(
 
 def test_ranges_of_a_million_rows() -> None:
     """All slots are mapped at once (no per-row Python): a million rows take a fraction of a s."""
-    from lakeloader.inspect import row_ranges
-    from lakeloader.plan import make_units, plan_epoch
-    from lakeloader.snapshot import FileInfo
+    from lakeloader.cli.inspect import row_ranges
+    from lakeloader.lake.snapshot import FileInfo
+    from lakeloader.order.plan import make_units, plan_epoch
 
     rows = [[50_000] * 4 for _ in range(5)]
     files = tuple(

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
-from lakeloader.checkpoint import STATE_FILE, step_dir_name
-from lakeloader.snapshot import FileInfo
+from lakeloader.checkpoint.manager import STATE_FILE, step_dir_name
+from lakeloader.lake.snapshot import FileInfo
 from tests.conftest import LAYOUT_ROWS, global_batches, make_loaders, roundtrip, run_epoch
 
 if TYPE_CHECKING:

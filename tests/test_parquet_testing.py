@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lakeloader as ll
-from lakeloader.collate import to_rows
+from lakeloader.pipeline.collate import to_rows
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "parquet-testing" / "data"
 FILES = sorted(DATA.glob("*.parquet"))

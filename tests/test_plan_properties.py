@@ -1,4 +1,4 @@
-"""Property-based tests of the pure planning functions in :mod:`lakeloader.plan`.
+"""Property-based tests of the pure planning functions in :mod:`lakeloader.order.plan`.
 
 They check the invariants of "The order of an epoch" (DESIGN.md) on random row-group layouts:
 empty files, empty row groups and row groups split into several units all occur.
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakeloader.batches import BatchSpec, batch_spec
-from lakeloader.plan import (
+from lakeloader.order.batches import BatchSpec, batch_spec
+from lakeloader.order.plan import (
     EpochPlan,
     Units,
     batch_slots,

@@ -14,7 +14,7 @@ import torch
 from test_snapshot import column, put, stream
 
 import lakeloader as ll
-from lakeloader.schema import is_safe_widening
+from lakeloader.lake.schema import is_safe_widening
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
-from lakeloader.discovery import discover
-from lakeloader.snapshot import PROGRESS_MIN_FILES, snapshot_lake
+from lakeloader.lake.discovery import discover
+from lakeloader.lake.snapshot import PROGRESS_MIN_FILES, snapshot_lake
 from tests.conftest import write_lake
 
 # ------------------------------------------------------------------------------------ helpers

@@ -1,4 +1,4 @@
-"""String and binary columns as Arrow binary views in the arena (lakeloader.views).
+"""String and binary columns as Arrow binary views in the arena (lakeloader.cache.views).
 
 The views are checked value by value against pyarrow's own reading, for short (inline) and
 long values, nulls, empty values, non-ASCII text and bytes, at 0 and 2 workers; and the
@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lakeloader as ll
-import lakeloader.epoch
-import lakeloader.views
-from lakeloader.views import (
+import lakeloader.cache.views
+import lakeloader.pipeline.iterator
+from lakeloader.cache.views import (
     EMPTY_BUFFER,
     VIEW_DTYPE,
     ViewBuffers,
@@ -67,7 +67,7 @@ def test_a_view_that_points_nowhere_raises_instead_of_reading_stray_memory() -> 
 
 
 def test_data_too_large_for_views_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lakeloader.views, "VIEW_MAX_BUFFER", 10)
+    monkeypatch.setattr(lakeloader.cache.views, "VIEW_MAX_BUFFER", 10)
     out = np.zeros(1, dtype=VIEW_DTYPE)
     assert write_views(pa.array(["a value longer than ten bytes"]), out, 0) is None
     assert not out.view(np.int32).any(), "nothing written"
@@ -88,13 +88,13 @@ def test_buffer_indices_are_reused_and_snapshots_never_change() -> None:
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per batch column that the loader's process built from views."""
     seen: list[int] = []
-    real = lakeloader.epoch.views_array
+    real = lakeloader.pipeline.iterator.views_array
 
     def counting(*args: Any) -> pa.Array:
         seen.append(1)
         return real(*args)
 
-    monkeypatch.setattr(lakeloader.epoch, "views_array", counting)
+    monkeypatch.setattr(lakeloader.pipeline.iterator, "views_array", counting)
     return seen
 
 
@@ -152,7 +152,7 @@ def test_units_without_views_take_the_arrow_path_exactly(
     reference = [(b["id"].tolist(), b["text"], b["blob"]) for b in ll.DataLoader(ds, batch_size=32)]
     # Units of 64 rows hold 1-4 KB of each column: with 3,000 bytes at most, some have views
     # and some do not, and a step whose units do not all have them takes the Arrow path.
-    monkeypatch.setattr(lakeloader.views, "VIEW_MAX_BUFFER", 3000)
+    monkeypatch.setattr(lakeloader.cache.views, "VIEW_MAX_BUFFER", 3000)
     calls.clear()  # count the mixed run only
     mixed = [(b["id"].tolist(), b["text"], b["blob"]) for b in ll.DataLoader(ds, batch_size=32)]
     assert mixed == reference

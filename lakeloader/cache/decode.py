@@ -1,0 +1,288 @@
+"""Decoding one unit into its cached form: read, screen, pack into the arena, keep the rest.
+
+The same :class:`UnitDecoder` runs in the loader's own threads (:class:`LocalDecodes`: no
+workers, or workers that build batches for a transform) and in DataLoader worker processes
+(:class:`~lakeloader.workers.dispatch.RemoteDecodes`: on the default tensor path, where
+workers decode and
+the loader's process only assembles batches). Either way the loader allocates the unit's rows
+in the arena first (and the data buffer indices of its string views, see
+:mod:`lakeloader.cache.views`), so that decoders never allocate and a unit can be decoded again,
+into the same rows, if its worker dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.cache.packed import Packed, RowLayout, compact, pack
+from lakeloader.cache.views import write_unit_views
+from lakeloader.errors import LakeDataError
+from lakeloader.io.fetch import url_of
+from lakeloader.io.reader import UnitReader
+from lakeloader.io.retry import describe
+from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate, verdict
+
+logger = logging.getLogger(__name__)
+
+#: Row groups from this size on are followed by returning freed memory to the system.
+RELEASE_BYTES = 64 << 20
+#: Seconds between checks of a decode waiting for the byte gate.
+GATE_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True, eq=False)
+class UnitRef:
+    """A decoded unit as a batch builder gets it (pickled between processes).
+
+    Attributes:
+        start: Its first row in the rank's arena, or -1 when nothing of it is packed.
+        num_rows: Rows in the unit.
+        packed: Names of the packed columns.
+        table: Its other columns: in memory, an Arrow IPC file in the cache folder (when
+            another process needs them), or None when every column is packed.
+        views: Its string and binary columns whose views are in its arena rows (they stay
+            in ``table`` too: the views point into their data buffers).
+    """
+
+    start: int
+    num_rows: int
+    packed: tuple[str, ...]
+    table: pa.Table | str | None
+    views: tuple[str, ...] = ()
+
+
+#: What the store holds for a unit: the decoded unit, or why it is quarantined.
+Held: TypeAlias = "UnitRef | QuarantineEntry"
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """One unit to decode, and where its decoded form goes.
+
+    Attributes:
+        position: The piece's position in the epoch's virtual sequence.
+        file_index: Its file in the snapshot.
+        row_group: Its row group.
+        row_start: First row inside the row group.
+        num_rows: Rows.
+        start: Arena row to pack into (-1: nothing is packed).
+        table_path: IPC file for the columns not packed (None: keep them in memory).
+        view_buffers: The data buffer index of each of the layout's view columns (empty:
+            write no views).
+    """
+
+    position: int
+    file_index: int
+    row_group: int
+    row_start: int
+    num_rows: int
+    start: int
+    table_path: str | None
+    view_buffers: tuple[int, ...] = ()
+
+
+class UnitDecoder:
+    """Reads, screens (quarantine) and packs units (see the module docstring).
+
+    Args:
+        reader: Reads units from the lake.
+        layout: How to pack tensor-typed columns (None: keep units as Arrow tables).
+        on_error: ``"raise"`` or ``"skip"`` (quarantine) a unit that fails or is rejected.
+        validate: The user's check of each decoded unit, or None.
+    """
+
+    def __init__(
+        self,
+        reader: UnitReader,
+        layout: RowLayout | None,
+        on_error: OnError,
+        validate: Validate | None,
+    ) -> None:
+        self.reader = reader
+        self.layout = layout
+        self.on_error = on_error
+        self.validate = validate
+
+    def in_child(self) -> UnitDecoder:
+        """A copy for a forked worker, with a filesystem of its own.
+
+        A filesystem object made in the parent may hold the parent's event loop and
+        connections (s3fs, gcsfs), which do not survive a fork; its pickle makes a new one.
+        """
+        child = copy.copy(self)
+        child.reader = self.reader.with_fs(pickle.loads(pickle.dumps(self.reader.fs)))
+        return child
+
+    def decode(self, job: DecodeJob, records: np.ndarray | None) -> Held:
+        """Decode a unit, packing it into ``records`` (the arena) at ``job.start``.
+
+        Raises:
+            LakeDataError: If the unit cannot be read or is rejected (``on_error="raise"``).
+            StoreUnavailableError: If the store stays down past the retry deadline.
+        """
+        held = self._decode(job, records)
+        info = self.reader.snapshot.files[job.file_index]
+        if info.row_group_bytes[job.row_group] >= RELEASE_BYTES:
+            pa.default_memory_pool().release_unused()  # hand a big row group's memory back
+        return held
+
+    def _decode(self, job: DecodeJob, records: np.ndarray | None) -> Held:
+        table = self._screen(job)
+        if isinstance(table, QuarantineEntry):
+            return table
+        rows = table.num_rows
+        if job.start < 0 or self.layout is None or not self.layout.names or records is None:
+            return UnitRef(-1, rows, (), _keep_table(compact(table), job.table_path))
+        out = records[job.start : job.start + rows]
+        unit: Packed = pack(table, self.layout, out)
+        start = job.start if unit.rows is not None else -1
+        rest = unit.table if unit.table.num_columns or start < 0 else None
+        kept = _keep_table(rest, job.table_path)
+        views: tuple[str, ...] = ()
+        if start >= 0 and job.view_buffers and kept is not None:
+            # From the columns as the loader's process will hold them (read back from the
+            # IPC file when there is one), so that the views point into its data buffers.
+            as_kept = read_ipc(kept) if isinstance(kept, str) else kept
+            views = write_unit_views(as_kept, self.layout.views, job.view_buffers, out)
+        return UnitRef(start, rows, unit.packed, kept, views)
+
+    def _screen(self, job: DecodeJob) -> pa.Table | QuarantineEntry:
+        """Read a unit, or say why it is quarantined."""
+        rg, start, rows = job.row_group, job.row_start, job.num_rows
+        path = self.reader.snapshot.files[job.file_index].path
+        try:
+            table = self.reader.read(job.file_index, rg, start, rows)
+        except LakeDataError as exc:
+            if self.on_error != "skip":
+                raise
+            reason = describe(exc.__cause__ or exc)
+        else:
+            rejected = None if self.validate is None else verdict(self.validate, table)
+            if rejected is None:
+                return table
+            if self.on_error != "skip":
+                raise LakeDataError(
+                    f"{url_of(self.reader.fs, path)}, row group {rg}, rows [{start}, "
+                    f"{start + rows}): rejected by validate: {rejected}. Fix the data, or pass "
+                    "on_error='skip' to quarantine such units"
+                )
+            reason = f"rejected by validate: {rejected}"
+        logger.warning(
+            "quarantined %s, row group %d, rows [%d, %d): %s", path, rg, start, start + rows, reason
+        )
+        return QuarantineEntry(path, rg, start, rows, reason)
+
+
+def _keep_table(table: pa.Table | None, path: str | None) -> pa.Table | str | None:
+    """The columns a unit did not pack: as they are, or as an IPC file at ``path``."""
+    if table is None or path is None:
+        return table
+    with (
+        pa.OSFile(path + ".tmp", "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as writer,
+    ):
+        writer.write_table(table)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_ipc(path: str) -> pa.Table:
+    """A unit's table from its IPC file, memory-mapped (zero copy)."""
+    with pa.memory_map(path, "r") as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+class _ByteGate:
+    """Admits decodes while the bytes they hold fit a byte limit.
+
+    A decode is charged what it holds at its peak: a whole row group is read at once, so it
+    is charged the row group's uncompressed bytes; a unit that is a row range of its row
+    group is streamed (:meth:`lakeloader.io.reader.UnitReader.read`) and holds about its own
+    rows plus one batch, so it is charged its share of the row group's bytes. One decode is
+    always admitted, however large.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, limit)
+        self._used = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def admit(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` (capped at the limit) of the budget for the ``with`` block."""
+        n = min(max(0, nbytes), self._limit)
+        with self._cond:
+            while self._used and self._used + n > self._limit and not self._closed:
+                self._cond.wait(GATE_POLL_SECONDS)
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let every waiting decode through (the store is closing; its results are dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class Decodes(Protocol):
+    """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
+
+    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
+        """Start decoding ``job``, which holds about ``nbytes`` bytes while it runs."""
+
+    def close(self, wait: bool) -> None:
+        """Stop: drop queued jobs (their futures are cancelled)."""
+
+
+class LocalDecodes:
+    """Decodes in a thread pool of this process, gated by the bytes each decode holds.
+
+    Args:
+        decoder: Does the work.
+        threads: Units decoded at once.
+        limit: Bytes held by the decodes under way at most (one always runs).
+        records: The arena's rows, read at each decode (it may have grown), or None.
+    """
+
+    def __init__(
+        self,
+        decoder: UnitDecoder,
+        threads: int,
+        limit: int,
+        records: Callable[[], np.ndarray | None],
+    ) -> None:
+        self._decoder = decoder
+        self._records = records
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
+        self._gate = _ByteGate(limit)
+
+    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
+        """Queue ``job`` for a decoding thread."""
+        return self._pool.submit(self._run, job, nbytes)
+
+    def _run(self, job: DecodeJob, nbytes: int) -> Held:
+        with self._gate.admit(nbytes):
+            return self._decoder.decode(job, self._records())
+
+    def close(self, wait: bool) -> None:
+        """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
+        self._gate.close()
+        self._pool.shutdown(wait=wait, cancel_futures=True)

@@ -1,0 +1,264 @@
+"""Decoded units in the form that makes batch assembly cheap: fixed-width columns as row bytes.
+
+A shuffled batch takes a few rows from each of many units. Gathering them column by column
+costs one call per (unit, column), about 300 for a batch of 16 units and 18 columns, which
+is where a naive loader spends its time (pyarrow's ``take`` over chunked columns is worse: it
+concatenates every unit first). So when a unit is decoded, its tensor-typed columns (numbers,
+booleans, temporal values as integer ticks, float nulls as NaN) are packed once as rows of a
+structured dtype, in the rank's arena (:mod:`lakeloader.cache.arena`); a batch then needs one
+``np.take`` of arena rows, whatever the units it touches, and one copy per column.
+Strings and binaries are kept in the arena as Arrow binary views (16 bytes a row, pointing
+into the unit's own data buffer: :func:`write_views`), so they too come with the row copy.
+Columns that do not fit (nested types, and integer columns with nulls, whose error must stay
+that of the batch that holds them) stay Arrow columns and take the general path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lakeloader.cache.views import VIEW_BYTES, VIEW_DTYPE, VIEW_TYPES
+
+#: Buffer bytes a table may hold beyond its rows' before ``compact`` copies it.
+SLACK_BYTES = 64 << 10
+
+
+def is_tensor_type(typ: pa.DataType) -> bool:
+    """Whether a column of this type becomes a tensor (numbers, booleans, temporal ticks)."""
+    return bool(
+        pa.types.is_integer(typ)
+        or pa.types.is_floating(typ)
+        or pa.types.is_boolean(typ)
+        or pa.types.is_temporal(typ)
+    )
+
+
+def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A tensor-typed column without nulls (float nulls allowed) as a numpy array.
+
+    Temporal values become their integer ticks in the column's own unit; float nulls NaN.
+    """
+    typ = col.type
+    if col.null_count and pa.types.is_floating(typ):
+        col = pc.fill_null(col, pa.scalar(float("nan"), typ))
+    if pa.types.is_temporal(typ):
+        col = col.cast(pa.int64() if typ.bit_width == 64 else pa.int32())
+    return np.asarray(col.to_numpy(zero_copy_only=False))
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each packed column sits in a row of the byte matrix.
+
+    Attributes:
+        names: Packed columns, in schema order.
+        dtypes: Their numpy dtypes.
+        offsets: Byte offset of each inside a row.
+        row_bytes: Bytes per row.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[np.dtype, ...]
+    offsets: tuple[int, ...]
+    row_bytes: int
+    views: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def record(self) -> np.dtype:
+        """The row as a numpy structured dtype (field access copies far faster than slices).
+
+        The string and binary columns of ``views`` follow the packed ones, as one Arrow
+        binary view (``VIEW_BYTES``) each: see :func:`write_views`.
+        """
+        at = self.row_bytes - VIEW_BYTES * len(self.views)  # the views come last
+        return np.dtype(
+            {
+                "names": [*self.names, *self.views],
+                "formats": [*self.dtypes, *[VIEW_DTYPE] * len(self.views)],
+                "offsets": [*self.offsets, *range(at, at + VIEW_BYTES * len(self.views), 16)],
+                "itemsize": self.row_bytes,
+            }
+        )
+
+    @functools.cached_property
+    def void(self) -> np.dtype:
+        """A field-less dtype of the row's size: ``np.take`` of it is a plain row copy.
+
+        Fancy indexing of a structured array copies field by field, about 20x slower.
+        """
+        return np.dtype((np.void, self.row_bytes))
+
+    @classmethod
+    def of(cls, schema: pa.Schema) -> RowLayout:
+        """The layout of a schema's tensor-typed columns, then of its string/binary views.
+
+        >>> RowLayout.of(pa.schema([("id", pa.int64()), ("s", pa.string()), ("x", pa.float32())]))
+        RowLayout(names=('id', 'x'), dtypes=(dtype('int64'), dtype('float32')), offsets=(0, 8), row_bytes=28, views=('s',))
+        """  # noqa: E501
+        names, dtypes, offsets, at = [], [], [], 0
+        for f in schema:
+            if not is_tensor_type(f.type):
+                continue
+            dtype = np.dtype(tensor_numpy(pa.array([], f.type)).dtype)
+            names.append(f.name)
+            dtypes.append(dtype)
+            offsets.append(at)
+            at += dtype.itemsize
+        views = tuple(f.name for f in schema if f.type in VIEW_TYPES)
+        return cls(tuple(names), tuple(dtypes), tuple(offsets), at + VIEW_BYTES * len(views), views)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A decoded unit: packed row bytes plus the columns left in Arrow form.
+
+    Attributes:
+        rows: The unit's rows as a structured array of ``layout.record`` (a slice of the
+            rank's :class:`~lakeloader.cache.arena.Arena`), or None when nothing is packed.
+        packed: Names of the columns in ``rows`` (a column of the layout with integer nulls
+            in this unit stays in ``table`` instead).
+        table: The other columns.
+    """
+
+    rows: np.ndarray | None
+    packed: tuple[str, ...]
+    table: pa.Table
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the unit."""
+        return self.table.num_rows if self.rows is None else len(self.rows)
+
+
+def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> Packed:
+    """Pack a unit's tensor-typed columns into row bytes (once per unit).
+
+    The other columns are combined into one chunk each here, once, rather than in every
+    batch that takes rows from the unit.
+
+    Args:
+        table: The decoded unit.
+        layout: Where each column goes in a row.
+        out: A structured array of ``layout.record`` with one element per row to pack into
+            (the unit's slice of the arena); None allocates one.
+
+    >>> t = pa.table({"id": [1, 2], "x": pa.array([0.5, None], pa.float32()), "s": ["a", "b"]})
+    >>> p = pack(t, RowLayout.of(t.schema))
+    >>> p.packed, p.rows.shape, p.rows["id"].tolist(), p.table.column_names
+    (('id', 'x'), (2,), [1, 2], ['s'])
+    """
+    rows = np.empty(table.num_rows, dtype=layout.record) if out is None else out
+    packed: list[str] = []
+    for name in layout.names:
+        col = table.column(name)
+        if col.null_count and not pa.types.is_floating(col.type):
+            continue  # nulls an integer tensor cannot hold: the batch decides (NullValuesError)
+        rows[name] = tensor_numpy(col)
+        packed.append(name)
+    # The layout's own tuple when everything is packed: batch builders test it with ``is``.
+    names = layout.names if len(packed) == len(layout.names) else tuple(packed)
+    return Packed(rows if packed else None, names, compact(table.drop_columns(packed)))
+
+
+def compact(table: pa.Table) -> pa.Table:
+    """The table in one chunk per column that owns only its own rows' memory.
+
+    A unit that is a row range of a row group starts as a slice of the whole decoded row
+    group, and a slice keeps its parent's buffers alive (``combine_chunks`` of a single
+    sliced chunk returns it as it is): a 256 MB row group cut in six units would be held six
+    times over while the cache counts one sixth of it each time.
+
+    >>> big = pa.table({"s": ["x" * 100] * 10_000})
+    >>> compact(big.slice(0, 10)).get_total_buffer_size() < 2_000
+    True
+    """
+    if table.get_total_buffer_size() <= 2 * table.nbytes + SLACK_BYTES:
+        return table.combine_chunks()
+    return table.take(pa.array(np.arange(table.num_rows, dtype=np.int64)))
+
+
+def column_of(unit: Packed, name: str) -> np.ndarray:
+    """One packed column of a unit, as a contiguous array."""
+    assert unit.rows is not None
+    column: np.ndarray = unit.rows[name].copy()
+    return column
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Rows of a batch grouped by unit: ``take`` sorted by unit, and the way back.
+
+    Attributes:
+        unit: Unit index of each run of rows.
+        bounds: ``[start, stop)`` of each run in the sorted order.
+        local: Row inside its unit, in the sorted order.
+        inverse: Position in the sorted order of each batch row.
+        order: Batch position of each row of the sorted order.
+    """
+
+    unit: tuple[int, ...]
+    bounds: tuple[tuple[int, int], ...]
+    local: np.ndarray
+    inverse: np.ndarray
+    order: np.ndarray
+
+
+def select(sizes: Sequence[int], take: np.ndarray) -> Selection:
+    """Group the batch rows ``take`` (into the concatenation of units of ``sizes``) by unit.
+
+    >>> s = select([2, 3], np.array([4, 0, 2, 1]))
+    >>> s.unit, s.bounds, s.local.tolist(), s.inverse.tolist()
+    ((0, 1), ((0, 2), (2, 4)), [0, 1, 2, 0], [2, 0, 3, 1])
+    """
+    base = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))[:-1]])
+    piece = np.searchsorted(base, take, side="right") - 1
+    order = np.argsort(piece, kind="stable")
+    sorted_piece = piece[order]
+    local = take[order] - base[sorted_piece]
+    cuts = np.flatnonzero(np.diff(sorted_piece)) + 1
+    starts = np.concatenate([[0], cuts]).astype(np.int64)
+    stops = np.concatenate([cuts, [len(take)]]).astype(np.int64)
+    inverse = np.empty(len(take), dtype=np.int64)
+    inverse[order] = np.arange(len(take), dtype=np.int64)
+    units = tuple(int(u) for u in sorted_piece[starts]) if len(take) else ()
+    bounds = tuple(zip(starts.tolist(), stops.tolist(), strict=True)) if len(take) else ()
+    return Selection(units, bounds, local, inverse, order)
+
+
+def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
+    """The selected rows of one column given per unit, in batch order.
+
+    ``array_take`` is the kernel that ``Array.take`` reaches through the ``take`` function's
+    dispatch; called directly it costs about a fifth less, which counts at one call per unit
+    per batch.
+    """
+    parts = [
+        pc.array_take(columns[u], sel.local[start:stop])
+        for u, (start, stop) in zip(sel.unit, sel.bounds, strict=True)
+    ]
+    if not parts:
+        return columns[0].slice(0, 0) if columns else pa.array([])
+    return pc.array_take(pa.concat_arrays(parts), sel.inverse)
+
+
+def gather_packed(
+    records: np.ndarray, rows: np.ndarray, layout: RowLayout, names: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Columns ``names`` of arena ``rows``: one row copy, then one contiguous copy per column.
+
+    >>> t = pa.table({"id": [1, 2, 3], "x": [0.5, 1.5, 2.5]})
+    >>> lay = RowLayout.of(t.schema)
+    >>> out = gather_packed(pack(t, lay).rows, np.array([2, 0]), lay, ("id", "x"))
+    >>> {k: v.tolist() for k, v in out.items()}
+    {'id': [3, 1], 'x': [2.5, 0.5]}
+    """
+    taken = np.take(records.view(layout.void), rows).view(layout.record)
+    # .copy(), not ascontiguousarray: a one-row field view counts as contiguous but keeps the
+    # row's stride, which torch.from_numpy refuses.
+    return {name: taken[name].copy() for name in names}

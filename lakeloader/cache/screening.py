@@ -1,0 +1,96 @@
+"""A step's decoded units, once quarantined units are left out: which path each column takes.
+
+Pure: from the units the store holds for a step, the rows of the batch renumbered around the
+units that are quarantined, each row's place in the arena, and the columns that every unit
+has in the arena (packed, or as string views), which a batch then gathers with one row copy;
+the other columns take the Arrow path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lakeloader.cache.decode import Held, UnitRef
+from lakeloader.cache.packed import RowLayout
+from lakeloader.order.batches import BatchSpec
+from lakeloader.order.plan import EpochPlan
+from lakeloader.state.quarantine import QuarantineEntry, drop_pieces
+
+
+@dataclass(frozen=True)
+class Screened:
+    """A step's decoded units and row indices once quarantined units are left out.
+
+    Attributes:
+        refs: The units the columns not in ``names`` come from (empty when none are left).
+        take: Row indices into the concatenation of ``refs``.
+        rows: Arena row of each batch row (the packed columns), or None.
+        names: The packed columns every unit of the step has.
+        views: The string and binary columns every unit of the step has views of.
+        skipped: The step's quarantined units.
+        lost: This rank's rows of the step that they held.
+    """
+
+    refs: list[UnitRef]
+    take: np.ndarray
+    rows: np.ndarray | None
+    names: tuple[str, ...]
+    views: tuple[str, ...]
+    skipped: tuple[QuarantineEntry, ...]
+    lost: int
+
+
+def screen(
+    spec: BatchSpec,
+    held: Sequence[Held],
+    plan: EpochPlan,
+    layout: RowLayout | None,
+    num_columns: int,
+) -> Screened:
+    """Screen one step.
+
+    Args:
+        spec: The step.
+        held: What the store holds for each of its units, in ``spec.positions`` order.
+        plan: The epoch's plan.
+        layout: The arena's row layout, or None when there is no arena.
+        num_columns: Columns in a batch.
+    """
+    refs = [h for h in held if isinstance(h, UnitRef)]
+    skipped: tuple[QuarantineEntry, ...] = ()
+    take, inverse, row = spec.take, spec.inverse, spec.row
+    if len(refs) < len(held):
+        skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
+        bad = [isinstance(h, QuarantineEntry) for h in held]
+        take = drop_pieces(take, plan.piece_rows(spec.positions).tolist(), bad)
+        keep = ~np.asarray(bad, dtype=bool)[inverse]
+        inverse, row = inverse[keep], row[keep]
+    lost = spec.num_rows - len(take)
+    names = by_all(refs, layout.names, "packed") if layout is not None else ()
+    views = by_all(refs, layout.views, "views") if layout is not None and names else ()
+    rows = None
+    if names:
+        starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
+        rows = np.asarray(starts, dtype=np.int64)[inverse] + row
+    if len(names) + len(views) == num_columns:  # nothing is left for the Arrow path
+        return Screened([], take[:0], rows, names, views, skipped, lost)
+    return Screened(refs, take, rows, names, views, skipped, lost)
+
+
+def by_all(refs: Sequence[UnitRef], full: tuple[str, ...], kind: str) -> tuple[str, ...]:
+    """The columns of ``full`` that every unit has as ``kind`` ("packed" or "views").
+
+    Usually all of them: the store hands out the layout's own tuple then, and ``is`` tells.
+
+    >>> a = UnitRef(0, 1, ("x", "y"), None)
+    >>> by_all([a, UnitRef(1, 1, ("y",), None)], ("x", "y"), "packed")
+    ('y',)
+    """
+    have = [getattr(r, kind) for r in refs]
+    if all(h is full for h in have):
+        return full
+    common = set(full).intersection(*have)
+    return tuple(n for n in full if n in common)

@@ -1,0 +1,402 @@
+"""The decoded-unit cache of one rank: fetched ahead in plan order, evicted once used.
+
+The store reserves each unit's rows in the rank's :class:`~lakeloader.cache.arena.Arena` (a
+memory-mapped file in the pass's folder, in shared memory, ``/dev/shm``, when there is one)
+and has it decoded (:mod:`lakeloader.cache.decode`: read, screen, pack) by the loader's own threads
+(:class:`LocalDecodes`) or by the DataLoader's worker processes
+(:class:`~lakeloader.workers.dispatch.RemoteDecodes`).
+Columns that are not packed (strings, nested types)
+stay in memory, or go to an Arrow IPC file beside the arena when another process has them or
+needs them. Either way a unit is fetched and decoded once per rank per epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.cache.arena import Arena, unlink_quietly
+from lakeloader.cache.decode import DecodeJob, Decodes, Held, UnitRef, read_ipc
+from lakeloader.cache.packed import Packed, RowLayout
+from lakeloader.cache.views import ViewBuffers, data_buffer
+from lakeloader.io.reader import UnitReader
+from lakeloader.order.plan import EpochPlan, release_slots
+from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate
+
+logger = logging.getLogger(__name__)
+
+#: Where unit files go by default when there are worker processes.
+SHM_DIR = "/dev/shm"
+#: Name prefix of the per-process unit folders.
+UNIT_DIR_PREFIX = "lakeloader"
+
+
+#: The columns of a unit that has every column packed.
+_NO_COLUMNS = pa.table({})
+
+
+@dataclass(frozen=True)
+class Screening:
+    """What to do with units that fail to decode or that the user's validator rejects.
+
+    Attributes:
+        on_error: ``"raise"`` a :class:`LakeDataError`, or ``"skip"`` (quarantine) the unit.
+        validate: The user's check of each decoded unit, or None.
+        known: Units already quarantined (from the loaded state): skipped without reading.
+    """
+
+    on_error: OnError = "raise"
+    validate: Validate | None = None
+    known: tuple[QuarantineEntry, ...] = ()
+
+
+def default_cache_dir(need_bytes: int) -> str | None:
+    """Shared memory when the machine has room there, else None (the system's temp folder).
+
+    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, which kills the process
+    without a Python error (a container's default 64 MiB is full at once); so unless
+    ``need_bytes`` are free there, decoded units go to the temporary folder instead, which
+    is slower, and a warning says how to get the speed back.
+    """
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return None
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if free >= need_bytes:
+        return SHM_DIR
+    logger.warning(
+        "only %d MiB are free in %s, less than cache_bytes (%d MiB): decoded units go to %s "
+        "instead, which is slower. Give the machine or container more shared memory (docker: "
+        "--shm-size), lower cache_bytes, or choose a folder with cache_dir=...",
+        free >> 20,
+        SHM_DIR,
+        need_bytes >> 20,
+        tempfile.gettempdir(),
+    )
+    return None
+
+
+def make_unit_dir(root: str | None) -> str:
+    """Create this process's unit folder, first removing folders left by dead processes.
+
+    A loader whose process was killed cannot delete its decoded units; since they live in
+    shared memory, they would hold RAM until reboot. Folder names carry the owner's pid.
+    """
+    base = root if root is not None else tempfile.gettempdir()
+    for name in os.listdir(base):
+        prefix, _, rest = name.partition("-")
+        pid = rest.split("-")[0]
+        if prefix == UNIT_DIR_PREFIX and pid.isdigit() and not _alive(int(pid)):
+            logger.info("removing %s, left by dead process %s", name, pid)
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class UnitOpener:
+    """Opens units for a batch builder, keeping the tables of the previous batch's units.
+
+    Consecutive batches share most of their units (they draw from the same windows), and
+    mapping a file costs more than the rows a batch takes from it. Tables older than the
+    previous batch are dropped, so that the memory of units the loader has evicted is freed.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[str, pa.Table] = {}
+
+    def open(self, refs: Sequence[UnitRef], records: np.ndarray | None) -> list[Packed]:
+        """The units of one batch, their packed rows as slices of the arena ``records``."""
+        now: dict[str, pa.Table] = {}
+        out = []
+        for ref in refs:
+            table = ref.table
+            if isinstance(table, str):
+                path = table
+                table = now.get(path) or self._open.get(path) or read_ipc(path)
+                now[path] = table
+            rows = None
+            if ref.start >= 0:
+                assert records is not None
+                rows = records[ref.start : ref.start + ref.num_rows]
+            out.append(Packed(rows, ref.packed, _NO_COLUMNS if table is None else table))
+        self._open = now
+        return out
+
+    def drop(self) -> None:
+        """Forget the tables held (an idle worker must not keep evicted units alive)."""
+        self._open = {}
+
+
+@dataclass
+class _Entry:
+    future: Future[Held]
+    release: int
+    nbytes: int
+    start: int  # first of the arena rows reserved for the unit, or -1
+    rows: int
+    buffers: tuple[int, ...] = ()  # data buffer indices reserved for its views
+
+
+class UnitStore:
+    """Decoded units of one epoch for one rank.
+
+    Args:
+        reader: Reads units from the lake.
+        plan: The epoch's plan.
+        layout: How tensor-typed columns are packed (None: units stay Arrow tables).
+        arena: Where packed rows go (None when nothing is packed).
+        table_dir: Folder for the IPC files of the columns not packed, when another process
+            reads them (None: they stay in memory).
+        known: Units already quarantined (from the loaded state): skipped without reading.
+        decodes: Runs the decode jobs.
+    """
+
+    def __init__(
+        self,
+        reader: UnitReader,
+        plan: EpochPlan,
+        layout: RowLayout | None,
+        arena: Arena | None,
+        table_dir: str | None,
+        known: tuple[QuarantineEntry, ...],
+        decodes: Decodes,
+    ) -> None:
+        self._reader = reader
+        self._plan = plan
+        self._layout = layout
+        self._arena = arena
+        self._dir = table_dir
+        self._known = known
+        self._decodes = decodes
+        self._entries: dict[int, _Entry] = {}
+        #: Units decoded (or quarantined), by position: what a step reads without a lock.
+        self._held: dict[int, Held] = {}
+        #: (release slot, position) of every entry, the next to evict first.
+        self._releases: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._views = ViewBuffers()
+        self.nbytes = 0  # held or being decoded (estimates until a unit is decoded)
+        self.peak_bytes = 0
+
+    def _locate(self, position: int) -> tuple[int, int, int, int]:
+        """(file index, row group, first row in the row group, rows) of a piece."""
+        plan = self._plan
+        unit = int(plan.piece_unit[position])
+        rows = int(plan.offsets[position + 1] - plan.offsets[position])
+        start = int(plan.units.row_start[unit]) + int(plan.piece_start[position])
+        return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows
+
+    def _start(self, position: int) -> _Entry:
+        """Start a unit's decode (its entry's release slot is filled in by the caller)."""
+        file_index, rg, row_start, rows = self._locate(position)
+        info = self._reader.snapshot.files[file_index]
+        estimate = int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
+        for known in self._known:
+            if known.covers(info.path, rg, row_start, rows):
+                done: Future[Held] = Future()
+                done.set_result(QuarantineEntry(info.path, rg, row_start, rows, known.reason))
+                return _Entry(done, 0, 0, -1, rows)
+        packs = self._arena is not None and self._layout is not None and bool(self._layout.names)
+        start = self._arena.alloc(rows) if packs and self._arena is not None else -1
+        path = None
+        if self._dir is not None:
+            path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
+        views = self._layout.views if start >= 0 and self._layout is not None else ()
+        buffers = tuple(self._views.reserve() for _ in views)
+        job = DecodeJob(position, file_index, rg, row_start, rows, start, path, buffers)
+        whole = row_start == 0 and rows == info.row_group_rows[rg]
+        future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate)
+        future.add_done_callback(lambda f: self._decoded(position, f))
+        return _Entry(future, 0, estimate, start, rows, buffers)
+
+    def _decoded(self, position: int, future: Future[Held]) -> None:
+        """Count a decoded unit's real size (called as its decode finishes)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        held = future.result()
+        full = self._layout.names if self._layout is not None else ()
+        if isinstance(held, UnitRef) and held.packed is not full and held.packed == full:
+            # A unit from a worker arrives with a copy of the names: make it the layout's own
+            # tuple again, so that a step can tell with ``is`` that everything is packed.
+            held = dataclasses.replace(held, packed=full)
+        size = 0 if isinstance(held, QuarantineEntry) else self._size(held)
+        with self._lock:
+            entry = self._entries.get(position)
+            if entry is None or entry.future is not future:
+                return  # evicted already
+            if isinstance(held, UnitRef) and held.views:
+                held = self._register_views(held, entry)
+            self.nbytes += size - entry.nbytes
+            entry.nbytes = size
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+            self._held[position] = held
+
+    def _register_views(self, ref: UnitRef, entry: _Entry) -> UnitRef:
+        """Hold the data buffers a decoded unit's views point into, at the indices reserved.
+
+        A unit from a worker comes with its other columns in an IPC file, which is mapped
+        here (pages are read only as batches touch them).
+        """
+        assert self._layout is not None
+        full = self._layout.views
+        table = read_ipc(ref.table) if isinstance(ref.table, str) else ref.table
+        assert table is not None
+        for name in ref.views:
+            index = entry.buffers[full.index(name)]
+            self._views.put(index, data_buffer(table.column(name).chunk(0)))
+        # The layout's own tuple when every column has views: steps test it with ``is``.
+        return dataclasses.replace(ref, views=full) if ref.views == full else ref
+
+    @property
+    def view_buffers(self) -> tuple[pa.Buffer, ...]:
+        """The data buffers the arena's views point into, by index (see lakeloader.cache.views)."""
+        return self._views.snapshot
+
+    def _size(self, ref: UnitRef) -> int:
+        """Bytes a unit holds: its packed rows and its other columns."""
+        size = ref.num_rows * self._layout.row_bytes if ref.start >= 0 and self._layout else 0
+        if isinstance(ref.table, str):
+            return size + os.path.getsize(ref.table)
+        return size + (ref.table.nbytes if ref.table is not None else 0)
+
+    def request(self, positions: np.ndarray, on_ready: Callable[[], None] | None = None) -> None:
+        """Start decoding the units at these positions unless already held or underway.
+
+        Args:
+            positions: Virtual-sequence positions of the units.
+            on_ready: Called (from a decoding thread) when each newly started unit is done.
+        """
+        entries = self._entries
+        missing = [p for p in positions.tolist() if p not in entries]  # only this thread adds
+        if not missing:
+            return
+        releases = release_slots(self._plan, np.asarray(missing, dtype=np.int64))
+        for pos, rel in zip(missing, releases.tolist(), strict=True):
+            entry = self._start(pos)
+            entry.release = rel
+            with self._lock:
+                entries[pos] = entry
+                heapq.heappush(self._releases, (rel, pos))
+                self.nbytes += entry.nbytes
+            if entry.future.done():  # finished before it had an entry to count itself in
+                self._decoded(pos, entry.future)
+            if on_ready is not None:
+                entry.future.add_done_callback(lambda _f: on_ready())
+
+    def ready(self, positions: np.ndarray) -> bool:
+        """Whether every unit at these positions is decoded (or failed)."""
+        with self._lock:
+            return all(self._entries[int(p)].future.done() for p in positions)
+
+    def failed(self, positions: np.ndarray) -> bool:
+        """Whether reading any unit at these positions failed (``get`` would raise)."""
+        with self._lock:
+            futures = [self._entries[int(p)].future for p in positions]
+        return any(f.done() and not f.cancelled() and f.exception() for f in futures)
+
+    def get(self, positions: np.ndarray, timeout: float | None = None) -> list[Held]:
+        """Wait for the units at these positions (requesting them if needed).
+
+        Args:
+            positions: Virtual-sequence positions of the units.
+            timeout: Seconds to wait for all of them (None: forever).
+
+        Returns:
+            Each unit, or its quarantine entry when it is skipped.
+
+        Raises:
+            LakeDataError: If a unit cannot be read (and ``on_error`` is ``"raise"``).
+            StoreUnavailableError: If the store stays down past the retry deadline.
+            concurrent.futures.TimeoutError: If they are not all decoded within ``timeout``
+                seconds.
+        """
+        wanted = positions.tolist()
+        held = [self._held.get(p) for p in wanted]
+        if None not in held:  # all decoded: the common case, without a lock or a wait
+            return held  # type: ignore[return-value]
+        self.request(positions)
+        with self._lock:
+            futures = [self._entries[p].future for p in wanted]
+        if timeout is not None and wait_futures(futures, timeout).not_done:
+            raise FutureTimeout()
+        results = [f.result() for f in futures]  # raises a unit's error
+        for p, f in zip(wanted, futures, strict=True):
+            if p not in self._held:
+                # Done, but its callback may not have run yet: the unit's views are only
+                # usable once their data buffers are registered, so register them now.
+                self._decoded(p, f)
+        return [self._held.get(p, r) for p, r in zip(wanted, results, strict=True)]
+
+    def describe(self, positions: np.ndarray) -> list[str]:
+        """Name the units at these positions as ``file, row group, rows [a, b)``."""
+        out = []
+        for p in positions:
+            file_index, rg, start, rows = self._locate(int(p))
+            path = self._reader.snapshot.files[file_index].path
+            out.append(f"{path}, row group {rg}, rows [{start}, {start + rows})")
+        return out
+
+    def release(self, delivered: int) -> None:
+        """Evict every unit whose last use lies before global slot ``delivered``."""
+        entries = []
+        with self._lock:
+            while self._releases and self._releases[0][0] <= delivered:
+                _, pos = heapq.heappop(self._releases)
+                entries.append(self._pop(pos))
+        for entry in entries:
+            self._discard(entry)
+
+    def _pop(self, position: int) -> _Entry:
+        """Forget a unit (caller holds the lock)."""
+        entry = self._entries.pop(position)
+        self._held.pop(position, None)
+        self.nbytes -= entry.nbytes
+        return entry
+
+    def _discard(self, entry: _Entry) -> None:
+        if not entry.future.done() and not entry.future.cancel():
+            return  # a decode underway may still write its rows: they stay reserved
+        if entry.start >= 0 and self._arena is not None:
+            self._arena.free(entry.start, entry.rows)
+        self._views.free(entry.buffers)
+        if entry.future.cancelled() or entry.future.exception() is not None:
+            return
+        ref = entry.future.result()
+        if isinstance(ref, UnitRef) and isinstance(ref.table, str):
+            unlink_quietly(ref.table)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop decoding and drop every unit (deleting unit files).
+
+        Args:
+            wait: Wait for decodes underway. A finaliser passes False: it may run on one of
+                this store's own threads, which must not wait for itself.
+        """
+        self._decodes.close(wait)
+        with self._lock:
+            entries = [self._pop(p) for p in list(self._entries)]
+            self._releases = []
+        for entry in entries:
+            self._discard(entry)

@@ -1,0 +1,445 @@
+"""What a checkpoint says: position, where every rank and worker resumes, rows consumed and left.
+
+Everything is recomputed from the checkpoint alone (its state and pinned manifest): the epoch's
+plan is rebuilt with :func:`~lakeloader.order.plan.plan_epoch`, so the lake itself is never touched
+and may be gone. The functions here return plain dicts (JSON-ready); :func:`render_text` turns
+one into the tables of ``lakeloader inspect``.
+
+The *location* of a global slot is where its row lives in the lake: slot -> virtual row ->
+piece -> unit -> (file, row group, row offset inside the row group).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from lakeloader.checkpoint.manager import STEP_DIR_RE, Checkpoint, CheckpointManager
+from lakeloader.cli.tables import format_pairs, format_table
+from lakeloader.errors import CheckpointError
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.order.plan import (
+    EpochPlan,
+    batch_slots,
+    make_units,
+    plan_epoch,
+    rank_bounds,
+    slots_to_virtual,
+    steps_in_epoch,
+    virtual_to_piece,
+)
+
+#: Row ranges shown per cell of the ``--ranges`` table (``--json`` lists all of them).
+RANGES_SHOWN = 4
+#: Category codes of a row in :func:`row_ranges`.
+_CONSUMED, _REMAINING, _DROPPED = 0, 1, 2
+_CATEGORIES = ("consumed", "remaining", "dropped")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The topology a position is looked at under.
+
+    Attributes:
+        world_size: Ranks.
+        num_workers: DataLoader workers per rank (0: batches built in the main process).
+        batch_size: Rows per rank per step.
+        drop_last: Whether a short last global batch is dropped.
+    """
+
+    world_size: int
+    num_workers: int
+    batch_size: int
+    drop_last: bool
+
+    @property
+    def global_batch(self) -> int:
+        """Rows all ranks together consume in one step."""
+        return self.world_size * self.batch_size
+
+
+def split_checkpoint_path(path: str) -> tuple[str, int | None]:
+    """Split a checkpoint path into (root, step); the step is None for a root folder.
+
+    >>> split_checkpoint_path("/runs/ckpt/step-000000000120/")
+    ('/runs/ckpt', 120)
+    >>> split_checkpoint_path("s3://bucket/ckpt")
+    ('s3://bucket/ckpt', None)
+    """
+    path = path.rstrip("/")
+    parent, name = posixpath.split(path)
+    match = STEP_DIR_RE.fullmatch(name)
+    return (parent, int(match.group(1))) if match else (path, None)
+
+
+def open_checkpoint(
+    path: str, step: int | None = None, storage_options: dict[str, Any] | None = None
+) -> tuple[Checkpoint, list[int]]:
+    """Read the checkpoint a path names: a step folder, or a root (newest usable, or ``step``).
+
+    Returns:
+        The checkpoint and the committed steps under its root.
+
+    Raises:
+        CheckpointError: If there is no usable checkpoint there, or ``step`` contradicts the
+            step folder given.
+    """
+    root, folder_step = split_checkpoint_path(path)
+    if folder_step is not None and step is not None and step != folder_step:
+        raise CheckpointError(f"{path} is the checkpoint of step {folder_step}, not {step}")
+    manager = CheckpointManager(root, storage_options=storage_options)
+    try:
+        ckpt = manager.load_checkpoint(folder_step if folder_step is not None else step)
+        return ckpt, manager.steps()
+    finally:
+        manager.close()
+
+
+def saved_topology(ckpt: Checkpoint) -> Topology:
+    """The topology the checkpoint was saved under (from its context, else its state)."""
+    topo = ckpt.context.get("topology") or ckpt.state["topology"]
+    return Topology(
+        world_size=int(topo["world_size"]),
+        num_workers=int(topo["num_workers"]),
+        batch_size=int(topo["batch_size"]),
+        drop_last=bool(topo.get("drop_last", False)),
+    )
+
+
+def rebuild_plan(ckpt: Checkpoint) -> EpochPlan:
+    """The plan of the saved epoch, from the manifest and the saved configuration only.
+
+    Raises:
+        CheckpointError: If the state does not belong to the pinned snapshot.
+    """
+    state, cfg = ckpt.state, ckpt.state["config"]
+    if state["fingerprint"] != ckpt.snapshot.fingerprint:
+        raise CheckpointError(
+            f"{ckpt.path}: the state's fingerprint {state['fingerprint']} is not its manifest's "
+            f"{ckpt.snapshot.fingerprint}"
+        )
+    units = make_units([f.row_group_rows for f in ckpt.snapshot.files], int(cfg["max_unit_rows"]))
+    plan = plan_epoch(
+        units,
+        seed=int(cfg["seed"]),
+        epoch=int(state["epoch"]),
+        shuffle=bool(cfg["shuffle"]),
+        num_partitions=int(cfg["num_partitions"]),
+        window=int(cfg["window"]),
+    )
+    if plan.num_rows != int(state["num_rows"]):
+        raise CheckpointError(
+            f"{ckpt.path}: the state counts {state['num_rows']} rows, its manifest {plan.num_rows}"
+        )
+    return plan
+
+
+def locate(plan: EpochPlan, snapshot: Snapshot, slots: np.ndarray) -> list[dict[str, Any]]:
+    """Where the rows of global slots live: file, row group and row offset in the row group."""
+    slots = np.asarray(slots, dtype=np.int64)
+    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots))
+    unit = plan.piece_unit[pos]
+    files = plan.units.file_index[unit].tolist()
+    groups = plan.units.row_group[unit].tolist()
+    offsets = (plan.units.row_start[unit] + plan.piece_start[pos] + row).tolist()
+    return [
+        {
+            "slot": s,
+            "file_index": f,
+            "file": snapshot.files[f].path,
+            "row_group": g,
+            "row_offset": o,
+        }
+        for s, f, g, o in zip(slots.tolist(), files, groups, offsets, strict=True)
+    ]
+
+
+_NOWHERE: dict[str, Any] = dict.fromkeys(("slot", "file_index", "file", "row_group", "row_offset"))
+
+
+def step_shares(
+    plan: EpochPlan, snapshot: Snapshot, position: int, steps: int, topo: Topology, step: int
+) -> list[dict[str, Any]]:
+    """Each rank's share of the ``step``-th next global batch: its rows and first row's location.
+
+    A rank with no share (past the epoch's steps, or an empty share of a short last batch) has
+    None as its location.
+    """
+    start = position + step * topo.global_batch
+    stop = min(start + topo.global_batch, plan.num_rows)
+    slots = batch_slots(start, stop, plan.num_partitions) if step < steps else np.zeros(0, np.int64)
+    bounds = [rank_bounds(len(slots), topo.world_size, r) for r in range(topo.world_size)]
+    firsts = [lo for lo, hi in bounds if hi > lo]
+    where = iter(locate(plan, snapshot, slots[firsts]))
+    return [
+        {"rank": r, "rows": hi - lo, **(next(where) if hi > lo else _NOWHERE)}
+        for r, (lo, hi) in enumerate(bounds)
+    ]
+
+
+def _virtual_of_every_slot(plan: EpochPlan) -> np.ndarray:
+    """``slots_to_virtual(plan, arange(N))`` in O(N): one call per window of each partition.
+
+    A single call over all slots costs O(N x windows) (one mask per window it touches).
+    """
+    c_count, width = plan.num_partitions, plan.window
+    out = np.empty(plan.num_rows, dtype=np.int64)
+    for c in range(c_count):
+        size = int(plan.starts[c + 1] - plan.starts[c])
+        for first in range(0, size, width):
+            slots = np.arange(first, min(first + width, size), dtype=np.int64) * c_count + c
+            out[slots] = slots_to_virtual(plan, slots)
+    return out
+
+
+def row_ranges(
+    plan: EpochPlan, snapshot: Snapshot, position: int, deliver_stop: int
+) -> list[dict[str, Any]]:
+    """Per non-empty row group, the row ranges consumed, remaining and dropped this epoch.
+
+    Slots ``[0, position)`` are consumed, ``[position, deliver_stop)`` remain to be delivered
+    and ``[deliver_stop, N)`` are (or will be) dropped. Ranges are ``[start, end)`` row
+    offsets inside the row group. All slots are mapped at once (O(N) memory).
+    """
+    n = plan.num_rows
+    rg_rows = np.array([r for f in snapshot.files for r in f.row_group_rows], dtype=np.int64)
+    rg_file = np.repeat(
+        np.arange(len(snapshot.files)), [len(f.row_group_rows) for f in snapshot.files]
+    )
+    rg_index = np.concatenate(
+        [np.arange(len(f.row_group_rows)) for f in snapshot.files] + [np.zeros(0, np.int64)]
+    )
+    rg_base = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
+    first_rg = np.concatenate([[0], np.cumsum([len(f.row_group_rows) for f in snapshot.files])])
+    pos, row = virtual_to_piece(plan, _virtual_of_every_slot(plan))
+    unit = plan.piece_unit[pos]
+    flat_rg = first_rg[plan.units.file_index[unit]] + plan.units.row_group[unit]
+    lake_row = rg_base[flat_rg] + plan.units.row_start[unit] + plan.piece_start[pos] + row
+    category = np.full(n, _REMAINING, dtype=np.int8)
+    category[lake_row[:position]] = _CONSUMED
+    category[lake_row[deliver_stop:]] = _DROPPED
+    boundary = np.zeros(n, dtype=bool)
+    boundary[rg_base[:-1][rg_rows > 0]] = True
+    if n:
+        boundary[1:] |= category[1:] != category[:-1]
+    run_start = np.flatnonzero(boundary)
+    run_stop = np.append(run_start[1:], n)
+    run_rg = np.searchsorted(rg_base, run_start, side="right") - 1
+    out: dict[int, dict[str, Any]] = {}
+    for s, e, g, c in zip(
+        run_start.tolist(),
+        run_stop.tolist(),
+        run_rg.tolist(),
+        category[run_start].tolist(),
+        strict=True,
+    ):
+        entry = out.get(g)
+        if entry is None:
+            f = int(rg_file[g])
+            entry = out[g] = {
+                "file_index": f,
+                "file": snapshot.files[f].path,
+                "row_group": int(rg_index[g]),
+                "rows": int(rg_rows[g]),
+            }
+            entry.update({name: [] for name in _CATEGORIES})
+        base = int(rg_base[g])
+        entry[_CATEGORIES[c]].append([s - base, e - base])
+    return [out[g] for g in sorted(out)]
+
+
+def inspect_checkpoint(
+    ckpt: Checkpoint,
+    *,
+    topology: Topology | None = None,
+    ranges: bool = False,
+    steps_available: list[int] | None = None,
+) -> dict[str, Any]:
+    """Describe a checkpoint: position, per-rank and per-worker locations, metadata.
+
+    Args:
+        ckpt: The checkpoint.
+        topology: Look at the position under this topology (default: the saved one).
+        ranges: Also list, per row group, the row ranges consumed, remaining and dropped.
+        steps_available: Committed steps under the checkpoint's root, for the report.
+
+    Returns:
+        A JSON-ready dict. ``rows_remaining`` is ``N - G - rows_dropped``; of those,
+        ``rows_to_drop`` will be dropped by ``drop_last`` under the topology used.
+
+    Raises:
+        CheckpointError: If the state and its manifest disagree.
+    """
+    state, plan = ckpt.state, rebuild_plan(ckpt)
+    saved = saved_topology(ckpt)
+    topo = topology or saved
+    g, n, dropped = int(state["position"]), int(state["num_rows"]), int(state["rows_dropped"])
+    remaining = max(0, n - g - dropped)
+    steps = steps_in_epoch(g, n, topo.global_batch, topo.drop_last) if remaining else 0
+    deliver_stop = min(n, g + steps * topo.global_batch)
+    by_step = [
+        step_shares(plan, ckpt.snapshot, g, steps, topo, k) for k in range(max(1, topo.num_workers))
+    ]
+    extra = ckpt.extra
+    info: dict[str, Any] = {
+        "path": ckpt.path,
+        "step": ckpt.step,
+        "steps_available": steps_available,
+        "created": ckpt.context.get("created"),
+        "library_version": ckpt.context.get("library_version"),
+        "source": ckpt.context.get("source"),
+        "state_bytes": ckpt.nbytes,
+        "fingerprint": state["fingerprint"],
+        "config": state["config"],
+        "config_hash": state["config_hash"],
+        "quarantine": list(state["quarantine"]),
+        "extra": {
+            "type": type(extra).__name__,
+            "keys": sorted(map(str, extra)) if isinstance(extra, dict) else None,
+        },
+        "lake": {
+            "files": len(ckpt.snapshot.files),
+            "row_groups": sum(len(f.row_group_rows) for f in ckpt.snapshot.files),
+            "rows": n,
+        },
+        "epoch": int(state["epoch"]),
+        "position": g,
+        "num_rows": n,
+        "rows_consumed": g,
+        "rows_remaining": remaining,
+        "rows_dropped": dropped,
+        "rows_to_drop": remaining - (deliver_stop - g),
+        "finished": steps == 0,
+        "steps_remaining": steps,
+        "step_in_epoch": g // topo.global_batch if g % topo.global_batch == 0 else None,
+        "topology_saved": {**asdict(saved), "global_batch": saved.global_batch},
+        "topology": {**asdict(topo), "global_batch": topo.global_batch},
+        "ranks": [{**share, "steps_remaining": steps} for share in by_step[0]],
+        "workers": [
+            {"worker": k, "step_offset": k, **by_step[k][r]}
+            for r in range(topo.world_size)
+            for k in range(topo.num_workers)
+        ],
+    }
+    if ranges:
+        info["ranges"] = row_ranges(plan, ckpt.snapshot, g, deliver_stop)
+    return info
+
+
+def _topology_text(t: dict[str, Any]) -> str:
+    return (
+        f"{t['world_size']} ranks x {t['batch_size']:,} rows = {t['global_batch']:,} per step, "
+        f"{t['num_workers']} workers, drop_last={str(t['drop_last']).lower()}"
+    )
+
+
+def _ranges_text(ranges: list[list[int]]) -> str:
+    shown = " ".join(f"[{s:,}, {e:,})" for s, e in ranges[:RANGES_SHOWN])
+    more = len(ranges) - RANGES_SHOWN
+    return (shown + (f" +{more:,} more" if more > 0 else "")) or "-"
+
+
+def _dash(row: list[Any]) -> list[Any]:
+    return ["-" if v is None else v for v in row]
+
+
+def render_text(info: dict[str, Any]) -> str:
+    """The readable report of ``lakeloader inspect`` for a dict from :func:`inspect_checkpoint`."""
+    extra, cfg, lake = info["extra"], info["config"], info["lake"]
+    steps = info["steps_available"]
+    topo, saved = info["topology"], info["topology_saved"]
+    quarantine = info["quarantine"]
+    config = " ".join(
+        f"{k}={','.join(v) if isinstance(v, list) else str(v).lower()}" for k, v in cfg.items()
+    )
+    out = [
+        format_pairs(
+            [
+                ("checkpoint", info["path"]),
+                (
+                    "step",
+                    f"{info['step']:,}"
+                    + (f" (saved: {', '.join(map(str, steps))})" if steps else ""),
+                ),
+                ("created", info["created"] or "-"),
+                ("library version", info["library_version"] or "-"),
+                ("state size", f"{info['state_bytes']:,} bytes"),
+                ("source", info["source"] or "-"),
+                ("lake", f"{lake['files']:,} files, {lake['row_groups']:,} row groups"),
+                ("fingerprint", info["fingerprint"]),
+                ("config hash", info["config_hash"]),
+                ("config", config),
+                (
+                    "extras",
+                    f"keys: {', '.join(extra['keys']) or '-'}"
+                    if extra["keys"] is not None
+                    else ("none" if extra["type"] == "NoneType" else extra["type"]),
+                ),
+                (
+                    "quarantine",
+                    f"{len(quarantine):,} units, {sum(q['num_rows'] for q in quarantine):,} rows"
+                    " skipped (listed below)"
+                    if quarantine
+                    else "none",
+                ),
+            ]
+        ),
+        "",
+        format_pairs(
+            [
+                ("epoch", info["epoch"]),
+                ("position (G)", f"{info['position']:,} of {info['num_rows']:,} rows"),
+                ("rows consumed", info["rows_consumed"]),
+                ("rows remaining", info["rows_remaining"]),
+                ("rows dropped", info["rows_dropped"]),
+                ("rows to drop", info["rows_to_drop"]),
+                ("saved topology", _topology_text(saved)),
+                ("topology used", _topology_text(topo) + (" (override)" if topo != saved else "")),
+                ("steps remaining", info["steps_remaining"]),
+            ]
+        ),
+        "",
+    ]
+    if info["finished"]:
+        out.append(
+            f"epoch {info['epoch']} has no step left under this topology: a resumed loader "
+            f"goes on with epoch {info['epoch'] + 1}"
+        )
+    else:
+        loc = ["file", "row group", "row offset", "slot"]
+        keys = ["file", "row_group", "row_offset", "slot"]
+        out.append("next step, per rank (where its first row comes from):")
+        rows = [_dash([r["rank"], r["rows"]] + [r[k] for k in keys]) for r in info["ranks"]]
+        out.append(format_table(["rank", "rows", *loc], rows))
+        if info["workers"]:
+            out += ["", "per worker (worker k builds the rank's k-th next step):"]
+            rows = [
+                _dash([w["rank"], w["worker"], f"+{w['step_offset']}", w["rows"]])
+                + _dash([w[k] for k in keys])
+                for w in info["workers"]
+            ]
+            out.append(format_table(["rank", "worker", "step", "rows", *loc], rows))
+    if quarantine:
+        out += ["", "quarantine (units skipped for good, on every rank and after every resume):"]
+        rows = [
+            [
+                q["path"],
+                q["row_group"],
+                f"[{q['row_start']:,}, {q['row_start'] + q['num_rows']:,})",
+                q["num_rows"],
+                q["reason"],
+            ]
+            for q in quarantine
+        ]
+        out.append(format_table(["file", "row group", "rows", "count", "reason"], rows))
+    if "ranges" in info:
+        rows = [
+            [r["file"], r["row_group"], r["rows"]] + [_ranges_text(r[c]) for c in _CATEGORIES]
+            for r in info["ranges"]
+        ]
+        out += ["", "row ranges this epoch ([start, end) inside each row group; --json lists all):"]
+        out.append(format_table(["file", "row group", "rows", *_CATEGORIES], rows))
+    return "\n".join(out)

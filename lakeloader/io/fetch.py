@@ -1,0 +1,324 @@
+"""Few, large requests: one ranged GET per footer, coalesced ranged GETs per row group.
+
+On an object store every request costs tens of milliseconds, so the reader never lets pyarrow
+walk a remote file through a buffered file object (which costs a HEAD, a GET for the last 8
+bytes, a GET for the footer and a readahead GET per column chunk). Instead:
+
+- a footer is read with one ranged GET of the file's last ``FOOTER_TAIL_BYTES`` (the footer's
+  length sits in the last 8 bytes; a larger footer costs exactly one more GET), the file size
+  being known from the listing;
+- a unit's selected column chunks are located in the footer, neighbouring ranges are merged
+  (``COALESCE_GAP``), and all of them are fetched at once with ``fs.cat_ranges`` (concurrent on
+  async filesystems such as s3fs and gcsfs); pyarrow then decodes from memory.
+
+Local files skip all this: pyarrow reads them natively, which is fastest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from lakeloader.errors import LakeDataError
+from lakeloader.io.retry import RetryPolicy, describe
+
+logger = logging.getLogger(__name__)
+
+#: Bytes read from the end of a file to get its footer in one request (most footers are
+#: a few KB; wide tables with thousands of columns may need the one extra request).
+FOOTER_TAIL_BYTES = 64 * 1024
+#: Column-chunk ranges closer than this are fetched as one range.
+COALESCE_GAP = 64 * 1024
+#: The four bytes that end (and start) every Parquet file.
+PARQUET_MAGIC = b"PAR1"
+
+Ranges = list[tuple[int, int]]
+
+
+def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """The full URL of a path (``s3://bucket/key``), for messages; local paths stay plain."""
+    return path if is_local(fs) else str(fs.unstrip_protocol(path))
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether pyarrow can open the filesystem's paths itself."""
+    return isinstance(fs, LocalFileSystem)
+
+
+class _FooterCache:
+    """Footers parsed in this process, by (URL, size, version).
+
+    A footer read to build the snapshot is not fetched again to read the file's units.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._items: OrderedDict[tuple[str, int, str], pq.FileMetaData] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int, str]) -> pq.FileMetaData | None:
+        with self._lock:
+            meta = self._items.get(key)
+            if meta is not None:
+                self._items.move_to_end(key)
+            return meta
+
+    def put(self, key: tuple[str, int, str], meta: pq.FileMetaData) -> None:
+        with self._lock:
+            self._items[key] = meta
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+
+
+#: Footers kept per process (a few KB each for ordinary schemas).
+FOOTER_CACHE_FILES = 4096
+_FOOTERS = _FooterCache(FOOTER_CACHE_FILES)
+
+
+def read_footer(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    retry: RetryPolicy,
+    on_request: Callable[[int], None] | None = None,
+    version: str = "",
+) -> pq.FileMetaData:
+    """A file's parsed Parquet footer: one ranged request (two for huge footers), or none.
+
+    Footers are cached per process by URL, size and version, so building a snapshot and
+    reading units fetch each footer once.
+
+    Args:
+        fs: The filesystem.
+        path: The file.
+        size: Its size in bytes (from the listing or the snapshot).
+        retry: Retry policy for transient failures.
+        on_request: Called with the bytes of each request made (for counters).
+        version: The file's version token (a rewrite of the same size is another file).
+
+    Raises:
+        LakeDataError: If the file is not a Parquet file, is truncated, or its footer does
+            not parse; names the URL and the cause.
+        StoreUnavailableError: If the store keeps failing past the retry deadline.
+    """
+    url = url_of(fs, path)
+    key = (url, size, version)
+    cached = _FOOTERS.get(key)
+    if cached is not None:
+        return cached
+    meta = _fetch_footer(fs, path, size, retry, on_request) if not is_local(fs) else None
+    if meta is None:
+        try:
+            meta = pq.read_metadata(path)
+        except Exception as exc:
+            raise LakeDataError(
+                f"{path}: cannot read the Parquet footer ({describe(exc)}); "
+                "repair or remove the file, or move it out of the lake"
+            ) from exc
+    _FOOTERS.put(key, meta)
+    return meta
+
+
+def _fetch_footer(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    retry: RetryPolicy,
+    on_request: Callable[[int], None] | None,
+) -> pq.FileMetaData:
+    url = url_of(fs, path)
+    start = max(0, size - FOOTER_TAIL_BYTES)
+    tail = _cat(fs, path, start, size, retry, on_request)
+    if size < 12 or tail[-4:] != PARQUET_MAGIC:
+        raise LakeDataError(
+            f"{url}: not a Parquet file: it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r} "
+            f"({size} bytes); a truncated or half-written file looks like this. Repair it, "
+            "remove it, or move it out of the lake"
+        )
+    length = int.from_bytes(tail[-8:-4], "little")
+    if length + 8 > size - 4:
+        raise LakeDataError(
+            f"{url}: its footer claims {length} bytes but the file has {size}; the file is "
+            "truncated or corrupt. Repair or remove it"
+        )
+    if length + 8 > len(tail):
+        tail = _cat(fs, path, size - length - 8, start, retry, on_request) + tail
+    try:
+        return pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
+    except Exception as exc:
+        raise LakeDataError(
+            f"{url}: cannot parse the Parquet footer ({describe(exc)}); repair or remove the file"
+        ) from exc
+
+
+def _cat(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int,
+    end: int,
+    retry: RetryPolicy,
+    on_request: Callable[[int], None] | None,
+) -> bytes:
+    def cat() -> bytes:
+        data: bytes = fs.cat_file(path, start=start, end=end)
+        _check_length(data, start, end, path)
+        return data
+
+    data = retry.call(cat, url_of(fs, path))
+    if on_request is not None:
+        on_request(len(data))
+    return data
+
+
+class ShortReadError(ConnectionError):
+    """A ranged read returned fewer bytes than asked: a connection cut mid-body (retried)."""
+
+
+def _check_length(data: Any, start: int, end: int, path: str) -> None:
+    if isinstance(data, bytes | bytearray | memoryview) and len(data) != end - start:
+        raise ShortReadError(f"{path}: {len(data)} bytes read for range [{start}, {end})")
+
+
+def chunk_ranges(meta: pq.FileMetaData, row_group: int, names: Collection[str]) -> Ranges:
+    """Byte ranges of the column chunks of ``names`` (top-level columns) in one row group.
+
+    >>> import io, pyarrow as pa, pyarrow.parquet as pq
+    >>> buf = io.BytesIO()
+    >>> pq.write_table(pa.table({"a": [1, 2], "b": [3, 4]}), buf)
+    >>> meta = pq.read_metadata(pa.BufferReader(buf.getvalue()))
+    >>> [end > start >= 4 for start, end in chunk_ranges(meta, 0, {"b"})]
+    [True]
+    """
+    rg = meta.row_group(row_group)
+    out: Ranges = []
+    for i in range(rg.num_columns):
+        col = rg.column(i)
+        if col.path_in_schema.split(".")[0] not in names:
+            continue
+        offsets = [col.data_page_offset]
+        if col.has_dictionary_page and col.dictionary_page_offset:
+            offsets.append(col.dictionary_page_offset)
+        start = min(offsets)
+        out.append((start, start + col.total_compressed_size))
+    return out
+
+
+def coalesce(ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> Ranges:
+    """Merge ranges that overlap or lie within ``gap`` bytes of each other.
+
+    >>> coalesce([(300, 400), (0, 100), (150, 200)], gap=60)
+    [(0, 200), (300, 400)]
+    """
+    merged: Ranges = []
+    for start, end in sorted(ranges):
+        if merged and start - merged[-1][1] <= gap:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+class SparseFile:
+    """A read-only file of which some ranges are in memory; reads elsewhere are fetched.
+
+    pyarrow decodes a row group from it as from the whole file. A read outside the fetched
+    ranges (a writer whose column-chunk sizes in the footer are wrong, as some old ones are)
+    is fetched from the store rather than failing, and logged.
+    """
+
+    def __init__(
+        self, size: int, parts: Sequence[tuple[int, bytes]], fetch: Callable[[int, int], bytes]
+    ) -> None:
+        self._size = size
+        self._parts = sorted(parts, key=lambda p: p[0])
+        self._starts = [p[0] for p in self._parts]
+        self._fetch = fetch
+        self._pos = 0
+        self.closed = False
+
+    def read(self, nbytes: int = -1) -> bytes:
+        """Read up to ``nbytes`` bytes (all the rest if negative) from the position."""
+        end = self._size if nbytes is None or nbytes < 0 else min(self._size, self._pos + nbytes)
+        data = self._slice(self._pos, end)
+        self._pos = end
+        return data
+
+    def _slice(self, start: int, end: int) -> bytes:
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0:
+            part_start, blob = self._parts[i]
+            if end <= part_start + len(blob):
+                return blob[start - part_start : end - part_start]
+        logger.debug("bytes [%d, %d) were not prefetched; fetching them", start, end)
+        return self._fetch(start, end)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move the position, as ``io`` files do."""
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        """The position."""
+        return self._pos
+
+    def seekable(self) -> bool:
+        """Always True."""
+        return True
+
+    def readable(self) -> bool:
+        """Always True."""
+        return True
+
+    def writable(self) -> bool:
+        """Always False."""
+        return False
+
+    def close(self) -> None:
+        """Mark closed (the memory goes with the object)."""
+        self.closed = True
+
+
+def fetch_ranges(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    ranges: Ranges,
+    retry: RetryPolicy,
+    on_request: Callable[[int], None] | None = None,
+) -> SparseFile:
+    """Fetch byte ranges of a file at once (concurrently on async filesystems).
+
+    Raises:
+        StoreUnavailableError: If the store keeps failing past the retry deadline.
+    """
+    url = url_of(fs, path)
+
+    def cat_all() -> list[Any]:
+        blobs: list[Any] = fs.cat_ranges(
+            [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise"
+        )
+        for blob, (start, end) in zip(blobs, ranges, strict=True):
+            if isinstance(blob, BaseException):
+                raise blob
+            _check_length(blob, start, end, path)
+        return blobs
+
+    blobs = retry.call(cat_all, url) if ranges else []
+    for blob in blobs:
+        if on_request is not None:
+            on_request(len(blob))
+
+    def fetch(start: int, end: int) -> bytes:
+        return _cat(fs, path, start, end, retry, on_request)
+
+    return SparseFile(size, list(zip([s for s, _ in ranges], blobs, strict=True)), fetch)

@@ -1,0 +1,275 @@
+"""Fetching and decoding one unit (a row group or a row range of one) through fsspec.
+
+The reader conforms every unit to the snapshot's unified schema (selected columns only,
+missing columns as nulls, hive partition values as constant columns), so that units of
+different files concatenate into one batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lakeloader.errors import LakeDataError, LakeError
+from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
+from lakeloader.io.retry import RetryPolicy, describe
+from lakeloader.lake.snapshot import FileInfo, Snapshot
+
+#: Most rows decoded at once when a unit that is a row range of its row group is streamed.
+#: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient
+#: memory to about one batch (plus the read buffers), where reading the row group whole took
+#: all of it (268 MiB for a row group of 1.5 M rows of the memory benchmark).
+STREAM_BATCH_ROWS = 64 * 1024
+#: Most uncompressed bytes (of the selected columns, by the footer) in one streamed batch.
+#: Rows of a few hundred bytes reach ``STREAM_BATCH_ROWS`` first; wide rows get fewer.
+STREAM_BATCH_BYTES = 16 << 20
+#: Read buffer per column chunk when streaming: column chunks are read a buffer at a time
+#: rather than whole (pyarrow's ``buffer_size``; ``pre_buffer`` is off).
+STREAM_BUFFER_BYTES = 1 << 20
+
+
+def stream_batch_rows(meta: pq.FileMetaData, row_group: int, names: Collection[str]) -> int:
+    """Rows per batch to stream a row group's ``names`` (top-level columns) with.
+
+    The largest power of two within ``STREAM_BATCH_ROWS`` whose rows hold at most
+    ``STREAM_BATCH_BYTES`` uncompressed bytes, by the footer. A power of two, so that units
+    of the default ``max_unit_rows`` (2**18) begin and end on batch boundaries and their
+    edges need no slicing. The footer's sizes are of encoded pages: a dictionary-encoded
+    column decodes larger, so its batches may exceed the byte bound.
+
+    >>> import io, pyarrow as pa, pyarrow.parquet as pq
+    >>> buf = io.BytesIO()
+    >>> text = [f"{i:01000d}" for i in range(1000)]
+    >>> pq.write_table(pa.table({"a": [1.0] * 1000, "s": text}), buf)
+    >>> meta = pq.read_metadata(pa.BufferReader(buf.getvalue()))
+    >>> stream_batch_rows(meta, 0, {"a"}), stream_batch_rows(meta, 0, {"a", "s"}) < 32768
+    (65536, True)
+    """
+    rg = meta.row_group(row_group)
+    size = sum(
+        rg.column(i).total_uncompressed_size
+        for i in range(rg.num_columns)
+        if rg.column(i).path_in_schema.split(".")[0] in names
+    )
+    row_bytes = max(1.0, size / max(1, rg.num_rows))
+    rows = max(1, min(STREAM_BATCH_ROWS, int(STREAM_BATCH_BYTES / row_bytes)))
+    return 1 << (rows.bit_length() - 1)
+
+
+def stream_rows(
+    source: Any,
+    meta: pq.FileMetaData,
+    row_group: int,
+    row_start: int,
+    num_rows: int,
+    columns: list[str],
+) -> tuple[list[pa.RecordBatch], int]:
+    """Rows ``[row_start, row_start + num_rows)`` of a row group, streamed.
+
+    Column chunks are read ``STREAM_BUFFER_BYTES`` at a time and decoded in batches of
+    :func:`stream_batch_rows` rows; the stream stops after the range's last row, so the
+    decode holds about the range plus one batch and the read buffers, never the row group.
+    pyarrow 26's Python API cannot start at a row (no reading of row ranges through the page
+    index), so the batches before ``row_start`` are decoded and dropped.
+
+    Args:
+        source: A local path or a file object, as :class:`pyarrow.parquet.ParquetFile` takes.
+        meta: The file's footer.
+        row_group: The row group.
+        row_start: First row of the range inside the row group.
+        num_rows: Rows in the range (at least one).
+        columns: Top-level columns to read.
+
+    Returns:
+        The range's batches (the first and last sliced to it), and the rows of the row group
+        streamed: fewer than ``row_start + num_rows`` when the row group ended early.
+    """
+    stop = row_start + num_rows
+    batch_rows = min(stream_batch_rows(meta, row_group, columns), stop)
+    kept: list[pa.RecordBatch] = []
+    end = 0
+    with (
+        pq.ParquetFile(
+            source, metadata=meta, buffer_size=STREAM_BUFFER_BYTES, pre_buffer=False
+        ) as parquet,
+        contextlib.closing(
+            parquet.iter_batches(batch_size=batch_rows, row_groups=[row_group], columns=columns)
+        ) as batches,
+    ):
+        for batch in batches:
+            first, end = end, end + batch.num_rows
+            if end > row_start:
+                lo = max(row_start - first, 0)
+                kept.append(batch.slice(lo, min(stop - first, batch.num_rows) - lo))
+            if end >= stop:
+                break
+    return kept, end
+
+
+@dataclass
+class ReadCounters:
+    """Thread-safe counters of what the reader did (for ``loader.stats()``)."""
+
+    units_decoded: int = 0
+    bytes_read: int = 0
+    requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_request(self, nbytes: int) -> None:
+        """Count one ranged request to the store and the bytes it returned."""
+        with self._lock:
+            self.requests += 1
+            self.bytes_read += nbytes
+
+    def add_local_read(self, nbytes: int) -> None:
+        """Count bytes that pyarrow reads from a local file itself."""
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def add_unit(self) -> None:
+        """Count one decoded unit."""
+        with self._lock:
+            self.units_decoded += 1
+
+    def add(self, units: int, nbytes: int, requests: int) -> None:
+        """Count what another process's reader did (a worker that decoded for this one)."""
+        with self._lock:
+            self.units_decoded += units
+            self.bytes_read += nbytes
+            self.requests += requests
+
+    def totals(self) -> tuple[int, int, int]:
+        """(units decoded, bytes read, requests) so far."""
+        with self._lock:
+            return self.units_decoded, self.bytes_read, self.requests
+
+
+class UnitReader:
+    """Reads units of one snapshot; safe to call from several threads.
+
+    Local files are opened by pyarrow itself. Remote files cost one ranged request per footer
+    (cached per process, so none when this process built the snapshot) and one concurrent
+    batch of coalesced ranged requests per unit, for the selected columns only (see
+    :mod:`lakeloader.io.fetch`).
+
+    Args:
+        fs: The lake's filesystem.
+        snapshot: The pinned snapshot.
+        columns: Columns to return (file columns and partition columns), in this order.
+        retry: Retry policy for transient storage failures.
+    """
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        snapshot: Snapshot,
+        columns: Sequence[str],
+        retry: RetryPolicy,
+    ) -> None:
+        self.fs = fs
+        self.snapshot = snapshot
+        self.columns = list(columns)
+        self.schema = pa.schema([snapshot.schema.field(c) for c in self.columns])
+        self.retry = retry
+        self.counters = ReadCounters()
+        self._local = is_local(fs)
+
+    def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
+        """The same reader over another filesystem object, with counters of its own."""
+        return UnitReader(fs, self.snapshot, self.columns, self.retry)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["counters"]  # a lock does not pickle; counts stay with their process
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["counters"] = ReadCounters()
+        self.__dict__.update(state)
+
+    def _footer(self, info: FileInfo) -> pq.FileMetaData:
+        return read_footer(
+            self.fs, info.path, info.size, self.retry, self.counters.add_request, info.version
+        )
+
+    def _read_rows(
+        self, info: FileInfo, row_group: int, row_start: int, num_rows: int, file_cols: list[str]
+    ) -> pa.Table:
+        """Rows ``[row_start, row_start + num_rows)`` of a row group's ``file_cols``.
+
+        A whole row group is read at once (fastest); a row range of one is streamed
+        (:func:`stream_rows`).
+        """
+        meta = self._footer(info)
+        expected = info.row_group_rows[row_group]
+        found = meta.row_group(row_group).num_rows
+        if found != expected:
+            raise self._changed(info, row_group, found, "in its footer")
+        ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
+        if self._local:
+            source: Any = info.path
+            self.counters.add_local_read(sum(end - start for start, end in ranges))
+        else:
+            source = fetch_ranges(
+                self.fs, info.path, info.size, ranges, self.retry, self.counters.add_request
+            )
+        if row_start == 0 and num_rows == expected:
+            table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
+                row_group, columns=file_cols
+            )
+            if table.num_rows != expected:
+                raise self._changed(info, row_group, table.num_rows, "read")
+            return table
+        kept, streamed = stream_rows(source, meta, row_group, row_start, num_rows, file_cols)
+        if streamed < row_start + num_rows:
+            raise self._changed(info, row_group, streamed, "in its stream")
+        return pa.Table.from_batches(kept)
+
+    def _changed(self, info: FileInfo, row_group: int, rows: int, how: str) -> LakeDataError:
+        """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's."""
+        return LakeDataError(
+            f"{url_of(self.fs, info.path)}, row group {row_group}: {rows} rows {how} but "
+            f"the snapshot says {info.row_group_rows[row_group]}; the file changed after the "
+            "snapshot was taken: rebuild the dataset"
+        )
+
+    def read(self, file_index: int, row_group: int, row_start: int, num_rows: int) -> pa.Table:
+        """Read rows ``[row_start, row_start + num_rows)`` of one row group.
+
+        Raises:
+            LakeDataError: Naming the file's URL, the row group and pyarrow's error, if the
+                row group cannot be read or decoded, or no longer matches the snapshot.
+            StoreUnavailableError: If the store keeps failing past the retry deadline.
+        """
+        info = self.snapshot.files[file_index]
+        partitions = dict(info.partitions)
+        file_cols = [c for c in self.columns if info.schema is not None and c in info.schema.names]
+        try:
+            table = self._read_rows(info, row_group, row_start, num_rows, file_cols)
+        except LakeError:
+            raise
+        except Exception as exc:
+            raise LakeDataError(
+                f"{url_of(self.fs, info.path)}, row group {row_group}: cannot read or decode "
+                f"({describe(exc)}); repair or remove the file, or pass "
+                "on_error='skip' to quarantine the unit"
+            ) from exc
+        arrays = []
+        for f in self.schema:
+            if f.name in file_cols:
+                col = table.column(f.name)
+                arrays.append(col if col.type == f.type else col.cast(f.type))
+            elif f.name in partitions:
+                value = partitions[f.name]
+                arrays.append(pa.repeat(pa.scalar(value).cast(f.type), num_rows))
+            else:
+                arrays.append(pa.nulls(num_rows, f.type))
+        self.counters.add_unit()
+        return pa.Table.from_arrays(arrays, schema=self.schema)

@@ -1,0 +1,169 @@
+"""Finding the data files of a lake through fsspec.
+
+A *source* is a folder URL, a glob, a single file, or a list of any of those. Discovery
+resolves it to a sorted list of data-file paths plus the hive partition values (``key=value``
+folders) of each, without opening any file. Only names decide what is data: ``_SUCCESS``,
+``_metadata``, ``_common_metadata`` and any file or folder whose name starts with ``.`` or
+``_`` are skipped, as Spark, Hive and pyarrow do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from lakeloader.errors import LakeNotFoundError
+from lakeloader.io.retry import RetryPolicy
+from lakeloader.state.keys import NON_DATA_NAMES
+
+Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+#: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
+#: GCS's generation (gcsfs also reports an etag, which is not the object's version).
+_VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
+
+
+def version_token(info: dict[str, Any]) -> str:
+    """A token that changes when a file is rewritten, from an fsspec ``info()`` dict.
+
+    >>> version_token({"size": 3, "ETag": '"9b2cf5"'})
+    'ETag:"9b2cf5"'
+    """
+    for key in _VERSION_KEYS:
+        if info.get(key) is not None:
+            return f"{key}:{info[key]}"
+    return "none"
+
+
+@dataclass(frozen=True)
+class DiscoveredFile:
+    """A data file found by discovery.
+
+    Attributes:
+        path: The path as the filesystem names it (no protocol), used to open the file.
+        partitions: Hive partition values from ``key=value`` folders, outermost first.
+        size: Size in bytes from the listing (None when the listing did not say).
+        version: Version token from the listing (None when the listing did not say).
+    """
+
+    path: str
+    partitions: tuple[tuple[str, str], ...]
+    size: int | None = None
+    version: str | None = None
+
+
+def is_data_name(name: str) -> bool:
+    """Tell whether a file or folder name can hold data.
+
+    >>> [is_data_name(n) for n in ["part-0.parquet", "_SUCCESS", ".part-0.crc", "_tmp"]]
+    [True, False, False, False]
+    """
+    return name not in NON_DATA_NAMES and not name.startswith((".", "_"))
+
+
+def hive_partitions(relative_dir: str) -> tuple[tuple[str, str], ...]:
+    """Parse the ``key=value`` segments of a folder path relative to the lake root.
+
+    >>> hive_partitions("year=2024/month=05/extra")
+    (('year', '2024'), ('month', '05'))
+    """
+    pairs = []
+    for segment in relative_dir.split("/"):
+        key, sep, value = segment.partition("=")
+        if sep and key:
+            pairs.append((key, value))
+    return tuple(pairs)
+
+
+def _relative_dir(path: str, root: str) -> str:
+    parent = posixpath.dirname(path)
+    if root and (parent == root or parent.startswith(root.rstrip("/") + "/")):
+        return parent[len(root) :].lstrip("/")
+    return ""
+
+
+Listing = dict[str, dict[str, Any]]
+
+
+def _files_only(listing: Listing) -> Listing:
+    return {p: i for p, i in listing.items() if i.get("type", "file") == "file"}
+
+
+def _expand_one(fs: fsspec.AbstractFileSystem, item: str) -> tuple[str, Listing]:
+    """Resolve one source entry to (root folder, {data-file path: fsspec info})."""
+    if any(ch in item for ch in "*?["):
+        root = item.split("*")[0].split("?")[0].split("[")[0]
+        root = root if root.endswith("/") else posixpath.dirname(root)
+        return root.rstrip("/"), _files_only(fs.glob(item, detail=True))
+    try:
+        info = fs.info(item)
+    except FileNotFoundError:
+        info = {}
+    if info.get("type") == "file":
+        return posixpath.dirname(item), {item: info}
+    if info.get("type") == "directory":
+        return item.rstrip("/"), _files_only(fs.find(item, detail=True))
+    raise LakeNotFoundError(
+        f"{item!r} does not exist: give a folder, a glob, a Parquet file or a list of those"
+    )
+
+
+def _keep(path: str, root: str) -> bool:
+    relative = path[len(root) :].lstrip("/") if path.startswith(root) else posixpath.basename(path)
+    return all(is_data_name(part) for part in relative.split("/") if part)
+
+
+def discover(
+    source: Source,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> tuple[fsspec.AbstractFileSystem, list[DiscoveredFile]]:
+    """List the data files of a lake, sorted by path, with sizes and versions from the listing.
+
+    Args:
+        source: A folder, glob, file, ``file://``/``s3://``/``gs://`` URL or a list of these
+            (all on one filesystem).
+        storage_options: Options for the fsspec filesystem (credentials, endpoint, ...).
+        retry: Retry policy for transient listing failures (None: the default policy).
+
+    Returns:
+        The filesystem and the data files, sorted by path, without duplicates.
+
+    Raises:
+        LakeNotFoundError: If the source holds no data file.
+        StoreUnavailableError: If the store keeps failing past the retry deadline.
+    """
+    retry = retry or RetryPolicy()
+    entries = [source] if isinstance(source, str | os.PathLike) else list(source)
+    items = [os.fspath(s) for s in entries]
+    if not items:
+        raise LakeNotFoundError("the source is an empty list: name at least one Parquet file")
+    fs, first = url_to_fs(items[0], **(storage_options or {}))
+    fs.invalidate_cache()  # fsspec caches instances and listings: a snapshot must see the lake now
+    found: dict[str, DiscoveredFile] = {}
+    for item in items:
+        path = first if item is items[0] else url_to_fs(item, **(storage_options or {}))[1]
+        root, listing = retry.call(functools.partial(_expand_one, fs, path), path)
+        for p, info in listing.items():
+            if _keep(p, root) and p not in found:
+                size = info.get("size")
+                found[p] = DiscoveredFile(
+                    p,
+                    hive_partitions(_relative_dir(p, root)),
+                    int(size) if size is not None else None,
+                    version_token(info) if version_token(info) != "none" else None,
+                )
+    if not found:
+        raise LakeNotFoundError(
+            f"no data file under {source!r} (after skipping _SUCCESS, _metadata, "
+            "_common_metadata and dot- or underscore-prefixed names)"
+        )
+    return fs, [found[p] for p in sorted(found)]

@@ -1,0 +1,116 @@
+"""A snapshot as plain data: what a checkpoint pins so that recovery never re-lists the lake.
+
+The manifest holds every file's path, size, version token, row groups, hive values and schema
+(Arrow IPC bytes, each distinct schema once), plus the fingerprint, which is recomputed on
+load: a manifest that does not hash to its own fingerprint is refused as corrupt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgpack
+import pyarrow as pa
+
+from lakeloader.errors import StateFormatError
+from lakeloader.lake.snapshot import FileInfo, Snapshot, assemble_snapshot
+
+MANIFEST_KIND: Final = "lakeloader.manifest"
+MANIFEST_VERSION: Final = 1
+
+
+def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
+    """Describe a snapshot in plain types (msgpack-serialisable; schemas as IPC bytes).
+
+    Args:
+        snapshot: The snapshot.
+        source: The lake's source as given to ``LakeDataset`` (URLs keep their protocol, which
+            the file paths do not), so that the filesystem can be rebuilt without listing.
+    """
+    schemas: list[bytes] = []
+    index: dict[bytes, int] = {}
+    files = []
+    for f in snapshot.files:
+        ref = -1
+        if f.schema is not None:
+            blob = f.schema.serialize().to_pybytes()
+            ref = index.setdefault(blob, len(schemas))
+            if ref == len(schemas):
+                schemas.append(blob)
+        files.append(
+            [
+                f.path,
+                f.size,
+                f.version,
+                list(f.row_group_rows),
+                list(f.row_group_bytes),
+                [list(p) for p in f.partitions],
+                ref,
+            ]
+        )
+    return {
+        "kind": MANIFEST_KIND,
+        "version": MANIFEST_VERSION,
+        "source": source,
+        "fingerprint": snapshot.fingerprint,
+        "files": files,
+        "schemas": schemas,
+    }
+
+
+def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None) -> Snapshot:
+    """Rebuild the snapshot a manifest describes, without touching the lake.
+
+    Raises:
+        StateFormatError: If the manifest is malformed or does not match its fingerprint.
+    """
+    if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
+        raise StateFormatError("not a lakeloader manifest")
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise StateFormatError(
+            f"manifest version {manifest.get('version')!r} is not supported "
+            f"(this lakeloader reads version {MANIFEST_VERSION})"
+        )
+    try:
+        schemas = [pa.ipc.read_schema(pa.py_buffer(b)) for b in manifest["schemas"]]
+        infos = [
+            FileInfo(
+                path=str(path),
+                size=int(size),
+                version=str(version),
+                row_group_rows=tuple(int(r) for r in rows),
+                row_group_bytes=tuple(int(b) for b in nbytes),
+                partitions=tuple((str(k), str(v)) for k, v in parts),
+                schema=schemas[ref] if ref >= 0 else None,
+            )
+            for path, size, version, rows, nbytes, parts, ref in manifest["files"]
+        ]
+    except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
+        raise StateFormatError(f"malformed lakeloader manifest: {exc!r}") from exc
+    snapshot = assemble_snapshot(infos, columns)
+    if snapshot.fingerprint != manifest["fingerprint"]:
+        raise StateFormatError(
+            f"manifest is corrupt: it hashes to {snapshot.fingerprint}, not to its fingerprint "
+            f"{manifest['fingerprint']}"
+        )
+    return snapshot
+
+
+def pack_manifest(snapshot: Snapshot, source: str | list[str]) -> bytes:
+    """The manifest of a snapshot as msgpack bytes."""
+    data: bytes = msgpack.packb(to_manifest(snapshot, source), use_bin_type=True)
+    return data
+
+
+def unpack_manifest(data: bytes) -> dict[str, Any]:
+    """Parse manifest bytes (see :func:`from_manifest` for validation).
+
+    Raises:
+        StateFormatError: If the bytes are not msgpack.
+    """
+    try:
+        value: dict[str, Any] = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise StateFormatError(f"manifest is not valid msgpack: {exc!r}") from exc
+    return value

@@ -1,0 +1,272 @@
+"""The frozen description of a lake at one moment: files, sizes, versions, schemas, row groups.
+
+A :class:`Snapshot` is built once (listing the lake and reading every footer in parallel) and
+then pinned: planning, reading and recovery only ever look at it, never at the live lake, so
+an epoch sees exactly the files it started with. Its fingerprint identifies it in states and
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import msgpack
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from lakeloader.errors import LakeDataError, SchemaMismatchError
+from lakeloader.io.fetch import read_footer, url_of
+from lakeloader.io.retry import RetryPolicy, describe
+from lakeloader.lake.discovery import DiscoveredFile, Source, discover, version_token
+from lakeloader.lake.schema import unify_schemas
+from lakeloader.state.keys import SNAPSHOT_FORMAT_VERSION
+
+logger = logging.getLogger(__name__)
+
+#: From this many files on, footer reading shows a progress bar (on a terminal).
+PROGRESS_MIN_FILES = 64
+_INT_RE = re.compile(r"-?[0-9]+")
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One data file of a snapshot.
+
+    Attributes:
+        path: Filesystem path (no protocol).
+        size: Size in bytes.
+        version: A token that changes when the file is rewritten (ETag, generation or mtime).
+        row_group_rows: Row count of every row group, in file order.
+        row_group_bytes: Uncompressed size of every row group, for memory estimates.
+        partitions: Hive partition values ``(key, value)`` from the file's folders.
+        schema: The file's own Arrow schema (without metadata); None for a zero-byte file.
+    """
+
+    path: str
+    size: int
+    version: str
+    row_group_rows: tuple[int, ...]
+    row_group_bytes: tuple[int, ...]
+    partitions: tuple[tuple[str, str], ...]
+    schema: pa.Schema | None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the file."""
+        return sum(self.row_group_rows)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A lake pinned at one moment.
+
+    Attributes:
+        files: The data files, sorted by path.
+        schema: The unified schema of the selected columns, partition columns last.
+        partition_types: Arrow type of each hive partition column.
+        column_names: Every column of every file, then the partition keys.
+        fingerprint: Hash of the files (paths, sizes, versions, row groups, schemas);
+            equal fingerprints mean the same data.
+    """
+
+    files: tuple[FileInfo, ...]
+    schema: pa.Schema
+    partition_types: tuple[tuple[str, pa.DataType], ...]
+    column_names: tuple[str, ...]
+    fingerprint: str
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the whole lake."""
+        return sum(f.num_rows for f in self.files)
+
+    @property
+    def num_row_groups(self) -> int:
+        """Row groups in the whole lake."""
+        return sum(len(f.row_group_rows) for f in self.files)
+
+
+def read_file_info(
+    fs: fsspec.AbstractFileSystem, found: DiscoveredFile, retry: RetryPolicy | None = None
+) -> FileInfo:
+    """Read one file's Parquet footer (one ranged request on a store), size and version.
+
+    The size and version come from the listing when it gave them (no extra request).
+
+    Raises:
+        LakeDataError: If the file is not a readable Parquet file.
+        StoreUnavailableError: If the store keeps failing past the retry deadline.
+    """
+    retry = retry or RetryPolicy()
+    size, version = found.size, found.version
+    if size is None or version is None:
+        try:
+            info = retry.call(lambda: fs.info(found.path), url_of(fs, found.path))
+        except FileNotFoundError as exc:
+            raise LakeDataError(
+                f"{url_of(fs, found.path)}: file vanished while listing the lake"
+            ) from exc
+        size, version = int(info.get("size") or 0), version_token(info)
+    if size == 0:
+        logger.warning("%s is a zero-byte file; it is taken as an empty file", found.path)
+        return FileInfo(found.path, 0, version, (), (), found.partitions, None)
+    meta = read_footer(fs, found.path, size, retry, version=version)
+    try:
+        schema = meta.schema.to_arrow_schema().remove_metadata()
+    except Exception as exc:
+        raise LakeDataError(
+            f"{url_of(fs, found.path)}: its Parquet schema has no Arrow equivalent "
+            f"({describe(exc)}); rewrite the file or leave it out of the lake"
+        ) from exc
+    rgs = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return FileInfo(
+        path=found.path,
+        size=size,
+        version=version,
+        row_group_rows=tuple(rg.num_rows for rg in rgs),
+        row_group_bytes=tuple(rg.total_byte_size for rg in rgs),
+        partitions=found.partitions,
+        schema=schema,
+    )
+
+
+def _partition_types(files: Sequence[FileInfo]) -> tuple[tuple[str, pa.DataType], ...]:
+    values: dict[str, list[str]] = {}
+    for f in files:
+        for key, value in f.partitions:
+            values.setdefault(key, []).append(value)
+    return tuple(
+        (key, pa.int64() if all(_is_int64(v) for v in vals) else pa.string())
+        for key, vals in values.items()
+    )
+
+
+def _is_int64(text: str) -> bool:
+    """Whether a hive partition value is a plain ASCII integer that fits in int64.
+
+    >>> [_is_int64(v) for v in ["2024", "-5", "--5", "05a", "99999999999999999999"]]
+    [True, True, False, False, False]
+    """
+    return bool(_INT_RE.fullmatch(text)) and -(2**63) <= int(text) < 2**63
+
+
+def fingerprint(files: Sequence[FileInfo]) -> str:
+    """Hash the identity of a snapshot: paths, sizes, versions, row groups and file schemas."""
+    payload = [
+        SNAPSHOT_FORMAT_VERSION,
+        [
+            [
+                f.path,
+                f.size,
+                f.version,
+                list(f.row_group_rows),
+                list(f.partitions),
+                f.schema.to_string(show_schema_metadata=False) if f.schema is not None else "",
+            ]
+            for f in files
+        ],
+    ]
+    return hashlib.sha256(msgpack.packb(payload)).hexdigest()[:32]
+
+
+def build_snapshot(
+    fs: fsspec.AbstractFileSystem,
+    found: Sequence[DiscoveredFile],
+    *,
+    max_threads: int = 32,
+    progress: bool | None = None,
+    columns: Sequence[str] | None = None,
+    retry: RetryPolicy | None = None,
+    skip_unreadable: bool = False,
+) -> Snapshot:
+    """Read every footer in parallel and freeze the result.
+
+    Args:
+        fs: The lake's filesystem.
+        found: The discovered data files, sorted by path.
+        max_threads: Footers read at once (I/O bound, so more than the core count).
+        progress: Show a progress bar; None shows one for many files on a terminal.
+        columns: Only these columns must have compatible types across files (None: all).
+        retry: Retry policy for transient storage failures (None: the default policy).
+        skip_unreadable: Leave out files whose footer cannot be read, with a warning
+            naming each (``on_error="skip"``), instead of raising.
+
+    Raises:
+        LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
+        SchemaMismatchError: If the schemas cannot be unified.
+    """
+
+    def read(d: DiscoveredFile) -> FileInfo | None:
+        try:
+            return read_file_info(fs, d, retry)
+        except LakeDataError as exc:
+            if not skip_unreadable:
+                raise
+            logger.warning("left out of the snapshot (on_error='skip'): %s", exc)
+            return None
+
+    show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
+    with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(found)))) as pool:
+        infos = list(
+            tqdm(
+                pool.map(read, found),
+                total=len(found),
+                desc="reading footers",
+                unit="file",
+                disable=not show,
+            )
+        )
+    return assemble_snapshot([i for i in infos if i is not None], columns)
+
+
+def assemble_snapshot(infos: Sequence[FileInfo], columns: Sequence[str] | None) -> Snapshot:
+    """Freeze file infos into a snapshot: unified schema, hive columns, fingerprint.
+
+    Raises:
+        SchemaMismatchError: If the schemas cannot be unified, or a hive key is also a column.
+    """
+    ptypes = _partition_types(infos)
+    file_names = [n for f in infos if f.schema is not None for n in f.schema.names]
+    for key, _ in ptypes:
+        if key in file_names:
+            raise SchemaMismatchError(
+                f"hive partition key {key!r} is also a column in the files; rename the folder"
+            )
+    schema = unify_schemas(infos, columns)
+    for key, typ in ptypes:
+        if columns is None or key in columns:
+            schema = schema.append(pa.field(key, typ))
+    names = tuple(dict.fromkeys(file_names + [k for k, _ in ptypes]))
+    return Snapshot(tuple(infos), schema, ptypes, names, fingerprint(infos))
+
+
+def snapshot_lake(
+    source: Source,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    progress: bool | None = None,
+    columns: Sequence[str] | None = None,
+    retry: RetryPolicy | None = None,
+    skip_unreadable: bool = False,
+) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    """Discover a lake and read its footers: the one call that pins a lake.
+
+    >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+    >>> root = tempfile.mkdtemp()
+    >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+    >>> _, snap = snapshot_lake(root)
+    >>> snap.num_rows, snap.files[0].row_group_rows
+    (10, (4, 4, 2))
+    """
+    fs, found = discover(source, storage_options, retry)
+    snapshot = build_snapshot(
+        fs, found, progress=progress, columns=columns, retry=retry, skip_unreadable=skip_unreadable
+    )
+    return fs, snapshot

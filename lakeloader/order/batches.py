@@ -1,0 +1,332 @@
+"""One rank's share of global batches: which pieces, and which of their rows in what order.
+
+The epoch's order is :mod:`lakeloader.order.plan`; this module applies it to steps.
+:func:`batch_spec`
+builds one step's share; :func:`batch_specs` builds many at once, vectorised across steps, which
+is what the loader calls (64 steps a call): each window a call touches is fetched once and read
+as a lookup table, and pieces are made unique per step by flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lakeloader.order.plan import (
+    EpochPlan,
+    IntOrArray,
+    batch_runs,
+    batch_slots,
+    expand_runs,
+    rank_bounds,
+    rank_bounds_many,
+    slots_to_virtual,
+    virtual_to_piece,
+    window_permutation,
+)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What one rank needs for one step: which pieces, and which of their rows in what order.
+
+    Attributes:
+        step: Step index in the epoch (0-based, counted from the epoch's start position).
+        slot_start: First global slot of the global batch.
+        slot_stop: One past the last global slot of the global batch.
+        positions: Sorted unique positions of the pieces needed.
+        take: Row indices into the concatenation of those pieces, in batch order.
+        inverse: For each row, in batch order, the index into ``positions`` of its piece.
+        row: For each row, in batch order, the row inside its piece. With ``base`` the start
+            of each piece in the concatenation, ``take == base[inverse] + row``.
+    """
+
+    step: int
+    slot_start: int
+    slot_stop: int
+    positions: np.ndarray
+    take: np.ndarray
+    inverse: np.ndarray
+    row: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this rank gets in this step."""
+        return len(self.take)
+
+
+#: :func:`_unique_inverse` flags every possible value instead of sorting while there are at
+#: most this many possible values per value (a flag costs about a hundredth of a sorted value).
+_DENSE_SPAN_PER_VALUE = 16
+
+
+def _unique_inverse(values: np.ndarray, span: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` by one sort, or no sort at all.
+
+    Args:
+        values: Integers to make unique.
+        span: If given, every value lies in ``[0, span)``; when that range is small, the values
+            are found by flagging them rather than by sorting them.
+
+    >>> [a.tolist() for a in _unique_inverse(np.array([7, 3, 7, 5]))]
+    [[3, 5, 7], [2, 0, 2, 1]]
+    >>> [a.tolist() for a in _unique_inverse(np.array([7, 3, 7, 5]), span=8)]
+    [[3, 5, 7], [2, 0, 2, 1]]
+    """
+    if span is not None and span <= _DENSE_SPAN_PER_VALUE * len(values) + 4096:
+        seen = np.zeros(span, dtype=bool)
+        seen[values] = True
+        return np.flatnonzero(seen), (np.cumsum(seen, dtype=np.int64) - 1)[values]
+    if not len(values):
+        return values.astype(np.int64), np.zeros(0, dtype=np.int64)
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    first = np.concatenate([[True], ordered[1:] != ordered[:-1]])
+    inverse = np.empty(len(values), dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[first], inverse
+
+
+def batch_spec(
+    plan: EpochPlan, step: int, slot_start: int, slot_stop: int, world_size: int, rank: int
+) -> BatchSpec:
+    """Build one rank's share of the global batch ``[slot_start, slot_stop)``.
+
+    ``step`` only labels the result; an empty range gives an empty share. To plan several
+    consecutive steps, :func:`batch_specs` gives the same at a fraction of the cost per step.
+    """
+    _check_share(plan, slot_start, slot_stop, world_size, rank)
+    slots = batch_slots(slot_start, slot_stop, plan.num_partitions)
+    lo, hi = rank_bounds(len(slots), world_size, rank)
+    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots[lo:hi]))
+    positions, inverse = _unique_inverse(pos, span=plan.num_pieces)
+    sizes = plan.piece_rows(positions)
+    base = np.cumsum(sizes) - sizes
+    return BatchSpec(step, slot_start, slot_stop, positions, base[inverse] + row, inverse, row)
+
+
+def _check_share(
+    plan: EpochPlan, starts: IntOrArray, stops: IntOrArray, world_size: int, rank: int
+) -> None:
+    """Raise ValueError unless ``rank`` is one of ``world_size`` and the slots in the epoch."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size: {rank}, {world_size}")
+    if np.any((starts < stops) & ((starts < 0) | (stops > plan.num_rows))):
+        raise ValueError(f"slots outside the epoch's {plan.num_rows}")
+
+
+def batch_specs(
+    plan: EpochPlan,
+    first_step: int,
+    num_steps: int,
+    start: int,
+    global_batch: int,
+    world_size: int,
+    rank: int,
+) -> list[BatchSpec]:
+    """One rank's shares of ``num_steps`` consecutive global batches, planned together.
+
+    Step ``t`` covers the global slots ``[start + t * global_batch, start + (t + 1) *
+    global_batch)``, cut at the end of the epoch. The result equals ``batch_spec`` of every
+    step, at a fraction of the cost: the work is done once for all rows of all steps.
+
+    Args:
+        plan: The epoch.
+        first_step: First step to plan.
+        num_steps: Steps to plan.
+        start: Global slot at which step 0 starts.
+        global_batch: Slots per global batch.
+        world_size: Ranks sharing each global batch.
+        rank: The rank whose shares are planned.
+
+    Returns:
+        One :class:`BatchSpec` per step, in step order (their arrays are views of arrays
+        shared by the call).
+
+    Raises:
+        ValueError: On a bad argument, or a step that has no slot of the epoch.
+
+    >>> from lakeloader.order.plan import make_units, plan_epoch
+    >>> plan = plan_epoch(
+    ...     make_units([[3, 4]], 4), seed=0, epoch=0, shuffle=False, num_partitions=2, window=2
+    ... )
+    >>> specs = batch_specs(plan, 1, 2, 1, 2, 1, 0)
+    >>> [(s.step, s.positions.tolist(), s.take.tolist(), s.row.tolist()) for s in specs]
+    [(1, [0, 2], [2, 4], [2, 1]), (2, [1, 2], [0, 3], [0, 2])]
+    """
+    if global_batch < 1 or num_steps < 0:
+        raise ValueError(f"need global_batch >= 1, num_steps >= 0: {global_batch}, {num_steps}")
+    steps = first_step + np.arange(num_steps, dtype=np.int64)
+    starts = start + steps * global_batch
+    stops = np.minimum(starts + global_batch, plan.num_rows)
+    if np.any(starts < 0) or np.any(stops <= starts):
+        raise ValueError(f"steps {first_step}..{first_step + num_steps - 1} leave the epoch")
+    _check_share(plan, starts, stops, world_size, rank)
+    return _batch_specs(plan, steps, starts, stops, world_size, rank)
+
+
+def _batch_specs(
+    plan: EpochPlan,
+    steps: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    world_size: int,
+    rank: int,
+) -> list[BatchSpec]:
+    """Shares of the global batches ``[starts[i], stops[i])``, labelled ``steps[i]``.
+
+    Nothing is done per row but a few gathers: the rows of a run of a partition inside one
+    window are a slice of that window's permutation, so runs are cut at windows into
+    *segments*, every window touched is fetched once and the slice used of it turned into a
+    table (the row inside its piece, and the piece), and each row picks its entry of that
+    table. Pieces are made unique per step by segment if no window holds several, else by row.
+    """
+    step, part, pos, length, share = _share_runs(plan, starts, stops, world_size, rank)
+    step, part, win, inner, length = _window_segments(plan.window, step, part, pos, length)
+    pieces, table, seg_piece, table_row, table_piece = _window_tables(
+        plan, step, part, win, inner, length
+    )
+    width = max(len(pieces), 1)
+    entry = expand_runs(table, length, 1)  # the table entry of each row, in batch order
+    if table_piece is None:  # each window holds one piece: a key (step, piece) per segment
+        unique, inv = _unique_inverse(step * width + seg_piece, span=len(steps) * width)
+    else:  # a key per row
+        keys = np.repeat(step * width, length)
+        keys += table_piece[entry]
+        unique, inv = _unique_inverse(keys, span=len(steps) * width)
+    key_step, key_piece = np.divmod(unique, width)
+    positions = pieces[key_piece]
+    per_step = np.bincount(key_step, minlength=len(steps))
+    first = (np.cumsum(per_step) - per_step)[key_step]  # first key of each key's step
+    offset = np.cumsum(plan.piece_rows(positions))
+    offset -= plan.piece_rows(positions)  # start of each piece among all steps' pieces ...
+    offset -= offset[first]  # ... and among its step's
+    local = np.arange(len(unique)) - first  # index of each key's piece among its step's
+    if table_piece is None:
+        inverse, take = np.repeat(local[inv], length), np.repeat(offset[inv], length)
+    else:
+        inverse, take = local[inv], offset[inv]
+    row = table_row[entry]
+    take += row
+    specs = []
+    r0 = p0 = 0
+    bounds = zip(np.cumsum(share).tolist(), np.cumsum(per_step).tolist(), strict=True)
+    for t, a, b, (r1, p1) in zip(
+        steps.tolist(), starts.tolist(), stops.tolist(), bounds, strict=True
+    ):
+        specs.append(BatchSpec(t, a, b, positions[p0:p1], take[r0:r1], inverse[r0:r1], row[r0:r1]))
+        r0, p0 = r1, p1
+    return specs
+
+
+def _share_runs(
+    plan: EpochPlan, starts: np.ndarray, stops: np.ndarray, world_size: int, rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rank's share of each global batch, as runs of consecutive positions of a partition.
+
+    Returns:
+        For each run, in batch order: its batch (index into ``starts``), partition, first
+        position in the partition and length; and the rows of the rank's share of each batch.
+    """
+    C = plan.num_partitions
+    first, counts = batch_runs(starts, stops, C)
+    at = np.cumsum(counts, axis=1) - counts  # where each run starts in its batch
+    lo, hi = rank_bounds_many(counts.sum(axis=1), world_size, rank)
+    lo, hi = lo[:, None], hi[:, None]
+    a = np.minimum(np.maximum(at, lo), hi)
+    b = np.minimum(np.maximum(at + counts, lo), hi)
+    keep = np.flatnonzero(b > a)
+    batch, part = np.divmod(keep, C)
+    pos = (first // C + a - at).ravel()[keep]
+    return batch, part, pos, (b - a).ravel()[keep], (hi - lo).ravel()
+
+
+def _window_segments(
+    window: int, step: np.ndarray, part: np.ndarray, pos: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Cut runs where they cross windows: (step, partition, window, first inner, length)."""
+    first = pos // window
+    count = (pos + length - 1) // window - first + 1
+    run = np.repeat(np.arange(len(pos)), count)
+    win = expand_runs(first, count, 1)
+    lo = np.maximum(pos[run], win * window)
+    hi = np.minimum((pos + length)[run], win * window + window)
+    return step[run], part[run], win, lo - win * window, hi - lo
+
+
+def _window_tables(
+    plan: EpochPlan,
+    step: np.ndarray,
+    part: np.ndarray,
+    win: np.ndarray,
+    inner: np.ndarray,
+    length: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Fetch every window that the segments touch, once, and tabulate the rows they use.
+
+    Returns:
+        The pieces that the windows overlap (sorted); for each segment, the index in the
+        tables of its first row and the index in the pieces of its window's first piece; and
+        the tables: for each row, the row inside its piece and, unless every window lies in
+        one piece, the index of its piece in the pieces.
+    """
+    W = plan.window
+    sizes = np.diff(plan.starts)
+    per_part = int(sizes[0]) // W + 1  # more than the windows of the largest partition
+    # The windows touched, sorted: in virtual order.
+    keys, seg_win = _unique_inverse(part * per_part + win, span=len(sizes) * per_part)
+    w_part, w_win = np.divmod(keys, per_part)
+    lo = np.full(len(keys), W, dtype=np.int64)
+    hi = np.zeros(len(keys), dtype=np.int64)
+    last = np.zeros(len(keys), dtype=np.int64)
+    np.minimum.at(lo, seg_win, inner)
+    np.maximum.at(hi, seg_win, inner + length)
+    np.maximum.at(last, seg_win, step)
+    virtual = plan.starts[w_part] + w_win * W
+    size = np.minimum(W, sizes[w_part] - w_win * W)
+    first = np.searchsorted(plan.offsets, virtual, side="right") - 1
+    final = np.searchsorted(plan.offsets, virtual + size - 1, side="right") - 1
+    pieces = expand_runs(first, final - first + 1, 1)  # sorted, as the windows are
+    fresh = np.ones(len(pieces), dtype=bool)
+    fresh[1:] = pieces[1:] != pieces[:-1]
+    pieces = pieces[fresh]
+    # Fetched in the order of their last use: those of the last step, which the next call
+    # starts with, are the last put in the plan's cache. A call may touch more windows than the
+    # cache holds, but it fetches each once, and the next call needs only those of its last
+    # step (one or two per partition while a batch gives a partition at most a window's rows):
+    # the cache need not grow with the steps planned at once.
+    order = np.lexsort((keys, last))
+    used = (hi - lo)[order]
+    at = np.empty(len(keys), dtype=np.int64)
+    at[order] = np.cumsum(used) - used
+    table_row = np.empty(int(used.sum()), dtype=np.int64)
+    table_piece = np.empty(len(table_row), dtype=np.int64) if np.any(final > first) else None
+    local = np.searchsorted(pieces, first)
+    columns = (w_part, w_win, lo, hi, at, virtual, first, final, local)
+    for p, w, a, b, t, v, f, z, k in zip(*(c[order].tolist() for c in columns), strict=True):
+        perm = window_permutation(plan, p, w)[a:b]
+        out = slice(t, t + b - a)
+        np.add(perm, v - plan.offsets[f], out=table_row[out])  # the row inside the first piece
+        if table_piece is None:
+            continue
+        table_piece[out] = k
+        if z > f:  # the window overlaps several pieces: find each row's
+            rel = _count_reached(table_row[out], plan.offsets[f + 1 : z + 1] - plan.offsets[f])
+            table_row[out] -= plan.offsets[f + rel] - plan.offsets[f]
+            table_piece[out] += rel
+    return pieces, at[seg_win] + inner - lo[seg_win], local[seg_win], table_row, table_piece
+
+
+def _count_reached(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """How many of the sorted ``bounds`` each value reaches: ``searchsorted(side="right")``.
+
+    >>> _count_reached(np.array([0, 5, 3, 9]), np.array([3, 6])).tolist()
+    [0, 1, 1, 2]
+    """
+    if len(bounds) > 4:
+        return np.asarray(np.searchsorted(bounds, values, side="right"), dtype=np.int64)
+    count = np.zeros(len(values), dtype=np.int64)
+    for bound in bounds.tolist():  # a few comparisons beat a binary search per value
+        count += values >= bound
+    return count

@@ -1,0 +1,266 @@
+"""The pool of DataLoader worker processes: start, hand out tasks, collect, replace the dead.
+
+Workers do one of two kinds of task. On the default tensor path they decode units into the
+rank's arena, and the loader's process assembles batches from it, which costs a row copy
+per batch. With a transform or a collate_fn, which run per row, they build batches from
+units the loader decoded (:mod:`lakeloader.workers.process` is the worker's side). Any worker
+can do any task and answers on its own pipe, where its log records travel too. The pool
+notices a worker that died (its sentinel becomes ready), hands back the tasks it owed so the
+loader can give them to another worker, and starts a fresh one in its place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import multiprocessing as mp
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from lakeloader.workers.process import IDLE, Result, Work, WorkerSetup, worker_main
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a worker gets to exit after being asked to, before it is terminated.
+SHUTDOWN_GRACE = 5.0
+#: Seconds to reap a worker whose sentinel fired (it has exited: this is only a cap).
+REAP_SECONDS = 0.5
+#: waitid flags: report a child that has exited, without waiting or reaping it.
+_EXITED_UNREAPED = os.WEXITED | os.WNOHANG | os.WNOWAIT
+#: fcntl command to set a pipe's capacity (Linux), and the capacity asked for.
+F_SETPIPE_SZ = 1031
+PIPE_BYTES = 1 << 20
+
+
+def _widen_pipe(fd: int) -> None:
+    """Let a whole batch fit in the result pipe, so that neither side waits on the other.
+
+    A batch of 1,024 rows of 18 numeric columns is about 80 KB; Linux pipes hold 64 KB by
+    default, which splits each batch in two blocking writes and reads.
+    """
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # above /proc/sys/fs/pipe-max-size, or not Linux: the default will do
+        logger.debug("could not widen the result pipe to %d bytes", PIPE_BYTES)
+
+
+@dataclass
+class _Slot:
+    process: Any
+    tasks: Connection
+    results: Connection
+    building: Any  # shared int: the step the worker is building, or IDLE
+    owed: dict[int, Work] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Death:
+    """A worker that died, with the tasks it still owed.
+
+    Attributes:
+        worker: The worker id.
+        pid: Its process id.
+        exitcode: Its exit code (``-9`` for SIGKILL).
+        owed: The tasks it had not answered, in the order they were handed out.
+        building: The step it was building when it died, or None if it was idle.
+    """
+
+    worker: int
+    pid: int | None
+    exitcode: int | None
+    owed: list[Work]
+    building: int | None
+
+
+class WorkerPool:
+    """A fixed number of worker processes, each with a task queue and a result pipe.
+
+    Args:
+        setup: What every worker needs.
+        num_workers: Processes to run.
+        context: A multiprocessing context or its name (None: the platform default).
+    """
+
+    def __init__(
+        self, setup: WorkerSetup, num_workers: int, context: BaseContext | str | None
+    ) -> None:
+        self._setup = setup
+        self._ctx: Any = (
+            mp.get_context(context) if not isinstance(context, BaseContext) else context
+        )
+        self._slots = [self._start(i) for i in range(num_workers)]
+        self._collecting = 0  # collect() calls under way (see all_alive)
+        self.restarts = 0
+        self.generation = 0
+
+    def _start(self, worker_id: int) -> _Slot:
+        task_reader, task_writer = self._ctx.Pipe(duplex=False)
+        reader, writer = self._ctx.Pipe(duplex=False)
+        _widen_pipe(reader.fileno())
+        building = self._ctx.Value("q", IDLE, lock=False)
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(worker_id, self._setup, task_reader, writer, building),
+            name=f"lakeloader-worker-{worker_id}",
+            daemon=True,
+        )
+        proc.start()
+        writer.close()
+        task_reader.close()
+        return _Slot(proc, task_writer, reader, building)
+
+    @property
+    def num_owed(self) -> int:
+        """Tasks handed out and not yet answered."""
+        return sum(len(s.owed) for s in self._slots)
+
+    def pids(self) -> list[int | None]:
+        """Process ids of the workers, by worker id."""
+        return [s.process.pid for s in self._slots]
+
+    def new_generation(self) -> int:
+        """Forget every task handed out so far; their late answers will be dropped."""
+        self.generation += 1
+        for slot in self._slots:
+            slot.owed.clear()
+        return self.generation
+
+    def submit(self, task: Work) -> int:
+        """Give a task to the worker that owes the fewest; returns that worker's id."""
+        worker = min(range(len(self._slots)), key=lambda i: len(self._slots[i].owed))
+        slot = self._slots[worker]
+        slot.owed[task.step] = task
+        try:
+            slot.tasks.send(task)
+        except OSError:  # it died: wait() reports it and hands the task back
+            logger.debug("worker %d is gone; step %d waits for its replacement", worker, task.step)
+        return worker
+
+    def _drain(self, slot: _Slot, into: list[Result]) -> None:
+        try:
+            while slot.results.poll():
+                message = slot.results.recv()
+                if isinstance(message, logging.LogRecord):  # a worker's log line
+                    logging.getLogger(message.name).handle(message)
+                elif message.generation == self.generation:
+                    slot.owed.pop(message.step, None)
+                    into.append(message)
+        except (EOFError, OSError):
+            return
+
+    def all_alive(self) -> bool:
+        """Whether every worker is surely running; False when one may have died.
+
+        Cheap enough for every step: one ``waitid`` per worker, which leaves an exited
+        worker unreaped (``WNOWAIT``), so that reaping stays with :meth:`collect`. Callers
+        confirm a False with :meth:`collect` under the lock that serialises their collects.
+        A worker that a collect() in another thread is reaping at this very moment looks
+        running to ``waitid``, so the answer is also False while a collect() is under way.
+        """
+        for slot in self._slots:
+            try:
+                if os.waitid(os.P_PID, slot.process.pid, _EXITED_UNREAPED) is None:
+                    continue  # running
+            except ChildProcessError:  # reaped already, by a collect()
+                pass
+            return False
+        return not self._collecting
+
+    def waitables(self) -> list[Any]:
+        """What :meth:`collect` needs to hear about: result pipes and process sentinels."""
+        return [*(s.results for s in self._slots), *(s.process.sentinel for s in self._slots)]
+
+    def wait(
+        self, timeout: float | None, extra: Sequence[int] = ()
+    ) -> tuple[list[Result], list[Death], bool]:
+        """Wait for results, worker deaths or one of the ``extra`` file descriptors.
+
+        Returns:
+            The results that arrived, the workers that died (already replaced by fresh
+            ones, their owed tasks returned for resubmission), and whether an ``extra``
+            descriptor became readable.
+        """
+        ready = wait([*self.waitables(), *extra], timeout)
+        results, deaths = self.collect(ready)
+        return results, deaths, any(fd in ready for fd in extra)
+
+    def collect(self, ready: Sequence[Any]) -> tuple[list[Result], list[Death]]:
+        """Take the results that arrived and replace the workers that died.
+
+        Args:
+            ready: What a :func:`multiprocessing.connection.wait` over :meth:`waitables`
+                returned (it may be stale: objects of workers replaced since are ignored).
+        """
+        self._collecting += 1
+        try:
+            return self._collect(ready)
+        finally:
+            self._collecting -= 1
+
+    def _collect(self, ready: Sequence[Any]) -> tuple[list[Result], list[Death]]:
+        by_conn = {s.results: s for s in self._slots}
+        by_sentinel = {s.process.sentinel: i for i, s in enumerate(self._slots)}
+        results: list[Result] = []
+        deaths: list[Death] = []
+        for obj in ready:
+            if obj in by_conn:
+                self._drain(by_conn[obj], results)
+        # The sentinel fires once every thread of the worker has exited; waitpid (is_alive)
+        # is checked too, as a second, independent signal.
+        dead = {by_sentinel[obj] for obj in ready if isinstance(obj, int) and obj in by_sentinel}
+        dead |= {i for i, s in enumerate(self._slots) if not s.process.is_alive()}
+        for worker in sorted(dead):
+            slot = self._slots[worker]
+            # A ready sentinel means the process has exited, so the join is immediate; one
+            # that stays alive had a stale sentinel (its number reused by a fresh worker).
+            slot.process.join(timeout=REAP_SECONDS)
+            if slot.process.is_alive():
+                continue
+            self._drain(slot, results)
+            step = int(slot.building.value)
+            deaths.append(
+                Death(
+                    worker,
+                    slot.process.pid,
+                    slot.process.exitcode,
+                    list(slot.owed.values()),
+                    step if step != IDLE and step in slot.owed else None,
+                )
+            )
+            self._close_slot(slot)
+            self._slots[worker] = self._start(worker)
+            self.restarts += 1
+        return results, deaths
+
+    def _close_slot(self, slot: _Slot) -> None:
+        slot.tasks.close()
+        slot.results.close()
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Ask every worker to exit, then terminate those that do not.
+
+        Args:
+            graceful: Ask first (a ``None`` task). A finaliser passes False, and so does an
+                interpreter that is shutting down.
+        """
+        graceful = graceful and not sys.is_finalizing()
+        for slot in self._slots:
+            if not graceful:
+                slot.process.terminate()
+                continue
+            try:
+                slot.tasks.send(None)
+            except (OSError, ValueError):
+                logger.debug("worker %s queue already closed", slot.process.name)
+        for slot in self._slots:
+            slot.process.join(timeout=SHUTDOWN_GRACE)
+            if slot.process.is_alive():
+                slot.process.terminate()
+                slot.process.join(timeout=SHUTDOWN_GRACE)
+            self._close_slot(slot)
+        self._slots = []

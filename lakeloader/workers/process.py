@@ -1,0 +1,258 @@
+"""The worker process's side: what it is given, what it does, and what it answers.
+
+A worker decodes units into the rank's arena (:class:`DecodeTask`, the default tensor path) or
+builds batches for a transform or a collate_fn (:class:`Task`), and answers each task with a
+:class:`Result` on its own pipe, where its log records travel too. The pool that starts and
+replaces workers is :mod:`lakeloader.workers.pool`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, TypeAlias
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from lakeloader.cache.arena import ArenaHandle, FileMap
+from lakeloader.cache.decode import DecodeJob, UnitDecoder, UnitRef
+from lakeloader.cache.packed import RowLayout
+from lakeloader.cache.store import UnitOpener
+from lakeloader.errors import LakeError
+from lakeloader.io.retry import describe
+from lakeloader.pipeline.collate import Collate, Transform, build_payload
+
+#: Seconds between a waiting worker's checks that the loader's process is still alive.
+WATCHDOG_SECONDS = 1.0
+#: Value of a worker's "building" cell while it waits for a task.
+IDLE = -1
+#: The package's logger: what workers forward to the loader's process.
+LOGGER = "lakeloader"
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What every worker needs, sent once when it starts (pickled for spawn contexts).
+
+    Attributes:
+        schema: Schema of the decoded units.
+        layout: How the units' tensor-typed columns are packed (None: not packed).
+        transform: Per-row transform, or None.
+        collate_fn: The user's collate function, or None.
+        worker_init_fn: Called with the worker id once the worker has started, as in torch.
+        base_seed: Worker ``i`` seeds ``torch`` and ``random`` with ``base_seed + i``.
+        num_workers: Workers in the pool.
+        decoder: Decodes units (when workers decode for the loader), or None.
+    """
+
+    schema: pa.Schema
+    layout: RowLayout | None
+    transform: Transform | None
+    collate_fn: Collate | None
+    worker_init_fn: Callable[[int], None] | None
+    base_seed: int
+    num_workers: int
+    decoder: UnitDecoder | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    """Build one batch (a transform or collate_fn's row path): the units and the row indices.
+
+    ``generation`` tells apart the passes of a pool that outlives one (persistent workers):
+    answers to a pass that was abandoned are dropped, never mistaken for the new pass's steps.
+    """
+
+    generation: int
+    step: int
+    refs: Sequence[UnitRef]
+    take: np.ndarray
+
+
+@dataclass(frozen=True)
+class DecodeTask:
+    """Decode one unit into the loader's arena (the default tensor path).
+
+    ``step`` is the unit's position in the epoch's virtual sequence: a task's key, as a
+    batch's step is for a :class:`Task`.
+    """
+
+    generation: int
+    step: int
+    job: DecodeJob
+    arena: ArenaHandle | None
+
+
+#: Anything handed to a worker.
+Work: TypeAlias = "Task | DecodeTask"
+
+
+@dataclass(frozen=True)
+class Result:
+    """A worker's answer: the payload, or its failure.
+
+    Attributes:
+        generation: The pass the task belonged to.
+        step: The task's key.
+        worker: The worker that answered.
+        payload: A batch's payload, or a decoded unit (:data:`~lakeloader.cache.decode.Held`).
+        error: The formatted traceback of a failure.
+        exception: A lakeloader error to raise as it is (bad data, a store that is down).
+        cause: That error's cause (pickling drops ``__cause__``; the loader puts it back).
+        counts: What the worker's reader did for a decode: units, bytes, requests.
+    """
+
+    generation: int
+    step: int
+    worker: int
+    payload: Any = None
+    error: str | None = None
+    exception: LakeError | None = None
+    cause: BaseException | None = None
+    counts: tuple[int, int, int] = (0, 0, 0)
+
+    def raised(self) -> LakeError | None:
+        """The lakeloader error to raise in the loader's process, with its cause, or None."""
+        if self.exception is not None:
+            self.exception.__cause__ = self.cause
+        return self.exception
+
+
+class _ForwardLogs(logging.Handler):
+    """Sends a worker's log records to the loader's process, which logs them as its own.
+
+    Retries, quarantine warnings and the like then reach the handlers the user configured
+    (and ``caplog``), whichever process did the work.
+    """
+
+    def __init__(self, results: Connection, lock: threading.Lock) -> None:
+        super().__init__()
+        self._results = results
+        self._lock = lock
+
+    def emit(self, record: logging.LogRecord) -> None:
+        record.msg, record.args = record.getMessage(), None
+        record.exc_info, record.exc_text = None, None
+        try:
+            with self._lock:
+                self._results.send(record)
+        except (OSError, ValueError):  # the loader is gone
+            return
+
+
+class _Worker:
+    """A worker's state between tasks: its decoder and its maps of the shared files."""
+
+    def __init__(self, setup: WorkerSetup, worker_id: int, results: Connection) -> None:
+        self._setup = setup
+        self._id = worker_id
+        self._results = results
+        self._lock = threading.Lock()  # log records may come from pyarrow's threads too
+        self._decoder = setup.decoder.in_child() if setup.decoder is not None else None
+        self._arena = FileMap(writable=True)
+        self._opener = UnitOpener()
+        forward = _ForwardLogs(results, self._lock)
+        forward.setLevel(logging.getLogger(LOGGER).getEffectiveLevel())
+        root = logging.getLogger(LOGGER)
+        root.handlers, root.propagate = [forward], False
+
+    def run(self, task: Work) -> None:
+        """Do a task and answer it."""
+        try:
+            result = self._decode(task) if isinstance(task, DecodeTask) else self._build(task)
+        except LakeError as exc:
+            result = self._failed(task, exc)
+        except Exception:
+            result = Result(task.generation, task.step, self._id, error=traceback.format_exc())
+        with self._lock:
+            self._results.send(result)
+
+    def _failed(self, task: Work, exc: LakeError) -> Result:
+        """A lakeloader error to raise as it is in the loader, with its cause."""
+        if not _round_trips(exc):  # the loader gets it as a traceback instead
+            return Result(task.generation, task.step, self._id, error=traceback.format_exc())
+        cause = exc.__cause__
+        if cause is not None and not _round_trips(cause):
+            cause = RuntimeError(describe(cause))
+        return Result(task.generation, task.step, self._id, exception=exc, cause=cause)
+
+    def _build(self, task: Task) -> Result:
+        setup = self._setup
+        units = self._opener.open(task.refs, None)
+        payload = build_payload(
+            units, task.take, setup.schema, setup.transform, setup.collate_fn, {}
+        )
+        return Result(task.generation, task.step, self._id, payload=payload)
+
+    def _decode(self, task: DecodeTask) -> Result:
+        decoder, layout = self._decoder, self._setup.layout
+        assert decoder is not None
+        records = None
+        if task.arena is not None and layout is not None:
+            size = task.arena.capacity * layout.row_bytes
+            records = self._arena.bytes(task.arena.path, size).view(layout.record)
+        before = decoder.reader.counters.totals()
+        held = decoder.decode(task.job, records)
+        after = decoder.reader.counters.totals()
+        counts = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+        return Result(task.generation, task.step, self._id, payload=held, counts=counts)
+
+    def idle(self) -> None:
+        """Let go of every map and table: the pass may be over."""
+        self._arena.drop()
+        self._opener.drop()
+
+
+def _round_trips(exc: BaseException) -> bool:
+    """Whether an exception survives pickling both ways (a custom ``__init__`` may not)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return False
+    return True
+
+
+def worker_main(
+    worker_id: int, setup: WorkerSetup, tasks: Connection, results: Connection, building: Any
+) -> None:
+    """A worker's life: set up as torch's DataLoader does, then do tasks until told to stop.
+
+    Args:
+        worker_id: The worker's number.
+        setup: What every worker needs.
+        tasks: Where tasks come from (``None`` asks the worker to exit).
+        results: Where answers and log records go.
+        building: Shared cell: the key of the task under way, read by the pool on a death.
+    """
+    torch.set_num_threads(1)
+    seed = setup.base_seed + worker_id
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if setup.worker_init_fn is not None:
+        setup.worker_init_fn(worker_id)
+    parent = os.getppid()
+    worker = _Worker(setup, worker_id, results)
+    while True:
+        if not tasks.poll(WATCHDOG_SECONDS):
+            if os.getppid() != parent:  # the loader's process died: do not linger as an orphan
+                return
+            worker.idle()
+            continue
+        try:
+            task: Work | None = tasks.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        building.value = task.step  # read by the pool if this process dies now
+        worker.run(task)
+        building.value = IDLE
