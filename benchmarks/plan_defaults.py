@@ -29,11 +29,11 @@ Shuffle breadth (the global order; the same for every world size)
     (dominated by the unit permutation, so it is noise of about ``1/sqrt(units)``).
 
 Plan time
-    ``make_units``, ``plan_epoch``, ``release_slots`` for every position and one ``batch_spec``
-    on a synthetic snapshot of 1M units.
+    ``make_units``, ``plan_epoch``, ``release_slots`` for every position and one step's
+    ``batch_specs`` on a synthetic snapshot of 1M units.
 
-Sampled steps of every configuration are cross-checked against ``batch_spec`` so the vectorised
-simulation cannot drift from the library's own definition of a rank's rows.
+Sampled steps of every configuration are cross-checked against ``batch_specs`` so the
+vectorised simulation cannot drift from the library's own definition of a rank's rows.
 
 Run: ``PYTHONPATH=. python benchmarks/plan_defaults.py`` (about 80 s on two cores), or
 ``--quick`` (a few seconds: smaller layouts and grid, no recommendation), ``--json`` for one
@@ -192,7 +192,7 @@ def rank_of_slots(n: int, num_partitions: int, global_batch: int, world_size: in
     return np.where(q < cut, q // (base_t + 1), extra_t + (q - cut) // np.maximum(base_t, 1))
 
 
-def check_against_batch_spec(
+def check_against_batch_specs(
     plan: lp.EpochPlan,
     virt: np.ndarray,
     ranks: np.ndarray,
@@ -200,12 +200,12 @@ def check_against_batch_spec(
     world_size: int,
     steps: list[int],
 ) -> int:
-    """Compare the vectorised simulation with ``batch_spec`` on a few steps; raise on mismatch."""
+    """Compare the vectorised simulation with ``batch_specs`` on a few steps; raise on mismatch."""
     n, C = plan.num_rows, plan.num_partitions
     for t in steps:
         lo, hi = t * global_batch, min((t + 1) * global_batch, n)
         for rank in sorted({0, world_size - 1}):
-            spec = lb.batch_spec(plan, t, lo, hi, world_size, rank)
+            (spec,) = lb.batch_specs(plan, t, 1, 0, global_batch, world_size, rank)
             sizes = plan.piece_rows(spec.positions)
             base = np.concatenate([[0], np.cumsum(sizes)])
             k = np.searchsorted(base, spec.take, side="right") - 1
@@ -214,7 +214,7 @@ def check_against_batch_spec(
             j = j[ranks[lo:hi] == rank]
             j = j[np.argsort(j % C, kind="stable")]
             if not np.array_equal(theirs, virt[j]):
-                raise AssertionError(f"simulation differs from batch_spec at step {t} rank {rank}")
+                raise AssertionError(f"simulation differs from batch_specs at step {t} rank {rank}")
     return len(steps)
 
 
@@ -352,7 +352,7 @@ def run_config(
         ranks = rank_of_slots(n, C, gb, ws)
         steps = -(-n // gb)
         sample = sorted({0, 1, steps // 3, steps // 2, steps - 1})[-check_steps:]
-        result.checked_steps += check_against_batch_spec(plan, virt, ranks, gb, ws, sample)
+        result.checked_steps += check_against_batch_specs(plan, virt, ranks, gb, ws, sample)
         result.memory.append(
             memory_for(plan, unit_pos, ranks, release, pos_rows, straddles, gb, ws)
         )
@@ -398,7 +398,7 @@ def plan_time(num_units: int, rows_per_unit: int, repeats: int) -> dict[str, flo
             )
         ),
         "release_slots_all_s": best(lambda: lp.release_slots(plan, positions)),
-        "batch_spec_1024_s": best(lambda: lb.batch_spec(plan, 0, mid, mid + 1024, 8, 0)),
+        "batch_spec_1024_s": best(lambda: lb.batch_specs(plan, 0, 1, mid, 1024, 8, 0)),
     }
 
 
@@ -712,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         ("make_units (from per-file row-group sizes)", "make_units_s"),
         ("plan_epoch", "plan_epoch_s"),
         ("release_slots for every position", "release_slots_all_s"),
-        ("batch_spec, one 1024-row global batch, ws=8", "batch_spec_1024_s"),
+        ("batch_specs, one 1024-row global batch, ws=8", "batch_spec_1024_s"),
     ):
         print(f"  {label:<46} {timing[key] * 1e3:8.1f} ms")
 
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in rec_lines:
         print(text)
     print()
-    print(f"({checked} sampled steps cross-checked against batch_spec; {elapsed:.1f} s in all)")
+    print(f"({checked} sampled steps cross-checked against batch_specs; {elapsed:.1f} s in all)")
     return 0
 
 

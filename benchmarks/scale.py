@@ -6,9 +6,9 @@ and everything else is lakeloader's own pure functions.
 
 Planning (1 M units)
     62,500 files x 16 row groups of 65,536 rows (1,000,000 units): wall time of
-    ``make_units``, ``plan_epoch``, ``release_slots`` over every piece and one ``batch_spec``
-    (rank 0 of 256 x 1,024 rows), and the peak of Python/numpy allocations during them
-    (``tracemalloc``), beside the bytes the plan's arrays keep.
+    ``make_units``, ``plan_epoch``, ``release_slots`` over every piece and one step's
+    ``batch_specs`` (rank 0 of 256 x 1,024 rows), and the peak of Python/numpy allocations
+    during them (``tracemalloc``), beside the bytes the plan's arrays keep.
 
 10 TB lake (80,000 files x 16 row groups x 65,536 rows: 84 G rows, 10 TB at 120 B per row)
     For 128 and 256 ranks x 8 workers (batch 1,024 per rank), a job stopped half-way through
@@ -22,8 +22,8 @@ Planning (1 M units)
       apart, with the time to rebuild the snapshot from it;
     - recovery, as one rank does it after a restart (ranks do it in parallel, each for
       itself): parse the state (msgpack, ``LoaderState.from_dict``, ``check_matches``), plan
-      the epoch (``make_units`` + ``plan_epoch``), then reassign: the ``batch_spec`` of the next
-      ``8 x 2`` steps (each worker's first two tasks at prefetch factor 2) and the
+      the epoch (``make_units`` + ``plan_epoch``), then reassign: the ``batch_specs`` of the
+      next ``8 x 2`` steps (each worker's first two tasks at prefetch factor 2) and the
       ``release_slots`` of their pieces. Best of ``--reps``.
 
 Targets (issue 5): state <= 16 KB and recovery < 1 s at 256 ranks x 8 workers; the seed paper
@@ -142,7 +142,7 @@ def planning(files: int, row_groups: int, rows: int) -> dict[str, Any]:
         )
     )
     _, t_release = _timed(lambda: lp.release_slots(plan, np.arange(plan.num_pieces)))
-    _, t_spec = _timed(lambda: lb.batch_spec(plan, 0, 0, 256 * BATCH, 256, 0))
+    _, t_spec = _timed(lambda: lb.batch_specs(plan, 0, 1, 0, 256 * BATCH, 256, 0))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     arrays = [units.file_index, units.row_group, units.row_start, units.num_rows]
@@ -192,11 +192,11 @@ def recover(snapshot: Snapshot, blob: bytes, ranks: int, rank: int) -> dict[str,
     plan = _plan(snapshot, state.epoch)
     t2 = time.perf_counter()
     global_batch = ranks * BATCH
-    pieces = []
-    for k in range(WORKERS * PREFETCH):
-        start = state.position + k * global_batch
-        stop = min(start + global_batch, plan.num_rows)
-        pieces.append(lb.batch_spec(plan, k, start, stop, ranks, rank).positions)
+    steps = min(
+        WORKERS * PREFETCH, lp.steps_in_epoch(state.position, plan.num_rows, global_batch, False)
+    )
+    specs = lb.batch_specs(plan, 0, steps, state.position, global_batch, ranks, rank)
+    pieces = [spec.positions for spec in specs]
     lp.release_slots(plan, np.unique(np.concatenate(pieces)))
     t3 = time.perf_counter()
     return {"state_s": t1 - t0, "plan_s": t2 - t1, "reassign_s": t3 - t2, "total_s": t3 - t0}

@@ -1,8 +1,9 @@
-"""``batch_specs`` plans many steps at once exactly as ``batch_spec`` plans each one.
+"""``batch_specs`` plans many steps at once exactly as the oracle ``batch_spec`` plans each one.
 
-They share only ``batch_slots``, ``rank_bounds`` (tested in test_plan_properties.py) and
-``_unique_inverse`` (tested here); the shares are also checked against the virtual rows of their
-slots, and ``take`` against ``inverse`` and ``row``.
+The oracle (tests/oracles.py) maps the step's slots one by one with the pure functions of
+:mod:`lakeloader.order.plan`; it shares only ``batch_slots`` and ``rank_bounds`` (tested in
+test_plan_properties.py) with ``batch_specs``. The shares are also checked against the virtual
+rows of their slots, and ``take`` against ``inverse`` and ``row``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 import lakeloader.order.batches as lb
 import lakeloader.order.plan as lp
-from lakeloader.order.batches import BatchSpec, batch_spec, batch_specs
+from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
@@ -25,7 +26,8 @@ from lakeloader.order.plan import (
     rank_bounds,
     steps_in_epoch,
 )
-from tests.test_plan_properties import FAST, SLOW, all_virtual, decode, plans
+from tests.oracles import all_virtual, batch_spec, decode
+from tests.test_plan_properties import FAST, SLOW, plans
 
 
 def assert_same(got: BatchSpec, want: BatchSpec) -> None:
@@ -162,11 +164,6 @@ def test_world_size_larger_than_a_batch() -> None:
         assert a.dtype == np.int64 and a.shape == (0,)
 
 
-def test_batch_spec_of_an_empty_range_is_empty() -> None:
-    spec = batch_spec(small_plan(), 3, 20, 20, 2, 1)
-    assert (spec.step, spec.slot_start, spec.slot_stop, spec.num_rows) == (3, 20, 20, 0)
-
-
 @pytest.mark.parametrize(
     "args",
     [
@@ -182,11 +179,6 @@ def test_batch_spec_of_an_empty_range_is_empty() -> None:
 def test_bad_requests_raise(args: tuple[int, int, int, int, int, int]) -> None:
     with pytest.raises(ValueError):
         batch_specs(small_plan(), *args)
-
-
-def test_batch_spec_refuses_slots_outside_the_epoch() -> None:
-    with pytest.raises(ValueError):
-        batch_spec(small_plan(), 0, 40, 48, 1, 0)
 
 
 def test_each_window_is_drawn_once_across_calls(monkeypatch: pytest.MonkeyPatch) -> None:

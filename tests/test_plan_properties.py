@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakeloader.order.batches import BatchSpec, batch_spec
+from lakeloader.order.batches import batch_specs
 from lakeloader.order.plan import (
     EpochPlan,
     Units,
@@ -29,6 +29,7 @@ from lakeloader.order.plan import (
     unit_order,
     virtual_to_piece,
 )
+from tests.oracles import all_virtual, decode
 
 FAST = settings(max_examples=80, deadline=None)
 SLOW = settings(max_examples=50, deadline=None)
@@ -54,23 +55,6 @@ def plans(draw: st.DrawFn, layout: st.SearchStrategy[list[list[int]]] = layouts)
         num_partitions=draw(st.integers(1, 20)),
         window=draw(st.integers(1, 50)),
     )
-
-
-def all_virtual(plan: EpochPlan) -> np.ndarray:
-    """Virtual row of every global slot 0..N-1."""
-    return slots_to_virtual(plan, np.arange(plan.num_rows, dtype=np.int64))
-
-
-def decode(plan: EpochPlan, spec: BatchSpec) -> np.ndarray:
-    """Virtual rows that a BatchSpec designates, independently of how it was built."""
-    sizes = plan.piece_rows(spec.positions)
-    ends = np.cumsum(sizes)
-    assert np.all((spec.take >= 0) & (spec.take < (ends[-1] if len(ends) else 0)))
-    k = np.searchsorted(ends, spec.take, side="right")
-    base = ends - sizes
-    # Every listed unit is really used by the rank (no unit is fetched for nothing).
-    assert np.array_equal(np.unique(k), np.arange(len(spec.positions)))
-    return plan.offsets[spec.positions[k]] + spec.take - base[k]
 
 
 # --------------------------------------------------------------------------------- make_units
@@ -284,7 +268,7 @@ def test_batches_deliver_each_row_once_for_any_topology(
         expected = full[slots]
 
         # One rank with the whole batch.
-        whole = batch_spec(plan, step, start, stop, 1, 0)
+        (whole,) = batch_specs(plan, step, 1, g, batch, 1, 0)
         assert (whole.step, whole.slot_start, whole.slot_stop) == (step, start, stop)
         assert whole.num_rows == stop - start
         assert np.array_equal(decode(plan, whole), expected)
@@ -292,7 +276,7 @@ def test_batches_deliver_each_row_once_for_any_topology(
         # The rank shares, in rank order, rebuild exactly that batch.
         shares = []
         for rank in range(world_size):
-            spec = batch_spec(plan, step, start, stop, world_size, rank)
+            (spec,) = batch_specs(plan, step, 1, g, batch, world_size, rank)
             assert np.all(np.diff(spec.positions) > 0)
             lo, hi = rank_bounds(stop - start, world_size, rank)
             assert spec.num_rows == hi - lo
@@ -384,7 +368,7 @@ def test_units_needed_by_a_step_are_not_released_yet(
         start, stop = step * batch, min((step + 1) * batch, plan.num_rows)
         slots = batch_slots(start, stop, plan.num_partitions)
         for rank in range(world_size):
-            spec = batch_spec(plan, step, start, stop, world_size, rank)
+            (spec,) = batch_specs(plan, step, 1, 0, batch, world_size, rank)
             lo, hi = rank_bounds(len(slots), world_size, rank)
             pos, _ = virtual_to_piece(plan, full[slots[lo:hi]])
             release = release_slots(plan, spec.positions)

@@ -138,12 +138,6 @@ class Arena:
         except OSError as exc:  # a file system without hole punching: the pages stay
             logger.debug("cannot return arena pages of %s: %s", self.path, exc)
 
-    @property
-    def free_rows(self) -> int:
-        """Rows not allocated."""
-        with self._lock:
-            return sum(stop - start for start, stop in self._free)
-
     def close(self) -> None:
         """Delete the file and drop this map (other maps keep its pages until dropped)."""
         with self._lock:

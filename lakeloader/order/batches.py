@@ -1,10 +1,9 @@
 """One rank's share of global batches: which pieces, and which of their rows in what order.
 
 The epoch's order is :mod:`lakeloader.order.plan`; this module applies it to steps.
-:func:`batch_spec`
-builds one step's share; :func:`batch_specs` builds many at once, vectorised across steps, which
-is what the loader calls (64 steps a call): each window a call touches is fetched once and read
-as a lookup table, and pieces are made unique per step by flags.
+:func:`batch_specs` builds the shares of many consecutive steps at once, vectorised across
+steps, which is what the loader calls (64 steps a call): each window a call touches is fetched
+once and read as a lookup table, and pieces are made unique per step by flags.
 """
 
 from __future__ import annotations
@@ -17,12 +16,8 @@ from lakeloader.order.plan import (
     EpochPlan,
     IntOrArray,
     batch_runs,
-    batch_slots,
     expand_runs,
-    rank_bounds,
     rank_bounds_many,
-    slots_to_virtual,
-    virtual_to_piece,
     window_permutation,
 )
 
@@ -88,24 +83,6 @@ def _unique_inverse(values: np.ndarray, span: int | None = None) -> tuple[np.nda
     return ordered[first], inverse
 
 
-def batch_spec(
-    plan: EpochPlan, step: int, slot_start: int, slot_stop: int, world_size: int, rank: int
-) -> BatchSpec:
-    """Build one rank's share of the global batch ``[slot_start, slot_stop)``.
-
-    ``step`` only labels the result; an empty range gives an empty share. To plan several
-    consecutive steps, :func:`batch_specs` gives the same at a fraction of the cost per step.
-    """
-    _check_share(plan, slot_start, slot_stop, world_size, rank)
-    slots = batch_slots(slot_start, slot_stop, plan.num_partitions)
-    lo, hi = rank_bounds(len(slots), world_size, rank)
-    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots[lo:hi]))
-    positions, inverse = _unique_inverse(pos, span=plan.num_pieces)
-    sizes = plan.piece_rows(positions)
-    base = np.cumsum(sizes) - sizes
-    return BatchSpec(step, slot_start, slot_stop, positions, base[inverse] + row, inverse, row)
-
-
 def _check_share(
     plan: EpochPlan, starts: IntOrArray, stops: IntOrArray, world_size: int, rank: int
 ) -> None:
@@ -128,8 +105,10 @@ def batch_specs(
     """One rank's shares of ``num_steps`` consecutive global batches, planned together.
 
     Step ``t`` covers the global slots ``[start + t * global_batch, start + (t + 1) *
-    global_batch)``, cut at the end of the epoch. The result equals ``batch_spec`` of every
-    step, at a fraction of the cost: the work is done once for all rows of all steps.
+    global_batch)``, cut at the end of the epoch. Each share is the rank's slice
+    (:func:`~lakeloader.order.plan.rank_bounds`) of the step's slots in partition-major order
+    (:func:`~lakeloader.order.plan.batch_slots`), mapped to pieces and rows; the work is done
+    once for all rows of all steps, not slot by slot.
 
     Args:
         plan: The epoch.
