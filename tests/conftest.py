@@ -58,6 +58,23 @@ def write_lake(
     return next_id
 
 
+def damage_row_group(path: Path, rg: int) -> None:
+    """Overwrite the middle of every column chunk of one row group (the footer stays intact).
+
+    The damage only shows when that row group is read: the file still opens and lists.
+    """
+    meta = pq.read_metadata(path)
+    data = bytearray(path.read_bytes())
+    group = meta.row_group(rg)
+    for i in range(group.num_columns):
+        col = group.column(i)
+        start = col.dictionary_page_offset or col.data_page_offset
+        lo = start + 8
+        hi = start + col.total_compressed_size - 2
+        data[lo:hi] = b"\xff" * (hi - lo)
+    path.write_bytes(bytes(data))
+
+
 #: A layout with uneven files, an empty file (no row groups) and an empty row group.
 LAYOUT = [[300, 200], [], [50, 0, 250], [400], [123, 77, 100]]
 LAYOUT_ROWS = sum(sum(f) for f in LAYOUT)
