@@ -4,7 +4,8 @@ A shuffled batch takes a few rows from each of 16-32 units. When each unit lives
 array, gathering them costs a Python-level call per unit and per batch, which is what bounds a
 loader written in Python. In one arena, a batch is a single ``np.take`` of global row indices
 (``unit start + row``), whatever the number of units it touches, and worker processes see
-every unit through one mapping of one file, opened once per pass.
+every unit through one mapping of one file (:class:`FileMap`), mapped again only when the
+arena has grown, a new pass has its own arena, or the worker dropped its map while idle.
 
 The arena is a sparse file (in ``/dev/shm`` by default), so its size is address space, not
 memory: a page holds memory once a unit is packed into it. Rows are allocated first-fit from
@@ -52,7 +53,9 @@ class ArenaHandle:
 class Arena:
     """Packed rows of decoded units in one growable, memory-mapped file (see the module doc).
 
-    Thread-safe: decoding threads allocate while the loader's thread frees.
+    Thread-safe. The unit store allocates a unit's rows before its decode starts and frees
+    them once the unit is evicted; decoders, in the loader's threads or in worker processes,
+    only write the rows reserved for them.
 
     Args:
         directory: Folder for the file (the pass's folder).

@@ -25,7 +25,8 @@ class Screened:
     """A step's decoded units and row indices once quarantined units are left out.
 
     Attributes:
-        refs: The units the columns not in ``names`` come from (empty when none are left).
+        refs: The units that the columns in neither ``names`` nor ``views`` come from
+            (empty when no column is left for the Arrow path).
         take: Row indices into the concatenation of ``refs``.
         rows: Arena row of each batch row (the packed columns), or None.
         names: The packed columns every unit of the step has.

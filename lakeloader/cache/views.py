@@ -1,14 +1,17 @@
 """String and binary columns as Arrow binary views in the arena, and back to values.
 
 A shuffled batch takes a few rows from each of 16-32 units. Through Arrow that is one
-``take`` per unit per column, then a concatenation and a reorder, about 400 µs a batch for
-one string column. Kept as binary views (16 bytes a row, pointing into the unit's data
-buffer) in the arena rows, a string column comes along with the batch's row copy, and one
-view array over the units' data buffers gives every value to Python in one call.
+``take`` per unit per column, then a concatenation and a reorder. Kept as binary views (16
+bytes a row, pointing into the unit's data buffer) in the arena rows, a string column comes
+along with the batch's row copy, and one view array over the units' data buffers gives every
+value to Python in one call.
 
-The loader's process writes a unit's views when its decode completes (:class:`ViewBuffers`
-hands out the data buffers' indices), from the same Arrow data the views then point into,
-so a worker's decode is unchanged.
+The store reserves a data buffer index for each view column of a unit with its arena rows
+(:class:`ViewBuffers`). The decoder, in whichever process decodes the unit (a worker on the
+default tensor path, else a thread of the loader's process), writes the views into those rows
+(:func:`write_unit_views`) from the columns as the loader's process will hold them: in
+memory, or read back from the IPC file it will map. Once the decode completes, the store puts
+each column's data buffer at its reserved index, so the views point into it.
 """
 
 from __future__ import annotations
@@ -131,10 +134,10 @@ def views_array(views: np.ndarray, typ: pa.DataType, buffers: Sequence[pa.Buffer
     )
     # Every view is checked against the buffers: a view that pointed anywhere else would
     # read stray memory, where this raises. The check reads every value, which is the first
-    # touch of values scattered over many pieces (most of this function's 160 µs a batch on
-    # the reference lake), but it leaves them in cache for to_pylist: checking only the
-    # views' numbers with numpy was measured slower overall (w2 with text 1.0-1.2 M rows/s
-    # against 1.4 M), since to_pylist then made the first touch, one value at a time.
+    # touch of values scattered over many pieces (most of this function's time), but it
+    # leaves them in cache for to_pylist: checking only the views' numbers with numpy was
+    # measured slower overall, since to_pylist then made the first touch, one value at a
+    # time (figures and the commit they were measured at: benchmarks/results/profile.md).
     gathered.validate(full=True)
     return gathered
 

@@ -55,9 +55,10 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 class _FooterCache:
-    """Footers parsed in this process, by (URL, size, version).
+    """Footers parsed in this process, by (URL, size, version), the least recently used out.
 
-    A footer read to build the snapshot is not fetched again to read the file's units.
+    A footer read to build the snapshot is not fetched again to read the file's units while
+    it is among the last ``capacity`` used; a lake of more files fetches some once more.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -94,8 +95,9 @@ def read_footer(
 ) -> pq.FileMetaData:
     """A file's parsed Parquet footer: one ranged request (two for huge footers), or none.
 
-    Footers are cached per process by URL, size and version, so building a snapshot and
-    reading units fetch each footer once.
+    Footers are cached per process by URL, size and version (the last
+    ``FOOTER_CACHE_FILES``), so building a snapshot and reading units fetch each footer once
+    unless the lake has more files than that.
 
     Args:
         fs: The filesystem.

@@ -129,7 +129,10 @@ class ReadCounters:
             self.bytes_read += nbytes
 
     def add_local_read(self, nbytes: int) -> None:
-        """Count bytes that pyarrow reads from a local file itself."""
+        """Count the bytes of the column chunks a local read covers (pyarrow reads them).
+
+        A streamed row range may stop before the end of its chunks; they are counted whole.
+        """
         with self._lock:
             self.bytes_read += nbytes
 
@@ -155,9 +158,10 @@ class UnitReader:
     """Reads units of one snapshot; safe to call from several threads.
 
     Local files are opened by pyarrow itself. Remote files cost one ranged request per footer
-    (cached per process, so none when this process built the snapshot) and one concurrent
-    batch of coalesced ranged requests per unit, for the selected columns only (see
-    :mod:`lakeloader.io.fetch`).
+    (cached per process, so none when this process built the snapshot and the footer is still
+    among the cached ones) and one concurrent batch of coalesced ranged requests per unit: the
+    selected columns' chunks of its whole row group, also for a unit that is a row range of it
+    (see :mod:`lakeloader.io.fetch`).
 
     Args:
         fs: The lake's filesystem.

@@ -1,10 +1,11 @@
 """Retrying transient storage failures with exponential backoff, jitter and a deadline.
 
 Object stores have bad minutes: connections refused while a server restarts, resets, timeouts,
-HTTP 5xx and throttling. Those are retried until a deadline; anything else (a missing file, a
-denied request, a corrupt file) fails at once, because waiting cannot fix it. Retrying never
-changes what is read, so a retried unit is exactly the unit that failed: nothing is skipped or
-quarantined because a store was briefly down.
+server errors (HTTP 500, 502, 503, 504: ``TRANSIENT_STATUSES``) and throttling. Those are
+retried until a deadline; anything else (a missing file, a denied request, a corrupt file)
+fails at once, because waiting cannot fix it. Retrying never changes what is read, so a
+retried unit is exactly the unit that failed: nothing is skipped or quarantined because a
+store was briefly down.
 
 The clients do not agree on exception types (s3fs raises ``OSError`` with an errno for HTTP
 errors but botocore's own classes for connection failures; aiohttp and gcsfs have theirs), so
@@ -69,11 +70,13 @@ class RetryPolicy:
     """How long and how often to retry a transient storage failure.
 
     Attempt ``n`` (from 0) waits a random time in ``[0, min(max_delay, initial_delay * 2**n)]``
-    ("full jitter", so that many ranks hitting the same store do not retry in lockstep),
-    until ``deadline`` seconds have passed since the first failure.
+    ("full jitter", so that many ranks hitting the same store do not retry in lockstep, and
+    never past the deadline), until ``deadline`` seconds have passed since the first attempt
+    began (so a first attempt that hangs before it fails counts against the deadline).
 
     Attributes:
-        deadline: Seconds to keep retrying one operation before giving up.
+        deadline: Seconds from the first attempt after which a transient failure is no
+            longer retried.
         initial_delay: Upper bound of the first wait, in seconds.
         max_delay: Upper bound of any wait, in seconds.
 

@@ -1,9 +1,9 @@
 """The frozen description of a lake at one moment: files, sizes, versions, schemas, row groups.
 
 A :class:`Snapshot` is built once (listing the lake and reading every footer in parallel) and
-then pinned: planning, reading and recovery only ever look at it, never at the live lake, so
-an epoch sees exactly the files it started with. Its fingerprint identifies it in states and
-checkpoints.
+then pinned: planning and reading only ever look at it, never at the live lake (recovery
+compares the live lake with it), so an epoch sees exactly the files it started with. Its
+fingerprint identifies it in states and checkpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lakeloader.state.keys import SNAPSHOT_FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
 
-#: From this many files on, footer reading shows a progress bar (on a terminal).
+#: From this many files on, footer reading shows a progress bar (on stderr, terminal or not).
 PROGRESS_MIN_FILES = 64
 _INT_RE = re.compile(r"-?[0-9]+")
 
@@ -42,7 +42,8 @@ class FileInfo:
     Attributes:
         path: Filesystem path (no protocol).
         size: Size in bytes.
-        version: A token that changes when the file is rewritten (ETag, generation or mtime).
+        version: A token that changes when the file is rewritten (GCS generation, else ETag,
+            version id or modification time: see ``discovery.version_token``).
         row_group_rows: Row count of every row group, in file order.
         row_group_bytes: Uncompressed size of every row group, for memory estimates.
         partitions: Hive partition values ``(key, value)`` from the file's folders.
@@ -72,8 +73,8 @@ class Snapshot:
         schema: The unified schema of the selected columns, partition columns last.
         partition_types: Arrow type of each hive partition column.
         column_names: Every column of every file, then the partition keys.
-        fingerprint: Hash of the files (paths, sizes, versions, row groups, schemas);
-            equal fingerprints mean the same data.
+        fingerprint: Hash of the files (paths, sizes, versions, row counts per row group,
+            hive values, schemas); equal fingerprints mean the same data.
     """
 
     files: tuple[FileInfo, ...]
@@ -158,7 +159,7 @@ def _is_int64(text: str) -> bool:
 
 
 def fingerprint(files: Sequence[FileInfo]) -> str:
-    """Hash the identity of a snapshot: paths, sizes, versions, row groups and file schemas."""
+    """Hash a snapshot's identity: paths, sizes, versions, row group rows, hive values, schemas."""
     payload = [
         SNAPSHOT_FORMAT_VERSION,
         [
@@ -192,7 +193,8 @@ def build_snapshot(
         fs: The lake's filesystem.
         found: The discovered data files, sorted by path.
         max_threads: Footers read at once (I/O bound, so more than the core count).
-        progress: Show a progress bar; None shows one for many files on a terminal.
+        progress: Show a progress bar; None shows one from ``PROGRESS_MIN_FILES`` files on
+            (on stderr, whether or not it is a terminal).
         columns: Only these columns must have compatible types across files (None: all).
         retry: Retry policy for transient storage failures (None: the default policy).
         skip_unreadable: Leave out files whose footer cannot be read, with a warning

@@ -1,9 +1,9 @@
 """The order of an epoch: pure functions over numpy arrays (see docs/design.md).
 
 Nothing here does I/O or depends on the number of workers; the rank and world size only
-enter in :func:`rank_bounds`, which slices a global batch. Everything is cheap enough to plan
-a million units in well under a second, so every process recomputes what it needs instead
-of shipping plans around.
+enter in :func:`rank_bounds` and :func:`rank_bounds_many`, which slice a global batch.
+Everything is cheap enough to plan a million units in well under a second (measured in
+docs/defaults.md), so every process recomputes what it needs instead of shipping plans around.
 
 The order, in short: units (row groups or row ranges of them) are permuted with an RNG seeded
 by ``(seed, epoch)`` and concatenated into a virtual row sequence of ``N`` rows. That sequence
