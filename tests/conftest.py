@@ -1,9 +1,12 @@
-"""Shared fixtures: small generated lakes with a unique row id, and multi-rank collection."""
+"""Shared fixtures and helpers: small generated lakes with a unique row id, their reference
+epochs, multi-rank collection, random epoch plans (hypothesis), and running a module."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -14,8 +17,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
 
 import lakeloader as ll
+from lakeloader.order.plan import EpochPlan, make_units, plan_epoch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_lake(
@@ -92,6 +100,22 @@ def dataset(lake: Path) -> ll.LakeDataset:
     return ll.LakeDataset(lake, seed=7, num_partitions=4, window=64, max_unit_rows=128)
 
 
+#: Rows of a global batch in the reference epoch of ``dataset``.
+GLOBAL_BATCH = 48
+
+
+@pytest.fixture(scope="session")
+def reference(dataset: ll.LakeDataset) -> list[list[int]]:
+    """The global batches of epoch 0 of ``dataset`` (one rank, ``GLOBAL_BATCH`` rows each)."""
+    return run_epoch(dataset, 1, batch_size=GLOBAL_BATCH)
+
+
+@pytest.fixture(scope="session")
+def slot_order(dataset: ll.LakeDataset) -> list[int]:
+    """Row id at each global slot of epoch 0 of ``dataset`` (batches of one row are slots)."""
+    return [i for b in run_epoch(dataset, 1, batch_size=1) for i in b]
+
+
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     """A state after a msgpack trip, as a checkpoint would give it back."""
     out: dict[str, Any] = msgpack.unpackb(msgpack.packb(state), raw=False)
@@ -144,3 +168,43 @@ def wait_dead(pid: int) -> None:
             return
         time.sleep(0.001)
     raise AssertionError(f"worker {pid} survived SIGKILL for 10 s")
+
+
+def run_module(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m *args`` from the repository's root with this interpreter, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# ----------------------------------------------------------------- random epoch plans
+
+FAST = settings(max_examples=80, deadline=None)
+SLOW = settings(max_examples=50, deadline=None)
+
+# Row counts are biased towards 0 and small values so that empty row groups, row groups smaller
+# than a unit and row groups cut into several units all show up often.
+row_counts = st.one_of(st.just(0), st.integers(1, 8), st.integers(0, 60))
+layouts = st.lists(st.lists(row_counts, max_size=5), max_size=6)  # N <= 6 * 5 * 60 = 1800
+small_layouts = st.lists(st.lists(row_counts, max_size=4), max_size=4)  # N <= 960
+seeds = st.integers(-(2**63), 2**64 - 1)
+epochs = st.integers(0, 1000)
+
+
+@st.composite
+def plans(draw: st.DrawFn, layout: st.SearchStrategy[list[list[int]]] = layouts) -> EpochPlan:
+    """A random epoch plan over a random layout (C may exceed N, windows may be tiny)."""
+    units = make_units(draw(layout), draw(st.integers(1, 40)))
+    return plan_epoch(
+        units,
+        seed=draw(seeds),
+        epoch=draw(epochs),
+        shuffle=draw(st.booleans()),
+        num_partitions=draw(st.integers(1, 20)),
+        window=draw(st.integers(1, 50)),
+    )

@@ -105,6 +105,14 @@ class ObjectStore:
         fs.invalidate_cache()
         return name
 
+    def upload(self, lake: Path, prefix: str) -> tuple[str, str]:
+        """Copy a local lake folder into a new bucket; return the bucket and the lake's URL."""
+        bucket = self.new_bucket(prefix)
+        fs = self.filesystem()
+        fs.put(f"{lake}/", f"{bucket}/lake/", recursive=True)
+        fs.invalidate_cache()
+        return bucket, self.url(f"{bucket}/lake/")
+
 
 # ----------------------------------------------------------------------- processes
 _PR_SET_PDEATHSIG = 1

@@ -16,11 +16,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import global_batches, make_loaders, roundtrip, write_lake
 
 import lakeloader as ll
 from lakeloader.cli.main import main
 from lakeloader.state.quarantine import QuarantineEntry, merge
+from tests.conftest import damage_row_group, global_batches, make_loaders, roundtrip, write_lake
 
 LAYOUT = [[200, 150], [300], [100, 100, 100], [250, 50]]
 ROWS = sum(map(sum, LAYOUT))
@@ -45,20 +45,6 @@ def _bad_ids() -> set[int]:
     return set(range(start, start + LAYOUT[file_index][BAD_RG]))
 
 
-def _damage_row_group(path: Path, rg: int) -> None:
-    """Overwrite the middle of every column chunk of one row group (the footer stays intact)."""
-    meta = pq.read_metadata(path)
-    data = bytearray(path.read_bytes())
-    group = meta.row_group(rg)
-    for i in range(group.num_columns):
-        col = group.column(i)
-        start = col.dictionary_page_offset or col.data_page_offset
-        lo = start + 8
-        hi = start + col.total_compressed_size - 2
-        data[lo:hi] = b"\xff" * (hi - lo)
-    path.write_bytes(bytes(data))
-
-
 @pytest.fixture(scope="module")
 def good_lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("good")
@@ -70,7 +56,7 @@ def good_lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def bad_page_lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("badpage")
     _write(root)
-    _damage_row_group(root / BAD_FILE, BAD_RG)
+    damage_row_group(root / BAD_FILE, BAD_RG)
     return root
 
 

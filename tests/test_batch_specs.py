@@ -26,8 +26,8 @@ from lakeloader.order.plan import (
     rank_bounds,
     steps_in_epoch,
 )
+from tests.conftest import FAST, SLOW, plans
 from tests.oracles import all_virtual, batch_spec, decode
-from tests.test_plan_properties import FAST, SLOW, plans
 
 
 def assert_same(got: BatchSpec, want: BatchSpec) -> None:

@@ -22,7 +22,14 @@ import pytest
 import lakeloader as ll
 from lakeloader.checkpoint.manager import STATE_FILE, step_dir_name
 from lakeloader.lake.snapshot import FileInfo
-from tests.conftest import LAYOUT_ROWS, global_batches, make_loaders, roundtrip, run_epoch
+from tests.conftest import (
+    GLOBAL_BATCH,
+    LAYOUT_ROWS,
+    global_batches,
+    make_loaders,
+    roundtrip,
+    run_epoch,
+)
 
 if TYPE_CHECKING:
     from tests.stores import ObjectStore
@@ -31,7 +38,6 @@ pytest_plugins = ["tests.stores"]
 
 #: The order configuration of conftest's ``dataset`` (the local copy of the lake).
 CONFIG: dict[str, Any] = {"seed": 7, "num_partitions": 4, "window": 64, "max_unit_rows": 128}
-GLOBAL_BATCH = 48
 
 
 class Remote(NamedTuple):
@@ -46,11 +52,7 @@ class Remote(NamedTuple):
 
 
 def _upload(store: ObjectStore, lake: Path) -> Remote:
-    bucket = store.new_bucket("lake")
-    fs = store.filesystem()
-    fs.put(f"{lake}/", f"{bucket}/lake/", recursive=True)
-    fs.invalidate_cache()
-    return Remote(store, bucket, store.url(f"{bucket}/lake/"))
+    return Remote(store, *store.upload(lake, "lake"))
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +74,6 @@ def remote(request: pytest.FixtureRequest) -> Remote:
 @pytest.fixture(scope="module")
 def remote_dataset(remote: Remote) -> ll.LakeDataset:
     return remote.open()
-
-
-@pytest.fixture(scope="module")
-def reference(dataset: ll.LakeDataset) -> list[list[int]]:
-    """The global batches of the local copy."""
-    return run_epoch(dataset, 1, batch_size=GLOBAL_BATCH)
-
-
-@pytest.fixture(scope="module")
-def slot_order(dataset: ll.LakeDataset) -> list[int]:
-    """Row id at each global slot of epoch 0 of the local copy."""
-    return [i for b in run_epoch(dataset, 1, batch_size=1) for i in b]
 
 
 def _identity(f: FileInfo) -> tuple[Any, ...]:

@@ -46,11 +46,7 @@ def local_lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _upload(store: ObjectStore, lake: Path) -> str:
-    bucket = store.new_bucket("outage")
-    fs = store.filesystem()
-    fs.put(f"{lake}/", f"{bucket}/lake/", recursive=True)
-    fs.invalidate_cache()
-    return store.url(f"{bucket}/lake/")
+    return store.upload(lake, "outage")[1]
 
 
 def _reference(lake: Path, world_size: int, batch_size: int) -> list[int]:

@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lakeloader.order.batches import batch_specs
@@ -29,33 +29,8 @@ from lakeloader.order.plan import (
     unit_order,
     virtual_to_piece,
 )
+from tests.conftest import FAST, SLOW, epochs, layouts, plans, seeds, small_layouts
 from tests.oracles import all_virtual, decode
-
-FAST = settings(max_examples=80, deadline=None)
-SLOW = settings(max_examples=50, deadline=None)
-
-# Row counts are biased towards 0 and small values so that empty row groups, row groups smaller
-# than a unit and row groups cut into several units all show up often.
-row_counts = st.one_of(st.just(0), st.integers(1, 8), st.integers(0, 60))
-layouts = st.lists(st.lists(row_counts, max_size=5), max_size=6)  # N <= 6 * 5 * 60 = 1800
-small_layouts = st.lists(st.lists(row_counts, max_size=4), max_size=4)  # N <= 960
-seeds = st.integers(-(2**63), 2**64 - 1)
-epochs = st.integers(0, 1000)
-
-
-@st.composite
-def plans(draw: st.DrawFn, layout: st.SearchStrategy[list[list[int]]] = layouts) -> EpochPlan:
-    """A random epoch plan over a random layout (C may exceed N, windows may be tiny)."""
-    units = make_units(draw(layout), draw(st.integers(1, 40)))
-    return plan_epoch(
-        units,
-        seed=draw(seeds),
-        epoch=draw(epochs),
-        shuffle=draw(st.booleans()),
-        num_partitions=draw(st.integers(1, 20)),
-        window=draw(st.integers(1, 50)),
-    )
-
 
 # --------------------------------------------------------------------------------- make_units
 

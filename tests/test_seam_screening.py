@@ -19,8 +19,8 @@ from lakeloader.cache.screening import by_all, screen
 from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import EpochPlan, make_units, plan_epoch, steps_in_epoch
 from lakeloader.state.quarantine import QuarantineEntry
+from tests.conftest import FAST, plans
 from tests.oracles import decode
-from tests.test_plan_properties import FAST, plans
 
 LAYOUT = RowLayout.of(pa.schema([("id", pa.int64()), ("s", pa.string()), ("x", pa.float32())]))
 COLUMNS = 4  # id, x and s, and one column (say a list) that only the Arrow path carries

@@ -7,14 +7,7 @@ from pathlib import Path
 import pytest
 
 import lakeloader as ll
-from tests.conftest import LAYOUT_ROWS, run_epoch
-
-GLOBAL_BATCH = 48
-
-
-@pytest.fixture(scope="module")
-def reference(dataset: ll.LakeDataset) -> list[list[int]]:
-    return run_epoch(dataset, 1, batch_size=GLOBAL_BATCH)
+from tests.conftest import GLOBAL_BATCH, LAYOUT_ROWS, run_epoch
 
 
 def test_reference_epoch_is_a_permutation_of_all_rows(reference: list[list[int]]) -> None:
