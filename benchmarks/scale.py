@@ -58,8 +58,8 @@ from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manife
 from lakeloader.lake.snapshot import FileInfo, Snapshot, assemble_snapshot
 from lakeloader.order import batches as lb
 from lakeloader.order import plan as lp
-from lakeloader.state import keys as K
 from lakeloader.state.loader_state import LoaderState, config_hash
+from lakeloader.topology import Topology
 
 T = TypeVar("T")
 
@@ -174,12 +174,7 @@ def _state(snapshot: Snapshot, plan: lp.EpochPlan, ranks: int, position: int) ->
         position=position,
         rows_dropped=0,
         num_rows=plan.num_rows,
-        topology={
-            K.TOPO_WORLD_SIZE: ranks,
-            K.TOPO_RANK: 0,
-            K.TOPO_NUM_WORKERS: WORKERS,
-            K.TOPO_BATCH_SIZE: BATCH,
-        },
+        topology=Topology(world_size=ranks, rank=0, num_workers=WORKERS, batch_size=BATCH),
     ).to_dict()
 
 

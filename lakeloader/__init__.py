@@ -1,8 +1,10 @@
 """lakeloader: deterministic, exactly-resumable streaming of Parquet lakes into PyTorch.
 
 >>> import lakeloader as ll
->>> [n for n in ('DataLoader', 'LakeDataset', 'CheckpointManager') if n in ll.__all__]
-['DataLoader', 'LakeDataset', 'CheckpointManager']
+>>> names = ('DataLoader', 'LakeDataset', 'CheckpointManager', 'ReaderStateTracker',
+...          'RecoveryCoordinator')
+>>> [n for n in names if n not in ll.__all__]
+[]
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import logging
 
 from lakeloader._version import __version__
-from lakeloader.checkpoint.manager import Checkpoint, CheckpointManager
+from lakeloader.checkpoint.layout import Checkpoint
+from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
     CacheBudgetWarning,
@@ -28,6 +31,10 @@ from lakeloader.errors import (
 )
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader, PartitionWarning
+from lakeloader.options import LoaderOptions
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.tracker import ReaderStateTracker
+from lakeloader.topology import Topology
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -43,12 +50,16 @@ __all__ = [
     "LakeError",
     "LakeNotFoundError",
     "NullValuesError",
+    "LoaderOptions",
     "PartitionWarning",
+    "ReaderStateTracker",
+    "RecoveryCoordinator",
     "RetryPolicy",
     "SchemaMismatchError",
     "StateFormatError",
     "StateMismatchError",
     "StoreUnavailableError",
+    "Topology",
     "WorkerError",
     "__version__",
 ]

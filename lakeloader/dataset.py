@@ -7,6 +7,7 @@ can share one dataset object.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -141,14 +142,6 @@ class LakeDataset:
             first = source if isinstance(source, str | os.PathLike) else next(iter(source))
             fs = url_to_fs(os.fspath(first), **self.storage_options)[0]
         self.fs: fsspec.AbstractFileSystem = fs
-        self.snapshot: Snapshot = snapshot
-        names = snapshot.schema.names
-        if columns is not None:
-            unknown = [c for c in columns if c not in names]
-            if unknown:
-                raise KeyError(
-                    f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
-                )
         if num_partitions is None:
             num_partitions = DEFAULT_NUM_PARTITIONS if shuffle else 1
         self.config = OrderConfig(
@@ -157,21 +150,20 @@ class LakeDataset:
             num_partitions=int(num_partitions),
             window=int(window),
             max_unit_rows=int(max_unit_rows),
-            columns=tuple(columns if columns is not None else names),
+            columns=tuple(columns if columns is not None else snapshot.schema.names),
         )
         if self.config.num_partitions < 1 or self.config.window < 1:
             raise ValueError(
                 f"num_partitions and window must be >= 1, got {num_partitions} and {window}"
             )
-        self.units: Units = make_units(
-            [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows
-        )
         self.config_hash = config_hash(self.config.to_dict())
+        self.snapshot: Snapshot
+        self.units: Units
+        self._pin(snapshot)
         #: Units of this snapshot known to be lost (files gone or rewritten since a
         #: checkpoint, under ``on_lake_change="skip"``): skipped like quarantined units.
         self.lost: tuple[QuarantineEntry, ...] = ()
         self._successor: tuple[int, LakeDataset] | None = None
-        self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)
         logger.info(
             "lake %s: %d files, %d row groups, %d units, %d rows, fingerprint %s",
             source,
@@ -181,6 +173,15 @@ class LakeDataset:
             snapshot.num_rows,
             snapshot.fingerprint,
         )
+
+    def _pin(self, snapshot: Snapshot) -> None:
+        """Take ``snapshot`` as this dataset's files (only while the dataset is being made)."""
+        _check_columns(self.config.columns, snapshot)
+        self.snapshot = snapshot
+        self.units = make_units(
+            [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows
+        )
+        self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)
 
     def __len__(self) -> int:
         return self.snapshot.num_rows
@@ -212,23 +213,44 @@ class LakeDataset:
         """The plan of one epoch (cached for the last few epochs)."""
         return self._plan_cached(epoch)
 
-    def hand_over(
-        self, epoch: int, successor: LakeDataset, lost: Sequence[QuarantineEntry] = ()
-    ) -> None:
-        """From ``epoch`` on, epochs run on ``successor`` (the lake as it is now).
+    def pinned_to(self, snapshot: Snapshot) -> LakeDataset:
+        """A twin of this dataset on another snapshot of the same lake (same settings, order).
 
-        The recovery coordinator uses this to finish a checkpoint's epoch on its pinned
-        snapshot while files added since join at the next epoch boundary.
+        The recovery coordinator uses it to finish a checkpoint's epoch on the snapshot the
+        checkpoint pinned. Neither dataset is changed.
+
+        Raises:
+            KeyError: If a selected column is not in ``snapshot``.
+        """
+        twin = copy.copy(self)
+        twin._pin(snapshot)
+        twin._successor, twin.lost = None, ()
+        return twin
+
+    def followed_by(
+        self, epoch: int, successor: LakeDataset, lost: Sequence[QuarantineEntry] = ()
+    ) -> LakeDataset:
+        """A copy of this dataset whose epochs from ``epoch`` on run on ``successor``.
+
+        The recovery coordinator uses it to finish a checkpoint's epoch on its pinned snapshot
+        while files added since join at the next epoch boundary. Neither dataset is changed.
 
         Args:
             epoch: The first epoch of the successor.
             successor: The dataset of the later epochs (same order configuration).
             lost: Units of this snapshot that can no longer be read, to be skipped.
+
+        Raises:
+            ValueError: If the successor's order configuration differs.
         """
         if successor.config != self.config:
-            raise ValueError("a successor dataset must have the same order configuration")
-        self._successor = (int(epoch), successor)
-        self.lost = tuple(lost)
+            raise ValueError(
+                f"a successor dataset must have the same order configuration: {self.config} "
+                f"here, {successor.config} there"
+            )
+        chained = copy.copy(self)
+        chained._successor, chained.lost = (int(epoch), successor), tuple(lost)
+        return chained
 
     def for_epoch(self, epoch: int) -> LakeDataset:
         """The dataset that epoch ``epoch`` runs on: this one, or its successor."""
@@ -248,3 +270,12 @@ class LakeDataset:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)
+
+
+def _check_columns(columns: Sequence[str], snapshot: Snapshot) -> None:
+    """Raise KeyError naming the columns that are not in the snapshot's schema."""
+    unknown = [c for c in columns if c not in snapshot.schema.names]
+    if unknown:
+        raise KeyError(
+            f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
+        )

@@ -17,25 +17,28 @@ import torch
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
-from lakeloader.cache.store import Screening, default_cache_dir, make_unit_dir
+from lakeloader.cache.shm import default_cache_dir, make_unit_dir
+from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
+from lakeloader.options import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_IO_THREADS,
+    DEFAULT_PREFETCH_FACTOR,
+    LoaderOptions,
+)
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.collate import Collate
-from lakeloader.pipeline.iterator import Delivery, EpochIterator, IterConfig
-from lakeloader.state import keys as K
-from lakeloader.state.loader_state import LoaderState
-from lakeloader.state.quarantine import QuarantineEntry, merge
-from lakeloader.topology import resolve_topology
+from lakeloader.pipeline.iterator import EpochIterator
+from lakeloader.pipeline.workspace import PassSpec
+from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderStateTracker
+from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
-
-#: Default byte budget of the decoded-unit cache of one rank.
-DEFAULT_CACHE_BYTES = 2 << 30
-#: Default number of threads fetching and decoding units for one rank.
-DEFAULT_IO_THREADS = 4
 
 
 class PartitionWarning(UserWarning):
@@ -51,7 +54,10 @@ class DataLoader:
         shuffle: Must be None or equal the dataset's ``shuffle`` (the order is the dataset's).
         sampler: Not supported (the order is planned); must be None.
         batch_sampler: Not supported; must be None.
-        num_workers: Worker processes building batches (0: in this process).
+        num_workers: Worker processes (0: everything in this process). On the default tensor
+            path they decode units and this process assembles each batch with one row copy;
+            with a transform or collate_fn they build batches, step ``k`` of a pass on worker
+            ``k mod num_workers``.
         collate_fn: Receives the list of row dicts of a batch, as in torch.
         pin_memory: Copy tensors to pinned memory (when CUDA is available).
         drop_last: Drop the last global batch if it is short (its rows are counted).
@@ -113,58 +119,86 @@ class DataLoader:
         _check_unsupported(dataset, batch_size, shuffle, sampler, batch_sampler, generator)
         if not in_order:
             raise ValueError("in_order=False is not supported: batches come in step order")
-        if num_workers < 0 or timeout < 0:
-            raise ValueError(f"num_workers ({num_workers}) and timeout ({timeout}) must be >= 0")
         if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
             raise ValueError(
                 "prefetch_factor and persistent_workers need num_workers > 0 (as in torch)"
             )
-        assert batch_size is not None
-        self._base = dataset
-        self.dataset = dataset
-        self.batch_size = int(batch_size)
-        self.num_workers = int(num_workers)
-        self.collate_fn = collate_fn
-        self.pin_memory = bool(pin_memory)
-        self.pin_memory_device = pin_memory_device
-        self.drop_last = bool(drop_last)
-        self.timeout = float(timeout)
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.prefetch_factor = prefetch_factor if prefetch_factor is not None else 2
-        self.persistent_workers = bool(persistent_workers)
-        self.rank, self.world_size = resolve_topology(rank, world_size)
-        self.cache_dir = cache_dir
-        self.cache_bytes = int(cache_bytes)
-        self.io_threads = int(io_threads)
-        self._reader: UnitReader
-        self._row_layout: RowLayout | None
-        self._use_reader(dataset.reader())
-        self._epoch = 0
-        self._position = 0
-        self._dropped = 0
-        self._fresh = True
-        self._rows_delivered = 0
-        self._rows_skipped = 0
-        self._quarantine: list[QuarantineEntry] = []
-        self._iterator: EpochIterator | None = None
-        self._pool: WorkerPool | None = None
-        self._worker_restarts = 0
-        self._unit_dir: str | None = None
-        if self.pin_memory and not torch.cuda.is_available():
+        if pin_memory and not torch.cuda.is_available():
             warnings.warn(
                 "pin_memory=True but no accelerator is available: batches are not pinned",
                 UserWarning,
                 stacklevel=2,
             )
-            self.pin_memory = False
+            pin_memory = False
+        assert batch_size is not None
+        self.options = LoaderOptions(
+            batch_size=int(batch_size),
+            num_workers=int(num_workers),
+            collate_fn=collate_fn,
+            pin_memory=bool(pin_memory),
+            drop_last=bool(drop_last),
+            timeout=float(timeout),
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            prefetch_factor=DEFAULT_PREFETCH_FACTOR if prefetch_factor is None else prefetch_factor,
+            persistent_workers=bool(persistent_workers),
+            pin_memory_device=pin_memory_device,
+            cache_dir=cache_dir,
+            cache_bytes=int(cache_bytes),
+            io_threads=int(io_threads),
+        )
+        self.topology = Topology.resolve(
+            rank, world_size, num_workers=self.options.num_workers, batch_size=int(batch_size)
+        )
+        self._base = dataset
+        self.dataset = dataset
+        #: The reader-state tracker: the position, and where every rank and worker stands.
+        self.tracker = ReaderStateTracker(self.topology, drop_last=self.options.drop_last)
+        self._coordinator = RecoveryCoordinator()
+        self._reader: UnitReader
+        self._row_layout: RowLayout | None
+        self._use_reader(dataset.reader())
+        self._iterator: EpochIterator | None = None
+        self._pool: WorkerPool | None = None
+        self._worker_restarts = 0
+        self._unit_dir: str | None = None
         self._warn_partitions()
 
-    # ----------------------------------------------------------------- topology
+    # ------------------------------------------------------------- torch's names
+    @property
+    def batch_size(self) -> int:
+        """Rows per batch on this rank."""
+        return self.options.batch_size
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes per rank."""
+        return self.options.num_workers
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a short last global batch is dropped."""
+        return self.options.drop_last
+
+    @property
+    def collate_fn(self) -> Collate | None:
+        """The user's collate function, or None."""
+        return self.options.collate_fn
+
+    @property
+    def rank(self) -> int:
+        """This loader's rank."""
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the run."""
+        return self.topology.world_size
+
     @property
     def global_batch_size(self) -> int:
         """Rows all ranks together consume in one step."""
-        return self.batch_size * self.world_size
+        return self.topology.global_batch
 
     def _warn_partitions(self) -> None:
         c, b = self.dataset.config.num_partitions, self.global_batch_size
@@ -187,7 +221,7 @@ class DataLoader:
     @property
     def epoch(self) -> int:
         """The epoch the loader is in (or has just finished)."""
-        return self._epoch
+        return self.tracker.epoch
 
     def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
         """Make the next iteration run ``epoch`` from its start.
@@ -196,40 +230,40 @@ class DataLoader:
         usual ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume;
         ``restart=True`` drops the position in any case.
         """
-        if epoch == self._epoch and self._fresh and not restart:
-            return
         self._close_iterator()
-        self._epoch, self._position, self._dropped, self._fresh = int(epoch), 0, 0, True
+        self.tracker.set_epoch(epoch, restart=restart)
 
     def __iter__(self) -> Iterator[Any]:
         self._close_iterator()
-        n = len(self.dataset)
-        if not self._fresh:
-            if self._position + self._dropped < n:
-                logger.info("epoch %d left before its end; starting the next", self._epoch)
-            self._epoch, self._position, self._dropped = self._epoch + 1, 0, 0
-        self._fresh = False
-        if self.drop_last and not steps_in_epoch(
-            self._position, n, self.global_batch_size, self.drop_last
-        ):
-            self._dropped = n - self._position  # nothing left but a short tail: dropped
-        self._follow_dataset()
+        self._follow_dataset(self.tracker.start_pass())
+        self.tracker.settle_tail(len(self.dataset))
         pool = self._ensure_pool() if self.num_workers else None
         if self._unit_dir is None:  # the arena lives there, with or without workers
-            self._unit_dir = make_unit_dir(self._cache_root())
+            root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
+            self._unit_dir = make_unit_dir(root)
+        ds = self.dataset
+        spec = PassSpec(
+            plan=ds.plan(self.tracker.epoch),
+            start=self.tracker.position,
+            options=self.options,
+            topology=self.topology,
+            screening=Screening(ds.on_error, ds.validate, self.tracker.quarantine + ds.lost),
+            layout=self._row_layout,
+            transform=ds.transform,
+        )
         self._iterator = EpochIterator(
-            self._iter_config(),
+            spec,
             self._reader,
-            self._on_delivered,
-            self._on_epoch_end,
+            self.tracker,
             pool,
             self._unit_dir,
+            self._coordinator,
+            self._on_epoch_end,
         )
         return self._iterator
 
-    def _follow_dataset(self, epoch: int | None = None) -> None:
-        """Switch to the dataset that an epoch (default: the current one) runs on."""
-        epoch = self._epoch if epoch is None else epoch
+    def _follow_dataset(self, epoch: int) -> None:
+        """Switch to the dataset that ``epoch`` runs on."""
         current = self._base.for_epoch(epoch)
         if current is not self.dataset:
             logger.info(
@@ -242,34 +276,24 @@ class DataLoader:
             self.dataset = current
             self._use_reader(current.reader())
 
-    def rebase(self, dataset: LakeDataset) -> None:
-        """Use another dataset (same order configuration); the recovery coordinator's hook."""
-        self._close_iterator()
-        self._shutdown_workers()
-        self._base = self.dataset = dataset
-        self._use_reader(dataset.reader())
-
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
         if self._pool is None:
-            layout = self._row_layout
+            layout, ds = self._row_layout, self.dataset
             decoder = None
-            if (
-                layout is not None and layout.names
-            ):  # the workers decode; see lakeloader.workers.dispatch
-                ds = self.dataset
+            if layout is not None and layout.names:  # the workers decode: pipeline.workspace
                 decoder = UnitDecoder(self._reader, layout, ds.on_error, ds.validate)
             setup = WorkerSetup(
                 schema=self._reader.schema,
                 layout=layout,
-                transform=self.dataset.transform,
+                transform=ds.transform,
                 collate_fn=self.collate_fn,
-                worker_init_fn=self.worker_init_fn,
-                base_seed=self.dataset.config.seed * 1_000_003 + self.rank * 1_009,
+                worker_init_fn=self.options.worker_init_fn,
+                base_seed=ds.config.seed * 1_000_003 + self.rank * 1_009,
                 num_workers=self.num_workers,
                 decoder=decoder,
             )
-            self._pool = WorkerPool(setup, self.num_workers, self.multiprocessing_context)
+            self._pool = WorkerPool(setup, self.num_workers, self.options.multiprocessing_context)
         return self._pool
 
     def _use_reader(self, reader: UnitReader) -> None:
@@ -277,55 +301,18 @@ class DataLoader:
 
         Tensor-typed columns are packed unless rows go to a transform or a collate_fn. The
         layout is computed here, not at ``iter()``, because it is pyarrow's first conversion
-        in the process: where pandas is installed, pyarrow imports it then (about 0.3 s),
-        which belongs to building the loader rather than to the wait for the first batch.
+        in the process: where pandas is installed, pyarrow imports it then, which belongs to
+        building the loader rather than to the wait for the first batch.
         """
         self._reader = reader
         self._row_layout = None
         if self.dataset.transform is None and self.collate_fn is None:
             self._row_layout = RowLayout.of(reader.schema)
-
-    def _cache_root(self) -> str | None:
-        if self.cache_dir is not None:
-            return self.cache_dir
-        return default_cache_dir(self.cache_bytes)
-
-    def _iter_config(self) -> IterConfig:
-        return IterConfig(
-            plan=self.dataset.plan(self._epoch),
-            start=self._position,
-            global_batch=self.global_batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
-            drop_last=self.drop_last,
-            num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor,
-            timeout=self.timeout,
-            cache_bytes=self.cache_bytes,
-            io_threads=self.io_threads,
-            pin_memory=self.pin_memory,
-            transform=self.dataset.transform,
-            collate_fn=self.collate_fn,
-            screening=Screening(
-                self.dataset.on_error,
-                self.dataset.validate,
-                tuple(self._quarantine) + self.dataset.lost,
-            ),
-            layout=self._row_layout,
-        )
-
-    def _on_delivered(self, d: Delivery) -> None:
-        """Called by the iterator just before it hands a batch to the training loop."""
-        self._position = d.slot_stop
-        self._rows_delivered += d.rows
-        self._rows_skipped += d.rows_skipped
-        if d.skipped:
-            self._quarantine = merge(self._quarantine, d.skipped)
-        if d.last and self.drop_last:
-            self._dropped = len(self.dataset) - d.slot_stop
+        # Workers decode when columns are packed; otherwise they build batches.
+        self.tracker.workers_build = self._row_layout is None or not self._row_layout.names
 
     def _on_epoch_end(self) -> None:
-        if not self.persistent_workers:
+        if not self.options.persistent_workers:
             self._shutdown_workers()
 
     def _close_iterator(self, wait: bool = True) -> None:
@@ -359,22 +346,8 @@ class DataLoader:
     # --------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The position of the training loop: plain types, O(1) in the size of the lake."""
-        return LoaderState(
-            fingerprint=self.dataset.fingerprint,
-            config_hash=self.dataset.config_hash,
-            config=self.dataset.config.to_dict(),
-            epoch=self._epoch,
-            position=self._position,
-            rows_dropped=self._dropped,
-            num_rows=len(self.dataset),
-            topology={
-                K.TOPO_WORLD_SIZE: self.world_size,
-                K.TOPO_RANK: self.rank,
-                K.TOPO_NUM_WORKERS: self.num_workers,
-                K.TOPO_BATCH_SIZE: self.batch_size,
-            },
-            quarantine=[e.to_dict() for e in self._quarantine],
-        ).to_dict()
+        ds = self.dataset
+        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds)).to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a state taken under any world size, worker count or batch size.
@@ -383,26 +356,26 @@ class DataLoader:
             StateFormatError: If the dict is not a lakeloader state of a known version.
             StateMismatchError: If it belongs to another lake snapshot or configuration.
         """
-        state = LoaderState.from_dict(state_dict)
+        self._resume(self._coordinator.resume_state(state_dict, self._base))
+
+    def _resume(self, resumption: Resumption) -> None:
+        """Apply what the recovery coordinator decided (the one way a position is restored)."""
         self._close_iterator()
-        self._follow_dataset(state.epoch)
-        state.check_matches(self.dataset.fingerprint, self.dataset.config.to_dict())
-        self._epoch, self._position, self._dropped = state.epoch, state.position, state.rows_dropped
-        self._quarantine = merge(QuarantineEntry.from_dict(q) for q in state.quarantine)
-        if state.position + state.rows_dropped >= len(self.dataset):
-            # A finished epoch: the next pass is the next epoch, and set_epoch(epoch + 1) at
-            # the top of the caller's loop keeps it that way.
-            self._epoch, self._position, self._dropped = state.epoch + 1, 0, 0
-        self._fresh = True
+        if resumption.dataset is not None:
+            self._shutdown_workers()
+            self._base = self.dataset = resumption.dataset
+            self._use_reader(resumption.dataset.reader())
+        if resumption.state is None:
+            assert resumption.restart_epoch is not None
+            self.tracker.set_epoch(resumption.restart_epoch, restart=True)
+            return
+        self._follow_dataset(resumption.state.epoch)
+        self.tracker.restore(resumption.state)
 
     @property
     def quarantine(self) -> list[QuarantineEntry]:
         """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
-        return list(self._quarantine)
-
-    def adopt_quarantine(self, entries: list[QuarantineEntry]) -> None:
-        """Add other ranks' quarantine entries (the checkpoint barrier does this)."""
-        self._quarantine = merge(self._quarantine, entries)
+        return list(self.tracker.quarantine)
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks (cumulative over the loader's life)."""
@@ -410,8 +383,8 @@ class DataLoader:
         return {
             "units_decoded": self._reader.counters.units_decoded,
             "bytes_read": self._reader.counters.bytes_read,
-            "rows_delivered": self._rows_delivered,
-            "rows_skipped": self._rows_skipped,
+            "rows_delivered": self.tracker.rows_delivered,
+            "rows_skipped": self.tracker.rows_skipped,
             "cache_bytes": it.cache_bytes() if it is not None else 0,
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
             "worker_restarts": self._worker_restarts + (self._pool.restarts if self._pool else 0),

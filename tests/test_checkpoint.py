@@ -69,9 +69,9 @@ def test_a_given_step_and_the_checkpoint_record(dataset: ll.LakeDataset, tmp_pat
         next(it)
         ckpt.save(step, loader)
     record = ckpt.read(1)
-    assert record.state["position"] == BATCH
-    assert record.context["topology"]["batch_size"] == BATCH
-    assert record.context["library_version"] == ll.__version__
+    assert record.state.position == BATCH
+    assert record.context.topology.batch_size == BATCH
+    assert record.context.library_version == ll.__version__
     assert record.snapshot.fingerprint == dataset.fingerprint
     fresh = ll.DataLoader(dataset, batch_size=BATCH)
     ckpt.load(fresh, step=1)

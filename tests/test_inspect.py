@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import lakeloader as ll
+import lakeloader.order.plan as lp
 from lakeloader.cli.main import main
 from tests.conftest import LAYOUT, LAYOUT_ROWS, make_loaders
 
@@ -117,11 +118,53 @@ def check(info: dict[str, Any], run: Run) -> None:
     assert [r["rows"] for r in info["ranks"]] == first_rows
     workers = info["topology"]["num_workers"]
     assert len(info["workers"]) == world_size * workers
+    if info["workers_build"]:  # worker k builds the k-th next step
+        for w in info["workers"]:
+            k, r = w["worker"], w["rank"]
+            assert w["role"] == "build" and w["step_offset"] == k
+            assert located(w) == (expected[k][r] if k < len(expected) else None)
+            assert w["rows"] == (len(upcoming[k][r]) if k < len(upcoming) else 0)
+        return
+    # worker k decodes the k-th unit its rank needs, in the order of first need
+    loader = run.loaders[0]
+    plan = loader.dataset.plan(info["epoch"])
+    global_batch = info["topology"]["global_batch"]
     for w in info["workers"]:
         k, r = w["worker"], w["rank"]
-        assert w["step_offset"] == k
-        assert located(w) == (expected[k][r] if k < len(expected) else None)
-        assert w["rows"] == (len(upcoming[k][r]) if k < len(upcoming) else 0)
+        units = first_need_units(plan, info["position"], global_batch, world_size, r, len(upcoming))
+        assert w["role"] == "decode"
+        if k >= len(units):
+            assert located(w) is None
+            continue
+        f, g, start, rows = units[k]
+        assert located(w) == (f, g, start) and w["rows"] == rows
+        needed = {i for shares in upcoming for i in shares[r]}
+        assert any(_RG_BASE[f, g] + start + i in needed for i in range(rows)), "a unit it needs"
+
+
+def first_need_units(
+    plan: Any, position: int, global_batch: int, world_size: int, rank: int, steps: int
+) -> list[tuple[int, int, int, int]]:
+    """The pieces a rank decodes, in the order it first needs them: slot by slot, step by step.
+
+    Brute force over the plan's pure functions (one step at a time, every slot mapped), as an
+    independent check of the tracker's vectorised view.
+    """
+    order: list[int] = []
+    for k in range(steps):
+        start = position + k * global_batch
+        stop = min(start + global_batch, plan.num_rows)
+        slots = lp.batch_slots(start, stop, plan.num_partitions)
+        lo, hi = lp.rank_bounds(len(slots), world_size, rank)
+        pieces, _ = lp.virtual_to_piece(plan, lp.slots_to_virtual(plan, slots[lo:hi]))
+        order += [p for p in sorted(set(pieces.tolist())) if p not in order]
+    out = []
+    for p in order:
+        unit = int(plan.piece_unit[p])
+        rows = int(plan.offsets[p + 1] - plan.offsets[p])
+        start = int(plan.units.row_start[unit] + plan.piece_start[p])
+        out.append((int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -286,7 +329,7 @@ def test_table_output(
         f, g, offset = where(share[0])
         line = next(ln for ln in out.splitlines() if ln.split()[:2] == [str(rank), "16"])
         assert f"file-{f:04d}.parquet" in line and line.split()[-3:-1] == [str(g), str(offset)]
-    assert "rank  worker  step" in out and "consumed" in out and "remaining" in out
+    assert "rank  worker  file" in out and "consumed" in out and "remaining" in out
 
 
 def test_a_path_without_checkpoint_is_a_clear_error(

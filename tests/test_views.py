@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import lakeloader as ll
 import lakeloader.cache.views
-import lakeloader.pipeline.iterator
+import lakeloader.pipeline.builders
 from lakeloader.cache.views import (
     EMPTY_BUFFER,
     VIEW_DTYPE,
@@ -88,13 +88,13 @@ def test_buffer_indices_are_reused_and_snapshots_never_change() -> None:
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per batch column that the loader's process built from views."""
     seen: list[int] = []
-    real = lakeloader.pipeline.iterator.views_array
+    real = lakeloader.pipeline.builders.views_array
 
     def counting(*args: Any) -> pa.Array:
         seen.append(1)
         return real(*args)
 
-    monkeypatch.setattr(lakeloader.pipeline.iterator, "views_array", counting)
+    monkeypatch.setattr(lakeloader.pipeline.builders, "views_array", counting)
     return seen
 
 

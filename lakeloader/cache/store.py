@@ -2,12 +2,13 @@
 
 The store reserves each unit's rows in the rank's :class:`~lakeloader.cache.arena.Arena` (a
 memory-mapped file in the pass's folder, in shared memory, ``/dev/shm``, when there is one)
-and has it decoded (:mod:`lakeloader.cache.decode`: read, screen, pack) by the loader's own threads
-(:class:`LocalDecodes`) or by the DataLoader's worker processes
-(:class:`~lakeloader.workers.dispatch.RemoteDecodes`).
-Columns that are not packed (strings, nested types)
-stay in memory, or go to an Arrow IPC file beside the arena when another process has them or
-needs them. Either way a unit is fetched and decoded once per rank per epoch.
+and has it decoded (:mod:`lakeloader.cache.decode`: read, screen, pack) by whatever
+:class:`~lakeloader.cache.decode.Decodes` it is given: the loader's own threads
+(:class:`~lakeloader.cache.decode.LocalDecodes`) or the DataLoader's worker processes
+(:class:`~lakeloader.pipeline.workspace.WorkerDecodes`). Columns that are not packed (nested
+types, integer columns with nulls) stay in memory, or go to an Arrow IPC file beside the arena
+when another process has them or needs them. Either way a unit is fetched and decoded once
+per rank per epoch.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import dataclasses
 import heapq
 import logging
 import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -38,12 +37,6 @@ from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate
 
 logger = logging.getLogger(__name__)
 
-#: Where unit files go by default when there are worker processes.
-SHM_DIR = "/dev/shm"
-#: Name prefix of the per-process unit folders.
-UNIT_DIR_PREFIX = "lakeloader"
-
-
 #: The columns of a unit that has every column packed.
 _NO_COLUMNS = pa.table({})
 
@@ -61,58 +54,6 @@ class Screening:
     on_error: OnError = "raise"
     validate: Validate | None = None
     known: tuple[QuarantineEntry, ...] = ()
-
-
-def default_cache_dir(need_bytes: int) -> str | None:
-    """Shared memory when the machine has room there, else None (the system's temp folder).
-
-    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, which kills the process
-    without a Python error (a container's default 64 MiB is full at once); so unless
-    ``need_bytes`` are free there, decoded units go to the temporary folder instead, which
-    is slower, and a warning says how to get the speed back.
-    """
-    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
-        return None
-    stat = os.statvfs(SHM_DIR)
-    free = stat.f_bavail * stat.f_frsize
-    if free >= need_bytes:
-        return SHM_DIR
-    logger.warning(
-        "only %d MiB are free in %s, less than cache_bytes (%d MiB): decoded units go to %s "
-        "instead, which is slower. Give the machine or container more shared memory (docker: "
-        "--shm-size), lower cache_bytes, or choose a folder with cache_dir=...",
-        free >> 20,
-        SHM_DIR,
-        need_bytes >> 20,
-        tempfile.gettempdir(),
-    )
-    return None
-
-
-def make_unit_dir(root: str | None) -> str:
-    """Create this process's unit folder, first removing folders left by dead processes.
-
-    A loader whose process was killed cannot delete its decoded units; since they live in
-    shared memory, they would hold RAM until reboot. Folder names carry the owner's pid.
-    """
-    base = root if root is not None else tempfile.gettempdir()
-    for name in os.listdir(base):
-        prefix, _, rest = name.partition("-")
-        pid = rest.split("-")[0]
-        if prefix == UNIT_DIR_PREFIX and pid.isdigit() and not _alive(int(pid)):
-            logger.info("removing %s, left by dead process %s", name, pid)
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class UnitOpener:
@@ -309,6 +250,11 @@ class UnitStore:
         """Whether every unit at these positions is decoded (or failed)."""
         with self._lock:
             return all(self._entries[int(p)].future.done() for p in positions)
+
+    def futures(self, positions: np.ndarray) -> list[Future[Held]]:
+        """The decodes of the units at these positions that are still under way."""
+        with self._lock:
+            return [f for p in positions if not (f := self._entries[int(p)].future).done()]
 
     def failed(self, positions: np.ndarray) -> bool:
         """Whether reading any unit at these positions failed (``get`` would raise)."""

@@ -9,19 +9,14 @@ state) hold the same quarantine list.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import msgpack
 import torch.distributed as dist
 
+from lakeloader.checkpoint.layout import sha256
 from lakeloader.errors import CheckpointError
 from lakeloader.state import keys as K
-
-
-def sha256(data: bytes) -> str:
-    """Hex SHA-256 of some bytes."""
-    return hashlib.sha256(data).hexdigest()
 
 
 def confirm_same_position(

@@ -1,14 +1,11 @@
 """The checkpoint manager: the loader's position, saved at a sync barrier to any fsspec URL.
 
-Layout under the root URL::
-
-    manifests/<fingerprint>.msgpack   the pinned snapshot, written once and shared
-    step-000000001200/state.msgpack   loader state, context and the caller's extras
-    step-000000001200/COMMIT          written last: sizes and SHA-256 of the parts
-
-A checkpoint is visible only once its ``COMMIT`` marker exists, which works the same on a local
+The folder layout and the records of each file are :mod:`lakeloader.checkpoint.layout`. A
+checkpoint is visible only once its ``COMMIT`` marker exists, which works the same on a local
 disk and on object stores that cannot rename; a save killed half-way leaves a folder without a
-marker, which ``load`` ignores and the next save removes.
+marker, which ``load`` ignores and the next save removes. Loading hands the checkpoint to the
+:class:`~lakeloader.recovery.coordinator.RecoveryCoordinator`, which maps it onto the lake and
+topology of now.
 """
 
 from __future__ import annotations
@@ -16,75 +13,39 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import posixpath
-import re
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import fsspec
-import msgpack
 import torch.distributed as dist
 from fsspec.core import url_to_fs
 
 from lakeloader._version import __version__
-from lakeloader.checkpoint.barrier import confirm_same_position, sha256
+from lakeloader.checkpoint.barrier import confirm_same_position
+from lakeloader.checkpoint.layout import (
+    COMMIT_FILE,
+    MANIFEST_DIR,
+    STATE_FILE,
+    STEP_DIR_RE,
+    Checkpoint,
+    CheckpointContext,
+    CommitRecord,
+    StateRecord,
+    manifest_name,
+    sha256,
+    step_dir_name,
+)
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manifest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.loader import DataLoader
-from lakeloader.recovery.lake_changes import LakeChangePolicy, pinned_dataset, restore
-from lakeloader.state.loader_state import LoaderState
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.recovery.lake_changes import LakeChangePolicy
 from lakeloader.state.quarantine import QuarantineEntry
 
 logger = logging.getLogger(__name__)
-
-STATE_FILE: Final = "state.msgpack"
-COMMIT_FILE: Final = "COMMIT"
-MANIFEST_DIR: Final = "manifests"
-STEP_PREFIX: Final = "step-"
-STEP_DIR_RE: Final = re.compile(r"step-(\d{12})$")
-CHECKPOINT_FORMAT_VERSION: Final = 1
-
-# Keys of state.msgpack.
-KEY_LOADER: Final = "loader"
-KEY_CONTEXT: Final = "context"
-KEY_EXTRA: Final = "extra"
-
-
-def step_dir_name(step: int) -> str:
-    """Folder name of a step's checkpoint (zero-padded so that names sort by step).
-
-    >>> step_dir_name(1200)
-    'step-000000001200'
-    """
-    return f"{STEP_PREFIX}{step:012d}"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A loaded, verified checkpoint.
-
-    Attributes:
-        step: The training step it was saved at.
-        path: Its folder.
-        state: The loader state (plain dict).
-        context: Library version, config, topology, time, fingerprint, manifest path.
-        extra: The caller's extras.
-        snapshot: The pinned snapshot from the manifest.
-        manifest: The manifest itself (plain dict).
-        nbytes: Size of ``state.msgpack``.
-    """
-
-    step: int
-    path: str
-    state: dict[str, Any]
-    context: dict[str, Any]
-    extra: Any
-    snapshot: Snapshot
-    manifest: dict[str, Any]
-    nbytes: int
 
 
 class CheckpointManager:
@@ -174,28 +135,17 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
-        state = loader.state_dict()
-        everyone = confirm_same_position(state, previous)
+        everyone = confirm_same_position(loader.state_dict(), previous)
         if previous is not None:
             raise previous
         if everyone:
-            loader.adopt_quarantine([QuarantineEntry.from_dict(q) for q in everyone])
-            state = loader.state_dict()
+            loader.tracker.merge_quarantine(QuarantineEntry.from_dict(q) for q in everyone)
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
-        record = {
-            KEY_LOADER: state,
-            KEY_CONTEXT: _context(loader, step),
-            KEY_EXTRA: extra,
-        }
-        try:
-            payload: bytes = msgpack.packb(record, use_bin_type=True)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"extra for step {step} is not msgpack-serialisable ({exc}); pass plain types "
-                "(dicts, lists, numbers, strings, bytes)"
-            ) from exc
-        manifest = (loader.dataset.snapshot, _source(loader))
+        ds = loader.dataset
+        state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
+        payload = StateRecord(state, _context(loader, step), extra).to_bytes()
+        manifest = (ds.snapshot, _source(loader))
         if self.async_save:
             self._pending = self._writer.submit(self._write, step, payload, manifest)
             return
@@ -229,7 +179,7 @@ class CheckpointManager:
 
     def _manifest(self, snapshot: Snapshot, source: Any) -> tuple[str, str]:
         """Write the snapshot's manifest unless an intact one is there; (relative path, sha)."""
-        rel = posixpath.join(MANIFEST_DIR, f"{snapshot.fingerprint}.msgpack")
+        rel = manifest_name(snapshot.fingerprint)
         known = self._manifests.get(rel)
         if known is not None:
             return rel, known
@@ -256,14 +206,8 @@ class CheckpointManager:
             self.fs.rm(commit)  # invisible first, then overwrite
         self.fs.makedirs(folder, exist_ok=True)
         self._put(posixpath.join(folder, STATE_FILE), payload)
-        marker = {
-            "version": CHECKPOINT_FORMAT_VERSION,
-            "step": step,
-            "files": {STATE_FILE: [len(payload), sha256(payload)]},
-            "manifest": manifest_rel,
-            "manifest_sha256": manifest_sha,
-        }
-        self._put(commit, msgpack.packb(marker))
+        marker = CommitRecord(step, len(payload), sha256(payload), manifest_rel, manifest_sha)
+        self._put(commit, marker.to_bytes())
         logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, len(payload))
         self._prune(step)
 
@@ -293,48 +237,38 @@ class CheckpointManager:
         """
         folder = self._path(step_dir_name(step))
         try:
-            marker = msgpack.unpackb(self.fs.cat_file(posixpath.join(folder, COMMIT_FILE)))
+            marker = CommitRecord.from_bytes(self.fs.cat_file(posixpath.join(folder, COMMIT_FILE)))
             payload = self.fs.cat_file(posixpath.join(folder, STATE_FILE))
-            size, digest = marker["files"][STATE_FILE]
-            if len(payload) != size or sha256(payload) != digest:
+            if len(payload) != marker.state_bytes or sha256(payload) != marker.state_sha256:
                 raise CheckpointError(
-                    f"{folder}: {STATE_FILE} is {len(payload)} bytes with SHA-256 "
-                    f"{sha256(payload)[:12]}..., its COMMIT says {size} bytes, {digest[:12]}...: "
-                    "truncated or overwritten"
+                    f"{STATE_FILE} is {len(payload)} bytes with SHA-256 {sha256(payload)[:12]}"
+                    f"..., its COMMIT says {marker.state_bytes} bytes, "
+                    f"{marker.state_sha256[:12]}...: truncated or overwritten"
                 )
-            record = msgpack.unpackb(payload, raw=False)
-            manifest_bytes = self.fs.cat_file(self._path(marker["manifest"]))
-            if sha256(manifest_bytes) != marker["manifest_sha256"]:
+            record = StateRecord.from_bytes(payload)
+            manifest_bytes = self.fs.cat_file(self._path(marker.manifest))
+            if sha256(manifest_bytes) != marker.manifest_sha256:
                 raise CheckpointError(
-                    f"manifest {marker['manifest']} does not match the SHA-256 its COMMIT "
+                    f"manifest {marker.manifest} does not match the SHA-256 its COMMIT "
                     "records: torn or overwritten"
                 )
             manifest = unpack_manifest(manifest_bytes)
-            state = record[KEY_LOADER]
-            loader_state = LoaderState.from_dict(state)
-            snapshot = from_manifest(manifest, loader_state.config.get("columns"))
-            if snapshot.fingerprint != loader_state.fingerprint:
+            snapshot = from_manifest(manifest, record.loader.config.get("columns"))
+            if snapshot.fingerprint != record.loader.fingerprint:
                 raise CheckpointError(
-                    f"its state refers to snapshot {loader_state.fingerprint} but its manifest "
-                    f"{marker['manifest']} describes {snapshot.fingerprint}"
+                    f"its state refers to snapshot {record.loader.fingerprint} but its manifest "
+                    f"{marker.manifest} describes {snapshot.fingerprint}"
                 )
         except FileNotFoundError as exc:
             raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
-        except CheckpointError as exc:
-            message = str(exc)
-            raise CheckpointError(
-                message if message.startswith(folder) else f"{folder}: {message}"
-            ) from exc
-        except StateFormatError as exc:
+        except (CheckpointError, StateFormatError) as exc:
             raise CheckpointError(f"{folder}: {exc}") from exc
-        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
-            raise CheckpointError(f"{folder}: corrupt ({exc!r})") from exc
         return Checkpoint(
             step,
             folder,
-            state,
-            record[KEY_CONTEXT],
-            record[KEY_EXTRA],
+            record.loader,
+            record.context,
+            record.extra,
             snapshot,
             manifest,
             len(payload),
@@ -380,8 +314,9 @@ class CheckpointManager:
             LakeChangedError: If the lake changed and the policy is ``"error"``.
             StateMismatchError: If the order configuration differs.
         """
+        coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        restore(loader, ckpt, on_lake_change)
+        loader._resume(coordinator.resume(ckpt, loader.dataset))
         return ckpt.extra
 
     def dataset(
@@ -413,10 +348,9 @@ class CheckpointManager:
             CheckpointError: If no checkpoint is usable.
             LakeChangedError: If pinned files changed and the policy is ``"error"``.
         """
+        coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        return pinned_dataset(
-            ckpt, on_lake_change, {"storage_options": storage_options, **settings}
-        )
+        return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
 
     def close(self) -> None:
         """Finish a pending background save and stop the writer thread."""
@@ -432,19 +366,16 @@ def _source(loader: DataLoader) -> Any:
     return str(src) if isinstance(src, str) or hasattr(src, "__fspath__") else [str(s) for s in src]
 
 
-def _context(loader: DataLoader, step: int) -> dict[str, Any]:
+def _context(loader: DataLoader, step: int) -> CheckpointContext:
     ds = loader.dataset
-    return {
-        "step": step,
-        "library_version": __version__,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "fingerprint": ds.fingerprint,
-        "config": ds.config.to_dict(),
-        "topology": {
-            "world_size": loader.world_size,
-            "num_workers": loader.num_workers,
-            "batch_size": loader.batch_size,
-            "drop_last": loader.drop_last,
-        },
-        "source": _source(loader),
-    }
+    return CheckpointContext(
+        step=step,
+        library_version=__version__,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        fingerprint=ds.fingerprint,
+        config=ds.config.to_dict(),
+        topology=loader.topology,
+        drop_last=loader.drop_last,
+        workers_build=loader.tracker.workers_build,
+        source=_source(loader),
+    )

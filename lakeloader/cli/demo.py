@@ -20,7 +20,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import DataLoader
+from lakeloader.topology import Topology
 
 FEATURES = [f"f{i}" for i in range(8)]
 CLASSES = 4
@@ -42,20 +42,9 @@ EPOCHS = 2
 CHILD_DEADLINE = 300.0
 
 
-@dataclass(frozen=True)
-class Topology:
-    """How a phase of the demo runs."""
-
-    world_size: int
-    batch_size: int
-    num_workers: int
-
-    def __str__(self) -> str:
-        return f"{self.world_size} ranks x {self.batch_size} rows, {self.num_workers} workers"
-
-
-BEFORE = Topology(world_size=2, batch_size=64, num_workers=2)
-AFTER = Topology(world_size=3, batch_size=48, num_workers=1)
+#: How each phase runs (as rank 0 sees it; the demo simulates every rank in one process).
+BEFORE = Topology(world_size=2, rank=0, num_workers=2, batch_size=64)
+AFTER = Topology(world_size=3, rank=0, num_workers=1, batch_size=48)
 SAVE_EVERY = 10
 
 
@@ -216,8 +205,8 @@ def run_demo(
     report: dict[str, Any] = {
         "ok": ok,
         "work_dir": str(work),
-        "before": str(BEFORE),
-        "after": str(AFTER),
+        "before": BEFORE.describe(),
+        "after": AFTER.describe(),
         "killed_at_step": killed_at,
         "checkpoint_step": saved_step,
         "replayed_steps": killed_at - saved_step,

@@ -1,78 +1,39 @@
 """What a checkpoint says: position, where every rank and worker resumes, rows consumed and left.
 
 Everything is recomputed from the checkpoint alone (its state and pinned manifest): the epoch's
-plan is rebuilt with :func:`~lakeloader.order.plan.plan_epoch`, so the lake itself is never touched
-and may be gone. The functions here return plain dicts (JSON-ready); :func:`render_text` turns
-one into the tables of ``lakeloader inspect``.
-
-The *location* of a global slot is where its row lives in the lake: slot -> virtual row ->
-piece -> unit -> (file, row group, row offset inside the row group).
+plan is rebuilt with :func:`~lakeloader.order.plan.plan_epoch`, and the per-rank and per-worker
+view is the :class:`~lakeloader.state.tracker.ReaderStateTracker`'s, so the lake itself is never
+touched and may be gone. The functions here return plain dicts (JSON-ready); :func:`render_text`
+turns one into the tables of ``lakeloader inspect``.
 """
 
 from __future__ import annotations
 
-import posixpath
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from lakeloader.checkpoint.manager import STEP_DIR_RE, Checkpoint, CheckpointManager
+from lakeloader.checkpoint.layout import Checkpoint, split_checkpoint_path
+from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.errors import CheckpointError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import (
     EpochPlan,
-    batch_slots,
     make_units,
     plan_epoch,
-    rank_bounds,
     slots_to_virtual,
-    steps_in_epoch,
     virtual_to_piece,
 )
+from lakeloader.state.tracker import ReaderStateTracker
+from lakeloader.state.view import rank_dict
+from lakeloader.topology import Topology
 
 #: Row ranges shown per cell of the ``--ranges`` table (``--json`` lists all of them).
 RANGES_SHOWN = 4
 #: Category codes of a row in :func:`row_ranges`.
 _CONSUMED, _REMAINING, _DROPPED = 0, 1, 2
 _CATEGORIES = ("consumed", "remaining", "dropped")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The topology a position is looked at under.
-
-    Attributes:
-        world_size: Ranks.
-        num_workers: DataLoader workers per rank (0: batches built in the main process).
-        batch_size: Rows per rank per step.
-        drop_last: Whether a short last global batch is dropped.
-    """
-
-    world_size: int
-    num_workers: int
-    batch_size: int
-    drop_last: bool
-
-    @property
-    def global_batch(self) -> int:
-        """Rows all ranks together consume in one step."""
-        return self.world_size * self.batch_size
-
-
-def split_checkpoint_path(path: str) -> tuple[str, int | None]:
-    """Split a checkpoint path into (root, step); the step is None for a root folder.
-
-    >>> split_checkpoint_path("/runs/ckpt/step-000000000120/")
-    ('/runs/ckpt', 120)
-    >>> split_checkpoint_path("s3://bucket/ckpt")
-    ('s3://bucket/ckpt', None)
-    """
-    path = path.rstrip("/")
-    parent, name = posixpath.split(path)
-    match = STEP_DIR_RE.fullmatch(name)
-    return (parent, int(match.group(1))) if match else (path, None)
 
 
 def open_checkpoint(
@@ -98,86 +59,42 @@ def open_checkpoint(
         manager.close()
 
 
-def saved_topology(ckpt: Checkpoint) -> Topology:
-    """The topology the checkpoint was saved under (from its context, else its state)."""
-    topo = ckpt.context.get("topology") or ckpt.state["topology"]
-    return Topology(
-        world_size=int(topo["world_size"]),
-        num_workers=int(topo["num_workers"]),
-        batch_size=int(topo["batch_size"]),
-        drop_last=bool(topo.get("drop_last", False)),
-    )
-
-
 def rebuild_plan(ckpt: Checkpoint) -> EpochPlan:
     """The plan of the saved epoch, from the manifest and the saved configuration only.
 
     Raises:
         CheckpointError: If the state does not belong to the pinned snapshot.
     """
-    state, cfg = ckpt.state, ckpt.state["config"]
-    if state["fingerprint"] != ckpt.snapshot.fingerprint:
+    state, cfg = ckpt.state, ckpt.state.config
+    if state.fingerprint != ckpt.snapshot.fingerprint:
         raise CheckpointError(
-            f"{ckpt.path}: the state's fingerprint {state['fingerprint']} is not its manifest's "
+            f"{ckpt.path}: the state's fingerprint {state.fingerprint} is not its manifest's "
             f"{ckpt.snapshot.fingerprint}"
         )
     units = make_units([f.row_group_rows for f in ckpt.snapshot.files], int(cfg["max_unit_rows"]))
     plan = plan_epoch(
         units,
         seed=int(cfg["seed"]),
-        epoch=int(state["epoch"]),
+        epoch=state.epoch,
         shuffle=bool(cfg["shuffle"]),
         num_partitions=int(cfg["num_partitions"]),
         window=int(cfg["window"]),
     )
-    if plan.num_rows != int(state["num_rows"]):
+    if plan.num_rows != state.num_rows:
         raise CheckpointError(
-            f"{ckpt.path}: the state counts {state['num_rows']} rows, its manifest {plan.num_rows}"
+            f"{ckpt.path}: the state counts {state.num_rows} rows, its manifest {plan.num_rows}"
         )
     return plan
 
 
-def locate(plan: EpochPlan, snapshot: Snapshot, slots: np.ndarray) -> list[dict[str, Any]]:
-    """Where the rows of global slots live: file, row group and row offset in the row group."""
-    slots = np.asarray(slots, dtype=np.int64)
-    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots))
-    unit = plan.piece_unit[pos]
-    files = plan.units.file_index[unit].tolist()
-    groups = plan.units.row_group[unit].tolist()
-    offsets = (plan.units.row_start[unit] + plan.piece_start[pos] + row).tolist()
-    return [
-        {
-            "slot": s,
-            "file_index": f,
-            "file": snapshot.files[f].path,
-            "row_group": g,
-            "row_offset": o,
-        }
-        for s, f, g, o in zip(slots.tolist(), files, groups, offsets, strict=True)
-    ]
-
-
-_NOWHERE: dict[str, Any] = dict.fromkeys(("slot", "file_index", "file", "row_group", "row_offset"))
-
-
-def step_shares(
-    plan: EpochPlan, snapshot: Snapshot, position: int, steps: int, topo: Topology, step: int
-) -> list[dict[str, Any]]:
-    """Each rank's share of the ``step``-th next global batch: its rows and first row's location.
-
-    A rank with no share (past the epoch's steps, or an empty share of a short last batch) has
-    None as its location.
-    """
-    start = position + step * topo.global_batch
-    stop = min(start + topo.global_batch, plan.num_rows)
-    slots = batch_slots(start, stop, plan.num_partitions) if step < steps else np.zeros(0, np.int64)
-    bounds = [rank_bounds(len(slots), topo.world_size, r) for r in range(topo.world_size)]
-    firsts = [lo for lo, hi in bounds if hi > lo]
-    where = iter(locate(plan, snapshot, slots[firsts]))
-    return [
-        {"rank": r, "rows": hi - lo, **(next(where) if hi > lo else _NOWHERE)}
-        for r, (lo, hi) in enumerate(bounds)
-    ]
+def _topology_dict(topo: Topology, drop_last: bool) -> dict[str, Any]:
+    return {
+        "world_size": topo.world_size,
+        "num_workers": topo.num_workers,
+        "batch_size": topo.batch_size,
+        "drop_last": drop_last,
+        "global_batch": topo.global_batch,
+    }
 
 
 def _virtual_of_every_slot(plan: EpochPlan) -> np.ndarray:
@@ -255,6 +172,7 @@ def inspect_checkpoint(
     ckpt: Checkpoint,
     *,
     topology: Topology | None = None,
+    drop_last: bool | None = None,
     ranges: bool = False,
     steps_available: list[int] | None = None,
 ) -> dict[str, Any]:
@@ -263,6 +181,7 @@ def inspect_checkpoint(
     Args:
         ckpt: The checkpoint.
         topology: Look at the position under this topology (default: the saved one).
+        drop_last: And with this ``drop_last`` (default: the saved one).
         ranges: Also list, per row group, the row ranges consumed, remaining and dropped.
         steps_available: Committed steps under the checkpoint's root, for the report.
 
@@ -273,29 +192,28 @@ def inspect_checkpoint(
     Raises:
         CheckpointError: If the state and its manifest disagree.
     """
-    state, plan = ckpt.state, rebuild_plan(ckpt)
-    saved = saved_topology(ckpt)
-    topo = topology or saved
-    g, n, dropped = int(state["position"]), int(state["num_rows"]), int(state["rows_dropped"])
+    state, ctx, plan = ckpt.state, ckpt.context, rebuild_plan(ckpt)
+    topo = topology or ctx.topology
+    drop = ctx.drop_last if drop_last is None else drop_last
+    tracker = ReaderStateTracker.standing_at(
+        state, topo, drop_last=drop, workers_build=ctx.workers_build
+    )
+    view = tracker.view(plan, ckpt.snapshot)
+    g, n, dropped = view.position, view.num_rows, view.rows_dropped
     remaining = max(0, n - g - dropped)
-    steps = steps_in_epoch(g, n, topo.global_batch, topo.drop_last) if remaining else 0
-    deliver_stop = min(n, g + steps * topo.global_batch)
-    by_step = [
-        step_shares(plan, ckpt.snapshot, g, steps, topo, k) for k in range(max(1, topo.num_workers))
-    ]
     extra = ckpt.extra
     info: dict[str, Any] = {
         "path": ckpt.path,
         "step": ckpt.step,
         "steps_available": steps_available,
-        "created": ckpt.context.get("created"),
-        "library_version": ckpt.context.get("library_version"),
-        "source": ckpt.context.get("source"),
+        "created": ctx.created or None,
+        "library_version": ctx.library_version or None,
+        "source": ctx.source,
         "state_bytes": ckpt.nbytes,
-        "fingerprint": state["fingerprint"],
-        "config": state["config"],
-        "config_hash": state["config_hash"],
-        "quarantine": list(state["quarantine"]),
+        "fingerprint": state.fingerprint,
+        "config": state.config,
+        "config_hash": state.config_hash,
+        "quarantine": [q.to_dict() for q in state.quarantine],
         "extra": {
             "type": type(extra).__name__,
             "keys": sorted(map(str, extra)) if isinstance(extra, dict) else None,
@@ -305,26 +223,24 @@ def inspect_checkpoint(
             "row_groups": sum(len(f.row_group_rows) for f in ckpt.snapshot.files),
             "rows": n,
         },
-        "epoch": int(state["epoch"]),
+        "epoch": view.epoch,
         "position": g,
         "num_rows": n,
         "rows_consumed": g,
         "rows_remaining": remaining,
         "rows_dropped": dropped,
-        "rows_to_drop": remaining - (deliver_stop - g),
-        "finished": steps == 0,
-        "steps_remaining": steps,
+        "rows_to_drop": view.rows_to_drop,
+        "finished": view.steps_remaining == 0,
+        "steps_remaining": view.steps_remaining,
         "step_in_epoch": g // topo.global_batch if g % topo.global_batch == 0 else None,
-        "topology_saved": {**asdict(saved), "global_batch": saved.global_batch},
-        "topology": {**asdict(topo), "global_batch": topo.global_batch},
-        "ranks": [{**share, "steps_remaining": steps} for share in by_step[0]],
-        "workers": [
-            {"worker": k, "step_offset": k, **by_step[k][r]}
-            for r in range(topo.world_size)
-            for k in range(topo.num_workers)
-        ],
+        "topology_saved": _topology_dict(ctx.topology, ctx.drop_last),
+        "topology": _topology_dict(topo, drop),
+        "workers_build": ctx.workers_build,
+        "ranks": [{**rank_dict(r), "steps_remaining": view.steps_remaining} for r in view.ranks],
+        "workers": [w.to_dict() for w in view.workers],
     }
     if ranges:
+        deliver_stop = g + remaining - view.rows_to_drop
         info["ranges"] = row_ranges(plan, ckpt.snapshot, g, deliver_stop)
     return info
 
@@ -340,6 +256,12 @@ def _ranges_text(ranges: list[list[int]]) -> str:
     shown = " ".join(f"[{s:,}, {e:,})" for s, e in ranges[:RANGES_SHOWN])
     more = len(ranges) - RANGES_SHOWN
     return (shown + (f" +{more:,} more" if more > 0 else "")) or "-"
+
+
+def _unit_rows(w: dict[str, Any]) -> str:
+    if w["row_offset"] is None:
+        return "-"
+    return f"[{w['row_offset']:,}, {w['row_offset'] + w['rows']:,})"
 
 
 def _dash(row: list[Any]) -> list[Any]:
@@ -414,14 +336,25 @@ def render_text(info: dict[str, Any]) -> str:
         out.append("next step, per rank (where its first row comes from):")
         rows = [_dash([r["rank"], r["rows"]] + [r[k] for k in keys]) for r in info["ranks"]]
         out.append(format_table(["rank", "rows", *loc], rows))
-        if info["workers"]:
-            out += ["", "per worker (worker k builds the rank's k-th next step):"]
+        if info["workers"] and info["workers_build"]:
+            out += ["", "per worker (worker k builds the k-th next step of its rank):"]
             rows = [
                 _dash([w["rank"], w["worker"], f"+{w['step_offset']}", w["rows"]])
                 + _dash([w[k] for k in keys])
                 for w in info["workers"]
             ]
             out.append(format_table(["rank", "worker", "step", "rows", *loc], rows))
+        elif info["workers"]:
+            out += [
+                "",
+                "per worker (workers decode units in the order their rank first needs them, "
+                "the j-th to worker j mod W; the first of each):",
+            ]
+            rows = [
+                [*_dash([w["rank"], w["worker"], w["file"], w["row_group"]]), _unit_rows(w)]
+                for w in info["workers"]
+            ]
+            out.append(format_table(["rank", "worker", "file", "row group", "rows"], rows))
     if quarantine:
         out += ["", "quarantine (units skipped for good, on every rank and after every resume):"]
         rows = [

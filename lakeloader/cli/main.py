@@ -12,8 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lakeloader.cli.tables import format_pairs, format_table, human_bytes, to_json
+from lakeloader.cli.tables import format_pairs, format_table, to_json
 from lakeloader.errors import LakeError
+from lakeloader.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +135,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from lakeloader.cli.inspect import (
-        inspect_checkpoint,
-        open_checkpoint,
-        render_text,
-        saved_topology,
-    )
+    from lakeloader.cli.inspect import inspect_checkpoint, open_checkpoint, render_text
 
     overrides = {
         "world_size": args.world_size,
@@ -153,9 +149,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             _emit(f"lakeloader inspect: error: {flag} must be >= {least}", error=True)
             return 2
     ckpt, steps = open_checkpoint(args.checkpoint, args.step, _storage_options(args.storage_option))
-    saved = saved_topology(ckpt)
-    topology = dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
-    info = inspect_checkpoint(ckpt, topology=topology, ranges=args.ranges, steps_available=steps)
+    given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
+    topology = dataclasses.replace(ckpt.context.topology, **given)
+    info = inspect_checkpoint(
+        ckpt,
+        topology=topology,
+        drop_last=args.drop_last,
+        ranges=args.ranges,
+        steps_available=steps,
+    )
     _emit(to_json(info) if args.json else render_text(info))
     return 0
 

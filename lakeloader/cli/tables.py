@@ -53,21 +53,6 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def human_bytes(n: float) -> str:
-    """Bytes with a binary unit.
-
-    >>> human_bytes(1536), human_bytes(3 * 2**30)
-    ('1.5 KiB', '3.0 GiB')
-    """
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} TiB"
-
-
 def to_json(data: Any) -> str:
     """Indented JSON with sorted keys, for ``--json``."""
     return json.dumps(data, indent=2, sort_keys=True, default=str)

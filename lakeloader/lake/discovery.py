@@ -14,20 +14,21 @@ import os
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from lakeloader.errors import LakeNotFoundError
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.state.keys import NON_DATA_NAMES
 
 Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 #: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
 #: GCS's generation (gcsfs also reports an etag, which is not the object's version).
+#: File names that are never data in a lake.
+NON_DATA_NAMES: Final = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})
 _VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
 
 

@@ -26,11 +26,12 @@ from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.discovery import DiscoveredFile, Source, discover, version_token
 from lakeloader.lake.schema import unify_schemas
-from lakeloader.state.keys import SNAPSHOT_FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
 
 #: From this many files on, footer reading shows a progress bar (on stderr, terminal or not).
+#: Version of the snapshot description (affects the fingerprint).
+SNAPSHOT_FORMAT_VERSION = 1
 PROGRESS_MIN_FILES = 64
 _INT_RE = re.compile(r"-?[0-9]+")
 

@@ -1,11 +1,10 @@
-"""The recovery coordinator: map a saved position onto the lake and topology that exist now.
+"""The lake against a pinned snapshot: what is gone, rewritten or added, and the policy.
 
-A saved position is ``(epoch, G)`` plus the snapshot it refers to; it does not depend on world
-size, worker count or batch size (see docs/design.md), so mapping it onto a new topology needs
-no reassignment table. What can break exactness is the lake itself: a file of the pinned
-snapshot that is gone or was rewritten. These functions find such files, without listing the
-lake or reading a footer, and apply the caller's policy; ``restore`` and ``pinned_dataset``
-put a loader or a dataset back at a checkpoint accordingly.
+A saved position is ``(epoch, G)`` plus the snapshot it refers to. What can break exactness on
+resume is the lake itself: a file of the pinned snapshot that is gone or was rewritten. These
+functions find such files without listing the lake or reading a footer (:func:`check_files`),
+or by comparing two snapshots (:func:`diff_snapshots`), and apply the caller's policy
+(:func:`enforce`). The :class:`~lakeloader.recovery.coordinator.RecoveryCoordinator` uses them.
 """
 
 from __future__ import annotations
@@ -14,20 +13,14 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Final, Literal
 
 import fsspec
 
-from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeChangedError
 from lakeloader.lake.discovery import version_token
 from lakeloader.lake.snapshot import FileInfo, Snapshot
-from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
-
-if TYPE_CHECKING:
-    from lakeloader.checkpoint.manager import Checkpoint
-    from lakeloader.loader import DataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +123,19 @@ def lost_units(snapshot: Snapshot, diff: LakeDiff) -> tuple[QuarantineEntry, ...
     )
 
 
+def check_policy(policy: str) -> None:
+    """Refuse an unknown ``on_lake_change`` at once, whether or not the lake changed.
+
+    >>> check_policy("skip")
+    >>> check_policy("skipp")
+    Traceback (most recent call last):
+    ...
+    ValueError: on_lake_change must be one of ('error', 'skip', 'restart_epoch'), got 'skipp'
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"on_lake_change must be one of {POLICIES}, got {policy!r}")
+
+
 def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool) -> bool:
     """Apply a policy to a lake difference.
 
@@ -149,8 +155,7 @@ def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool
             or rewritten.
         ValueError: For an unknown policy.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"on_lake_change must be one of {POLICIES}, got {policy!r}")
+    check_policy(policy)
     if diff.added:
         logger.warning(
             "%d file(s) were added to the lake since %s; they join at the next epoch boundary:\n%s",
@@ -183,74 +188,3 @@ def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool
         diff.describe(),
     )
     return False
-
-
-def restore(loader: DataLoader, ckpt: Checkpoint, policy: LakeChangePolicy) -> None:
-    """Put a loader at a checkpoint's position, on the lake its dataset sees now.
-
-    When the loader's snapshot is not the checkpoint's, the difference decides: files added
-    since join at the next epoch boundary (the saved epoch finishes on the pinned snapshot,
-    then the loader moves on to its own dataset); files gone or rewritten go by ``policy``.
-
-    Raises:
-        LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
-        StateMismatchError: If the order configuration differs.
-    """
-    saved = LoaderState.from_dict(ckpt.state)
-    live = loader.dataset
-    if saved.fingerprint != live.fingerprint:
-        diff = diff_snapshots(ckpt.snapshot, live.snapshot)
-        if not enforce(diff, policy, ckpt.path, saved.at_epoch_end):
-            saved.check_matches(saved.fingerprint, live.config.to_dict())
-            loader.set_epoch(saved.epoch, restart=True)
-            return
-        pinned = LakeDataset(ckpt.context["source"], snapshot=ckpt.snapshot, **_settings(live))
-        _hand_over(pinned, live, saved, diff)
-        loader.rebase(pinned)
-    loader.load_state_dict(ckpt.state)
-
-
-def pinned_dataset(
-    ckpt: Checkpoint, policy: LakeChangePolicy, settings: dict[str, Any]
-) -> LakeDataset:
-    """The dataset of a checkpoint's pinned snapshot, with the lake's changes applied.
-
-    Each pinned file is checked with one metadata request (no listing, no footers).
-
-    Args:
-        ckpt: The checkpoint.
-        policy: What to do with files gone or rewritten.
-        settings: :class:`LakeDataset` arguments that do not change the order.
-
-    Raises:
-        LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
-    """
-    saved = LoaderState.from_dict(ckpt.state)
-    kwargs = {**saved.config, **settings}  # the order config's keys are LakeDataset's
-    source = ckpt.context["source"]
-    pinned = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
-    diff = check_files(pinned.fs, pinned.snapshot.files)
-    if not (diff.gone or diff.changed):
-        return pinned
-    if not enforce(diff, policy, ckpt.path, saved.at_epoch_end):
-        return LakeDataset(source, **kwargs)
-    _hand_over(pinned, LakeDataset(source, **kwargs), saved, diff)
-    return pinned
-
-
-def _hand_over(pinned: LakeDataset, live: LakeDataset, saved: LoaderState, diff: LakeDiff) -> None:
-    """Finish the saved epoch on ``pinned`` (without lost units), later epochs on ``live``."""
-    lost = () if saved.at_epoch_end else lost_units(pinned.snapshot, diff)
-    pinned.hand_over(saved.epoch + 1, live, lost)
-
-
-def _settings(ds: LakeDataset) -> dict[str, Any]:
-    """A dataset's arguments, so that a pinned twin orders and reads rows alike."""
-    return {
-        **ds.config.to_dict(),
-        "storage_options": ds.storage_options,
-        "transform": ds.transform,
-        "retry": ds.retry,
-        "on_error": ds.on_error,
-        "validate": ds.validate,
-    }

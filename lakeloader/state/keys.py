@@ -1,4 +1,4 @@
-"""Names and constants shared across modules: state keys, format versions, file-name rules.
+"""The keys and version of the loader state's plain-data form.
 
 Keeping them here (instead of string literals scattered through the code) makes the on-disk
 and in-memory formats greppable and keeps readers and writers in step.
@@ -12,8 +12,6 @@ from typing import Final
 STATE_FORMAT_VERSION: Final = 1
 #: Value of ``STATE_KIND`` in every state, so a foreign dict is recognised at once.
 STATE_KIND_VALUE: Final = "lakeloader.loader_state"
-#: Version of the snapshot description (affects the fingerprint).
-SNAPSHOT_FORMAT_VERSION: Final = 1
 
 # Keys of the loader state dict.
 STATE_KIND: Final = "kind"
@@ -27,16 +25,3 @@ STATE_DROPPED: Final = "rows_dropped"
 STATE_NUM_ROWS: Final = "num_rows"
 STATE_TOPOLOGY: Final = "topology"
 STATE_QUARANTINE: Final = "quarantine"
-
-# Keys of the topology sub-dict (informational, never a constraint).
-TOPO_WORLD_SIZE: Final = "world_size"
-TOPO_RANK: Final = "rank"
-TOPO_NUM_WORKERS: Final = "num_workers"
-TOPO_BATCH_SIZE: Final = "batch_size"
-
-# File names that are never data in a lake.
-NON_DATA_NAMES: Final = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})
-
-#: Environment variables that torchrun sets.
-ENV_RANK: Final = "RANK"
-ENV_WORLD_SIZE: Final = "WORLD_SIZE"

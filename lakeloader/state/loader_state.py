@@ -8,7 +8,7 @@ the exact global sequence under any world size, worker count or batch size.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -16,6 +16,7 @@ import msgpack
 from lakeloader.errors import StateFormatError, StateMismatchError
 from lakeloader.state import keys as K
 from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.topology import Topology
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -41,8 +42,7 @@ class LoaderState:
         rows_dropped: Rows of the epoch dropped by ``drop_last`` (counted, never silent).
         num_rows: Rows in the epoch (N), for reports.
         topology: The topology the state was taken under (information, not a constraint).
-        quarantine: Units skipped for good (``on_error="skip"``), as plain dicts (see
-            :class:`lakeloader.state.quarantine.QuarantineEntry`).
+        quarantine: Units skipped for good (``on_error="skip"``), merged and sorted.
     """
 
     fingerprint: str
@@ -52,8 +52,8 @@ class LoaderState:
     position: int
     rows_dropped: int
     num_rows: int
-    topology: dict[str, int]
-    quarantine: list[dict[str, Any]] = field(default_factory=list)
+    topology: Topology
+    quarantine: tuple[QuarantineEntry, ...] = ()
 
     @property
     def at_epoch_end(self) -> bool:
@@ -72,8 +72,8 @@ class LoaderState:
             K.STATE_POSITION: self.position,
             K.STATE_DROPPED: self.rows_dropped,
             K.STATE_NUM_ROWS: self.num_rows,
-            K.STATE_TOPOLOGY: dict(self.topology),
-            K.STATE_QUARANTINE: list(self.quarantine),
+            K.STATE_TOPOLOGY: self.topology.to_dict(),
+            K.STATE_QUARANTINE: [q.to_dict() for q in self.quarantine],
         }
 
     @classmethod
@@ -103,10 +103,8 @@ class LoaderState:
                 position=int(state[K.STATE_POSITION]),
                 rows_dropped=int(state[K.STATE_DROPPED]),
                 num_rows=int(state[K.STATE_NUM_ROWS]),
-                topology={str(k): int(v) for k, v in state[K.STATE_TOPOLOGY].items()},
-                quarantine=[
-                    QuarantineEntry.from_dict(q).to_dict() for q in state[K.STATE_QUARANTINE]
-                ],
+                topology=Topology.from_dict(state[K.STATE_TOPOLOGY]),
+                quarantine=tuple(QuarantineEntry.from_dict(q) for q in state[K.STATE_QUARANTINE]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFormatError(f"malformed lakeloader state: {exc!r}") from exc

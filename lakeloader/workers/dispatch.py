@@ -1,12 +1,16 @@
-"""Decoding units in the DataLoader's worker processes, for the loader's unit store.
+"""Handing work to the DataLoader's worker processes, and the one place that sees them die.
 
-On the default tensor path a batch is one row copy out of the arena, far cheaper than
-shipping it between processes, while decoding Parquet is the expensive part. So there the
-workers decode units into the arena (one process each, no GIL between them) and the loader's
-process assembles batches. :class:`RemoteDecodes` is the store's view of that: ``submit``
-returns a future, and a thread of the loader's process sends queued jobs to workers within
-the decode byte budget, completes the futures as answers arrive, and gives the jobs of a
-worker that died to its fresh replacement.
+A :class:`Dispatcher` serves one pass. ``submit`` returns a future; a thread of the loader's
+process sends queued work to its worker within a byte budget, completes the futures as answers
+arrive, and notices dead workers (the pool replaces them). What a dead worker owed goes back to
+the worker that takes its place, by the rule of the
+:class:`~lakeloader.recovery.coordinator.RecoveryCoordinator`.
+
+Work is dealt in a fixed order: the ``j``-th piece of work submitted in a pass goes to worker
+``j mod W``. On the default tensor path the work is decoding units (in the order the rank first
+needs them); with a transform or collate_fn it is building batches (step ``k`` of the pass to
+worker ``k mod W``, as torch does). So which worker does what follows from the position alone,
+which is what the reader-state tracker's per-worker view says.
 """
 
 from __future__ import annotations
@@ -19,77 +23,116 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import Any, Final
 
-from lakeloader.cache.arena import ArenaHandle
-from lakeloader.cache.decode import DecodeJob, Held
 from lakeloader.errors import WorkerError
 from lakeloader.io.reader import ReadCounters
 from lakeloader.io.retry import describe
+from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.workers.pool import Death, WorkerPool
-from lakeloader.workers.process import DecodeTask, Result
+from lakeloader.workers.process import Result, Work
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between the receiving thread's checks for a close.
-POLL_SECONDS = 0.5
-#: Times a unit may kill its worker before the loader gives up on it.
-MAX_DECODE_ATTEMPTS = 3
+POLL_SECONDS: Final = 0.5
+
+
+@dataclass(frozen=True)
+class WorkKind:
+    """How a kind of work is named in messages.
+
+    Attributes:
+        verb: What a worker does (``"decode"``, ``"build"``).
+        gerund: The same as a gerund (``"decoding"``, ``"building"``).
+        noun: What it does it to, counted (``"unit(s)"``, ``"batch(es)"``).
+        advice: What to check when the work keeps killing its worker.
+    """
+
+    verb: str
+    gerund: str
+    noun: str
+    advice: str
+
+
+DECODE: Final = WorkKind("decode", "decoding", "unit(s)", "Check the memory available to workers")
+BUILD: Final = WorkKind(
+    "build",
+    "building",
+    "batch(es)",
+    "Check the transform and collate_fn on those rows, and the memory available to workers",
+)
 
 
 @dataclass
 class _Job:
-    job: DecodeJob
+    key: int
+    worker: int
     nbytes: int
-    future: Future[Held]
+    make: Callable[[], Work]
+    future: Future[Any]
 
 
-class RemoteDecodes:
-    """Runs decode jobs in a worker pool (see the module docstring).
+#: Names a piece of work by its key for messages: (what it is, more detail or "").
+Describe = Callable[[int], tuple[str, str]]
+
+
+class Dispatcher:
+    """Runs a pass's work in the worker pool (see the module docstring).
 
     Args:
-        pool: The DataLoader's workers (started, with a decoder in their setup).
-        generation: The pass's generation of the pool.
-        arena: The arena's current handle (it grows), or None when nothing is packed.
-        limit: Bytes held by the decodes sent and not answered, at most (one always runs).
-        per_worker: Jobs handed to each worker ahead.
-        counters: Where the workers' reads are counted.
-        describe: Names a job's unit (file, row group, rows) for error messages.
+        pool: The DataLoader's workers (started).
+        kind: What the work is, for messages.
+        limit: Bytes held by the work sent and not answered, at most (one always runs).
+        per_worker: Work handed to each worker ahead.
+        coordinator: Decides what a dead worker's work becomes.
+        describe: Names a piece of work by its key, for messages.
+        counters: Where the workers' reads are counted (decodes), or None.
     """
 
     def __init__(
         self,
         pool: WorkerPool,
-        generation: int,
-        arena: Callable[[], ArenaHandle | None],
+        kind: WorkKind,
         limit: int,
         per_worker: int,
-        counters: ReadCounters,
-        describe: Callable[[DecodeJob], str],
+        coordinator: RecoveryCoordinator,
+        describe: Describe,
+        counters: ReadCounters | None = None,
     ) -> None:
         self._pool = pool
-        self._describe = describe
-        self._generation = generation
-        self._arena = arena
+        self._kind = kind
         self._limit = max(1, limit)
-        self._cap = max(1, per_worker) * len(pool.pids())
+        self._cap = max(1, per_worker) * pool.num_workers
+        self._coordinator = coordinator
+        self._describe = describe
         self._counters = counters
         self._lock = threading.Lock()
         self._queue: deque[_Job] = deque()
         self._sent: dict[int, _Job] = {}
         self._attempts: dict[int, int] = {}
+        self._submitted = 0
         self._in_flight = 0
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(
-            target=self._receive, name="lakeloader-decodes", daemon=True
+            target=self._receive, name=f"lakeloader-{kind.verb}", daemon=True
         )
         self._thread.start()
 
-    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Queue ``job``; the receiving thread sends it when the budget allows."""
-        future: Future[Held] = Future()
+    def submit(self, key: int, make: Callable[[], Work], nbytes: int = 0) -> Future[Any]:
+        """Queue a piece of work for the next worker in turn.
+
+        Args:
+            key: The work's key in the pass (a unit's position, or a step).
+            make: Makes the task when it is sent (a decode then takes the arena's handle).
+            nbytes: Bytes it holds while it runs (0: not budgeted).
+        """
+        future: Future[Any] = Future()
         with self._lock:
-            self._queue.append(_Job(job, nbytes, future))
+            worker = self._submitted % self._pool.num_workers
+            self._submitted += 1
+            self._queue.append(_Job(key, worker, nbytes, make, future))
         self._wake()
         return future
 
@@ -116,7 +159,7 @@ class RemoteDecodes:
         try:
             self._loop()
         except BaseException as exc:  # never leave the loader waiting on futures forever
-            logger.exception("the thread receiving decoded units failed")
+            logger.exception("the thread receiving the workers' answers failed")
             self._fail(exc)
         finally:
             with self._lock:
@@ -143,20 +186,20 @@ class RemoteDecodes:
                 self._handle(*self._pool.collect([r for r in ready if r != self._wake_r]))
 
     def _fail(self, exc: BaseException) -> None:
-        """Fail every job not answered yet with ``exc``."""
+        """Fail every piece of work not answered yet with ``exc``."""
         with self._lock:
             self._closed = True
             items = [*self._sent.values(), *self._queue]
             self._sent.clear()
             self._queue.clear()
-        error = WorkerError(f"decoding in the workers stopped: {describe(exc)}")
+        error = WorkerError(f"the DataLoader's workers stopped answering: {describe(exc)}")
         error.__cause__ = exc
         for item in items:
             if not item.future.done():
                 item.future.set_exception(error)
 
     def _send(self) -> None:
-        """Hand queued jobs to workers while the byte budget and the queues allow."""
+        """Hand queued work to workers while the byte budget and the queues allow."""
         while self._queue and len(self._sent) < self._cap:
             head = self._queue[0]
             nbytes = min(head.nbytes, self._limit)
@@ -168,10 +211,9 @@ class RemoteDecodes:
             self._dispatch(head)
 
     def _dispatch(self, item: _Job) -> None:
-        self._sent[item.job.position] = item
+        self._sent[item.key] = item
         self._in_flight += min(item.nbytes, self._limit)
-        task = DecodeTask(self._generation, item.job.position, item.job, self._arena())
-        self._pool.submit(task)
+        self._pool.submit(item.make(), item.worker)
 
     def _handle(self, results: list[Result], deaths: list[Death]) -> None:
         for result in results:
@@ -179,15 +221,17 @@ class RemoteDecodes:
             if item is None:
                 continue
             self._in_flight -= min(item.nbytes, self._limit)
-            self._counters.add(*result.counts)
+            if self._counters is not None:
+                self._counters.add(*result.counts)
             raised = result.raised()
             if raised is not None:
                 item.future.set_exception(raised)
             elif result.error is not None:
+                what = self._describe(item.key)[0]
                 item.future.set_exception(
                     WorkerError(
-                        f"worker {result.worker} failed to decode "
-                        f"{self._describe(item.job)}:\n{result.error}"
+                        f"worker {result.worker} failed to {self._kind.verb} {what}:\n"
+                        f"{result.error}"
                     )
                 )
             else:
@@ -196,34 +240,37 @@ class RemoteDecodes:
             self._redo(death)
 
     def _redo(self, death: Death) -> None:
-        """Give a dead worker's jobs to the others (or its replacement)."""
-        jobs = [self._sent.pop(t.step) for t in death.owed if t.step in self._sent]
+        """Give a dead worker's work to its replacement, as the coordinator decides."""
+        owed = [t.step for t in death.owed if t.step in self._sent]
+        decision = self._coordinator.reassign(owed, death.building, self._attempts)
+        self._attempts = dict(decision.attempts)
         logger.warning(
-            "DataLoader worker %d (pid %s) died with exit code %s; decoding %d unit(s) it "
-            "held again in a fresh worker",
+            "DataLoader worker %d (pid %s) died with exit code %s; %s %d %s it held again "
+            "in a fresh worker: %s",
             death.worker,
             death.pid,
             death.exitcode,
-            len(jobs),
+            self._kind.gerund,
+            len(owed),
+            self._kind.noun,
+            ", ".join(self._describe(k)[0] for k in owed) or "none",
         )
-        for item in jobs:
+        for key, attempts in decision.given_up:
+            item = self._sent.pop(key)
             self._in_flight -= min(item.nbytes, self._limit)
-            if item.job.position == death.building:
-                attempts = self._attempts.get(item.job.position, 1) + 1
-                self._attempts[item.job.position] = attempts
-                if attempts > MAX_DECODE_ATTEMPTS:
-                    item.future.set_exception(
-                        WorkerError(
-                            f"decoding {self._describe(item.job)} killed its worker "
-                            f"{attempts - 1} times; giving up. Check the memory available "
-                            "to workers"
-                        )
-                    )
-                    continue
-            self._dispatch(item)
+            what, detail = self._describe(key)
+            item.future.set_exception(
+                WorkerError(
+                    f"{what} killed its worker {attempts} times; giving up. "
+                    + (f"Its units: {detail}. " if detail else "")
+                    + self._kind.advice
+                )
+            )
+        for key in decision.resend:
+            self._pool.submit(self._sent[key].make(), self._sent[key].worker)
 
     def close(self, wait: bool) -> None:
-        """Stop sending; cancel queued jobs (answers to jobs sent are dropped)."""
+        """Stop sending; cancel queued work (answers to work sent are dropped)."""
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()

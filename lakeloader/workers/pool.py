@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -114,11 +114,6 @@ class WorkerPool:
         task_reader.close()
         return _Slot(proc, task_writer, reader, building)
 
-    @property
-    def num_owed(self) -> int:
-        """Tasks handed out and not yet answered."""
-        return sum(len(s.owed) for s in self._slots)
-
     def pids(self) -> list[int | None]:
         """Process ids of the workers, by worker id."""
         return [s.process.pid for s in self._slots]
@@ -130,16 +125,19 @@ class WorkerPool:
             slot.owed.clear()
         return self.generation
 
-    def submit(self, task: Work) -> int:
-        """Give a task to the worker that owes the fewest; returns that worker's id."""
-        worker = min(range(len(self._slots)), key=lambda i: len(self._slots[i].owed))
+    @property
+    def num_workers(self) -> int:
+        """Workers in the pool (the dead are replaced under the same number)."""
+        return len(self._slots)
+
+    def submit(self, task: Work, worker: int) -> None:
+        """Give a task to a worker (to its replacement, if it died meanwhile)."""
         slot = self._slots[worker]
         slot.owed[task.step] = task
         try:
             slot.tasks.send(task)
-        except OSError:  # it died: wait() reports it and hands the task back
-            logger.debug("worker %d is gone; step %d waits for its replacement", worker, task.step)
-        return worker
+        except OSError:  # it died: collect() reports it and hands the task back
+            logger.debug("worker %d is gone; task %d waits for its replacement", worker, task.step)
 
     def _drain(self, slot: _Slot, into: list[Result]) -> None:
         try:
@@ -174,20 +172,6 @@ class WorkerPool:
     def waitables(self) -> list[Any]:
         """What :meth:`collect` needs to hear about: result pipes and process sentinels."""
         return [*(s.results for s in self._slots), *(s.process.sentinel for s in self._slots)]
-
-    def wait(
-        self, timeout: float | None, extra: Sequence[int] = ()
-    ) -> tuple[list[Result], list[Death], bool]:
-        """Wait for results, worker deaths or one of the ``extra`` file descriptors.
-
-        Returns:
-            The results that arrived, the workers that died (already replaced by fresh
-            ones, their owed tasks returned for resubmission), and whether an ``extra``
-            descriptor became readable.
-        """
-        ready = wait([*self.waitables(), *extra], timeout)
-        results, deaths = self.collect(ready)
-        return results, deaths, any(fd in ready for fd in extra)
 
     def collect(self, ready: Sequence[Any]) -> tuple[list[Result], list[Death]]:
         """Take the results that arrived and replace the workers that died.

@@ -1,0 +1,72 @@
+"""The folder of a process's decoded units: shared memory when it has room, and cleanup.
+
+Decoded units live in a folder of the loader's process (in ``/dev/shm`` when there is room:
+the workers map the same files). A process killed with ``SIGKILL`` cannot delete its folder,
+so each new folder is made after removing those whose owner is dead (names carry the pid).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+#: Where unit files go by default.
+SHM_DIR = "/dev/shm"
+#: Name prefix of the per-process unit folders.
+UNIT_DIR_PREFIX = "lakeloader"
+
+
+def default_cache_dir(need_bytes: int) -> str | None:
+    """Shared memory when the machine has room there, else None (the system's temp folder).
+
+    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, which kills the process
+    without a Python error (a container's default 64 MiB is full at once); so unless
+    ``need_bytes`` are free there, decoded units go to the temporary folder instead, which
+    is slower, and a warning says how to get the speed back.
+    """
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return None
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    if free >= need_bytes:
+        return SHM_DIR
+    logger.warning(
+        "only %d MiB are free in %s, less than cache_bytes (%d MiB): decoded units go to %s "
+        "instead, which is slower. Give the machine or container more shared memory (docker: "
+        "--shm-size), lower cache_bytes, or choose a folder with cache_dir=...",
+        free >> 20,
+        SHM_DIR,
+        need_bytes >> 20,
+        tempfile.gettempdir(),
+    )
+    return None
+
+
+def make_unit_dir(root: str | None) -> str:
+    """Create this process's unit folder, first removing folders left by dead processes.
+
+    A loader whose process was killed cannot delete its decoded units; since they live in
+    shared memory, they would hold RAM until reboot. Folder names carry the owner's pid.
+    """
+    base = root if root is not None else tempfile.gettempdir()
+    for name in os.listdir(base):
+        prefix, _, rest = name.partition("-")
+        pid = rest.split("-")[0]
+        if prefix == UNIT_DIR_PREFIX and pid.isdigit() and not _alive(int(pid)):
+            logger.info("removing %s, left by dead process %s", name, pid)
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

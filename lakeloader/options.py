@@ -1,0 +1,77 @@
+"""The loader's options as one frozen value: torch's DataLoader arguments and lakeloader's own.
+
+:class:`LoaderOptions` is built and checked once, by ``DataLoader(...)``, and then handed as it is
+to whatever needs it (a pass over an epoch, the worker pool), instead of being copied field by
+field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from lakeloader.pipeline.collate import Collate
+
+#: Default byte budget of the decoded-unit cache of one rank.
+DEFAULT_CACHE_BYTES: Final = 2 << 30
+#: Default number of threads fetching and decoding units for one rank.
+DEFAULT_IO_THREADS: Final = 4
+#: Work handed to each worker ahead when ``prefetch_factor`` is not given (as in torch).
+DEFAULT_PREFETCH_FACTOR: Final = 2
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a :class:`~lakeloader.DataLoader` delivers batches (see its docstring for each).
+
+    Attributes:
+        batch_size: Rows per batch on this rank.
+        num_workers: Worker processes (0: everything in the loader's process).
+        collate_fn: The user's collate function, or None.
+        pin_memory: Copy tensors to pinned memory.
+        drop_last: Drop the last global batch if it is short.
+        timeout: Seconds to wait for a batch before failing (0: forever).
+        worker_init_fn: Called with the worker id in each worker.
+        multiprocessing_context: Context (or its name) for the workers.
+        prefetch_factor: Work handed to each worker ahead.
+        persistent_workers: Keep the workers alive between epochs.
+        pin_memory_device: Accepted for compatibility.
+        cache_dir: Folder for decoded units (None: ``/dev/shm`` when it has room).
+        cache_bytes: Byte budget for decoded units held ahead of use.
+        io_threads: Threads fetching and decoding units in the loader's process.
+
+    Example:
+        >>> LoaderOptions(batch_size=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: batch_size must be a positive integer, got 0
+    """
+
+    batch_size: int = 1
+    num_workers: int = 0
+    collate_fn: Collate | None = None
+    pin_memory: bool = False
+    drop_last: bool = False
+    timeout: float = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    multiprocessing_context: Any = None
+    prefetch_factor: int = DEFAULT_PREFETCH_FACTOR
+    persistent_workers: bool = False
+    pin_memory_device: str = ""
+    cache_dir: str | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    io_threads: int = DEFAULT_IO_THREADS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch_size, bool) or not self.batch_size or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.num_workers < 0 or self.timeout < 0:
+            raise ValueError(
+                f"num_workers ({self.num_workers}) and timeout ({self.timeout}) must be >= 0"
+            )
+        if self.prefetch_factor < 1 or self.io_threads < 1 or self.cache_bytes < 1:
+            raise ValueError(
+                f"prefetch_factor ({self.prefetch_factor}), io_threads ({self.io_threads}) and "
+                f"cache_bytes ({self.cache_bytes}) must be >= 1"
+            )

@@ -1,0 +1,188 @@
+"""Building a step's batch: in the loader's process, or in the workers for a transform.
+
+Both builders take a step's :class:`~lakeloader.order.batches.BatchSpec`, wait for its units
+in the pass's store, leave quarantined units out (:func:`~lakeloader.cache.screening.screen`)
+and return the payload that :func:`~lakeloader.pipeline.collate.finish_payload` turns into the
+batch. :class:`LocalBuilder` builds in this process: on the default tensor path it is one row
+copy out of the arena. :class:`WorkerBuilder` has the workers build batches, which pays when
+rows go through a transform or a collate_fn one by one: step ``k`` of the pass goes to worker
+``k mod W``, a few steps ahead of delivery.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from typing import Any, Final
+
+import pyarrow as pa
+
+from lakeloader.cache.decode import Held
+from lakeloader.cache.packed import gather_packed
+from lakeloader.cache.screening import Screened, screen
+from lakeloader.cache.store import UnitOpener
+from lakeloader.cache.views import views_array
+from lakeloader.order.batches import BatchSpec
+from lakeloader.pipeline.collate import build_payload, python_values
+from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.workers.dispatch import BUILD, Dispatcher
+from lakeloader.workers.pool import WorkerPool
+from lakeloader.workers.process import Task
+
+#: Seconds between checks for steps to hand out while waiting for a batch from the workers.
+TOP_UP_SECONDS: Final = 0.05
+
+#: Quarantined units of a screened step, and the rows of this rank they cost.
+Skipped = tuple[tuple[QuarantineEntry, ...], int]
+
+
+class LocalBuilder:
+    """Builds batches in the loader's process.
+
+    Args:
+        spec: The pass.
+        space: Its workspace.
+        schema: The batch's columns.
+    """
+
+    def __init__(self, spec: PassSpec, space: PassWorkspace, schema: pa.Schema) -> None:
+        self._spec = spec
+        self._space = space
+        self._schema = schema
+        self._opener = UnitOpener()
+        self.skipped: dict[int, Skipped] = {}
+
+    def screened(self, step: BatchSpec) -> Screened:
+        """The step's units without quarantined ones, its rows renumbered to match.
+
+        Raises:
+            RuntimeError: If the units are not decoded within the loader's ``timeout``.
+            LakeDataError: If a unit cannot be read (and is not to be skipped).
+        """
+        spec = self._spec
+        try:
+            held: list[Held] = self._space.store.get(step.positions, spec.options.timeout or None)
+        except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
+            raise timed_out(spec, step.step) from None
+        layout = spec.layout if self._space.arena is not None else None
+        screened = screen(step, held, spec.plan, layout, len(self._schema))
+        self.skipped[step.step] = (screened.skipped, screened.lost)
+        return screened
+
+    def build(self, step: BatchSpec) -> tuple[str, Any]:
+        """Build a step's payload here."""
+        spec, screened = self._spec, self.screened(step)
+        records = self._space.records()
+        ready: dict[str, Any] = {}
+        if screened.rows is not None and records is not None and spec.layout is not None:
+            fields = screened.names + screened.views
+            ready.update(gather_packed(records, screened.rows, spec.layout, fields))
+            buffers = self._space.store.view_buffers
+            for name in screened.views:
+                typ = self._schema.field(name).type
+                ready[name] = python_values(views_array(ready[name], typ, buffers))
+        units = self._opener.open(screened.refs, records) if screened.refs else []
+        collate_fn = spec.options.collate_fn
+        return build_payload(units, screened.take, self._schema, spec.transform, collate_fn, ready)
+
+
+class WorkerBuilder:
+    """Has the workers build batches, ``prefetch_factor`` steps per worker ahead.
+
+    Args:
+        spec: The pass.
+        space: Its workspace (the loader's threads decode into its store).
+        local: Screens steps (in this process, so that quarantine is decided in one place).
+        pool: The workers.
+        coordinator: Decides what a dead worker's work becomes.
+        planned: The step of a given index, once planned (None before).
+    """
+
+    def __init__(
+        self,
+        spec: PassSpec,
+        space: PassWorkspace,
+        local: LocalBuilder,
+        pool: WorkerPool,
+        coordinator: RecoveryCoordinator,
+        planned: Callable[[int], BatchSpec | None],
+    ) -> None:
+        self._spec = spec
+        self._space = space
+        self._local = local
+        self._planned = planned
+        self._generation = space.generation
+        self._cap = spec.options.num_workers * spec.options.prefetch_factor
+        self._dispatcher = Dispatcher(
+            pool, BUILD, 1, spec.options.prefetch_factor, coordinator, self._describe
+        )
+        self._futures: dict[int, Future[Any]] = {}
+        self._next = 0  # the next step to hand out
+
+    def _describe(self, step: int) -> tuple[str, str]:
+        spec = self._planned(step)
+        units = self._space.store.describe(spec.positions) if spec is not None else []
+        return f"step {step} of epoch {self._spec.plan.epoch}", "; ".join(units)
+
+    def _top_up(self, delivering: int) -> None:
+        """Hand out the next steps whose units are decoded, up to the cap ahead."""
+        store = self._space.store
+        while self._next < delivering + self._cap:
+            step = self._planned(self._next)
+            if step is None or not store.ready(step.positions):
+                return
+            if store.failed(step.positions) and step.step != delivering:
+                return  # its error is raised once every earlier batch has been delivered
+            self._submit(step)
+
+    def _submit(self, step: BatchSpec) -> None:
+        screened = self._local.screened(step)
+        generation, refs, take = self._generation, screened.refs, screened.take
+
+        def make() -> Task:
+            return Task(generation, step.step, refs, take)
+
+        self._futures[step.step] = self._dispatcher.submit(step.step, make)
+        self._next = step.step + 1
+
+    def build(self, step: BatchSpec) -> tuple[str, Any]:
+        """The payload of ``step``, built by its worker.
+
+        Raises:
+            RuntimeError: If it takes longer than the loader's ``timeout``.
+            WorkerError: If the worker failed, or the step kept killing its workers.
+        """
+        self._dispatcher.reap()
+        self._top_up(step.step)
+        if step.step not in self._futures:
+            self._submit(step)  # waits for its units (and raises their error)
+        future = self._futures.pop(step.step)
+        timeout = self._spec.options.timeout
+        since = time.monotonic()
+        while not future.done():
+            # Wake when the batch is built, or when the next step's units are decoded.
+            later = self._planned(self._next)
+            waits = self._space.store.futures(later.positions) if later is not None else []
+            wait_futures([future, *waits], TOP_UP_SECONDS, return_when=FIRST_COMPLETED)
+            self._top_up(step.step)
+            if timeout and time.monotonic() - since > timeout and not future.done():
+                raise timed_out(self._spec, step.step)
+        payload: tuple[str, Any] = future.result()
+        return payload
+
+    def close(self, wait: bool) -> None:
+        """Stop handing out steps; cancel those queued."""
+        self._dispatcher.close(wait)
+
+
+def timed_out(spec: PassSpec, step: int) -> RuntimeError:
+    """The error of a step that took longer than the loader's ``timeout``."""
+    return RuntimeError(
+        f"DataLoader timed out after {spec.options.timeout} seconds waiting for step {step} "
+        f"of epoch {spec.plan.epoch}"
+    )

@@ -1,0 +1,157 @@
+"""The recovery coordinator: a saved position onto the lake and topology of now; dead workers.
+
+Two kinds of recovery, one owner:
+
+- **Resume** (a restart, a resize, a crash): a saved position is ``(epoch, G)`` plus the
+  snapshot and order configuration it refers to. It does not depend on world size, worker
+  count or batch size (see docs/design.md), so mapping it onto the topology of now needs no
+  table: every rank slices the same global sequence from ``G``. What can break exactness is the
+  lake: the coordinator compares the checkpoint's pinned snapshot with the lake of now
+  (:mod:`lakeloader.recovery.lake_changes`) and applies the ``on_lake_change`` policy. It returns
+  a :class:`Resumption`, a value that the loader applies in one step; no dataset is changed.
+- **A worker that died** mid-epoch: what it owed goes to its replacement, by the one rule of
+  :mod:`lakeloader.recovery.reassign`, for decodes and batch builds alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lakeloader.checkpoint.layout import Checkpoint
+from lakeloader.dataset import LakeDataset
+from lakeloader.recovery.lake_changes import (
+    LakeChangePolicy,
+    LakeDiff,
+    check_files,
+    check_policy,
+    diff_snapshots,
+    enforce,
+    lost_units,
+)
+from lakeloader.recovery.reassign import Reassignment, reassign
+from lakeloader.state.loader_state import LoaderState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """How a loader continues from a saved state.
+
+    Attributes:
+        state: The saved position to take, or None when the saved epoch runs again from its
+            start (``on_lake_change="restart_epoch"``).
+        restart_epoch: The epoch to run again from its start, when ``state`` is None.
+        dataset: The dataset to run on from now on, or None to keep the loader's own.
+    """
+
+    state: LoaderState | None
+    restart_epoch: int | None = None
+    dataset: LakeDataset | None = None
+
+
+class RecoveryCoordinator:
+    """Maps saved positions onto the lake and topology of now; decides on dead workers' work.
+
+    Args:
+        on_lake_change: What to do when files of a checkpoint's snapshot are gone or were
+            rewritten and the rest of the saved epoch needs them (see
+            :data:`~lakeloader.recovery.lake_changes.LakeChangePolicy`): ``"error"``,
+            ``"skip"`` or ``"restart_epoch"``. Checked here, whether or not the lake changed.
+
+    Raises:
+        ValueError: For an unknown policy.
+
+    Example:
+        >>> RecoveryCoordinator().reassign([3, 4], building=3, attempts={}).resend
+        (3, 4)
+    """
+
+    def __init__(self, on_lake_change: LakeChangePolicy = "error") -> None:
+        check_policy(on_lake_change)
+        self.on_lake_change: LakeChangePolicy = on_lake_change
+
+    def resume_state(self, state: dict[str, Any], dataset: LakeDataset) -> Resumption:
+        """The resumption of a bare state (``DataLoader.load_state_dict``) on ``dataset``.
+
+        Raises:
+            StateFormatError: If the dict is not a lakeloader state of a known version.
+            StateMismatchError: If it belongs to another snapshot or configuration than the
+                dataset that its epoch runs on.
+        """
+        return _checked(LoaderState.from_dict(state), dataset)
+
+    def resume(self, ckpt: Checkpoint, live: LakeDataset) -> Resumption:
+        """The resumption of a checkpoint on the lake that ``live`` sees now.
+
+        When the snapshots differ, files added since join at the next epoch boundary (the
+        saved epoch finishes on the pinned snapshot, later epochs run on ``live``); files gone
+        or rewritten go by the policy.
+
+        Raises:
+            LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
+            StateMismatchError: If the order configuration differs.
+        """
+        saved = ckpt.state
+        if saved.fingerprint == live.fingerprint:
+            return _checked(saved, live)
+        diff = diff_snapshots(ckpt.snapshot, live.snapshot)
+        saved.check_matches(saved.fingerprint, live.config.to_dict())
+        if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
+            return Resumption(None, restart_epoch=saved.epoch)
+        pinned = _finish_on_pinned(live.pinned_to(ckpt.snapshot), live, saved, diff)
+        return Resumption(saved, dataset=pinned)
+
+    def pinned_dataset(self, ckpt: Checkpoint, settings: dict[str, Any]) -> LakeDataset:
+        """The dataset of a checkpoint's pinned snapshot, with the lake's changes applied.
+
+        Each pinned file is checked with one metadata request (no listing, no footers).
+
+        Args:
+            ckpt: The checkpoint.
+            settings: :class:`LakeDataset` arguments that do not change the order.
+
+        Raises:
+            LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
+        """
+        saved = ckpt.state
+        kwargs = {**saved.config, **settings}  # the order config's keys are LakeDataset's
+        source = ckpt.context.source
+        pinned = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
+        diff = check_files(pinned.fs, pinned.snapshot.files)
+        if not (diff.gone or diff.changed):
+            return pinned
+        if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
+            return LakeDataset(source, **kwargs)
+        return _finish_on_pinned(pinned, LakeDataset(source, **kwargs), saved, diff)
+
+    @staticmethod
+    def reassign(
+        owed: Sequence[int], building: int | None, attempts: Mapping[int, int]
+    ) -> Reassignment:
+        """What a dead worker's unfinished work becomes (see :mod:`lakeloader.recovery.reassign`).
+
+        Args:
+            owed: Keys of the work it owed, in the order handed out.
+            building: The key it was working on when it died, or None.
+            attempts: Attempts so far by key.
+        """
+        return reassign(owed, building, attempts)
+
+
+def _checked(saved: LoaderState, dataset: LakeDataset) -> Resumption:
+    """Resume ``saved`` as it is, once it is known to belong to the dataset of its epoch."""
+    current = dataset.for_epoch(saved.epoch)
+    saved.check_matches(current.fingerprint, current.config.to_dict())
+    return Resumption(saved)
+
+
+def _finish_on_pinned(
+    pinned: LakeDataset, live: LakeDataset, saved: LoaderState, diff: LakeDiff
+) -> LakeDataset:
+    """``pinned`` for the saved epoch (without the lost units), ``live`` after it."""
+    lost = () if saved.at_epoch_end else lost_units(pinned.snapshot, diff)
+    return pinned.followed_by(saved.epoch + 1, live, lost)

@@ -1,0 +1,245 @@
+"""The reader-state tracker: what the training loop has been given, and where everyone stands.
+
+The :class:`ReaderStateTracker` is the one owner of a loader's position: the epoch, ``G`` (the
+global rows of the epoch delivered to the training loop), the rows dropped by ``drop_last``
+and the quarantine. It moves only when a batch is handed over (:meth:`delivered`), never when
+work is merely prefetched. From that position it derives, without touching the lake, the
+per-rank and per-worker view of files, row groups and row offsets (:meth:`view`);
+``DataLoader.state_dict()`` and ``lakeloader inspect`` both read it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.order.plan import EpochPlan, steps_in_epoch
+from lakeloader.state.loader_state import LoaderState, config_hash
+from lakeloader.state.quarantine import QuarantineEntry, merge
+from lakeloader.state.view import RankView, WorkerView, step_shares, worker_views
+from lakeloader.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the tracker learns as a batch is handed to the training loop.
+
+    Attributes:
+        slot_stop: One past the last global slot of the step (the new position G).
+        rows: Rows this rank delivered.
+        last: Whether it is the pass's last step.
+        skipped: Quarantined units whose rows this step would have held.
+        rows_skipped: Rows of this rank's share left out for them.
+    """
+
+    slot_stop: int
+    rows: int
+    last: bool
+    skipped: tuple[QuarantineEntry, ...]
+    rows_skipped: int
+
+
+@dataclass(frozen=True)
+class ReaderView:
+    """Where a position leaves every rank and worker (see :mod:`lakeloader.state.view`).
+
+    Attributes:
+        epoch: The epoch.
+        position: Global rows of the epoch delivered (G).
+        num_rows: Rows in the epoch (N).
+        rows_dropped: Rows dropped by ``drop_last`` so far.
+        steps_remaining: Global steps left in the epoch under the topology.
+        rows_to_drop: Rows that ``drop_last`` will drop at the epoch's end.
+        ranks: Each rank's share of the next step.
+        workers: What each worker of each rank does first.
+    """
+
+    epoch: int
+    position: int
+    num_rows: int
+    rows_dropped: int
+    steps_remaining: int
+    rows_to_drop: int
+    ranks: tuple[RankView, ...]
+    workers: tuple[WorkerView, ...]
+
+
+class ReaderStateTracker:
+    """The delivered position of one loader, and the view derived from it.
+
+    Args:
+        topology: The loader's topology.
+        drop_last: Whether a short last global batch is dropped (its rows are counted).
+        workers_build: Whether workers build batches (a transform or a collate_fn) rather
+            than decode units; it decides what the per-worker view says.
+
+    Example:
+        >>> from lakeloader.topology import Topology
+        >>> t = ReaderStateTracker(Topology(1, 0, 0, 4), drop_last=False)
+        >>> t.start_pass(), t.epoch
+        (0, 0)
+        >>> t.delivered(Delivery(4, 4, False, (), 0)); t.position
+        4
+    """
+
+    def __init__(self, topology: Topology, *, drop_last: bool, workers_build: bool = False) -> None:
+        self.topology = topology
+        self.drop_last = drop_last
+        self.workers_build = workers_build
+        self.epoch = 0
+        self.position = 0
+        self.rows_dropped = 0
+        self.quarantine: tuple[QuarantineEntry, ...] = ()
+        #: Rows delivered and rows skipped (quarantine) over the loader's life.
+        self.rows_delivered = 0
+        self.rows_skipped = 0
+        #: Whether the next pass continues the position as it is (a fresh loader, a loaded
+        #: state, or ``set_epoch``) rather than starting the next epoch.
+        self._fresh = True
+
+    @classmethod
+    def standing_at(
+        cls, state: LoaderState, topology: Topology, *, drop_last: bool, workers_build: bool
+    ) -> ReaderStateTracker:
+        """A tracker standing exactly at a saved position (for inspection).
+
+        Unlike :meth:`restore`, a position at its epoch's end stays there.
+        """
+        tracker = cls(topology, drop_last=drop_last, workers_build=workers_build)
+        tracker.epoch, tracker.position = state.epoch, state.position
+        tracker.rows_dropped, tracker.quarantine = state.rows_dropped, state.quarantine
+        return tracker
+
+    # ------------------------------------------------------------------ transitions
+    def set_epoch(self, epoch: int, *, restart: bool = False) -> bool:
+        """Make the next pass run ``epoch`` from its start; False if nothing changed.
+
+        Calling it with the epoch a just-loaded position is in keeps that position, so the
+        usual ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume;
+        ``restart=True`` drops the position in any case.
+        """
+        if epoch == self.epoch and self._fresh and not restart:
+            return False
+        self.epoch, self.position, self.rows_dropped, self._fresh = int(epoch), 0, 0, True
+        return True
+
+    def start_pass(self) -> int:
+        """Begin a pass: the same position if fresh, else the next epoch; returns the epoch."""
+        if not self._fresh:
+            logger.debug("epoch %d passed; starting the next", self.epoch)
+            self.epoch, self.position, self.rows_dropped = self.epoch + 1, 0, 0
+        self._fresh = False
+        return self.epoch
+
+    def settle_tail(self, num_rows: int) -> None:
+        """With ``drop_last``, count a tail shorter than a global batch as dropped now."""
+        if self.drop_last and not self.steps_left(num_rows):
+            self.rows_dropped = num_rows - self.position
+
+    def steps_left(self, num_rows: int) -> int:
+        """Global steps left in the epoch of ``num_rows`` rows under this topology."""
+        return steps_in_epoch(self.position, num_rows, self.topology.global_batch, self.drop_last)
+
+    def delivered(self, d: Delivery, num_rows: int | None = None) -> None:
+        """A batch was handed to the training loop: the position moves to ``d.slot_stop``.
+
+        Args:
+            d: The delivery.
+            num_rows: Rows in the epoch; with ``drop_last``, the rows after the last step
+                of the pass are counted as dropped.
+        """
+        self.position = d.slot_stop
+        self.rows_delivered += d.rows
+        self.rows_skipped += d.rows_skipped
+        if d.skipped:
+            self.merge_quarantine(d.skipped)
+        if d.last and self.drop_last and num_rows is not None:
+            self.rows_dropped = num_rows - d.slot_stop
+
+    def restore(self, state: LoaderState) -> None:
+        """Take a saved position (checked by the recovery coordinator beforehand).
+
+        A position at its epoch's end continues with the next epoch, and ``set_epoch`` of
+        that epoch keeps it so.
+        """
+        self.epoch, self.position, self.rows_dropped = (
+            state.epoch,
+            state.position,
+            state.rows_dropped,
+        )
+        self.quarantine = tuple(merge(state.quarantine))
+        if state.at_epoch_end:
+            self.epoch, self.position, self.rows_dropped = state.epoch + 1, 0, 0
+        self._fresh = True
+
+    def merge_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Add quarantine entries (this rank's, or all ranks' at a checkpoint's barrier)."""
+        self.quarantine = tuple(merge(self.quarantine, entries))
+
+    # ---------------------------------------------------------------------- reading
+    def state(self, fingerprint: str, config: dict[str, Any], num_rows: int) -> LoaderState:
+        """The position as a versioned state.
+
+        Args:
+            fingerprint: The fingerprint of the snapshot this epoch runs on.
+            config: The order configuration (plain types).
+            num_rows: Rows in the epoch.
+        """
+        return LoaderState(
+            fingerprint=fingerprint,
+            config_hash=config_hash(config),
+            config=dict(config),
+            epoch=self.epoch,
+            position=self.position,
+            rows_dropped=self.rows_dropped,
+            num_rows=num_rows,
+            topology=self.topology,
+            quarantine=self.quarantine,
+        )
+
+    def view(
+        self,
+        plan: EpochPlan,
+        snapshot: Snapshot,
+        skipped: Iterable[QuarantineEntry] = (),
+    ) -> ReaderView:
+        """Where this position leaves every rank and worker of the topology.
+
+        It says what a loader that continues from this position does first: each rank's
+        share of the next step, and what each of its workers builds or decodes first (work
+        is dealt to workers in a fixed order, see :mod:`lakeloader.state.view`).
+
+        Args:
+            plan: The plan of this epoch.
+            snapshot: Its snapshot.
+            skipped: Units skipped besides the quarantine (lost since a checkpoint).
+        """
+        n, g = plan.num_rows, self.position
+        remaining = max(0, n - g - self.rows_dropped)
+        steps = self.steps_left(n) if remaining else 0
+        deliver_stop = min(n, g + steps * self.topology.global_batch)
+        return ReaderView(
+            epoch=self.epoch,
+            position=g,
+            num_rows=n,
+            rows_dropped=self.rows_dropped,
+            steps_remaining=steps,
+            rows_to_drop=remaining - (deliver_stop - g),
+            ranks=tuple(step_shares(plan, snapshot, g, steps, self.topology, 0)),
+            workers=tuple(
+                worker_views(
+                    plan,
+                    snapshot,
+                    g,
+                    self.topology,
+                    steps=steps,
+                    workers_build=self.workers_build,
+                    skipped=(*self.quarantine, *skipped),
+                )
+            ),
+        )

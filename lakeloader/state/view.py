@@ -1,0 +1,243 @@
+"""Where every rank and worker stands, derived from a position: files, row groups, row offsets.
+
+Pure functions of an epoch's plan, its snapshot, a position ``G`` and a topology. The
+*location* of a global slot is where its row lives in the lake: slot -> virtual row -> piece
+-> unit -> (file, row group, row offset inside the row group).
+
+What a worker does next follows from the position too, because work is dealt to workers in a
+fixed order (see :mod:`lakeloader.workers.dispatch`): with a transform or a collate_fn, the
+``k``-th step of a pass is built by worker ``k mod W``; on the default tensor path the
+``j``-th unit a rank decodes in a pass is decoded by worker ``j mod W``, units being decoded in
+the order the rank first needs them. A worker that dies is replaced under the same number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.order.batches import batch_specs
+from lakeloader.order.plan import (
+    EpochPlan,
+    batch_slots,
+    rank_bounds,
+    slots_to_virtual,
+    virtual_to_piece,
+)
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.topology import Topology
+
+#: Steps planned at once while looking for the units the workers decode first.
+_LOOKAHEAD_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a row lives in the lake.
+
+    Attributes:
+        slot: Its global slot in the epoch (None for where a unit starts, which need not be
+            a row the rank takes).
+        file_index: Its file's index in the snapshot.
+        file: The file.
+        row_group: The row group.
+        row_offset: The row inside the row group.
+    """
+
+    slot: int | None
+    file_index: int
+    file: str
+    row_group: int
+    row_offset: int
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What a rank takes next.
+
+    Attributes:
+        rank: The rank.
+        rows: Rows of its share of the next global batch.
+        at: Where the first of them lives, or None when it has no share.
+    """
+
+    rank: int
+    rows: int
+    at: Location | None
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What a worker of a rank does first from the position.
+
+    Attributes:
+        rank: The rank.
+        worker: The worker.
+        role: ``"build"`` (it builds batches: a transform or collate_fn) or ``"decode"`` (it
+            decodes units; the rank's process assembles batches).
+        step_offset: For ``"build"``: which next step it builds (0 is the next one).
+        rows: For ``"build"``: the rank's rows of that step; for ``"decode"``: the rows of
+            the unit it decodes.
+        at: For ``"build"``: where the step's first row lives; for ``"decode"``: where the
+            unit starts (its first row). None when it has nothing left to do.
+    """
+
+    rank: int
+    worker: int
+    role: str
+    step_offset: int | None
+    rows: int
+    at: Location | None
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain types, the location's fields inline (None when it has none)."""
+        out = {k: v for k, v in asdict(self).items() if k != "at"}
+        return {**out, **_location_dict(self.at)}
+
+
+def _location_dict(at: Location | None) -> dict[str, object]:
+    if at is None:
+        return dict.fromkeys(("slot", "file_index", "file", "row_group", "row_offset"))
+    return asdict(at)
+
+
+def rank_dict(view: RankView) -> dict[str, object]:
+    """A :class:`RankView` as plain types, the location's fields inline."""
+    return {"rank": view.rank, "rows": view.rows, **_location_dict(view.at)}
+
+
+def locate(plan: EpochPlan, snapshot: Snapshot, slots: np.ndarray) -> list[Location]:
+    """Where the rows of global slots live: file, row group and row offset in the row group."""
+    slots = np.asarray(slots, dtype=np.int64)
+    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots))
+    unit = plan.piece_unit[pos]
+    files = plan.units.file_index[unit].tolist()
+    groups = plan.units.row_group[unit].tolist()
+    offsets = (plan.units.row_start[unit] + plan.piece_start[pos] + row).tolist()
+    return [
+        Location(s, f, snapshot.files[f].path, g, o)
+        for s, f, g, o in zip(slots.tolist(), files, groups, offsets, strict=True)
+    ]
+
+
+def step_shares(
+    plan: EpochPlan, snapshot: Snapshot, position: int, steps: int, topo: Topology, step: int
+) -> list[RankView]:
+    """Each rank's share of the ``step``-th next global batch (0: the next one).
+
+    A rank with no share (``step`` not among the ``steps`` left, or an empty share of a short
+    last batch) has no location.
+    """
+    start = position + step * topo.global_batch
+    stop = min(start + topo.global_batch, plan.num_rows)
+    slots = batch_slots(start, stop, plan.num_partitions) if step < steps else np.zeros(0, int)
+    bounds = [rank_bounds(len(slots), topo.world_size, r) for r in range(topo.world_size)]
+    where = iter(locate(plan, snapshot, slots[[lo for lo, hi in bounds if hi > lo]]))
+    return [
+        RankView(r, hi - lo, next(where) if hi > lo else None) for r, (lo, hi) in enumerate(bounds)
+    ]
+
+
+def first_units(
+    plan: EpochPlan,
+    snapshot: Snapshot,
+    position: int,
+    steps: int,
+    topo: Topology,
+    rank: int,
+    count: int,
+    skipped: Sequence[QuarantineEntry] = (),
+) -> list[int]:
+    """The first ``count`` pieces a rank decodes from ``position``, in the order it does.
+
+    The order is that of first need: step by step, each step's new pieces by position. Pieces
+    that ``skipped`` covers are never decoded and are left out.
+
+    Args:
+        plan: The epoch.
+        snapshot: Its snapshot.
+        position: The global slot the pass starts at.
+        steps: Steps left in the epoch from there.
+        topo: The topology (its global batch and world size).
+        rank: The rank.
+        count: Pieces wanted.
+        skipped: Quarantined or lost units.
+    """
+    out: list[int] = []
+    seen: set[int] = set()
+    first = 0
+    while len(out) < count and first < steps:
+        n = min(_LOOKAHEAD_CHUNK, steps - first)
+        specs = batch_specs(plan, first, n, position, topo.global_batch, topo.world_size, rank)
+        for spec in specs:
+            for p in spec.positions.tolist():
+                if p not in seen:
+                    seen.add(p)
+                    if not _is_skipped(plan, snapshot, p, skipped):
+                        out.append(p)
+        first += n
+    return out[:count]
+
+
+def _is_skipped(
+    plan: EpochPlan, snapshot: Snapshot, piece: int, skipped: Sequence[QuarantineEntry]
+) -> bool:
+    if not skipped:
+        return False
+    f, rg, start, rows = piece_span(plan, piece)
+    path = snapshot.files[f].path
+    return any(e.covers(path, rg, start, rows) for e in skipped)
+
+
+def piece_span(plan: EpochPlan, piece: int) -> tuple[int, int, int, int]:
+    """(file index, row group, first row in the row group, rows) of a piece."""
+    unit = int(plan.piece_unit[piece])
+    rows = int(plan.offsets[piece + 1] - plan.offsets[piece])
+    start = int(plan.units.row_start[unit]) + int(plan.piece_start[piece])
+    return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows
+
+
+def worker_views(
+    plan: EpochPlan,
+    snapshot: Snapshot,
+    position: int,
+    topo: Topology,
+    *,
+    steps: int,
+    workers_build: bool,
+    skipped: Sequence[QuarantineEntry] = (),
+) -> list[WorkerView]:
+    """What each worker of each rank does first from ``position`` (see the module docstring).
+
+    Args:
+        plan: The epoch.
+        snapshot: Its snapshot.
+        position: The global slot the pass starts at.
+        topo: The topology.
+        steps: Global steps left in the epoch from ``position``.
+        workers_build: Whether workers build batches (else they decode units).
+        skipped: Quarantined or lost units (never decoded).
+    """
+    if workers_build:
+        by_step = [
+            step_shares(plan, snapshot, position, steps, topo, k) for k in range(topo.num_workers)
+        ]
+        return [
+            WorkerView(r, k, "build", k, by_step[k][r].rows, by_step[k][r].at)
+            for r in range(topo.world_size)
+            for k in range(topo.num_workers)
+        ]
+    out = []
+    for r in range(topo.world_size):
+        pieces = first_units(plan, snapshot, position, steps, topo, r, topo.num_workers, skipped)
+        for k in range(topo.num_workers):
+            if k >= len(pieces):
+                out.append(WorkerView(r, k, "decode", None, 0, None))
+                continue
+            f, rg, start, rows = piece_span(plan, pieces[k])
+            at = Location(None, f, snapshot.files[f].path, rg, start)
+            out.append(WorkerView(r, k, "decode", None, rows, at))
+    return out
