@@ -54,8 +54,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import RESULTS_DIR, machine, markdown_table, pinned_tree, write_results
+from lakeloader.lake.files import FileInfo
 from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manifest
-from lakeloader.lake.snapshot import FileInfo, Snapshot, assemble_snapshot
+from lakeloader.lake.snapshot import Snapshot, assemble_snapshot
 from lakeloader.order import batches as lb
 from lakeloader.order import plan as lp
 from lakeloader.state.loader_state import LoaderState, config_hash

@@ -10,18 +10,17 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
-from fsspec.core import url_to_fs
 
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.discovery import Source
-from lakeloader.lake.snapshot import Snapshot, snapshot_lake
+from lakeloader.lake.discovery import Paths
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.lake.source import Source, as_source
 from lakeloader.order.plan import (
     DEFAULT_MAX_UNIT_ROWS,
     DEFAULT_NUM_PARTITIONS,
@@ -72,7 +71,8 @@ class LakeDataset:
     """A Parquet lake, pinned, with a deterministic order of rows per epoch.
 
     Args:
-        source: A folder, glob, file or list of them; local paths or any fsspec URL.
+        source: A folder, glob, file or list of them (local paths or any fsspec URL), or any
+            :class:`~lakeloader.lake.source.Source`.
         columns: Columns to read (file and hive partition columns); None reads all.
         storage_options: fsspec options (credentials, endpoint, ...).
         seed: Seed of the order.
@@ -105,7 +105,7 @@ class LakeDataset:
 
     def __init__(
         self,
-        source: Source,
+        source: Source | Paths,
         *,
         columns: Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -121,7 +121,7 @@ class LakeDataset:
         on_error: OnError = "raise",
         validate: Validate | None = None,
     ) -> None:
-        self.source = source
+        self.source: Source = as_source(source)
         self.storage_options = dict(storage_options or {})
         self.transform = transform
         self.retry = retry or RetryPolicy()
@@ -130,17 +130,15 @@ class LakeDataset:
         self.on_error: OnError = on_error
         self.validate = validate
         if snapshot is None:
-            fs, snapshot = snapshot_lake(
-                source,
+            fs, snapshot = self.source.snapshot(
                 self.storage_options,
+                columns=None if columns is None else list(columns),
                 progress=progress,
-                columns=columns,
                 retry=self.retry,
                 skip_unreadable=on_error == "skip",
             )
         else:
-            first = source if isinstance(source, str | os.PathLike) else next(iter(source))
-            fs = url_to_fs(os.fspath(first), **self.storage_options)[0]
+            fs = self.source.filesystem(self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
         if num_partitions is None:
             num_partitions = DEFAULT_NUM_PARTITIONS if shuffle else 1

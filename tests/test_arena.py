@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import lakeloader as ll
 from lakeloader.cache.arena import Arena, FileMap
 from lakeloader.cache.packed import RowLayout, gather_packed, pack
-from lakeloader.cache.store import SHM_DIR, default_cache_dir
+from lakeloader.cache.shm import SHM_DIR, default_cache_dir
 
 LAYOUT = RowLayout.of(pa.schema([("id", pa.int64()), ("x", pa.float32())]))
 

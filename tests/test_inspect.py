@@ -348,7 +348,7 @@ def test_a_path_without_checkpoint_is_a_clear_error(
 def test_ranges_of_a_million_rows() -> None:
     """All slots are mapped at once (no per-row Python): a million rows take a fraction of a s."""
     from lakeloader.cli.inspect import row_ranges
-    from lakeloader.lake.snapshot import FileInfo
+    from lakeloader.lake.files import FileInfo
     from lakeloader.order.plan import make_units, plan_epoch
 
     rows = [[50_000] * 4 for _ in range(5)]

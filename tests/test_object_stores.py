@@ -21,7 +21,7 @@ import pytest
 
 import lakeloader as ll
 from lakeloader.checkpoint.manager import STATE_FILE, step_dir_name
-from lakeloader.lake.snapshot import FileInfo
+from lakeloader.lake.files import FileInfo
 from tests.conftest import (
     GLOBAL_BATCH,
     LAYOUT_ROWS,

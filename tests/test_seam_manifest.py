@@ -167,15 +167,10 @@ def test_a_malformed_manifest_is_refused_naming_the_problem(
     assert cause in str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="from_manifest reads manifest['fingerprint'] outside its try: a bare KeyError",
-)
 def test_a_manifest_without_its_fingerprint_is_refused(snapshot: Snapshot) -> None:
     manifest = to_manifest(snapshot, SOURCE)
     del manifest["fingerprint"]
-    with pytest.raises(StateFormatError):
+    with pytest.raises(StateFormatError, match="not to its fingerprint None"):
         from_manifest(manifest)
 
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import lakeloader as ll
 from lakeloader.io import fetch, reader
-from lakeloader.lake.snapshot import FileInfo
+from lakeloader.lake.files import FileInfo
 
 #: Proxy memory pools made by :func:`_peak_bytes`. Kept for the life of the process: a
 #: buffer allocated through a pool must not outlive it, and pyarrow may free some late.

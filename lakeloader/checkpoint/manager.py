@@ -145,7 +145,7 @@ class CheckpointManager:
         ds = loader.dataset
         state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
         payload = StateRecord(state, _context(loader, step), extra).to_bytes()
-        manifest = (ds.snapshot, _source(loader))
+        manifest = (ds.snapshot, loader.dataset.source.describe())
         if self.async_save:
             self._pending = self._writer.submit(self._write, step, payload, manifest)
             return
@@ -361,11 +361,6 @@ class CheckpointManager:
             self._writer.shutdown(wait=True)
 
 
-def _source(loader: DataLoader) -> Any:
-    src = loader.dataset.source
-    return str(src) if isinstance(src, str) or hasattr(src, "__fspath__") else [str(s) for s in src]
-
-
 def _context(loader: DataLoader, step: int) -> CheckpointContext:
     ds = loader.dataset
     return CheckpointContext(
@@ -377,5 +372,5 @@ def _context(loader: DataLoader, step: int) -> CheckpointContext:
         topology=loader.topology,
         drop_last=loader.drop_last,
         workers_build=loader.tracker.workers_build,
-        source=_source(loader),
+        source=loader.dataset.source.describe(),
     )

@@ -33,7 +33,7 @@ def describe_plan(
     steps = steps_in_epoch(0, n, global_batch, drop_last)
     return {
         "lake": {
-            "source": str(ds.source),
+            "source": ds.source.describe(),
             "files": len(snap.files),
             "row_groups": snap.num_row_groups,
             "empty_row_groups": sum(r == 0 for f in snap.files for r in f.row_group_rows),

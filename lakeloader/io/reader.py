@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
-from lakeloader.lake.snapshot import FileInfo, Snapshot
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.snapshot import Snapshot
 
 #: Most rows decoded at once when a unit that is a row range of its row group is streamed.
 #: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient

@@ -22,7 +22,7 @@ from fsspec.core import url_to_fs
 from lakeloader.errors import LakeNotFoundError
 from lakeloader.io.retry import RetryPolicy
 
-Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 #: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
@@ -123,7 +123,7 @@ def _keep(path: str, root: str) -> bool:
 
 
 def discover(
-    source: Source,
+    source: Paths,
     storage_options: dict[str, Any] | None = None,
     retry: RetryPolicy | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, list[DiscoveredFile]]:

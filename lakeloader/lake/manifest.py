@@ -14,7 +14,8 @@ import msgpack
 import pyarrow as pa
 
 from lakeloader.errors import StateFormatError
-from lakeloader.lake.snapshot import FileInfo, Snapshot, assemble_snapshot
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.snapshot import Snapshot, assemble_snapshot
 
 MANIFEST_KIND: Final = "lakeloader.manifest"
 MANIFEST_VERSION: Final = 1
@@ -89,10 +90,11 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
     except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
         raise StateFormatError(f"malformed lakeloader manifest: {exc!r}") from exc
     snapshot = assemble_snapshot(infos, columns)
-    if snapshot.fingerprint != manifest["fingerprint"]:
+    recorded = manifest.get("fingerprint")
+    if snapshot.fingerprint != recorded:
         raise StateFormatError(
             f"manifest is corrupt: it hashes to {snapshot.fingerprint}, not to its fingerprint "
-            f"{manifest['fingerprint']}"
+            f"{recorded!r}"
         )
     return snapshot
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 from lakeloader.errors import SchemaMismatchError
 
 if TYPE_CHECKING:
-    from lakeloader.lake.snapshot import FileInfo
+    from lakeloader.lake.files import FileInfo
 
 #: Mantissa bits of each float width: the widest integer it holds exactly.
 _MANTISSA_BITS = {16: 11, 32: 24, 64: 53}

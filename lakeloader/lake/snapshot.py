@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from lakeloader.errors import LakeDataError, SchemaMismatchError
 from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
-from lakeloader.lake.discovery import DiscoveredFile, Source, discover, version_token
+from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
+from lakeloader.lake.files import FileInfo
 from lakeloader.lake.schema import unify_schemas
 
 logger = logging.getLogger(__name__)
@@ -34,35 +35,6 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_FORMAT_VERSION = 1
 PROGRESS_MIN_FILES = 64
 _INT_RE = re.compile(r"-?[0-9]+")
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    """One data file of a snapshot.
-
-    Attributes:
-        path: Filesystem path (no protocol).
-        size: Size in bytes.
-        version: A token that changes when the file is rewritten (GCS generation, else ETag,
-            version id or modification time: see ``discovery.version_token``).
-        row_group_rows: Row count of every row group, in file order.
-        row_group_bytes: Uncompressed size of every row group, for memory estimates.
-        partitions: Hive partition values ``(key, value)`` from the file's folders.
-        schema: The file's own Arrow schema (without metadata); None for a zero-byte file.
-    """
-
-    path: str
-    size: int
-    version: str
-    row_group_rows: tuple[int, ...]
-    row_group_bytes: tuple[int, ...]
-    partitions: tuple[tuple[str, str], ...]
-    schema: pa.Schema | None
-
-    @property
-    def num_rows(self) -> int:
-        """Rows in the file."""
-        return sum(self.row_group_rows)
 
 
 @dataclass(frozen=True)
@@ -251,7 +223,7 @@ def assemble_snapshot(infos: Sequence[FileInfo], columns: Sequence[str] | None) 
 
 
 def snapshot_lake(
-    source: Source,
+    source: Paths,
     storage_options: dict[str, Any] | None = None,
     *,
     progress: bool | None = None,

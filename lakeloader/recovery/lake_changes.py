@@ -19,7 +19,8 @@ import fsspec
 
 from lakeloader.errors import LakeChangedError
 from lakeloader.lake.discovery import version_token
-from lakeloader.lake.snapshot import FileInfo, Snapshot
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.snapshot import Snapshot
 from lakeloader.state.quarantine import QuarantineEntry
 
 logger = logging.getLogger(__name__)

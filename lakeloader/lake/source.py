@@ -1,0 +1,115 @@
+"""Where a dataset's snapshot comes from: the ``Source`` seam.
+
+A :class:`LakeDataset <lakeloader.LakeDataset>` needs two things of its source: a pinned
+:class:`~lakeloader.lake.snapshot.Snapshot` (files, sizes, versions, row groups, one schema) and
+the fsspec filesystem that reads those files. Anything that can give both stands behind the
+:class:`Source` protocol: today a folder, glob, file or list of them (:class:`FolderSource`);
+a Delta Lake or Iceberg table version, or a mixture of lakes, fit the same seam. The order of
+rows never depends on where a snapshot came from, only on the snapshot itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.discovery import Paths
+from lakeloader.lake.snapshot import Snapshot, snapshot_lake
+
+#: What a source is described as in checkpoints: a URL, or a list of them.
+Described = str | list[str]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What a dataset reads its snapshot from."""
+
+    def describe(self) -> Described:
+        """Plain data naming the source (kept in checkpoints; never credentials)."""
+
+    def filesystem(self, storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+        """The filesystem that reads the source's files."""
+
+    def snapshot(
+        self,
+        storage_options: dict[str, Any],
+        *,
+        columns: list[str] | None,
+        progress: bool | None,
+        retry: RetryPolicy,
+        skip_unreadable: bool,
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+        """Pin the source as it is now.
+
+        Raises:
+            LakeNotFoundError: If it holds no data file.
+            LakeDataError: If a footer cannot be read (and ``skip_unreadable`` is False).
+            SchemaMismatchError: If file schemas conflict.
+        """
+
+
+@dataclass(frozen=True)
+class FolderSource:
+    """A folder, glob or file, or a list of them: local paths or any fsspec URL.
+
+    Hive-style ``key=value`` folders give partition columns; ``_SUCCESS``, ``_metadata``,
+    dot-files and ``_``-prefixed names are not data (see :mod:`lakeloader.lake.discovery`).
+
+    Attributes:
+        paths: The URL, or the URLs, as given.
+
+    Example:
+        >>> FolderSource.of(["a/", "b/"]).describe()
+        ['a/', 'b/']
+    """
+
+    paths: str | tuple[str, ...]
+
+    @classmethod
+    def of(cls, paths: Paths) -> FolderSource:
+        """A folder source from a path, a URL or a sequence of them."""
+        if isinstance(paths, str | os.PathLike):
+            return cls(os.fspath(paths))
+        return cls(tuple(os.fspath(p) for p in paths))
+
+    def describe(self) -> Described:
+        """The URL, or the list of URLs."""
+        return self.paths if isinstance(self.paths, str) else list(self.paths)
+
+    def filesystem(self, storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+        """The filesystem of the first URL (all URLs of a lake share one)."""
+        first = self.paths if isinstance(self.paths, str) else self.paths[0]
+        fs: fsspec.AbstractFileSystem = url_to_fs(first, **storage_options)[0]
+        return fs
+
+    def snapshot(
+        self,
+        storage_options: dict[str, Any],
+        *,
+        columns: list[str] | None,
+        progress: bool | None,
+        retry: RetryPolicy,
+        skip_unreadable: bool,
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+        """List the files and read their footers in parallel (see ``snapshot_lake``)."""
+        paths = self.paths if isinstance(self.paths, str) else list(self.paths)
+        return snapshot_lake(
+            paths,
+            storage_options,
+            progress=progress,
+            columns=columns,
+            retry=retry,
+            skip_unreadable=skip_unreadable,
+        )
+
+
+def as_source(source: Source | Paths) -> Source:
+    """``source`` itself when it is a :class:`Source`, else a :class:`FolderSource` of it."""
+    if isinstance(source, Source):
+        return source
+    return FolderSource.of(source)
