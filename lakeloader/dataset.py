@@ -81,12 +81,19 @@ class LakeDataset:
             shuffling and 1 (exact path order) when not.
         window: Rows shuffled together inside a partition.
         max_unit_rows: Split row groups larger than this into row ranges.
-        transform: Called on each row (a dict) in the workers before collation.
-        progress: Progress bar while reading footers (None: for many files on a terminal).
+        transform: Called on each row (a dict) before collation, where batches are built:
+            in the workers, or in the loader's process without workers.
+        progress: Progress bar while reading footers (None: from 64 files on).
         snapshot: A pinned snapshot (from a checkpoint's manifest) to use instead of listing
             the lake and reading its footers.
-        retry: How transient storage failures (a store down, resets, 5xx, throttling) are
-            retried; the default retries with backoff for up to 5 minutes per request.
+        retry: How transient storage failures (a store down, resets, HTTP 500/502/503/504,
+            throttling) are retried; the default retries with backoff for up to 5 minutes per
+            request.
+        on_error: ``"raise"`` (default) a :class:`~lakeloader.LakeDataError` naming the file
+            and row group of a unit that cannot be read, or ``"skip"``: quarantine it (its rows
+            are left out alike on every rank and after every resume, and counted).
+        validate: A check of each decoded unit (an Arrow table): True or None keeps it; False
+            or a reason rejects it (raised, or quarantined with ``on_error="skip"``).
 
     Raises:
         LakeNotFoundError: If the source holds no data file.

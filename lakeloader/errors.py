@@ -41,11 +41,14 @@ class StateFormatError(LakeError):
 
 
 class WorkerError(LakeError):
-    """A DataLoader worker failed to build a batch (its exception is chained)."""
+    """A DataLoader worker failed, kept dying on the same work, or stopped answering.
+
+    When the work itself raised, the worker's traceback is in the message.
+    """
 
 
 class NullValuesError(LakeError, ValueError):
-    """A column whose type maps to an integer or boolean tensor holds nulls."""
+    """A column whose type maps to an integer, boolean or date/time tensor holds nulls."""
 
 
 class LakeChangedError(LakeError):

@@ -55,13 +55,15 @@ class DataLoader:
         sampler: Not supported (the order is planned); must be None.
         batch_sampler: Not supported; must be None.
         num_workers: Worker processes (0: everything in this process). On the default tensor
-            path they decode units and this process assembles each batch with one row copy;
-            with a transform or collate_fn they build batches, step ``k`` of a pass on worker
-            ``k mod num_workers``.
+            path (no transform or collate_fn, and a number, boolean or date/time column among
+            those read) they decode units, the ``j``-th a rank needs on worker ``j mod
+            num_workers``, and this process assembles each batch with one row copy; otherwise
+            they build batches, step ``k`` of a pass on worker ``k mod num_workers``.
         collate_fn: Receives the list of row dicts of a batch, as in torch.
         pin_memory: Copy tensors to pinned memory (when CUDA is available).
         drop_last: Drop the last global batch if it is short (its rows are counted).
-        timeout: Seconds to wait for a batch from the workers before failing (0: forever).
+        timeout: Seconds to wait for a batch (its units' decoding, or the worker building it)
+            before failing (0: forever).
         worker_init_fn: Called with the worker id in each worker, as in torch.
         multiprocessing_context: Context (or its name) for the workers.
         generator: Not supported (the dataset's seed defines the order); must be None.
@@ -73,10 +75,11 @@ class DataLoader:
         in_order: Must be True: batches are always delivered in step order.
         rank: This process's rank (default: torch.distributed, then ``RANK``, then 0).
         world_size: Ranks in the run (default: torch.distributed, then ``WORLD_SIZE``, then 1).
-        cache_dir: Folder for decoded units and what workers share (default: ``/dev/shm``).
+        cache_dir: Folder for decoded units and what workers share (default: ``/dev/shm`` when
+            it has ``cache_bytes`` free, else the system's temporary folder, with a warning).
         cache_bytes: Byte budget for decoded units held ahead of use.
-        io_threads: Threads fetching and decoding units in this process: without workers, or
-            with a transform or collate_fn (on the tensor path the workers decode).
+        io_threads: Threads fetching and decoding units in this process whenever the workers
+            do not decode (no workers, a transform or collate_fn, or no column to pack).
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

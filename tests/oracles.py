@@ -65,3 +65,28 @@ def decode(plan: EpochPlan, spec: BatchSpec) -> np.ndarray:
     # Every listed unit is really used by the rank (no unit is fetched for nothing).
     assert np.array_equal(np.unique(k), np.arange(len(spec.positions)))
     return plan.offsets[spec.positions[k]] + spec.take - base[k]
+
+
+def first_need_units(
+    plan: EpochPlan, position: int, global_batch: int, world_size: int, rank: int, steps: int
+) -> list[tuple[int, int, int, int]]:
+    """The pieces a rank decodes, in the order it first needs them: slot by slot, step by step.
+
+    Brute force over the plan's pure functions (one step at a time, every slot mapped), as an
+    independent check of the tracker's vectorised view.
+    """
+    order: list[int] = []
+    for k in range(steps):
+        start = position + k * global_batch
+        stop = min(start + global_batch, plan.num_rows)
+        slots = batch_slots(start, stop, plan.num_partitions)
+        lo, hi = rank_bounds(len(slots), world_size, rank)
+        pieces, _ = virtual_to_piece(plan, slots_to_virtual(plan, slots[lo:hi]))
+        order += [p for p in sorted(set(pieces.tolist())) if p not in order]
+    out = []
+    for p in order:
+        unit = int(plan.piece_unit[p])
+        rows = int(plan.offsets[p + 1] - plan.offsets[p])
+        start = int(plan.units.row_start[unit] + plan.piece_start[p])
+        out.append((int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows))
+    return out

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import lakeloader as ll
-import lakeloader.order.plan as lp
 from lakeloader.cli.main import main
 from tests.conftest import LAYOUT, LAYOUT_ROWS, make_loaders
+from tests.oracles import first_need_units
 
 pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.PartitionWarning")
 
@@ -140,31 +140,6 @@ def check(info: dict[str, Any], run: Run) -> None:
         assert located(w) == (f, g, start) and w["rows"] == rows
         needed = {i for shares in upcoming for i in shares[r]}
         assert any(_RG_BASE[f, g] + start + i in needed for i in range(rows)), "a unit it needs"
-
-
-def first_need_units(
-    plan: Any, position: int, global_batch: int, world_size: int, rank: int, steps: int
-) -> list[tuple[int, int, int, int]]:
-    """The pieces a rank decodes, in the order it first needs them: slot by slot, step by step.
-
-    Brute force over the plan's pure functions (one step at a time, every slot mapped), as an
-    independent check of the tracker's vectorised view.
-    """
-    order: list[int] = []
-    for k in range(steps):
-        start = position + k * global_batch
-        stop = min(start + global_batch, plan.num_rows)
-        slots = lp.batch_slots(start, stop, plan.num_partitions)
-        lo, hi = lp.rank_bounds(len(slots), world_size, rank)
-        pieces, _ = lp.virtual_to_piece(plan, lp.slots_to_virtual(plan, slots[lo:hi]))
-        order += [p for p in sorted(set(pieces.tolist())) if p not in order]
-    out = []
-    for p in order:
-        unit = int(plan.piece_unit[p])
-        rows = int(plan.offsets[p + 1] - plan.offsets[p])
-        start = int(plan.units.row_start[unit] + plan.piece_start[p])
-        out.append((int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows))
-    return out
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery
 from lakeloader.state.view import first_units
 from tests.conftest import LAYOUT_ROWS, roundtrip
-from tests.test_inspect import first_need_units
+from tests.oracles import first_need_units
 
 pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.PartitionWarning")
 

@@ -1,10 +1,10 @@
 """Decoding one unit into its cached form: read, screen, pack into the arena, keep the rest.
 
-The same :class:`UnitDecoder` runs in the loader's own threads (:class:`LocalDecodes`: no
-workers, or workers that build batches for a transform) and in DataLoader worker processes
-(:class:`~lakeloader.workers.dispatch.RemoteDecodes`: on the default tensor path, where
-workers decode and
-the loader's process only assembles batches). Either way the loader allocates the unit's rows
+The same :class:`UnitDecoder` runs in DataLoader worker processes on the default tensor path
+(no transform or collate_fn, and at least one column packed: the workers decode and the
+loader's process assembles batches, :class:`~lakeloader.pipeline.workspace.WorkerDecodes`),
+and in the loader's own threads otherwise (:class:`LocalDecodes`: no workers, workers that
+build batches, or nothing to pack). Either way the loader allocates the unit's rows
 in the arena first (and the data buffer indices of its string views, see
 :mod:`lakeloader.cache.views`), so that decoders never allocate and a unit can be decoded again,
 into the same rows, if its worker dies.

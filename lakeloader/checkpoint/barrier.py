@@ -9,55 +9,80 @@ state) hold the same quarantine list.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch.distributed as dist
 
-from lakeloader.checkpoint.layout import sha256
 from lakeloader.errors import CheckpointError
 from lakeloader.state import keys as K
+
+
+@dataclass(frozen=True)
+class _Stand:
+    """Where one rank stands at the barrier (what it all-gathers)."""
+
+    rank: int
+    fingerprint: str
+    config_hash: str
+    epoch: int
+    position: int
+    error: str | None
+    quarantine: list[dict[str, Any]]
+
+    @property
+    def where(self) -> tuple[str, str, int, int]:
+        return (self.fingerprint, self.config_hash, self.epoch, self.position)
 
 
 def confirm_same_position(
     state: dict[str, Any], error: CheckpointError | None
 ) -> list[dict[str, Any]] | None:
-    """All-gather a digest of the position; fail on every rank if ranks disagree or failed.
+    """All-gather where each rank stands; fail if ranks disagree or an earlier save failed.
+
+    Every rank learns the same things, so every rank takes the same decision and none is left
+    waiting in a collective: ranks disagreeing raise on every rank; a previous background save
+    that failed raises on the ranks where it did not fail, while the ranks where it failed
+    return, for their caller to raise their own failure.
 
     Returns:
         The quarantine entries of all ranks (plain dicts, unmerged), or None when
         torch.distributed is not initialised.
 
     Raises:
-        CheckpointError: Naming the ranks at each position, or the ranks whose previous
-            background save failed, on every rank alike (so that none is left waiting).
+        CheckpointError: Naming the ranks at each position (with the snapshot and
+            configuration when those differ), or the ranks whose previous background save
+            failed.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = [state["fingerprint"], state["config_hash"], state["epoch"], state["position"]]
-    mine = (
+    mine = _Stand(
         dist.get_rank(),
-        sha256(msgpack.packb(key)),
-        state["epoch"],
-        state["position"],
+        str(state[K.STATE_FINGERPRINT]),
+        str(state[K.STATE_CONFIG_HASH]),
+        int(state[K.STATE_EPOCH]),
+        int(state[K.STATE_POSITION]),
         None if error is None else str(error),
-        state[K.STATE_QUARANTINE],
+        list(state[K.STATE_QUARANTINE]),
     )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    failed = [(rank, err) for rank, _, _, _, err, _ in gathered if err is not None]
+    stands: list[_Stand] = gathered
+    failed = [(s.rank, s.error) for s in stands if s.error is not None]
     if failed and error is None:
         raise CheckpointError(f"the previous background save failed on rank(s) {failed}")
-    groups: dict[str, list[tuple[int, int, int]]] = {}
-    for rank, digest, epoch, position, _, _ in gathered:
-        groups.setdefault(digest, []).append((rank, epoch, position))
+    groups: dict[tuple[str, str, int, int], list[int]] = {}
+    for s in stands:
+        groups.setdefault(s.where, []).append(s.rank)
     if len(groups) > 1:
+        lake = len({w[:2] for w in groups}) > 1
         detail = "; ".join(
-            f"ranks {[r for r, _, _ in members]} at epoch {members[0][1]}, position {members[0][2]}"
-            for members in groups.values()
+            f"ranks {ranks} at epoch {epoch}, position {position}"
+            + (f" (snapshot {fp[:12]}, config {cfg})" if lake else "")
+            for (fp, cfg, epoch, position), ranks in groups.items()
         )
         raise CheckpointError(
             f"ranks disagree on the loader position, refusing to save: {detail}. Every rank "
-            "must call save() after the same number of steps"
+            "must call save() after the same number of steps, on the same lake and config"
         )
-    return [entry for *_, entries in gathered for entry in entries]
+    return [entry for s in stands for entry in s.quarantine]

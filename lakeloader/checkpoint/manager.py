@@ -303,16 +303,20 @@ class CheckpointManager:
     ) -> Any:
         """Restore the loader from the newest usable checkpoint; return the saved extras.
 
-        The loader may have any world size, worker count or batch size. If its dataset's
-        snapshot differs from the checkpoint's, the recovery coordinator lists the files gone,
-        rewritten or added: ``on_lake_change="error"`` raises :class:`LakeChangedError` with
-        that list; ``"restart_epoch"`` runs the saved epoch again from its start on the lake as
+        The loader may have any world size, worker count or batch size. The
+        :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot with the
+        loader's dataset: files added since join at the next epoch boundary (the saved epoch
+        finishes on the pinned snapshot). For files gone or rewritten that the rest of the
+        saved epoch needs, ``on_lake_change="error"`` raises :class:`LakeChangedError` listing
+        them; ``"skip"`` finishes the epoch without their units (their rows are counted as
+        skipped); ``"restart_epoch"`` runs the saved epoch again from its start on the lake as
         it is now (at least once, not exactly once, for that epoch).
 
         Raises:
             CheckpointError: If no checkpoint is usable.
-            LakeChangedError: If the lake changed and the policy is ``"error"``.
+            LakeChangedError: If needed files changed and the policy is ``"error"``.
             StateMismatchError: If the order configuration differs.
+            ValueError: For an unknown ``on_lake_change`` (whether or not the lake changed).
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)

@@ -7,9 +7,9 @@ With a ``transform`` or a ``collate_fn``, rows are materialised as dicts, as tor
 DataLoader would hand them over:
 ``transform(row)`` per row, then ``collate_fn(rows)`` (torch's ``default_collate`` when none).
 
-Packed columns are gathered from the rank's arena into one fresh flat buffer per batch, and
-each column becomes a tensor viewing it (no further copy). The batches that workers build for
-a transform or a collate_fn cross between processes as pickles.
+Packed columns are gathered from the rank's arena with one row copy per batch, then copied out
+column by column into arrays that tensors wrap without a further copy. The batches that
+workers build for a transform or a collate_fn cross between processes as pickles.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def build_payload(
     collate_fn: Collate | None,
     ready: Mapping[str, np.ndarray],
 ) -> tuple[str, Any]:
-    """Build one batch from decoded units: the work a DataLoader worker does.
+    """Build one batch from decoded units (in a worker, or in the loader's process).
 
     Args:
         units: The batch's units.

@@ -106,12 +106,14 @@ def verdict(validate: Validate, table: pa.Table) -> str | None:
     True
     >>> verdict(lambda t: "all NaN", pa.table({"x": [1]}))
     'all NaN'
+    >>> verdict(lambda t: False, pa.table({"x": [1]}))
+    'it returned False'
     """
     result = validate(table)
     if result is True or result is None:
         return None
     if result is False:
-        return "rejected by validate"
+        return "it returned False"
     return str(result)
 
 

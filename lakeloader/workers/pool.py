@@ -1,12 +1,13 @@
 """The pool of DataLoader worker processes: start, hand out tasks, collect, replace the dead.
 
-Workers do one of two kinds of task. On the default tensor path they decode units into the
-rank's arena, and the loader's process assembles batches from it, which costs a row copy
-per batch. With a transform or a collate_fn, which run per row, they build batches from
-units the loader decoded (:mod:`lakeloader.workers.process` is the worker's side). Any worker
-can do any task and answers on its own pipe, where its log records travel too. The pool
-notices a worker that died (its sentinel becomes ready), hands back the tasks it owed so the
-loader can give them to another worker, and starts a fresh one in its place.
+Workers do one of two kinds of task. On the default tensor path (columns packed) they decode
+units into the rank's arena, and the loader's process assembles batches from it, which costs
+a row copy per batch. Otherwise (a transform or a collate_fn, which run per row, or nothing to
+pack) they build batches from units the loader decoded (:mod:`lakeloader.workers.process` is
+the worker's side). Each worker answers on its own pipe, where its log records travel too.
+The pool notices a worker that died (its sentinel becomes ready), returns the tasks it owed,
+and starts a fresh one under the same number; the dispatcher
+(:mod:`lakeloader.workers.dispatch`) decides what becomes of those tasks.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class _Slot:
     process: Any
     tasks: Connection
     results: Connection
-    building: Any  # shared int: the step the worker is building, or IDLE
+    building: Any  # shared int: the key of the task under way (a step or a unit), or IDLE
     owed: dict[int, Work] = field(default_factory=dict)
 
 
@@ -67,7 +68,8 @@ class Death:
         pid: Its process id.
         exitcode: Its exit code (``-9`` for SIGKILL).
         owed: The tasks it had not answered, in the order they were handed out.
-        building: The step it was building when it died, or None if it was idle.
+        building: The key of the task under way when it died (a step, or a unit's
+            position), or None if it was idle.
     """
 
     worker: int

@@ -1,9 +1,9 @@
 """The worker process's side: what it is given, what it does, and what it answers.
 
 A worker decodes units into the rank's arena (:class:`DecodeTask`, the default tensor path) or
-builds batches for a transform or a collate_fn (:class:`Task`), and answers each task with a
-:class:`Result` on its own pipe, where its log records travel too. The pool that starts and
-replaces workers is :mod:`lakeloader.workers.pool`.
+builds batches (:class:`Task`: with a transform or a collate_fn, or when nothing is packed),
+and answers each task with a :class:`Result` on its own pipe, where its log records travel
+too. The pool that starts and replaces workers is :mod:`lakeloader.workers.pool`.
 """
 
 from __future__ import annotations
