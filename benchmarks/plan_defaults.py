@@ -1,6 +1,6 @@
 """Measure memory against shuffle breadth for the epoch order, to choose C and the window.
 
-Everything here uses only :mod:`lakeloader.order.plan` on synthetic layouts (no Parquet I/O): large
+Everything here uses only :mod:`lakeloader.order` on synthetic layouts (no Parquet I/O): large
 aligned row groups like the reference lake, small row groups, and large row groups whose last
 one per file is cut short (so partition boundaries fall inside units, as in real lakes). For
 each layout and each ``(C, window)`` of the grid it reports:
@@ -205,7 +205,15 @@ def check_against_batch_specs(
     for t in steps:
         lo, hi = t * global_batch, min((t + 1) * global_batch, n)
         for rank in sorted({0, world_size - 1}):
-            (spec,) = lb.batch_specs(plan, t, 1, 0, global_batch, world_size, rank)
+            (spec,) = lb.batch_specs(
+                plan,
+                first_step=t,
+                num_steps=1,
+                start=0,
+                global_batch=global_batch,
+                world_size=world_size,
+                rank=rank,
+            )
             sizes = plan.piece_rows(spec.positions)
             base = np.concatenate([[0], np.cumsum(sizes)])
             k = np.searchsorted(base, spec.take, side="right") - 1
@@ -398,7 +406,11 @@ def plan_time(num_units: int, rows_per_unit: int, repeats: int) -> dict[str, flo
             )
         ),
         "release_slots_all_s": best(lambda: lp.release_slots(plan, positions)),
-        "batch_spec_1024_s": best(lambda: lb.batch_specs(plan, 0, 1, mid, 1024, 8, 0)),
+        "batch_spec_1024_s": best(
+            lambda: lb.batch_specs(
+                plan, first_step=0, num_steps=1, start=mid, global_batch=1024, world_size=8, rank=0
+            )
+        ),
     }
 
 

@@ -143,7 +143,17 @@ def planning(files: int, row_groups: int, rows: int) -> dict[str, Any]:
         )
     )
     _, t_release = _timed(lambda: lp.release_slots(plan, np.arange(plan.num_pieces)))
-    _, t_spec = _timed(lambda: lb.batch_specs(plan, 0, 1, 0, 256 * BATCH, 256, 0))
+    _, t_spec = _timed(
+        lambda: lb.batch_specs(
+            plan,
+            first_step=0,
+            num_steps=1,
+            start=0,
+            global_batch=256 * BATCH,
+            world_size=256,
+            rank=0,
+        )
+    )
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     arrays = [units.file_index, units.row_group, units.row_start, units.num_rows]
@@ -191,7 +201,15 @@ def recover(snapshot: Snapshot, blob: bytes, ranks: int, rank: int) -> dict[str,
     steps = min(
         WORKERS * PREFETCH, lp.steps_in_epoch(state.position, plan.num_rows, global_batch, False)
     )
-    specs = lb.batch_specs(plan, 0, steps, state.position, global_batch, ranks, rank)
+    specs = lb.batch_specs(
+        plan,
+        first_step=0,
+        num_steps=steps,
+        start=state.position,
+        global_batch=global_batch,
+        world_size=ranks,
+        rank=rank,
+    )
     pieces = [spec.positions for spec in specs]
     lp.release_slots(plan, np.unique(np.concatenate(pieces)))
     t3 = time.perf_counter()

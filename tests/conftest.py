@@ -95,9 +95,22 @@ def lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def layout_dataset(root: Path, **kwargs: Any) -> ll.LakeDataset:
+    """The dataset of a ``LAYOUT`` lake, with the order settings every test shares."""
+    return ll.LakeDataset(root, seed=7, num_partitions=4, window=64, max_unit_rows=128, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def dataset(lake: Path) -> ll.LakeDataset:
-    return ll.LakeDataset(lake, seed=7, num_partitions=4, window=64, max_unit_rows=128)
+    return layout_dataset(lake)
+
+
+@pytest.fixture
+def own_lake(tmp_path: Path) -> Path:
+    """A ``LAYOUT`` lake of the test's own, which it may change."""
+    root = tmp_path / "lake"
+    write_lake(root, LAYOUT)
+    return root
 
 
 #: Rows of a global batch in the reference epoch of ``dataset``.

@@ -73,8 +73,27 @@ def test_batch_specs_equal_batch_spec_of_each_step(
     n = plan.num_rows
     if n == 0:
         with pytest.raises(ValueError):
-            batch_specs(plan, 0, 1, 0, global_batch, world_size, 0)
-        assert batch_specs(plan, 0, 0, 0, global_batch, world_size, 0) == []
+            batch_specs(
+                plan,
+                first_step=0,
+                num_steps=1,
+                start=0,
+                global_batch=global_batch,
+                world_size=world_size,
+                rank=0,
+            )
+        assert (
+            batch_specs(
+                plan,
+                first_step=0,
+                num_steps=0,
+                start=0,
+                global_batch=global_batch,
+                world_size=world_size,
+                rank=0,
+            )
+            == []
+        )
         return
     start = data.draw(st.integers(0, n - 1), label="start")
     total = steps_in_epoch(start, n, global_batch, drop_last=False)
@@ -82,7 +101,15 @@ def test_batch_specs_equal_batch_spec_of_each_step(
     num = data.draw(st.integers(0, total - first), label="num_steps")
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
 
-    specs = batch_specs(plan, first, num, start, global_batch, world_size, rank)
+    specs = batch_specs(
+        plan,
+        first_step=first,
+        num_steps=num,
+        start=start,
+        global_batch=global_batch,
+        world_size=world_size,
+        rank=rank,
+    )
     assert len(specs) == num
     full = all_virtual(plan)
     for t, spec in enumerate(specs, start=first):
@@ -102,7 +129,16 @@ def test_the_shares_of_a_whole_epoch_deliver_every_row_once(
     """All ranks' shares, planned in one call each, are the slots in order, mapped."""
     steps = steps_in_epoch(0, plan.num_rows, global_batch, drop_last=False)
     shares = [
-        batch_specs(plan, 0, steps, 0, global_batch, world_size, r) for r in range(world_size)
+        batch_specs(
+            plan,
+            first_step=0,
+            num_steps=steps,
+            start=0,
+            global_batch=global_batch,
+            world_size=world_size,
+            rank=r,
+        )
+        for r in range(world_size)
     ]
     full = all_virtual(plan)
     got = [decode(plan, shares[r][t]) for t in range(steps) for r in range(world_size)]
@@ -137,7 +173,9 @@ def small_plan(shuffle: bool = True) -> EpochPlan:
 def test_short_last_batch(shuffle: bool) -> None:
     plan = small_plan(shuffle)
     assert plan.num_rows == 47
-    specs = batch_specs(plan, 0, 5, 2, 10, 1, 0)  # the fifth step holds slots 42..46
+    specs = batch_specs(
+        plan, first_step=0, num_steps=5, start=2, global_batch=10, world_size=1, rank=0
+    )  # the fifth step holds slots 42..46
     assert [(s.slot_start, s.slot_stop, s.num_rows) for s in specs][-2:] == [
         (32, 42, 10),
         (42, 47, 5),
@@ -145,7 +183,9 @@ def test_short_last_batch(shuffle: bool) -> None:
     for t, spec in enumerate(specs):
         assert_same(spec, batch_spec(plan, t, *bounds(plan, 2, 10, t), 1, 0))
     for rank in range(3):  # 5 rows over 3 ranks: 2, 2, 1
-        (last,) = batch_specs(plan, 4, 1, 2, 10, 3, rank)
+        (last,) = batch_specs(
+            plan, first_step=4, num_steps=1, start=2, global_batch=10, world_size=3, rank=rank
+        )
         assert last.num_rows == (2 if rank < 2 else 1)
         assert_same(last, batch_spec(plan, 4, 42, 47, 3, rank))
 
@@ -153,13 +193,17 @@ def test_short_last_batch(shuffle: bool) -> None:
 def test_world_size_larger_than_a_batch() -> None:
     plan = small_plan()
     for rank in range(7):
-        specs = batch_specs(plan, 0, 10, 0, 5, 7, rank)
+        specs = batch_specs(
+            plan, first_step=0, num_steps=10, start=0, global_batch=5, world_size=7, rank=rank
+        )
         for t, spec in enumerate(specs):
             assert_same(spec, batch_spec(plan, t, *bounds(plan, 0, 5, t), 7, rank))
             check_pieces_and_rows(plan, spec)
         sizes = [s.num_rows for s in specs]
         assert sizes == [1 if rank < 5 else 0] * 9 + [1 if rank < 2 else 0]
-    empty = batch_specs(plan, 0, 1, 0, 5, 7, 6)[0]
+    empty = batch_specs(
+        plan, first_step=0, num_steps=1, start=0, global_batch=5, world_size=7, rank=6
+    )[0]
     for a in (empty.positions, empty.take, empty.inverse, empty.row):
         assert a.dtype == np.int64 and a.shape == (0,)
 
@@ -178,7 +222,8 @@ def test_world_size_larger_than_a_batch() -> None:
 )
 def test_bad_requests_raise(args: tuple[int, int, int, int, int, int]) -> None:
     with pytest.raises(ValueError):
-        batch_specs(small_plan(), *args)
+        names = ("first_step", "num_steps", "start", "global_batch", "world_size", "rank")
+        batch_specs(small_plan(), **dict(zip(names, args, strict=True)))
 
 
 def test_each_window_is_drawn_once_across_calls(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +245,9 @@ def test_each_window_is_drawn_once_across_calls(monkeypatch: pytest.MonkeyPatch)
     first = 0
     for num in [1, 7, 30, 2, 1, 9] * 10:  # 30 steps: 360 slots, 11 windows per partition
         num = min(num, total - first)
-        for spec in batch_specs(plan, first, num, 3, 12, 1, 0):
+        for spec in batch_specs(
+            plan, first_step=first, num_steps=num, start=3, global_batch=12, world_size=1, rank=0
+        ):
             lo, hi = bounds(plan, 3, 12, spec.step)
             assert_same(spec, batch_spec(oracle, spec.step, lo, hi, 1, 0))
         first += num

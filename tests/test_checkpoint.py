@@ -17,24 +17,13 @@ import pytest
 import lakeloader as ll
 import lakeloader.lake.snapshot
 from lakeloader.checkpoint.manager import COMMIT_FILE, STATE_FILE, step_dir_name
-from tests.conftest import LAYOUT, write_lake
+from tests.conftest import layout_dataset
 
 BATCH = 48
 
 
 def _ids(loader: ll.DataLoader, steps: int | None = None) -> list[list[int]]:
     return [b["id"].tolist() for b in itertools.islice(iter(loader), steps)]
-
-
-@pytest.fixture()
-def own_lake(tmp_path: Path) -> Path:
-    root = tmp_path / "lake"
-    write_lake(root, LAYOUT)
-    return root
-
-
-def _dataset(root: Path) -> ll.LakeDataset:
-    return ll.LakeDataset(root, seed=7, num_partitions=4, window=64, max_unit_rows=128)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -129,7 +118,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(
     assert not (ckpt_dir / step_dir_name(2) / COMMIT_FILE).exists()
     ckpt = ll.CheckpointManager(str(ckpt_dir))
     assert ckpt.steps() == [1]
-    loader = ll.DataLoader(_dataset(own_lake), batch_size=BATCH)
+    loader = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
     ckpt.load(loader)
     assert loader.state_dict()["position"] == BATCH
     ckpt.save(3, loader)  # a later save clears the half-written folder
@@ -180,7 +169,7 @@ def test_no_usable_checkpoint_is_a_clear_error(dataset: ll.LakeDataset, tmp_path
 
 
 def test_file_removed_or_rewritten_since_the_checkpoint(own_lake: Path, tmp_path: Path) -> None:
-    loader = ll.DataLoader(_dataset(own_lake), batch_size=BATCH)
+    loader = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
     it = iter(loader)
     next(it)
     ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"))
@@ -193,7 +182,7 @@ def test_file_removed_or_rewritten_since_the_checkpoint(own_lake: Path, tmp_path
     with pytest.raises(ll.LakeChangedError) as err:
         ckpt.dataset()  # the pinned snapshot, checked file by file
     assert f"gone: {removed}" in str(err.value) and f"changed: {rewritten}" in str(err.value)
-    live = ll.DataLoader(_dataset(own_lake), batch_size=BATCH)
+    live = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
     with pytest.raises(ll.LakeChangedError, match=r"file-0003\.parquet"):
         ckpt.load(live)
     # The documented policy: run the saved epoch again on the lake as it is now.
@@ -205,7 +194,7 @@ def test_file_removed_or_rewritten_since_the_checkpoint(own_lake: Path, tmp_path
 def test_recovery_never_lists_the_lake_or_reads_footers(
     own_lake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    loader = ll.DataLoader(_dataset(own_lake), batch_size=BATCH)
+    loader = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
     it = iter(loader)
     full = [next(it)["id"].tolist() for _ in range(3)]
     ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"))

@@ -18,23 +18,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import LAYOUT, LAYOUT_ROWS, global_batches, make_loaders, write_lake
 
 import lakeloader as ll
+from tests.conftest import LAYOUT, LAYOUT_ROWS, global_batches, layout_dataset, make_loaders
 
 BATCH = 16
 NEW_IDS = set(range(100_000, 100_300))
-
-
-@pytest.fixture
-def own_lake(tmp_path: Path) -> Path:
-    root = tmp_path / "lake"
-    write_lake(root, LAYOUT)
-    return root
-
-
-def _dataset(root: Path, **kwargs: object) -> ll.LakeDataset:
-    return ll.LakeDataset(root, seed=7, num_partitions=4, window=64, max_unit_rows=128, **kwargs)
 
 
 def _add_file(root: Path) -> None:
@@ -51,7 +40,7 @@ def _add_file(root: Path) -> None:
 
 
 def _run_some(root: Path, ckpt_dir: Path, steps: int) -> list[int]:
-    loader = ll.DataLoader(_dataset(root), batch_size=BATCH)
+    loader = ll.DataLoader(layout_dataset(root), batch_size=BATCH)
     seen = list(
         itertools.chain.from_iterable(b["id"].tolist() for b in itertools.islice(loader, steps))
     )
@@ -65,7 +54,7 @@ def test_added_files_join_at_the_next_epoch_boundary(
 ) -> None:
     seen = _run_some(own_lake, tmp_path / "ckpt", 7)
     _add_file(own_lake)
-    live = _dataset(own_lake)
+    live = layout_dataset(own_lake)
     assert len(live) == LAYOUT_ROWS + len(NEW_IDS)
     loaders = make_loaders(live, 2, batch_size=BATCH // 2 * 3, num_workers=1)
     with caplog.at_level(logging.WARNING, logger="lakeloader"):
@@ -101,7 +90,7 @@ def test_removed_or_rewritten_files_are_listed_with_old_and_new_size(
     ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"))
     for attempt in (
         lambda: ckpt.dataset(),
-        lambda: ckpt.load(ll.DataLoader(_dataset(own_lake), batch_size=BATCH)),
+        lambda: ckpt.load(ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)),
     ):
         with pytest.raises(ll.LakeChangedError) as err:
             attempt()
@@ -123,7 +112,7 @@ def test_skip_finishes_the_epoch_without_the_lost_files(
     )
     ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"))
     with caplog.at_level(logging.WARNING, logger="lakeloader"):
-        ds = ckpt.dataset(on_lake_change="skip") if how == "manifest" else _dataset(own_lake)
+        ds = ckpt.dataset(on_lake_change="skip") if how == "manifest" else layout_dataset(own_lake)
         loaders = make_loaders(ds, 3, batch_size=8)
         for loader in loaders:
             ckpt.load(loader, on_lake_change="skip")
@@ -143,11 +132,11 @@ def test_skip_finishes_the_epoch_without_the_lost_files(
 
 
 def test_a_checkpoint_at_an_epoch_end_needs_no_old_file(own_lake: Path, tmp_path: Path) -> None:
-    loader = ll.DataLoader(_dataset(own_lake), batch_size=BATCH)
+    loader = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
     list(loader)  # the whole epoch
     ll.CheckpointManager(str(tmp_path / "ckpt")).save(1, loader)
     _remove_and_rewrite(own_lake)
-    live = _dataset(own_lake)
+    live = layout_dataset(own_lake)
     fresh = ll.DataLoader(live, batch_size=BATCH)
     ll.CheckpointManager(str(tmp_path / "ckpt")).load(fresh)  # default policy: no error
     rows = [i for b in fresh for i in b["id"].tolist()]

@@ -243,7 +243,9 @@ def test_batches_deliver_each_row_once_for_any_topology(
         expected = full[slots]
 
         # One rank with the whole batch.
-        (whole,) = batch_specs(plan, step, 1, g, batch, 1, 0)
+        (whole,) = batch_specs(
+            plan, first_step=step, num_steps=1, start=g, global_batch=batch, world_size=1, rank=0
+        )
         assert (whole.step, whole.slot_start, whole.slot_stop) == (step, start, stop)
         assert whole.num_rows == stop - start
         assert np.array_equal(decode(plan, whole), expected)
@@ -251,7 +253,15 @@ def test_batches_deliver_each_row_once_for_any_topology(
         # The rank shares, in rank order, rebuild exactly that batch.
         shares = []
         for rank in range(world_size):
-            (spec,) = batch_specs(plan, step, 1, g, batch, world_size, rank)
+            (spec,) = batch_specs(
+                plan,
+                first_step=step,
+                num_steps=1,
+                start=g,
+                global_batch=batch,
+                world_size=world_size,
+                rank=rank,
+            )
             assert np.all(np.diff(spec.positions) > 0)
             lo, hi = rank_bounds(stop - start, world_size, rank)
             assert spec.num_rows == hi - lo
@@ -343,7 +353,15 @@ def test_units_needed_by_a_step_are_not_released_yet(
         start, stop = step * batch, min((step + 1) * batch, plan.num_rows)
         slots = batch_slots(start, stop, plan.num_partitions)
         for rank in range(world_size):
-            (spec,) = batch_specs(plan, step, 1, 0, batch, world_size, rank)
+            (spec,) = batch_specs(
+                plan,
+                first_step=step,
+                num_steps=1,
+                start=0,
+                global_batch=batch,
+                world_size=world_size,
+                rank=rank,
+            )
             lo, hi = rank_bounds(len(slots), world_size, rank)
             pos, _ = virtual_to_piece(plan, full[slots[lo:hi]])
             release = release_slots(plan, spec.positions)

@@ -29,12 +29,6 @@ def uninterrupted(dataset: ll.LakeDataset) -> list[list[list[int]]]:
     return two_epochs(dataset, 1, batch_size=GLOBAL_BATCH)
 
 
-@pytest.fixture(scope="module")
-def slot_order(dataset: ll.LakeDataset) -> list[int]:
-    """Row id at each global slot of epoch 0 (a global batch of one row delivers in slot order)."""
-    return [i for b in two_epochs(dataset, 1, batch_size=1)[0] for i in b]
-
-
 def interrupt(
     ds: ll.LakeDataset, steps: int, world_size: int, **kwargs: Any
 ) -> tuple[dict[str, Any], list[list[int]]]:

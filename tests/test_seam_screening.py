@@ -61,7 +61,15 @@ def test_rows_are_renumbered_around_quarantined_units(
         return
     step = data.draw(st.integers(0, steps - 1), label="step")
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
-    (spec,) = batch_specs(plan, step, 1, 0, batch, world_size, rank)
+    (spec,) = batch_specs(
+        plan,
+        first_step=step,
+        num_steps=1,
+        start=0,
+        global_batch=batch,
+        world_size=world_size,
+        rank=rank,
+    )
     n = len(spec.positions)
     bad = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="bad")
     held = held_for(plan, spec, bad)
@@ -91,7 +99,9 @@ def test_rows_are_renumbered_around_quarantined_units(
 
 def test_without_quarantine_the_spec_passes_through() -> None:
     plan = small_plan()
-    (spec,) = batch_specs(plan, 2, 1, 0, 8, 1, 0)
+    (spec,) = batch_specs(
+        plan, first_step=2, num_steps=1, start=0, global_batch=8, world_size=1, rank=0
+    )
     held = held_for(plan, spec, [False] * len(spec.positions))
     got = screen(spec, held, plan, LAYOUT, COLUMNS)
     assert got.take is spec.take
@@ -102,7 +112,9 @@ def test_without_quarantine_the_spec_passes_through() -> None:
 
 def test_when_every_column_is_in_the_arena_the_arrow_path_gets_nothing() -> None:
     plan = small_plan()
-    (spec,) = batch_specs(plan, 0, 1, 0, 8, 2, 1)
+    (spec,) = batch_specs(
+        plan, first_step=0, num_steps=1, start=0, global_batch=8, world_size=2, rank=1
+    )
     held = held_for(plan, spec, [False] * len(spec.positions))
     got = screen(spec, held, plan, LAYOUT, num_columns=3)  # id, x packed; s as views
     assert (got.refs, got.take.tolist()) == ([], [])
@@ -113,7 +125,9 @@ def test_when_every_column_is_in_the_arena_the_arrow_path_gets_nothing() -> None
 def test_a_column_packed_in_only_some_units_takes_the_arrow_path() -> None:
     """A unit with integer nulls in ``x`` keeps ``x`` in its table: no unit's ``x`` is packed."""
     plan = small_plan()
-    (spec,) = batch_specs(plan, 0, 1, 0, 12, 1, 0)
+    (spec,) = batch_specs(
+        plan, first_step=0, num_steps=1, start=0, global_batch=12, world_size=1, rank=0
+    )
     assert len(spec.positions) >= 2
     held = held_for(plan, spec, [False] * len(spec.positions))
     first = held[0]
@@ -127,7 +141,9 @@ def test_a_column_packed_in_only_some_units_takes_the_arrow_path() -> None:
 
 def test_views_missing_in_one_unit_leave_strings_to_the_arrow_path() -> None:
     plan = small_plan()
-    (spec,) = batch_specs(plan, 1, 1, 0, 12, 1, 0)
+    (spec,) = batch_specs(
+        plan, first_step=1, num_steps=1, start=0, global_batch=12, world_size=1, rank=0
+    )
     held = held_for(plan, spec, [False] * len(spec.positions))
     first = held[-1]
     assert isinstance(first, UnitRef)
@@ -139,7 +155,9 @@ def test_views_missing_in_one_unit_leave_strings_to_the_arrow_path() -> None:
 
 def test_units_with_nothing_packed_take_the_arrow_path_only() -> None:
     plan = small_plan()
-    (spec,) = batch_specs(plan, 0, 1, 0, 12, 1, 0)
+    (spec,) = batch_specs(
+        plan, first_step=0, num_steps=1, start=0, global_batch=12, world_size=1, rank=0
+    )
     held = held_for(plan, spec, [False] * len(spec.positions), packed=(), views=())
     got = screen(spec, held, plan, LAYOUT, num_columns=3)
     assert (got.names, got.views, got.rows) == ((), (), None)
@@ -150,7 +168,9 @@ def test_units_with_nothing_packed_take_the_arrow_path_only() -> None:
 
 def test_a_step_whose_units_are_all_quarantined_delivers_no_row() -> None:
     plan = small_plan()
-    (spec,) = batch_specs(plan, 0, 1, 0, 8, 1, 0)
+    (spec,) = batch_specs(
+        plan, first_step=0, num_steps=1, start=0, global_batch=8, world_size=1, rank=0
+    )
     held = held_for(plan, spec, [True] * len(spec.positions))
     got = screen(spec, held, plan, LAYOUT, COLUMNS)
     assert (got.refs, got.take.tolist(), got.lost) == ([], [], spec.num_rows)

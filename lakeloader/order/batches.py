@@ -91,6 +91,7 @@ def _check_rank(world_size: int, rank: int) -> None:
 
 def batch_specs(
     plan: EpochPlan,
+    *,
     first_step: int,
     num_steps: int,
     start: int,
@@ -126,7 +127,9 @@ def batch_specs(
     >>> plan = plan_epoch(
     ...     make_units([[3, 4]], 4), seed=0, epoch=0, shuffle=False, num_partitions=2, window=2
     ... )
-    >>> specs = batch_specs(plan, 1, 2, 1, 2, 1, 0)
+    >>> specs = batch_specs(
+    ...     plan, first_step=1, num_steps=2, start=1, global_batch=2, world_size=1, rank=0
+    ... )
     >>> [(s.step, s.positions.tolist(), s.take.tolist(), s.row.tolist()) for s in specs]
     [(1, [0, 2], [2, 4], [2, 1]), (2, [1, 2], [0, 3], [0, 2])]
     """

@@ -93,12 +93,12 @@ class EpochIterator:
                 self._planned.extend(
                     batch_specs(
                         spec.plan,
-                        self._next_plan,
-                        n,
-                        spec.start,
-                        topo.global_batch,
-                        topo.world_size,
-                        topo.rank,
+                        first_step=self._next_plan,
+                        num_steps=n,
+                        start=spec.start,
+                        global_batch=topo.global_batch,
+                        world_size=topo.world_size,
+                        rank=topo.rank,
                     )
                 )
             step = self._planned.popleft()

@@ -171,7 +171,15 @@ def first_units(
     first = 0
     while len(out) < count and first < steps:
         n = min(_LOOKAHEAD_CHUNK, steps - first)
-        specs = batch_specs(plan, first, n, position, topo.global_batch, topo.world_size, rank)
+        specs = batch_specs(
+            plan,
+            first_step=first,
+            num_steps=n,
+            start=position,
+            global_batch=topo.global_batch,
+            world_size=topo.world_size,
+            rank=rank,
+        )
         for spec in specs:
             for p in spec.positions.tolist():
                 if p not in seen:
