@@ -66,7 +66,9 @@ Rules, the same for every loader:
 Run: ``python -m benchmarks.peers`` (about 25 minutes; peers from the venvs named by
 ``--bench-python`` and ``--mosaic-python``, see benchmarks/README.md), ``--smoke`` for a tiny
 lake in a few seconds per loader (peers that do not import are skipped, and say so). Results go
-to ``benchmarks/results/peers.json`` and ``peers.md`` (``--out`` elsewhere).
+to ``benchmarks/results/peers.json`` and ``peers.md`` (``--out`` elsewhere). ``--compare REV``
+adds ``lakeloader-w2`` of another git revision to the same run, interleaved with the others,
+so that a change's effect is measured side by side against the same reference.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -496,7 +498,8 @@ def _importable(python: str, module: str) -> bool:
 
 
 def _child_cmd(loader: Loader, args: argparse.Namespace, text: bool, shm: str) -> list[str]:
-    cmd = [_python_for(loader, args), "-m", "benchmarks.peers", "--child", loader.name]
+    name = loader.name.split("@")[0]  # a lakeloader of another revision runs as itself
+    cmd = [_python_for(loader, args), "-m", "benchmarks.peers", "--child", name]
     cmd += ["--lake", args.lake, "--work", args.work, "--shm-dir", shm]
     cmd += ["--peer-seconds", str(args.peer_seconds)]
     return [*cmd, "--text"] if text else cmd
@@ -538,6 +541,14 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
             print(f"skipped {loader.name}: {why} (smoke mode only)", flush=True)
             continue
         runnable.append(loader)
+    trees = {loader.name: tree for loader in runnable}
+    compared = None
+    if args.compare:  # the same loader at another revision, interleaved: an A/B in one run
+        other, compared = pinned_tree(args.compare)
+        print(f"lakeloader-w2@{compared['commit']} runs from {other}", flush=True)
+        twin = replace(BY_NAME["lakeloader-w2"], name=f"lakeloader-w2@{compared['commit']}")
+        runnable.append(twin)
+        trees[twin.name] = other
     conversions: dict[str, Any] = {}
     if any(x.name == "mosaic" for x in runnable):
         for kind, cols in (("numeric", NUMERIC_COLUMNS), ("text", ALL_COLUMNS)):
@@ -570,7 +581,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                         _child_cmd(loader, args, text, shm),
                         timeout=args.timeout,
                         watch_dir=shm,
-                        cwd=tree,
+                        cwd=trees[loader.name],
                         pss=not timed,
                     )
                 finally:
@@ -611,6 +622,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
             "smoke": bool(args.smoke),
             "machine": machine(),
             "lakeloader_source": src_note,
+            "compared_with": compared,
         },
         "skipped": skipped,
         "runs": runs,
@@ -676,7 +688,8 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Cap: lakeloader and pyarrow do a full pass; every peer stops at the first of a full "
         f"pass or {s['peer_seconds']:g} s of iteration (start-up included). Machine: "
-        f"{s['machine']}. lakeloader measured: {s['lakeloader_source']}.",
+        f"{s['machine']}. lakeloader measured: {s['lakeloader_source']}"
+        + (f"; beside it, interleaved: {s['compared_with']}." if s.get("compared_with") else "."),
         "",
     ]
     if s["mosaic_conversion"]:
@@ -811,6 +824,11 @@ def main(argv: list[str] | None = None) -> int:
         default=default_bench if Path(default_bench).exists() else sys.executable,
     )
     parser.add_argument("--mosaic-python", default="/work/mosaicenv/bin/python")
+    parser.add_argument(
+        "--compare",
+        help="also run lakeloader-w2 of this git revision (exported like --src), interleaved "
+        "with the others in the same run: a side-by-side A/B",
+    )
     parser.add_argument("--render", help="re-render the .md and .png of this JSON; no run")
     parser.add_argument("--child", choices=list(BY_NAME), help=argparse.SUPPRESS)
     parser.add_argument("--text", action="store_true", help=argparse.SUPPRESS)

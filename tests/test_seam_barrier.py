@@ -22,54 +22,64 @@ import torch.multiprocessing as tmp
 
 from lakeloader.checkpoint.barrier import confirm_same_position
 from lakeloader.errors import CheckpointError
-from lakeloader.state import keys as K
+from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.topology import Topology
 
 WORLD_SIZE = 2
 DEADLINE = 60.0  # seconds for the whole group (it takes about three)
-A = QuarantineEntry("a.parquet", 0, 0, 10, "bad page").to_dict()
-B = QuarantineEntry("b.parquet", 2, 5, 5, "all NaN").to_dict()
+A = QuarantineEntry("a.parquet", 0, 0, 10, "bad page")
+B = QuarantineEntry("b.parquet", 2, 5, 5, "all NaN")
 #: What each rank brings to the barrier: its entries, and a state where it differs.
 MINE = {0: [A], 1: [B, A]}
 
 Outcome = tuple[str, Any]  # ("returned", value) or ("raised", message)
 
 
-def _state(position: int = 96, epoch: int = 3, fingerprint: str = "f" * 32) -> dict[str, Any]:
-    return {
-        K.STATE_FINGERPRINT: fingerprint,
-        K.STATE_CONFIG_HASH: "c" * 16,
-        K.STATE_EPOCH: epoch,
-        K.STATE_POSITION: position,
-        K.STATE_QUARANTINE: [],
-    }
+def _state(
+    position: int = 96,
+    epoch: int = 3,
+    fingerprint: str = "f" * 32,
+    quarantine: tuple[QuarantineEntry, ...] = (),
+) -> LoaderState:
+    return LoaderState(
+        fingerprint=fingerprint,
+        config_hash="c" * 16,
+        config={},
+        epoch=epoch,
+        position=position,
+        rows_dropped=0,
+        num_rows=1000,
+        topology=Topology(WORLD_SIZE, 0, 0, 48),
+        quarantine=quarantine,
+    )
 
 
-def _agree(rank: int) -> tuple[dict[str, Any], CheckpointError | None]:
-    return {**_state(), K.STATE_QUARANTINE: MINE[rank]}, None
+def _agree(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+    return _state(quarantine=tuple(MINE[rank])), None
 
 
-def _other_position(rank: int) -> tuple[dict[str, Any], CheckpointError | None]:
+def _other_position(rank: int) -> tuple[LoaderState, CheckpointError | None]:
     return _state(position=96 + 48 * rank), None
 
 
-def _other_epoch(rank: int) -> tuple[dict[str, Any], CheckpointError | None]:
+def _other_epoch(rank: int) -> tuple[LoaderState, CheckpointError | None]:
     return _state(epoch=3 + rank), None
 
 
-def _other_lake(rank: int) -> tuple[dict[str, Any], CheckpointError | None]:
+def _other_lake(rank: int) -> tuple[LoaderState, CheckpointError | None]:
     return _state(fingerprint="f" * 32 if rank == 0 else "e" * 32), None
 
 
-def _failed_on_rank_1(rank: int) -> tuple[dict[str, Any], CheckpointError | None]:
+def _failed_on_rank_1(rank: int) -> tuple[LoaderState, CheckpointError | None]:
     return _state(), CheckpointError("disk full") if rank == 1 else None
 
 
-def _failed_everywhere(rank: int) -> tuple[dict[str, Any], CheckpointError | None]:
+def _failed_everywhere(rank: int) -> tuple[LoaderState, CheckpointError | None]:
     return _state(), CheckpointError(f"disk {rank} full")
 
 
-SCENARIOS: dict[str, Callable[[int], tuple[dict[str, Any], CheckpointError | None]]] = {
+SCENARIOS: dict[str, Callable[[int], tuple[LoaderState, CheckpointError | None]]] = {
     "agree": _agree,
     "other_position": _other_position,
     "other_epoch": _other_epoch,

@@ -15,7 +15,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lakeloader.errors import CheckpointError
-from lakeloader.state import keys as K
+from lakeloader.state.loader_state import LoaderState
+from lakeloader.state.quarantine import QuarantineEntry
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class _Stand:
     epoch: int
     position: int
     error: str | None
-    quarantine: list[dict[str, Any]]
+    quarantine: tuple[QuarantineEntry, ...]
 
     @property
     def where(self) -> tuple[str, str, int, int]:
@@ -36,8 +37,8 @@ class _Stand:
 
 
 def confirm_same_position(
-    state: dict[str, Any], error: CheckpointError | None
-) -> list[dict[str, Any]] | None:
+    state: LoaderState, error: CheckpointError | None
+) -> list[QuarantineEntry] | None:
     """All-gather where each rank stands; fail if ranks disagree or an earlier save failed.
 
     Every rank learns the same things, so every rank takes the same decision and none is left
@@ -46,7 +47,7 @@ def confirm_same_position(
     return, for their caller to raise their own failure.
 
     Returns:
-        The quarantine entries of all ranks (plain dicts, unmerged), or None when
+        The quarantine entries of all ranks (unmerged, in rank order), or None when
         torch.distributed is not initialised.
 
     Raises:
@@ -58,12 +59,12 @@ def confirm_same_position(
         return None
     mine = _Stand(
         dist.get_rank(),
-        str(state[K.STATE_FINGERPRINT]),
-        str(state[K.STATE_CONFIG_HASH]),
-        int(state[K.STATE_EPOCH]),
-        int(state[K.STATE_POSITION]),
+        state.fingerprint,
+        state.config_hash,
+        state.epoch,
+        state.position,
         None if error is None else str(error),
-        list(state[K.STATE_QUARANTINE]),
+        state.quarantine,
     )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

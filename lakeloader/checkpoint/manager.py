@@ -43,7 +43,6 @@ from lakeloader.lake.snapshot import Snapshot
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.lake_changes import LakeChangePolicy
-from lakeloader.state.quarantine import QuarantineEntry
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +134,16 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
-        everyone = confirm_same_position(loader.state_dict(), previous)
+        ds = loader.dataset
+        state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
+        everyone = confirm_same_position(state, previous)
         if previous is not None:
             raise previous
         if everyone:
-            loader.tracker.merge_quarantine(QuarantineEntry.from_dict(q) for q in everyone)
+            loader.tracker.merge_quarantine(everyone)
+            state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
-        ds = loader.dataset
-        state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
         payload = StateRecord(state, _context(loader, step), extra).to_bytes()
         manifest = (ds.snapshot, loader.dataset.source.describe())
         if self.async_save:
