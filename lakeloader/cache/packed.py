@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lakeloader.cache.kernels import unsliced, unsliced_table
 from lakeloader.cache.views import VIEW_BYTES, VIEW_DTYPE, VIEW_TYPES
 
 #: Buffer bytes a table may hold beyond its rows' before ``compact`` copies it.
@@ -183,6 +184,7 @@ def compact(table: pa.Table) -> pa.Table:
     >>> compact(big.slice(0, 10)).get_total_buffer_size() < 2_000
     True
     """
+    table = unsliced_table(table)  # before any take: see lakeloader.cache.kernels
     if table.get_total_buffer_size() <= 2 * table.nbytes + SLACK_BYTES:
         return table.combine_chunks()
     return table.take(pa.array(np.arange(table.num_rows, dtype=np.int64)))
@@ -244,7 +246,7 @@ def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
     counts at one call per unit per batch.
     """
     parts = [
-        pc.array_take(columns[u], sel.local[start:stop])
+        pc.array_take(unsliced(columns[u]), sel.local[start:stop])
         for u, (start, stop) in zip(sel.unit, sel.bounds, strict=True)
     ]
     if not parts:

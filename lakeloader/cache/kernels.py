@@ -1,0 +1,91 @@
+"""Arrow kernels that give wrong values on some inputs, and how the loader avoids them.
+
+pyarrow 26.0.1's ``take`` and ``filter`` (``Array.take``, ``pc.array_take``, ``Table.take``)
+return wrong values, without an error, from a *sliced* array (offset > 0) whose type holds a
+fixed-size list of fixed-size lists, at the top or inside a struct: they read the innermost
+values at the wrong offset (garbage such as ``-6.5e14``). ``concat_arrays`` and
+``combine_chunks`` copy such an array correctly, to offset 0, where ``take`` is right. A
+unit that is a row range of its row group is a slice, and every batch takes rows from units,
+so the loader copies the affected columns of a unit to offset 0 once, when it is decoded
+(:func:`unsliced_table`), and checks again before each take (:func:`unsliced`, free when the
+array is not sliced). The reproducer, and the kernels checked, are in
+``docs/pyarrow-sliced-nested-take.md``.
+
+Whether the installed pyarrow has the bug is checked once, on first use, by running the
+reproducer (:func:`sliced_nested_take_is_wrong`): with a pyarrow that gets it right, nothing
+is copied.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def sliced_nested_take_is_wrong() -> bool:
+    """Whether this pyarrow's ``take`` is wrong on a sliced fixed-size list of fixed-size lists.
+
+    >>> isinstance(sliced_nested_take_is_wrong(), bool)
+    True
+    """
+    values = pa.array(range(48), pa.float32())
+    nested = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(values, 2), 2)
+    sliced = nested.slice(3, 6)
+    taken = pc.take(sliced, pa.array([0, 5])).to_pylist()
+    wrong = bool(taken != [sliced[0].as_py(), sliced[5].as_py()])
+    if wrong:
+        logger.debug(
+            "pyarrow %s takes wrong values from sliced nested fixed-size lists: such columns "
+            "are copied to offset 0 before they are taken from",
+            pa.__version__,
+        )
+    return wrong
+
+
+@functools.cache
+def is_affected(typ: pa.DataType) -> bool:
+    """Whether ``typ`` holds a fixed-size list of fixed-size lists, directly or in structs.
+
+    Lists, large lists and maps reset the offsets of what they hold, so what lies inside them
+    is not affected.
+
+    >>> fsl = pa.list_(pa.float32(), 4)
+    >>> [is_affected(t) for t in (fsl, pa.list_(fsl, 3), pa.struct([("m", pa.list_(fsl, 3))]))]
+    [False, True, True]
+    >>> is_affected(pa.list_(pa.list_(fsl, 3)))
+    False
+    """
+    if pa.types.is_fixed_size_list(typ):
+        inner = typ.value_type
+        return pa.types.is_fixed_size_list(inner) or is_affected(inner)
+    if pa.types.is_struct(typ):
+        return any(is_affected(typ.field(i).type) for i in range(typ.num_fields))
+    return False
+
+
+def unsliced(array: pa.Array) -> pa.Array:
+    """``array``, or a copy of it at offset 0 when this pyarrow would take wrong values from it.
+
+    >>> fsl = pa.FixedSizeListArray.from_arrays(pa.array(range(8), pa.int8()), 2)
+    >>> unsliced(pa.FixedSizeListArray.from_arrays(fsl, 2).slice(1, 1)).offset
+    0
+    """
+    if array.offset and is_affected(array.type) and sliced_nested_take_is_wrong():
+        return pa.concat_arrays([array])
+    return array
+
+
+def unsliced_table(table: pa.Table) -> pa.Table:
+    """``table`` with every chunk of an affected column copied to offset 0 where needed."""
+    if not any(is_affected(f.type) for f in table.schema):
+        return table
+    columns = [
+        pa.chunked_array([unsliced(c) for c in col.chunks], col.type) for col in table.columns
+    ]
+    return pa.Table.from_arrays(columns, schema=table.schema)
