@@ -147,6 +147,11 @@ class LakeDataset:
         else:
             fs = self.source.filesystem(self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
+        if not -(2**63) <= int(seed) < 2**64:
+            raise ValueError(
+                f"seed must be an integer in [-2**63, 2**64) (it is kept in states and "
+                f"checkpoints as a 64-bit integer), got {seed}"
+            )
         if num_partitions is None:
             num_partitions = DEFAULT_NUM_PARTITIONS if shuffle else 1
         self.config = OrderConfig(

@@ -292,7 +292,8 @@ class DataLoader:
                 transform=ds.transform,
                 collate_fn=self.collate_fn,
                 worker_init_fn=self.options.worker_init_fn,
-                base_seed=ds.config.seed * 1_000_003 + self.rank * 1_009,
+                seed=ds.config.seed,
+                rank=self.rank,
                 num_workers=self.num_workers,
                 decoder=decoder,
             )
@@ -313,6 +314,7 @@ class DataLoader:
             self._row_layout = RowLayout.of(reader.schema)
         # Workers decode when columns are packed; otherwise they build batches.
         self.tracker.workers_build = self._row_layout is None or not self._row_layout.names
+        self.tracker.lost = self.dataset.lost
 
     def _on_epoch_end(self) -> None:
         if not self.options.persistent_workers:
@@ -373,6 +375,8 @@ class DataLoader:
             self.tracker.set_epoch(resumption.restart_epoch, restart=True)
             return
         self._follow_dataset(resumption.state.epoch)
+        ds = self.dataset  # the dataset that the saved epoch runs on here
+        resumption.state.check_matches(ds.fingerprint, ds.config.to_dict())
         self.tracker.restore(resumption.state)
 
     @property

@@ -34,7 +34,7 @@ class LoaderOptions:
         timeout: Seconds to wait for a batch before failing (0: forever).
         worker_init_fn: Called with the worker id in each worker.
         multiprocessing_context: Context (or its name) for the workers.
-        prefetch_factor: Work handed to each worker ahead.
+        prefetch_factor: Work handed to each worker ahead (0 counts as 1).
         persistent_workers: Keep the workers alive between epochs.
         pin_memory_device: Accepted for compatibility.
         cache_dir: Folder for decoded units (None: ``/dev/shm`` when it has room).
@@ -70,8 +70,9 @@ class LoaderOptions:
             raise ValueError(
                 f"num_workers ({self.num_workers}) and timeout ({self.timeout}) must be >= 0"
             )
-        if self.prefetch_factor < 1 or self.io_threads < 1 or self.cache_bytes < 1:
+        if self.prefetch_factor < 0:
+            raise ValueError(f"prefetch_factor must be >= 0, got {self.prefetch_factor}")
+        if self.io_threads < 1 or self.cache_bytes < 1:
             raise ValueError(
-                f"prefetch_factor ({self.prefetch_factor}), io_threads ({self.io_threads}) and "
-                f"cache_bytes ({self.cache_bytes}) must be >= 1"
+                f"io_threads ({self.io_threads}) and cache_bytes ({self.cache_bytes}) must be >= 1"
             )

@@ -156,7 +156,7 @@ def test_quarantine_counts_skipped_rows_and_is_in_the_state(bad_page_lake: Path)
     stats = loader.stats()
     assert stats["rows_skipped"] == 100 and delivered == ROWS - 100
     assert stats["rows_delivered"] == delivered
-    entries = roundtrip(loader.state_dict())["quarantine"]  # one per piece the plan cut
+    entries = json.loads(roundtrip(loader.state_dict())["quarantine"])  # one per piece cut
     assert all(e["path"].endswith(BAD_FILE) and e["row_group"] == BAD_RG for e in entries)
     assert all("Deserializing page header failed" in e["reason"] for e in entries)
     assert sum(e["num_rows"] for e in entries) == 100
@@ -198,11 +198,13 @@ def test_validate_quarantine_is_exactly_once_across_a_resize(
     for loader in first:
         loader.close()
     assert len({s["position"] for s in states}) == 1
-    merged = merge(*([QuarantineEntry.from_dict(q) for q in s["quarantine"]] for s in states))
+    merged = merge(
+        *([QuarantineEntry.from_dict(q) for q in json.loads(s["quarantine"])] for s in states)
+    )
     ws, bs, nw = after
     second = make_loaders(ds, ws, batch_size=bs, num_workers=nw)
     for loader, state in zip(second, itertools.cycle(states), strict=False):
-        state = dict(state, quarantine=[e.to_dict() for e in merged])
+        state = dict(state, quarantine=json.dumps([e.to_dict() for e in merged]))
         loader.load_state_dict(state)
     for batch in global_batches(second):
         seen += batch
@@ -254,7 +256,7 @@ def test_inspect_shows_the_quarantine(
     ll.CheckpointManager(str(tmp_path / "ckpt")).save(1, loader)
     assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["quarantine"] == loader.state_dict()["quarantine"] != []
+    assert info["quarantine"] == json.loads(loader.state_dict()["quarantine"]) != []
     assert main(["inspect", str(tmp_path / "ckpt")]) == 0
     text = capsys.readouterr().out
     assert f"{len(info['quarantine'])} units, 100 rows skipped" in text

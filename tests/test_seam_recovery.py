@@ -110,3 +110,23 @@ def test_a_state_of_another_lake_is_refused_with_both_values(
     with pytest.raises(ll.StateMismatchError) as err:
         ll.RecoveryCoordinator().resume_state(state, other)
     assert dataset.fingerprint in str(err.value) and other.fingerprint in str(err.value)
+
+
+def test_a_checkpoint_is_checked_against_the_dataset_its_epoch_runs_on(tmp_path: Path) -> None:
+    lake, later = tmp_path / "lake", tmp_path / "later"
+    write_lake(lake, LAYOUT)
+    write_lake(later, [[40]])
+    pinned, live = ll.LakeDataset(lake, **SETTINGS), ll.LakeDataset(later, **SETTINGS)
+    chained = pinned.followed_by(1, live)  # epoch 0 on the lake, 1 on: the other one
+    saver = ll.DataLoader(live, batch_size=16)
+    next(iter(saver))
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    manager.save(1, saver)  # epoch 0 of ``live``
+    saver.close()
+    loader = ll.DataLoader(chained, batch_size=16)
+    list(loader)  # epoch 0, on ``pinned``
+    next(iter(loader))  # epoch 1: the loader is on ``live`` now
+    assert loader.dataset is live
+    with pytest.raises(ll.StateMismatchError, match=live.fingerprint):
+        manager.load(loader)  # the saved epoch 0 runs on ``pinned`` here, not on ``live``
+    loader.close()

@@ -18,7 +18,7 @@ import heapq
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -32,7 +32,7 @@ from lakeloader.cache.decode import DecodeJob, Decodes, Held, UnitRef, read_ipc
 from lakeloader.cache.packed import Packed, RowLayout
 from lakeloader.cache.views import ViewBuffers, data_buffer
 from lakeloader.io.reader import UnitReader
-from lakeloader.order.plan import EpochPlan, release_slots
+from lakeloader.order.plan import EpochPlan, piece_span, release_slots
 from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate
 
 logger = logging.getLogger(__name__)
@@ -141,17 +141,9 @@ class UnitStore:
         self.nbytes = 0  # held or being decoded (estimates until a unit is decoded)
         self.peak_bytes = 0
 
-    def _locate(self, position: int) -> tuple[int, int, int, int]:
-        """(file index, row group, first row in the row group, rows) of a piece."""
-        plan = self._plan
-        unit = int(plan.piece_unit[position])
-        rows = int(plan.offsets[position + 1] - plan.offsets[position])
-        start = int(plan.units.row_start[unit]) + int(plan.piece_start[position])
-        return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows
-
     def _start(self, position: int) -> _Entry:
         """Start a unit's decode (its entry's release slot is filled in by the caller)."""
-        file_index, rg, row_start, rows = self._locate(position)
+        file_index, rg, row_start, rows = piece_span(self._plan, position)
         info = self._reader.snapshot.files[file_index]
         estimate = int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
         for known in self._known:
@@ -182,11 +174,12 @@ class UnitStore:
             # A unit from a worker arrives with a copy of the names: make it the layout's own
             # tuple again, so that a step can tell with ``is`` that everything is packed.
             held = dataclasses.replace(held, packed=full)
-        size = 0 if isinstance(held, QuarantineEntry) else self._size(held)
         with self._lock:
             entry = self._entries.get(position)
             if entry is None or entry.future is not future:
-                return  # evicted already
+                return  # evicted already (its file may be gone: it is not measured)
+            # Measured under the lock: an eviction removes the entry before it deletes files.
+            size = 0 if isinstance(held, QuarantineEntry) else self._size(held)
             if isinstance(held, UnitRef) and held.views:
                 held = self._register_views(held, entry)
             self.nbytes += size - entry.nbytes
@@ -222,13 +215,8 @@ class UnitStore:
             return size + os.path.getsize(ref.table)
         return size + (ref.table.nbytes if ref.table is not None else 0)
 
-    def request(self, positions: np.ndarray, on_ready: Callable[[], None] | None = None) -> None:
-        """Start decoding the units at these positions unless already held or underway.
-
-        Args:
-            positions: Virtual-sequence positions of the units.
-            on_ready: Called (from a decoding thread) when each newly started unit is done.
-        """
+    def request(self, positions: np.ndarray) -> None:
+        """Start decoding the units at these positions unless already held or underway."""
         entries = self._entries
         missing = [p for p in positions.tolist() if p not in entries]  # only this thread adds
         if not missing:
@@ -243,8 +231,6 @@ class UnitStore:
                 self.nbytes += entry.nbytes
             if entry.future.done():  # finished before it had an entry to count itself in
                 self._decoded(pos, entry.future)
-            if on_ready is not None:
-                entry.future.add_done_callback(lambda _f: on_ready())
 
     def ready(self, positions: np.ndarray) -> bool:
         """Whether every unit at these positions is decoded (or failed)."""
@@ -299,7 +285,7 @@ class UnitStore:
         """Name the units at these positions as ``file, row group, rows [a, b)``."""
         out = []
         for p in positions:
-            file_index, rg, start, rows = self._locate(int(p))
+            file_index, rg, start, rows = piece_span(self._plan, int(p))
             path = self._reader.snapshot.files[file_index].path
             out.append(f"{path}, row group {rg}, rows [{start}, {start + rows})")
         return out

@@ -26,7 +26,7 @@ from lakeloader.lake.snapshot import Snapshot
 #: Most rows decoded at once when a unit that is a row range of its row group is streamed.
 #: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient
 #: memory to about one batch (plus the read buffers), where reading the row group whole took
-#: all of it (268 MiB for a row group of 1.5 M rows of the memory benchmark).
+#: all of it (268 MiB for a row group of 1.5 M rows of the memory benchmark, at 0bae495).
 STREAM_BATCH_ROWS = 64 * 1024
 #: Most uncompressed bytes (of the selected columns, by the footer) in one streamed batch.
 #: Rows of a few hundred bytes reach ``STREAM_BATCH_ROWS`` first; wide rows get fewer.

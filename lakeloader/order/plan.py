@@ -365,3 +365,11 @@ def release_slots(plan: EpochPlan, positions: np.ndarray) -> np.ndarray:
     win_last = (last - plan.starts[part]) // W
     pos_last = np.minimum((win_last + 1) * W, sizes[part]) - 1
     return np.asarray(pos_last * C + part + 1, dtype=np.int64)
+
+
+def piece_span(plan: EpochPlan, piece: int) -> tuple[int, int, int, int]:
+    """(file index, row group, first row in the row group, rows) of a piece."""
+    unit = int(plan.piece_unit[piece])
+    rows = int(plan.offsets[piece + 1] - plan.offsets[piece])
+    start = int(plan.units.row_start[unit]) + int(plan.piece_start[piece])
+    return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows

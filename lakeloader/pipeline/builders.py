@@ -18,15 +18,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from typing import Any, Final
 
+import numpy as np
 import pyarrow as pa
 
-from lakeloader.cache.decode import Held
+from lakeloader.cache.decode import Held, UnitRef
 from lakeloader.cache.packed import gather_packed
 from lakeloader.cache.screening import Screened, screen
 from lakeloader.cache.store import UnitOpener
 from lakeloader.cache.views import views_array
 from lakeloader.order.batches import BatchSpec
-from lakeloader.pipeline.collate import build_payload, python_values
+from lakeloader.pipeline.collate import COLLATED, build_payload, empty_like, python_values
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.quarantine import QuarantineEntry
@@ -56,17 +57,28 @@ class LocalBuilder:
         self._schema = schema
         self._opener = UnitOpener()
         self.skipped: dict[int, Skipped] = {}
+        #: Rows go through a transform or a collate_fn (else batches are built columnwise).
+        self.rows_path = spec.transform is not None or spec.options.collate_fn is not None
+        self._empty: tuple[str, Any] | None = None
 
-    def screened(self, step: BatchSpec) -> Screened:
+    def screened(self, step: BatchSpec, deadline: float | None = None) -> Screened:
         """The step's units without quarantined ones, its rows renumbered to match.
+
+        Args:
+            step: The step.
+            deadline: When waiting for its units must end (``time.monotonic()``), or None:
+                the loader's ``timeout`` from now.
 
         Raises:
             RuntimeError: If the units are not decoded within the loader's ``timeout``.
             LakeDataError: If a unit cannot be read (and is not to be skipped).
         """
         spec = self._spec
+        timeout = spec.options.timeout or None
+        if deadline is not None and timeout is not None:
+            timeout = max(0.0, deadline - time.monotonic())
         try:
-            held: list[Held] = self._space.store.get(step.positions, spec.options.timeout or None)
+            held: list[Held] = self._space.store.get(step.positions, timeout)
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise timed_out(spec, step.step) from None
         layout = spec.layout if self._space.arena is not None else None
@@ -77,6 +89,8 @@ class LocalBuilder:
     def build(self, step: BatchSpec) -> tuple[str, Any]:
         """Build a step's payload here."""
         spec, screened = self._spec, self.screened(step)
+        if self.rows_path and not len(screened.take):
+            return self.empty()
         records = self._space.records()
         ready: dict[str, Any] = {}
         if screened.rows is not None and records is not None and spec.layout is not None:
@@ -89,6 +103,34 @@ class LocalBuilder:
         units = self._opener.open(screened.refs, records) if screened.refs else []
         collate_fn = spec.options.collate_fn
         return build_payload(units, screened.take, self._schema, spec.transform, collate_fn, ready)
+
+    def empty(self) -> tuple[str, Any]:
+        """The payload of an empty share on the row path: a batch of the others' structure.
+
+        torch never calls a collate_fn with no rows (``default_collate([])`` fails), and the
+        structure of a transform's output is only known from a row. So the first row of the
+        epoch's first piece that is not quarantined goes through the transform and the
+        collate_fn once per pass, and the result is cut to no row (:func:`empty_like`).
+        With every piece quarantined there is no row: the empty share is ``[]``.
+        """
+        if self._empty is None:
+            self._empty = COLLATED, []
+            store, timeout = self._space.store, self._spec.options.timeout or None
+            for piece in range(self._spec.plan.num_pieces):
+                (held,) = store.get(np.array([piece]), timeout)
+                if isinstance(held, UnitRef):
+                    units = self._opener.open([held], self._space.records())
+                    _, batch = build_payload(
+                        units,
+                        np.zeros(1, np.int64),
+                        self._schema,
+                        self._spec.transform,
+                        self._spec.options.collate_fn,
+                        {},
+                    )
+                    self._empty = COLLATED, empty_like(batch)
+                    break
+        return self._empty
 
 
 class WorkerBuilder:
@@ -117,9 +159,9 @@ class WorkerBuilder:
         self._local = local
         self._planned = planned
         self._generation = space.generation
-        self._cap = spec.options.num_workers * spec.options.prefetch_factor
+        self._ahead = spec.options.num_workers * max(1, spec.options.prefetch_factor)
         self._dispatcher = Dispatcher(
-            pool, BUILD, 1, spec.options.prefetch_factor, coordinator, self._describe
+            pool, BUILD, 1, spec.options.prefetch_factor, coordinator.reassign, self._describe
         )
         self._futures: dict[int, Future[Any]] = {}
         self._next = 0  # the next step to hand out
@@ -132,7 +174,7 @@ class WorkerBuilder:
     def _top_up(self, delivering: int) -> None:
         """Hand out the next steps whose units are decoded, up to the cap ahead."""
         store = self._space.store
-        while self._next < delivering + self._cap:
+        while self._next < delivering + self._ahead:
             step = self._planned(self._next)
             if step is None or not store.ready(step.positions):
                 return
@@ -140,15 +182,21 @@ class WorkerBuilder:
                 return  # its error is raised once every earlier batch has been delivered
             self._submit(step)
 
-    def _submit(self, step: BatchSpec) -> None:
-        screened = self._local.screened(step)
+    def _submit(self, step: BatchSpec, deadline: float | None = None) -> None:
+        screened = self._local.screened(step, deadline)
         generation, refs, take = self._generation, screened.refs, screened.take
+        if self._local.rows_path and not len(take):  # an empty share: built here, once a pass
+            done: Future[Any] = Future()
+            done.set_result(self._local.empty())
+            self._futures[step.step] = done
+            self._next = max(self._next, step.step + 1)
+            return
 
         def make() -> Task:
             return Task(generation, step.step, refs, take)
 
         self._futures[step.step] = self._dispatcher.submit(step.step, make)
-        self._next = step.step + 1
+        self._next = max(self._next, step.step + 1)
 
     def build(self, step: BatchSpec) -> tuple[str, Any]:
         """The payload of ``step``, built by its worker.
@@ -157,20 +205,20 @@ class WorkerBuilder:
             RuntimeError: If it takes longer than the loader's ``timeout``.
             WorkerError: If the worker failed, or the step kept killing its workers.
         """
+        timeout = self._spec.options.timeout
+        deadline = time.monotonic() + timeout if timeout else None
         self._dispatcher.reap()
         self._top_up(step.step)
         if step.step not in self._futures:
-            self._submit(step)  # waits for its units (and raises their error)
+            self._submit(step, deadline)  # waits for its units (and raises their error)
         future = self._futures.pop(step.step)
-        timeout = self._spec.options.timeout
-        since = time.monotonic()
         while not future.done():
             # Wake when the batch is built, or when the next step's units are decoded.
             later = self._planned(self._next)
             waits = self._space.store.futures(later.positions) if later is not None else []
             wait_futures([future, *waits], TOP_UP_SECONDS, return_when=FIRST_COMPLETED)
             self._top_up(step.step)
-            if timeout and time.monotonic() - since > timeout and not future.done():
+            if deadline is not None and time.monotonic() > deadline and not future.done():
                 raise timed_out(self._spec, step.step)
         payload: tuple[str, Any] = future.result()
         return payload

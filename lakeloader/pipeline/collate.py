@@ -116,25 +116,6 @@ def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def to_columns(table: pa.Table) -> dict[str, Any]:
-    """Columns as numpy arrays where the type fits a tensor, else as Python lists.
-
-    The choice depends on the column's type only, never on a batch's values, so a column has
-    the same kind in every batch. A column whose values Python cannot represent (a date past
-    year 9999 inside a struct, say) comes as an Arrow array rather than failing the batch.
-
-    Raises:
-        NullValuesError: If an integer, boolean or temporal column holds nulls.
-    """
-    out: dict[str, Any] = {}
-    for name, col in zip(table.column_names, table.columns, strict=True):
-        if is_tensor_type(col.type):
-            out[name] = _tensor_view(name, col)
-            continue
-        out[name] = python_values(col)
-    return out
-
-
 def python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
     """The column's values as Python objects, or the Arrow array if Python cannot hold them.
 
@@ -191,10 +172,7 @@ def build_payload(
     """
     if transform is None and collate_fn is None:
         return COLUMNS, gather_columns(units, take, schema, ready)
-    table = gather_table(units, take, schema)
-    if table.num_rows == 0 and collate_fn is None:
-        return COLUMNS, to_columns(table)  # an empty share of a short last batch
-    rows: list[Any] = to_rows(table)
+    rows: list[Any] = to_rows(gather_table(units, take, schema))
     if transform is not None:
         rows = [transform(row) for row in rows]
     return COLLATED, (collate_fn or default_collate)(rows)
@@ -215,3 +193,38 @@ def pin(batch: Any) -> Any:
     if isinstance(batch, list | tuple):
         return type(batch)(pin(v) for v in batch)
     return batch
+
+
+def empty_like(batch: Any) -> Any:
+    """A batch of the same structure with no row: tensors and arrays cut to length 0.
+
+    An empty share (the short last global batch holds fewer rows than there are ranks, or all
+    of a step's units are quarantined) still has to be a batch, so that every rank takes
+    every step; on the row path it is made from a batch of one row, by this function.
+
+    >>> b = empty_like({"x": torch.ones(3, 2), "tags": ["a", "b", "c"], "pair": (torch.ones(3),)})
+    >>> b["x"].shape, b["tags"], b["pair"][0].shape
+    (torch.Size([0, 2]), [], torch.Size([0]))
+
+    Raises:
+        TypeError: If the batch holds something that has no empty form (a number, a string or
+            an object of the caller's own): say how to make one in the message.
+    """
+    if isinstance(batch, torch.Tensor | np.ndarray):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: empty_like(v) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return (
+            type(batch)(*map(empty_like, batch))
+            if hasattr(batch, "_fields")
+            else tuple(map(empty_like, batch))
+        )
+    if isinstance(batch, list):
+        return []
+    raise TypeError(
+        f"the collate_fn's batch holds a {type(batch).__name__}, of which lakeloader cannot make "
+        "an empty batch for a rank whose share of a step is empty (a short last batch with "
+        "fewer rows than ranks, or quarantined units): return tensors, arrays, lists, tuples "
+        "or dicts of them, or pass drop_last=True"
+    )

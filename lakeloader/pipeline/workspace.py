@@ -131,7 +131,7 @@ class PassWorkspace:
                 DECODE,
                 opts.cache_bytes,
                 opts.prefetch_factor,
-                coordinator,
+                coordinator.reassign,
                 lambda key: (self.store.describe(np.array([key]))[0], ""),
                 reader.counters,
             )

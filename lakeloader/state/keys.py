@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Final
 
-#: Version of the dict returned by ``DataLoader.state_dict()``.
-STATE_FORMAT_VERSION: Final = 1
+#: Version of the dict returned by ``DataLoader.state_dict()`` (2: the quarantine is one JSON
+#: string, so that ``torch.distributed.checkpoint`` sees a fixed set of keys).
+STATE_FORMAT_VERSION: Final = 2
+#: Versions that ``load_state_dict`` reads.
+STATE_VERSIONS_READ: Final = (1, 2)
 #: Value of ``STATE_KIND`` in every state, so a foreign dict is recognised at once.
 STATE_KIND_VALUE: Final = "lakeloader.loader_state"
 

@@ -8,6 +8,7 @@ the exact global sequence under any world size, worker count or batch size.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,7 @@ class LoaderState:
             K.STATE_DROPPED: self.rows_dropped,
             K.STATE_NUM_ROWS: self.num_rows,
             K.STATE_TOPOLOGY: self.topology.to_dict(),
-            K.STATE_QUARANTINE: [q.to_dict() for q in self.quarantine],
+            K.STATE_QUARANTINE: json.dumps([q.to_dict() for q in self.quarantine]),
         }
 
     @classmethod
@@ -89,10 +90,10 @@ class LoaderState:
                 f"got a {type(state).__name__}"
             )
         version = state.get(K.STATE_VERSION)
-        if version != K.STATE_FORMAT_VERSION:
+        if version not in K.STATE_VERSIONS_READ:
             raise StateFormatError(
                 f"state format version {version!r} is not supported (this lakeloader reads "
-                f"version {K.STATE_FORMAT_VERSION}); use the lakeloader that wrote it"
+                f"versions {list(K.STATE_VERSIONS_READ)}); use the lakeloader that wrote it"
             )
         try:
             return cls(
@@ -104,7 +105,7 @@ class LoaderState:
                 rows_dropped=int(state[K.STATE_DROPPED]),
                 num_rows=int(state[K.STATE_NUM_ROWS]),
                 topology=Topology.from_dict(state[K.STATE_TOPOLOGY]),
-                quarantine=tuple(QuarantineEntry.from_dict(q) for q in state[K.STATE_QUARANTINE]),
+                quarantine=_quarantine(state[K.STATE_QUARANTINE], version),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFormatError(f"malformed lakeloader state: {exc!r}") from exc
@@ -131,3 +132,16 @@ class LoaderState:
                 "the state was taken under another order configuration; "
                 f"(saved, current) by key: {diff}. Build the dataset with the saved values"
             )
+
+
+def _quarantine(value: Any, version: int) -> tuple[QuarantineEntry, ...]:
+    """The quarantine of a state: JSON text since version 2, a list of dicts in version 1.
+
+    One string, not a list, so that ``torch.distributed.checkpoint``, which flattens lists
+    into keys, sees one value whatever the number of entries, and a fresh loader's state (no
+    entries) has the same keys as a saved one.
+    """
+    entries = json.loads(value) if version >= 2 else value
+    if not isinstance(entries, list):
+        raise TypeError(f"quarantine must be a list of entries, got {type(entries).__name__}")
+    return tuple(QuarantineEntry.from_dict(q) for q in entries)

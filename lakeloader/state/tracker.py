@@ -95,6 +95,10 @@ class ReaderStateTracker:
         self.position = 0
         self.rows_dropped = 0
         self.quarantine: tuple[QuarantineEntry, ...] = ()
+        #: Units of the current dataset that can no longer be read (files gone or rewritten
+        #: since a checkpoint, ``on_lake_change="skip"``): skipped like the quarantine.
+        self.lost: tuple[QuarantineEntry, ...] = ()
+        self._num_rows: int | None = None  # rows of the epoch under way, once known
         #: Rows delivered and rows skipped (quarantine) over the loader's life.
         self.rows_delivered = 0
         self.rows_skipped = 0
@@ -131,13 +135,16 @@ class ReaderStateTracker:
     def start_pass(self) -> int:
         """Begin a pass: the same position if fresh, else the next epoch; returns the epoch."""
         if not self._fresh:
-            logger.debug("epoch %d passed; starting the next", self.epoch)
+            left = self._num_rows is not None and self.position + self.rows_dropped < self._num_rows
+            if left:
+                logger.info("epoch %d left before its end; starting the next", self.epoch)
             self.epoch, self.position, self.rows_dropped = self.epoch + 1, 0, 0
         self._fresh = False
         return self.epoch
 
     def settle_tail(self, num_rows: int) -> None:
-        """With ``drop_last``, count a tail shorter than a global batch as dropped now."""
+        """Note the epoch's rows; with ``drop_last``, count a tail too short for a step dropped."""
+        self._num_rows = num_rows
         if self.drop_last and not self.steps_left(num_rows):
             self.rows_dropped = num_rows - self.position
 
@@ -217,7 +224,7 @@ class ReaderStateTracker:
         Args:
             plan: The plan of this epoch.
             snapshot: Its snapshot.
-            skipped: Units skipped besides the quarantine (lost since a checkpoint).
+            skipped: Units skipped besides the quarantine and :attr:`lost`.
         """
         n, g = plan.num_rows, self.position
         remaining = max(0, n - g - self.rows_dropped)
@@ -239,7 +246,7 @@ class ReaderStateTracker:
                     self.topology,
                     steps=steps,
                     workers_build=self.workers_build,
-                    skipped=(*self.quarantine, *skipped),
+                    skipped=(*self.quarantine, *self.lost, *skipped),
                 )
             ),
         )

@@ -23,6 +23,7 @@ from lakeloader.order.batches import batch_specs
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
+    piece_span,
     rank_bounds,
     slots_to_virtual,
     virtual_to_piece,
@@ -198,14 +199,6 @@ def _is_skipped(
     f, rg, start, rows = piece_span(plan, piece)
     path = snapshot.files[f].path
     return any(e.covers(path, rg, start, rows) for e in skipped)
-
-
-def piece_span(plan: EpochPlan, piece: int) -> tuple[int, int, int, int]:
-    """(file index, row group, first row in the row group, rows) of a piece."""
-    unit = int(plan.piece_unit[piece])
-    rows = int(plan.offsets[piece + 1] - plan.offsets[piece])
-    start = int(plan.units.row_start[unit]) + int(plan.piece_start[piece])
-    return int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows
 
 
 def worker_views(

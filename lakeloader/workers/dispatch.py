@@ -28,7 +28,7 @@ from typing import Any, Final
 from lakeloader.errors import WorkerError
 from lakeloader.io.reader import ReadCounters
 from lakeloader.io.retry import describe
-from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.recovery.reassign import Reassign
 from lakeloader.workers.pool import Death, WorkerPool
 from lakeloader.workers.process import Result, Work
 
@@ -47,15 +47,19 @@ class WorkKind:
         gerund: The same as a gerund (``"decoding"``, ``"building"``).
         noun: What it does it to, counted (``"unit(s)"``, ``"batch(es)"``).
         advice: What to check when the work keeps killing its worker.
+        lead: Put before a piece of work's name when it is the subject of a message.
     """
 
     verb: str
     gerund: str
     noun: str
     advice: str
+    lead: str = ""
 
 
-DECODE: Final = WorkKind("decode", "decoding", "unit(s)", "Check the memory available to workers")
+DECODE: Final = WorkKind(
+    "decode", "decoding", "unit(s)", "Check the memory available to workers", "decoding "
+)
 BUILD: Final = WorkKind(
     "build",
     "building",
@@ -84,8 +88,9 @@ class Dispatcher:
         pool: The DataLoader's workers (started).
         kind: What the work is, for messages.
         limit: Bytes held by the work sent and not answered, at most (one always runs).
-        per_worker: Work handed to each worker ahead.
-        coordinator: Decides what a dead worker's work becomes.
+        per_worker: Work handed to each worker ahead, at most (a worker that is slow holds
+            back only its own work).
+        reassign: Decides what a dead worker's work becomes (the recovery coordinator's rule).
         describe: Names a piece of work by its key, for messages.
         counters: Where the workers' reads are counted (decodes), or None.
     """
@@ -96,15 +101,16 @@ class Dispatcher:
         kind: WorkKind,
         limit: int,
         per_worker: int,
-        coordinator: RecoveryCoordinator,
+        reassign: Reassign,
         describe: Describe,
         counters: ReadCounters | None = None,
     ) -> None:
         self._pool = pool
         self._kind = kind
         self._limit = max(1, limit)
-        self._cap = max(1, per_worker) * pool.num_workers
-        self._coordinator = coordinator
+        self._per_worker = max(1, per_worker)
+        self._owed = [0] * pool.num_workers  # work sent to each worker and not answered
+        self._reassign = reassign
         self._describe = describe
         self._counters = counters
         self._lock = threading.Lock()
@@ -114,6 +120,7 @@ class Dispatcher:
         self._submitted = 0
         self._in_flight = 0
         self._closed = False
+        self._failure: WorkerError | None = None  # why the receiving thread stopped
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(
             target=self._receive, name=f"lakeloader-{kind.verb}", daemon=True
@@ -130,6 +137,9 @@ class Dispatcher:
         """
         future: Future[Any] = Future()
         with self._lock:
+            if self._failure is not None:  # nobody would ever send it
+                future.set_exception(self._failure)
+                return future
             worker = self._submitted % self._pool.num_workers
             self._submitted += 1
             self._queue.append(_Job(key, worker, nbytes, make, future))
@@ -142,6 +152,8 @@ class Dispatcher:
         The loader calls it at each step, so that a death is handled before the next batch
         whatever the receiving thread is doing.
         """
+        if self._failure is not None:
+            raise self._failure
         if self._pool.all_alive():  # a waitid per worker; the lock only after a death
             return
         # The receiving thread collects under the lock too: a death it was handling
@@ -192,26 +204,45 @@ class Dispatcher:
             items = [*self._sent.values(), *self._queue]
             self._sent.clear()
             self._queue.clear()
-        error = WorkerError(f"the DataLoader's workers stopped answering: {describe(exc)}")
-        error.__cause__ = exc
+        error = (
+            exc
+            if isinstance(exc, WorkerError)
+            else WorkerError(f"the DataLoader's workers stopped answering: {describe(exc)}")
+        )
+        if error is not exc:
+            error.__cause__ = exc
+        with self._lock:
+            self._failure = error
         for item in items:
             if not item.future.done():
                 item.future.set_exception(error)
 
     def _send(self) -> None:
-        """Hand queued work to workers while the byte budget and the queues allow."""
-        while self._queue and len(self._sent) < self._cap:
-            head = self._queue[0]
+        """Hand queued work to its workers while the byte budget and their queues allow.
+
+        Work is sent in the order it was submitted, except that work whose worker already
+        holds ``per_worker`` pieces waits, without holding back the work of other workers.
+        The byte budget is spent in submission order: the first piece that does not fit
+        stops the sending.
+        """
+        waiting: deque[_Job] = deque()
+        while self._queue:
+            head = self._queue.popleft()
+            if self._owed[head.worker] >= self._per_worker:
+                waiting.append(head)
+                continue
             nbytes = min(head.nbytes, self._limit)
             if self._sent and self._in_flight + nbytes > self._limit:
-                return
-            self._queue.popleft()
-            if not head.future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            self._dispatch(head)
+                self._queue.appendleft(head)
+                break
+            if head.future.set_running_or_notify_cancel():  # else cancelled while queued
+                self._dispatch(head)
+        waiting.extend(self._queue)
+        self._queue = waiting
 
     def _dispatch(self, item: _Job) -> None:
         self._sent[item.key] = item
+        self._owed[item.worker] += 1
         self._in_flight += min(item.nbytes, self._limit)
         self._pool.submit(item.make(), item.worker)
 
@@ -220,6 +251,7 @@ class Dispatcher:
             item = self._sent.pop(result.step, None)
             if item is None:
                 continue
+            self._owed[item.worker] -= 1
             self._in_flight -= min(item.nbytes, self._limit)
             if self._counters is not None:
                 self._counters.add(*result.counts)
@@ -242,7 +274,7 @@ class Dispatcher:
     def _redo(self, death: Death) -> None:
         """Give a dead worker's work to its replacement, as the coordinator decides."""
         owed = [t.step for t in death.owed if t.step in self._sent]
-        decision = self._coordinator.reassign(owed, death.building, self._attempts)
+        decision = self._reassign(owed, death.building, self._attempts)
         self._attempts = dict(decision.attempts)
         logger.warning(
             "DataLoader worker %d (pid %s) died with exit code %s; %s %d %s it held again "
@@ -257,11 +289,12 @@ class Dispatcher:
         )
         for key, attempts in decision.given_up:
             item = self._sent.pop(key)
+            self._owed[item.worker] -= 1
             self._in_flight -= min(item.nbytes, self._limit)
             what, detail = self._describe(key)
             item.future.set_exception(
                 WorkerError(
-                    f"{what} killed its worker {attempts} times; giving up. "
+                    f"{self._kind.lead}{what} killed its worker {attempts} times; giving up. "
                     + (f"Its units: {detail}. " if detail else "")
                     + self._kind.advice
                 )

@@ -16,6 +16,7 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from lakeloader.workers.process import IDLE, Result, Work, WorkerSetup, worker_main
+from lakeloader.errors import WorkerError
+from lakeloader.recovery.reassign import MAX_ATTEMPTS
+from lakeloader.workers.process import IDLE, Result, Started, Work, WorkerSetup, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class _Slot:
     results: Connection
     building: Any  # shared int: the key of the task under way (a step or a unit), or IDLE
     owed: dict[int, Work] = field(default_factory=dict)
+    started: bool = False  # it reported that it is set up
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class WorkerPool:
         )
         self._slots = [self._start(i) for i in range(num_workers)]
         self._collecting = 0  # collect() calls under way (see all_alive)
+        self._start_deaths: dict[int, int] = {}  # deaths in a row before starting, by worker
+        self._failure: WorkerError | None = None  # once workers cannot start, every collect says so
         self.restarts = 0
         self.generation = 0
 
@@ -147,11 +153,29 @@ class WorkerPool:
                 message = slot.results.recv()
                 if isinstance(message, logging.LogRecord):  # a worker's log line
                     logging.getLogger(message.name).handle(message)
+                elif isinstance(message, Started):
+                    self._started(slot, message)
                 elif message.generation == self.generation:
                     slot.owed.pop(message.step, None)
                     into.append(message)
         except (EOFError, OSError):
             return
+
+    def _started(self, slot: _Slot, message: Started) -> None:
+        """A worker reports that it is set up, or raises why it could not be.
+
+        Raises:
+            WorkerError: With the worker's traceback, when it failed to start (the user's
+                ``worker_init_fn`` raised, say): starting it again would fail again.
+        """
+        if message.error is not None:
+            self._failure = WorkerError(
+                f"DataLoader worker {message.worker} (pid {slot.process.pid}) failed to start:"
+                f"\n{message.error}"
+            )
+            raise self._failure
+        slot.started = True
+        self._start_deaths[message.worker] = 0
 
     def all_alive(self) -> bool:
         """Whether every worker is surely running; False when one may have died.
@@ -181,7 +205,12 @@ class WorkerPool:
         Args:
             ready: What a :func:`multiprocessing.connection.wait` over :meth:`waitables`
                 returned (it may be stale: objects of workers replaced since are ignored).
+
+        Raises:
+            WorkerError: When workers cannot start (then at every later call too).
         """
+        if self._failure is not None:
+            raise self._failure
         self._collecting += 1
         try:
             return self._collect(ready)
@@ -208,6 +237,7 @@ class WorkerPool:
             if slot.process.is_alive():
                 continue
             self._drain(slot, results)
+            self._count_start_death(worker, slot)
             step = int(slot.building.value)
             deaths.append(
                 Death(
@@ -222,6 +252,29 @@ class WorkerPool:
             self._slots[worker] = self._start(worker)
             self.restarts += 1
         return results, deaths
+
+    def _count_start_death(self, worker: int, slot: _Slot) -> None:
+        """Give up on a worker that keeps dying by itself before it is set up.
+
+        A worker killed from outside (``SIGKILL``) is replaced whenever it dies; one that
+        exits or crashes on its own before it reports that it started (a crash while
+        importing, ``os._exit`` in ``worker_init_fn``) would do so again in its replacement.
+
+        Raises:
+            WorkerError: After :data:`~lakeloader.recovery.reassign.MAX_ATTEMPTS` such deaths
+                in a row, naming the worker and its exit code.
+        """
+        code = slot.process.exitcode
+        if slot.started or code == -signal.SIGKILL:
+            return
+        self._start_deaths[worker] = deaths = self._start_deaths.get(worker, 0) + 1
+        if deaths >= MAX_ATTEMPTS:
+            self._failure = WorkerError(
+                f"DataLoader worker {worker} died {deaths} times while starting (last exit "
+                f"code {code}), before its worker_init_fn returned; check what the workers "
+                "import and run at start"
+            )
+            raise self._failure
 
     def _close_slot(self, slot: _Slot) -> None:
         slot.tasks.close()

@@ -49,7 +49,9 @@ class WorkerSetup:
         transform: Per-row transform, or None.
         collate_fn: The user's collate function, or None.
         worker_init_fn: Called with the worker id once the worker has started, as in torch.
-        base_seed: Worker ``i`` seeds ``torch`` and ``random`` with ``base_seed + i``.
+        seed: The dataset's seed (any integer the plan accepts).
+        rank: The loader's rank. Worker ``i`` seeds ``torch``, ``random`` and numpy's global
+            generator from :func:`worker_seed` of ``(seed, rank, i)``.
         num_workers: Workers in the pool.
         decoder: Decodes units (when workers decode for the loader), or None.
     """
@@ -59,9 +61,46 @@ class WorkerSetup:
     transform: Transform | None
     collate_fn: Collate | None
     worker_init_fn: Callable[[int], None] | None
-    base_seed: int
+    seed: int
+    rank: int
     num_workers: int
     decoder: UnitDecoder | None = None
+
+
+@dataclass(frozen=True)
+class Started:
+    """A worker's first message: it is set up (``worker_init_fn`` returned), or why not.
+
+    Attributes:
+        worker: The worker.
+        error: The formatted traceback of the failure to start, or None.
+    """
+
+    worker: int
+    error: str | None = None
+
+
+def worker_seed(seed: int, rank: int, worker: int) -> int:
+    """The seed of one worker: 63 bits hashed from ``(seed, rank, worker)``, for any ``seed``.
+
+    Arithmetic on the dataset's seed (``seed * k + worker``) overflows torch's 64-bit seed for
+    wide seeds (a microsecond timestamp, ``-2**63``); hashing never does, and keeps distinct
+    ranks and workers on distinct streams.
+
+    >>> s = worker_seed(-(2**63), 3, 1)
+    >>> 0 <= s < 2**63, s == worker_seed(-(2**63), 3, 1), s != worker_seed(-(2**63), 3, 0)
+    (True, True, True)
+    """
+    words = [w % 2**64 for w in (seed, rank, worker)]
+    state = np.random.SeedSequence(words, pool_size=4).generate_state(2, np.uint32)
+    return (int(state[0]) << 31) ^ int(state[1])
+
+
+def seed_worker(seed: int) -> None:
+    """Seed ``torch``, ``random`` and numpy's global generator as torch's DataLoader does."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(np.random.SeedSequence(seed).generate_state(4))
 
 
 @dataclass(frozen=True)
@@ -234,13 +273,16 @@ def worker_main(
         building: Shared cell: the key of the task under way, read by the pool on a death.
     """
     torch.set_num_threads(1)
-    seed = setup.base_seed + worker_id
-    torch.manual_seed(seed)
-    random.seed(seed)
-    if setup.worker_init_fn is not None:
-        setup.worker_init_fn(worker_id)
+    try:
+        seed_worker(worker_seed(setup.seed, setup.rank, worker_id))
+        if setup.worker_init_fn is not None:
+            setup.worker_init_fn(worker_id)
+        worker = _Worker(setup, worker_id, results)
+    except BaseException:  # the pool raises it in the training loop instead of respawning
+        results.send(Started(worker_id, traceback.format_exc()))
+        return
+    results.send(Started(worker_id))
     parent = os.getppid()
-    worker = _Worker(setup, worker_id, results)
     while True:
         if not tasks.poll(WATCHDOG_SECONDS):
             if os.getppid() != parent:  # the loader's process died: do not linger as an orphan
