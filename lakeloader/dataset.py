@@ -196,6 +196,18 @@ class LakeDataset:
     def __len__(self) -> int:
         return self.snapshot.num_rows
 
+    def __getitem__(self, index: object) -> None:
+        """Refuse indexing: torch's own DataLoader would sample rows one by one.
+
+        Raises:
+            TypeError: Always, saying to use ``lakeloader.DataLoader``.
+        """
+        raise TypeError(
+            "a LakeDataset is not indexed row by row: use lakeloader.DataLoader(dataset, "
+            "batch_size=...), which plans the order, reads "
+            "whole units and remembers the position (torch.utils.data.DataLoader cannot)"
+        )
+
     def __repr__(self) -> str:
         return (
             f"LakeDataset({self.source!r}, rows={len(self)}, files={len(self.snapshot.files)}, "

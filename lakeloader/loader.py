@@ -7,8 +7,8 @@ Each iteration is one epoch; ``state_dict()`` says how far the training loop got
 
 from __future__ import annotations
 
+import functools
 import logging
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +30,7 @@ from lakeloader.options import (
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.iterator import EpochIterator
+from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
 from lakeloader.state.quarantine import QuarantineEntry
@@ -161,10 +162,7 @@ class DataLoader:
         self._reader: UnitReader
         self._row_layout: RowLayout | None
         self._use_reader(dataset.reader())
-        self._iterator: EpochIterator | None = None
-        self._pool: WorkerPool | None = None
-        self._worker_restarts = 0
-        self._unit_dir: str | None = None
+        self._res = LoaderResources(self)
         self._warn_partitions()
 
     # ------------------------------------------------------------- torch's names
@@ -204,8 +202,13 @@ class DataLoader:
         return self.topology.global_batch
 
     def _warn_partitions(self) -> None:
+        """Warn when ranks will re-read each other's units: C does not divide the global batch.
+
+        With one rank nothing is read twice whatever the batch size, so torch's default
+        ``batch_size=1`` and any single-process batch size warn of nothing.
+        """
         c, b = self.dataset.config.num_partitions, self.global_batch_size
-        if b % c:
+        if b % c and self.world_size > 1:
             divisors = [d for d in range(1, b + 1) if b % d == 0 and d <= c]
             warnings.warn(
                 f"C={c} canonical partitions do not divide the global batch of {b} rows "
@@ -241,9 +244,11 @@ class DataLoader:
         self._follow_dataset(self.tracker.start_pass())
         self.tracker.settle_tail(len(self.dataset))
         pool = self._ensure_pool() if self.num_workers else None
-        if self._unit_dir is None:  # the arena lives there, with or without workers
+        res = self._res
+        if res.unit_dir is None:  # the arena lives there, with or without workers
             root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
-            self._unit_dir = make_unit_dir(root)
+            res.unit_dir = make_unit_dir(root)
+            exit_cleanly_on_sigterm()
         ds = self.dataset
         spec = PassSpec(
             plan=ds.plan(self.tracker.epoch),
@@ -254,16 +259,18 @@ class DataLoader:
             layout=self._row_layout,
             transform=ds.transform,
         )
-        self._iterator = EpochIterator(
+        it = EpochIterator(
             spec,
             self._reader,
             self.tracker,
             pool,
-            self._unit_dir,
+            res.unit_dir,
             self._coordinator,
-            self._on_epoch_end,
+            functools.partial(res.pass_ended, self.options.persistent_workers),
+            owner=self,
         )
-        return self._iterator
+        res.iterator = it
+        return it
 
     def _follow_dataset(self, epoch: int) -> None:
         """Switch to the dataset that ``epoch`` runs on."""
@@ -281,7 +288,7 @@ class DataLoader:
 
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
-        if self._pool is None:
+        if self._res.pool is None:
             layout, ds = self._row_layout, self.dataset
             decoder = None
             if layout is not None and layout.names:  # the workers decode: pipeline.workspace
@@ -297,8 +304,10 @@ class DataLoader:
                 num_workers=self.num_workers,
                 decoder=decoder,
             )
-            self._pool = WorkerPool(setup, self.num_workers, self.options.multiprocessing_context)
-        return self._pool
+            self._res.pool = WorkerPool(
+                setup, self.num_workers, self.options.multiprocessing_context
+            )
+        return self._res.pool
 
     def _use_reader(self, reader: UnitReader) -> None:
         """Read through ``reader``, and work out now how its rows are packed.
@@ -316,37 +325,24 @@ class DataLoader:
         self.tracker.workers_build = self._row_layout is None or not self._row_layout.names
         self.tracker.lost = self.dataset.lost
 
-    def _on_epoch_end(self) -> None:
-        if not self.options.persistent_workers:
-            self._shutdown_workers()
+    @property
+    def _pool(self) -> WorkerPool | None:
+        """The worker processes of the pass under way (tests look at their pids)."""
+        return self._res.pool
 
     def _close_iterator(self, wait: bool = True) -> None:
-        if self._iterator is not None:
-            self._iterator.close(wait)
-            self._iterator = None
+        self._res.close_iterator(wait)
 
-    def _shutdown_workers(self, graceful: bool = True) -> None:
-        if self._pool is not None:
-            self._worker_restarts += self._pool.restarts
-            self._pool.shutdown(graceful)
-            self._pool = None
-        if self._unit_dir is not None:
-            shutil.rmtree(self._unit_dir, ignore_errors=True)
-            self._unit_dir = None
+    def _shutdown_workers(self) -> None:
+        self._res.shutdown_workers()
 
     def close(self) -> None:
-        """Stop workers and threads and delete cached units (done anyway when the loader dies)."""
+        """Stop workers and threads and delete cached units.
+
+        Done anyway when the loader is garbage-collected, and at interpreter exit.
+        """
         self._close_iterator()
         self._shutdown_workers()
-
-    def __del__(self) -> None:
-        # A finaliser can run on any thread, one of the loader's own decoding threads
-        # included: it must not wait for them.
-        try:
-            self._close_iterator(wait=False)
-            self._shutdown_workers(graceful=False)
-        except Exception:
-            logger.debug("error while closing a DataLoader", exc_info=True)
 
     # --------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -386,7 +382,7 @@ class DataLoader:
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks (cumulative over the loader's life)."""
-        it = self._iterator
+        it, pool = self._res.iterator, self._res.pool
         return {
             "units_decoded": self._reader.counters.units_decoded,
             "bytes_read": self._reader.counters.bytes_read,
@@ -394,7 +390,7 @@ class DataLoader:
             "rows_skipped": self.tracker.rows_skipped,
             "cache_bytes": it.cache_bytes() if it is not None else 0,
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
-            "worker_restarts": self._worker_restarts + (self._pool.restarts if self._pool else 0),
+            "worker_restarts": self._res.worker_restarts + (pool.restarts if pool else 0),
         }
 
 
@@ -408,7 +404,7 @@ def _check_unsupported(
 ) -> None:
     if not isinstance(dataset, LakeDataset):
         raise TypeError(f"dataset must be a lakeloader.LakeDataset, got {type(dataset).__name__}")
-    if batch_size is None or batch_size < 1:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if shuffle is not None and bool(shuffle) != dataset.config.shuffle:
         raise ValueError(

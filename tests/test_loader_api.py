@@ -138,10 +138,34 @@ def test_killed_worker_is_replaced_and_nothing_is_lost(
 
 def test_partition_warning_once_with_advice(dataset: ll.LakeDataset) -> None:
     with pytest.warns(ll.PartitionWarning, match="num_partitions=3") as record:
-        loader = ll.DataLoader(dataset, batch_size=6)  # C=4 does not divide 6
+        loader = ll.DataLoader(dataset, batch_size=3, rank=0, world_size=2)  # C=4, 6 a step
         list(loader)
         list(loader)
     assert len([w for w in record if w.category is ll.PartitionWarning]) == 1
+
+
+@pytest.mark.parametrize("batch_size", [None, 6, 1000])
+def test_no_warning_on_defaults_or_with_one_rank(
+    dataset: ll.LakeDataset, batch_size: int | None
+) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        kwargs = {} if batch_size is None else {"batch_size": batch_size}
+        loader = ll.DataLoader(dataset, **kwargs)  # torch's default batch_size=1, one rank
+        assert sum(len(b["id"]) for b in loader) == LAYOUT_ROWS
+
+
+@pytest.mark.parametrize("bad", [64.5, True, "64", 0])
+def test_a_batch_size_that_is_not_a_positive_int_is_refused(
+    dataset: ll.LakeDataset, bad: object
+) -> None:
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        ll.DataLoader(dataset, batch_size=bad)  # type: ignore[arg-type]
+
+
+def test_torch_s_own_dataloader_says_to_use_lakeloader_s(dataset: ll.LakeDataset) -> None:
+    with pytest.raises(TypeError, match=r"use lakeloader\.DataLoader"):
+        next(iter(torch.utils.data.DataLoader(dataset, batch_size=4)))
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -11,6 +11,7 @@ position move.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
@@ -46,6 +47,7 @@ class EpochIterator:
         unit_dir: The loader's folder for decoded units.
         coordinator: Decides what a dead worker's work becomes.
         on_finish: Called once when the pass ends (or is closed).
+        owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
     """
 
     def __init__(
@@ -57,8 +59,10 @@ class EpochIterator:
         unit_dir: str,
         coordinator: RecoveryCoordinator,
         on_finish: Callable[[], None],
+        owner: object = None,
     ) -> None:
         self.spec = spec
+        self._owner = owner
         self._tracker = tracker
         self._on_finish = on_finish
         topo = spec.topology
@@ -77,6 +81,8 @@ class EpochIterator:
             )
         self._next_plan = self._next_deliver = 0
         self._closed = False
+        # An iterator dropped without close() (with its loader) still stops its threads.
+        self._finalizer = weakref.finalize(self, _close_pass, self._workers, self._space)
         self._budget_warned = False
 
     def _plan_ahead(self) -> None:
@@ -168,7 +174,13 @@ class EpochIterator:
         if self._closed:
             return
         self._closed = True
-        if self._workers is not None:
-            self._workers.close(wait)
-        self._space.close(wait)
+        self._finalizer.detach()
+        _close_pass(self._workers, self._space, wait)
         self._on_finish()
+
+
+def _close_pass(workers: WorkerBuilder | None, space: PassWorkspace, wait: bool = False) -> None:
+    """Stop a pass's builders and decodes and delete its files."""
+    if workers is not None:
+        workers.close(wait)
+    space.close(wait)

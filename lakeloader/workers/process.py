@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import random
+import signal
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -273,6 +274,9 @@ def worker_main(
         building: Shared cell: the key of the task under way, read by the pool on a death.
     """
     torch.set_num_threads(1)
+    # Ctrl-C reaches the whole process group: the training process reports it and stops the
+    # workers, which must not print a KeyboardInterrupt traceback each (as in torch).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         seed_worker(worker_seed(setup.seed, setup.rank, worker_id))
         if setup.worker_init_fn is not None:

@@ -1,0 +1,106 @@
+"""What a loader holds outside Python's memory, and its release on every exit but SIGKILL.
+
+A loader with workers holds processes, and every loader holds a folder of decoded units in
+``/dev/shm`` (memory until reboot if nobody deletes it). :class:`LoaderResources` owns them
+and releases them on ``close()``, when the loader is garbage-collected, and at interpreter
+exit (a ``weakref.finalize``, which runs after ``break``, an exception or Ctrl-C ends the
+program). A process ended by ``SIGTERM`` runs no exit handlers by default, so the first loader
+that makes a folder turns ``SIGTERM`` into ``SystemExit`` (exit status 143), when no other
+handler is installed. Only ``SIGKILL`` leaves a folder behind; the next lakeloader process on
+the machine sweeps it, and so does ``lakeloader clean``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import sys
+import threading
+import weakref
+from types import FrameType
+from typing import Any, Final
+
+from lakeloader.pipeline.iterator import EpochIterator
+from lakeloader.workers.pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a process ended by ``SIGTERM`` (128 + 15), as the shell reports it.
+SIGTERM_STATUS: Final = 128 + signal.SIGTERM
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Turn ``SIGTERM`` into ``SystemExit``, so that exit handlers release what loaders hold."""
+    raise SystemExit(SIGTERM_STATUS)
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """Install :func:`_exit_on_sigterm`, unless another handler is set or this is not possible."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+class LoaderResources:
+    """The pass, the worker pool and the unit folder of one loader.
+
+    Args:
+        owner: The loader; when it is collected, or the interpreter exits, everything is
+            released.
+    """
+
+    def __init__(self, owner: Any) -> None:
+        # Weak: the pass's iterator keeps its loader alive (as torch's does), so that
+        # ``next(iter(DataLoader(...)))`` works; a strong reference from here, which the exit
+        # finaliser holds, would keep both alive until exit.
+        self._iterator: weakref.ref[EpochIterator] | None = None
+        self.pool: WorkerPool | None = None
+        self.unit_dir: str | None = None
+        self.worker_restarts = 0
+        self._finalizer = weakref.finalize(owner, self.release)
+
+    @property
+    def iterator(self) -> EpochIterator | None:
+        """The pass under way, if any."""
+        return self._iterator() if self._iterator is not None else None
+
+    @iterator.setter
+    def iterator(self, it: EpochIterator | None) -> None:
+        self._iterator = weakref.ref(it) if it is not None else None
+
+    def close_iterator(self, wait: bool = True) -> None:
+        """End the pass under way, if any."""
+        it = self.iterator
+        if it is not None:
+            it.close(wait)
+        self._iterator = None
+
+    def shutdown_workers(self, graceful: bool = True) -> None:
+        """Stop the workers and delete the unit folder."""
+        if self.pool is not None:
+            self.worker_restarts += self.pool.restarts
+            self.pool.shutdown(graceful)
+            self.pool = None
+        if self.unit_dir is not None:
+            shutil.rmtree(self.unit_dir, ignore_errors=True)
+            self.unit_dir = None
+
+    def pass_ended(self, persistent_workers: bool) -> None:
+        """A pass ended: stop the workers unless they persist between epochs."""
+        if not persistent_workers:
+            self.shutdown_workers()
+
+    def release(self) -> None:
+        """Release everything without waiting for the loader's own threads.
+
+        A finaliser can run on any thread, one of the loader's decoding threads included, so
+        it must not wait for them; at interpreter exit, workers are terminated rather than
+        asked.
+        """
+        try:
+            self.close_iterator(wait=False)
+            self.shutdown_workers(graceful=not sys.is_finalizing())
+        except Exception:
+            logger.debug("error while releasing a DataLoader's resources", exc_info=True)
