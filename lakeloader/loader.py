@@ -232,15 +232,19 @@ class DataLoader:
     def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
         """Make the next iteration run ``epoch`` from its start.
 
-        Calling it with the epoch a loaded state is in keeps the loaded position, so the
-        usual ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume;
-        ``restart=True`` drops the position in any case.
+        Calling it with the epoch the loader is in keeps the position while that epoch is not
+        over (after a resume, or a pass left early), so the usual ``loader.set_epoch(epoch)``
+        at the top of an epoch loop never repeats or skips a row; ``restart=True`` drops the
+        position in any case. An epoch ends when its rows are delivered, or by this method:
+        a new ``iter(loader)`` on an unfinished epoch continues it (unlike torch's loaders,
+        whose every ``iter()`` starts a new pass), and the iterator it replaces raises if it
+        is used again.
         """
-        self._close_iterator()
-        self.tracker.set_epoch(epoch, restart=restart)
+        if self.tracker.set_epoch(epoch, restart=restart):
+            self._close_iterator("set_epoch()")
 
     def __iter__(self) -> Iterator[Any]:
-        self._close_iterator()
+        self._close_iterator("a newer iter(loader)")
         self._follow_dataset(self.tracker.start_pass())
         self.tracker.settle_tail(len(self.dataset))
         pool = self._ensure_pool() if self.num_workers else None
@@ -330,8 +334,8 @@ class DataLoader:
         """The worker processes of the pass under way (tests look at their pids)."""
         return self._res.pool
 
-    def _close_iterator(self, wait: bool = True) -> None:
-        self._res.close_iterator(wait)
+    def _close_iterator(self, ended_by: str) -> None:
+        self._res.close_iterator(True, ended_by)
 
     def _shutdown_workers(self) -> None:
         self._res.shutdown_workers()
@@ -341,7 +345,7 @@ class DataLoader:
 
         Done anyway when the loader is garbage-collected, and at interpreter exit.
         """
-        self._close_iterator()
+        self._close_iterator("loader.close()")
         self._shutdown_workers()
 
     # --------------------------------------------------------------------- state
@@ -361,7 +365,7 @@ class DataLoader:
 
     def _resume(self, resumption: Resumption) -> None:
         """Apply what the recovery coordinator decided (the one way a position is restored)."""
-        self._close_iterator()
+        self._close_iterator("load_state_dict() or CheckpointManager.load()")
         if resumption.dataset is not None:
             self._shutdown_workers()
             self._base = self.dataset = resumption.dataset

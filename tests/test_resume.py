@@ -150,13 +150,30 @@ def test_set_epoch_keeps_a_loaded_position(dataset: ll.LakeDataset, uninterrupte
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_breaking_out_then_iterating_starts_the_next_epoch(
+def test_breaking_out_then_iterating_continues_the_epoch(
     dataset: ll.LakeDataset, uninterrupted: list, persistent: bool
 ) -> None:
     loader = ll.DataLoader(
         dataset, batch_size=GLOBAL_BATCH, num_workers=2, persistent_workers=persistent
     )
-    first = list(itertools.islice(iter(loader), 3))
+    it = iter(loader)
+    first = list(itertools.islice(it, 3))
     assert [b["id"].tolist() for b in first] == uninterrupted[0][:3]
-    assert [b["id"].tolist() for b in loader] == uninterrupted[1]
+    loader.set_epoch(0)  # the usual call at the top of an epoch loop keeps the position
+    assert [b["id"].tolist() for b in loader] == uninterrupted[0][3:]
+    with pytest.raises(RuntimeError, match=r"ended by a newer iter\(loader\)"):
+        next(it)  # the iterator a newer one replaced
+    assert [b["id"].tolist() for b in loader] == uninterrupted[1], "then the next epoch"
+    loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_peek_does_not_eat_the_epoch(dataset: ll.LakeDataset, workers: int) -> None:
+    loader = ll.DataLoader(dataset, batch_size=GLOBAL_BATCH, num_workers=workers)
+    peek = next(iter(loader))  # a look at one batch
+    rest = [i for b in loader for i in b["id"].tolist()]
+    assert sorted(peek["id"].tolist() + rest) == list(range(LAYOUT_ROWS))
+    assert loader.epoch == 0
+    loader.set_epoch(0, restart=True)  # the caller may still start over, explicitly
+    assert sorted(i for b in loader for i in b["id"].tolist()) == list(range(LAYOUT_ROWS))
     loader.close()

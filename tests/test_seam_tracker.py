@@ -38,7 +38,10 @@ def test_transitions_follow_deliveries_only() -> None:
     t.delivered(Delivery(8, 3, False, (QuarantineEntry("f", 0, 0, 1, "bad"),), 1), 10)
     assert (t.position, t.rows_delivered, t.rows_skipped) == (8, 7, 1)
     assert [q.path for q in t.quarantine] == ["f"]
-    assert t.start_pass() == 1 and t.position == 0, "a pass after a pass is the next epoch"
+    assert t.start_pass() == 0 and t.position == 8, "a pass left early continues its epoch"
+    t.settle_tail(10)
+    t.delivered(Delivery(10, 2, True, (), 0), 10)
+    assert t.start_pass() == 1 and t.position == 0, "a pass after a finished one: next epoch"
     assert t.set_epoch(5) and (t.epoch, t.position) == (5, 0)
     assert not t.set_epoch(5), "set_epoch of the epoch already set keeps the position"
     assert t.start_pass() == 5

@@ -81,6 +81,7 @@ class EpochIterator:
             )
         self._next_plan = self._next_deliver = 0
         self._closed = False
+        self._ended_by: str | None = None
         # An iterator dropped without close() (with its loader) still stops its threads.
         self._finalizer = weakref.finalize(self, _close_pass, self._workers, self._space)
         self._budget_warned = False
@@ -116,6 +117,12 @@ class EpochIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._ended_by is not None:
+            raise RuntimeError(
+                f"this iterator over epoch {self.spec.plan.epoch} was ended by "
+                f"{self._ended_by}: iterate the newest iter(loader), which continues from the "
+                "last batch delivered"
+            )
         if self._closed or self._next_deliver >= self.num_steps:
             self.close()
             raise StopIteration
@@ -169,8 +176,16 @@ class EpochIterator:
         """Most bytes of decoded units held at once in this pass."""
         return self._space.store.peak_bytes
 
-    def close(self, wait: bool = True) -> None:
-        """Stop decoding and building, drop the cached units (idempotent)."""
+    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
+        """Stop decoding and building, drop the cached units (idempotent).
+
+        Args:
+            wait: Wait for the pass's threads (a finaliser passes False).
+            ended_by: What ended the pass before its end (``"a newer iter(loader)"``), which
+                a later ``next()`` names in its error; None for the pass's own end.
+        """
+        if ended_by is not None and not self._closed and self._next_deliver < self.num_steps:
+            self._ended_by = ended_by
         if self._closed:
             return
         self._closed = True

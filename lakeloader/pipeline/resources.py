@@ -70,11 +70,11 @@ class LoaderResources:
     def iterator(self, it: EpochIterator | None) -> None:
         self._iterator = weakref.ref(it) if it is not None else None
 
-    def close_iterator(self, wait: bool = True) -> None:
-        """End the pass under way, if any."""
+    def close_iterator(self, wait: bool = True, ended_by: str | None = None) -> None:
+        """End the pass under way, if any (``ended_by``: see ``EpochIterator.close``)."""
         it = self.iterator
         if it is not None:
-            it.close(wait)
+            it.close(wait, ended_by)
         self._iterator = None
 
     def shutdown_workers(self, graceful: bool = True) -> None:

@@ -123,22 +123,36 @@ class ReaderStateTracker:
     def set_epoch(self, epoch: int, *, restart: bool = False) -> bool:
         """Make the next pass run ``epoch`` from its start; False if nothing changed.
 
-        Calling it with the epoch a just-loaded position is in keeps that position, so the
-        usual ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume;
-        ``restart=True`` drops the position in any case.
+        Calling it with the epoch the position is in keeps the position while that epoch is
+        not over (a just-loaded state, or a pass left early), so the usual
+        ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume or a
+        peek; ``restart=True`` drops the position in any case.
         """
-        if epoch == self.epoch and self._fresh and not restart:
+        over = self._num_rows is not None and self.position + self.rows_dropped >= self._num_rows
+        if epoch == self.epoch and not restart and (self._fresh or not over):
             return False
         self.epoch, self.position, self.rows_dropped, self._fresh = int(epoch), 0, 0, True
         return True
 
     def start_pass(self) -> int:
-        """Begin a pass: the same position if fresh, else the next epoch; returns the epoch."""
-        if not self._fresh:
-            left = self._num_rows is not None and self.position + self.rows_dropped < self._num_rows
-            if left:
-                logger.info("epoch %d left before its end; starting the next", self.epoch)
+        """Begin a pass and return its epoch.
+
+        A pass continues the epoch from the delivered position unless that epoch is over
+        (every row delivered or dropped), in which case it starts the next epoch: an epoch
+        ends when its rows are delivered or when the caller says so (``set_epoch``), never
+        because a pass was left early (``next(iter(loader))`` to peek at a batch, a
+        ``break``).
+        """
+        over = self._num_rows is not None and self.position + self.rows_dropped >= self._num_rows
+        if not self._fresh and over:
             self.epoch, self.position, self.rows_dropped = self.epoch + 1, 0, 0
+        elif not self._fresh:
+            logger.info(
+                "epoch %d continues from row %d of %s (a pass left early does not end it)",
+                self.epoch,
+                self.position,
+                self._num_rows,
+            )
         self._fresh = False
         return self.epoch
 
