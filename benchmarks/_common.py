@@ -184,16 +184,10 @@ def pss_and_shmem_bytes(pid: int) -> tuple[int, int]:
 
 
 def dir_bytes(path: str | Path) -> int:
-    """Memory held by the files below ``path``: allocated blocks, so a sparse file (the
-    arena) counts the pages written, not its size (0 if it is gone)."""
-    total = 0
-    for folder, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.stat(os.path.join(folder, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
+    """Memory held by the files below ``path`` (see ``lakeloader.cache.shm.allocated_bytes``)."""
+    from lakeloader.cache.shm import allocated_bytes  # the parent's import, not the children's
+
+    return allocated_bytes(path)
 
 
 @dataclass

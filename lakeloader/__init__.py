@@ -26,6 +26,7 @@ from lakeloader.errors import (
     SchemaMismatchError,
     StateFormatError,
     StateMismatchError,
+    StoreAccessError,
     StoreUnavailableError,
     WorkerError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "SchemaMismatchError",
     "StateFormatError",
     "StateMismatchError",
+    "StoreAccessError",
     "StoreUnavailableError",
     "Topology",
     "WorkerError",

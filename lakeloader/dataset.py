@@ -103,11 +103,12 @@ class LakeDataset:
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> pq.write_table(pa.table({"id": range(100)}), f"{root}/part-0.parquet")
         >>> ds = LakeDataset(root, seed=1)
         >>> len(ds), ds.config.num_partitions
         (100, 16)
+        >>> tmp.cleanup()
     """
 
     def __init__(

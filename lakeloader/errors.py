@@ -32,6 +32,10 @@ class StoreUnavailableError(LakeError):
     """The store kept failing transiently (down, refusing, 5xx) past the retry deadline."""
 
 
+class StoreAccessError(LakeError, PermissionError):
+    """The store refused access (wrong or missing credentials, or no permission)."""
+
+
 class StateMismatchError(LakeError):
     """A saved state belongs to another lake snapshot or another configuration."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -85,13 +86,14 @@ class DataLoader:
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
         >>> from lakeloader import LakeDataset
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> pq.write_table(pa.table({"id": range(10)}), f"{root}/a.parquet")
         >>> loader = DataLoader(LakeDataset(root, shuffle=False), batch_size=4)
         >>> [b["id"].tolist() for b in loader]
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
         >>> loader.state_dict()["position"], loader.state_dict()["epoch"]
         (10, 0)
+        >>> tmp.cleanup()
     """
 
     def __init__(
@@ -248,6 +250,8 @@ class DataLoader:
         self._follow_dataset(self.tracker.start_pass())
         self.tracker.settle_tail(len(self.dataset))
         pool = self._ensure_pool() if self.num_workers else None
+        if pool is not None:
+            _hint_threads(self.num_workers)
         res = self._res
         if res.unit_dir is None:  # the arena lives there, with or without workers
             root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
@@ -396,6 +400,22 @@ class DataLoader:
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
             "worker_restarts": self._res.worker_restarts + (pool.restarts if pool else 0),
         }
+
+
+@functools.cache
+def _hint_threads(num_workers: int) -> None:
+    """Say once per process when torch's intra-op threads and the workers exceed the cores."""
+    cores, threads = os.cpu_count() or 1, torch.get_num_threads()
+    if threads + num_workers > cores:
+        logger.warning(
+            "torch runs %d intra-op threads beside %d DataLoader workers on %d cores: they "
+            "compete, and a training step can take several times longer. Consider "
+            "torch.set_num_threads(%d)",
+            threads,
+            num_workers,
+            cores,
+            max(1, cores - num_workers),
+        )
 
 
 def _check_unsupported(

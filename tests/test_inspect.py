@@ -315,9 +315,10 @@ def test_a_path_without_checkpoint_is_a_clear_error(
     assert err.startswith("lakeloader inspect: error:") and "no usable checkpoint" in err
     (tmp_path / "step-000000000007").mkdir()
     assert main(["inspect", str(tmp_path / "step-000000000007")]) == 2
-    assert "incomplete or missing" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no committed checkpoint of step 7" in err and "steps saved there: none" in err
     assert main(["inspect", str(tmp_path), "--world-size", "0"]) == 2
-    assert "--world-size must be >= 1" in capsys.readouterr().err
+    assert "argument --world-size: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_ranges_of_a_million_rows() -> None:

@@ -54,6 +54,7 @@ class UnitRef:
             another process needs them), or None when every column is packed.
         views: Its string and binary columns whose views are in its arena rows (they stay
             in ``table`` too: the views point into their data buffers).
+        where: Its file, row group and rows, for error messages.
     """
 
     start: int
@@ -61,6 +62,7 @@ class UnitRef:
     packed: tuple[str, ...]
     table: pa.Table | str | None
     views: tuple[str, ...] = ()
+    where: str = ""
 
 
 #: What the store holds for a unit: the decoded unit, or why it is quarantined.
@@ -143,8 +145,10 @@ class UnitDecoder:
         if isinstance(table, QuarantineEntry):
             return table
         rows = table.num_rows
+        path = url_of(self.reader.fs, self.reader.snapshot.files[job.file_index].path)
+        where = f"{path}, row group {job.row_group}, rows [{job.row_start}, {job.row_start + rows})"
         if job.start < 0 or self.layout is None or not self.layout.names or records is None:
-            return UnitRef(-1, rows, (), _keep_table(compact(table), job.table_path))
+            return UnitRef(-1, rows, (), _keep_table(compact(table), job.table_path), (), where)
         out = records[job.start : job.start + rows]
         unit: Packed = pack(table, self.layout, out)
         start = job.start if unit.rows is not None else -1
@@ -156,7 +160,7 @@ class UnitDecoder:
             # IPC file when there is one), so that the views point into its data buffers.
             as_kept = read_ipc(kept) if isinstance(kept, str) else kept
             views = write_unit_views(as_kept, self.layout.views, job.view_buffers, out)
-        return UnitRef(start, rows, unit.packed, kept, views)
+        return UnitRef(start, rows, unit.packed, kept, views, where)
 
     def _screen(self, job: DecodeJob) -> pa.Table | QuarantineEntry:
         """Read a unit, or say why it is quarantined."""

@@ -128,11 +128,13 @@ class Packed:
         packed: Names of the columns in ``rows`` (a column of the layout that holds nulls in
             this unit and is not a float column stays in ``table`` instead).
         table: The other columns.
+        where: Where the unit comes from (file, row group, rows), for error messages.
     """
 
     rows: np.ndarray | None
     packed: tuple[str, ...]
     table: pa.Table
+    where: str = ""
 
     @property
     def num_rows(self) -> int:

@@ -53,13 +53,46 @@ def make_unit_dir(root: str | None) -> str:
     shared memory, they would hold RAM until reboot. Folder names carry the owner's pid.
     """
     base = root if root is not None else tempfile.gettempdir()
-    for name in os.listdir(base):
+    sweep(base)
+    return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
+
+
+def sweep(base: str) -> list[tuple[str, int]]:
+    """Remove the unit folders under ``base`` whose process is dead; return them with sizes.
+
+    Args:
+        base: A folder that holds unit folders (``/dev/shm``, the temporary folder, or a
+            ``cache_dir``).
+
+    Returns:
+        ``(path, bytes)`` of each folder removed (bytes as allocated on disk or in memory).
+    """
+    removed = []
+    for name in sorted(os.listdir(base)):
         prefix, _, rest = name.partition("-")
         pid = rest.split("-")[0]
         if prefix == UNIT_DIR_PREFIX and pid.isdigit() and not _alive(int(pid)):
-            logger.info("removing %s, left by dead process %s", name, pid)
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
+            path = os.path.join(base, name)
+            size = allocated_bytes(path)
+            logger.info("removing %s, left by dead process %s", path, pid)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append((path, size))
+    return removed
+
+
+def allocated_bytes(folder: str | os.PathLike[str]) -> int:
+    """Memory (or disk) the files under ``folder`` hold, 0 if the folder is gone.
+
+    Allocated blocks are counted, so that a sparse arena counts the pages written, not its size.
+    """
+    total = 0
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(parent, name)).st_blocks * 512
+            except OSError:  # removed meanwhile
+                continue
+    return total
 
 
 def _alive(pid: int) -> bool:

@@ -81,7 +81,7 @@ class UnitOpener:
             if ref.start >= 0:
                 assert records is not None
                 rows = records[ref.start : ref.start + ref.num_rows]
-            out.append(Packed(rows, ref.packed, _NO_COLUMNS if table is None else table))
+            out.append(Packed(rows, ref.packed, _NO_COLUMNS if table is None else table, ref.where))
         self._open = now
         return out
 

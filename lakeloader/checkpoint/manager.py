@@ -61,15 +61,17 @@ class CheckpointManager:
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
         >>> from lakeloader import LakeDataset, DataLoader
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> pq.write_table(pa.table({"id": range(100)}), f"{root}/a.parquet")
         >>> loader = DataLoader(LakeDataset(root), batch_size=16)
         >>> batches = iter(loader); _ = next(batches); _ = next(batches)
-        >>> ckpt = CheckpointManager(tempfile.mkdtemp())
+        >>> runs = tempfile.TemporaryDirectory()
+        >>> ckpt = CheckpointManager(runs.name)
         >>> ckpt.save(2, loader, extra={"lr": 0.1})
         >>> fresh = DataLoader(LakeDataset(root), batch_size=32)
         >>> ckpt.load(fresh), fresh.state_dict()["position"]
         ({'lr': 0.1}, 32)
+        >>> tmp.cleanup(); runs.cleanup()
     """
 
     def __init__(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import signal
 import subprocess
@@ -91,6 +92,8 @@ def train(
 ) -> dict[str, Any]:
     """Train a linear classifier on simulated ranks; log row ids per step; checkpoint."""
     torch.manual_seed(0)
+    # Leave the cores to the loaders' workers (see README: torch's threads compete with them).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - topo.num_workers * topo.world_size))
     ds = LakeDataset(lake, columns=["id", *FEATURES, "label"], seed=0)
     loaders = [
         DataLoader(
@@ -215,6 +218,7 @@ def run_demo(
         "loss_last": resumed["losses"][-1],
         "state_bytes": resumed["state_bytes"],
         "checkpoint_dir": str(ckpt),
+        "workdir": str(work),
         "checkpoint_file_bytes": saved.nbytes,
         "manifest_bytes": manifest_bytes,
         "phase_one_seconds": round(child_seconds, 2),
@@ -248,6 +252,7 @@ def _render(r: dict[str, Any]) -> str:
                 f"{r['checkpoint_file_bytes']:,} bytes with the model, manifest "
                 f"{r['manifest_bytes']:,} bytes (lakeloader inspect {r['checkpoint_dir']})",
             ),
+            ("files", f"{r['workdir']} is kept for that; remove it with rm -r when done"),
         ]
     )
     table = format_table(

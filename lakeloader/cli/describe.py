@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from lakeloader.dataset import LakeDataset
+from lakeloader.io.fetch import url_of
 from lakeloader.order.plan import steps_in_epoch
 
 
@@ -17,11 +18,12 @@ def describe_plan(
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> root = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> pq.write_table(pa.table({"id": range(1000)}), f"{root}/a.parquet", row_group_size=100)
         >>> d = describe_plan(LakeDataset(root), world_size=2, batch_size=32)
         >>> d["lake"]["rows"], d["epoch"]["steps"], d["epoch"]["partitions_per_rank"]
         (1000, 16, 8.0)
+        >>> tmp.cleanup()
     """
     snap, cfg = ds.snapshot, ds.config
     n = len(ds)
@@ -66,7 +68,7 @@ def describe_plan(
         },
         "files": [
             {
-                "path": f.path,
+                "path": url_of(ds.fs, f.path),
                 "bytes": f.size,
                 "row_groups": len(f.row_group_rows),
                 "rows": f.num_rows,

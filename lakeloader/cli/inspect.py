@@ -53,8 +53,14 @@ def open_checkpoint(
         raise CheckpointError(f"{path} is the checkpoint of step {folder_step}, not {step}")
     manager = CheckpointManager(root, storage_options=storage_options)
     try:
-        ckpt = manager.load_checkpoint(folder_step if folder_step is not None else step)
-        return ckpt, manager.steps()
+        steps = manager.steps()
+        wanted = folder_step if folder_step is not None else step
+        if wanted is not None and wanted not in steps:
+            saved = ", ".join(map(str, steps)) or "none"
+            raise CheckpointError(
+                f"no committed checkpoint of step {wanted} under {root}; steps saved there: {saved}"
+            )
+        return manager.load_checkpoint(wanted), steps
     finally:
         manager.close()
 
@@ -242,7 +248,22 @@ def inspect_checkpoint(
     if ranges:
         deliver_stop = g + remaining - view.rows_to_drop
         info["ranges"] = row_ranges(plan, ckpt.snapshot, g, deliver_stop)
+    scheme = _scheme(ctx.source)
+    for entry in [*info["ranks"], *info["workers"], *info.get("ranges", [])]:
+        if scheme and entry["file"] is not None and "://" not in entry["file"]:
+            entry["file"] = scheme + entry["file"]
     return info
+
+
+def _scheme(source: str | list[str]) -> str:
+    """``s3://`` for a lake in S3 (snapshots keep paths without it), else ``""``.
+
+    >>> _scheme(["gs://bucket/lake"]), _scheme("/data/lake")
+    ('gs://', '')
+    """
+    first = source if isinstance(source, str) else (source[0] if source else "")
+    head, sep, _ = first.partition("://")
+    return f"{head}{sep}" if sep and head != "file" else ""
 
 
 def _topology_text(t: dict[str, Any]) -> str:

@@ -1,17 +1,21 @@
-"""The ``lakeloader`` command: ``plan``, ``inspect`` and ``demo``.
+"""The ``lakeloader`` command: ``plan``, ``inspect``, ``clean`` and ``demo``.
 
 ``plan`` shows a lake and the cut of an epoch, ``inspect`` a checkpoint's position under any
-topology, ``demo`` runs the end-to-end job.
+topology, ``clean`` removes the shared memory of loaders that were killed, ``demo`` runs the
+end-to-end job. Bad arguments and failures print one line and exit with status 2
+(``--verbose`` adds the traceback of an unexpected error).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lakeloader._version import __version__
 from lakeloader.cli.tables import format_pairs, format_table, to_json
 from lakeloader.errors import LakeError
 from lakeloader.units import human_bytes
@@ -37,6 +41,46 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             raise SystemExit(f"--storage-option expects KEY=VALUE, got {pair!r}")
         options[key] = value
     return options
+
+
+def _count(least: int) -> Any:
+    """An argparse type: an integer of at least ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every option's help, examples kept as written."""
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from lakeloader.cache.shm import SHM_DIR, sweep
+
+    folders = [f for f in (args.dir or [SHM_DIR, tempfile.gettempdir()]) if os.path.isdir(f)]
+    removed = [(path, size) for folder in folders for path, size in sweep(folder)]
+    if args.json:
+        _emit(
+            to_json(
+                {"looked_in": folders, "removed": [{"path": p, "bytes": b} for p, b in removed]}
+            )
+        )
+    elif removed:
+        _emit(format_table(["removed", "bytes"], [[p, human_bytes(b)] for p, b in removed]))
+    else:
+        _emit(f"nothing to remove in {', '.join(folders)}: no folder of a dead lakeloader process")
+    return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -143,11 +187,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "drop_last": args.drop_last,
     }
-    for name, least in (("world_size", 1), ("batch_size", 1), ("num_workers", 0)):
-        if overrides[name] is not None and overrides[name] < least:
-            flag = "--" + name.replace("_", "-")
-            _emit(f"lakeloader inspect: error: {flag} must be >= {least}", error=True)
-            return 2
     ckpt, steps = open_checkpoint(args.checkpoint, args.step, _storage_options(args.storage_option))
     given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
     topology = dataclasses.replace(ckpt.context.topology, **given)
@@ -179,41 +218,62 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lakeloader",
         description="Deterministic, exactly-resumable Parquet lakes for PyTorch.",
+        formatter_class=_Help,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"lakeloader {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level; tracebacks of errors"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    plan = sub.add_parser("plan", help="what a lake holds and how an epoch is cut")
+    plan = sub.add_parser(
+        "plan",
+        help="what a lake holds and how an epoch is cut",
+        formatter_class=_Help,
+        epilog="example:\n  lakeloader plan s3://bucket/lake/ --world-size 8 --batch-size 64 "
+        "--storage-option endpoint_url=http://127.0.0.1:9000",
+    )
     plan.add_argument("lake", help="folder, glob, file or URL of the lake")
     plan.add_argument("--columns", help="comma-separated columns to read")
-    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--seed", type=int, default=0, help="seed of the order")
     plan.add_argument("--no-shuffle", action="store_true", help="path order")
-    plan.add_argument("--num-partitions", type=int, default=None, help="C (default: library's)")
-    plan.add_argument("--window", type=int, default=None, help="rows per shuffle window")
-    plan.add_argument("--world-size", type=int, default=1)
-    plan.add_argument("--batch-size", type=int, default=256, help="rows per rank per step")
-    plan.add_argument("--drop-last", action="store_true")
-    plan.add_argument("--files", type=int, default=DEFAULT_FILES_SHOWN, help="files to list")
+    plan.add_argument(
+        "--num-partitions", type=_count(1), default=None, help="C (None: the library's default)"
+    )
+    plan.add_argument(
+        "--window", type=_count(1), default=None, help="rows per shuffle window (None: default)"
+    )
+    plan.add_argument("--world-size", type=_count(1), default=1, help="ranks")
+    plan.add_argument("--batch-size", type=_count(1), default=256, help="rows per rank per step")
+    plan.add_argument("--drop-last", action="store_true", help="drop a short last global batch")
+    plan.add_argument("--files", type=_count(0), default=DEFAULT_FILES_SHOWN, help="files to list")
     _add_io_arguments(plan)
     plan.set_defaults(func=_cmd_plan)
 
     demo = sub.add_parser(
-        "demo", help="generate a lake, train, crash, resume on another topology, report"
+        "demo",
+        help="generate a lake, train, crash, resume on another topology, report",
+        formatter_class=_Help,
+        epilog="example:\n  lakeloader demo --rows 20000",
     )
-    demo.add_argument("--dir", default=None, help="working folder (default: a temporary one)")
-    demo.add_argument("--rows", type=int, default=60_000, help="rows in the generated lake")
-    demo.add_argument("--crash-at", type=int, default=None, help="step of the crash")
+    demo.add_argument("--dir", default=None, help="working folder (None: a temporary one, kept)")
+    demo.add_argument("--rows", type=_count(1000), default=60_000, help="rows in the lake")
+    demo.add_argument("--crash-at", type=_count(1), default=None, help="step of the crash")
     demo.add_argument("--json", action="store_true", help="machine-readable report")
     demo.set_defaults(func=_cmd_demo)
 
     inspect = sub.add_parser(
-        "inspect", help="a checkpoint's position: per rank and worker, rows consumed and left"
+        "inspect",
+        help="a checkpoint's position: per rank and worker, rows consumed and left",
+        formatter_class=_Help,
+        epilog="examples:\n  lakeloader inspect runs/7/ckpt\n"
+        "  lakeloader inspect runs/7/ckpt --world-size 16 --ranges --json",
     )
     inspect.add_argument("checkpoint", help="a checkpoint step folder, or the root holding them")
-    inspect.add_argument("--step", type=int, default=None, help="step to inspect under a root")
-    inspect.add_argument("--world-size", type=int, default=None, help="instead of the saved one")
-    inspect.add_argument("--num-workers", type=int, default=None, help="instead of the saved one")
-    inspect.add_argument("--batch-size", type=int, default=None, help="rows per rank per step")
+    inspect.add_argument("--step", type=_count(0), default=None, help="step (None: the newest)")
+    inspect.add_argument("--world-size", type=_count(1), default=None, help="None: the saved one")
+    inspect.add_argument("--num-workers", type=_count(0), default=None, help="None: the saved one")
+    inspect.add_argument("--batch-size", type=_count(1), default=None, help="None: the saved one")
     inspect.add_argument(
         "--drop-last",
         action=argparse.BooleanOptionalAction,
@@ -225,20 +285,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_io_arguments(inspect)
     inspect.set_defaults(func=_cmd_inspect)
+
+    clean = sub.add_parser(
+        "clean",
+        help="remove the shared memory of lakeloader processes that were killed",
+        formatter_class=_Help,
+        epilog="example:\n  lakeloader clean --json",
+    )
+    clean.add_argument(
+        "dir", nargs="*", help="folders to sweep (None: /dev/shm and the temporary folder)"
+    )
+    clean.add_argument("--json", action="store_true", help="machine-readable output")
+    clean.set_defaults(func=_cmd_clean)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lakeloader`` console script."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad argument (one line, status 2)
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
         code: int = args.func(args)
-    except LakeError as exc:
-        _emit(f"lakeloader {args.command}: error: {exc}", error=True)
+    except (LakeError, KeyError, ValueError, OSError) as exc:  # what bad input raises
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        _emit(f"lakeloader {args.command}: error: {message}", error=True)
+        return 2
+    except Exception as exc:
+        if args.verbose:
+            raise
+        _emit(
+            f"lakeloader {args.command}: error: {type(exc).__name__}: {exc} (run with "
+            "--verbose for the traceback)",
+            error=True,
+        )
         return 2
     return code
 

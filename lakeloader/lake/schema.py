@@ -126,10 +126,19 @@ def _check_missing(
             continue
         lacking = [f.path for f in files if field.name not in _selected(f, columns).names]
         if lacking:
+            requiring = next(
+                (
+                    f.path
+                    for f in files
+                    if field.name in _selected(f, columns).names
+                    and not _selected(f, columns).field(field.name).nullable
+                ),
+                "a file",
+            )
             raise SchemaMismatchError(
-                f"column {field.name!r} is required (not nullable) but {len(lacking)} file(s) "
-                f"lack it, e.g. {lacking[:3]}; nulls cannot stand in for it. Leave it out with "
-                "columns=[...], or rewrite those files"
+                f"column {field.name!r} is required (not nullable) in {requiring}, but "
+                f"{len(lacking)} file(s) lack it, e.g. {lacking[:3]}; nulls cannot stand in for "
+                "it. Leave it out with columns=[...], or rewrite those files"
             )
 
 

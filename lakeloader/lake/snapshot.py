@@ -234,11 +234,12 @@ def snapshot_lake(
     """Discover a lake and read its footers: the one call that pins a lake.
 
     >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-    >>> root = tempfile.mkdtemp()
+    >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
     >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
     >>> _, snap = snapshot_lake(root)
     >>> snap.num_rows, snap.files[0].row_group_rows
     (10, (4, 4, 2))
+    >>> tmp.cleanup()
     """
     fs, found = discover(source, storage_options, retry)
     snapshot = build_snapshot(

@@ -42,7 +42,9 @@ COLUMNS = "columns"
 COLLATED = "collated"
 
 
-def _tensor_view(name: str, col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def _tensor_view(
+    name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed] = ()
+) -> np.ndarray:
     """A numeric, boolean or temporal column as a numpy array fit for a tensor.
 
     Dates, times, timestamps and durations map to their integer ticks (int32 or int64, in
@@ -53,9 +55,15 @@ def _tensor_view(name: str, col: pa.Array | pa.ChunkedArray) -> np.ndarray:
         NullValuesError: If a non-float column holds nulls.
     """
     if col.null_count and not pa.types.is_floating(col.type):
+        where = [
+            u.where
+            for u in units
+            if name in u.table.column_names and u.table.column(name).null_count
+        ]
         raise NullValuesError(
-            f"column {name!r} ({col.type}) holds {col.null_count} null(s) in this batch, and "
-            f"a {col.type} tensor cannot hold a null: fill them in a transform or a "
+            f"column {name!r} ({col.type}) holds {col.null_count} null(s) in this batch"
+            + (f", from {'; '.join(where)}" if where else "")
+            + f", and a {col.type} tensor cannot hold a null: fill them in a transform or a "
             "collate_fn, or leave the column out with columns=[...]"
         )
     return tensor_numpy(col)
@@ -102,7 +110,9 @@ def gather_columns(
             sel = sel or select([u.num_rows for u in units], take)
             col = _arrow_column(units, sel, field)
         out[field.name] = (
-            _tensor_view(field.name, col) if is_tensor_type(field.type) else python_values(col)
+            _tensor_view(field.name, col, units)
+            if is_tensor_type(field.type)
+            else python_values(col)
         )
     return out
 
