@@ -32,6 +32,7 @@ from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import describe
+from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate, verdict
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,9 @@ class LocalDecodes:
     ) -> None:
         self._decoder = decoder
         self._records = records
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lakeloader-io")
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="lakeloader-io", initializer=main_thread_only
+        )
         self._gate = _ByteGate(limit)
 
     def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:

@@ -43,6 +43,7 @@ from lakeloader.lake.snapshot import Snapshot
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.lake_changes import LakeChangePolicy
+from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,9 @@ class CheckpointManager:
         self.fs: fsspec.AbstractFileSystem
         self.fs, self.root = url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lakeloader-ckpt")
+        self._writer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lakeloader-ckpt", initializer=main_thread_only
+        )
         self._pending: Future[None] | None = None
         self._manifests: dict[str, str] = {}  # manifests known intact: path -> SHA-256
         self._closed = False

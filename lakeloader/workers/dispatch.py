@@ -29,6 +29,7 @@ from lakeloader.errors import WorkerError
 from lakeloader.io.reader import ReadCounters
 from lakeloader.io.retry import describe
 from lakeloader.recovery.reassign import Reassign
+from lakeloader.signals import main_thread_only
 from lakeloader.workers.pool import Death, WorkerPool
 from lakeloader.workers.process import Result, Work
 
@@ -168,6 +169,7 @@ class Dispatcher:
                 os.write(self._wake_w, b"x")
 
     def _receive(self) -> None:
+        main_thread_only()
         try:
             self._loop()
         except BaseException as exc:  # never leave the loader waiting on futures forever
