@@ -5,7 +5,10 @@ the handler in the main thread, but only once that thread wakes up: if ``SIGINT`
 ``SIGTERM`` lands on one of the loader's threads while the main thread sleeps or waits, the
 handler waits with it (a training step of a minute ignores Ctrl-C for a minute). So every
 long-lived thread that lakeloader starts blocks them (:func:`main_thread_only`), and threads
-those threads start (pyarrow's) inherit the mask.
+those threads start (pyarrow's) inherit the mask. Threads that other libraries start from
+the main thread do not, so a main thread blocked in one long system call (a single
+``time.sleep(60)``) may still learn of a signal only when the call returns; a training loop
+that computes notices it at once.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.schema import unify_schemas
+from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,8 @@ def build_snapshot(
             return None
 
     show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
-    with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(found)))) as pool:
+    threads = max(1, min(max_threads, len(found)))
+    with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
         infos = list(
             tqdm(
                 pool.map(read, found),

@@ -21,6 +21,7 @@ from lakeloader.errors import LakeChangedError
 from lakeloader.lake.discovery import version_token
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import Snapshot
+from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import QuarantineEntry
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
         return f.path, now
 
     fs.invalidate_cache()  # a cached listing would answer with the old size and version
-    with ThreadPoolExecutor(max_workers=max(1, min(CHECK_THREADS, len(files)))) as pool:
+    threads = max(1, min(CHECK_THREADS, len(files)))
+    with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
         found = dict(pool.map(probe, files))
     gone = tuple(p for p, now in found.items() if now is None)
     changed = tuple(
