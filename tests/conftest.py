@@ -221,3 +221,12 @@ def plans(draw: st.DrawFn, layout: st.SearchStrategy[list[list[int]]] = layouts)
         num_partitions=draw(st.integers(1, 20)),
         window=draw(st.integers(1, 50)),
     )
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import running
+
 SCRIPT = r"""
 import os, sys, time, warnings
 import lakeloader as ll
@@ -36,14 +38,6 @@ for step, batch in enumerate(loader):
             time.sleep(0.1)
 print("DONE", flush=True)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -75,9 +69,9 @@ def test_no_exit_leaves_anything_behind(lake: Path, workers: int, mode: str) -> 
     expected = {"break": 0, "exception": 1, "sigint": -signal.SIGINT, "sigterm": 143}
     assert proc.returncode == expected[mode], err
     deadline = time.monotonic() + 5
-    while any(map(_alive, workers_pids)) and time.monotonic() < deadline:
+    while any(map(running, workers_pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [p for p in workers_pids if _alive(p)] == []
+    assert [p for p in workers_pids if running(p)] == []
     assert glob.glob(f"/dev/shm/lakeloader-{proc.pid}-*") == []
     if mode == "sigint":
         assert err.count("KeyboardInterrupt") == 1, err  # the training process's own, only

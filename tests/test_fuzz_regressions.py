@@ -25,7 +25,7 @@ from torch.utils.data import default_collate
 
 import lakeloader as ll
 from lakeloader.workers.process import worker_seed
-from tests.conftest import LAYOUT_ROWS, layout_dataset
+from tests.conftest import LAYOUT_ROWS, layout_dataset, running
 
 pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.PartitionWarning")
 
@@ -159,14 +159,6 @@ def test_a_version_1_state_still_loads(dataset: ll.LakeDataset) -> None:
     loader.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("transform", [None, _tag], ids=["decode", "build"])
 def test_dropping_a_loader_mid_pass_releases_workers_and_memory(lake: Path, transform: Any) -> None:
     ds = layout_dataset(lake, transform=transform)
@@ -181,10 +173,10 @@ def test_dropping_a_loader_mid_pass_releases_workers_and_memory(lake: Path, tran
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         gc.collect()
-        if not any(_alive(p) for p in pids if p) and not any(map(os.path.exists, folders)):
+        if not any(running(p) for p in pids if p) and not any(map(os.path.exists, folders)):
             break
         time.sleep(0.1)
-    assert [p for p in pids if p and _alive(p)] == []
+    assert [p for p in pids if p and running(p)] == []
     assert [f for f in folders if os.path.exists(f)] == []
 
 
