@@ -33,6 +33,7 @@ from lakeloader.errors import (
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader, PartitionWarning
 from lakeloader.options import LoaderOptions
+from lakeloader.randomness import rng, row_rngs, row_seeds
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.topology import Topology
@@ -62,6 +63,9 @@ __all__ = [
     "StoreAccessError",
     "StoreUnavailableError",
     "Topology",
+    "rng",
+    "row_rngs",
+    "row_seeds",
     "WorkerError",
     "__version__",
 ]

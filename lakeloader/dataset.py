@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
+import pyarrow as pa
 
+from lakeloader.cache.arrays import is_ragged_type
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
@@ -30,7 +32,7 @@ from lakeloader.order.plan import (
     make_units,
     plan_epoch,
 )
-from lakeloader.pipeline.collate import Transform
+from lakeloader.pipeline.collate import BatchTransform, ListFormat, ListKind, Transform
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.quarantine import ON_ERROR_CHOICES, OnError, QuarantineEntry, Validate
 
@@ -82,7 +84,17 @@ class LakeDataset:
         window: Rows shuffled together inside a partition.
         max_unit_rows: Split row groups larger than this into row ranges.
         transform: Called on each row (a dict) before collation, where batches are built:
-            in the workers, or in the loader's process without workers.
+            in the workers, or in the loader's process without workers. Inside it,
+            :func:`lakeloader.rng` draws from the row's own seed (the same draws for the same
+            row in the same epoch, whatever the topology or resume).
+        batch_transform: Called on each collated batch (on the default path a dict of
+            tensors and lists) where batches are built: in the workers, whose tensors come back
+            through shared memory, or in a background thread without workers. Inside it,
+            :func:`lakeloader.row_seeds` and :func:`lakeloader.row_rngs` are the rows'.
+        list_format: How list columns of numbers reach a default batch: ``"jagged"`` (a
+            ``torch.nested`` jagged tensor) or ``"padded"`` (``[B, max_len]`` padded with
+            ``pad_value``, plus ``<name>_lengths``).
+        pad_value: What pads short lists with ``list_format="padded"``.
         progress: Progress bar while reading footers (None: from 64 files on).
         snapshot: A pinned snapshot (from a checkpoint's manifest) to use instead of listing
             the lake and reading its footers.
@@ -123,6 +135,9 @@ class LakeDataset:
         window: int = DEFAULT_WINDOW,
         max_unit_rows: int = DEFAULT_MAX_UNIT_ROWS,
         transform: Transform | None = None,
+        batch_transform: BatchTransform | None = None,
+        list_format: ListKind = "jagged",
+        pad_value: float = 0,
         progress: bool | None = None,
         snapshot: Snapshot | None = None,
         retry: RetryPolicy | None = None,
@@ -132,6 +147,8 @@ class LakeDataset:
         self.source: Source = as_source(source)
         self.storage_options = dict(storage_options or {})
         self.transform = transform
+        self.batch_transform = batch_transform
+        self.list_format = ListFormat(list_format, pad_value)
         self.retry = retry or RetryPolicy()
         if on_error not in ON_ERROR_CHOICES:
             raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
@@ -171,6 +188,8 @@ class LakeDataset:
         self.snapshot: Snapshot
         self.units: Units
         self._pin(snapshot)
+        if self.list_format.padded:
+            _check_lengths_keys(self.config.columns, snapshot.schema)
         #: Units of this snapshot known to be lost (files gone or rewritten since a
         #: checkpoint, under ``on_lake_change="skip"``): skipped like quarantined units.
         self.lost: tuple[QuarantineEntry, ...] = ()
@@ -302,3 +321,15 @@ def _check_columns(columns: Sequence[str], snapshot: Snapshot) -> None:
         raise KeyError(
             f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
         )
+
+
+def _check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:
+    """Raise if a padded list column's ``<name>_lengths`` key is a column of the batch too."""
+    for name in columns:
+        key = ListFormat.lengths_of(name)
+        if is_ragged_type(schema.field(name).type) and key in columns:
+            raise ValueError(
+                f"list_format='padded' puts the lengths of list column {name!r} under "
+                f"{key!r}, which is a column of the lake too: leave one of them out with "
+                "columns=[...], or use list_format='jagged'"
+            )

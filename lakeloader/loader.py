@@ -31,6 +31,7 @@ from lakeloader.options import (
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.iterator import EpochIterator
+from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
@@ -57,10 +58,10 @@ class DataLoader:
         sampler: Not supported (the order is planned); must be None.
         batch_sampler: Not supported; must be None.
         num_workers: Worker processes (0: everything in this process). On the default tensor
-            path (no transform or collate_fn, and a number, boolean or date/time column among
-            those read) they decode units, the ``j``-th a rank needs on worker ``j mod
-            num_workers``, and this process assembles each batch with one row copy; otherwise
-            they build batches, step ``k`` of a pass on worker ``k mod num_workers``.
+            path (no code of the user's on rows or batches, and a column to pack) they decode
+            units, the ``j``-th a rank needs on worker ``j mod num_workers``, and this process
+            assembles each batch with one row copy; otherwise they build batches, step ``k`` of
+            a pass on worker ``k mod num_workers``, sent back through shared memory.
         collate_fn: Receives the list of row dicts of a batch, as in torch.
         pin_memory: Copy tensors to pinned memory (when CUDA is available).
         drop_last: Drop the last global batch if it is short (its rows are counted).
@@ -265,7 +266,7 @@ class DataLoader:
             topology=self.topology,
             screening=Screening(ds.on_error, ds.validate, self.tracker.quarantine + ds.lost),
             layout=self._row_layout,
-            transform=ds.transform,
+            recipe=self._recipe(),
         )
         it = EpochIterator(
             spec,
@@ -298,14 +299,13 @@ class DataLoader:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
         if self._res.pool is None:
             layout, ds = self._row_layout, self.dataset
-            decoder = None
-            if layout is not None and layout.names:  # the workers decode: pipeline.workspace
+            decoder, recipe = None, self._recipe()
+            if layout is not None and not self.tracker.workers_build:  # they decode
                 decoder = UnitDecoder(self._reader, layout, ds.on_error, ds.validate)
             setup = WorkerSetup(
                 schema=self._reader.schema,
                 layout=layout,
-                transform=ds.transform,
-                collate_fn=self.collate_fn,
+                recipe=recipe,
                 worker_init_fn=self.options.worker_init_fn,
                 seed=ds.config.seed,
                 rank=self.rank,
@@ -327,11 +327,18 @@ class DataLoader:
         """
         self._reader = reader
         self._row_layout = None
-        if self.dataset.transform is None and self.collate_fn is None:
+        recipe = self._recipe()
+        if not recipe.rows_path:
             self._row_layout = RowLayout.of(reader.schema)
-        # Workers decode when columns are packed; otherwise they build batches.
-        self.tracker.workers_build = self._row_layout is None or not self._row_layout.names
+        # Workers decode when columns are packed and no user code runs; else they build.
+        packs = self._row_layout is not None and bool(self._row_layout.names)
+        self.tracker.workers_build = not packs or recipe.user_code
         self.tracker.lost = self.dataset.lost
+
+    def _recipe(self) -> BatchRecipe:
+        """How this loader's rows become batches (the dataset's transforms, our collate_fn)."""
+        ds = self.dataset
+        return BatchRecipe(ds.transform, self.collate_fn, ds.batch_transform, ds.list_format)
 
     @property
     def _pool(self) -> WorkerPool | None:

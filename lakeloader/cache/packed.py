@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from lakeloader.cache.arrays import blocking_nulls, fixed_numpy, fixed_shape
 from lakeloader.cache.kernels import unsliced, unsliced_table
 from lakeloader.cache.views import VIEW_BYTES, VIEW_DTYPE, VIEW_TYPES
 
@@ -33,21 +34,44 @@ SLACK_BYTES = 64 << 10
 
 
 def is_tensor_type(typ: pa.DataType) -> bool:
-    """Whether a column of this type becomes a tensor (numbers, booleans, temporal ticks)."""
+    """Whether a column of this type becomes a dense tensor.
+
+    Numbers, booleans and temporal values (as ticks) become ``[B]``; fixed-size lists of
+    numbers (nested or not) ``[B, D1, D2, ...]``.
+
+    >>> [is_tensor_type(t) for t in (pa.date32(), pa.list_(pa.float32(), 8), pa.string())]
+    [True, True, False]
+    """
     return bool(
         pa.types.is_integer(typ)
         or pa.types.is_floating(typ)
         or pa.types.is_boolean(typ)
         or pa.types.is_temporal(typ)
+        or fixed_shape(typ) is not None
     )
 
 
-def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A tensor-typed column without nulls (float nulls allowed) as a numpy array.
+def tensor_dtype(typ: pa.DataType) -> np.dtype:
+    """The numpy dtype of one row of a tensor-typed column (a subarray for fixed-size lists).
 
-    Temporal values become their integer ticks in the column's own unit; float nulls NaN.
+    >>> tensor_dtype(pa.list_(pa.list_(pa.int8(), 3), 2)), tensor_dtype(pa.timestamp("ms"))
+    (dtype(('i1', (2, 3))), dtype('int64'))
+    """
+    shape = fixed_shape(typ)
+    if shape is not None:
+        return np.dtype((tensor_numpy(pa.array([], shape[1])).dtype, shape[0]))
+    return np.dtype(tensor_numpy(pa.array([], typ)).dtype)
+
+
+def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A tensor-typed column as a numpy array (the caller checks :func:`blocking_nulls`).
+
+    Temporal values become their integer ticks in the column's own unit; float nulls NaN;
+    a fixed-size list column a ``(rows, D1, ...)`` array.
     """
     typ = col.type
+    if pa.types.is_fixed_size_list(typ):
+        return fixed_numpy(col)
     if col.null_count and pa.types.is_floating(typ):
         col = pc.fill_null(col, pa.scalar(float("nan"), typ))
     if pa.types.is_temporal(typ):
@@ -109,7 +133,7 @@ class RowLayout:
         for f in schema:
             if not is_tensor_type(f.type):
                 continue
-            dtype = np.dtype(tensor_numpy(pa.array([], f.type)).dtype)
+            dtype = tensor_dtype(f.type)
             names.append(f.name)
             dtypes.append(dtype)
             offsets.append(at)
@@ -163,7 +187,7 @@ def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> P
     packed: list[str] = []
     for name in layout.names:
         col = table.column(name)
-        if col.null_count and not pa.types.is_floating(col.type):
+        if blocking_nulls(col):
             continue  # nulls an integer tensor cannot hold: the batch decides (NullValuesError)
         rows[name] = tensor_numpy(col)
         packed.append(name)

@@ -33,6 +33,7 @@ class Screened:
         views: The string and binary columns every unit of the step has views of.
         skipped: The step's quarantined units.
         lost: This rank's rows of the step that they held.
+        kept: Which of the step's rows (in batch order) remain, or None: all of them.
     """
 
     refs: list[UnitRef]
@@ -42,6 +43,7 @@ class Screened:
     views: tuple[str, ...]
     skipped: tuple[QuarantineEntry, ...]
     lost: int
+    kept: np.ndarray | None = None
 
 
 def screen(
@@ -50,6 +52,7 @@ def screen(
     plan: EpochPlan,
     layout: RowLayout | None,
     num_columns: int,
+    use_views: bool = True,
 ) -> Screened:
     """Screen one step.
 
@@ -59,10 +62,13 @@ def screen(
         plan: The epoch's plan.
         layout: The arena's row layout, or None when there is no arena.
         num_columns: Columns in a batch.
+        use_views: Whether string columns may come from their views in the arena (else they
+            take the Arrow path).
     """
     refs = [h for h in held if isinstance(h, UnitRef)]
     skipped: tuple[QuarantineEntry, ...] = ()
     take, inverse, row = spec.take, spec.inverse, spec.row
+    keep = None
     if len(refs) < len(held):
         skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
         bad = [isinstance(h, QuarantineEntry) for h in held]
@@ -71,14 +77,15 @@ def screen(
         inverse, row = inverse[keep], row[keep]
     lost = spec.num_rows - len(take)
     names = by_all(refs, layout.names, "packed") if layout is not None else ()
-    views = by_all(refs, layout.views, "views") if layout is not None and names else ()
+    with_views = use_views and layout is not None and bool(names)
+    views = by_all(refs, layout.views, "views") if with_views and layout is not None else ()
     rows = None
     if names:
         starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
         rows = np.asarray(starts, dtype=np.int64)[inverse] + row
     if len(names) + len(views) == num_columns:  # nothing is left for the Arrow path
-        return Screened([], take[:0], rows, names, views, skipped, lost)
-    return Screened(refs, take, rows, names, views, skipped, lost)
+        return Screened([], take[:0], rows, names, views, skipped, lost, keep)
+    return Screened(refs, take, rows, names, views, skipped, lost, keep)
 
 
 def by_all(refs: Sequence[UnitRef], full: tuple[str, ...], kind: str) -> tuple[str, ...]:

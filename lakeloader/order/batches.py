@@ -16,7 +16,9 @@ import numpy as np
 from lakeloader.order.plan import (
     EpochPlan,
     batch_runs,
+    batch_slots,
     expand_runs,
+    rank_bounds,
     rank_bounds_many,
     window_permutation,
 )
@@ -49,6 +51,25 @@ class BatchSpec:
     def num_rows(self) -> int:
         """Rows this rank gets in this step."""
         return len(self.take)
+
+
+def share_slots(spec: BatchSpec, num_partitions: int, world_size: int, rank: int) -> np.ndarray:
+    """The global slot of each row of a rank's share, in batch order.
+
+    A slot is where a row stands in the epoch's order, which no topology changes: what
+    :mod:`lakeloader.randomness` seeds a row's draws from.
+
+    >>> from lakeloader.order.plan import make_units, plan_epoch
+    >>> plan = plan_epoch(make_units([[8]], 8), seed=0, epoch=0, shuffle=False,
+    ...                   num_partitions=2, window=4)
+    >>> (spec,) = batch_specs(plan, first_step=0, num_steps=1, start=2, global_batch=4,
+    ...                       world_size=2, rank=1)
+    >>> share_slots(spec, 2, 2, 1).tolist()
+    [3, 5]
+    """
+    slots = batch_slots(spec.slot_start, spec.slot_stop, num_partitions)
+    lo, hi = rank_bounds(len(slots), world_size, rank)
+    return slots[lo:hi]
 
 
 #: :func:`_unique_inverse` flags every possible value instead of sorting while there are at

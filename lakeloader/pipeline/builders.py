@@ -26,14 +26,17 @@ from lakeloader.cache.packed import gather_packed
 from lakeloader.cache.screening import Screened, screen
 from lakeloader.cache.store import UnitOpener
 from lakeloader.cache.views import views_array
-from lakeloader.order.batches import BatchSpec
-from lakeloader.pipeline.collate import COLLATED, build_payload, empty_like, python_values
+from lakeloader.order.batches import BatchSpec, share_slots
+from lakeloader.pipeline.collate import empty_like, python_values
+from lakeloader.pipeline.recipe import COLLATED, Payload, build_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.randomness import slot_seeds
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.workers.dispatch import BUILD, Dispatcher
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import Task
+from lakeloader.workers.shipping import Shipped, receive
 
 #: Seconds between checks for steps to hand out while waiting for a batch from the workers.
 TOP_UP_SECONDS: Final = 0.05
@@ -57,17 +60,29 @@ class LocalBuilder:
         self._schema = schema
         self._opener = UnitOpener()
         self.skipped: dict[int, Skipped] = {}
-        #: Rows go through a transform or a collate_fn (else batches are built columnwise).
-        self.rows_path = spec.transform is not None or spec.options.collate_fn is not None
-        self._empty: tuple[str, Any] | None = None
+        #: Batches run the user's code (an empty share is then cut from a sample batch).
+        self.user_code = spec.recipe.user_code
+        self._empty: Payload | None = None
 
-    def screened(self, step: BatchSpec, deadline: float | None = None) -> Screened:
+    def seeds(self, step: BatchSpec, screened: Screened) -> np.ndarray:
+        """Each row's seed (:mod:`lakeloader.randomness`), in batch order."""
+        plan, topo = self._spec.plan, self._spec.topology
+        slots = share_slots(step, plan.num_partitions, topo.world_size, topo.rank)
+        if screened.kept is not None:
+            slots = slots[screened.kept]
+        return slot_seeds(plan.seed, plan.epoch, slots)
+
+    def screened(
+        self, step: BatchSpec, deadline: float | None = None, views: bool = True
+    ) -> Screened:
         """The step's units without quarantined ones, its rows renumbered to match.
 
         Args:
             step: The step.
             deadline: When waiting for its units must end (``time.monotonic()``), or None:
                 the loader's ``timeout`` from now.
+            views: Whether string columns may come from their views in the arena (only this
+                process holds the buffers they point into).
 
         Raises:
             RuntimeError: If the units are not decoded within the loader's ``timeout``.
@@ -82,14 +97,14 @@ class LocalBuilder:
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise timed_out(spec, step.step) from None
         layout = spec.layout if self._space.arena is not None else None
-        screened = screen(step, held, spec.plan, layout, len(self._schema))
+        screened = screen(step, held, spec.plan, layout, len(self._schema), views)
         self.skipped[step.step] = (screened.skipped, screened.lost)
         return screened
 
-    def build(self, step: BatchSpec) -> tuple[str, Any]:
+    def build(self, step: BatchSpec) -> Payload:
         """Build a step's payload here."""
         spec, screened = self._spec, self.screened(step)
-        if self.rows_path and not len(screened.take):
+        if self.user_code and step.num_rows == screened.lost:
             return self.empty()
         records = self._space.records()
         ready: dict[str, Any] = {}
@@ -101,16 +116,17 @@ class LocalBuilder:
                 typ = self._schema.field(name).type
                 ready[name] = python_values(views_array(ready[name], typ, buffers))
         units = self._opener.open(screened.refs, records) if screened.refs else []
-        collate_fn = spec.options.collate_fn
-        return build_payload(units, screened.take, self._schema, spec.transform, collate_fn, ready)
+        seeds = self.seeds(step, screened)
+        return build_payload(units, screened.take, self._schema, spec.recipe, ready, seeds)
 
-    def empty(self) -> tuple[str, Any]:
+    def empty(self) -> Payload:
         """The payload of an empty share on the row path: a batch of the others' structure.
 
         torch never calls a collate_fn with no rows (``default_collate([])`` fails), and the
         structure of a transform's output is only known from a row. So the first row of the
-        epoch's first piece that is not quarantined goes through the transform and the
-        collate_fn once per pass, and the result is cut to no row (:func:`empty_like`).
+        epoch's first piece that is not quarantined goes through the transform, the
+        collate_fn and the batch_transform once per pass, and the result is cut to no row
+        (:func:`empty_like`).
         With every piece quarantined there is no row: the empty share is ``[]``.
         """
         if self._empty is None:
@@ -120,14 +136,8 @@ class LocalBuilder:
                 (held,) = store.get(np.array([piece]), timeout)
                 if isinstance(held, UnitRef):
                     units = self._opener.open([held], self._space.records())
-                    _, batch = build_payload(
-                        units,
-                        np.zeros(1, np.int64),
-                        self._schema,
-                        self._spec.transform,
-                        self._spec.options.collate_fn,
-                        {},
-                    )
+                    one, seeds = np.zeros(1, np.int64), np.zeros(1, np.uint64)
+                    _, batch = build_payload(units, one, self._schema, self._spec.recipe, {}, seeds)
                     self._empty = COLLATED, empty_like(batch)
                     break
         return self._empty
@@ -183,22 +193,35 @@ class WorkerBuilder:
             self._submit(step)
 
     def _submit(self, step: BatchSpec, deadline: float | None = None) -> None:
-        screened = self._local.screened(step, deadline)
-        generation, refs, take = self._generation, screened.refs, screened.take
-        if self._local.rows_path and not len(take):  # an empty share: built here, once a pass
+        local, space = self._local, self._space
+        screened = local.screened(step, deadline, views=False)
+        if local.user_code and step.num_rows == screened.lost:  # empty: built here, once a pass
             done: Future[Any] = Future()
-            done.set_result(self._local.empty())
+            done.set_result(local.empty())
             self._futures[step.step] = done
             self._next = max(self._next, step.step + 1)
             return
+        generation, seeds = self._generation, local.seeds(step, screened)
+        arena = space.arena
 
-        def make() -> Task:
-            return Task(generation, step.step, refs, take)
+        def make() -> Task:  # the arena's handle as it is when the task is sent
+            handle = arena.handle if arena is not None and screened.rows is not None else None
+            return Task(
+                generation,
+                step.step,
+                screened.refs,
+                screened.take,
+                seeds,
+                space.dir,
+                screened.rows,
+                screened.names,
+                handle,
+            )
 
         self._futures[step.step] = self._dispatcher.submit(step.step, make)
         self._next = max(self._next, step.step + 1)
 
-    def build(self, step: BatchSpec) -> tuple[str, Any]:
+    def build(self, step: BatchSpec) -> Payload:
         """The payload of ``step``, built by its worker.
 
         Raises:
@@ -220,8 +243,9 @@ class WorkerBuilder:
             self._top_up(step.step)
             if deadline is not None and time.monotonic() > deadline and not future.done():
                 raise timed_out(self._spec, step.step)
-        payload: tuple[str, Any] = future.result()
-        return payload
+        payload: Payload = future.result()
+        kind, value = payload
+        return (kind, receive(value)) if isinstance(value, Shipped) else payload
 
     def close(self, wait: bool) -> None:
         """Stop handing out steps; cancel those queued."""

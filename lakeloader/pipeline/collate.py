@@ -1,27 +1,26 @@
-"""Turning decoded units into a batch: gather rows, apply the transform, collate.
+"""Gathering a batch column by column: the default batch, a dict of column name to tensor.
 
-The default batch is a dict of column name to tensor, built column-wise with no per-row
-Python work: numeric, boolean and temporal (as integer ticks) columns become tensors (nulls
-in float columns as NaN), everything else (strings, nested types, decimals) a Python list.
-With a ``transform`` or a ``collate_fn``, rows are materialised as dicts, as torch's
-DataLoader would hand them over:
-``transform(row)`` per row, then ``collate_fn(rows)`` (torch's ``default_collate`` when none).
+No per-row Python work: numeric, boolean and temporal (as integer ticks) columns become
+``[B]`` tensors (nulls in float columns as NaN), fixed-size lists of numbers ``[B, D1, ...]``
+tensors, lists of numbers jagged nested tensors (or padded, :class:`ListFormat`), everything
+else (strings, other nested types, decimals) a Python list. The row path (a ``transform`` or
+a ``collate_fn``) is :mod:`lakeloader.pipeline.rows`.
 
 Packed columns are gathered from the rank's arena with one row copy per batch, then copied out
-column by column into arrays that tensors wrap without a further copy. The batches that
-workers build for a transform or a collate_fn cross between processes as pickles.
+column by column into arrays that tensors wrap without a further copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.utils.data import default_collate
 
+from lakeloader.cache.arrays import Ragged, blocking_nulls, is_ragged_type, ragged_numpy, to_arrow
 from lakeloader.cache.packed import (
     Packed,
     Selection,
@@ -35,6 +34,44 @@ from lakeloader.errors import NullValuesError
 
 Transform = Callable[[dict[str, Any]], Any]
 Collate = Callable[[list[Any]], Any]
+BatchTransform = Callable[[Any], Any]
+
+#: How a list column reaches the batch: a jagged nested tensor, or padded plus lengths.
+ListKind = Literal["jagged", "padded"]
+LIST_KINDS: tuple[ListKind, ...] = ("jagged", "padded")
+
+
+@dataclass(frozen=True)
+class ListFormat:
+    """How list columns of numbers appear in a columnar batch.
+
+    Attributes:
+        kind: ``"jagged"``: a ``torch.nested`` tensor of jagged layout (``.values()``,
+            ``.offsets()``, ``.to_padded_tensor(pad)``). ``"padded"``: a ``[B, max_len, ...]``
+            tensor padded with ``pad_value``, and the rows' lengths in ``<name>_lengths``.
+        pad_value: What pads the short rows.
+
+    >>> ListFormat("padded").lengths_of("tokens")
+    'tokens_lengths'
+    """
+
+    kind: ListKind = "jagged"
+    pad_value: float = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LIST_KINDS:
+            raise ValueError(f"list_format must be one of {LIST_KINDS}, got {self.kind!r}")
+
+    @property
+    def padded(self) -> bool:
+        """Whether lists are padded."""
+        return self.kind == "padded"
+
+    @staticmethod
+    def lengths_of(name: str) -> str:
+        """The key of a padded list column's lengths."""
+        return f"{name}_lengths"
+
 
 #: Tag of a payload in columnar form (numpy arrays to be turned into tensors).
 COLUMNS = "columns"
@@ -42,10 +79,33 @@ COLUMNS = "columns"
 COLLATED = "collated"
 
 
+def _check_nulls(name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed]) -> None:
+    """Raise unless the column's tensor can hold its nulls (floats hold them as NaN).
+
+    Raises:
+        NullValuesError: If a non-float column (or array column) holds nulls, naming the
+            units (file, row group, rows) they come from.
+    """
+    nulls = blocking_nulls(col)
+    if not nulls:
+        return
+    where = [
+        u.where
+        for u in units
+        if name in u.table.column_names and blocking_nulls(u.table.column(name))
+    ]
+    raise NullValuesError(
+        f"column {name!r} ({col.type}) holds {nulls} null(s) in this batch"
+        + (f", from {'; '.join(where)}" if where else "")
+        + f", and a {col.type} tensor cannot hold a null: fill them in a transform or a "
+        "collate_fn, or leave the column out with columns=[...]"
+    )
+
+
 def _tensor_view(
     name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed] = ()
 ) -> np.ndarray:
-    """A numeric, boolean or temporal column as a numpy array fit for a tensor.
+    """A tensor-typed column as a numpy array fit for a tensor.
 
     Dates, times, timestamps and durations map to their integer ticks (int32 or int64, in
     the column's own unit), so that no value is lost to Python's datetime range. Nulls in a
@@ -54,18 +114,7 @@ def _tensor_view(
     Raises:
         NullValuesError: If a non-float column holds nulls.
     """
-    if col.null_count and not pa.types.is_floating(col.type):
-        where = [
-            u.where
-            for u in units
-            if name in u.table.column_names and u.table.column(name).null_count
-        ]
-        raise NullValuesError(
-            f"column {name!r} ({col.type}) holds {col.null_count} null(s) in this batch"
-            + (f", from {'; '.join(where)}" if where else "")
-            + f", and a {col.type} tensor cannot hold a null: fill them in a transform or a "
-            "collate_fn, or leave the column out with columns=[...]"
-        )
+    _check_nulls(name, col, units)
     return tensor_numpy(col)
 
 
@@ -77,7 +126,7 @@ def _arrow_column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> p
             col = unit.table.column(field.name)  # one chunk: combined when decoded
             parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
         else:
-            parts.append(pa.array(column_of(unit, field.name)).cast(field.type))
+            parts.append(to_arrow(column_of(unit, field.name), field.type))
     return gather_arrow(parts, sel)
 
 
@@ -109,12 +158,19 @@ def gather_columns(
         else:
             sel = sel or select([u.num_rows for u in units], take)
             col = _arrow_column(units, sel, field)
-        out[field.name] = (
-            _tensor_view(field.name, col, units)
-            if is_tensor_type(field.type)
-            else python_values(col)
-        )
+        out[field.name] = _batch_column(field, col, units)
     return out
+
+
+def _batch_column(
+    field: pa.Field, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed]
+) -> np.ndarray | Ragged | list[Any] | pa.Array:
+    if is_tensor_type(field.type):
+        return _tensor_view(field.name, col, units)
+    if is_ragged_type(field.type):
+        _check_nulls(field.name, col, units)
+        return ragged_numpy(col)
+    return python_values(col)
 
 
 def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> pa.Table:
@@ -139,59 +195,31 @@ def python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
     return values
 
 
-def to_rows(table: pa.Table) -> list[dict[str, Any]]:
-    """Rows as dicts of Python values (Arrow scalars where Python cannot hold a value)."""
-    columns = [list(python_values(col)) for col in table.columns]
-    return [
-        dict(zip(table.column_names, values, strict=True)) for values in zip(*columns, strict=True)
-    ]
+def columns_to_tensors(columns: dict[str, Any], lists: ListFormat) -> dict[str, Any]:
+    """Turn the arrays of a columnar payload into tensors (lists of Python values stay lists).
 
-
-def columns_to_tensors(columns: dict[str, Any]) -> dict[str, Any]:
-    """Turn the numpy arrays of a columnar payload into tensors (lists stay lists)."""
+    A :class:`~lakeloader.cache.arrays.Ragged` column becomes a jagged nested tensor, or with
+    ``lists.padded`` a ``[B, max_len, ...]`` tensor plus ``<name>_lengths``.
+    """
     out: dict[str, Any] = {}
     for name, value in columns.items():
         if isinstance(value, np.ndarray):
-            out[name] = torch.from_numpy(value if value.flags.writeable else value.copy())
+            out[name] = _tensor(value)
+        elif isinstance(value, Ragged):
+            if lists.padded:
+                out[name] = _tensor(value.padded(lists.pad_value))
+                out[lists.lengths_of(name)] = _tensor(value.lengths)
+            else:
+                out[name] = torch.nested.nested_tensor_from_jagged(
+                    _tensor(value.values), _tensor(value.offsets)
+                )
         else:
             out[name] = value
     return out
 
 
-def build_payload(
-    units: Sequence[Packed],
-    take: np.ndarray,
-    schema: pa.Schema,
-    transform: Transform | None,
-    collate_fn: Collate | None,
-    ready: Mapping[str, np.ndarray],
-) -> tuple[str, Any]:
-    """Build one batch from decoded units (in a worker, or in the loader's process).
-
-    Args:
-        units: The batch's units.
-        take: Row indices into their concatenation, in batch order.
-        schema: The batch's columns.
-        transform: Per-row transform, or None.
-        collate_fn: The user's collate function, or None.
-        ready: Columns already gathered from the arena (default path only).
-
-    Returns:
-        ``(COLUMNS, dict of numpy arrays or lists)`` on the default path, else
-        ``(COLLATED, whatever collate_fn returned)``.
-    """
-    if transform is None and collate_fn is None:
-        return COLUMNS, gather_columns(units, take, schema, ready)
-    rows: list[Any] = to_rows(gather_table(units, take, schema))
-    if transform is not None:
-        rows = [transform(row) for row in rows]
-    return COLLATED, (collate_fn or default_collate)(rows)
-
-
-def finish_payload(payload: tuple[str, Any]) -> Any:
-    """Turn a payload into the batch the training loop receives."""
-    kind, value = payload
-    return columns_to_tensors(value) if kind == COLUMNS else value
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def pin(batch: Any) -> Any:
@@ -220,6 +248,9 @@ def empty_like(batch: Any) -> Any:
         TypeError: If the batch holds something that has no empty form (a number, a string or
             an object of the caller's own): say how to make one in the message.
     """
+    if isinstance(batch, torch.Tensor) and batch.is_nested:
+        offsets = batch.offsets()  # type: ignore[attr-defined]
+        return torch.nested.nested_tensor_from_jagged(batch.values()[:0], offsets[:1])
     if isinstance(batch, torch.Tensor | np.ndarray):
         return batch[:0]
     if isinstance(batch, dict):

@@ -22,8 +22,10 @@ from lakeloader.errors import CacheBudgetWarning
 from lakeloader.io.reader import UnitReader
 from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
+from lakeloader.pipeline.background import ThreadBuilder
 from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
-from lakeloader.pipeline.collate import finish_payload, pin
+from lakeloader.pipeline.collate import pin
+from lakeloader.pipeline.recipe import finish_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
@@ -74,11 +76,13 @@ class EpochIterator:
         self._local = LocalBuilder(spec, self._space, schema)
         self._planned: deque[BatchSpec] = deque()
         self._specs: dict[int, BatchSpec] = {}
-        self._workers: WorkerBuilder | None = None
+        self._workers: WorkerBuilder | ThreadBuilder | None = None
         if pool is not None and not self._space.workers_decode:
             self._workers = WorkerBuilder(
                 spec, self._space, self._local, pool, coordinator, self._specs.get
             )
+        elif pool is None and spec.recipe.batch_transform is not None:
+            self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._next_plan = self._next_deliver = 0
         self._closed = False
         self._ended_by: str | None = None
@@ -135,7 +139,7 @@ class EpochIterator:
             payload = self._workers.build(step)
         else:
             payload = self._local.build(step)
-        batch = finish_payload(payload)
+        batch = finish_payload(payload, self.spec.recipe)
         if self.spec.options.pin_memory:
             batch = pin(batch)
         store = self._space.store
@@ -194,7 +198,9 @@ class EpochIterator:
         self._on_finish()
 
 
-def _close_pass(workers: WorkerBuilder | None, space: PassWorkspace, wait: bool = False) -> None:
+def _close_pass(
+    workers: WorkerBuilder | ThreadBuilder | None, space: PassWorkspace, wait: bool = False
+) -> None:
     """Stop a pass's builders and decodes and delete its files."""
     if workers is not None:
         workers.close(wait)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -24,7 +24,7 @@ from lakeloader.cache.store import Screening, UnitStore
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import EpochPlan
-from lakeloader.pipeline.collate import Transform
+from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.topology import Topology
 from lakeloader.workers.dispatch import DECODE, Dispatcher
@@ -47,7 +47,7 @@ class PassSpec:
         screening: What to do with units that fail or are rejected, and those known skipped.
         layout: How tensor-typed columns are packed (None: rows go to a transform or a
             collate_fn and nothing is packed).
-        transform: The dataset's per-row transform, or None.
+        recipe: How rows become a batch.
     """
 
     plan: EpochPlan
@@ -56,7 +56,7 @@ class PassSpec:
     topology: Topology
     screening: Screening
     layout: RowLayout | None
-    transform: Transform | None = None
+    recipe: BatchRecipe = field(default_factory=BatchRecipe)
 
 
 class WorkerDecodes:
@@ -97,8 +97,8 @@ class PassWorkspace:
         spec: The pass.
         reader: Reads units (its counters are the loader's).
         pool: The workers, or None. They decode only on the default tensor path (a layout
-            with packed columns); with a transform or collate_fn they build batches instead,
-            and the loader's threads decode.
+            with packed columns and no code of the user's); with a transform, a collate_fn or
+            a batch_transform they build batches instead, and the loader's threads decode.
         unit_dir: The loader's folder for decoded units.
         coordinator: Decides what a dead worker's work becomes.
     """
@@ -122,10 +122,9 @@ class PassWorkspace:
             )
         self.generation = pool.new_generation() if pool is not None else 0
         #: Whether the workers decode (else, with a pool, they build batches).
-        self.workers_decode = pool is not None and self.arena is not None
         decodes: Decodes
         self.remote: WorkerDecodes | None = None
-        if pool is not None and self.arena is not None:
+        if pool is not None and self.arena is not None and not spec.recipe.user_code:
             dispatcher = Dispatcher(
                 pool,
                 DECODE,
@@ -139,6 +138,8 @@ class PassWorkspace:
         else:
             decoder = UnitDecoder(reader, layout, spec.screening.on_error, spec.screening.validate)
             decodes = LocalDecodes(decoder, opts.io_threads, opts.cache_bytes, self.records)
+        #: Whether the workers decode (else, with a pool, they build batches).
+        self.workers_decode = self.remote is not None
         shares_tables = self.remote is not None or pool is not None
         self.store = UnitStore(
             reader,

@@ -26,11 +26,12 @@ import torch
 
 from lakeloader.cache.arena import ArenaHandle, FileMap
 from lakeloader.cache.decode import DecodeJob, UnitDecoder, UnitRef
-from lakeloader.cache.packed import RowLayout
+from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import UnitOpener
 from lakeloader.errors import LakeError
 from lakeloader.io.retry import describe
-from lakeloader.pipeline.collate import Collate, Transform, build_payload
+from lakeloader.pipeline.recipe import BatchRecipe, build_payload
+from lakeloader.workers.shipping import ship
 
 #: Seconds between a waiting worker's checks that the loader's process is still alive.
 WATCHDOG_SECONDS = 1.0
@@ -47,8 +48,7 @@ class WorkerSetup:
     Attributes:
         schema: Schema of the decoded units.
         layout: How the units' tensor-typed columns are packed (None: not packed).
-        transform: Per-row transform, or None.
-        collate_fn: The user's collate function, or None.
+        recipe: How rows become a batch (transform, collate_fn, batch_transform, lists).
         worker_init_fn: Called with the worker id once the worker has started, as in torch.
         seed: The dataset's seed (any integer the plan accepts).
         rank: The loader's rank. Worker ``i`` seeds ``torch``, ``random`` and numpy's global
@@ -59,8 +59,7 @@ class WorkerSetup:
 
     schema: pa.Schema
     layout: RowLayout | None
-    transform: Transform | None
-    collate_fn: Collate | None
+    recipe: BatchRecipe
     worker_init_fn: Callable[[int], None] | None
     seed: int
     rank: int
@@ -106,16 +105,32 @@ def seed_worker(seed: int) -> None:
 
 @dataclass(frozen=True)
 class Task:
-    """Build one batch (a transform or collate_fn's row path): the units and the row indices.
+    """Build one batch (the user's code runs on it): its units, rows and the rows' seeds.
 
     ``generation`` tells apart the passes of a pool that outlives one (persistent workers):
     answers to a pass that was abandoned are dropped, never mistaken for the new pass's steps.
+
+    Attributes:
+        generation: The pass.
+        step: The step.
+        refs: Units the Arrow path takes columns from.
+        take: Row indices into their concatenation, in batch order.
+        seeds: Each row's seed, in batch order.
+        outbox: The folder the batch is shipped through (:mod:`lakeloader.workers.shipping`).
+        rows: Arena row of each batch row, or None (nothing packed).
+        names: The packed columns to gather from those rows.
+        arena: The arena's handle as it was when the task was sent, or None.
     """
 
     generation: int
     step: int
     refs: Sequence[UnitRef]
     take: np.ndarray
+    seeds: np.ndarray
+    outbox: str
+    rows: np.ndarray | None = None
+    names: tuple[str, ...] = ()
+    arena: ArenaHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -225,21 +240,28 @@ class _Worker:
             cause = RuntimeError(describe(cause))
         return Result(task.generation, task.step, self._id, exception=exc, cause=cause)
 
+    def _records(self, arena: ArenaHandle | None) -> np.ndarray | None:
+        """The arena's rows as the loader's process had them when it sent the task."""
+        layout = self._setup.layout
+        if arena is None or layout is None:
+            return None
+        size = arena.capacity * layout.row_bytes
+        return self._arena.bytes(arena.path, size).view(layout.record)
+
     def _build(self, task: Task) -> Result:
-        setup = self._setup
-        units = self._opener.open(task.refs, None)
-        payload = build_payload(
-            units, task.take, setup.schema, setup.transform, setup.collate_fn, {}
-        )
+        setup, records = self._setup, self._records(task.arena)
+        ready: dict[str, np.ndarray] = {}
+        if records is not None and task.rows is not None and setup.layout is not None:
+            ready = gather_packed(records, task.rows, setup.layout, task.names)
+        units = self._opener.open(task.refs, records)
+        kind, batch = build_payload(units, task.take, setup.schema, setup.recipe, ready, task.seeds)
+        payload = kind, ship(batch, task.outbox)
         return Result(task.generation, task.step, self._id, payload=payload)
 
     def _decode(self, task: DecodeTask) -> Result:
-        decoder, layout = self._decoder, self._setup.layout
+        decoder = self._decoder
         assert decoder is not None
-        records = None
-        if task.arena is not None and layout is not None:
-            size = task.arena.capacity * layout.row_bytes
-            records = self._arena.bytes(task.arena.path, size).view(layout.record)
+        records = self._records(task.arena)
         before = decoder.reader.counters.totals()
         held = decoder.decode(task.job, records)
         after = decoder.reader.counters.totals()

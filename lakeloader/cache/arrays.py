@@ -1,0 +1,198 @@
+"""Array columns as numpy: fixed-size lists as dense blocks, lists as values plus offsets.
+
+A ``fixed_size_list<number>[D]`` (nested: ``[D1][D2]...``) has the same width in every row, so
+it becomes a dense ``(rows, D1, D2, ...)`` array: packed into the arena like a scalar column
+(:mod:`lakeloader.cache.packed`), then a ``[B, D1, ...]`` tensor. A ``list`` or
+``large_list`` of numbers (or of such fixed-size lists) has a length per row: it becomes
+:class:`Ragged` values and offsets, which the batch hands to torch as a jagged nested tensor
+or pads (:func:`lakeloader.pipeline.collate.columns_to_tensors`).
+
+Nulls follow the scalar rules: in a float column a null element, or a null fixed-size list, is
+NaN; an integer or boolean array cannot hold a null, and the batch that holds one fails naming
+the column and the file (:func:`blocking_nulls`). A null *list* (of a variable-length column)
+has no length: it becomes an empty row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+def _is_number(typ: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ))
+
+
+def fixed_shape(typ: pa.DataType) -> tuple[tuple[int, ...], pa.DataType] | None:
+    """The dimensions and element type of a (nested) fixed-size list of numbers, or None.
+
+    >>> fixed_shape(pa.list_(pa.list_(pa.float32(), 3), 2))
+    ((2, 3), DataType(float))
+    >>> fixed_shape(pa.list_(pa.string(), 2)) is None
+    True
+    """
+    dims: list[int] = []
+    while pa.types.is_fixed_size_list(typ):
+        dims.append(typ.list_size)
+        typ = typ.value_type
+    if not dims or not _is_number(typ):
+        return None
+    return tuple(dims), typ
+
+
+def is_ragged_type(typ: pa.DataType) -> bool:
+    """Whether a column is a list or large list of numbers (or of fixed-size lists of them).
+
+    >>> [is_ragged_type(t) for t in (pa.list_(pa.int32()), pa.large_list(pa.list_(pa.float16(), 3)),
+    ...  pa.list_(pa.string()), pa.list_(pa.list_(pa.int8())))]
+    [True, True, False, False]
+    """
+    if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
+        return False
+    inner = typ.value_type
+    return _is_number(inner) or fixed_shape(inner) is not None
+
+
+def _leaf(typ: pa.DataType) -> pa.DataType:
+    while pa.types.is_fixed_size_list(typ) or pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        typ = typ.value_type
+    return typ
+
+
+def _one(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(col, pa.ChunkedArray):
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return col
+
+
+def blocking_nulls(col: pa.Array | pa.ChunkedArray) -> int:
+    """Nulls in a tensor-bound column that its tensor cannot hold (0 for float columns).
+
+    Null lists of a variable-length column never count (they become empty rows).
+
+    >>> blocking_nulls(pa.array([[1, None], [2, 3]], pa.list_(pa.int8(), 2)))
+    1
+    >>> blocking_nulls(pa.array([[1.0, None], None], pa.list_(pa.float32(), 2)))
+    0
+    """
+    if pa.types.is_floating(_leaf(col.type)):
+        return 0
+    arr = _one(col)
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        arr = arr.flatten()  # the values of the non-null lists
+    count = 0
+    while pa.types.is_fixed_size_list(arr.type):
+        count += arr.null_count
+        arr = _fixed_children(arr)
+    return count + int(arr.null_count)
+
+
+def _fixed_children(arr: pa.FixedSizeListArray) -> pa.Array:
+    """The values of a fixed-size list array's rows, null rows included, in row order."""
+    size = arr.type.list_size
+    return arr.values.slice(arr.offset * size, len(arr) * size)
+
+
+def _leaf_numpy(arr: pa.Array) -> np.ndarray:
+    if arr.null_count and pa.types.is_floating(arr.type):
+        arr = pc.fill_null(arr, pa.scalar(np.nan, arr.type))
+    return np.asarray(arr.to_numpy(zero_copy_only=False))
+
+
+def fixed_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A (nested) fixed-size list column as a ``(rows, D1, D2, ...)`` array.
+
+    Float nulls, of elements or of whole lists, become NaN. The caller checks
+    :func:`blocking_nulls` first for other element types.
+
+    >>> fixed_numpy(pa.array([[1.0, 2.0], None], pa.list_(pa.float32(), 2))).tolist()
+    [[1.0, 2.0], [nan, nan]]
+    """
+    shape = fixed_shape(col.type)
+    assert shape is not None, col.type
+    arr = _one(col)
+    rows, levels = len(arr), []
+    while pa.types.is_fixed_size_list(arr.type):
+        levels.append(arr)
+        arr = _fixed_children(arr)
+    values = _leaf_numpy(arr).reshape(rows, *shape[0])
+    if pa.types.is_floating(arr.type) and any(level.null_count for level in levels):
+        values = values if values.flags.writeable else values.copy()
+        for level in levels:
+            if level.null_count:
+                valid = np.asarray(level.is_valid().to_numpy(zero_copy_only=False))
+                values.reshape(len(level), -1)[~valid] = np.nan
+    return values
+
+
+def to_arrow(values: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """A packed column (one row per element of ``values``) back as an Arrow array of ``typ``.
+
+    >>> to_arrow(np.arange(4.0).reshape(2, 2), pa.list_(pa.float64(), 2)).to_pylist()
+    [[0.0, 1.0], [2.0, 3.0]]
+    """
+    shape = fixed_shape(typ)
+    if shape is None:
+        return pa.array(values).cast(typ)
+    arr = pa.array(np.ascontiguousarray(values).reshape(-1)).cast(shape[1])
+    for size in reversed(shape[0]):
+        arr = pa.FixedSizeListArray.from_arrays(arr, size)
+    return arr.cast(typ)  # field names of the list types
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A batch's variable-length column: every row's values end to end, and the offsets.
+
+    Attributes:
+        values: ``(total, *inner)``: the elements of row ``i`` are
+            ``values[offsets[i]:offsets[i + 1]]``.
+        offsets: ``rows + 1`` int64 offsets, starting at 0.
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Elements per row."""
+        return np.diff(self.offsets)
+
+    def padded(self, pad: float | int) -> np.ndarray:
+        """The rows padded with ``pad`` to the longest: ``(rows, max_len, *inner)``.
+
+        >>> Ragged(np.arange(3), np.array([0, 2, 2, 3])).padded(-1).tolist()
+        [[0, 1], [-1, -1], [2, -1]]
+        """
+        lengths = self.lengths
+        width = int(lengths.max()) if len(lengths) else 0
+        out = np.full((len(lengths), width, *self.values.shape[1:]), pad, self.values.dtype)
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        out[rows, np.arange(len(rows)) - self.offsets[:-1][rows]] = self.values
+        return out
+
+    def rows(self) -> list[np.ndarray]:
+        """Each row's values (views of ``values``)."""
+        return np.split(self.values, self.offsets[1:-1])
+
+
+def ragged_numpy(col: pa.Array | pa.ChunkedArray) -> Ragged:
+    """A list column of numbers (or of fixed-size lists) as values and int64 offsets.
+
+    Null lists become empty rows; float null elements NaN. The caller checks
+    :func:`blocking_nulls` first for other element types.
+
+    >>> r = ragged_numpy(pa.array([[1, 2], None, [3]], pa.large_list(pa.int16())))
+    >>> r.values.tolist(), r.offsets.tolist()
+    ([1, 2, 3], [0, 2, 2, 3])
+    """
+    arr = _one(col)
+    lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(arr) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    inner = arr.flatten()  # the non-null lists' values, slicing taken care of
+    values = fixed_numpy(inner) if fixed_shape(inner.type) else _leaf_numpy(inner)
+    return Ragged(values, offsets)

@@ -1,0 +1,117 @@
+"""How rows become the batch the training loop gets: a :class:`BatchRecipe` and its payloads.
+
+The default recipe is columnar (:mod:`lakeloader.pipeline.collate`): a dict of tensors with no
+per-row Python. A ``transform`` or a ``collate_fn`` takes the row path
+(:mod:`lakeloader.pipeline.rows`): ``transform(row)`` per row, then ``collate_fn(rows)``
+(torch's ``default_collate`` when none). A ``batch_transform`` is then called on the collated
+batch. Whoever builds a batch (a worker, or a thread of the loader's process) runs all of it,
+with :mod:`lakeloader.randomness` drawing from the rows' seeds and the global generators seeded
+from the batch's.
+
+A payload is what a builder hands back: ``(COLUMNS, arrays)``, which
+:func:`finish_payload` turns into tensors where the batch is delivered, or ``(COLLATED,
+batch)``, the batch as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+from torch.utils.data import default_collate
+
+from lakeloader.cache.packed import Packed
+from lakeloader.pipeline.collate import (
+    BatchTransform,
+    Collate,
+    ListFormat,
+    Transform,
+    columns_to_tensors,
+    gather_columns,
+    gather_table,
+)
+from lakeloader.pipeline.rows import to_rows, transform_rows
+from lakeloader.randomness import batch_seed, drawing, seed_globals
+
+#: Tag of a payload in columnar form (numpy arrays to be turned into tensors).
+COLUMNS: Final = "columns"
+#: Tag of a payload that is already the batch.
+COLLATED: Final = "collated"
+
+#: A builder's answer: a tag and what it tags.
+Payload = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchRecipe:
+    """What turns a step's rows into its batch.
+
+    Attributes:
+        transform: Called on each row (a dict), or None.
+        collate_fn: Makes a batch of the transformed rows (None: ``default_collate``).
+        batch_transform: Called on each collated batch, or None.
+        lists: How list columns appear on the columnar path.
+    """
+
+    transform: Transform | None = None
+    collate_fn: Collate | None = None
+    batch_transform: BatchTransform | None = None
+    lists: ListFormat = field(default_factory=ListFormat)
+
+    @property
+    def rows_path(self) -> bool:
+        """Whether rows are made one by one (a transform or a collate_fn)."""
+        return self.transform is not None or self.collate_fn is not None
+
+    @property
+    def user_code(self) -> bool:
+        """Whether building a batch runs the user's code (anything but the default)."""
+        return self.rows_path or self.batch_transform is not None
+
+
+def build_payload(
+    units: Sequence[Packed],
+    take: np.ndarray,
+    schema: pa.Schema,
+    recipe: BatchRecipe,
+    ready: Mapping[str, Any],
+    seeds: np.ndarray,
+) -> Payload:
+    """Build one batch from decoded units (in a worker, or in the loader's process).
+
+    Args:
+        units: The batch's units.
+        take: Row indices into their concatenation, in batch order.
+        schema: The batch's columns.
+        recipe: How the batch is made.
+        ready: Columns already gathered from the arena (columnar path only).
+        seeds: Each row's seed (:func:`lakeloader.randomness.slot_seeds`), in batch order.
+
+    Returns:
+        ``(COLUMNS, dict of arrays or lists)`` on the default path, else ``(COLLATED, batch)``.
+    """
+    if not recipe.rows_path:
+        columns = gather_columns(units, take, schema, ready)
+        if recipe.batch_transform is None:
+            return COLUMNS, columns
+        batch = columns_to_tensors(columns, recipe.lists)
+    else:
+        rows: list[Any] = to_rows(gather_table(units, take, schema))
+        seed_globals(batch_seed(seeds))
+        if recipe.transform is not None:
+            rows = transform_rows(rows, recipe.transform, seeds)
+        batch = (recipe.collate_fn or default_collate)(rows)
+        if recipe.batch_transform is None:
+            return COLLATED, batch
+    seed_globals(batch_seed(seeds))
+    with drawing(seeds):
+        return COLLATED, recipe.batch_transform(batch)
+
+
+def finish_payload(payload: Payload, recipe: BatchRecipe) -> Any:
+    """Turn a payload into the batch the training loop receives."""
+    kind, value = payload
+    return columns_to_tensors(value, recipe.lists) if kind == COLUMNS else value

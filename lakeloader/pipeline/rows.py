@@ -1,0 +1,61 @@
+"""The row path: rows as dicts, as torch's DataLoader hands them to a ``transform``.
+
+A row's numbers, strings and nested values are Python values; its array columns (fixed-size
+lists and lists of numbers) are tensors, views of the batch's arrays, so that
+``default_collate`` stacks a fixed-size list column into ``[B, D]`` instead of transposing
+lists of floats. An array column whose batch holds nulls that its tensor cannot hold (an
+integer element, or an integer fixed-size list, that is null) comes as Python lists with
+``None`` for that batch, for the transform to fill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from lakeloader.cache.arrays import blocking_nulls, fixed_shape, is_ragged_type, ragged_numpy
+from lakeloader.cache.packed import tensor_numpy
+from lakeloader.pipeline.collate import Transform, python_values
+from lakeloader.randomness import drawing
+
+
+def row_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
+    """One column's value for each row: tensors for array columns, else Python values.
+
+    >>> [t.tolist() for t in row_values(pa.array([[1, 2], [3]], pa.list_(pa.int32())))]
+    [[1, 2], [3]]
+    >>> row_values(pa.array([[1, None]], pa.list_(pa.int32())))
+    [[1, None]]
+    """
+    typ = col.type
+    if fixed_shape(typ) is not None and not blocking_nulls(col):
+        return list(_tensor(tensor_numpy(col)).unbind(0))
+    if is_ragged_type(typ) and not blocking_nulls(col):
+        ragged = ragged_numpy(col)
+        return list(torch.split(_tensor(ragged.values), np.diff(ragged.offsets).tolist()))
+    return python_values(col)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def to_rows(table: pa.Table) -> list[dict[str, Any]]:
+    """Rows as dicts: Python values, tensors for array columns (see the module's note)."""
+    columns = [list(row_values(col)) for col in table.columns]
+    return [
+        dict(zip(table.column_names, values, strict=True)) for values in zip(*columns, strict=True)
+    ]
+
+
+def transform_rows(rows: list[Any], transform: Transform, seeds: np.ndarray) -> list[Any]:
+    """``transform`` on each row, with :func:`lakeloader.rng` drawing from that row's seed."""
+    out = []
+    with drawing(seeds) as draws:
+        for i, row in enumerate(rows):
+            draws.at(i)
+            out.append(transform(row))
+    return out

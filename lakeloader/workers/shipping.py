@@ -1,0 +1,192 @@
+"""Batches from a worker to the loader's process through shared memory, not the pipe.
+
+A batch a worker builds holds tensors (and numpy arrays). Pickled onto the result pipe, each
+would be copied into the pickle, through the pipe, and out of the pickle again. Instead the
+worker writes them all into one file of the pass's folder (``/dev/shm`` when it has room)
+and sends only the batch's structure with a :class:`Slot` in place of each
+(:func:`ship`); the loader's process maps the file, wraps each slot as a tensor or array of
+the map with no copy, and unlinks it (:func:`receive`). The memory lives as long as the
+batch's tensors do, and a pass's folder, with any file a dead worker left, is deleted with
+the pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import mmap
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+#: Byte alignment of each tensor in a shipped file.
+ALIGN: Final = 64
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor or array lies in a shipped file.
+
+    Attributes:
+        offset: Its first byte.
+        dtype: Its element type (a ``torch.dtype``, or a numpy dtype string for an array).
+        shape: Its shape.
+        array: Whether it was a numpy array (else a tensor).
+    """
+
+    offset: int
+    dtype: Any
+    shape: tuple[int, ...]
+    array: bool = False
+
+
+@dataclass(frozen=True)
+class Jagged:
+    """A jagged nested tensor, as its values and offsets."""
+
+    values: Slot
+    offsets: Slot
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A batch in shared memory: its structure with slots, and the file (None: no tensor)."""
+
+    tree: Any
+    path: str | None
+
+
+_names = itertools.count()
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.size = 0
+        self.parts: list[tuple[int, torch.Tensor]] = []
+
+    def slot(self, tensor: torch.Tensor, array: bool = False) -> Slot:
+        tensor = tensor.contiguous()
+        at = -(-self.size // ALIGN) * ALIGN
+        self.size = at + tensor.numel() * tensor.element_size()
+        self.parts.append((at, tensor))
+        dtype: Any = tensor.dtype
+        if array:
+            dtype = str(tensor.numpy().dtype)
+        return Slot(at, dtype, tuple(tensor.shape), array)
+
+    def leaf(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            if obj.is_nested:
+                if obj.layout != torch.jagged:
+                    return obj
+                return Jagged(self.slot(obj.values()), self.slot(obj.offsets()))  # type: ignore[attr-defined]
+            return self.slot(obj.detach())
+        if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+            return self.slot(torch.from_numpy(np.ascontiguousarray(obj)), array=True)
+        return _WALK
+
+
+#: What a leaf function returns for an object that is not a leaf: walk into it.
+_WALK: Final = object()
+
+
+def _rebuild(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with each leaf replaced by ``leaf(obj)``.
+
+    Dicts, lists, tuples (named too) and dataclasses are walked; anything else is kept.
+    """
+    got = leaf(obj)
+    if got is not _WALK:
+        return got
+    if type(obj) is dict:
+        return {k: _rebuild(v, leaf) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_rebuild(v, leaf) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_rebuild(v, leaf) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_rebuild(v, leaf) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f for f in dataclasses.fields(obj) if f.init]
+        try:
+            return dataclasses.replace(
+                obj, **{f.name: _rebuild(getattr(obj, f.name), leaf) for f in fields}
+            )
+        except (TypeError, ValueError):
+            return obj
+    return obj
+
+
+def ship(batch: Any, folder: str) -> Shipped:
+    """Write a batch's tensors and arrays into one new file of ``folder``.
+
+    Dicts, lists, tuples (named too) and dataclasses are walked; anything else travels as it
+    is (pickled with the answer).
+    """
+    writer = _Writer()
+    tree = _rebuild(batch, writer.leaf)
+    if not writer.parts:
+        return Shipped(tree, None)
+    path = os.path.join(folder, f"batch-{os.getpid()}-{next(_names)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(writer.size, 1))
+        with mmap.mmap(fd, max(writer.size, 1)) as mm:
+            for at, tensor in writer.parts:
+                nbytes = tensor.numel() * tensor.element_size()
+                if nbytes:
+                    view = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at)
+                    view.copy_(tensor.reshape(-1).view(torch.uint8))
+                    del view
+    finally:
+        os.close(fd)
+    return Shipped(tree, path)
+
+
+class _Reader:
+    def __init__(self, mm: mmap.mmap | None) -> None:
+        self.mm = mm
+
+    def tensor(self, slot: Slot) -> Any:
+        dtype = torch.from_numpy(np.empty(0, slot.dtype)).dtype if slot.array else slot.dtype
+        count = int(np.prod(slot.shape, dtype=np.int64))
+        if count == 0 or self.mm is None:
+            out = torch.empty(slot.shape, dtype=dtype)
+        else:
+            out = torch.frombuffer(self.mm, dtype=dtype, count=count, offset=slot.offset)
+            out = out.view(slot.shape)
+        return out.numpy() if slot.array else out
+
+    def leaf(self, obj: Any) -> Any:
+        if isinstance(obj, Slot):
+            return self.tensor(obj)
+        if isinstance(obj, Jagged):
+            values, offsets = self.tensor(obj.values), self.tensor(obj.offsets)
+            return torch.nested.nested_tensor_from_jagged(values, offsets)
+        return _WALK
+
+
+def receive(shipped: Shipped) -> Any:
+    """The batch a worker shipped: its tensors map the file, which is unlinked here.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     got = receive(ship({"x": torch.arange(3), "n": [np.ones(2)], "s": "a"}, d))
+    ...     left = os.listdir(d)
+    >>> got["x"].tolist(), got["n"][0].tolist(), got["s"], left
+    ([0, 1, 2], [1.0, 1.0], 'a', [])
+    """
+    if shipped.path is None:
+        return _rebuild(shipped.tree, _Reader(None).leaf)
+    fd = os.open(shipped.path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+        os.unlink(shipped.path)
+    return _rebuild(shipped.tree, _Reader(mm).leaf)
