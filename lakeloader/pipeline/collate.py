@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 
 from lakeloader.cache.arrays import Ragged, blocking_nulls, is_ragged_type, ragged_numpy, to_arrow
+from lakeloader.cache.kernels import unsliced_table
 from lakeloader.cache.packed import (
     Packed,
     Selection,
@@ -122,8 +123,9 @@ def _arrow_column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> p
     """One column of the batch through Arrow (units that packed it give it from their bytes)."""
     parts = []
     for unit in units:
-        if field.name in unit.table.column_names:
-            col = unit.table.column(field.name)  # one chunk: combined when decoded
+        at = unit.table.schema.get_field_index(field.name)  # not column_names: a new list
+        if at >= 0:
+            col = unit.table.column(at)  # one chunk: combined when decoded
             parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
         else:
             parts.append(to_arrow(column_of(unit, field.name), field.type))
@@ -174,8 +176,18 @@ def _batch_column(
 
 
 def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> pa.Table:
-    """The batch as an Arrow table with the columns' own types (for the row path)."""
+    """The batch as an Arrow table with the columns' own types (for the row path).
+
+    When every unit holds every column in Arrow form (nothing packed), each unit's rows are
+    taken with one call for all columns, rather than one per column.
+    """
     sel = select([u.num_rows for u in units], take)
+    if units and all(u.rows is None for u in units):
+        parts = [
+            unsliced_table(units[u].table.select(schema.names)).take(sel.local[a:b])
+            for u, (a, b) in zip(sel.unit, sel.bounds, strict=True)
+        ]
+        return pa.concat_tables(parts).combine_chunks().take(sel.inverse).cast(schema)
     arrays = [
         _arrow_column(units, sel, field) if units else pa.array([], field.type) for field in schema
     ]

@@ -46,9 +46,8 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 def to_rows(table: pa.Table) -> list[dict[str, Any]]:
     """Rows as dicts: Python values, tensors for array columns (see the module's note)."""
     columns = [list(row_values(col)) for col in table.columns]
-    return [
-        dict(zip(table.column_names, values, strict=True)) for values in zip(*columns, strict=True)
-    ]
+    names = table.column_names  # once: pyarrow builds this list anew at each access
+    return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
 
 
 def transform_rows(rows: list[Any], transform: Transform, seeds: np.ndarray) -> list[Any]:
