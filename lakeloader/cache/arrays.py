@@ -179,6 +179,50 @@ class Ragged:
         return np.split(self.values, self.offsets[1:-1])
 
 
+def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> Ragged | None:
+    """Rows of a list-of-numbers column spread over units, in one copy of their values.
+
+    ``pc.take`` per unit, a concatenation and a take back into batch order copy every value
+    three times; here each row's values are a view of its unit's, and one concatenation copies
+    them. Only for lists whose elements hold no null (else None: the caller takes the general
+    path).
+
+    Args:
+        parts: The column of each unit (one chunk each).
+        unit: The unit of each batch row, in batch order.
+        row: Its row inside that unit.
+
+    >>> a = pa.array([[1, 2], None, [3]], pa.list_(pa.int32()))
+    >>> b = pa.array([[7], [8, 9]], pa.list_(pa.int32())).slice(1)
+    >>> r = gather_ragged([a, b], np.array([1, 0, 0, 0]), np.array([0, 2, 1, 0]))
+    >>> r.values.tolist(), r.offsets.tolist()
+    ([8, 9, 3, 1, 2], [0, 2, 3, 3, 5])
+    """
+    values, starts, stops = [], np.zeros(len(unit), np.int64), np.zeros(len(unit), np.int64)
+    for u, part in enumerate(parts):
+        child = part.values
+        if not _is_number(child.type) or child.null_count:
+            return None
+        values.append(_leaf_numpy(child))
+        mine = np.flatnonzero(unit == u)
+        if not len(mine):
+            continue
+        offsets = np.asarray(part.offsets.to_numpy(zero_copy_only=False), np.int64)
+        local = row[mine]
+        starts[mine], stops[mine] = offsets[local], offsets[local + 1]
+        if part.null_count:  # a null list is an empty row, whatever its offsets say
+            valid = np.asarray(part.is_valid().to_numpy(zero_copy_only=False))
+            stops[mine] = np.where(valid[local], stops[mine], starts[mine])
+    lengths = stops - starts
+    offsets = np.zeros(len(unit) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    bounds = zip(unit.tolist(), starts.tolist(), stops.tolist(), strict=True)
+    pieces = [values[u][a:b] for u, a, b in bounds]
+    dtype = values[0].dtype if values else np.dtype(np.float32)
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    return Ragged(flat, offsets)
+
+
 def ragged_numpy(col: pa.Array | pa.ChunkedArray) -> Ragged:
     """A list column of numbers (or of fixed-size lists) as values and int64 offsets.
 

@@ -20,7 +20,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from lakeloader.cache.arrays import Ragged, blocking_nulls, is_ragged_type, ragged_numpy, to_arrow
+from lakeloader.cache.arrays import (
+    Ragged,
+    blocking_nulls,
+    gather_ragged,
+    is_ragged_type,
+    ragged_numpy,
+    to_arrow,
+)
 from lakeloader.cache.kernels import unsliced_table
 from lakeloader.cache.packed import (
     Packed,
@@ -159,9 +166,25 @@ def gather_columns(
             col = pa.array([], field.type)
         else:
             sel = sel or select([u.num_rows for u in units], take)
+            if is_ragged_type(field.type):
+                ragged = _gather_ragged(units, sel, field.name)
+                if ragged is not None:
+                    out[field.name] = ragged
+                    continue
             col = _arrow_column(units, sel, field)
         out[field.name] = _batch_column(field, col, units)
     return out
+
+
+def _gather_ragged(units: Sequence[Packed], sel: Selection, name: str) -> Ragged | None:
+    """A list column's rows with one copy of their values (None: the general path)."""
+    parts = []
+    for unit in units:
+        col = unit.table.column(name)  # never packed
+        parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
+    runs = np.diff([0, *(b for _, b in sel.bounds)])
+    unit = np.repeat(np.asarray(sel.unit, np.int64), runs)[sel.inverse]
+    return gather_ragged(parts, unit, sel.local[sel.inverse])
 
 
 def _batch_column(

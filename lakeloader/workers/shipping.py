@@ -132,16 +132,12 @@ def ship(batch: Any, folder: str) -> Shipped:
     if not writer.parts:
         return Shipped(tree, None)
     path = os.path.join(folder, f"batch-{os.getpid()}-{next(_names)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, max(writer.size, 1))
-        with mmap.mmap(fd, max(writer.size, 1)) as mm:
-            for at, tensor in writer.parts:
-                nbytes = tensor.numel() * tensor.element_size()
-                if nbytes:
-                    view = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at)
-                    view.copy_(tensor.reshape(-1).view(torch.uint8))
-                    del view
+        for at, tensor in writer.parts:
+            if tensor.numel():  # bytes of any dtype (bfloat16 has no numpy type)
+                os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy().data, at)
     finally:
         os.close(fd)
     return Shipped(tree, path)
