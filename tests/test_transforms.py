@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from tests.conftest import (
     GLOBAL_BATCH,
     LAYOUT,
     LAYOUT_ROWS,
+    ROOT,
     global_batches,
     layout_dataset,
     make_loaders,
@@ -245,3 +248,22 @@ def test_killed_worker_on_batch_transform_path_changes_no_draw(lake: Path, row_d
     assert loader.stats()["worker_restarts"] == kills == 3
     loader.close()
     assert seen == {i: row_draws[0, i] for i in range(LAYOUT_ROWS)}
+
+
+def test_tokens_and_embeddings_example_runs(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "tokens_and_embeddings.py"),
+            "--lake",
+            str(tmp_path / "lake"),
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained on all 8000 rows once across a resume" in result.stderr
