@@ -267,3 +267,19 @@ def test_tokens_and_embeddings_example_runs(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained on all 8000 rows once across a resume" in result.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("kind", ["transform", "batch_transform"])
+def test_empty_shares_keep_the_batch_structure(lake: Path, kind: str, workers: int) -> None:
+    # 7 ranks x 214 rows: the last global batch holds 2 rows, so 5 ranks get an empty share.
+    fn = {"transform": draw_row, "batch_transform": draw_batch}[kind]
+    loaders = make_loaders(
+        layout_dataset(lake, **{kind: fn}), 7, batch_size=214, num_workers=workers
+    )
+    *_, last = zip(*(iter(lo) for lo in loaders), strict=True)
+    for lo in loaders:
+        lo.close()
+    assert [len(share["id"]) for share in last] == [1, 1, 0, 0, 0, 0, 0]
+    assert all(set(share) == {"id", "draw", "u"} for share in last)
+    assert all(isinstance(share["draw"], torch.Tensor) for share in last)

@@ -63,6 +63,7 @@ class LocalBuilder:
         #: Batches run the user's code (an empty share is then cut from a sample batch).
         self.user_code = spec.recipe.user_code
         self._empty: Payload | None = None
+        self._sample: Payload | None = None  # a batch of this pass, until _empty is made
 
     def seeds(self, step: BatchSpec, screened: Screened) -> np.ndarray:
         """Each row's seed (:mod:`lakeloader.randomness`), in batch order."""
@@ -117,18 +118,27 @@ class LocalBuilder:
                 ready[name] = python_values(views_array(ready[name], typ, buffers))
         units = self._opener.open(screened.refs, records) if screened.refs else []
         seeds = self.seeds(step, screened)
-        return build_payload(units, screened.take, self._schema, spec.recipe, ready, seeds)
+        payload = build_payload(units, screened.take, self._schema, spec.recipe, ready, seeds)
+        return self.seen(payload)
+
+    def seen(self, payload: Payload) -> Payload:
+        """Remember a built batch: an empty share is cut from it (see :meth:`empty`)."""
+        if self.user_code and self._empty is None:
+            self._sample = payload
+        return payload
 
     def empty(self) -> Payload:
-        """The payload of an empty share on the row path: a batch of the others' structure.
+        """The payload of an empty share with the user's code: the others' structure, no row.
 
         torch never calls a collate_fn with no rows (``default_collate([])`` fails), and the
-        structure of a transform's output is only known from a row. So the first row of the
-        epoch's first piece that is not quarantined goes through the transform, the
-        collate_fn and the batch_transform once per pass, and the result is cut to no row
-        (:func:`empty_like`).
-        With every piece quarantined there is no row: the empty share is ``[]``.
+        structure of a transform's output is only known from a row. So a batch built in this
+        pass is cut to no row (:func:`empty_like`); before any, the first row of the epoch's
+        first piece that is not quarantined goes through the transform, the collate_fn and the
+        batch_transform once. With every piece quarantined there is no row: the empty share is
+        ``[]``.
         """
+        if self._empty is None and self._sample is not None:
+            self._empty, self._sample = (COLLATED, empty_like(self._sample[1])), None
         if self._empty is None:
             self._empty = COLLATED, []
             store, timeout = self._space.store, self._spec.options.timeout or None
@@ -243,9 +253,8 @@ class WorkerBuilder:
             self._top_up(step.step)
             if deadline is not None and time.monotonic() > deadline and not future.done():
                 raise timed_out(self._spec, step.step)
-        payload: Payload = future.result()
-        kind, value = payload
-        return (kind, receive(value)) if isinstance(value, Shipped) else payload
+        kind, value = future.result()
+        return self._local.seen((kind, receive(value) if isinstance(value, Shipped) else value))
 
     def close(self, wait: bool) -> None:
         """Stop handing out steps; cancel those queued."""
