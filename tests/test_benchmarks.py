@@ -102,6 +102,26 @@ def test_cpu_split_smoke(tmp_path: Path) -> None:
     assert report["best"]["lakeloader-w2"]["workers_cpu_s"] > 0
 
 
+@pytest.mark.parametrize(
+    ("script", "tables"),
+    [("transforms", ("row_ratios", "batch_ratios")), ("array_columns", ("ratios",))],
+)
+def test_issue13_benchmarks_smoke(tmp_path: Path, script: str, tables: tuple[str, ...]) -> None:
+    _run(
+        f"benchmarks.{script}",
+        "--smoke",
+        "--lake",
+        str(tmp_path / "lake"),
+        "--out",
+        str(tmp_path),
+        timeout=300,
+    )
+    report = json.loads((tmp_path / f"{script}-smoke.json").read_text())
+    for table in tables:  # every loader ran and was measured against the reference
+        assert report[table] and all(r["rows_per_s"][0] > 0 for r in report[table].values())
+    assert "failed" not in (tmp_path / f"{script}-smoke.md").read_text()
+
+
 @pytest.mark.parametrize("script", ["benchmarks.memory"])
 def test_memory_smoke(tmp_path: Path, script: str) -> None:
     _run(script, "--smoke", "--lake", str(tmp_path / "lake"), "--out", str(tmp_path))

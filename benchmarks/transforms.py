@@ -1,0 +1,223 @@
+"""Per-row transforms and batch transforms: lakeloader against a plain loop and torch's own.
+
+Run it::
+
+    python -m benchmarks.transforms            # ~6 min; --smoke for a tiny run
+
+The lake (written once under ``--lake``): 4 files x 100,000 rows in row groups of 25,000,
+zstd; ``id`` int64, ``text`` (15 words, about 90 bytes) and ``f0..f15`` float32.
+
+Table 1, a per-row transform as a new user writes it (the text's bytes to a fixed int64
+tensor of 32, the 16 floats stacked), batch 1,024, every loader in its own process:
+
+- ``floor``: a plain single-process loop: ``ParquetFile.iter_batches(1024)``, ``to_pylist()``,
+  the transform per row, ``default_collate`` (file order: no shuffle);
+- ``lakeloader-w0`` / ``-w2``: ``DataLoader(LakeDataset(lake, transform=f), batch_size=1024,
+  num_workers=W)``;
+- ``torch-map-w2``: torch's ``DataLoader`` over a map-style dataset of the same rows (the
+  columns held as Python lists, a row dict per ``__getitem__``), ``shuffle=True``, 2 workers.
+
+Table 2, a vectorised batch transform (stack ``f0..f15`` to ``[B, 16]``, standardise, a
+``16 x 256`` projection and ``tanh``), applied either in the training loop to the default
+batch (``loop-wW``) or as ``LakeDataset(batch_transform=f)`` (``batch-wW``).
+
+Rows/s are counted after the first 3 batches of a full epoch; each table's loaders run in
+turn, ``--reps`` times, and each ratio is to the reference of the same repetition. Children run
+with ``OMP_NUM_THREADS=1`` (torch's intra-op threads would compete with the workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from benchmarks._common import machine, pinned_tree, write_results
+from benchmarks._steady import child_main, ratio_table, run_reps
+
+FLOATS = [f"f{i}" for i in range(16)]
+COLUMNS = ["id", "text", *FLOATS]
+WORDS = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"])
+BATCH = 1024
+
+
+def write_lake(root: Path, files: int, rows: int, group: int) -> Path:
+    """The benchmark lake (idempotent: kept if it has the expected files)."""
+    if len(glob.glob(str(root / "*.parquet"))) == files:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for f in range(files):
+        cols: dict[str, Any] = {"id": np.arange(f * rows, (f + 1) * rows)}
+        cols["text"] = [" ".join(WORDS[rng.integers(0, len(WORDS), 15)]) for _ in range(rows)]
+        for name in FLOATS:
+            cols[name] = rng.random(rows).astype(np.float32)
+        pq.write_table(
+            pa.table(cols), root / f"part-{f}.parquet", row_group_size=group, compression="zstd"
+        )
+    return root
+
+
+def transform(row: dict[str, Any]) -> dict[str, Any]:
+    """The per-row transform of table 1."""
+    import torch
+
+    tokens = list(row["text"].encode()[:32].ljust(32, b"\0"))
+    return {
+        "id": row["id"],
+        "tokens": torch.tensor(tokens, dtype=torch.int64),
+        "x": torch.tensor([row[f] for f in FLOATS], dtype=torch.float32),
+    }
+
+
+def batch_fn(batch: dict[str, Any]) -> dict[str, Any]:
+    """The vectorised batch transform of table 2."""
+    import torch
+
+    x = torch.stack([batch[f] for f in FLOATS], dim=1)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    weight = torch.linspace(-1, 1, 16 * 256).reshape(16, 256)
+    return {"id": batch["id"], "x": torch.tanh(x @ weight)}
+
+
+def _floor(args: argparse.Namespace) -> Iterable[Any]:
+    import torch
+    from torch.utils.data import default_collate
+
+    torch.set_num_threads(1)
+    for path in sorted(glob.glob(f"{args.lake}/*.parquet")):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=COLUMNS):
+            yield default_collate([transform(row) for row in batch.to_pylist()])
+
+
+class _MapRows:
+    """Torch's map-style dataset of the lake's rows (columns as Python lists)."""
+
+    def __init__(self, lake: str) -> None:
+        table = pq.read_table(lake, columns=COLUMNS)
+        self.names = table.column_names
+        self.columns = [c.to_pylist() for c in table.columns]
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def __getitem__(self, i: int) -> Any:
+        return transform({n: c[i] for n, c in zip(self.names, self.columns, strict=True)})
+
+
+def _torch_map(args: argparse.Namespace) -> Iterable[Any]:
+    import torch
+
+    data = _MapRows(args.lake)
+    yield from torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=2)
+
+
+def _lakeloader(workers: int, **kwargs: Any) -> Any:
+    def run(args: argparse.Namespace) -> Iterable[Any]:
+        import lakeloader as ll
+
+        columns = COLUMNS if "transform" in kwargs else ["id", *FLOATS]
+        ds = ll.LakeDataset(args.lake, columns=columns, seed=0, progress=False, **kwargs)
+        yield from ll.DataLoader(ds, batch_size=BATCH, num_workers=workers)
+
+    return run
+
+
+def _in_loop(workers: int) -> Any:
+    def run(args: argparse.Namespace) -> Iterable[Any]:
+        return (batch_fn(b) for b in _lakeloader(workers)(args))
+
+    return run
+
+
+ROW_LOADERS = {
+    "floor": _floor,
+    "lakeloader-w0": _lakeloader(0, transform=transform),
+    "lakeloader-w2": _lakeloader(2, transform=transform),
+    "torch-map-w2": _torch_map,
+}
+BATCH_LOADERS = {
+    "loop-w0": _in_loop(0),
+    "batch-w0": _lakeloader(0, batch_transform=batch_fn),
+    "loop-w2": _in_loop(2),
+    "batch-w2": _lakeloader(2, batch_transform=batch_fn),
+}
+LABELS = {
+    "floor": "plain loop (floor)",
+    "lakeloader-w0": "lakeloader, 0 workers",
+    "lakeloader-w2": "lakeloader, 2 workers",
+    "torch-map-w2": "torch DataLoader, map-style, 2 workers",
+    "loop-w0": "function in the loop, 0 workers",
+    "batch-w0": "batch_transform, 0 workers",
+    "loop-w2": "function in the loop, 2 workers",
+    "batch-w2": "batch_transform, 2 workers",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the lake, run the tables, write ``results/transforms.{json,md}``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lake", default="/tmp/lakeloader-bench-transforms")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tiny lake, one repetition")
+    parser.add_argument("--src", default=None, help="HEAD (default) or worktree (--smoke)")
+    parser.add_argument("--out", default=None, help="results folder (default results/)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        loaders = {**ROW_LOADERS, **BATCH_LOADERS}
+        return child_main(loaders, args, lambda b: len(b["id"]))
+    if args.smoke:
+        args.lake, args.reps = args.lake + "-smoke", 1
+    files, rows, group = (2, 3_000, 1_000) if args.smoke else (4, 100_000, 25_000)
+    write_lake(Path(args.lake), files, rows, group)
+    cwd, src = pinned_tree(args.src or ("worktree" if args.smoke else "HEAD"))
+    before = machine()
+    extra = ["--lake", args.lake]
+    row = run_reps("benchmarks.transforms", list(ROW_LOADERS), args.reps, extra, cwd, 900)
+    batch = run_reps("benchmarks.transforms", list(BATCH_LOADERS), args.reps, extra, cwd, 900)
+    row_table, row_data = ratio_table(row, "floor", LABELS)
+    batch_table, batch_data = ratio_table(batch, "loop-w2", LABELS)
+    after = machine()
+    markdown = "\n".join(
+        [
+            "# Per-row and batch transforms (`python -m benchmarks.transforms`)",
+            "",
+            f"lakeloader {src['commit']} ({src['src']}); {before['cpus']} cores; load average "
+            f"{before['loadavg_1min']} before, {after['loadavg_1min']} after; "
+            f"{files} files x {rows:,} rows; batch {BATCH}; {args.reps} repetitions in turn.",
+            "",
+            "## A per-row transform (ratio to the plain single-process loop)",
+            "",
+            row_table,
+            "",
+            "## A vectorised batch transform (ratio to the function in the loop, 2 workers)",
+            "",
+            batch_table,
+        ]
+    )
+    data = {
+        "machine": before,
+        "after": after,
+        "src": src,
+        "rows": row,
+        "batches": batch,
+        "row_ratios": row_data,
+        "batch_ratios": batch_data,
+    }
+    name = "transforms-smoke" if args.smoke else "transforms"
+    json_path, md_path = write_results(name, data, markdown, args.out)
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
