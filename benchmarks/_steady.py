@@ -9,6 +9,7 @@ within a run mean much).
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -17,7 +18,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import emit_result, markdown_table, run_child
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from benchmarks._common import emit_result, machine, markdown_table, run_child, write_results
 
 #: Batches left out of the timing at the start (workers starting, first decodes).
 WARMUP_BATCHES = 3
@@ -89,3 +94,66 @@ def ratio_table(
         rows,
     )
     return table, data
+
+
+def write_lake(
+    root: Path, files: int, table_of: Callable[[np.random.Generator, int], pa.Table], group: int
+) -> None:
+    """Write ``files`` files of ``table_of(rng, f)`` in row groups of ``group`` rows, once.
+
+    Kept as it is when ``root`` already has that many files (the lake is deterministic).
+    """
+    if len(list(root.glob("*.parquet"))) == files:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for f in range(files):
+        pq.write_table(table_of(rng, f), root / f"part-{f}.parquet", row_group_size=group)
+
+
+def parse(description: str, lake: str, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments every such benchmark takes (``--smoke`` sets one repetition)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--lake", default=lake, help="where the lake is written (once)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tiny lake, one repetition")
+    parser.add_argument("--src", default=None, help="HEAD (default) or worktree (--smoke)")
+    parser.add_argument("--out", default=None, help="results folder (default results/)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke and args.child is None:
+        args.lake, args.reps = args.lake + "-smoke", 1
+    return args
+
+
+def finish(
+    name: str,
+    args: argparse.Namespace,
+    header: tuple[str, dict[str, Any], dict[str, Any]],
+    sections: Sequence[str],
+    data: dict[str, Any],
+) -> int:
+    """Write ``NAME(-smoke).{json,md}``: a title, the run's conditions, then ``sections``.
+
+    Args:
+        name: The script's name.
+        args: Its arguments.
+        header: The title, the source measured (from ``pinned_tree``) and the machine before.
+        sections: Markdown after the conditions line.
+        data: What goes into the JSON besides the machine and the source.
+    """
+    title, src, before = header
+    after = machine()
+    conditions = (
+        f"lakeloader {src['commit']} ({src['src']}); {before['cpus']} cores; load average "
+        f"{before['loadavg_1min']} before, {after['loadavg_1min']} after; {args.reps} "
+        "repetitions, the loaders in turn."
+    )
+    markdown = "\n".join([f"# {title}", "", conditions, "", *sections])
+    full = {"machine": before, "after": after, "src": src, **data}
+    json_path, md_path = write_results(
+        f"{name}-smoke" if args.smoke else name, full, markdown, args.out
+    )
+    print(markdown)
+    print(f"wrote {json_path} and {md_path}")
+    return 0

@@ -28,7 +28,7 @@ import argparse
 import glob
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,30 +36,27 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks._common import machine, pinned_tree, write_results
-from benchmarks._steady import child_main, ratio_table, run_reps
+from benchmarks._common import machine, pinned_tree
+from benchmarks._steady import child_main, finish, parse, ratio_table, run_reps, write_lake
 
 DIM = 768
 COLUMNS = ["id", "emb", "tokens"]
 BATCH = 1024
 
 
-def write_lake(root: Path, files: int, rows: int, group: int) -> Path:
-    """The benchmark lake (idempotent: kept if it has the expected files)."""
-    if len(glob.glob(str(root / "*.parquet"))) == files:
-        return root
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for f in range(files):
+def _table(rows: int) -> Callable[[np.random.Generator, int], pa.Table]:
+    """File ``f`` of the lake: ids, embeddings, token lists of 64-2,048 ids."""
+
+    def table(rng: np.random.Generator, f: int) -> pa.Table:
         lengths = rng.integers(64, 2049, rows)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         ids = rng.integers(0, 50_000, int(offsets[-1])).astype(np.int32)
         tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
         values = pa.array(rng.standard_normal(rows * DIM, dtype=np.float32))
         emb = pa.FixedSizeListArray.from_arrays(values, DIM)
-        table = pa.table({"id": np.arange(f * rows, (f + 1) * rows), "emb": emb, "tokens": tokens})
-        pq.write_table(table, root / f"part-{f}.parquet", row_group_size=group)
-    return root
+        return pa.table({"id": np.arange(f * rows, (f + 1) * rows), "emb": emb, "tokens": tokens})
+
+    return table
 
 
 def _touch(emb: Any, values: Any) -> float:
@@ -99,61 +96,34 @@ def _lakeloader(workers: int, **kwargs: Any) -> Any:
     return run
 
 
+#: Each loader: its label in the table, and what it runs.
 LOADERS = {
-    "pyarrow": _pyarrow,
-    "lakeloader-w0": _lakeloader(0),
-    "lakeloader-w2": _lakeloader(2),
-    "lakeloader-w2-padded": _lakeloader(2, list_format="padded"),
-}
-LABELS = {
-    "pyarrow": "pyarrow iter_batches into tensors",
-    "lakeloader-w0": "lakeloader, 0 workers",
-    "lakeloader-w2": "lakeloader, 2 workers",
-    "lakeloader-w2-padded": "lakeloader, 2 workers, padded",
+    "pyarrow": ("pyarrow iter_batches into tensors", _pyarrow),
+    "lakeloader-w0": ("lakeloader, 0 workers", _lakeloader(0)),
+    "lakeloader-w2": ("lakeloader, 2 workers", _lakeloader(2)),
+    "lakeloader-w2-padded": ("lakeloader, 2 workers, padded", _lakeloader(2, list_format="padded")),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     """Write the lake, run the loaders, write ``results/array_columns.{json,md}``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lake", default="/tmp/lakeloader-bench-arrays")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="a tiny lake, one repetition")
-    parser.add_argument("--src", default=None, help="HEAD (default) or worktree (--smoke)")
-    parser.add_argument("--out", default=None, help="results folder (default results/)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(__doc__.splitlines()[0], "/tmp/lakeloader-bench-arrays", argv)
     if args.child is not None:
-        return child_main(LOADERS, args, lambda n: n)
-    if args.smoke:
-        args.lake, args.reps = args.lake + "-smoke", 1
+        return child_main({k: run for k, (_, run) in LOADERS.items()}, args, lambda n: n)
     files, rows, group = (2, 2_000, 500) if args.smoke else (6, 20_000, 5_000)
-    write_lake(Path(args.lake), files, rows, group)
+    write_lake(Path(args.lake), files, _table(rows), group)
     cwd, src = pinned_tree(args.src or ("worktree" if args.smoke else "HEAD"))
     before = machine()
-    samples = run_reps(
-        "benchmarks.array_columns", list(LOADERS), args.reps, ["--lake", args.lake], cwd, 900
+    extra = ["--lake", args.lake]
+    samples = run_reps("benchmarks.array_columns", list(LOADERS), args.reps, extra, cwd, 900)
+    table, ratios = ratio_table(samples, "pyarrow", {k: v[0] for k, v in LOADERS.items()})
+    lake = (
+        f"{files} files x {rows:,} rows (a 768-dim float32 embedding, 64-2,048 int32 tokens), "
+        f"batch {BATCH}; ratios to pyarrow in the same repetition."
     )
-    table, ratios = ratio_table(samples, "pyarrow", LABELS)
-    after = machine()
-    markdown = "\n".join(
-        [
-            "# Array columns (`python -m benchmarks.array_columns`)",
-            "",
-            f"lakeloader {src['commit']} ({src['src']}); {before['cpus']} cores; load average "
-            f"{before['loadavg_1min']} before, {after['loadavg_1min']} after; {files} files x "
-            f"{rows:,} rows (768-dim float32 embedding, 64-2,048 int32 tokens); batch {BATCH}; "
-            f"{args.reps} repetitions in turn; ratios to pyarrow in the same repetition.",
-            "",
-            table,
-        ]
-    )
-    data = {"machine": before, "after": after, "src": src, "samples": samples, "ratios": ratios}
-    name = "array_columns-smoke" if args.smoke else "array_columns"
-    json_path, md_path = write_results(name, data, markdown, args.out)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    title = "Array columns (`python -m benchmarks.array_columns`)"
+    data = {"samples": samples, "ratios": ratios}
+    return finish("array_columns", args, (title, src, before), [lake, "", table], data)
 
 
 if __name__ == "__main__":

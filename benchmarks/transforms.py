@@ -5,7 +5,7 @@ Run it::
     python -m benchmarks.transforms            # ~6 min; --smoke for a tiny run
 
 The lake (written once under ``--lake``): 4 files x 100,000 rows in row groups of 25,000,
-zstd; ``id`` int64, ``text`` (15 words, about 90 bytes) and ``f0..f15`` float32.
+snappy; ``id`` int64, ``text`` (15 words, about 90 bytes) and ``f0..f15`` float32.
 
 Table 1, a per-row transform as a new user writes it (the text's bytes to a fixed int64
 tensor of 32, the 16 floats stacked), batch 1,024, every loader in its own process:
@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import glob
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks._common import machine, pinned_tree, write_results
-from benchmarks._steady import child_main, ratio_table, run_reps
+from benchmarks._common import machine, pinned_tree
+from benchmarks._steady import child_main, finish, parse, ratio_table, run_reps, write_lake
 
 FLOATS = [f"f{i}" for i in range(16)]
 COLUMNS = ["id", "text", *FLOATS]
@@ -48,21 +48,17 @@ WORDS = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "
 BATCH = 1024
 
 
-def write_lake(root: Path, files: int, rows: int, group: int) -> Path:
-    """The benchmark lake (idempotent: kept if it has the expected files)."""
-    if len(glob.glob(str(root / "*.parquet"))) == files:
-        return root
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for f in range(files):
+def _table(rows: int) -> Callable[[np.random.Generator, int], pa.Table]:
+    """File ``f`` of the lake: ids, 15 random words, 16 floats."""
+
+    def table(rng: np.random.Generator, f: int) -> pa.Table:
         cols: dict[str, Any] = {"id": np.arange(f * rows, (f + 1) * rows)}
         cols["text"] = [" ".join(WORDS[rng.integers(0, len(WORDS), 15)]) for _ in range(rows)]
         for name in FLOATS:
             cols[name] = rng.random(rows).astype(np.float32)
-        pq.write_table(
-            pa.table(cols), root / f"part-{f}.parquet", row_group_size=group, compression="zstd"
-        )
-    return root
+        return pa.table(cols)
+
+    return table
 
 
 def transform(row: dict[str, Any]) -> dict[str, Any]:
@@ -137,86 +133,52 @@ def _in_loop(workers: int) -> Any:
     return run
 
 
+#: Table 1's loaders: each one's label, and what it runs.
 ROW_LOADERS = {
-    "floor": _floor,
-    "lakeloader-w0": _lakeloader(0, transform=transform),
-    "lakeloader-w2": _lakeloader(2, transform=transform),
-    "torch-map-w2": _torch_map,
+    "floor": ("plain loop (floor)", _floor),
+    "lakeloader-w0": ("lakeloader, 0 workers", _lakeloader(0, transform=transform)),
+    "lakeloader-w2": ("lakeloader, 2 workers", _lakeloader(2, transform=transform)),
+    "torch-map-w2": ("torch DataLoader, map-style, 2 workers", _torch_map),
 }
+#: Table 2's.
 BATCH_LOADERS = {
-    "loop-w0": _in_loop(0),
-    "batch-w0": _lakeloader(0, batch_transform=batch_fn),
-    "loop-w2": _in_loop(2),
-    "batch-w2": _lakeloader(2, batch_transform=batch_fn),
+    "loop-w0": ("function in the loop, 0 workers", _in_loop(0)),
+    "batch-w0": ("batch_transform, 0 workers", _lakeloader(0, batch_transform=batch_fn)),
+    "loop-w2": ("function in the loop, 2 workers", _in_loop(2)),
+    "batch-w2": ("batch_transform, 2 workers", _lakeloader(2, batch_transform=batch_fn)),
 }
-LABELS = {
-    "floor": "plain loop (floor)",
-    "lakeloader-w0": "lakeloader, 0 workers",
-    "lakeloader-w2": "lakeloader, 2 workers",
-    "torch-map-w2": "torch DataLoader, map-style, 2 workers",
-    "loop-w0": "function in the loop, 0 workers",
-    "batch-w0": "batch_transform, 0 workers",
-    "loop-w2": "function in the loop, 2 workers",
-    "batch-w2": "batch_transform, 2 workers",
-}
+ALL = {**ROW_LOADERS, **BATCH_LOADERS}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Write the lake, run the tables, write ``results/transforms.{json,md}``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lake", default="/tmp/lakeloader-bench-transforms")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="a tiny lake, one repetition")
-    parser.add_argument("--src", default=None, help="HEAD (default) or worktree (--smoke)")
-    parser.add_argument("--out", default=None, help="results folder (default results/)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(__doc__.splitlines()[0], "/tmp/lakeloader-bench-transforms", argv)
     if args.child is not None:
-        loaders = {**ROW_LOADERS, **BATCH_LOADERS}
-        return child_main(loaders, args, lambda b: len(b["id"]))
-    if args.smoke:
-        args.lake, args.reps = args.lake + "-smoke", 1
+        return child_main({k: run for k, (_, run) in ALL.items()}, args, lambda b: len(b["id"]))
     files, rows, group = (2, 3_000, 1_000) if args.smoke else (4, 100_000, 25_000)
-    write_lake(Path(args.lake), files, rows, group)
+    write_lake(Path(args.lake), files, _table(rows), group)
     cwd, src = pinned_tree(args.src or ("worktree" if args.smoke else "HEAD"))
     before = machine()
     extra = ["--lake", args.lake]
     row = run_reps("benchmarks.transforms", list(ROW_LOADERS), args.reps, extra, cwd, 900)
     batch = run_reps("benchmarks.transforms", list(BATCH_LOADERS), args.reps, extra, cwd, 900)
-    row_table, row_data = ratio_table(row, "floor", LABELS)
-    batch_table, batch_data = ratio_table(batch, "loop-w2", LABELS)
-    after = machine()
-    markdown = "\n".join(
-        [
-            "# Per-row and batch transforms (`python -m benchmarks.transforms`)",
-            "",
-            f"lakeloader {src['commit']} ({src['src']}); {before['cpus']} cores; load average "
-            f"{before['loadavg_1min']} before, {after['loadavg_1min']} after; "
-            f"{files} files x {rows:,} rows; batch {BATCH}; {args.reps} repetitions in turn.",
-            "",
-            "## A per-row transform (ratio to the plain single-process loop)",
-            "",
-            row_table,
-            "",
-            "## A vectorised batch transform (ratio to the function in the loop, 2 workers)",
-            "",
-            batch_table,
-        ]
-    )
-    data = {
-        "machine": before,
-        "after": after,
-        "src": src,
-        "rows": row,
-        "batches": batch,
-        "row_ratios": row_data,
-        "batch_ratios": batch_data,
-    }
-    name = "transforms-smoke" if args.smoke else "transforms"
-    json_path, md_path = write_results(name, data, markdown, args.out)
-    print(markdown)
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    labels = {k: label for k, (label, _) in ALL.items()}
+    row_table, row_data = ratio_table(row, "floor", labels)
+    batch_table, batch_data = ratio_table(batch, "loop-w2", labels)
+    sections = [
+        f"{files} files x {rows:,} rows; batch {BATCH}.",
+        "",
+        "## A per-row transform (ratio to the plain single-process loop)",
+        "",
+        row_table,
+        "",
+        "## A vectorised batch transform (ratio to the function in the loop, 2 workers)",
+        "",
+        batch_table,
+    ]
+    title = "Per-row and batch transforms (`python -m benchmarks.transforms`)"
+    data = {"rows": row, "batches": batch, "row_ratios": row_data, "batch_ratios": batch_data}
+    return finish("transforms", args, (title, src, before), sections, data)
 
 
 if __name__ == "__main__":
