@@ -170,8 +170,7 @@ class Ragged:
         lengths = self.lengths
         width = int(lengths.max()) if len(lengths) else 0
         out = np.full((len(lengths), width, *self.values.shape[1:]), pad, self.values.dtype)
-        rows = np.repeat(np.arange(len(lengths)), lengths)
-        out[rows, np.arange(len(rows)) - self.offsets[:-1][rows]] = self.values
+        out[np.arange(width) < lengths[:, None]] = self.values  # row-major: the values' order
         return out
 
     def rows(self) -> list[np.ndarray]:
