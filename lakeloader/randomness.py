@@ -91,20 +91,16 @@ class _Draws:
 
     def __init__(self, seeds: np.ndarray) -> None:
         self.seeds = seeds
+        #: The row being transformed (a row transform sets it per row), or None: the batch.
         self.row: int | None = None
         self._rng: np.random.Generator | None = None
+        self._rng_of: int | None = None  # the row ``_rng`` was made for
         self._rngs: list[np.random.Generator] | None = None
 
-    def at(self, row: int) -> None:
-        """Move to a row of the batch (a row transform)."""
-        self.row, self._rng = row, None
-
     def rng(self) -> np.random.Generator:
-        if self._rng is None:
-            if self.row is not None:
-                self._rng = np.random.Generator(np.random.PCG64(int(self.seeds[self.row])))
-            else:
-                self._rng = np.random.Generator(np.random.PCG64(batch_seed(self.seeds)))
+        if self._rng is None or self._rng_of != self.row:
+            seed = batch_seed(self.seeds) if self.row is None else int(self.seeds[self.row])
+            self._rng, self._rng_of = np.random.Generator(np.random.PCG64(seed)), self.row
         return self._rng
 
     def rngs(self) -> list[np.random.Generator]:

@@ -283,3 +283,17 @@ def test_empty_shares_keep_the_batch_structure(lake: Path, kind: str, workers: i
     assert [len(share["id"]) for share in last] == [1, 1, 0, 0, 0, 0, 0]
     assert all(set(share) == {"id", "draw", "u"} for share in last)
     assert all(isinstance(share["draw"], torch.Tensor) for share in last)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rows_carry_pyarrows_python_values(lake: Path, workers: int) -> None:
+    table = pq.read_table(lake)
+    want = {r["id"]: r for r in table.to_pylist()}
+    ds = layout_dataset(lake)
+    loader = ll.DataLoader(ds, batch_size=37, num_workers=workers, collate_fn=list)
+    rows = [row for batch in loader for row in batch]
+    assert len(rows) == LAYOUT_ROWS
+    for row in rows:
+        expected = want[row["id"]]
+        assert row == expected
+        assert [type(v) for v in row.values()] == [type(expected[k]) for k in row]

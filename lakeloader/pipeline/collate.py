@@ -28,7 +28,6 @@ from lakeloader.cache.arrays import (
     ragged_numpy,
     to_arrow,
 )
-from lakeloader.cache.kernels import unsliced_table
 from lakeloader.cache.packed import (
     Packed,
     Selection,
@@ -199,18 +198,8 @@ def _batch_column(
 
 
 def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> pa.Table:
-    """The batch as an Arrow table with the columns' own types (for the row path).
-
-    When every unit holds every column in Arrow form (nothing packed), each unit's rows are
-    taken with one call for all columns, rather than one per column.
-    """
+    """The batch as an Arrow table with the columns' own types (for the row path)."""
     sel = select([u.num_rows for u in units], take)
-    if units and all(u.rows is None for u in units):
-        parts = [
-            unsliced_table(units[u].table.select(schema.names)).take(sel.local[a:b])
-            for u, (a, b) in zip(sel.unit, sel.bounds, strict=True)
-        ]
-        return pa.concat_tables(parts).combine_chunks().take(sel.inverse).cast(schema)
     arrays = [
         _arrow_column(units, sel, field) if units else pa.array([], field.type) for field in schema
     ]

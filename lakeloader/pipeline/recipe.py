@@ -31,9 +31,8 @@ from lakeloader.pipeline.collate import (
     Transform,
     columns_to_tensors,
     gather_columns,
-    gather_table,
 )
-from lakeloader.pipeline.rows import to_rows, transform_rows
+from lakeloader.pipeline.rows import gather_rows, transform_rows
 from lakeloader.randomness import batch_seed, drawing, seed_globals
 
 #: Tag of a payload in columnar form (numpy arrays to be turned into tensors).
@@ -99,7 +98,7 @@ def build_payload(
             return COLUMNS, columns
         batch = columns_to_tensors(columns, recipe.lists)
     else:
-        rows: list[Any] = to_rows(gather_table(units, take, schema))
+        rows = gather_rows(units, take, schema)
         seed_globals(batch_seed(seeds))
         if recipe.transform is not None:
             rows = transform_rows(rows, recipe.transform, seeds)

@@ -10,6 +10,7 @@ integer element, or an integer fixed-size list, that is null) comes as Python li
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,8 +18,8 @@ import pyarrow as pa
 import torch
 
 from lakeloader.cache.arrays import blocking_nulls, fixed_shape, is_ragged_type, ragged_numpy
-from lakeloader.cache.packed import tensor_numpy
-from lakeloader.pipeline.collate import Transform, python_values
+from lakeloader.cache.packed import Packed, Selection, gather_arrow, select, tensor_numpy
+from lakeloader.pipeline.collate import Transform, gather_table, python_values
 from lakeloader.randomness import drawing
 
 
@@ -50,11 +51,46 @@ def to_rows(table: pa.Table) -> list[dict[str, Any]]:
     return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
 
 
+def gather_rows(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> list[Any]:
+    """Rows ``take`` of the concatenation of ``units``, as dicts, in batch order.
+
+    Built column by column: a number column without nulls through numpy (a take per unit of
+    a zero-copy view, then ``tolist``, which gives the Python values Arrow's ``to_pylist``
+    gives); any other column through Arrow (:func:`row_values`). A ``Table.take`` per unit
+    costs a kernel call per column and unit (2.9 ms of a 1,024-row batch of 18 columns drawn
+    from 16 units), which the numpy path avoids for the number columns.
+    """
+    if any(u.rows is not None for u in units) or not units:  # none on the row path
+        return to_rows(gather_table(units, take, schema))
+    sel = select([u.num_rows for u in units], take)
+    columns = [_column(units, sel, field) for field in schema]
+    names = schema.names  # once: pyarrow builds this list anew at each access
+    return [dict(zip(names, values, strict=True)) for values in zip(*columns, strict=True)]
+
+
+def _column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> list[Any]:
+    """One column's values for the batch's rows, in batch order."""
+    chunks = []
+    for unit in units:
+        col = unit.table.column(field.name)
+        chunks.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
+    typ = field.type
+    numbers = pa.types.is_integer(typ) or pa.types.is_float32(typ) or pa.types.is_float64(typ)
+    if numbers and not any(c.null_count for c in chunks):
+        picked = [
+            chunks[u].to_numpy(zero_copy_only=True)[sel.local[a:b]]
+            for u, (a, b) in zip(sel.unit, sel.bounds, strict=True)
+        ]
+        values: list[Any] = np.concatenate(picked)[sel.inverse].tolist()
+        return values
+    return list(row_values(gather_arrow(chunks, sel)))
+
+
 def transform_rows(rows: list[Any], transform: Transform, seeds: np.ndarray) -> list[Any]:
     """``transform`` on each row, with :func:`lakeloader.rng` drawing from that row's seed."""
     out = []
     with drawing(seeds) as draws:
         for i, row in enumerate(rows):
-            draws.at(i)
+            draws.row = i  # an attribute, not a call: this loop runs once per row
             out.append(transform(row))
     return out

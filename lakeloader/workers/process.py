@@ -8,6 +8,7 @@ too. The pool that starts and replaces workers is :mod:`lakeloader.workers.pool`
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -308,6 +309,9 @@ def worker_main(
         results.send(Started(worker_id, traceback.format_exc()))
         return
     results.send(Started(worker_id))
+    # What the worker inherited stays: collections need not walk it again (nor touch its
+    # pages, which copy-on-write would then copy).
+    gc.freeze()
     parent = os.getppid()
     while True:
         if not tasks.poll(WATCHDOG_SECONDS):
