@@ -103,12 +103,12 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(
         next(it)
         ckpt.save(1, loader)
         next(it)
-        put = ckpt._put
+        put = ckpt.store.put
         def dying_put(path, data):
             put(path, data)
             if path.endswith(STATE_FILE) and "step-000000000002" in path:
                 os.kill(os.getpid(), signal.SIGKILL)  # after the state, before the marker
-        ckpt._put = dying_put
+        ckpt.store.put = dying_put
         ckpt.save(2, loader)
         """
     )

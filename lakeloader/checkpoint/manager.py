@@ -36,8 +36,10 @@ from lakeloader.checkpoint.layout import (
     sha256,
     step_dir_name,
 )
+from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import CheckpointError, StateFormatError
+from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
+from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manifest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.loader import DataLoader
@@ -58,6 +60,9 @@ class CheckpointManager:
             captured. A second save waits for the first; errors surface on the next call or
             on :meth:`wait`.
         storage_options: fsspec options for the URL.
+        retry: How transient storage failures of checkpoint reads and writes are retried
+            (default: as data reads, up to 5 minutes per call); a refused request fails at
+            once with :class:`~lakeloader.errors.StoreAccessError` naming the URL.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -82,6 +87,7 @@ class CheckpointManager:
         keep: int = 3,
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -91,6 +97,7 @@ class CheckpointManager:
         self.fs: fsspec.AbstractFileSystem
         self.fs, self.root = url_to_fs(url, **(storage_options or {}))
         self.root = self.root.rstrip("/")
+        self.store = CheckpointStore(self.fs, url, retry or RetryPolicy())
         self._writer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="lakeloader-ckpt", initializer=main_thread_only
         )
@@ -104,7 +111,7 @@ class CheckpointManager:
 
     def _step_dirs(self) -> dict[int, str]:
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            entries = self.store.ls(self.root)
         except FileNotFoundError:
             return {}
         out = {}
@@ -117,7 +124,8 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint, oldest first."""
         dirs = self._step_dirs()
-        return sorted(s for s, d in dirs.items() if self.fs.exists(posixpath.join(d, COMMIT_FILE)))
+        exists = self.store.exists
+        return sorted(s for s, d in dirs.items() if exists(posixpath.join(d, COMMIT_FILE)))
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -156,6 +164,8 @@ class CheckpointManager:
             return
         try:
             self._write(step, payload, manifest)
+        except StoreAccessError:
+            raise  # names the URL and where credentials come from: nothing to add
         except Exception as exc:
             raise CheckpointError(f"saving step {step} to {self.url} failed: {exc!r}") from exc
 
@@ -192,14 +202,14 @@ class CheckpointManager:
         digest = sha256(data)
         path = self._path(rel)
         try:
-            intact = sha256(self.fs.cat_file(path)) == digest
+            intact = sha256(self.store.cat(path)) == digest
         except FileNotFoundError:
             intact = False
         if not intact:  # absent, or torn by an earlier crash: (re)write it whole
-            self.fs.makedirs(self._path(MANIFEST_DIR), exist_ok=True)
+            self.store.makedirs(self._path(MANIFEST_DIR))
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            self._put(tmp, data)
-            self.fs.mv(tmp, path)
+            self.store.put(tmp, data)
+            self.store.mv(tmp, path)
         self._manifests[rel] = digest
         return rel, digest
 
@@ -207,31 +217,27 @@ class CheckpointManager:
         manifest_rel, manifest_sha = self._manifest(*manifest)
         folder = self._path(step_dir_name(step))
         commit = posixpath.join(folder, COMMIT_FILE)
-        if self.fs.exists(commit):
-            self.fs.rm(commit)  # invisible first, then overwrite
-        self.fs.makedirs(folder, exist_ok=True)
-        self._put(posixpath.join(folder, STATE_FILE), payload)
+        if self.store.exists(commit):
+            self.store.rm(commit)  # invisible first, then overwrite
+        self.store.makedirs(folder)
+        self.store.put(posixpath.join(folder, STATE_FILE), payload)
         marker = CommitRecord(step, len(payload), sha256(payload), manifest_rel, manifest_sha)
-        self._put(commit, marker.to_bytes())
+        self.store.put(commit, marker.to_bytes())
         logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, len(payload))
         self._prune(step)
-
-    def _put(self, path: str, data: bytes) -> None:
-        with self.fs.open(path, "wb") as fh:
-            fh.write(data)
 
     def _prune(self, current: int) -> None:
         """Keep the newest ``keep`` committed checkpoints; drop half-written folders."""
         dirs = self._step_dirs()
         committed = sorted(
-            s for s, d in dirs.items() if self.fs.exists(posixpath.join(d, COMMIT_FILE))
+            s for s, d in dirs.items() if self.store.exists(posixpath.join(d, COMMIT_FILE))
         )
         doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s != current]
         for s in doomed:
             commit = posixpath.join(dirs[s], COMMIT_FILE)
-            if self.fs.exists(commit):
-                self.fs.rm(commit)  # invisible before it is incomplete
-            self.fs.rm(dirs[s], recursive=True)
+            if self.store.exists(commit):
+                self.store.rm(commit)  # invisible before it is incomplete
+            self.store.rm(dirs[s], recursive=True)
 
     # ------------------------------------------------------------------ loading
     def read(self, step: int) -> Checkpoint:
@@ -242,8 +248,8 @@ class CheckpointManager:
         """
         folder = self._path(step_dir_name(step))
         try:
-            marker = CommitRecord.from_bytes(self.fs.cat_file(posixpath.join(folder, COMMIT_FILE)))
-            payload = self.fs.cat_file(posixpath.join(folder, STATE_FILE))
+            marker = CommitRecord.from_bytes(self.store.cat(posixpath.join(folder, COMMIT_FILE)))
+            payload = self.store.cat(posixpath.join(folder, STATE_FILE))
             if len(payload) != marker.state_bytes or sha256(payload) != marker.state_sha256:
                 raise CheckpointError(
                     f"{STATE_FILE} is {len(payload)} bytes with SHA-256 {sha256(payload)[:12]}"
@@ -251,7 +257,7 @@ class CheckpointManager:
                     f"{marker.state_sha256[:12]}...: truncated or overwritten"
                 )
             record = StateRecord.from_bytes(payload)
-            manifest_bytes = self.fs.cat_file(self._path(marker.manifest))
+            manifest_bytes = self.store.cat(self._path(marker.manifest))
             if sha256(manifest_bytes) != marker.manifest_sha256:
                 raise CheckpointError(
                     f"manifest {marker.manifest} does not match the SHA-256 its COMMIT "

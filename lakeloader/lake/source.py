@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import StoreAccessError
-from lakeloader.io.retry import RetryPolicy, describe
+from lakeloader.io.access import access_error, refused
+from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
 from lakeloader.lake.snapshot import Snapshot, snapshot_lake
 
@@ -115,39 +115,7 @@ class FolderSource:
         except Exception as exc:
             if not refused(exc):
                 raise
-            raise StoreAccessError(
-                f"{paths}: the store refused access ({describe(exc)}). Check the credentials "
-                "in storage_options (key and secret, a token) or in the environment, and "
-                "that they may list and read this location"
-            ) from exc
-
-
-#: Exception classes of the clients (botocore, google-auth) that mean "no access".
-_REFUSALS: Final = frozenset(
-    {
-        "NoCredentialsError",
-        "PartialCredentialsError",
-        "CredentialRetrievalError",
-        "DefaultCredentialsError",
-        "RefreshError",
-    }
-)
-
-
-def refused(exc: BaseException) -> bool:
-    """Whether an error (or one of its causes) means the store refused access.
-
-    >>> refused(PermissionError("Forbidden")), refused(FileNotFoundError("gone"))
-    (True, False)
-    """
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, PermissionError) or type(seen).__name__ in _REFUSALS:
-            return True
-        if getattr(seen, "code", None) in (401, 403):  # gcsfs' HttpError
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+            raise access_error(str(paths), exc) from exc
 
 
 def as_source(source: Source | Paths) -> Source:

@@ -1,0 +1,86 @@
+"""The checkpoint folder's storage calls, retried like data reads, refusals named at once.
+
+Every call the checkpoint manager makes to its filesystem goes through a
+:class:`CheckpointStore`: a transient failure (a store restarting, a reset, HTTP 5xx,
+throttling) is retried under the manager's :class:`~lakeloader.io.retry.RetryPolicy`, so a
+save or a load rides out a store's bad minute; a refused request fails at once with a
+:class:`~lakeloader.errors.StoreAccessError` naming the URL and where credentials come from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import fsspec
+
+from lakeloader.io.access import access_error, refused
+from lakeloader.io.retry import RetryPolicy
+
+T = TypeVar("T")
+
+
+class CheckpointStore:
+    """A filesystem's calls for one checkpoint folder, under a retry policy.
+
+    Args:
+        fs: The filesystem.
+        url: The folder's URL (for messages; it holds no credentials).
+        retry: How transient failures are retried.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, url: str, retry: RetryPolicy) -> None:
+        self.fs = fs
+        self.url = url
+        self.retry = retry
+
+    def _call(self, fn: Callable[[], T], path: str, needs: str) -> T:
+        where = self._url(path)
+        try:
+            return self.retry.call(fn, where)
+        except Exception as exc:
+            if refused(exc):
+                raise access_error(where, exc, needs) from exc
+            raise
+
+    def _url(self, path: str) -> str:
+        protocol = self.url.split("://", 1)[0] if "://" in self.url else ""
+        return f"{protocol}://{path}" if protocol and "://" not in path else path
+
+    def ls(self, path: str) -> list[str]:
+        """Names below ``path`` (FileNotFoundError if there is none)."""
+        names: list[str] = self._call(lambda: self.fs.ls(path, detail=False), path, "list")
+        return names
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
+        return bool(self._call(lambda: self.fs.exists(path), path, "read"))
+
+    def cat(self, path: str) -> bytes:
+        """The bytes of ``path``."""
+        data: bytes = self._call(lambda: self.fs.cat_file(path), path, "read")
+        return data
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write ``path`` whole (a retry writes it again from the start)."""
+
+        def write() -> None:
+            with self.fs.open(path, "wb") as fh:
+                fh.write(data)
+
+        self._call(write, path, "write")
+
+    def makedirs(self, path: str) -> None:
+        """Make ``path`` and its parents (nothing on stores without folders)."""
+        self._call(lambda: self.fs.makedirs(path, exist_ok=True), path, "write")
+
+    def mv(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst``."""
+        self._call(lambda: self.fs.mv(src, dst), dst, "write")
+
+    def rm(self, path: str, recursive: bool = False) -> None:
+        """Remove ``path`` (a folder's contents with ``recursive``)."""
+        self._call(lambda: self._rm(path, recursive), path, "write")
+
+    def _rm(self, path: str, recursive: bool) -> Any:
+        return self.fs.rm(path, recursive=recursive)

@@ -1,0 +1,79 @@
+"""Checkpoint I/O on a real S3 server: retried through a restart, refused credentials at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import lakeloader as ll
+from tests.conftest import layout_dataset
+from tests.stores import ObjectStore, RestartableStore
+
+pytest_plugins = ["tests.stores"]
+
+
+def test_checkpoint_save_and_load_ride_out_a_store_restart(
+    restartable_s3_store: RestartableStore, lake: Path
+) -> None:
+    store = restartable_s3_store
+    url = store.url(f"{store.new_bucket('ckpt')}/run")
+    ckpt = ll.CheckpointManager(
+        url, storage_options=store.storage_options, retry=ll.RetryPolicy(deadline=90)
+    )
+    loader = ll.DataLoader(layout_dataset(lake), batch_size=48)
+    batches = iter(loader)
+    next(batches)
+    ckpt.save(1, loader)
+    next(batches)
+    done, down, events = threading.Event(), threading.Event(), []
+
+    def outage() -> None:
+        store.stop()
+        events.append(("stopped", time.monotonic()))
+        down.set()
+        time.sleep(5)
+        store.start()
+        events.append(("started", time.monotonic()))
+        done.wait()  # the server dies with the thread that started it
+
+    restarter = threading.Thread(target=outage)
+    restarter.start()
+    try:
+        down.wait(30)
+        began = time.monotonic()
+        ckpt.save(2, loader)  # the store is down: retried until it is back
+        saved = time.monotonic()
+        assert [e for e, _ in events] == ["stopped", "started"]
+        assert saved >= events[1][1] > began, "the save finished only once the store was back"
+        fresh = ll.DataLoader(layout_dataset(lake), batch_size=24)
+        ckpt.load(fresh)
+        assert fresh.state_dict()["position"] == loader.state_dict()["position"] == 96
+        assert ckpt.steps() == [1, 2]
+    finally:
+        done.set()
+        restarter.join()
+        loader.close()
+
+
+def test_refused_credentials_fail_checkpoints_at_once_naming_url_and_sources(
+    s3_store: ObjectStore, lake: Path
+) -> None:
+    url = s3_store.url(f"{s3_store.new_bucket('ckpt-creds')}/run")
+    wrong = {**s3_store.storage_options, "secret": "not-the-secret"}
+    ckpt = ll.CheckpointManager(url, storage_options=wrong)  # default: 5 minutes of retries
+    loader = ll.DataLoader(layout_dataset(lake), batch_size=48)
+    next(iter(loader))
+    began = time.monotonic()
+    with pytest.raises(ll.StoreAccessError) as err:
+        ckpt.save(1, loader)
+    assert time.monotonic() - began < 10, "a refusal is not retried"
+    message = str(err.value)
+    assert url.split("://")[1].split("/")[0] in message
+    assert "AWS_ACCESS_KEY_ID" in message and "storage_options (key, secret" in message
+    assert "not-the-secret" not in message
+    with pytest.raises(ll.StoreAccessError, match="refused access"):
+        ckpt.load(ll.DataLoader(layout_dataset(lake), batch_size=48))
+    loader.close()
