@@ -77,3 +77,25 @@ def test_refused_credentials_fail_checkpoints_at_once_naming_url_and_sources(
     with pytest.raises(ll.StoreAccessError, match="refused access"):
         ckpt.load(ll.DataLoader(layout_dataset(lake), batch_size=48))
     loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_read_refused_mid_run_names_the_url_and_quarantines_nothing(
+    s3_store: ObjectStore, lake: Path, workers: int
+) -> None:
+    # Credentials that listed the lake and then stop working (rotated, expired): the pinned
+    # snapshot needs no listing, so the first refusal is a data read.
+    _, url = s3_store.upload(lake, f"expiring-{workers}")
+    pinned = ll.LakeDataset(url, storage_options=s3_store.storage_options).snapshot
+    wrong = {**s3_store.storage_options, "secret": "rotated"}
+    ds = ll.LakeDataset(url, storage_options=wrong, snapshot=pinned, on_error="skip")
+    loader = ll.DataLoader(ds, batch_size=48, num_workers=workers)
+    began = time.monotonic()
+    with pytest.raises(ll.StoreAccessError, match="refused access") as err:
+        next(iter(loader))
+    assert time.monotonic() - began < 20, "a refusal is not retried"
+    assert url.split("://")[1].split("/")[0] in str(err.value) and "AWS_ACCESS_KEY_ID" in str(
+        err.value
+    )
+    assert loader.state_dict()["quarantine"] in ("[]", []), "credentials are not bad data"
+    loader.close()

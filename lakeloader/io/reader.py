@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lakeloader.errors import LakeDataError, LakeError
+from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.files import FileInfo
@@ -251,6 +252,7 @@ class UnitReader:
         Raises:
             LakeDataError: Naming the file's URL, the row group and pyarrow's error, if the
                 row group cannot be read or decoded, or no longer matches the snapshot.
+            StoreAccessError: If the store refuses the read (credentials, permissions).
             StoreUnavailableError: If the store keeps failing past the retry deadline.
         """
         info = self.snapshot.files[file_index]
@@ -261,6 +263,8 @@ class UnitReader:
         except LakeError:
             raise
         except Exception as exc:
+            if refused(exc):  # credentials, not data: never quarantined, never retried
+                raise access_error(url_of(self.fs, info.path), exc, "read") from exc
             raise LakeDataError(
                 f"{url_of(self.fs, info.path)}, row group {row_group}: cannot read or decode "
                 f"({describe(exc)}); repair or remove the file, or pass "
