@@ -1,21 +1,27 @@
-"""Building batches ahead in a background thread of the loader's process (no workers).
+"""Building batches ahead in a background thread of the loader's process.
 
-With ``num_workers=0`` and a ``batch_transform``, the batches and their transform run in one
-thread of the loader's process (:class:`ThreadBuilder`), up to ``prefetch_factor`` steps ahead
-of delivery, so that the training loop's own work overlaps theirs; a vectorised transform
-releases the GIL in its kernels. Batches are still delivered strictly in step order, and a
-step's error is raised when that step is asked for.
+Whenever this process assembles batches (the default columnar path, with or without workers
+decoding; a ``batch_transform`` without workers), one thread of it builds the next
+``prefetch_factor`` steps (:class:`ThreadBuilder`): the row copy out of the arena, the tensors,
+the ``batch_transform``, pinning. ``next(loader)`` then only hands over a batch that is
+ready, and the training loop's own work overlaps the assembly (numpy and torch release the GIL
+in their copies). Batches are still delivered strictly in step order, and a step's error is
+raised when that step is asked for.
 """
 
 from __future__ import annotations
 
+import functools
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from lakeloader.order.batches import BatchSpec
 from lakeloader.pipeline.builders import LocalBuilder, timed_out
-from lakeloader.pipeline.recipe import Payload
+from lakeloader.pipeline.collate import pin
+from lakeloader.pipeline.recipe import READY, Payload, finish_payload
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.signals import main_thread_only
 
@@ -33,12 +39,16 @@ class ThreadBuilder:
         self, spec: PassSpec, local: LocalBuilder, planned: Callable[[int], BatchSpec | None]
     ) -> None:
         self._spec = spec
-        self._local = local
+        self._build = functools.partial(_finished, local, spec)
         self._planned = planned
         self._ahead = max(1, spec.options.prefetch_factor)
-        self._thread = ThreadPoolExecutor(
-            1, thread_name_prefix="lakeloader-build", initializer=main_thread_only
+        self._queue: queue.SimpleQueue[tuple[BatchSpec, Future[Payload]] | None] = (
+            queue.SimpleQueue()
         )
+        # A daemon thread: one blocked waiting for a unit must not hold up the interpreter's
+        # exit (an executor's threads are joined before atexit handlers close the pass).
+        self._thread = threading.Thread(target=self._run, name="lakeloader-build", daemon=True)
+        self._thread.start()
         self._futures: dict[int, Future[Payload]] = {}
         self._next = 0  # the next step to hand to the thread
 
@@ -53,16 +63,45 @@ class ThreadBuilder:
             planned = self._planned(self._next)
             if planned is None:
                 break
-            self._futures[planned.step] = self._thread.submit(self._local.build, planned)
+            self._futures[planned.step] = self._submit(planned)
             self._next += 1
         future = self._futures.pop(step.step, None)
         if future is None:  # not planned when the thread was topped up
-            future = self._thread.submit(self._local.build, step)
+            future = self._submit(step)
         try:
             return future.result(self._spec.options.timeout or None)
         except FutureTimeout:
             raise timed_out(self._spec, step.step) from None
 
+    def _submit(self, step: BatchSpec) -> Future[Payload]:
+        future: Future[Payload] = Future()
+        self._queue.put((step, future))
+        return future
+
+    def _run(self) -> None:
+        main_thread_only()
+        while (job := self._queue.get()) is not None:
+            step, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._build(step))
+            except BaseException as exc:  # raised in the training loop, at its step
+                future.set_exception(exc)
+
     def close(self, wait: bool) -> None:
-        """Cancel the steps queued; wait for the one under way if ``wait``."""
-        self._thread.shutdown(wait=wait, cancel_futures=True)
+        """Cancel the steps queued and stop the thread once the step under way ends.
+
+        The thread is not joined: a step under way ends when the pass's store is closed
+        (its units' futures are cancelled), which comes right after this.
+        """
+        for future in self._futures.values():
+            future.cancel()
+        self._futures.clear()
+        self._queue.put(None)
+
+
+def _finished(local: LocalBuilder, spec: PassSpec, step: BatchSpec) -> Payload:
+    """Build a step and finish its batch (tensors, pinned if asked), in the thread."""
+    batch = finish_payload(local.build(step), spec.recipe)
+    return READY, pin(batch) if spec.options.pin_memory else batch

@@ -25,7 +25,7 @@ from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
 from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
 from lakeloader.pipeline.collate import pin
-from lakeloader.pipeline.recipe import finish_payload
+from lakeloader.pipeline.recipe import READY, finish_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
@@ -81,7 +81,7 @@ class EpochIterator:
             self._workers = WorkerBuilder(
                 spec, self._space, self._local, pool, coordinator, self._specs.get
             )
-        elif pool is None and spec.recipe.batch_transform is not None:
+        elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._next_plan = self._next_deliver = 0
         self._closed = False
@@ -140,7 +140,7 @@ class EpochIterator:
         else:
             payload = self._local.build(step)
         batch = finish_payload(payload, self.spec.recipe)
-        if self.spec.options.pin_memory:
+        if self.spec.options.pin_memory and payload[0] != READY:
             batch = pin(batch)
         store = self._space.store
         if store.nbytes > self.spec.options.cache_bytes and self._next_plan == index + 1:

@@ -9,8 +9,8 @@ with :mod:`lakeloader.randomness` drawing from the rows' seeds and the global ge
 from the batch's.
 
 A payload is what a builder hands back: ``(COLUMNS, arrays)``, which
-:func:`finish_payload` turns into tensors where the batch is delivered, or ``(COLLATED,
-batch)``, the batch as it is.
+:func:`finish_payload` turns into tensors, ``(COLLATED, batch)``, the batch as it is, or
+``(READY, batch)``, a batch a background thread finished (and pinned) ahead of delivery.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from lakeloader.randomness import batch_seed, drawing, seed_globals
 COLUMNS: Final = "columns"
 #: Tag of a payload that is already the batch.
 COLLATED: Final = "collated"
+#: Tag of a batch finished ahead in a background thread: tensors made, pinned if asked.
+READY: Final = "ready"
 
 #: A builder's answer: a tag and what it tags.
 Payload = tuple[str, Any]
