@@ -1,11 +1,10 @@
 """Building batches ahead in a background thread of the loader's process.
 
-Whenever this process assembles batches (the default columnar path, with or without workers
-decoding; a ``batch_transform`` without workers), one thread of it builds the next
-``prefetch_factor`` steps (:class:`ThreadBuilder`): the row copy out of the arena, the tensors,
-the ``batch_transform``, pinning. ``next(loader)`` then only hands over a batch that is
-ready, and the training loop's own work overlaps the assembly (numpy and torch release the GIL
-in their copies). Batches are still delivered strictly in step order, and a step's error is
+With ``num_workers=0`` and a ``batch_transform``, one thread of the loader's process builds
+the next ``prefetch_factor`` steps (:class:`ThreadBuilder`): the row copy out of the arena,
+the tensors, the ``batch_transform``, pinning. ``next(loader)`` then hands over a batch that
+is ready, and the training loop's own work overlaps the transform's (torch releases the GIL
+in its kernels). Batches are still delivered strictly in step order, and a step's error is
 raised when that step is asked for.
 """
 

@@ -81,7 +81,7 @@ class EpochIterator:
             self._workers = WorkerBuilder(
                 spec, self._space, self._local, pool, coordinator, self._specs.get
             )
-        elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
+        elif pool is None and spec.recipe.batch_transform is not None:
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._next_plan = self._next_deliver = 0
         self._closed = False
