@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import lakeloader as ll
 from tests.conftest import layout_dataset
-from tests.stores import ObjectStore, RestartableStore
+
+if TYPE_CHECKING:  # imported as a plugin below: importing it here first defeats assert rewriting
+    from tests.stores import ObjectStore, RestartableStore
 
 pytest_plugins = ["tests.stores"]
 
