@@ -401,6 +401,7 @@ class DataLoader:
         return {
             "units_decoded": self._reader.counters.units_decoded,
             "bytes_read": self._reader.counters.bytes_read,
+            "requests": self._reader.counters.requests,
             "rows_delivered": self.tracker.rows_delivered,
             "rows_skipped": self.tracker.rows_skipped,
             "cache_bytes": it.cache_bytes() if it is not None else 0,

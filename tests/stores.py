@@ -540,6 +540,18 @@ def gcs_store(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, _loopback_env: Any
 ) -> ObjectStore:
     """fake-gcs-server serving the GCS JSON API on loopback, for gcsfs."""
+    return _launch_gcs(request, tmp_path_factory.mktemp("gcs-store"))
+
+
+@contextlib.contextmanager
+def gcs_server(root: Path) -> Iterator[ObjectStore]:
+    """A fake-gcs-server outside pytest (for benchmarks), data in ``root``, stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        finalizers = types.SimpleNamespace(addfinalizer=stack.callback)
+        yield _launch_gcs(finalizers, root)  # type: ignore[arg-type]
+
+
+def _launch_gcs(request: pytest.FixtureRequest, root: Path) -> ObjectStore:
     _require("gcsfs", "gcsfs")
     import gcsfs  # after GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false, set at the top of this file
     import gcsfs.core
@@ -552,7 +564,6 @@ def gcs_store(
             pytrace=False,
         )
     binary = _fake_gcs_binary()
-    root = tmp_path_factory.mktemp("gcs-store")
     data, log = root / "data", root / "server.log"
     data.mkdir()
     for attempt in range(START_ATTEMPTS):

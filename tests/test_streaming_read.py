@@ -128,6 +128,7 @@ def _read_whole_then_slice(
     row_start: int,
     num_rows: int,
     file_cols: list[str],
+    fetched: object = None,
 ) -> pa.Table:
     """The reader before streaming: the whole row group, then a slice (local files)."""
     table: pa.Table = pq.ParquetFile(info.path).read_row_group(row_group, columns=file_cols)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -30,8 +31,10 @@ from lakeloader.cache.packed import Packed, RowLayout, compact, pack
 from lakeloader.cache.views import write_unit_views
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import url_of
+from lakeloader.io.prefetch import FetchResult, Pending
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import describe
+from lakeloader.io.sparse import Fetched
 from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate, verdict
 
@@ -84,6 +87,8 @@ class DecodeJob:
         table_path: IPC file for the columns not packed (None: keep them in memory).
         view_buffers: The data buffer index of each of the layout's view columns (empty:
             write no views).
+        fetched: The unit's bytes fetched ahead (:mod:`lakeloader.io.prefetch`), or the
+            error fetching them raised; None: the decoder fetches them itself.
     """
 
     position: int
@@ -94,6 +99,7 @@ class DecodeJob:
     start: int
     table_path: str | None
     view_buffers: tuple[int, ...] = ()
+    fetched: FetchResult | None = None
 
 
 class UnitDecoder:
@@ -135,7 +141,11 @@ class UnitDecoder:
             LakeDataError: If the unit cannot be read or is rejected (``on_error="raise"``).
             StoreUnavailableError: If the store stays down past the retry deadline.
         """
-        held = self._decode(job, records)
+        try:
+            held = self._decode(job, records)
+        finally:
+            if isinstance(job.fetched, Fetched):
+                job.fetched.discard()  # its file, if any: the decoded unit does not need it
         info = self.reader.snapshot.files[job.file_index]
         if info.row_group_bytes[job.row_group] >= RELEASE_BYTES:
             pa.default_memory_pool().release_unused()  # hand a big row group's memory back
@@ -168,7 +178,7 @@ class UnitDecoder:
         rg, start, rows = job.row_group, job.row_start, job.num_rows
         path = self.reader.snapshot.files[job.file_index].path
         try:
-            table = self.reader.read(job.file_index, rg, start, rows)
+            table = self.reader.read(job.file_index, rg, start, rows, job.fetched)
         except LakeDataError as exc:
             if self.on_error != "skip":
                 raise
@@ -250,8 +260,8 @@ class _ByteGate:
 class Decodes(Protocol):
     """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
 
-    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Start decoding ``job``, which holds about ``nbytes`` bytes while it runs."""
+    def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
+        """Start decoding ``job`` (once ``fetch`` is done), holding about ``nbytes`` bytes."""
 
     def close(self, wait: bool) -> None:
         """Stop: drop queued jobs (their futures are cancelled)."""
@@ -281,11 +291,13 @@ class LocalDecodes:
         )
         self._gate = _ByteGate(limit)
 
-    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Queue ``job`` for a decoding thread."""
-        return self._pool.submit(self._run, job, nbytes)
+    def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
+        """Queue ``job`` for a decoding thread, which waits for ``fetch`` if it is given."""
+        return self._pool.submit(self._run, job, nbytes, fetch)
 
-    def _run(self, job: DecodeJob, nbytes: int) -> Held:
+    def _run(self, job: DecodeJob, nbytes: int, fetch: Pending | None) -> Held:
+        if fetch is not None:
+            job = dataclasses.replace(job, fetched=fetch.claim())
         with self._gate.admit(nbytes):
             return self._decoder.decode(job, self._records())
 

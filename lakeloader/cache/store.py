@@ -31,6 +31,7 @@ from lakeloader.cache.arena import Arena, unlink_quietly
 from lakeloader.cache.decode import DecodeJob, Decodes, Held, UnitRef, read_ipc
 from lakeloader.cache.packed import Packed, RowLayout
 from lakeloader.cache.views import ViewBuffers, data_buffer
+from lakeloader.io.prefetch import Prefetcher
 from lakeloader.io.reader import UnitReader
 from lakeloader.order.plan import EpochPlan, piece_span, release_slots
 from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate
@@ -112,6 +113,8 @@ class UnitStore:
             reads them (None: they stay in memory).
         known: Units already quarantined (from the loaded state): skipped without reading.
         decodes: Runs the decode jobs.
+        prefetcher: Fetches each unit's bytes ahead of its decode, in the order units are
+            requested (None: decoders read for themselves, as from a local lake).
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class UnitStore:
         table_dir: str | None,
         known: tuple[QuarantineEntry, ...],
         decodes: Decodes,
+        prefetcher: Prefetcher | None = None,
     ) -> None:
         self._reader = reader
         self._plan = plan
@@ -131,6 +135,7 @@ class UnitStore:
         self._dir = table_dir
         self._known = known
         self._decodes = decodes
+        self._prefetcher = prefetcher
         self._entries: dict[int, _Entry] = {}
         #: Units decoded (or quarantined), by position: what a step reads without a lock.
         self._held: dict[int, Held] = {}
@@ -160,7 +165,10 @@ class UnitStore:
         buffers = tuple(self._views.reserve() for _ in views)
         job = DecodeJob(position, file_index, rg, row_start, rows, start, path, buffers)
         whole = row_start == 0 and rows == info.row_group_rows[rg]
-        future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate)
+        fetch = None
+        if self._prefetcher is not None:
+            fetch = self._prefetcher.fetch(position, file_index, rg)
+        future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate, fetch)
         future.add_done_callback(lambda f: self._decoded(position, f))
         return _Entry(future, 0, estimate, start, rows, buffers)
 

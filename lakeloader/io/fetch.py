@@ -16,7 +16,6 @@ Local files skip all this: pyarrow reads them natively, which is fastest.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 from collections import OrderedDict
@@ -29,6 +28,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from lakeloader.errors import LakeDataError
+from lakeloader.io import pinned
 from lakeloader.io.retry import RetryPolicy, describe
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def read_footer(
     cached = _FOOTERS.get(key)
     if cached is not None:
         return cached
-    meta = _fetch_footer(fs, path, size, retry, on_request) if not is_local(fs) else None
+    meta = _fetch_footer(fs, path, size, retry, on_request, version) if not is_local(fs) else None
     if meta is None:
         try:
             meta = pq.read_metadata(path)
@@ -136,10 +136,11 @@ def _fetch_footer(
     size: int,
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None,
+    version: str,
 ) -> pq.FileMetaData:
     url = url_of(fs, path)
     start = max(0, size - FOOTER_TAIL_BYTES)
-    tail = _cat(fs, path, start, size, retry, on_request)
+    tail = _cat(fs, path, start, size, retry, on_request, version)
     if size < 12 or tail[-4:] != PARQUET_MAGIC:
         raise LakeDataError(
             f"{url}: not a Parquet file: it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r} "
@@ -153,7 +154,7 @@ def _fetch_footer(
             "truncated or corrupt. Repair or remove it"
         )
     if length + 8 > len(tail):
-        tail = _cat(fs, path, size - length - 8, start, retry, on_request) + tail
+        tail = _cat(fs, path, size - length - 8, start, retry, on_request, version) + tail
     try:
         return pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
     except Exception as exc:
@@ -169,16 +170,10 @@ def _cat(
     end: int,
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None,
+    version: str = "",
 ) -> bytes:
-    def cat() -> bytes:
-        data: bytes = fs.cat_file(path, start=start, end=end)
-        _check_length(data, start, end, path)
-        return data
-
-    data = retry.call(cat, url_of(fs, path))
-    if on_request is not None:
-        on_request(len(data))
-    return data
+    """Bytes ``[start, end)`` of a file, pinned to ``version`` (see :mod:`.pinned`)."""
+    return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
 
 
 class ShortReadError(ConnectionError):
@@ -229,98 +224,37 @@ def coalesce(ranges: Sequence[tuple[int, int]], gap: int = COALESCE_GAP) -> Rang
     return merged
 
 
-class SparseFile:
-    """A read-only file of which some ranges are in memory; reads elsewhere are fetched.
-
-    pyarrow decodes a row group from it as from the whole file. A read outside the fetched
-    ranges (a writer whose column-chunk sizes in the footer are wrong, as some old ones are)
-    is fetched from the store rather than failing, and logged.
-    """
-
-    def __init__(
-        self, size: int, parts: Sequence[tuple[int, bytes]], fetch: Callable[[int, int], bytes]
-    ) -> None:
-        self._size = size
-        self._parts = sorted(parts, key=lambda p: p[0])
-        self._starts = [p[0] for p in self._parts]
-        self._fetch = fetch
-        self._pos = 0
-        self.closed = False
-
-    def read(self, nbytes: int = -1) -> bytes:
-        """Read up to ``nbytes`` bytes (all the rest if negative) from the position."""
-        end = self._size if nbytes is None or nbytes < 0 else min(self._size, self._pos + nbytes)
-        data = self._slice(self._pos, end)
-        self._pos = end
-        return data
-
-    def _slice(self, start: int, end: int) -> bytes:
-        i = bisect.bisect_right(self._starts, start) - 1
-        if i >= 0:
-            part_start, blob = self._parts[i]
-            if end <= part_start + len(blob):
-                return blob[start - part_start : end - part_start]
-        logger.debug("bytes [%d, %d) were not prefetched; fetching them", start, end)
-        return self._fetch(start, end)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        """Move the position, as ``io`` files do."""
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        """The position."""
-        return self._pos
-
-    def seekable(self) -> bool:
-        """Always True."""
-        return True
-
-    def readable(self) -> bool:
-        """Always True."""
-        return True
-
-    def writable(self) -> bool:
-        """Always False."""
-        return False
-
-    def close(self) -> None:
-        """Mark closed (the memory goes with the object)."""
-        self.closed = True
-
-
 def fetch_ranges(
     fs: fsspec.AbstractFileSystem,
     path: str,
-    size: int,
     ranges: Ranges,
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None = None,
-) -> SparseFile:
+    version: str = "",
+) -> list[tuple[int, bytes]]:
     """Fetch byte ranges of a file at once (concurrently on async filesystems).
 
+    Each range is read pinned to ``version`` where the store allows it
+    (:mod:`lakeloader.io.pinned`).
+
+    Returns:
+        ``(start, bytes)`` of each range, in the order given.
+
     Raises:
+        LakeChangedError: If the store no longer has that version of the file.
         StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
-    url = url_of(fs, path)
 
-    def cat_all() -> list[Any]:
-        blobs: list[Any] = fs.cat_ranges(
-            [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise"
-        )
+    def cat_all() -> list[bytes]:
+        blobs = pinned.cat_ranges(fs, path, version, ranges)
         for blob, (start, end) in zip(blobs, ranges, strict=True):
             if isinstance(blob, BaseException):
                 raise blob
             _check_length(blob, start, end, path)
         return blobs
 
-    blobs = retry.call(cat_all, url) if ranges else []
+    blobs = retry.call(cat_all, url_of(fs, path)) if ranges else []
     for blob in blobs:
         if on_request is not None:
             on_request(len(blob))
-
-    def fetch(start: int, end: int) -> bytes:
-        return _cat(fs, path, start, end, retry, on_request)
-
-    return SparseFile(size, list(zip([s for s, _ in ranges], blobs, strict=True)), fetch)
+    return list(zip([s for s, _ in ranges], blobs, strict=True))

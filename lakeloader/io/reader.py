@@ -21,6 +21,7 @@ from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
+from lakeloader.io.sparse import Fetched, Parts, SparseFile
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import Snapshot
 
@@ -206,26 +207,34 @@ class UnitReader:
         )
 
     def _read_rows(
-        self, info: FileInfo, row_group: int, row_start: int, num_rows: int, file_cols: list[str]
+        self,
+        info: FileInfo,
+        row_group: int,
+        row_start: int,
+        num_rows: int,
+        file_cols: list[str],
+        fetched: Fetched | None,
     ) -> pa.Table:
         """Rows ``[row_start, row_start + num_rows)`` of a row group's ``file_cols``.
 
         A whole row group is read at once (fastest); a row range of one is streamed
-        (:func:`stream_rows`).
+        (:func:`stream_rows`). Bytes fetched ahead are decoded from; without them (or when
+        their file is gone) the unit's column chunks are fetched here.
         """
-        meta = self._footer(info)
+        meta = fetched.footer if fetched is not None else self._footer(info)
         expected = info.row_group_rows[row_group]
         found = meta.row_group(row_group).num_rows
         if found != expected:
             raise self._changed(info, row_group, found, "in its footer")
-        ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
         if self._local:
             source: Any = info.path
+            ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
             self.counters.add_local_read(sum(end - start for start, end in ranges))
         else:
-            source = fetch_ranges(
-                self.fs, info.path, info.size, ranges, self.retry, self.counters.add_request
-            )
+            parts: Parts | None = fetched.parts() if fetched is not None else None
+            if parts is None:
+                parts = self._fetch_parts(info, meta, row_group, file_cols)
+            source = SparseFile(info.size, parts, lambda a, b: self._fetch_range(info, a, b))
         if row_start == 0 and num_rows == expected:
             table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
                 row_group, columns=file_cols
@@ -238,6 +247,56 @@ class UnitReader:
             raise self._changed(info, row_group, streamed, "in its stream")
         return pa.Table.from_batches(kept)
 
+    def _fetch_parts(
+        self, info: FileInfo, meta: pq.FileMetaData, row_group: int, file_cols: list[str]
+    ) -> list[tuple[int, bytes]]:
+        """The coalesced ranges of a row group's selected column chunks, fetched at once."""
+        ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
+        return fetch_ranges(
+            self.fs, info.path, ranges, self.retry, self.counters.add_request, info.version
+        )
+
+    def _fetch_range(self, info: FileInfo, start: int, end: int) -> bytes:
+        """One range outside those fetched (a footer whose chunk sizes are wrong)."""
+        parts = fetch_ranges(
+            self.fs, info.path, [(start, end)], self.retry, self.counters.add_request, info.version
+        )
+        return parts[0][1]
+
+    def _file_columns(self, info: FileInfo) -> list[str]:
+        """The selected columns that the file has (the others are nulls or partitions)."""
+        return [c for c in self.columns if info.schema is not None and c in info.schema.names]
+
+    def fetch(self, file_index: int, row_group: int) -> Fetched:
+        """Fetch a row group's selected column chunks (and its file's footer), to decode later.
+
+        Raises:
+            LakeDataError: Naming the file and the row group, if the footer is unreadable.
+            LakeChangedError: If the store no longer has the snapshot's version of the file.
+            StoreAccessError: If the store refuses the read (credentials, permissions).
+            StoreUnavailableError: If the store keeps failing past the retry deadline.
+        """
+        info = self.snapshot.files[file_index]
+        try:
+            meta = self._footer(info)
+            parts = self._fetch_parts(info, meta, row_group, self._file_columns(info))
+        except Exception as exc:
+            raise self._failure(info, row_group, exc) from exc
+        starts = tuple(s for s, _ in parts)
+        return Fetched(meta, starts, tuple(len(b) for _, b in parts), tuple(b for _, b in parts))
+
+    def _failure(self, info: FileInfo, row_group: int, exc: Exception) -> LakeError:
+        """What a failure to read a unit is: a lakeloader error, refused access, or bad data."""
+        if isinstance(exc, LakeError):
+            return exc
+        if refused(exc):  # credentials, not data: never quarantined, never retried
+            return access_error(url_of(self.fs, info.path), exc, "read")
+        return LakeDataError(
+            f"{url_of(self.fs, info.path)}, row group {row_group}: cannot read or decode "
+            f"({describe(exc)}); repair or remove the file, or pass "
+            "on_error='skip' to quarantine the unit"
+        )
+
     def _changed(self, info: FileInfo, row_group: int, rows: int, how: str) -> LakeDataError:
         """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's."""
         return LakeDataError(
@@ -246,30 +305,43 @@ class UnitReader:
             "snapshot was taken: rebuild the dataset"
         )
 
-    def read(self, file_index: int, row_group: int, row_start: int, num_rows: int) -> pa.Table:
+    def read(
+        self,
+        file_index: int,
+        row_group: int,
+        row_start: int,
+        num_rows: int,
+        fetched: Fetched | LakeError | None = None,
+    ) -> pa.Table:
         """Read rows ``[row_start, row_start + num_rows)`` of one row group.
+
+        Args:
+            file_index: The file, in the snapshot.
+            row_group: The row group.
+            row_start: First row inside the row group.
+            num_rows: Rows.
+            fetched: The row group's bytes fetched ahead (:meth:`fetch`), or the error that
+                fetching them raised (raised here, as if reading had); None: fetch them now.
 
         Raises:
             LakeDataError: Naming the file's URL, the row group and pyarrow's error, if the
                 row group cannot be read or decoded, or no longer matches the snapshot.
+            LakeChangedError: If the store no longer has the snapshot's version of the file.
             StoreAccessError: If the store refuses the read (credentials, permissions).
             StoreUnavailableError: If the store keeps failing past the retry deadline.
         """
+        if isinstance(fetched, LakeError):
+            raise fetched
         info = self.snapshot.files[file_index]
         partitions = dict(info.partitions)
-        file_cols = [c for c in self.columns if info.schema is not None and c in info.schema.names]
+        file_cols = self._file_columns(info)
         try:
-            table = self._read_rows(info, row_group, row_start, num_rows, file_cols)
-        except LakeError:
-            raise
+            table = self._read_rows(info, row_group, row_start, num_rows, file_cols, fetched)
         except Exception as exc:
-            if refused(exc):  # credentials, not data: never quarantined, never retried
-                raise access_error(url_of(self.fs, info.path), exc, "read") from exc
-            raise LakeDataError(
-                f"{url_of(self.fs, info.path)}, row group {row_group}: cannot read or decode "
-                f"({describe(exc)}); repair or remove the file, or pass "
-                "on_error='skip' to quarantine the unit"
-            ) from exc
+            failure = self._failure(info, row_group, exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         arrays = []
         for f in self.schema:
             if f.name in file_cols:

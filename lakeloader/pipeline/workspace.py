@@ -9,6 +9,7 @@ own threads do (:class:`~lakeloader.cache.decode.LocalDecodes`).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from concurrent.futures import Future
@@ -21,6 +22,8 @@ from lakeloader.cache.arena import Arena
 from lakeloader.cache.decode import DecodeJob, Decodes, Held, LocalDecodes, UnitDecoder
 from lakeloader.cache.packed import RowLayout
 from lakeloader.cache.store import Screening, UnitStore
+from lakeloader.io.fetch import is_local
+from lakeloader.io.prefetch import Pending, Prefetcher
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import EpochPlan
@@ -73,13 +76,15 @@ class WorkerDecodes:
         self._generation = generation
         self._arena = arena
 
-    def submit(self, job: DecodeJob, nbytes: int) -> Future[Held]:
-        """Queue ``job`` for the next worker in turn."""
+    def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
+        """Queue ``job`` for the next worker in turn, sent once ``fetch`` (if any) is done."""
 
         def make() -> DecodeTask:  # the arena's handle as it is when the task is sent
-            return DecodeTask(self._generation, job.position, job, self._arena.handle)
+            task_job = job if fetch is None else dataclasses.replace(job, fetched=fetch.claim())
+            return DecodeTask(self._generation, job.position, task_job, self._arena.handle)
 
-        return self._dispatcher.submit(job.position, make, nbytes)
+        ready = fetch.future if fetch is not None else None
+        return self._dispatcher.submit(job.position, make, nbytes, ready)
 
     def reap(self) -> None:
         """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
@@ -121,7 +126,6 @@ class PassWorkspace:
                 self.dir, layout.record, min(budget_rows, ARENA_START_ROWS), budget_rows
             )
         self.generation = pool.new_generation() if pool is not None else 0
-        #: Whether the workers decode (else, with a pool, they build batches).
         decodes: Decodes
         self.remote: WorkerDecodes | None = None
         if pool is not None and self.arena is not None and not spec.recipe.user_code:
@@ -140,6 +144,10 @@ class PassWorkspace:
             decodes = LocalDecodes(decoder, opts.io_threads, opts.cache_bytes, self.records)
         #: Whether the workers decode (else, with a pool, they build batches).
         self.workers_decode = self.remote is not None
+        #: Fetches units ahead of their decode (None: a local lake, which pyarrow reads).
+        self.prefetcher: Prefetcher | None = None
+        if not is_local(reader.fs):
+            self.prefetcher = Prefetcher(reader, self.dir if self.workers_decode else None)
         shares_tables = self.remote is not None or pool is not None
         self.store = UnitStore(
             reader,
@@ -149,6 +157,7 @@ class PassWorkspace:
             self.dir if shares_tables else None,
             spec.screening.known,
             decodes,
+            self.prefetcher,
         )
 
     def records(self) -> np.ndarray | None:
@@ -156,7 +165,9 @@ class PassWorkspace:
         return self.arena.records if self.arena is not None else None
 
     def close(self, wait: bool = True) -> None:
-        """Stop decoding, drop every unit and delete the pass's folder."""
+        """Stop fetching and decoding, drop every unit and delete the pass's folder."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.store.close(wait)
         if self.arena is not None:
             self.arena.close()

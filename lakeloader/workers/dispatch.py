@@ -76,6 +76,7 @@ class _Job:
     nbytes: int
     make: Callable[[], Work]
     future: Future[Any]
+    ready: Future[Any] | None = None  # sent only once this is done (its unit's fetch)
 
 
 #: Names a piece of work by its key for messages: (what it is, more detail or "").
@@ -128,13 +129,21 @@ class Dispatcher:
         )
         self._thread.start()
 
-    def submit(self, key: int, make: Callable[[], Work], nbytes: int = 0) -> Future[Any]:
+    def submit(
+        self,
+        key: int,
+        make: Callable[[], Work],
+        nbytes: int = 0,
+        ready: Future[Any] | None = None,
+    ) -> Future[Any]:
         """Queue a piece of work for the next worker in turn.
 
         Args:
             key: The work's key in the pass (a unit's position, or a step).
             make: Makes the task when it is sent (a decode then takes the arena's handle).
             nbytes: Bytes it holds while it runs (0: not budgeted).
+            ready: Send it only once this is done (a decode: once its unit is fetched); the
+                work of other workers, and the worker's later work, do not wait for it.
         """
         future: Future[Any] = Future()
         with self._lock:
@@ -143,7 +152,9 @@ class Dispatcher:
                 return future
             worker = self._submitted % self._pool.num_workers
             self._submitted += 1
-            self._queue.append(_Job(key, worker, nbytes, make, future))
+            self._queue.append(_Job(key, worker, nbytes, make, future, ready))
+        if ready is not None:
+            ready.add_done_callback(lambda _: self._wake())
         self._wake()
         return future
 
@@ -223,14 +234,15 @@ class Dispatcher:
         """Hand queued work to its workers while the byte budget and their queues allow.
 
         Work is sent in the order it was submitted, except that work whose worker already
-        holds ``per_worker`` pieces waits, without holding back the work of other workers.
+        holds ``per_worker`` pieces, or that is not ready, waits without holding back the rest.
         The byte budget is spent in submission order: the first piece that does not fit
         stops the sending.
         """
         waiting: deque[_Job] = deque()
         while self._queue:
             head = self._queue.popleft()
-            if self._owed[head.worker] >= self._per_worker:
+            unready = head.ready is not None and not head.ready.done()
+            if unready or self._owed[head.worker] >= self._per_worker:
                 waiting.append(head)
                 continue
             nbytes = min(head.nbytes, self._limit)

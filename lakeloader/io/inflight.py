@@ -1,0 +1,89 @@
+"""How many fetches to keep in flight: Little's law over measured latency and demand.
+
+To keep the decoders fed, the fetches in flight must cover the units the decoders take while
+one fetch is under way: ``in flight = demand (units/s) x fetch time (s)``. Both are measured as
+the pass runs: each fetch's duration (an exponential average: the store's first-byte latency
+plus the transfer) and the rate at which decoders take fetched units (over the last
+``RATE_WINDOW`` takes). The limit is that product times ``HEADROOM``, plus one, within
+``[floor, ceiling]``.
+
+When the decoders are starved, the rate they take units at is the fetch rate itself
+(``limit / latency``), so the next limit is about ``HEADROOM`` times the last: it grows
+geometrically until fetching outpaces decoding, then settles where it covers the latency.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from typing import Final
+
+#: Fetches in flight before anything is measured.
+START: Final = 8
+#: Fewest and most fetches in flight.
+FLOOR: Final = 2
+CEILING: Final = 64
+#: In flight per unit of (demand x latency): room for bursts and for the estimates' lag.
+HEADROOM: Final = 2.0
+#: Takes over which the demand rate is measured.
+RATE_WINDOW: Final = 32
+#: Weight of the newest fetch in the latency's exponential average.
+LATENCY_WEIGHT: Final = 0.2
+
+
+class InFlight:
+    """The number of fetches to keep in flight (see the module docstring); thread-safe.
+
+    Args:
+        start: The limit until the first fetch and a few takes are measured.
+        floor: Fewest in flight.
+        ceiling: Most in flight.
+
+    Example:
+        >>> sizer = InFlight()
+        >>> for i in range(10):
+        ...     sizer.taken(now=i * 0.01)  # decoders take 100 units/s
+        >>> sizer.fetched(0.08)  # a fetch takes 80 ms
+        >>> sizer.limit()  # 2 x 100/s x 0.08 s + 1
+        17
+    """
+
+    def __init__(self, start: int = START, floor: int = FLOOR, ceiling: int = CEILING) -> None:
+        if not 1 <= floor <= start <= ceiling:
+            raise ValueError(
+                f"need 1 <= floor <= start <= ceiling, got {floor}, {start}, {ceiling}"
+            )
+        self._start, self._floor, self._ceiling = start, floor, ceiling
+        self._latency: float | None = None
+        self._takes: deque[float] = deque(maxlen=RATE_WINDOW)
+        self._lock = threading.Lock()
+
+    def fetched(self, seconds: float) -> None:
+        """Record that one fetch took ``seconds`` from request to last byte."""
+        with self._lock:
+            if self._latency is None:
+                self._latency = seconds
+            else:
+                self._latency += LATENCY_WEIGHT * (seconds - self._latency)
+
+    def taken(self, now: float | None = None) -> None:
+        """Record that a decoder took a fetched unit (at ``now``, ``time.monotonic()``)."""
+        with self._lock:
+            self._takes.append(time.monotonic() if now is None else now)
+
+    def latency(self) -> float | None:
+        """The average fetch time in seconds, or None before the first fetch."""
+        with self._lock:
+            return self._latency
+
+    def limit(self) -> int:
+        """Fetches to keep in flight now."""
+        with self._lock:
+            if self._latency is None or len(self._takes) < 4:
+                return self._start
+            span = self._takes[-1] - self._takes[0]
+            rate = (len(self._takes) - 1) / span if span > 0 else math.inf
+            want = HEADROOM * rate * self._latency + 1
+        return int(min(self._ceiling, max(self._floor, math.ceil(want) if want < 1e9 else 1e9)))

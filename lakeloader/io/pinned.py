@@ -1,0 +1,151 @@
+"""Ranged reads pinned to the version of a file that the snapshot saw.
+
+A file rewritten in the middle of an epoch must not be read as if it were the file the
+snapshot pinned: its row groups may hold other rows, or as many rows with other values. So
+every ranged read asks the store for the snapshot's version:
+
+- S3 (s3fs): ``GetObject`` with ``IfMatch`` on the listed ETag, or ``VersionId`` when the
+  listing gave a version id; a rewritten object answers 412 ``PreconditionFailed``.
+- GCS (gcsfs): the ``generation`` parameter; a rewritten object of a bucket without
+  versioning answers 404 (with versioning, the pinned generation is read, which is right).
+- Other filesystems read unpinned (a local file's version is its modification time, which
+  a read cannot ask for; a local lake's changes are caught at the next resume).
+
+A read that the store refuses for being of another version, or because the file is gone,
+raises :class:`~lakeloader.errors.LakeChangedError` naming the URL and the version pinned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Final
+
+import fsspec
+from fsspec.asyn import sync
+
+from lakeloader.errors import LakeChangedError
+from lakeloader.io.retry import describe
+
+#: HTTP status of a failed precondition (a rewritten object under ``If-Match``).
+PRECONDITION_FAILED: Final = 412
+
+
+def _token(version: str, key: str) -> str | None:
+    """The value of a ``key:value`` version token (see ``discovery.version_token``)."""
+    prefix = key + ":"
+    return version[len(prefix) :] if version.startswith(prefix) else None
+
+
+def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    return hasattr(fs, "_call_s3")
+
+
+def _is_gcs(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "gs" in protocol and hasattr(fs, "_cat_file")
+
+
+def pins(fs: fsspec.AbstractFileSystem, version: str) -> bool:
+    """Whether reads of a file with this version token are pinned on this filesystem.
+
+    >>> from fsspec.implementations.local import LocalFileSystem
+    >>> pins(LocalFileSystem(), "mtime:1700000000.0")
+    False
+    """
+    if _is_s3(fs):
+        return _token(version, "ETag") is not None or _token(version, "version_id") is not None
+    return _is_gcs(fs) and _token(version, "generation") is not None
+
+
+async def _s3_range(fs: Any, path: str, version: str, start: int, end: int) -> bytes:
+    bucket, key, _ = fs.split_path(path)
+    condition: dict[str, str] = {}
+    if (version_id := _token(version, "version_id")) is not None:
+        condition["VersionId"] = version_id
+    elif (etag := _token(version, "ETag")) is not None:
+        condition["IfMatch"] = etag
+    response = await fs._call_s3(
+        "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition
+    )
+    try:
+        data: bytes = await response["Body"].read()
+    finally:
+        response["Body"].close()
+    return data
+
+
+async def _gcs_range(fs: Any, path: str, version: str, start: int, end: int) -> bytes:
+    generation = _token(version, "generation")
+    data: bytes = await fs._cat_file(path, start=start, end=end, generation=generation)
+    return data
+
+
+def cat_ranges(
+    fs: fsspec.AbstractFileSystem, path: str, version: str, ranges: Sequence[tuple[int, int]]
+) -> list[bytes]:
+    """Read byte ranges ``[start, end)`` of a file, at once, pinned to ``version`` if possible.
+
+    Raises:
+        LakeChangedError: If the store no longer has that version of the file.
+        Exception: Whatever the client raised otherwise (classified by the caller's retry).
+    """
+    if not ranges:
+        return []
+    if not pins(fs, version):
+        blobs: list[bytes] = fs.cat_ranges(
+            [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise"
+        )
+        return blobs
+    one = _s3_range if _is_s3(fs) else _gcs_range
+
+    async def gather() -> list[bytes]:
+        return list(await asyncio.gather(*(one(fs, path, version, s, e) for s, e in ranges)))
+
+    try:
+        return sync(fs.loop, gather)  # type: ignore[no-any-return]
+    except Exception as exc:
+        if is_version_mismatch(exc):
+            raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
+        raise
+
+
+def is_version_mismatch(exc: BaseException) -> bool:
+    """Whether a failed pinned read means the pinned version is no longer there.
+
+    A failed ``If-Match`` (412 ``PreconditionFailed``), or a missing object (a GCS generation
+    that is not live in a bucket without versioning, or a deleted file).
+
+    >>> is_version_mismatch(FileNotFoundError("gone")), is_version_mismatch(TimeoutError())
+    (True, False)
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileNotFoundError):
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error.get("Code") == "PreconditionFailed" or status == PRECONDITION_FAILED:
+                return True
+        if getattr(seen, "code", None) == PRECONDITION_FAILED:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def changed_error(url: str, version: str, exc: BaseException) -> LakeChangedError:
+    """The error for a file whose pinned version is gone: the URL, the version, the remedy.
+
+    >>> str(changed_error("s3://b/a.parquet", 'ETag:"9b"', FileNotFoundError("a")))[:56]
+    's3://b/a.parquet: the file was rewritten or deleted afte'
+    """
+    return LakeChangedError(
+        f"{url}: the file was rewritten or deleted after the snapshot was taken (the snapshot "
+        f"pinned {version}; the store answered {describe(exc)}). Rows read from it now would "
+        "not be the rows this epoch's order was planned over. Restore the file as it was, or "
+        "rebuild the dataset and resume from the last checkpoint with "
+        "CheckpointManager.load(..., on_lake_change='skip') (the epoch finishes without the "
+        "file's units) or 'restart_epoch'"
+    )

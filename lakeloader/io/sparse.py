@@ -1,0 +1,141 @@
+"""A file of which some ranges are in memory, and the bytes of a unit fetched ahead.
+
+:class:`Fetched` is what the prefetcher (:mod:`lakeloader.io.prefetch`) got for one unit: the
+file's footer and its selected column chunks, in memory, or in a file of the pass's folder when
+a worker process decodes the unit (it maps the file; no copy goes through a pipe).
+:class:`SparseFile` lets pyarrow decode from those bytes as from the whole file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+#: Bytes-like parts of a file: ``(offset in the file, data)``.
+Parts = Sequence[tuple[int, bytes | memoryview]]
+
+
+@dataclass(frozen=True, eq=False)
+class Fetched:
+    """The footer and the coalesced column-chunk ranges of one unit, fetched ahead.
+
+    Attributes:
+        footer: The file's parsed footer (it pickles as its Thrift bytes).
+        starts: Offset in the file of each range.
+        lengths: Length of each range.
+        blobs: The ranges' bytes, when they are held in memory.
+        path: Else the file holding them back to back (in the pass's folder).
+    """
+
+    footer: pq.FileMetaData
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    blobs: tuple[bytes, ...] | None = None
+    path: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ranges."""
+        return sum(self.lengths)
+
+    def parts(self) -> list[tuple[int, bytes | memoryview]] | None:
+        """``(offset, data)`` of each range; None if its file is gone (fetch again).
+
+        A file is mapped, not read: pages are touched as pyarrow decodes them.
+        """
+        if self.blobs is not None:
+            return list(zip(self.starts, self.blobs, strict=True))
+        assert self.path is not None
+        try:
+            with open(self.path, "rb") as fh:
+                view = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+        except (FileNotFoundError, ValueError):  # removed, or empty
+            return None
+        out: list[tuple[int, bytes | memoryview]] = []
+        offset = 0
+        for start, length in zip(self.starts, self.lengths, strict=True):
+            out.append((start, view[offset : offset + length]))
+            offset += length
+        return out
+
+    def discard(self) -> None:
+        """Delete the file holding the ranges, if any (idempotent)."""
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def spill(footer: pq.FileMetaData, parts: Parts, path: str) -> Fetched:
+    """Write fetched ranges back to back into ``path`` and describe them as :class:`Fetched`."""
+    with open(path, "wb") as fh:
+        for _, blob in parts:
+            fh.write(blob)
+    return Fetched(footer, tuple(s for s, _ in parts), tuple(len(b) for _, b in parts), None, path)
+
+
+class SparseFile:
+    """A read-only file of which some ranges are in memory; reads elsewhere are fetched.
+
+    pyarrow decodes a row group from it as from the whole file. A read outside the fetched
+    ranges (a writer whose column-chunk sizes in the footer are wrong, as some old ones are)
+    is fetched from the store rather than failing, and logged.
+    """
+
+    def __init__(self, size: int, parts: Parts, fetch: Callable[[int, int], bytes]) -> None:
+        self._size = size
+        self._parts = sorted(parts, key=lambda p: p[0])
+        self._starts = [p[0] for p in self._parts]
+        self._fetch = fetch
+        self._pos = 0
+        self.closed = False
+
+    def read(self, nbytes: int = -1) -> bytes | memoryview:
+        """Read up to ``nbytes`` bytes (all the rest if negative) from the position."""
+        end = self._size if nbytes is None or nbytes < 0 else min(self._size, self._pos + nbytes)
+        data = self._slice(self._pos, end)
+        self._pos = end
+        return data
+
+    def _slice(self, start: int, end: int) -> bytes | memoryview:
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i >= 0:
+            part_start, blob = self._parts[i]
+            if end <= part_start + len(blob):
+                return memoryview(blob)[start - part_start : end - part_start]  # no copy
+        logger.debug("bytes [%d, %d) were not prefetched; fetching them", start, end)
+        return self._fetch(start, end)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move the position, as ``io`` files do."""
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        """The position."""
+        return self._pos
+
+    def seekable(self) -> bool:
+        """Always True."""
+        return True
+
+    def readable(self) -> bool:
+        """Always True."""
+        return True
+
+    def writable(self) -> bool:
+        """Always False."""
+        return False
+
+    def close(self) -> None:
+        """Mark closed (the memory goes with the object)."""
+        self.closed = True
