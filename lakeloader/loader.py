@@ -81,8 +81,10 @@ class DataLoader:
         cache_dir: Folder for decoded units and what workers share (default: ``/dev/shm`` when
             it has ``cache_bytes`` free, else the system's temporary folder, with a warning).
         cache_bytes: Byte budget for decoded units held ahead of use.
-        io_threads: Threads fetching and decoding units in this process whenever the workers
-            do not decode (no workers, a transform or collate_fn, or no column to pack).
+        io_threads: Threads decoding units in this process whenever the workers do not decode
+            (no workers, a transform or collate_fn, or no column to pack). On an object store
+            fetching is apart from decoding, and as concurrent as the measured latency and
+            demand need (no knob: see ``lakeloader.io.prefetch``).
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

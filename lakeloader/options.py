@@ -15,7 +15,7 @@ from lakeloader.pipeline.collate import Collate
 
 #: Default byte budget of the decoded-unit cache of one rank.
 DEFAULT_CACHE_BYTES: Final = 2 << 30
-#: Default number of threads fetching and decoding units for one rank.
+#: Default number of threads decoding units in the loader's process.
 DEFAULT_IO_THREADS: Final = 4
 #: Work handed to each worker ahead when ``prefetch_factor`` is not given (as in torch).
 DEFAULT_PREFETCH_FACTOR: Final = 2
@@ -39,7 +39,7 @@ class LoaderOptions:
         pin_memory_device: Accepted for compatibility.
         cache_dir: Folder for decoded units (None: ``/dev/shm`` when it has room).
         cache_bytes: Byte budget for decoded units held ahead of use.
-        io_threads: Threads fetching and decoding units in the loader's process.
+        io_threads: Threads decoding units in the loader's process (fetching is apart).
 
     Example:
         >>> LoaderOptions(batch_size=0)

@@ -356,6 +356,7 @@ class FaultProxy:
         self._injected = 0
         self._exchanges: list[Exchange] = []
         self._connections = 0
+        self._in_flight = self._peak = 0  # requests being answered now, and at most
         self._outage: Outage | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -525,11 +526,17 @@ class FaultProxy:
             return list(self._exchanges)
 
     def reset(self) -> list[Exchange]:
-        """Forget the recorded exchanges (and the count of connections); return them."""
+        """Forget the recorded exchanges (and the counts of connections and peak); return them."""
         with self._lock:
             done, self._exchanges = self._exchanges, []
             self._connections = 0
+            self._peak = self._in_flight
         return done
+
+    def peak_in_flight(self) -> int:
+        """Most requests being answered at once since the start or the last ``reset``."""
+        with self._lock:
+            return self._peak
 
     def select(
         self,
@@ -610,6 +617,9 @@ class FaultProxy:
         """Answer one request; True if the client connection must end after it."""
         faults, fault = self._draw(request.method, request.path)
         tally = _Tally(self, request, fault)
+        with self._lock:
+            self._in_flight += 1
+            self._peak = max(self._peak, self._in_flight)
         try:
             if faults.delay and faults.applies(request.method, request.path):
                 await asyncio.sleep(faults.delay)
@@ -649,6 +659,8 @@ class FaultProxy:
             raise
         finally:
             tally.finish()
+            with self._lock:
+                self._in_flight -= 1
 
 
 class _Tally:

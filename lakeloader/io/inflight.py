@@ -85,5 +85,5 @@ class InFlight:
                 return self._start
             span = self._takes[-1] - self._takes[0]
             rate = (len(self._takes) - 1) / span if span > 0 else math.inf
-            want = HEADROOM * rate * self._latency + 1
-        return int(min(self._ceiling, max(self._floor, math.ceil(want) if want < 1e9 else 1e9)))
+            want = min(HEADROOM * rate * self._latency + 1, float(self._ceiling))
+        return max(self._floor, math.ceil(want - 1e-9))  # 17.000000000000004 is 17
