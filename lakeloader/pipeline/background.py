@@ -1,11 +1,12 @@
 """Building batches ahead in a background thread of the loader's process.
 
-With ``num_workers=0`` and a ``batch_transform``, one thread of the loader's process builds
-the next ``prefetch_factor`` steps (:class:`ThreadBuilder`): the row copy out of the arena,
-the tensors, the ``batch_transform``, pinning. ``next(loader)`` then hands over a batch that
-is ready, and the training loop's own work overlaps the transform's (torch releases the GIL
-in its kernels). Batches are still delivered strictly in step order, and a step's error is
-raised when that step is asked for.
+Whenever this process assembles batches (the default columnar path, with or without workers
+decoding; a ``batch_transform`` without workers), one thread of it builds the next
+``prefetch_factor`` to twice that many steps (:class:`ThreadBuilder`): the row copy out of the
+arena, the tensors, the ``batch_transform``, pinning. ``next(loader)`` then only hands over a
+batch that is ready, and the training loop's own work overlaps the assembly (numpy and torch
+release the GIL in their copies). Batches are still delivered strictly in step order, and a
+step's error is raised when that step is asked for.
 """
 
 from __future__ import annotations
@@ -52,25 +53,37 @@ class ThreadBuilder:
         self._next = 0  # the next step to hand to the thread
 
     def build(self, step: BatchSpec) -> Payload:
-        """The payload of ``step``, once the thread has built it; the next steps are queued.
+        """The payload of ``step``, once the thread has built it.
 
         Raises:
             RuntimeError: If it takes longer than the loader's ``timeout``.
         """
-        self._next = max(self._next, step.step)
-        while self._next <= step.step + self._ahead:
+        future = self._futures.pop(step.step, None)
+        if future is None:  # not handed to the thread yet
+            future = self._submit(step)
+            self._next = max(self._next, step.step + 1)
+        try:
+            return future.result(self._spec.options.timeout or None)
+        except FutureTimeout:
+            raise timed_out(self._spec, step.step) from None
+
+    def top_up(self, next_step: int) -> None:
+        """Keep the thread ``prefetch_factor`` to twice that many steps ahead of ``next_step``.
+
+        Called once a batch is handed over, so that the thread builds while the training loop
+        works, not while ``next()`` still has its own bookkeeping to do under the GIL. Steps
+        are handed over ``prefetch_factor`` at a time, when only that many remain queued: one
+        wake-up of the thread per ``prefetch_factor`` steps, not one per step.
+        """
+        self._next = max(self._next, next_step)
+        if self._next - next_step > self._ahead:
+            return
+        while self._next < next_step + 2 * self._ahead:
             planned = self._planned(self._next)
             if planned is None:
                 break
             self._futures[planned.step] = self._submit(planned)
             self._next += 1
-        future = self._futures.pop(step.step, None)
-        if future is None:  # not planned when the thread was topped up
-            future = self._submit(step)
-        try:
-            return future.result(self._spec.options.timeout or None)
-        except FutureTimeout:
-            raise timed_out(self._spec, step.step) from None
 
     def _submit(self, step: BatchSpec) -> Future[Payload]:
         future: Future[Payload] = Future()

@@ -81,7 +81,7 @@ class EpochIterator:
             self._workers = WorkerBuilder(
                 spec, self._space, self._local, pool, coordinator, self._specs.get
             )
-        elif pool is None and spec.recipe.batch_transform is not None:
+        elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._next_plan = self._next_deliver = 0
         self._closed = False
@@ -152,6 +152,8 @@ class EpochIterator:
         delivery = Delivery(step.slot_stop, step.num_rows - rows, last, skipped, rows)
         self._tracker.delivered(delivery, self.spec.plan.num_rows)
         store.release(step.slot_stop)
+        if isinstance(self._workers, ThreadBuilder):  # steps planned: LOOKAHEAD_STEPS ahead
+            self._workers.top_up(self._next_deliver)
         return batch
 
     def _warn_budget(self, step: BatchSpec) -> None:
