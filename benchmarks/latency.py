@@ -22,7 +22,8 @@ the epoch (footers included, if any was fetched) and row groups decoded.
 
 Run: ``python -m benchmarks.latency`` (about 10 minutes), ``--smoke`` (a tiny lake, one
 repetition, 0 and 20 ms), ``--src HEAD`` to measure the committed lakeloader. Writes
-``benchmarks/results/latency.json`` and ``.md`` (``--out`` for another folder).
+``benchmarks/results/latency.json`` and ``.md`` (``latency-smoke`` with ``--smoke``; ``--out``
+for another folder).
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         if made:
             shutil.rmtree(args.lake_dir, ignore_errors=True)
     result["machine"] = machine()
-    out = write_results("latency", result, _markdown(result, note), args.out)
+    name = "latency-smoke" if args.smoke else "latency"
+    out = write_results(name, result, _markdown(result, note), args.out)
     print(f"wrote {out[0]} and {out[1]}", file=sys.stderr)
     return 0
 

@@ -40,8 +40,9 @@ WORKERS = (0, 2)
 
 def _batches(args: argparse.Namespace, workers: int | None) -> Iterator[int]:
     """Rows of each batch: from lakeloader, or (``workers`` None) no data at all."""
-    if workers is None:
-        yield from [BATCH] * args.steps
+    if workers is None:  # the epoch's batch sizes, the last one short
+        for start in range(0, args.total, BATCH):
+            yield min(BATCH, args.total - start)
         return
     import lakeloader as ll
 
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     """Write the lake, run the loops, write ``results/train_overlap.{json,md}``."""
     args = parse(__doc__.splitlines()[0], "/tmp/lakeloader-bench-transforms-numeric", argv)
     files, rows, group = (2, 3_000, 1_000) if args.smoke else (4, 100_000, 25_000)
-    args.steps = -(-files * rows // BATCH)
+    args.total = files * rows
+    args.steps = -(-args.total // BATCH)
     if args.child is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         result = _loop(args, args.child)

@@ -82,9 +82,7 @@ class DataLoader:
             it has ``cache_bytes`` free, else the system's temporary folder, with a warning).
         cache_bytes: Byte budget for decoded units held ahead of use.
         io_threads: Threads decoding units in this process whenever the workers do not decode
-            (no workers, a transform or collate_fn, or no column to pack). On an object store
-            fetching is apart from decoding, and as concurrent as the measured latency and
-            demand need (no knob: see ``lakeloader.io.prefetch``).
+            (no workers, a transform or collate_fn, or nothing to pack); fetching is apart.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

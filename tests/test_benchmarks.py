@@ -145,6 +145,30 @@ def test_s3_vs_local_smoke(tmp_path: Path) -> None:
     assert all(p["rows_per_s"] > 0 for passes in report["passes"].values() for p in passes)
 
 
+def test_latency_smoke(tmp_path: Path) -> None:
+    lake, out = str(tmp_path / "lake"), str(tmp_path)
+    _run("benchmarks.latency", "--smoke", "--lake-dir", lake, "--out", out, timeout=300)
+    report = json.loads((tmp_path / "latency-smoke.json").read_text())
+    got = {(r["store"], r["delay_ms"], r["workers"]) for r in report["table"]}
+    stores = [("local", 0)] + [(s, d) for s in ("s3", "gcs") for d in (0, 20)]
+    assert got == {(s, d, w) for s, d in stores for w in (0, 2)}
+    for row in report["table"]:
+        assert row["rows_per_s"] > 0 and row["units"] == 16
+        # One ranged GET per unit in the epoch on a store (footers came with the open).
+        assert row["epoch_requests"] == (0 if row["store"] == "local" else 16), row
+
+
+def test_train_overlap_smoke(tmp_path: Path) -> None:
+    lake, out = str(tmp_path / "lake"), str(tmp_path)
+    _run("benchmarks.train_overlap", "--smoke", "--lake", lake, "--out", out, timeout=300)
+    report = json.loads((tmp_path / "train_overlap-smoke.json").read_text())
+    for step in ("0.5", "2.0"):
+        runs = report[step]["runs"]
+        assert set(runs) == {f"sleep-{step}", f"w0-{step}", f"w2-{step}"}
+        assert all(r[0]["rows_per_s"] > 0 and r[0]["rows"] == 6_000 for r in runs.values())
+        assert all(r[0]["next_us_median"] > 0 for k, r in runs.items() if k != f"sleep-{step}")
+
+
 @pytest.mark.parametrize(
     "args",
     [
