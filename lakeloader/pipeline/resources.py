@@ -21,7 +21,6 @@ import weakref
 from types import FrameType
 from typing import Any, Final
 
-from lakeloader.pipeline.cleanup import close_off_thread
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.workers.pool import WorkerPool
 
@@ -60,7 +59,7 @@ class LoaderResources:
         self.pool: WorkerPool | None = None
         self.unit_dir: str | None = None
         self.worker_restarts = 0
-        self._finalizer = weakref.finalize(owner, close_off_thread, self.release)
+        self._finalizer = weakref.finalize(owner, self.release)
 
     @property
     def iterator(self) -> EpochIterator | None:
@@ -96,9 +95,9 @@ class LoaderResources:
     def release(self) -> None:
         """Release everything without waiting for the loader's own threads.
 
-        A finaliser runs it on a thread of its own (:mod:`lakeloader.pipeline.cleanup`), which
-        must not wait for the loader's other threads; at interpreter exit, workers are
-        terminated rather than asked.
+        A finaliser can run on any thread, one of the loader's decoding threads included, so
+        it must not wait for them; at interpreter exit, workers are terminated rather than
+        asked.
         """
         try:
             self.close_iterator(wait=False)
