@@ -73,11 +73,6 @@ class InFlight:
         with self._lock:
             self._takes.append(time.monotonic() if now is None else now)
 
-    def latency(self) -> float | None:
-        """The average fetch time in seconds, or None before the first fetch."""
-        with self._lock:
-            return self._latency
-
     def limit(self) -> int:
         """Fetches to keep in flight now."""
         with self._lock:

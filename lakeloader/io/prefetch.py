@@ -53,10 +53,6 @@ class Pending:
     future: Future[FetchResult]
     sizer: InFlight
 
-    def done(self) -> bool:
-        """Whether the bytes (or the failure) are here."""
-        return self.future.done()
-
     def claim(self) -> FetchResult:
         """Wait for the bytes, counting the take as demand for the sizing."""
         self.sizer.taken()
@@ -91,11 +87,6 @@ class Prefetcher:
             self._queue.append(_Request(key, file_index, row_group, future))
         self._pump()
         return Pending(future, self.sizer)
-
-    @property
-    def active(self) -> int:
-        """Fetches under way."""
-        return self._active
 
     def _pump(self) -> None:
         """Start queued fetches while fewer than the limit are under way."""
