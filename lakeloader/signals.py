@@ -23,3 +23,14 @@ MAIN_THREAD_SIGNALS: Final = frozenset({signal.SIGINT, signal.SIGTERM})
 def main_thread_only() -> None:
     """Block :data:`MAIN_THREAD_SIGNALS` in the calling thread (a thread's first call)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, MAIN_THREAD_SIGNALS)
+
+
+def process_receives() -> None:
+    """Unblock :data:`MAIN_THREAD_SIGNALS` in the calling thread.
+
+    A process forked from one of lakeloader's threads (a worker that replaces a dead one is
+    started by the dispatcher's receiving thread) inherits that thread's mask: it would never
+    receive ``SIGTERM``, and ``multiprocessing``'s exit handler, which terminates daemon
+    children and then joins them, would wait for it forever. A worker calls this first.
+    """
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, MAIN_THREAD_SIGNALS)

@@ -154,8 +154,8 @@ def run_epoch(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[list[i
             loader.close()
 
 
-def wait_dead(pid: int) -> None:
-    """Wait until a SIGKILLed process is dead and its parent can reap it.
+def wait_dead(pid: int, sent: str = "SIGKILL") -> None:
+    """Wait until a process sent ``sent`` is dead and its parent can reap it.
 
     The main thread turns zombie first; the process is only dead, and its pipes closed, once
     its other threads (pyarrow's, torch's) have exited too, and it becomes waitable a moment
@@ -180,7 +180,7 @@ def wait_dead(pid: int) -> None:
         if state in ("Z", "X") and threads <= 1:
             return
         time.sleep(0.001)
-    raise AssertionError(f"worker {pid} survived SIGKILL for 10 s")
+    raise AssertionError(f"worker {pid} survived {sent} for 10 s")
 
 
 def run_module(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess[str]:

@@ -117,3 +117,27 @@ def test_a_worker_killed_while_decoding_has_its_unit_decoded_again(
         re.search(r"decoding [1-9]\d* unit\(s\) it held again", r.message) for r in caplog.records
     )
     loader.close()
+
+
+def test_a_replacement_worker_ends_on_sigterm(dataset: ll.LakeDataset) -> None:
+    """A worker forked by the receiving thread (signals blocked there) still obeys SIGTERM.
+
+    Otherwise multiprocessing's exit handler, which terminates daemon children and joins
+    them, waits for it forever (a test run hung at exit this way).
+    """
+    loader = ll.DataLoader(dataset, batch_size=24, num_workers=2)
+    it = iter(loader)
+    next(it)
+    victim = loader._pool.pids()[0]  # type: ignore[union-attr]
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    wait_dead(victim)
+    next(it)
+    replacement = loader._pool.pids()[0]  # type: ignore[union-attr]
+    assert replacement not in (None, victim)
+    os.kill(replacement, signal.SIGTERM)
+    wait_dead(replacement, "SIGTERM")
+    rest = [b["id"].tolist() for b in it]
+    assert loader.stats()["worker_restarts"] == 2
+    assert len(rest) == len(loader) - 2
+    loader.close()

@@ -24,6 +24,7 @@ from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
 from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
+from lakeloader.pipeline.cleanup import close_safely, prepare
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
@@ -87,7 +88,10 @@ class EpochIterator:
         self._closed = False
         self._ended_by: str | None = None
         # An iterator dropped without close() (with its loader) still stops its threads.
-        self._finalizer = weakref.finalize(self, _close_pass, self._workers, self._space)
+        prepare()
+        self._finalizer = weakref.finalize(
+            self, close_safely, _close_pass, self._workers, self._space
+        )
         self._budget_warned = False
 
     def _plan_ahead(self) -> None:

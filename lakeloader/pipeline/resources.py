@@ -21,6 +21,7 @@ import weakref
 from types import FrameType
 from typing import Any, Final
 
+from lakeloader.pipeline.cleanup import close_safely, prepare
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.workers.pool import WorkerPool
 
@@ -59,7 +60,8 @@ class LoaderResources:
         self.pool: WorkerPool | None = None
         self.unit_dir: str | None = None
         self.worker_restarts = 0
-        self._finalizer = weakref.finalize(owner, self.release)
+        prepare()
+        self._finalizer = weakref.finalize(owner, close_safely, self.release)
 
     @property
     def iterator(self) -> EpochIterator | None:
@@ -95,9 +97,10 @@ class LoaderResources:
     def release(self) -> None:
         """Release everything without waiting for the loader's own threads.
 
-        A finaliser can run on any thread, one of the loader's decoding threads included, so
-        it must not wait for them; at interpreter exit, workers are terminated rather than
-        asked.
+        The finaliser runs it through :func:`~lakeloader.pipeline.cleanup.close_safely` (in
+        place, or on the closing thread when the garbage collector found the loader), where
+        waiting for the loader's threads could still hold up others; at interpreter exit,
+        workers are terminated rather than asked.
         """
         try:
             self.close_iterator(wait=False)

@@ -32,6 +32,7 @@ from lakeloader.cache.store import UnitOpener
 from lakeloader.errors import LakeError
 from lakeloader.io.retry import describe
 from lakeloader.pipeline.recipe import BatchRecipe, build_payload
+from lakeloader.signals import process_receives
 from lakeloader.workers.shipping import ship
 
 #: Seconds between a waiting worker's checks that the loader's process is still alive.
@@ -300,6 +301,10 @@ def worker_main(
     # Ctrl-C reaches the whole process group: the training process reports it and stops the
     # workers, which must not print a KeyboardInterrupt traceback each (as in torch).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM ends a worker at once (the loader's process owns what outlives it), whatever
+    # handler and mask it inherited from the thread that forked it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    process_receives()
     try:
         seed_worker(worker_seed(setup.seed, setup.rank, worker_id))
         if setup.worker_init_fn is not None:

@@ -1,0 +1,104 @@
+"""Finalisers that never deadlock: a loader collected by the garbage collector closes elsewhere.
+
+Python's cyclic garbage collector runs in whichever thread happens to allocate, holding
+whatever locks that thread holds, and runs the ``weakref.finalize`` callbacks of what it
+collects right there. Closing a pass there can wait forever. Seen: the main thread, inside
+``ThreadPoolExecutor.submit``, held ``concurrent.futures``' global lock while starting a thread;
+the collector ran in that new thread and closed a dead pass, which waited for the dispatcher's
+lock; the dispatcher's receiving thread held it while forking a replacement worker, and the fork
+waited for the executor's global lock (taken before every fork). So a finaliser that the
+collector runs, or that runs off the main thread, only puts the close on a queue that one
+daemon thread of the process empties. One that runs on the main thread because the last
+reference went away (``del loader``), or at interpreter exit, closes in place, at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_Close = tuple[Callable[..., None], tuple[Any, ...]]
+
+
+class _State:
+    """The process's closing thread and its queue, and whether a collection is under way."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[_Close] = queue.SimpleQueue()  # put() is reentrant
+        self.thread: threading.Thread | None = None
+        self.collecting = False
+
+
+_state = _State()
+
+
+def _on_gc(phase: str, info: dict[str, Any]) -> None:
+    _state.collecting = phase == "start"
+
+
+def _run(close: _Close) -> None:
+    try:
+        close[0](*close[1])
+    except Exception:
+        logger.debug("error while closing what a collected loader held", exc_info=True)
+
+
+def _serve(jobs: queue.SimpleQueue[_Close]) -> None:
+    while True:
+        _run(jobs.get())
+
+
+def _drain() -> None:
+    """Close in place whatever is still queued (at interpreter exit)."""
+    while True:
+        try:
+            close = _state.queue.get_nowait()
+        except queue.Empty:
+            return
+        _run(close)
+
+
+def _after_fork_in_child() -> None:
+    global _state
+    _state = _State()
+
+
+def prepare() -> None:
+    """Start the closing thread if it is not running (never from a finaliser: it starts one).
+
+    >>> prepare(); done = threading.Event(); close_safely(done.set); done.wait(5)
+    True
+    """
+    if _state.thread is None or not _state.thread.is_alive():
+        _state.thread = threading.Thread(
+            target=_serve, args=(_state.queue,), name="lakeloader-close", daemon=True
+        )
+        _state.thread.start()
+
+
+def close_safely(close: Callable[..., None], *args: Any) -> None:
+    """Run ``close(*args)`` in place when that cannot deadlock, else on the closing thread.
+
+    In place: on the main thread outside a garbage collection, or when the closing thread is
+    not running (interpreter exit). Errors are logged at debug level: a finaliser has nobody
+    to raise them to.
+    """
+    thread = _state.thread
+    on_main = threading.current_thread() is threading.main_thread()
+    if thread is None or not thread.is_alive() or (on_main and not _state.collecting):
+        _run((close, args))
+    else:
+        _state.queue.put((close, args))
+
+
+gc.callbacks.append(_on_gc)
+atexit.register(_drain)
+os.register_at_fork(after_in_child=_after_fork_in_child)
