@@ -1,12 +1,16 @@
-"""Building batches ahead in a background thread of the loader's process.
+"""Building batches ahead in a background thread of the loader's process, when that pays.
 
 Whenever this process assembles batches (the default columnar path, with or without workers
-decoding; a ``batch_transform`` without workers), one thread of it builds the next
-``prefetch_factor`` to twice that many steps (:class:`ThreadBuilder`): the row copy out of the
-arena, the tensors, the ``batch_transform``, pinning. ``next(loader)`` then only hands over a
-batch that is ready, and the training loop's own work overlaps the assembly (numpy and torch
-release the GIL in their copies). Batches are still delivered strictly in step order, and a
-step's error is raised when that step is asked for.
+decoding; a ``batch_transform`` without workers), :class:`ThreadBuilder` decides where each
+step is built: the row copy out of the arena, the tensors, the ``batch_transform``, pinning.
+When the training loop spends time of its own between two ``next()`` calls (an accelerator
+step), one thread builds the next ``prefetch_factor`` to twice that many steps meanwhile, and
+``next(loader)`` only hands over a batch that is ready (numpy and torch release the GIL in
+their copies). When the loop asks again at once (it only counts rows, or feeds another
+queue), a thread could not build ahead of it, and handing steps to it and back would only
+add its cost and the two threads' contention for the GIL (a quarter of the epoch's time,
+measured); so ``next()`` builds the step itself. Batches are delivered strictly in step order
+either way, and a step's error is raised when that step is asked for.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Final
 
 from lakeloader.order.batches import BatchSpec
 from lakeloader.pipeline.builders import LocalBuilder, timed_out
@@ -25,9 +31,15 @@ from lakeloader.pipeline.recipe import READY, Payload, finish_payload
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.signals import main_thread_only
 
+#: The loop's time between ``next()`` calls (a moving average) from which steps are built in
+#: the thread: below it, building in place is faster than handing steps over.
+BUILD_AHEAD_AWAY_SECONDS: Final = 250e-6
+#: Weight of the latest interval in that moving average.
+AWAY_WEIGHT: Final = 0.1
+
 
 class ThreadBuilder:
-    """Has one background thread build the next steps with a :class:`LocalBuilder`.
+    """Builds steps with a :class:`LocalBuilder`: ahead in a thread, or in place (see above).
 
     Args:
         spec: The pass.
@@ -51,17 +63,25 @@ class ThreadBuilder:
         self._thread.start()
         self._futures: dict[int, Future[Payload]] = {}
         self._next = 0  # the next step to hand to the thread
+        self._away = 0.0  # moving average of the loop's time between next() calls
+        self._returned: float | None = None  # when the last batch was handed over
+
+    def asked(self) -> None:
+        """Note that the loop asks for its next batch (first thing in ``next()``)."""
+        if self._returned is not None:
+            away = time.perf_counter() - self._returned
+            self._away += AWAY_WEIGHT * (away - self._away)
 
     def build(self, step: BatchSpec) -> Payload:
-        """The payload of ``step``, once the thread has built it.
+        """The payload of ``step``: the thread's, if it was handed over, else built here.
 
         Raises:
             RuntimeError: If it takes longer than the loader's ``timeout``.
         """
         future = self._futures.pop(step.step, None)
-        if future is None:  # not handed to the thread yet
-            future = self._submit(step)
+        if future is None:  # not handed to the thread: build it here, now
             self._next = max(self._next, step.step + 1)
+            return self._build(step)
         try:
             return future.result(self._spec.options.timeout or None)
         except FutureTimeout:
@@ -71,12 +91,15 @@ class ThreadBuilder:
         """Keep the thread ``prefetch_factor`` to twice that many steps ahead of ``next_step``.
 
         Called once a batch is handed over, so that the thread builds while the training loop
-        works, not while ``next()`` still has its own bookkeeping to do under the GIL. Steps
-        are handed over ``prefetch_factor`` at a time, when only that many remain queued: one
-        wake-up of the thread per ``prefetch_factor`` steps, not one per step.
+        works, not while ``next()`` still has its own bookkeeping to do under the GIL; and only
+        while the loop spends :data:`BUILD_AHEAD_AWAY_SECONDS` or more between calls (on
+        average). Steps are handed over ``prefetch_factor`` at a time, when only that many
+        remain queued: one wake-up of the thread per ``prefetch_factor`` steps, not one per
+        step.
         """
         self._next = max(self._next, next_step)
-        if self._next - next_step > self._ahead:
+        self._returned = time.perf_counter()
+        if self._next - next_step > self._ahead or self._away < BUILD_AHEAD_AWAY_SECONDS:
             return
         while self._next < next_step + 2 * self._ahead:
             planned = self._planned(self._next)

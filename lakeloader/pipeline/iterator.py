@@ -125,6 +125,8 @@ class EpochIterator:
         return self
 
     def __next__(self) -> Any:
+        if isinstance(self._workers, ThreadBuilder):
+            self._workers.asked()
         if self._ended_by is not None:
             raise RuntimeError(
                 f"this iterator over epoch {self.spec.plan.epoch} was ended by "
