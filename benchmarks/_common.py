@@ -95,7 +95,8 @@ def pinned_tree(src: str) -> tuple[Path, dict[str, Any]]:
     ``src="worktree"``: the repository itself. Otherwise a git revision (``HEAD``): its
     ``lakeloader/`` is exported with ``git archive`` (read-only for the repository) next to a
     copy of this ``benchmarks/`` folder, under ``/tmp``; children started there with ``-m``
-    import that lakeloader, whatever is being edited in the work tree meanwhile.
+    import that lakeloader, whatever is being edited in the work tree meanwhile. ``tests/`` is
+    copied too: the object stores' launchers (``tests/stores.py``) serve the benchmarks.
     """
     dirty = subprocess.run(
         ["git", "status", "--short", "lakeloader"], cwd=ROOT, capture_output=True, text=True
@@ -117,10 +118,13 @@ def pinned_tree(src: str) -> tuple[Path, dict[str, Any]]:
             check=True,
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    shutil.rmtree(folder / "benchmarks", ignore_errors=True)
-    shutil.copytree(
-        ROOT / "benchmarks", folder / "benchmarks", ignore=shutil.ignore_patterns("results")
-    )
+    for helpers in ("benchmarks", "tests"):  # the stores' fixtures live in tests/stores.py
+        shutil.rmtree(folder / helpers, ignore_errors=True)
+        shutil.copytree(
+            ROOT / helpers,
+            folder / helpers,
+            ignore=shutil.ignore_patterns("results", "__pycache__"),
+        )
     note = {"src": src, "commit": commit, "worktree_changes_not_measured": dirty}
     return folder, note
 
