@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, PINNED_ENV: json.dumps(note)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH")) if p)
         argv_ = [sys.executable, "-m", "benchmarks.latency", *(argv or sys.argv[1:])]
+        if args.out is None:  # results go to this repository, not the pinned copy
+            argv_ += ["--out", str(ROOT / "benchmarks" / "results")]
         return subprocess.run(argv_, env=env, cwd=folder, check=False).returncode
     note = json.loads(os.environ.get(PINNED_ENV, "null")) or pinned_tree("worktree")[1]
     args.files = args.files or (2 if args.smoke else 16)
