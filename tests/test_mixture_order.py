@@ -1,0 +1,124 @@
+"""The mixture's slot-to-source rule: pure, split-independent, evenly spread, resumable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lakeloader.order.mixture import (
+    MixCursor,
+    MixSegment,
+    MixWeights,
+    cursor_at,
+    slot_sources,
+)
+from tests.conftest import FAST
+
+weight_maps = st.dictionaries(
+    st.sampled_from(["web", "code", "books", "math", "chat", "wiki"]),
+    st.floats(min_value=0.01, max_value=100),
+    min_size=1,
+    max_size=6,
+)
+
+
+@FAST
+@given(
+    weights=weight_maps,
+    seed=st.integers(0, 2**32),
+    first=st.integers(0, 2**40),
+    cuts=st.lists(st.integers(0, 300), max_size=6),
+)
+def test_any_split_of_the_slots_draws_the_same_sources(
+    weights: dict[str, float], seed: int, first: int, cuts: list[int]
+) -> None:
+    w = MixWeights.of(weights)
+    whole = slot_sources(w, seed, first, sum(cuts))
+    parts, at = [], first
+    for n in cuts:
+        parts.append(slot_sources(w, seed, at, n))
+        at += n
+    assert np.array_equal(np.concatenate([whole[:0], *parts]), whole)
+
+
+@FAST
+@given(
+    weights=weight_maps,
+    seed=st.integers(0, 2**32),
+    first=st.integers(0, 2**40),
+    batch=st.sampled_from([1, 7, 64, 1024]),
+)
+def test_every_thousand_global_batches_hold_each_source_within_one_percent(
+    weights: dict[str, float], seed: int, first: int, batch: int
+) -> None:
+    w = MixWeights.of(weights)
+    sources = slot_sources(w, seed, first, 1000 * batch)
+    shares = np.bincount(sources, minlength=len(w.names)) / len(sources)
+    assert np.abs(shares - np.asarray(w.shares)).max() <= 0.01, (shares, w.shares)
+
+
+def test_shares_are_tighter_than_dice() -> None:
+    # Independent draws would miss by about sqrt(n) slots; the sequence by a few.
+    w = MixWeights.of({"a": 0.5, "b": 0.3, "c": 0.2})
+    n = 100_000
+    counts = np.bincount(slot_sources(w, 3, 12345, n), minlength=3)
+    assert np.abs(counts - n * np.asarray(w.shares)).max() <= 20, counts
+
+
+@FAST
+@given(
+    weights=weight_maps,
+    seed=st.integers(0, 2**16),
+    takes=st.lists(st.integers(0, 500), min_size=1, max_size=8),
+)
+def test_each_source_stream_is_drawn_once_in_order_however_the_draws_are_cut(
+    weights: dict[str, float], seed: int, takes: list[int]
+) -> None:
+    w = MixWeights.of(weights)
+    cursor = MixCursor(0, {})
+    offsets: dict[str, list[int]] = {n: [] for n in w.names}
+    for n in takes:
+        draw, cursor = cursor.take(w, seed, n)
+        for source, offset in zip(draw.sources.tolist(), draw.offsets.tolist(), strict=True):
+            offsets[w.names[source]].append(offset)
+    assert cursor.slot == sum(takes)
+    for name, seen in offsets.items():
+        assert seen == list(range(len(seen))), name  # exactly once, in order, none skipped
+        assert cursor.counts.get(name, 0) == len(seen)
+    assert cursor == cursor_at([MixSegment(0, w)], seed, sum(takes))
+
+
+def test_a_weight_change_continues_every_source_from_its_own_count() -> None:
+    before = MixWeights.of({"a": 0.5, "b": 0.3, "c": 0.2})
+    after = MixWeights.of({"a": 0.2, "b": 0.2, "c": 0.2, "d": 0.4})  # d added at the resume
+    _, cursor = MixCursor(0, {}).take(before, 0, 4096)
+    draw, end = cursor.take(after, 0, 50_000)
+    for k, name in enumerate(after.names):
+        mine = draw.offsets[draw.sources == k]
+        start = cursor.counts.get(name, 0)
+        assert mine.tolist() == list(range(start, start + len(mine))), name
+        assert abs(len(mine) / 50_000 - after.shares[k]) <= 0.01
+    assert end == cursor_at([MixSegment(0, before), MixSegment(4096, after)], 0, 54_096)
+
+
+def test_a_small_source_runs_through_its_epochs_one_after_the_other() -> None:
+    w = MixWeights.of({"big": 0.9, "small": 0.1})
+    draw, _ = MixCursor(0, {}).take(w, 0, 10_000)
+    epochs, rows = draw.epochs([100_000, 30])
+    small = draw.sources == w.names.index("small")
+    e, r = epochs[small], rows[small]
+    assert e.max() >= 3  # upsampled through several epochs
+    for epoch in range(int(e.max())):  # every finished epoch: each row exactly once
+        assert sorted(r[e == epoch].tolist()) == list(range(30))
+    assert (np.diff(e) >= 0).all(), "no row of an epoch after one of the next"
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [({}, "at least one source"), ({"a": 0}, "finite positive"), ({"a": float("nan")}, "finite")],
+)
+def test_bad_weights_say_which(weights: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MixWeights.of(weights)
