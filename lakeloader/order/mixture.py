@@ -79,8 +79,9 @@ class MixWeights:
 
 def _positive(value: object) -> bool:
     """Whether a weight is a finite number above 0 (booleans are not weights)."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0  # type: ignore[arg-type,operator]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and value > 0
 
 
 def phase(seed: int) -> np.uint64:

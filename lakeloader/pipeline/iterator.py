@@ -24,7 +24,7 @@ from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
 from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
-from lakeloader.pipeline.cleanup import close_safely, prepare
+from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
@@ -87,8 +87,8 @@ class EpochIterator:
         self._next_plan = self._next_deliver = 0
         self._closed = False
         self._ended_by: str | None = None
-        # An iterator dropped without close() (with its loader) still stops its threads.
-        prepare()
+        # An iterator dropped without close() (with its loader) still stops its threads; its
+        # loader's LoaderResources has started the closing thread (cleanup.prepare).
         self._finalizer = weakref.finalize(
             self, close_safely, _close_pass, self._workers, self._space
         )
