@@ -36,6 +36,45 @@ from lakeloader.signals import main_thread_only
 BUILD_AHEAD_AWAY_SECONDS: Final = 250e-6
 #: Weight of the latest interval in that moving average.
 AWAY_WEIGHT: Final = 0.1
+#: Longest interval the average takes in, as a multiple of the threshold: one pause of the
+#: loop's (a garbage collection, the scheduler) moves it by at most a fifth of the threshold,
+#: so a loop that asks again at once keeps building in place through pauses of any length,
+#: one in three steps at most.
+AWAY_CAP: Final = 2.0
+
+
+class Pace:
+    """How long the training loop stays away between two ``next()`` calls (moving average).
+
+    Times are passed in (seconds on one monotonic clock), so the rule is a pure function of
+    them. Example:
+
+    >>> pace = Pace()
+    >>> for step in range(40):  # 2 ms of compute per step
+    ...     pace.returned(step * 0.002)
+    ...     pace.asked(step * 0.002 + 0.00195)
+    >>> pace.builds_ahead
+    True
+    """
+
+    def __init__(self) -> None:
+        self.away = 0.0
+        self._returned: float | None = None  # when the last batch was handed over
+
+    def asked(self, now: float) -> None:
+        """The loop asks for its next batch at ``now``."""
+        if self._returned is not None:
+            away = min(now - self._returned, AWAY_CAP * BUILD_AHEAD_AWAY_SECONDS)
+            self.away += AWAY_WEIGHT * (away - self.away)
+
+    def returned(self, now: float) -> None:
+        """A batch is handed over at ``now``."""
+        self._returned = now
+
+    @property
+    def builds_ahead(self) -> bool:
+        """Whether a thread can build ahead of this loop (it stays away long enough)."""
+        return self.away >= BUILD_AHEAD_AWAY_SECONDS
 
 
 class ThreadBuilder:
@@ -63,14 +102,11 @@ class ThreadBuilder:
         self._thread.start()
         self._futures: dict[int, Future[Payload]] = {}
         self._next = 0  # the next step to hand to the thread
-        self._away = 0.0  # moving average of the loop's time between next() calls
-        self._returned: float | None = None  # when the last batch was handed over
+        self._pace = Pace()
 
     def asked(self) -> None:
         """Note that the loop asks for its next batch (first thing in ``next()``)."""
-        if self._returned is not None:
-            away = time.perf_counter() - self._returned
-            self._away += AWAY_WEIGHT * (away - self._away)
+        self._pace.asked(time.perf_counter())
 
     def build(self, step: BatchSpec) -> Payload:
         """The payload of ``step``: the thread's, if it was handed over, else built here.
@@ -92,14 +128,14 @@ class ThreadBuilder:
 
         Called once a batch is handed over, so that the thread builds while the training loop
         works, not while ``next()`` still has its own bookkeeping to do under the GIL; and only
-        while the loop spends :data:`BUILD_AHEAD_AWAY_SECONDS` or more between calls (on
-        average). Steps are handed over ``prefetch_factor`` at a time, when only that many
+        while the loop spends :data:`BUILD_AHEAD_AWAY_SECONDS` or more between calls (its
+        :class:`Pace`). Steps are handed over ``prefetch_factor`` at a time, when only that many
         remain queued: one wake-up of the thread per ``prefetch_factor`` steps, not one per
         step.
         """
         self._next = max(self._next, next_step)
-        self._returned = time.perf_counter()
-        if self._next - next_step > self._ahead or self._away < BUILD_AHEAD_AWAY_SECONDS:
+        self._pace.returned(time.perf_counter())
+        if self._next - next_step > self._ahead or not self._pace.builds_ahead:
             return
         while self._next < next_step + 2 * self._ahead:
             planned = self._planned(self._next)
