@@ -32,6 +32,8 @@ from lakeloader.errors import (
 )
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader, PartitionWarning
+from lakeloader.mixture import Mixture
+from lakeloader.mixture_loader import MixtureLoader
 from lakeloader.options import LoaderOptions
 from lakeloader.randomness import rng, row_rngs, row_seeds
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -53,6 +55,8 @@ __all__ = [
     "LakeNotFoundError",
     "NullValuesError",
     "LoaderOptions",
+    "Mixture",
+    "MixtureLoader",
     "PartitionWarning",
     "ReaderStateTracker",
     "RecoveryCoordinator",

@@ -22,6 +22,8 @@ from lakeloader.cache.shm import default_cache_dir, make_unit_dir
 from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
+from lakeloader.loader_args import check_unsupported
+from lakeloader.mixture import Mixture
 from lakeloader.options import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_IO_THREADS,
@@ -44,6 +46,11 @@ from lakeloader.workers.process import WorkerSetup
 logger = logging.getLogger(__name__)
 
 
+#: The loader class of each other kind of dataset, registered by its module (a
+#: :class:`~lakeloader.Mixture`'s by :mod:`lakeloader.mixture_loader`, which builds on this one).
+LOADER_FOR: dict[type, type[DataLoader]] = {}
+
+
 class PartitionWarning(UserWarning):
     """``C`` does not divide the global batch: exact, but ranks re-read each other's units."""
 
@@ -52,7 +59,8 @@ class DataLoader:
     """Streams batches of a :class:`LakeDataset`, deterministically and resumably.
 
     Args:
-        dataset: The lake.
+        dataset: The lake, or a :class:`~lakeloader.Mixture` of lakes (the loader is then a
+            :class:`~lakeloader.mixture_loader.MixtureLoader`).
         batch_size: Rows per batch on this rank (the global batch is ``world_size`` times it).
         shuffle: Must be None or equal the dataset's ``shuffle`` (the order is the dataset's).
         sampler: Not supported (the order is planned); must be None.
@@ -99,7 +107,7 @@ class DataLoader:
 
     def __init__(
         self,
-        dataset: LakeDataset,
+        dataset: LakeDataset | Mixture,
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Any = None,
@@ -123,7 +131,7 @@ class DataLoader:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         io_threads: int = DEFAULT_IO_THREADS,
     ) -> None:
-        _check_unsupported(dataset, batch_size, shuffle, sampler, batch_sampler, generator)
+        check_unsupported(dataset, batch_size, shuffle, sampler, batch_sampler, generator)
         if not in_order:
             raise ValueError("in_order=False is not supported: batches come in step order")
         if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
@@ -157,11 +165,21 @@ class DataLoader:
         self.topology = Topology.resolve(
             rank, world_size, num_workers=self.options.num_workers, batch_size=int(batch_size)
         )
+        self._coordinator = RecoveryCoordinator()
+        self._init_dataset(dataset)
+
+    def __new__(cls, dataset: LakeDataset | Mixture, *args: Any, **kwargs: Any) -> DataLoader:
+        """A loader over a :class:`~lakeloader.Mixture` is a ``MixtureLoader``."""
+        variant = LOADER_FOR.get(type(dataset)) if cls is DataLoader else None
+        return super().__new__(variant or cls)
+
+    def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
+        """Take the dataset in (options and topology are set)."""
+        assert isinstance(dataset, LakeDataset)
         self._base = dataset
         self.dataset = dataset
         #: The reader-state tracker: the position, and where every rank and worker stands.
         self.tracker = ReaderStateTracker(self.topology, drop_last=self.options.drop_last)
-        self._coordinator = RecoveryCoordinator()
         self._reader: UnitReader
         self._row_layout: RowLayout | None
         self._use_reader(dataset.reader())
@@ -424,27 +442,3 @@ def _hint_threads(num_workers: int) -> None:
             cores,
             max(1, cores - num_workers),
         )
-
-
-def _check_unsupported(
-    dataset: LakeDataset,
-    batch_size: int | None,
-    shuffle: bool | None,
-    sampler: Any,
-    batch_sampler: Any,
-    generator: Any,
-) -> None:
-    if not isinstance(dataset, LakeDataset):
-        raise TypeError(f"dataset must be a lakeloader.LakeDataset, got {type(dataset).__name__}")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if shuffle is not None and bool(shuffle) != dataset.config.shuffle:
-        raise ValueError(
-            f"shuffle={shuffle} but the dataset has shuffle={dataset.config.shuffle}: the order "
-            "belongs to the dataset, so pass shuffle= to LakeDataset(...)"
-        )
-    for name, value in (("sampler", sampler), ("batch_sampler", batch_sampler)):
-        if value is not None:
-            raise ValueError(f"{name} is not supported: lakeloader plans the order itself")
-    if generator is not None:
-        raise ValueError("generator is not supported: the order comes from LakeDataset(seed=...)")

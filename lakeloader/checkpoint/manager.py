@@ -146,6 +146,11 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
+        if not isinstance(loader.dataset, LakeDataset):
+            raise TypeError(
+                "CheckpointManager saves loaders over a LakeDataset; a Mixture's loader is not "
+                "supported yet: save loader.state_dict() (plain data) with your model instead"
+            )
         previous = self._settle()
         ds = loader.dataset
         state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))

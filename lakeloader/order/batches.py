@@ -165,6 +165,33 @@ def batch_specs(
     return _batch_specs(plan, steps, starts, stops, world_size, rank)
 
 
+def range_specs(
+    plan: EpochPlan, steps: np.ndarray, starts: np.ndarray, stops: np.ndarray
+) -> list[BatchSpec]:
+    """Specs of the slot ranges ``[starts[i], stops[i])`` of one epoch, labelled ``steps[i]``.
+
+    For ranges of any length (a mixture's part of a rank's share; see
+    :mod:`lakeloader.order.mixture`), planned together like :func:`batch_specs`; each spec's
+    rows come in the partition-major order of its range
+    (:func:`~lakeloader.order.plan.batch_slots`).
+
+    >>> from lakeloader.order.plan import make_units, plan_epoch
+    >>> plan = plan_epoch(make_units([[6]], 6), seed=0, epoch=0, shuffle=False,
+    ...                   num_partitions=2, window=3)
+    >>> [s.take.tolist() for s in range_specs(plan, np.array([0, 1]), np.array([0, 3]),
+    ...                                        np.array([3, 6]))]
+    [[0, 1, 3], [2, 4, 5]]
+
+    Raises:
+        ValueError: If a range is empty or leaves the epoch.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    if np.any(starts < 0) or np.any(stops <= starts) or np.any(stops > plan.num_rows):
+        raise ValueError(f"slot ranges must be non-empty and within {plan.num_rows} rows")
+    return _batch_specs(plan, np.asarray(steps, dtype=np.int64), starts, stops, 1, 0)
+
+
 def _batch_specs(
     plan: EpochPlan,
     steps: np.ndarray,

@@ -28,7 +28,7 @@ from typing import Final
 
 import numpy as np
 
-from lakeloader.order.plan import _rng
+from lakeloader.order.plan import _rng, rank_bounds
 
 #: ``2**64`` divided by the golden ratio, odd: the step of the sequence in fixed point.
 GOLDEN_STEP: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -213,3 +213,65 @@ def cursor_at(segments: Sequence[MixSegment], seed: int, slot: int) -> MixCursor
             if cursor.slot >= stop:
                 break
     return cursor
+
+
+@dataclass(frozen=True)
+class MixPart:
+    """The rows of one epoch of one source in a rank's share of a global batch.
+
+    A source's rows in a share are consecutive in its stream (its draws are counted in slot
+    order), so within one of its epochs they are the positions ``[start, stop)`` of that
+    epoch's order (:mod:`lakeloader.order.plan`'s slots).
+
+    Attributes:
+        source: The source (an index into the mixture's names).
+        epoch: The source's epoch.
+        start: First position in that epoch's order.
+        stop: One past the last.
+        at: Where each of these rows stands in the rank's share (slot order), position by
+            position.
+    """
+
+    source: int
+    epoch: int
+    start: int
+    stop: int
+    at: np.ndarray
+
+
+def rank_parts(
+    draw: MixDraw, rows: Sequence[int], world_size: int, rank: int
+) -> tuple[np.ndarray, list[MixPart]]:
+    """A rank's share of a global batch (``draw``): each row's source, and the parts to read.
+
+    The rank takes the slots :func:`~lakeloader.order.plan.rank_bounds` gives it, in slot order,
+    so the ranks' shares laid end to end are the global batch whatever the world size.
+
+    Args:
+        draw: The global batch's slots.
+        rows: Rows of one epoch of each source, in the order of ``draw.names``.
+        world_size: Ranks sharing the batch.
+        rank: This rank.
+
+    Returns:
+        The source of each row of the share, and its parts, by source then epoch.
+
+    >>> w = MixWeights.of({"a": 1, "b": 1})
+    >>> draw, _ = MixCursor(0, {"a": 3}).take(w, seed=0, count=8)
+    >>> draw.sources.tolist(), draw.offsets.tolist()
+    ([1, 0, 0, 1, 0, 1, 1, 0], [0, 3, 4, 1, 5, 2, 3, 6])
+    >>> sources, parts = rank_parts(draw, [4, 10], world_size=2, rank=0)
+    >>> [(p.source, p.epoch, p.start, p.stop, p.at.tolist()) for p in parts]
+    [(0, 0, 3, 4, [1]), (0, 1, 0, 1, [2]), (1, 0, 0, 2, [0, 3])]
+    """
+    lo, hi = rank_bounds(len(draw.sources), world_size, rank)
+    share = MixDraw(draw.first + lo, draw.names, draw.sources[lo:hi], draw.offsets[lo:hi])
+    epoch, position = share.epochs(rows)
+    parts = []
+    for source in np.unique(share.sources).tolist():
+        mine = np.flatnonzero(share.sources == source)  # offsets ascending: consecutive
+        cuts = np.flatnonzero(np.diff(epoch[mine])) + 1
+        for run in np.split(mine, cuts):
+            first, last = int(position[run[0]]), int(position[run[-1]])
+            parts.append(MixPart(source, int(epoch[run[0]]), first, last + 1, run))
+    return share.sources, parts

@@ -19,10 +19,9 @@ import sys
 import threading
 import weakref
 from types import FrameType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from lakeloader.pipeline.cleanup import close_safely, prepare
-from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.workers.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -44,6 +43,23 @@ def exit_cleanly_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
+class Pass(Protocol):
+    """A pass under way.
+
+    An :class:`~lakeloader.pipeline.iterator.EpochIterator`, or a mixture's
+    :class:`~lakeloader.pipeline.mixing.MixtureIterator`.
+    """
+
+    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
+        """End it (see ``EpochIterator.close``)."""
+
+    def cache_bytes(self) -> int:
+        """Bytes of decoded units held now."""
+
+    def cache_peak_bytes(self) -> int:
+        """Most bytes of decoded units held at once."""
+
+
 class LoaderResources:
     """The pass, the worker pool and the unit folder of one loader.
 
@@ -56,7 +72,7 @@ class LoaderResources:
         # Weak: the pass's iterator keeps its loader alive (as torch's does), so that
         # ``next(iter(DataLoader(...)))`` works; a strong reference from here, which the exit
         # finaliser holds, would keep both alive until exit.
-        self._iterator: weakref.ref[EpochIterator] | None = None
+        self._iterator: weakref.ref[Pass] | None = None
         self.pool: WorkerPool | None = None
         self.unit_dir: str | None = None
         self.worker_restarts = 0
@@ -64,12 +80,12 @@ class LoaderResources:
         self._finalizer = weakref.finalize(owner, close_safely, self.release)
 
     @property
-    def iterator(self) -> EpochIterator | None:
+    def iterator(self) -> Pass | None:
         """The pass under way, if any."""
         return self._iterator() if self._iterator is not None else None
 
     @iterator.setter
-    def iterator(self, it: EpochIterator | None) -> None:
+    def iterator(self, it: Pass | None) -> None:
         self._iterator = weakref.ref(it) if it is not None else None
 
     def close_iterator(self, wait: bool = True, ended_by: str | None = None) -> None:

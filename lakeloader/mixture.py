@@ -1,0 +1,151 @@
+"""``Mixture``: several lakes drawn from in set proportions, as one dataset of the loader.
+
+A :class:`Mixture` names its sources (each a :class:`~lakeloader.LakeDataset`) and their
+weights. Which source each slot of each global batch comes from is a pure function of the
+mixture's seed, the weights and the slot (:mod:`lakeloader.order.mixture`); each source runs
+through its own epochs in its own order, a small source starting its next epoch by itself.
+``lakeloader.DataLoader(mixture, batch_size=...)`` streams it; its state is O(sources).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+import pyarrow as pa
+
+from lakeloader.dataset import LakeDataset
+from lakeloader.errors import SchemaMismatchError
+from lakeloader.order.mixture import MixWeights
+
+logger = logging.getLogger(__name__)
+
+#: Key of the tensor that says which source each row of a batch came from.
+DEFAULT_SOURCE_KEY: Final = "source"
+
+
+class Mixture:
+    """Weighted sources, each a :class:`~lakeloader.LakeDataset`, drawn from deterministically.
+
+    Args:
+        sources: ``{name: dataset}``. The datasets' columns must agree in name and type (a
+            batch holds rows of every source); their order settings (seed, shuffle, C, window)
+            are their own.
+        weights: ``{name: weight}`` for the same names: positive numbers, normalised to shares.
+        seed: Seed of the interleaving of sources (each source's order has its own seed).
+        epoch_rows: Rows in one pass over the mixture (one ``for batch in loader``); None: as
+            many as the sources hold together. The sources' own epochs are apart from it.
+        source_key: The batch's key of the source index of each row (an int64 tensor indexing
+            :attr:`names`).
+
+    Raises:
+        ValueError: If the names of ``sources`` and ``weights`` differ, a weight is not a
+            positive number, a source has no row, or ``source_key`` names a column.
+        TypeError: If a source is not a LakeDataset.
+        SchemaMismatchError: If the sources' columns differ (names both sides).
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> import lakeloader as ll
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> for name, first in (("web", 0), ("code", 1000)):
+        ...     _ = __import__("os").makedirs(f"{tmp.name}/{name}")
+        ...     pq.write_table(pa.table({"id": range(first, first + 100)}),
+        ...                    f"{tmp.name}/{name}/part-0.parquet")
+        >>> mix = ll.Mixture({n: ll.LakeDataset(f"{tmp.name}/{n}") for n in ("web", "code")},
+        ...                  {"web": 0.75, "code": 0.25})
+        >>> mix.names, len(mix)
+        (('code', 'web'), 200)
+        >>> batch = next(iter(ll.DataLoader(mix, batch_size=8)))
+        >>> sorted(batch), batch["source"].tolist().count(1) >= 5
+        (['id', 'source'], True)
+        >>> tmp.cleanup()
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, LakeDataset],
+        weights: Mapping[str, float],
+        *,
+        seed: int = 0,
+        epoch_rows: int | None = None,
+        source_key: str = DEFAULT_SOURCE_KEY,
+    ) -> None:
+        if set(sources) != set(weights):
+            raise ValueError(
+                f"a mixture needs one weight per source: sources {sorted(sources)}, weights "
+                f"{sorted(weights)}"
+            )
+        self.weights = MixWeights.of(weights)
+        #: The sources' names, sorted: the order of source indices in batches and states.
+        self.names: tuple[str, ...] = self.weights.names
+        for name in self.names:
+            if not isinstance(sources[name], LakeDataset):
+                raise TypeError(
+                    f"mixture source {name!r} must be a lakeloader.LakeDataset, got "
+                    f"{type(sources[name]).__name__}"
+                )
+            if len(sources[name]) == 0:
+                raise ValueError(f"mixture source {name!r} has no rows to draw from")
+        self.sources: dict[str, LakeDataset] = {n: sources[n] for n in self.names}
+        self.raw_weights: dict[str, float] = {n: float(weights[n]) for n in self.names}
+        if not -(2**63) <= int(seed) < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {seed}")
+        self.seed = int(seed)
+        total = sum(len(ds) for ds in self.sources.values())
+        self.epoch_rows = total if epoch_rows is None else int(epoch_rows)
+        if self.epoch_rows < 1:
+            raise ValueError(f"epoch_rows must be a positive number of rows, got {epoch_rows}")
+        self.schema = _common_schema(self.sources)
+        if source_key in self.schema.names:
+            raise ValueError(
+                f"source_key={source_key!r} is also a column of the sources: pass another "
+                "source_key= to Mixture(...)"
+            )
+        self.source_key = source_key
+        for name, ds in self.sources.items():
+            if ds.transform is not None or ds.batch_transform is not None or ds.on_error != "raise":
+                raise ValueError(
+                    f"mixture source {name!r} has a transform, a batch_transform or "
+                    "on_error='skip', which mixtures do not support yet: build its LakeDataset "
+                    "without them"
+                )
+
+    def __len__(self) -> int:
+        """Rows in one pass over the mixture (``epoch_rows``)."""
+        return self.epoch_rows
+
+    def rows(self) -> list[int]:
+        """Rows of one epoch of each source, in the order of :attr:`names`."""
+        return [len(self.sources[n]) for n in self.names]
+
+    def describe(self) -> dict[str, Any]:
+        """The sources as plain data: fingerprint, order configuration and rows of each."""
+        return {
+            name: {"fingerprint": ds.fingerprint, "config": ds.config_hash, "rows": len(ds)}
+            for name, ds in self.sources.items()
+        }
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={w:g}" for n, w in self.raw_weights.items())
+        return f"Mixture({parts}, rows={self.epoch_rows}, seed={self.seed})"
+
+
+def _common_schema(sources: Mapping[str, LakeDataset]) -> pa.Schema:
+    """The columns every source reads (the same names and types), or an error naming both."""
+    (first, ds), *rest = sources.items()
+    schema = ds.reader().schema
+    for name, other in rest:
+        theirs = other.reader().schema
+        if theirs.names != schema.names or not theirs.equals(schema):
+            raise SchemaMismatchError(
+                f"mixture sources {first!r} and {name!r} read different columns: {first!r} "
+                f"has {_fields(schema)}, {name!r} has {_fields(theirs)}. A batch holds rows "
+                "of every source: give each LakeDataset the same columns= with the same types"
+            )
+    return schema
+
+
+def _fields(schema: pa.Schema) -> str:
+    return "[" + ", ".join(f"{f.name}: {f.type}" for f in schema) + "]"

@@ -1,0 +1,171 @@
+"""``MixtureLoader``: what ``lakeloader.DataLoader(mixture, ...)`` is.
+
+It takes torch's arguments like the single-lake loader. Each ``for batch in loader`` is one
+pass of ``mixture.epoch_rows`` rows (full global batches; the sources' own epochs run apart);
+``state_dict()`` is a :class:`~lakeloader.state.mixture_state.MixtureState`, O(sources), and
+``load_state_dict()`` continues under any world size, batch size or worker count, with the
+weights and sources of the mixture it is given (:mod:`lakeloader.recovery.mixture_resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from lakeloader.cache.shm import default_cache_dir, make_unit_dir
+from lakeloader.dataset import LakeDataset
+from lakeloader.loader import LOADER_FOR, DataLoader
+from lakeloader.mixture import Mixture
+from lakeloader.order.mixture import MixCursor
+from lakeloader.pipeline.mixing import MixtureIterator
+from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
+from lakeloader.recovery.mixture_resume import records, resume_mixture
+from lakeloader.state.mixture_state import MixtureState, WeightChange
+
+logger = logging.getLogger(__name__)
+
+
+class MixtureLoader(DataLoader):
+    """Streams batches of a :class:`~lakeloader.Mixture` (see the module docstring).
+
+    Every batch holds ``mixture.source_key``: the source of each row, an index into
+    ``mixture.names``. Rows are decoded in this process's ``io_threads``; with
+    ``num_workers > 0`` no worker process is started for a mixture (said once in the log).
+    A user ``collate_fn`` is not supported for a mixture.
+    """
+
+    dataset: Any  # the Mixture (the single-lake loader's is a LakeDataset)
+
+    def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
+        assert isinstance(dataset, Mixture)
+        if self.options.collate_fn is not None:
+            raise ValueError("collate_fn is not supported over a Mixture yet")
+        if self.options.num_workers:
+            logger.warning(
+                "a Mixture decodes in the loader's %d io_threads: num_workers=%d starts no "
+                "worker process for it",
+                self.options.io_threads,
+                self.options.num_workers,
+            )
+        self.mixture = self.dataset = dataset
+        self._readers = [dataset.sources[n].reader() for n in dataset.names]
+        first = WeightChange(0, dict(dataset.raw_weights))
+        self._state = MixtureState(
+            seed=dataset.seed,
+            slot=0,
+            counts={n: 0 for n in dataset.names},
+            history=(first,),
+            epoch=0,
+            epoch_start=0,
+            epoch_rows=dataset.epoch_rows,
+            sources=records(dataset),
+            topology=self.topology.to_dict(),
+        )
+        self._res = LoaderResources(self)
+
+    def __len__(self) -> int:
+        """Steps in a whole pass over the mixture for this topology."""
+        return -(-self._state.epoch_rows // self.global_batch_size)
+
+    @property
+    def epoch(self) -> int:
+        """The pass over the mixture under way (or just finished)."""
+        return self._state.epoch
+
+    def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
+        """Accepted for the usual epoch loop: a mixture's stream goes on from where it is.
+
+        Raises:
+            ValueError: If ``epoch`` is neither the pass under way nor the next one, or with
+                ``restart=True`` (a mixture's sources cannot be rewound).
+        """
+        state = self._state
+        if restart or epoch not in (state.epoch, state.epoch + 1):
+            raise ValueError(
+                f"a mixture streams on: set_epoch({epoch}) while in pass {state.epoch} "
+                "(only that pass or the next, and no restart, can be asked for)"
+            )
+        if epoch == state.epoch + 1 and not state.epoch_done:
+            logger.info(
+                "pass %d left early: pass %d starts at slot %d", state.epoch, epoch, state.slot
+            )
+        if epoch != state.epoch:
+            self._close_iterator("set_epoch()")
+            self._state = _next_pass(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._close_iterator("a newer iter(loader)")
+        if self._state.epoch_done:
+            self._state = _next_pass(self._state)
+        res = self._res
+        if res.unit_dir is None:
+            root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
+            res.unit_dir = make_unit_dir(root)
+            exit_cleanly_on_sigterm()
+        state, size = self._state, self.global_batch_size
+        left = state.epoch_rows - (state.slot - state.epoch_start)
+        it = MixtureIterator(
+            self.mixture,
+            self.mixture.weights,
+            MixCursor(state.slot, state.counts),
+            -(-left // size),
+            self.topology,
+            self.options,
+            self._readers,
+            res.unit_dir,
+            self._coordinator,
+            self._delivered,
+        )
+        res.iterator = it
+        return it
+
+    def _delivered(self, cursor: MixCursor) -> None:
+        """The only place the position moves: a batch was handed over."""
+        self._state = dataclasses.replace(self._state, slot=cursor.slot, counts=dict(cursor.counts))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mixture's position: plain types, O(sources)."""
+        return self._state.to_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a mixture state taken under any topology.
+
+        The weights and sources are this mixture's: changes are recorded in the state and
+        logged.
+
+        Raises:
+            StateFormatError: If the dict is not a mixture state of a known version.
+            StateMismatchError: If a source or the seed differs from the saved one.
+        """
+        self._close_iterator("load_state_dict()")
+        resumed = resume_mixture(MixtureState.from_dict(state_dict), self.mixture)
+        for change in resumed.changes:
+            logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
+        self._state = dataclasses.replace(resumed.state, topology=self.topology.to_dict())
+
+    @property
+    def quarantine(self) -> list[Any]:
+        """Mixtures skip no unit (their sources read with ``on_error="raise"``)."""
+        return []
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and benchmarks (cumulative over the loader's life)."""
+        it = self._res.iterator
+        counters = [r.counters for r in self._readers]
+        return {
+            "units_decoded": sum(c.units_decoded for c in counters),
+            "bytes_read": sum(c.bytes_read for c in counters),
+            "requests": sum(c.requests for c in counters),
+            "cache_bytes": it.cache_bytes() if it is not None else 0,
+            "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
+        }
+
+
+def _next_pass(state: MixtureState) -> MixtureState:
+    """The state at the start of the next pass (where the last one ended)."""
+    return dataclasses.replace(state, epoch=state.epoch + 1, epoch_start=state.slot)
+
+
+LOADER_FOR[Mixture] = MixtureLoader

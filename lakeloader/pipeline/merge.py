@@ -1,0 +1,82 @@
+"""Columns built apart (a mixture's parts of one batch), laid out as one batch.
+
+Each part is a columnar payload (:mod:`lakeloader.pipeline.recipe`: numpy arrays,
+:class:`~lakeloader.cache.arrays.Ragged` lists, Python lists, Arrow arrays) and comes with
+where each of its rows goes in the batch; every row is copied once, to its place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.cache.arrays import Ragged
+from lakeloader.order.plan import expand_runs
+
+
+def merge_columns(
+    parts: Sequence[dict[str, Any]], dests: Sequence[np.ndarray], num_rows: int
+) -> dict[str, Any]:
+    """One batch of ``num_rows`` rows: row ``r`` of part ``j`` goes to row ``dests[j][r]``.
+
+    Args:
+        parts: Columnar payloads with the same columns.
+        dests: For each part, the batch row of each of its rows (together a permutation of
+            ``range(num_rows)``).
+        num_rows: Rows of the batch.
+
+    >>> a = {"x": np.array([10, 11]), "s": ["p", "q"]}
+    >>> b = {"x": np.array([20]), "s": ["r"]}
+    >>> out = merge_columns([a, b], [np.array([0, 2]), np.array([1])], 3)
+    >>> out["x"].tolist(), out["s"]
+    ([10, 20, 11], ['p', 'r', 'q'])
+
+    Raises:
+        TypeError: If a column holds something no part of a batch holds.
+    """
+    if len(parts) == 1 and np.array_equal(dests[0], np.arange(num_rows)):
+        return dict(parts[0])
+    return {name: _merge([p[name] for p in parts], dests, num_rows) for name in parts[0]}
+
+
+def _merge(values: list[Any], dests: Sequence[np.ndarray], num_rows: int) -> Any:
+    first = values[0]
+    if isinstance(first, np.ndarray):
+        out = np.empty((num_rows, *first.shape[1:]), dtype=first.dtype)
+        for value, dest in zip(values, dests, strict=True):
+            out[dest] = value
+        return out
+    if isinstance(first, Ragged):
+        return _merge_ragged(values, dests, num_rows)
+    if isinstance(first, list):
+        rows: list[Any] = [None] * num_rows
+        for value, dest in zip(values, dests, strict=True):
+            for at, item in zip(dest.tolist(), value, strict=True):
+                rows[at] = item
+        return rows
+    if isinstance(first, pa.Array | pa.ChunkedArray):
+        whole = pa.concat_arrays([_array(v) for v in values])
+        where = np.empty(num_rows, dtype=np.int64)
+        where[np.concatenate(list(dests))] = np.arange(num_rows)
+        return whole.take(pa.array(where))
+    raise TypeError(f"cannot merge a batch column of type {type(first).__name__}")
+
+
+def _merge_ragged(values: list[Ragged], dests: Sequence[np.ndarray], num_rows: int) -> Ragged:
+    lengths = np.zeros(num_rows, dtype=np.int64)
+    for value, dest in zip(values, dests, strict=True):
+        lengths[dest] = value.lengths
+    offsets = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    inner = values[0].values
+    out = np.empty((int(offsets[-1]), *inner.shape[1:]), dtype=inner.dtype)
+    for value, dest in zip(values, dests, strict=True):
+        out[expand_runs(offsets[dest], value.lengths, 1)] = value.values
+    return Ragged(out, offsets)
+
+
+def _array(value: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return value.combine_chunks() if isinstance(value, pa.ChunkedArray) else value

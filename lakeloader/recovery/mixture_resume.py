@@ -1,0 +1,81 @@
+"""A saved mixture state onto the mixture of now (a pure function; the loader applies it).
+
+The mixture of now may have the same sources, or some added or removed, and the same
+weights or new ones.
+
+Each source continues from its own count, so nothing is lost or repeated whatever changed;
+new weights apply from the saved slot on and are recorded in the state's history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lakeloader.errors import StateMismatchError
+from lakeloader.mixture import Mixture
+from lakeloader.order.mixture import MixWeights
+from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
+
+
+@dataclass(frozen=True)
+class MixtureResumption:
+    """What a resume of a mixture does.
+
+    Attributes:
+        state: The state to continue from (sources, counts and history of the mixture now).
+        changes: What differs from the saved mixture, in words (logged by the loader).
+    """
+
+    state: MixtureState
+    changes: tuple[str, ...]
+
+
+def records(mixture: Mixture) -> dict[str, SourceRecord]:
+    """What each source of ``mixture`` is, as a state records it."""
+    return {
+        name: SourceRecord(ds.fingerprint, ds.config_hash, len(ds))
+        for name, ds in mixture.sources.items()
+    }
+
+
+def resume_mixture(saved: MixtureState, mixture: Mixture) -> MixtureResumption:
+    """Map ``saved`` onto ``mixture``.
+
+    Raises:
+        StateMismatchError: If the mixture's seed differs, or a source present in both reads
+            another snapshot or order configuration than the one saved (both named).
+    """
+    if saved.seed != mixture.seed:
+        raise StateMismatchError(
+            f"the state's mixture seed is {saved.seed}, this Mixture's is {mixture.seed}: the "
+            f"interleaving would change. Build the Mixture with seed={saved.seed}"
+        )
+    now = records(mixture)
+    for name in sorted(set(now) & set(saved.sources)):
+        was, cur = saved.sources[name], now[name]
+        if was != cur:
+            raise StateMismatchError(
+                f"mixture source {name!r} is not the one saved: saved snapshot {was.fingerprint} "
+                f"(config {was.config}, {was.rows} rows), now {cur.fingerprint} (config "
+                f"{cur.config}, {cur.rows} rows). Resume with the same snapshot and order "
+                "settings for this source, or give it another name to start it afresh"
+            )
+    changes = [
+        f"source {n!r} added (starts at its first row)"
+        for n in sorted(set(now) - set(saved.sources))
+    ]
+    changes += [
+        f"source {n!r} removed (its count {saved.counts.get(n, 0)} is kept)"
+        for n in sorted(set(saved.sources) - set(now))
+    ]
+    history = saved.history
+    last = MixWeights.of(history[-1].weights) if history else None
+    if last != mixture.weights:
+        history = (*history, WeightChange(saved.slot, dict(mixture.raw_weights)))
+        changes.append(f"weights {mixture.raw_weights} from slot {saved.slot}")
+    counts = {**{n: 0 for n in now}, **saved.counts}
+    state = dataclasses.replace(
+        saved, counts=counts, history=history, sources=now, epoch_rows=mixture.epoch_rows
+    )
+    return MixtureResumption(state, tuple(changes))

@@ -1,0 +1,147 @@
+"""``MixtureState``: where a mixture loader stands, as versioned plain data, O(sources).
+
+It holds the mixture's cursor (global slots drawn, and drawn from each source: each source's
+position in its own stream of epochs), the history of weights (each change at a resume, from
+the slot it applies to), the pass over the mixture under way, and what each source was (its
+snapshot's fingerprint, order configuration and rows), against which a resume is checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from lakeloader.errors import StateFormatError
+
+#: The ``kind`` of a mixture state (a single lake's state has none).
+MIXTURE_KIND: Final = "mixture"
+#: Version of the format below; states of other versions are refused.
+MIXTURE_STATE_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class WeightChange:
+    """Weights in force from a global slot on, as the user gave them.
+
+    Attributes:
+        start: The first slot they apply to.
+        weights: ``{name: weight}``.
+    """
+
+    start: int
+    weights: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """What a source was when the state was taken.
+
+    Attributes:
+        fingerprint: Its snapshot's fingerprint.
+        config: The hash of its order configuration.
+        rows: Rows in one of its epochs.
+    """
+
+    fingerprint: str
+    config: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class MixtureState:
+    """A mixture loader's position (see the module docstring).
+
+    Attributes:
+        seed: The mixture's seed.
+        slot: Global slots delivered since the start of the run.
+        counts: ``{name: slots drawn from it}``, sources removed at a resume included (one
+            added back continues from its count).
+        history: Weight changes, the first at slot 0.
+        epoch: The pass over the mixture under way (or just finished).
+        epoch_start: The slot that pass started at.
+        epoch_rows: Rows of a pass.
+        sources: ``{name: SourceRecord}`` of the sources in the mixture now.
+        topology: The topology of the loader that took the state (for reports).
+    """
+
+    seed: int
+    slot: int
+    counts: Mapping[str, int]
+    history: tuple[WeightChange, ...]
+    epoch: int
+    epoch_start: int
+    epoch_rows: int
+    sources: Mapping[str, SourceRecord]
+    topology: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def epoch_done(self) -> bool:
+        """Whether the pass under way has delivered its rows."""
+        return self.slot - self.epoch_start >= self.epoch_rows
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (what ``DataLoader.state_dict()`` returns for a mixture).
+
+        >>> s = MixtureState(0, 8, {"a": 5, "b": 3}, (WeightChange(0, {"a": 1.0, "b": 1.0}),),
+        ...                  0, 0, 100, {"a": SourceRecord("f", "c", 50)})
+        >>> MixtureState.from_dict(s.to_dict()) == s
+        True
+        """
+        return {
+            "kind": MIXTURE_KIND,
+            "version": MIXTURE_STATE_VERSION,
+            "seed": self.seed,
+            "slot": self.slot,
+            "counts": dict(self.counts),
+            "history": [{"start": c.start, "weights": dict(c.weights)} for c in self.history],
+            "epoch": self.epoch,
+            "epoch_start": self.epoch_start,
+            "epoch_rows": self.epoch_rows,
+            "sources": {
+                name: {"fingerprint": r.fingerprint, "config": r.config, "rows": r.rows}
+                for name, r in self.sources.items()
+            },
+            "topology": dict(self.topology),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MixtureState:
+        """Read a state back.
+
+        Raises:
+            StateFormatError: If it is not a mixture state of this version, or a field is
+                missing or of the wrong type (named).
+        """
+        if not isinstance(data, Mapping) or data.get("kind") != MIXTURE_KIND:
+            raise StateFormatError(
+                "not a mixture state (no kind='mixture'): a single lake's state cannot be "
+                "loaded into a loader over a Mixture, nor the other way round"
+            )
+        if data.get("version") != MIXTURE_STATE_VERSION:
+            raise StateFormatError(
+                f"mixture state version {data.get('version')!r}; this lakeloader reads version "
+                f"{MIXTURE_STATE_VERSION}"
+            )
+        try:
+            history = tuple(
+                WeightChange(int(c["start"]), {str(k): float(v) for k, v in c["weights"].items()})
+                for c in data["history"]
+            )
+            sources = {
+                str(name): SourceRecord(str(r["fingerprint"]), str(r["config"]), int(r["rows"]))
+                for name, r in data["sources"].items()
+            }
+            return cls(
+                seed=int(data["seed"]),
+                slot=int(data["slot"]),
+                counts={str(k): int(v) for k, v in data["counts"].items()},
+                history=history,
+                epoch=int(data["epoch"]),
+                epoch_start=int(data["epoch_start"]),
+                epoch_rows=int(data["epoch_rows"]),
+                sources=sources,
+                topology={str(k): int(v) for k, v in data.get("topology", {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateFormatError(f"malformed mixture state: {exc!r}") from exc
