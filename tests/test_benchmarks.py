@@ -104,7 +104,11 @@ def test_cpu_split_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("script", "tables"),
-    [("transforms", ("row_ratios", "batch_ratios")), ("array_columns", ("ratios",))],
+    [
+        ("transforms", ("row_ratios", "batch_ratios")),
+        ("array_columns", ("ratios",)),
+        ("mixture", ("ratios",)),
+    ],
 )
 def test_issue13_benchmarks_smoke(tmp_path: Path, script: str, tables: tuple[str, ...]) -> None:
     _run(
