@@ -264,14 +264,39 @@ def rank_parts(
     >>> [(p.source, p.epoch, p.start, p.stop, p.at.tolist()) for p in parts]
     [(0, 0, 3, 4, [1]), (0, 1, 0, 1, [2]), (1, 0, 0, 2, [0, 3])]
     """
-    lo, hi = rank_bounds(len(draw.sources), world_size, rank)
-    share = MixDraw(draw.first + lo, draw.names, draw.sources[lo:hi], draw.offsets[lo:hi])
+    ((sources, parts),) = rank_parts_many(draw, rows, 1, world_size, rank)
+    return sources, parts
+
+
+def rank_parts_many(
+    draw: MixDraw, rows: Sequence[int], steps: int, world_size: int, rank: int
+) -> list[tuple[np.ndarray, list[MixPart]]]:
+    """:func:`rank_parts` of ``steps`` consecutive global batches of equal size, at once.
+
+    ``draw`` holds them end to end. The work is a few array operations for all the steps,
+    not a loop over them (a loader plans many steps per call).
+    """
+    size = len(draw.sources) // steps
+    lo, hi = rank_bounds(size, world_size, rank)
+    sources = draw.sources.reshape(steps, size)[:, lo:hi]
+    share = MixDraw(
+        draw.first, draw.names, sources.ravel(), draw.offsets.reshape(steps, size)[:, lo:hi].ravel()
+    )
     epoch, position = share.epochs(rows)
-    parts = []
-    for source in np.unique(share.sources).tolist():
-        mine = np.flatnonzero(share.sources == source)  # offsets ascending: consecutive
-        cuts = np.flatnonzero(np.diff(epoch[mine])) + 1
-        for run in np.split(mine, cuts):
-            first, last = int(position[run[0]]), int(position[run[-1]])
-            parts.append(MixPart(source, int(epoch[run[0]]), first, last + 1, run))
-    return share.sources, parts
+    width = hi - lo
+    step = np.repeat(np.arange(steps, dtype=np.int64), width)
+    slot = np.tile(np.arange(width, dtype=np.int64), steps)
+    order = np.lexsort((slot, epoch, share.sources, step))  # parts, each in slot order
+    key = np.stack([step[order], share.sources[order], epoch[order]])
+    cuts = np.flatnonzero(np.any(key[:, 1:] != key[:, :-1], axis=0)) + 1
+    firsts = np.concatenate([[0], cuts]).tolist()
+    lasts = (np.concatenate([cuts, [len(order)]]) - 1).tolist()
+    ordered_position = position[order]
+    at = np.split(slot[order], cuts) if len(order) else []
+    out: list[tuple[np.ndarray, list[MixPart]]] = [(row, []) for row in sources]
+    columns = zip(firsts, lasts, at, strict=True)
+    for first, last, where in columns:
+        k, source, ep = (int(v) for v in key[:, first])
+        start, stop = int(ordered_position[first]), int(ordered_position[last]) + 1
+        out[k][1].append(MixPart(source, ep, start, stop, where))
+    return out

@@ -41,6 +41,7 @@ from lakeloader.workers.shipping import Shipped, receive
 #: Seconds between checks for steps to hand out while waiting for a batch from the workers.
 TOP_UP_SECONDS: Final = 0.05
 
+_NO_SEEDS: Final = np.zeros(0, dtype=np.uint64)
 #: Quarantined units of a screened step, and the rows of this rank they cost.
 Skipped = tuple[tuple[QuarantineEntry, ...], int]
 
@@ -117,7 +118,8 @@ class LocalBuilder:
                 typ = self._schema.field(name).type
                 ready[name] = python_values(views_array(ready[name], typ, buffers))
         units = self._opener.open(screened.refs, records) if screened.refs else []
-        seeds = self.seeds(step, screened)
+        # Rows' seeds only feed the user's code.
+        seeds = self.seeds(step, screened) if self.user_code else _NO_SEEDS
         payload = build_payload(units, screened.take, self._schema, spec.recipe, ready, seeds)
         return self.seen(payload)
 

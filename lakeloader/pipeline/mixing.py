@@ -27,8 +27,8 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_specs
-from lakeloader.order.mixture import MixCursor, MixPart, MixWeights, rank_parts
-from lakeloader.order.plan import batch_slots
+from lakeloader.order.mixture import MixCursor, MixPart, MixWeights, rank_parts_many
+from lakeloader.order.plan import batch_runs, expand_runs
 from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.merge import merge_columns
@@ -179,39 +179,41 @@ class MixtureIterator:
 
     def _plan_chunk(self, count: int) -> None:
         """Plan ``count`` steps: draw them, cut the rank's shares, ask each source for its parts."""
-        topo, size = self._topology, self._topology.global_batch
-        cursor, seed = self._planned_cursor, self._mixture.seed
-        shares: list[tuple[np.ndarray, list[MixPart], MixCursor]] = []
+        topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
+        before = self._planned_cursor
+        draw, after = before.take(self._weights, self._mixture.seed, count * size)
+        shares = rank_parts_many(draw, self._rows, count, topo.world_size, topo.rank)
+        drawn = draw.sources.reshape(count, size)
+        totals = np.stack([(drawn == k).sum(axis=1) for k in range(len(names))], axis=1)
+        totals = np.cumsum(totals, axis=0).tolist()  # drawn from each source, after each step
         groups: defaultdict[tuple[int, int], list[tuple[int, MixPart]]] = defaultdict(list)
-        for k in range(count):
-            draw, cursor = cursor.take(self._weights, seed, size)
-            sources, parts = rank_parts(draw, self._rows, topo.world_size, topo.rank)
-            shares.append((sources, parts, cursor))
+        for k, (_, parts) in enumerate(shares):
             for part in parts:
                 groups[(part.source, part.epoch)].append((k, part))
-        specs: dict[tuple[int, tuple[int, int]], BatchSpec] = {}
+        planned: dict[tuple[int, tuple[int, int]], tuple[BatchSpec, np.ndarray]] = {}
         for key, items in groups.items():
             source_pass = self._source_pass(key)
-            made = range_specs(
-                source_pass.spec.plan,
-                np.array([self._next_plan + k for k, _ in items]),
-                np.array([p.start for _, p in items]),
-                np.array([p.stop for _, p in items]),
+            parts = [p for _, p in items]
+            starts = np.array([p.start for p in parts], dtype=np.int64)
+            stops = np.array([p.stop for p in parts], dtype=np.int64)
+            plan = source_pass.spec.plan
+            specs = range_specs(
+                plan, np.array([self._next_plan + k for k, _ in items]), starts, stops
             )
-            for (k, _), spec in zip(items, made, strict=True):
+            dests = _dests(parts, starts, stops, plan.num_partitions)
+            for (k, _), spec, dest in zip(items, specs, dests, strict=True):
                 source_pass.space.store.request(spec.positions)
-                specs[(k, key)] = spec
-        for k, (sources, parts, after) in enumerate(shares):
-            planned = tuple(
-                (
-                    (p.source, p.epoch),
-                    specs[(k, (p.source, p.epoch))],
-                    _dest(p, self._passes[(p.source, p.epoch)].spec.plan.num_partitions),
-                )
-                for p in parts
+                planned[(k, key)] = spec, dest
+        for k, (sources, parts) in enumerate(shares):
+            counts = dict(before.counts)
+            counts.update(
+                (name, before.counts.get(name, 0) + totals[k][i]) for i, name in enumerate(names)
             )
-            self._planned.append(_Step(sources, planned, after))
-        self._planned_cursor = cursor
+            steps = tuple((key, *planned[(k, key)]) for key in ((p.source, p.epoch) for p in parts))
+            self._planned.append(
+                _Step(sources, steps, MixCursor(before.slot + (k + 1) * size, counts))
+            )
+        self._planned_cursor = after
         self._next_plan += count
 
     def __iter__(self) -> MixtureIterator:
@@ -263,10 +265,17 @@ class MixtureIterator:
         _close_passes(self._passes, wait)
 
 
-def _dest(part: MixPart, num_partitions: int) -> np.ndarray:
-    """Where each row a part's build gives (partition-major in its range) goes in the share."""
-    dest: np.ndarray = part.at[batch_slots(part.start, part.stop, num_partitions) - part.start]
-    return dest
+def _dests(
+    parts: list[MixPart], starts: np.ndarray, stops: np.ndarray, num_partitions: int
+) -> list[np.ndarray]:
+    """Where each row a part's build gives (partition-major in its range) goes in its share."""
+    first, counts = batch_runs(starts, stops, num_partitions)
+    slots = expand_runs(first.ravel(), counts.ravel(), num_partitions)
+    lengths = stops - starts
+    base = np.cumsum(lengths) - lengths
+    local = slots - np.repeat(starts - base, lengths)
+    where = np.concatenate([p.at for p in parts])[local]
+    return np.split(where, np.cumsum(lengths)[:-1])
 
 
 def _close_passes(passes: dict[tuple[int, int], SourcePass], wait: bool = False) -> None:
