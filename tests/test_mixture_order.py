@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 from lakeloader.order.mixture import (
     MixCursor,
+    MixDraw,
     MixSegment,
     MixWeights,
     cursor_at,
+    rank_parts,
+    rank_parts_many,
     slot_sources,
 )
 from tests.conftest import FAST
@@ -122,3 +125,53 @@ def test_a_small_source_runs_through_its_epochs_one_after_the_other() -> None:
 def test_bad_weights_say_which(weights: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MixWeights.of(weights)
+
+
+@FAST
+@given(
+    weights=weight_maps,
+    seed=st.integers(0, 2**32),
+    start=st.integers(0, 10_000),
+    steps=st.integers(1, 6),
+    world=st.integers(1, 5),
+    per_rank=st.integers(1, 40),
+    rows=st.lists(st.integers(1, 60), min_size=6, max_size=6),
+)
+def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(
+    weights: dict[str, float],
+    seed: int,
+    start: int,
+    steps: int,
+    world: int,
+    per_rank: int,
+    rows: list[int],
+) -> None:
+    """Planning many steps at once gives each step's parts as planning it alone; the parts of
+    a rank's share are its slots' rows, each once, and the ranks' shares are the batch."""
+    w = MixWeights.of(weights)
+    size = world * per_rank
+    cursor = MixCursor(start, {name: start % 97 for name in w.names})
+    draw, _ = cursor.take(w, seed, steps * size)
+    for rank in range(world):
+        chunked = rank_parts_many(draw, rows, steps, world, rank)
+        for k, (sources, parts) in enumerate(chunked):
+            one = MixDraw(
+                draw.first + k * size,
+                draw.names,
+                draw.sources[k * size : (k + 1) * size],
+                draw.offsets[k * size : (k + 1) * size],
+            )
+            alone_sources, alone = rank_parts(one, rows, world, rank)
+            assert sources.tolist() == alone_sources.tolist()
+            assert [(p.source, p.epoch, p.start, p.stop, p.at.tolist()) for p in parts] == [
+                (p.source, p.epoch, p.start, p.stop, p.at.tolist()) for p in alone
+            ]
+            got = sorted(
+                (int(at), p.source, p.epoch * rows[p.source] + p.start + i)
+                for p in parts
+                for i, at in enumerate(p.at.tolist())
+            )
+            assert all(p.stop - p.start == len(p.at) for p in parts)
+            share = range(rank * per_rank, (rank + 1) * per_rank)
+            want = [(j - rank * per_rank, int(one.sources[j]), int(one.offsets[j])) for j in share]
+            assert got == want
