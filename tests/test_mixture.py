@@ -29,9 +29,8 @@ def write_source(root: Path, name: str, rows: int) -> None:
     per_file = -(-rows // 3)
     for f in range(3):
         ids = list(range(BASE[name] + f * per_file, BASE[name] + min(rows, (f + 1) * per_file)))
-        table = pa.table(
-            {"id": ids, "tokens": [[i % 97, i % 89, i % 83][: 1 + i % 3] for i in ids]}
-        )
+        tokens = [[i % 97, i % 89, i % 83][: 1 + i % 3] for i in ids]
+        table = pa.table({"id": ids, "tokens": tokens, "text": [f"row {i}" for i in ids]})
         pq.write_table(table, folder / f"part-{f}.parquet", row_group_size=100)
 
 
@@ -75,6 +74,7 @@ def stream(
         for shares in zip(*iters, strict=True):
             for share in shares:
                 assert len(share["id"]) == batch
+                assert share["text"] == [f"row {i}" for i in share["id"].tolist()]
                 tokens = [t.tolist() for t in share["tokens"].unbind()]
                 assert tokens == [
                     [i % 97, i % 89, i % 83][: 1 + i % 3] for i in share["id"].tolist()

@@ -286,9 +286,13 @@ def rank_parts_many(
     width = hi - lo
     step = np.repeat(np.arange(steps, dtype=np.int64), width)
     slot = np.tile(np.arange(width, dtype=np.int64), steps)
-    order = np.lexsort((slot, epoch, share.sources, step))  # parts, each in slot order
+    # One key per (step, source, epoch): a stable sort groups the parts, each in slot order.
+    low = int(epoch.min()) if len(epoch) else 0
+    span = int(epoch.max()) - low + 1 if len(epoch) else 1
+    combined = (step * len(draw.names) + share.sources) * span + (epoch - low)
+    order = np.argsort(combined, kind="stable")
     key = np.stack([step[order], share.sources[order], epoch[order]])
-    cuts = np.flatnonzero(np.any(key[:, 1:] != key[:, :-1], axis=0)) + 1
+    cuts = np.flatnonzero(np.diff(combined[order])) + 1
     firsts = np.concatenate([[0], cuts]).tolist()
     lasts = (np.concatenate([cuts, [len(order)]]) - 1).tolist()
     ordered_position = position[order]

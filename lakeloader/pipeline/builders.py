@@ -27,7 +27,7 @@ from lakeloader.cache.screening import Screened, screen
 from lakeloader.cache.store import UnitOpener
 from lakeloader.cache.views import views_array
 from lakeloader.order.batches import BatchSpec, share_slots
-from lakeloader.pipeline.collate import empty_like, python_values
+from lakeloader.pipeline.collate import empty_like, gather_columns, python_values
 from lakeloader.pipeline.recipe import COLLATED, Payload, build_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
 from lakeloader.randomness import slot_seeds
@@ -113,15 +113,27 @@ class LocalBuilder:
         if screened.rows is not None and records is not None and spec.layout is not None:
             fields = screened.names + screened.views
             ready.update(gather_packed(records, screened.rows, spec.layout, fields))
-            buffers = self._space.store.view_buffers
-            for name in screened.views:
-                typ = self._schema.field(name).type
-                ready[name] = python_values(views_array(ready[name], typ, buffers))
+            self.resolve_views(ready, screened.views)
         units = self._opener.open(screened.refs, records) if screened.refs else []
         # Rows' seeds only feed the user's code.
         seeds = self.seeds(step, screened) if self.user_code else _NO_SEEDS
         payload = build_payload(units, screened.take, self._schema, spec.recipe, ready, seeds)
         return self.seen(payload)
+
+    def resolve_views(self, ready: dict[str, Any], names: tuple[str, ...]) -> None:
+        """Turn the gathered view columns ``names`` of ``ready`` into Python values."""
+        buffers = self._space.store.view_buffers
+        for name in names:
+            typ = self._schema.field(name).type
+            ready[name] = python_values(views_array(ready[name], typ, buffers))
+
+    def arrow_columns(self, screened: Screened, skip: tuple[str, ...]) -> dict[str, Any]:
+        """The step's columns but ``skip`` (gathered elsewhere), through the Arrow path."""
+        units = self._opener.open(screened.refs, self._space.records()) if screened.refs else []
+        placeholder = np.zeros(0)  # never read: these columns are dropped below
+        ready = {name: placeholder for name in skip}
+        columns = gather_columns(units, screened.take, self._schema, ready)
+        return {name: value for name, value in columns.items() if name not in skip}
 
     def seen(self, payload: Payload) -> Payload:
         """Remember a built batch: an empty share is cut from it (see :meth:`empty`)."""

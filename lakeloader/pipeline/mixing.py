@@ -13,6 +13,8 @@ A source's pass is closed once all ranks are past its epoch.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -21,7 +23,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from lakeloader.cache.packed import RowLayout
+from lakeloader.cache.arena import Arena
+from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import Screening
 from lakeloader.io.reader import UnitReader
 from lakeloader.mixture import Mixture
@@ -33,14 +36,14 @@ from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
-from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, PassWorkspace
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.topology import Topology
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
-LOOKAHEAD_STEPS: Final = 64
+LOOKAHEAD_STEPS: Final = 256
 #: Steps planned by one call.
-PLAN_CHUNK: Final = 16
+PLAN_CHUNK: Final = 64
 
 
 class SourcePass:
@@ -56,6 +59,7 @@ class SourcePass:
         options: The loader's options (the byte budget is shared among sources).
         unit_dir: The loader's folder for decoded units.
         coordinator: The recovery coordinator.
+        arena: The mixture pass's arena, which every source's units are packed into.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class SourcePass:
         options: LoaderOptions,
         unit_dir: str,
         coordinator: RecoveryCoordinator,
+        arena: Arena | None,
     ) -> None:
         ds = mixture.sources[mixture.names[source]]
         self.epoch = epoch
@@ -81,16 +86,9 @@ class SourcePass:
             layout=RowLayout.of(reader.schema),
             recipe=BatchRecipe(lists=ds.list_format),
         )
-        self.space = PassWorkspace(self.spec, reader, None, unit_dir, coordinator)
-        self._builder = LocalBuilder(self.spec, self.space, reader.schema)
-
-    def build(self, step: BatchSpec) -> dict[str, Any]:
-        """The columns of a part (its rows in the partition-major order of its range)."""
-        kind, columns = self._builder.build(step)
-        self._builder.skipped.pop(step.step, None)
-        assert kind == COLUMNS
-        result: dict[str, Any] = columns
-        return result
+        self.space = PassWorkspace(self.spec, reader, None, unit_dir, coordinator, arena)
+        #: Screens its parts of a step and gathers the columns not in the arena.
+        self.builder = LocalBuilder(self.spec, self.space, reader.schema)
 
     def close(self, wait: bool = False) -> None:
         """Stop decoding; delete the pass's units."""
@@ -146,8 +144,19 @@ class MixtureIterator:
         self._planned: deque[_Step] = deque()
         self._next_plan = self._next_deliver = 0
         self._passes: dict[tuple[int, int], SourcePass] = {}
+        self._schema = readers[0].schema
+        self._layout = RowLayout.of(self._schema)
+        self._dir = tempfile.mkdtemp(prefix="mixture-", dir=unit_dir)
+        self._arena: Arena | None = None
+        if self._layout.names:  # every source's packed rows in one arena: one gather a step
+            budget = max(options.cache_bytes // self._layout.row_bytes, 1)
+            self._arena = Arena(
+                self._dir, self._layout.record, min(budget, ARENA_START_ROWS), budget
+            )
         self._closed = False
-        self._finalizer = weakref.finalize(self, close_safely, _close_passes, self._passes)
+        self._finalizer = weakref.finalize(
+            self, close_safely, _close_passes, self._passes, self._arena, self._dir
+        )
 
     def _source_pass(self, key: tuple[int, int]) -> SourcePass:
         if key not in self._passes:
@@ -160,6 +169,7 @@ class MixtureIterator:
                 self._options,
                 self._unit_dir,
                 self._coordinator,
+                self._arena,
             )
         return self._passes[key]
 
@@ -225,16 +235,47 @@ class MixtureIterator:
             raise StopIteration
         self._plan_ahead()
         step = self._planned.popleft()
-        columns = [self._passes[key].build(spec) for key, spec, _ in step.parts]
-        merged = merge_columns(columns, [dest for _, _, dest in step.parts], len(step.sources))
-        merged[self._mixture.source_key] = step.sources.astype(np.int64)
-        batch = finish_payload((COLUMNS, merged), self._lists)
+        columns = self._build(step)
+        columns[self._mixture.source_key] = step.sources.astype(np.int64)
+        batch = finish_payload((COLUMNS, columns), self._lists)
         self._next_deliver += 1
         self._delivered(step.cursor)
         self._release(step.cursor)
         if self._next_deliver >= self.num_steps:
             self.close()
         return batch
+
+    def _build(self, step: _Step) -> dict[str, Any]:
+        """The step's columns in slot order (packed rows at once, other columns by part)."""
+        size = len(step.sources)
+        dests = [dest for _, _, dest in step.parts]
+        screens = [
+            (self._passes[key].builder, self._passes[key].builder.screened(spec))
+            for key, spec, _ in step.parts
+        ]
+        columns: dict[str, Any] = {}
+        done: tuple[str, ...] = ()
+        if self._arena is not None and all(s.rows is not None for _, s in screens):
+            packed = _common([s.names for _, s in screens])
+            views = _common([s.views for _, s in screens])
+            rows = np.empty(size, dtype=np.int64)
+            for (_, screened), dest in zip(screens, dests, strict=True):
+                assert screened.rows is not None
+                rows[dest] = screened.rows
+            gathered = gather_packed(self._arena.records, rows, self._layout, packed + views)
+            columns.update((name, gathered[name]) for name in packed)
+            if views:  # each source's views point into its own buffers
+                resolved = []
+                for (builder, _), dest in zip(screens, dests, strict=True):
+                    ready = {name: gathered[name][dest] for name in views}
+                    builder.resolve_views(ready, views)
+                    resolved.append(ready)
+                columns.update(merge_columns(resolved, dests, size))
+            done = packed + views
+        if len(done) < len(self._schema):
+            parts = [builder.arrow_columns(screened, done) for builder, screened in screens]
+            columns.update(merge_columns(parts, dests, size))
+        return {name: columns[name] for name in self._schema.names}
 
     def _release(self, cursor: MixCursor) -> None:
         """Evict what every rank is past; close the passes of epochs every rank is done with."""
@@ -262,7 +303,7 @@ class MixtureIterator:
             return
         self._closed = True
         self._finalizer.detach()
-        _close_passes(self._passes, wait)
+        _close_passes(self._passes, self._arena, self._dir, wait)
 
 
 def _dests(
@@ -278,7 +319,24 @@ def _dests(
     return np.split(where, np.cumsum(lengths)[:-1])
 
 
-def _close_passes(passes: dict[tuple[int, int], SourcePass], wait: bool = False) -> None:
+def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The columns every part has (in the first part's order)."""
+    if all(n is names[0] for n in names):
+        return names[0]
+    shared = set(names[0]).intersection(*names[1:])
+    return tuple(n for n in names[0] if n in shared)
+
+
+def _close_passes(
+    passes: dict[tuple[int, int], SourcePass],
+    arena: Arena | None,
+    folder: str,
+    wait: bool = False,
+) -> None:
+    """Close every source's pass, then the shared arena, and delete the mixture's folder."""
     for source_pass in passes.values():
         source_pass.close(wait)
     passes.clear()
+    if arena is not None:
+        arena.close()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -106,6 +106,8 @@ class PassWorkspace:
             a batch_transform they build batches instead, and the loader's threads decode.
         unit_dir: The loader's folder for decoded units.
         coordinator: Decides what a dead worker's work becomes.
+        arena: An arena shared with other passes (a mixture's sources), which this one
+            neither makes nor closes; None: its own, when it packs rows.
     """
 
     def __init__(
@@ -115,12 +117,14 @@ class PassWorkspace:
         pool: WorkerPool | None,
         unit_dir: str,
         coordinator: RecoveryCoordinator,
+        arena: Arena | None = None,
     ) -> None:
         opts, layout = spec.options, spec.layout
         packs = layout is not None and bool(layout.names)
         self.dir = tempfile.mkdtemp(prefix="pass-", dir=unit_dir)
-        self.arena: Arena | None = None
-        if packs and layout is not None:
+        self.arena: Arena | None = arena
+        self._owns_arena = arena is None
+        if packs and layout is not None and arena is None:
             budget_rows = opts.cache_bytes // layout.row_bytes
             self.arena = Arena(
                 self.dir, layout.record, min(budget_rows, ARENA_START_ROWS), budget_rows
@@ -169,6 +173,6 @@ class PassWorkspace:
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.store.close(wait)
-        if self.arena is not None:
+        if self.arena is not None and self._owns_arena:
             self.arena.close()
         shutil.rmtree(self.dir, ignore_errors=True)
