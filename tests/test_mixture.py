@@ -4,6 +4,7 @@ added at a resume, a small source upsampled."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -218,5 +219,64 @@ def test_bad_mixtures_and_states_are_refused_with_both_sides(lakes: Path) -> Non
     changed["web"] = ll.LakeDataset(lakes / "web", seed=8, num_partitions=4, window=64)
     with pytest.raises(ll.StateMismatchError, match="source 'web' is not the one saved"):
         ll.DataLoader(Mixture(changed, WEIGHTS, seed=11), batch_size=4).load_state_dict(state)
-    with pytest.raises(TypeError, match=r"save loader\.state_dict"):
-        ll.CheckpointManager(str(lakes.parent / "ckpt")).save(0, loader)
+    ckpt = ll.CheckpointManager(str(lakes.parent / "mixed-kinds"))
+    ckpt.save(1, loader)
+    with pytest.raises(ll.CheckpointError, match=r"holds a Mixture's position.*reads a lake"):
+        ckpt.load(single)
+    ckpt.save(2, single)
+    with pytest.raises(ll.CheckpointError, match=r"holds a lake's position.*reads a Mixture"):
+        ckpt.load(loader)
+    with pytest.raises(ll.CheckpointError, match="is a Mixture's checkpoint"):
+        ckpt.dataset(step=1)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoints_resume_a_mixture_under_another_topology(
+    lakes: Path, reference: list[int], tmp_path: Path, async_save: bool
+) -> None:
+    """CheckpointManager saves a mixture's state with its sources' manifests; a loader of
+    another world size and batch size continues from it, after a weight change too."""
+    before, _, state = stream(make(lakes), 2, 24, 1440)
+    loader = ll.DataLoader(make(lakes), batch_size=24, rank=0, world_size=2)
+    loader.load_state_dict(state)
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"), async_save=async_save)
+    manager.save(30, loader, extra={"lr": 0.5})
+    manager.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "manifests").iterdir()) == sorted(
+        f"{ds.fingerprint}.msgpack" for ds in make(lakes).sources.values()
+    )
+    resumed = [ll.DataLoader(make(lakes), batch_size=16, rank=r, world_size=3) for r in range(3)]
+    for r in resumed:
+        assert ll.CheckpointManager(str(tmp_path / "ckpt")).load(r) == {"lr": 0.5}
+    after, _, _ = stream(make(lakes), 3, 16, 4800 - 1440, state=resumed[0].state_dict())
+    assert (before + after)[:4800] == reference
+
+
+def test_inspect_shows_each_source_of_a_mixture_checkpoint(
+    lakes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lakeloader.cli.main import main
+
+    _, _, state = stream(make(lakes), 1, 48, 2400)
+    new = {"web": 0.25, "code": 0.25, "math": 0.5}
+    loader = ll.DataLoader(make(lakes, new), batch_size=48)
+    loader.load_state_dict(state)
+    ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    ckpt.save(50, loader)
+    assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "mixture" and info["slot"] == 2400 and info["step"] == 50
+    assert [c["start"] for c in info["history"]] == [0, 2400]
+    by_name = {s["source"]: s for s in info["sources"]}
+    for name, rows in SIZES.items():
+        got = by_name[name]
+        drawn = state["counts"][name]
+        assert (got["epoch"], got["rows_consumed"]) == divmod(drawn, rows)
+        assert got["rows_consumed"] + got["rows_remaining"] == rows
+        assert got["realised_share"] == pytest.approx(drawn / 2400)
+        assert abs(got["realised_share"] - WEIGHTS[name]) < 0.01
+        assert got["weight"] == pytest.approx(new[name])
+    assert by_name["math"]["epoch"] >= 1, "the small source is in a later epoch"
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in SIZES) and "remaining" in text

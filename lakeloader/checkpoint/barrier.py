@@ -9,14 +9,38 @@ state) hold the same quarantine list.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from lakeloader.errors import CheckpointError
-from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
+
+
+class Position(Protocol):
+    """Where a loader stands: a single lake's ``LoaderState``, or a mixture's state."""
+
+    @property
+    def fingerprint(self) -> str:
+        """What it reads (a snapshot's fingerprint, or a digest of the sources')."""
+
+    @property
+    def config_hash(self) -> str:
+        """The hash of what orders it."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch (or the mixture's pass)."""
+
+    @property
+    def position(self) -> int:
+        """The global slot reached."""
+
+    @property
+    def quarantine(self) -> Sequence[QuarantineEntry]:
+        """Units skipped for good."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +61,7 @@ class _Stand:
 
 
 def confirm_same_position(
-    state: LoaderState, error: CheckpointError | None
+    state: Position, error: CheckpointError | None
 ) -> list[QuarantineEntry] | None:
     """All-gather where each rank stands; fail if ranks disagree or an earlier save failed.
 
@@ -64,7 +88,7 @@ def confirm_same_position(
         state.epoch,
         state.position,
         None if error is None else str(error),
-        state.quarantine,
+        tuple(state.quarantine),
     )
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -11,9 +11,11 @@ topology of now.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import posixpath
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +38,14 @@ from lakeloader.checkpoint.layout import (
     sha256,
     step_dir_name,
 )
+from lakeloader.checkpoint.mixture_record import (
+    MixtureCheckpoint,
+    MixtureRecord,
+    check_same_kind,
+    is_mixture_record,
+    mixture_record,
+    verify_manifests,
+)
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
@@ -46,6 +56,7 @@ from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.lake_changes import LakeChangePolicy
 from lakeloader.signals import main_thread_only
+from lakeloader.state.mixture_state import MixtureState
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +157,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
-        if not isinstance(loader.dataset, LakeDataset):
-            raise TypeError(
-                "CheckpointManager saves loaders over a LakeDataset; a Mixture's loader is not "
-                "supported yet: save loader.state_dict() (plain data) with your model instead"
-            )
         previous = self._settle()
+        if not isinstance(loader.dataset, LakeDataset):  # a Mixture's loader
+            self._save_mixture(step, loader, extra, previous)
+            return
         ds = loader.dataset
         state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
         everyone = confirm_same_position(state, previous)
@@ -164,11 +173,33 @@ class CheckpointManager:
             return
         payload = StateRecord(state, _context(loader, step), extra).to_bytes()
         manifest = (ds.snapshot, loader.dataset.source.describe())
+        self._submit(step, functools.partial(self._write, step, payload, manifest))
+
+    def _save_mixture(
+        self, step: int, loader: DataLoader, extra: Any, previous: CheckpointError | None
+    ) -> None:
+        """Save a Mixture's loader: its state, and every source's manifest."""
+        state = MixtureState.from_dict(loader.state_dict())
+        confirm_same_position(state, previous)
+        if previous is not None:
+            raise previous
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+        def write() -> None:
+            record = mixture_record(loader, step, extra, created, __version__, self._manifest)
+            self._write_folder(step, record.to_bytes(), "", "")
+
+        self._submit(step, write)
+
+    def _submit(self, step: int, write: Callable[[], None]) -> None:
+        """Write now, or in the background with ``async_save``."""
         if self.async_save:
-            self._pending = self._writer.submit(self._write, step, payload, manifest)
+            self._pending = self._writer.submit(write)
             return
         try:
-            self._write(step, payload, manifest)
+            write()
         except StoreAccessError:
             raise  # names the URL and where credentials come from: nothing to add
         except Exception as exc:
@@ -219,7 +250,12 @@ class CheckpointManager:
         return rel, digest
 
     def _write(self, step: int, payload: bytes, manifest: tuple[Snapshot, Any]) -> None:
-        manifest_rel, manifest_sha = self._manifest(*manifest)
+        self._write_folder(step, payload, *self._manifest(*manifest))
+
+    def _write_folder(
+        self, step: int, payload: bytes, manifest_rel: str, manifest_sha: str
+    ) -> None:
+        """Write a step's state, then its COMMIT (a mixture's names no manifest)."""
         folder = self._path(step_dir_name(step))
         commit = posixpath.join(folder, COMMIT_FILE)
         if self.store.exists(commit):
@@ -245,7 +281,7 @@ class CheckpointManager:
             self.store.rm(dirs[s], recursive=True)
 
     # ------------------------------------------------------------------ loading
-    def read(self, step: int) -> Checkpoint:
+    def read(self, step: int) -> Checkpoint | MixtureCheckpoint:
         """Read and verify one checkpoint.
 
         Raises:
@@ -261,6 +297,10 @@ class CheckpointManager:
                     f"..., its COMMIT says {marker.state_bytes} bytes, "
                     f"{marker.state_sha256[:12]}...: truncated or overwritten"
                 )
+            if is_mixture_record(payload):
+                mixture = MixtureRecord.from_bytes(payload)
+                verify_manifests(mixture, lambda rel: self.store.cat(self._path(rel)))
+                return MixtureCheckpoint(step, folder, mixture, len(payload))
             record = StateRecord.from_bytes(payload)
             manifest_bytes = self.store.cat(self._path(marker.manifest))
             if sha256(manifest_bytes) != marker.manifest_sha256:
@@ -290,7 +330,7 @@ class CheckpointManager:
             len(payload),
         )
 
-    def load_checkpoint(self, step: int | None = None) -> Checkpoint:
+    def load_checkpoint(self, step: int | None = None) -> Checkpoint | MixtureCheckpoint:
         """The newest usable checkpoint (or the given step), falling back past corrupt ones.
 
         Raises:
@@ -336,7 +376,12 @@ class CheckpointManager:
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        loader._resume(coordinator.resume(ckpt, loader.dataset))
+        mixture = not isinstance(loader.dataset, LakeDataset)
+        check_same_kind(ckpt.path, isinstance(ckpt, MixtureCheckpoint), mixture)
+        if isinstance(ckpt, MixtureCheckpoint):
+            loader.load_state_dict(ckpt.record.state.to_dict())
+        else:
+            loader._resume(coordinator.resume(ckpt, loader.dataset))
         return ckpt.extra
 
     def dataset(
@@ -370,6 +415,11 @@ class CheckpointManager:
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
+        if isinstance(ckpt, MixtureCheckpoint):
+            raise CheckpointError(
+                f"{ckpt.path} is a Mixture's checkpoint: build each source's LakeDataset on its "
+                "lake and load it into a DataLoader over the Mixture"
+            )
         return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
 
     def close(self) -> None:

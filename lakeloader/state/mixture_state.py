@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
+from lakeloader.state.loader_state import config_hash
+from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a mixture state (a single lake's state has none).
 MIXTURE_KIND: Final = "mixture"
@@ -74,6 +76,28 @@ class MixtureState:
     epoch_rows: int
     sources: Mapping[str, SourceRecord]
     topology: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of the sources' snapshots (what the checkpoint barrier compares)."""
+        return config_hash({n: r.fingerprint for n, r in self.sources.items()})
+
+    @property
+    def config_hash(self) -> str:
+        """A digest of what orders the mixture: seed, weights, sources' order settings."""
+        weights = [[c.start, sorted(c.weights.items())] for c in self.history]
+        sources = sorted((n, r.config) for n, r in self.sources.items())
+        return config_hash({"seed": self.seed, "history": weights, "sources": sources})
+
+    @property
+    def position(self) -> int:
+        """The global slot reached (:attr:`slot`)."""
+        return self.slot
+
+    @property
+    def quarantine(self) -> tuple[QuarantineEntry, ...]:
+        """Mixtures skip no unit (their sources read with ``on_error="raise"``)."""
+        return ()
 
     @property
     def epoch_done(self) -> bool:
