@@ -35,6 +35,8 @@ from lakeloader.loader import DataLoader, PartitionWarning
 from lakeloader.mixture import Mixture
 from lakeloader.mixture_loader import MixtureLoader
 from lakeloader.options import LoaderOptions
+from lakeloader.packed_loader import PackedLoader
+from lakeloader.packing import Packing
 from lakeloader.randomness import rng, row_rngs, row_seeds
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import ReaderStateTracker
@@ -57,6 +59,8 @@ __all__ = [
     "LoaderOptions",
     "Mixture",
     "MixtureLoader",
+    "Packing",
+    "PackedLoader",
     "PartitionWarning",
     "ReaderStateTracker",
     "RecoveryCoordinator",

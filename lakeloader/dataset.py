@@ -32,6 +32,7 @@ from lakeloader.order.plan import (
     make_units,
     plan_epoch,
 )
+from lakeloader.packing import Packing
 from lakeloader.pipeline.collate import BatchTransform, ListFormat, ListKind, Transform
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.quarantine import ON_ERROR_CHOICES, OnError, QuarantineEntry, Validate
@@ -106,6 +107,8 @@ class LakeDataset:
             are left out alike on every rank and after every resume, and counted).
         validate: A check of each decoded unit (an Arrow table): True or None keeps it; False
             or a reason rejects it (raised, or quarantined with ``on_error="skip"``).
+        packing: A :class:`~lakeloader.Packing`: batches are fixed-length samples cut from the
+            rows' token lists (see :mod:`lakeloader.order.packing`).
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -143,8 +146,12 @@ class LakeDataset:
         retry: RetryPolicy | None = None,
         on_error: OnError = "raise",
         validate: Validate | None = None,
+        packing: Packing | None = None,
     ) -> None:
         self.source: Source = as_source(source)
+        #: Token lists packed into fixed-length samples (``DataLoader`` is then a
+        #: ``PackedLoader``), or None.
+        self.packing = packing
         self.storage_options = dict(storage_options or {})
         self.transform = transform
         self.batch_transform = batch_transform
@@ -215,6 +222,11 @@ class LakeDataset:
 
     def __len__(self) -> int:
         return self.snapshot.num_rows
+
+    @property
+    def loader_kind(self) -> str:
+        """Which loader streams it: ``"packed"`` with a packing, else ``"lake"``."""
+        return "packed" if self.packing is not None else "lake"
 
     def __getitem__(self, index: object) -> None:
         """Refuse indexing: torch's own DataLoader would sample rows one by one.

@@ -46,9 +46,10 @@ from lakeloader.workers.process import WorkerSetup
 logger = logging.getLogger(__name__)
 
 
-#: The loader class of each other kind of dataset, registered by its module (a
-#: :class:`~lakeloader.Mixture`'s by :mod:`lakeloader.mixture_loader`, which builds on this one).
-LOADER_FOR: dict[type, type[DataLoader]] = {}
+#: The loader class of each other kind of dataset (its ``loader_kind``), registered by its
+#: module, which builds on this one: ``"mixture"`` (:mod:`lakeloader.mixture_loader`),
+#: ``"packed"`` (:mod:`lakeloader.packed_loader`).
+LOADER_FOR: dict[str, type[DataLoader]] = {}
 
 
 class PartitionWarning(UserWarning):
@@ -170,7 +171,8 @@ class DataLoader:
 
     def __new__(cls, dataset: LakeDataset | Mixture, *args: Any, **kwargs: Any) -> DataLoader:
         """A loader over a :class:`~lakeloader.Mixture` is a ``MixtureLoader``."""
-        variant = LOADER_FOR.get(type(dataset)) if cls is DataLoader else None
+        kind = getattr(dataset, "loader_kind", None)
+        variant = LOADER_FOR.get(kind) if cls is DataLoader and kind else None
         return super().__new__(variant or cls)
 
     def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:

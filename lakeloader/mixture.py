@@ -105,12 +105,20 @@ class Mixture:
             )
         self.source_key = source_key
         for name, ds in self.sources.items():
+            if ds.packing is not None:
+                raise ValueError(
+                    f"mixture source {name!r} is packed: packing over a mixture is not supported "
+                    "yet; build its LakeDataset without packing="
+                )
             if ds.transform is not None or ds.batch_transform is not None or ds.on_error != "raise":
                 raise ValueError(
                     f"mixture source {name!r} has a transform, a batch_transform or "
                     "on_error='skip', which mixtures do not support yet: build its LakeDataset "
                     "without them"
                 )
+
+    #: Which loader streams it (``DataLoader(mixture)`` is a ``MixtureLoader``).
+    loader_kind = "mixture"
 
     def __len__(self) -> int:
         """Rows in one pass over the mixture (``epoch_rows``)."""

@@ -168,4 +168,4 @@ def _next_pass(state: MixtureState) -> MixtureState:
     return dataclasses.replace(state, epoch=state.epoch + 1, epoch_start=state.slot)
 
 
-LOADER_FOR[Mixture] = MixtureLoader
+LOADER_FOR["mixture"] = MixtureLoader

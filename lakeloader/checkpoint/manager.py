@@ -59,6 +59,7 @@ from lakeloader.signals import main_thread_only
 from lakeloader.state.mixture_state import MixtureState
 
 logger = logging.getLogger(__name__)
+_PACKED = "save every rank's loader.state_dict() (a list) with your model, for load_state_dict"
 
 
 class CheckpointManager:
@@ -157,6 +158,8 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
+        if getattr(loader.dataset, "packing", None) is not None:
+            raise TypeError(f"CheckpointManager does not save packed loaders yet: {_PACKED}")
         previous = self._settle()
         if not isinstance(loader.dataset, LakeDataset):  # a Mixture's loader
             self._save_mixture(step, loader, extra, previous)

@@ -209,7 +209,51 @@ def _batch_specs(
     table. Pieces are made unique per step by segment if no window holds several, else by row.
     """
     step, part, pos, length, share = _share_runs(plan, starts, stops, world_size, rank)
-    step, part, win, inner, length = _window_segments(plan.window, step, part, pos, length)
+    return _run_specs(plan, steps, starts, stops, (step, part, pos, length), share)
+
+
+def partition_specs(
+    plan: EpochPlan, steps: np.ndarray, parts: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> list[BatchSpec]:
+    """Specs of runs of one partition each, rows in position order.
+
+    Run ``i`` is positions ``[starts[i], starts[i] + lengths[i])`` of partition ``parts[i]``,
+    labelled ``steps[i]``: what a packed stream reads (:mod:`lakeloader.order.packing`), a
+    partition's rows one after the other. A spec's ``slot_start`` and ``slot_stop`` are the
+    run's first slot and one past its last (the slots between belong to other partitions).
+
+    >>> from lakeloader.order.plan import make_units, plan_epoch
+    >>> plan = plan_epoch(make_units([[8]], 8), seed=0, epoch=0, shuffle=False,
+    ...                   num_partitions=2, window=4)
+    >>> [s.take.tolist() for s in partition_specs(plan, np.array([0, 1]), np.array([1, 0]),
+    ...                                            np.array([1, 0]), np.array([3, 2]))]
+    [[1, 2, 3], [0, 1]]
+
+    Raises:
+        ValueError: If a run is empty or leaves its partition.
+    """
+    steps, parts, starts, lengths = (
+        np.asarray(a, dtype=np.int64) for a in (steps, parts, starts, lengths)
+    )
+    sizes = np.diff(plan.starts)
+    if np.any(lengths < 1) or np.any(starts < 0) or np.any(starts + lengths > sizes[parts]):
+        raise ValueError("partition runs must be non-empty and within their partition")
+    C = plan.num_partitions
+    first, last = parts + starts * C, parts + (starts + lengths - 1) * C
+    runs = (np.arange(len(steps), dtype=np.int64), parts, starts, lengths)
+    return _run_specs(plan, steps, first, last + 1, runs, lengths)
+
+
+def _run_specs(
+    plan: EpochPlan,
+    steps: np.ndarray,
+    starts: np.ndarray,
+    stops: np.ndarray,
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    share: np.ndarray,
+) -> list[BatchSpec]:
+    """Specs of steps made of runs: (index of the step, partition, first position, length)."""
+    step, part, win, inner, length = _window_segments(plan.window, *runs)
     pieces, table, seg_piece, table_row, table_piece = _window_tables(
         plan, step, part, win, inner, length
     )

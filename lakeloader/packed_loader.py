@@ -1,0 +1,176 @@
+"""``PackedLoader``: what ``lakeloader.DataLoader(dataset)`` is for a dataset with a packing.
+
+Each batch is ``batch_size`` samples of ``seq_len`` tokens: ``input_ids``, ``position_ids``
+(the token's position in its document) and ``pad_mask`` (True on padding, at the end of a
+partition's epoch). The stream is endless: iterate for as many steps as you train.
+``state_dict()`` holds this rank's partitions (O(C)); ``load_state_dict`` takes the states of
+every rank (a list; one state is enough with one rank) and continues under any world size that
+divides ``C`` and any batch size that ``C`` divides. How rows become samples, and why per
+partition: :mod:`lakeloader.order.packing`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from lakeloader.cache.shm import default_cache_dir, make_unit_dir
+from lakeloader.dataset import LakeDataset
+from lakeloader.errors import StateMismatchError
+from lakeloader.loader import LOADER_FOR, DataLoader
+from lakeloader.mixture import Mixture
+from lakeloader.order.packing import owned_partitions, samples_per_partition
+from lakeloader.pipeline.packed import PackedIterator
+from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
+from lakeloader.state.loader_state import config_hash
+from lakeloader.state.packed_state import PackedState, PartitionPosition
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLoader(DataLoader):
+    """Streams packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
+
+    ``batch_size`` counts samples. Rows are decoded in this process's ``io_threads``; with
+    ``num_workers > 0`` no worker process is started (said once in the log).
+    """
+
+    def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
+        assert isinstance(dataset, LakeDataset) and dataset.packing is not None
+        if self.options.collate_fn is not None or dataset.transform or dataset.batch_transform:
+            raise ValueError("a packed dataset takes no transform, batch_transform or collate_fn")
+        if dataset.on_error != "raise":
+            raise ValueError(
+                "a packed dataset reads with on_error='raise' (skipping is not supported)"
+            )
+        column = dataset.packing.column
+        if column not in dataset.config.columns:
+            raise KeyError(
+                f"Packing column {column!r} is not among the dataset's columns "
+                f"{list(dataset.config.columns)}"
+            )
+        C = dataset.config.num_partitions
+        self._per_partition = samples_per_partition(self.global_batch_size, C, self.world_size)
+        if self.options.num_workers:
+            logger.warning(
+                "a packed dataset decodes in the loader's %d io_threads: num_workers=%d starts "
+                "no worker process for it",
+                self.options.io_threads,
+                self.options.num_workers,
+            )
+        self._base = self.dataset = dataset
+        self._reader = dataset.reader()
+        order = {**dataset.config.to_dict(), "packing": dataset.packing.to_dict()}
+        self._config = config_hash(order)
+        start = PartitionPosition(0, 0, 0)
+        self._owned = owned_partitions(C, self.world_size, self.rank)
+        self._state = PackedState(
+            dataset.fingerprint, self._config, C, 0, {p: start for p in self._owned}
+        )
+        self._res = LoaderResources(self)
+
+    def __len__(self) -> int:
+        raise TypeError("a packed loader is an endless stream: it has no len()")
+
+    @property
+    def epoch(self) -> int:
+        """The earliest epoch any of this rank's partitions is in."""
+        return min(x.epoch for x in self._state.partitions.values())
+
+    def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
+        """Not supported: each partition runs through its epochs by itself.
+
+        Raises:
+            TypeError: Always.
+        """
+        raise TypeError(
+            "a packed loader is an endless stream whose partitions run through their epochs by "
+            "themselves: iterate it for as many steps as you train, without set_epoch()"
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        self._close_iterator("a newer iter(loader)")
+        res = self._res
+        if res.unit_dir is None:
+            root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
+            res.unit_dir = make_unit_dir(root)
+            exit_cleanly_on_sigterm()
+        it = PackedIterator(
+            self.dataset,
+            dict(self._state.partitions),
+            self._per_partition,
+            self.topology,
+            self.options,
+            self._reader,
+            res.unit_dir,
+            self._coordinator,
+            self._delivered,
+        )
+        res.iterator = it
+        return it
+
+    def _delivered(self, positions: dict[int, PartitionPosition]) -> None:
+        """The only place the position moves: a batch was handed over."""
+        state = self._state
+        self._state = PackedState(
+            state.fingerprint,
+            state.config,
+            state.num_partitions,
+            state.samples + self._per_partition,
+            positions,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's partitions' positions: plain types, O(C / world size)."""
+        return self._state.to_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from the states of every rank of a run (a list, or one state of one rank).
+
+        Raises:
+            StateFormatError: If a state is not a packed state of a known version.
+            StateMismatchError: If they belong to another snapshot, configuration or step, or
+                do not cover this rank's partitions (the missing ones named).
+        """
+        self._close_iterator("load_state_dict()")
+        states = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
+        merged = PackedState.merge([PackedState.from_dict(s) for s in states])
+        if (merged.fingerprint, merged.config) != (self._state.fingerprint, self._config):
+            raise StateMismatchError(
+                f"the packed state is of snapshot {merged.fingerprint} with configuration "
+                f"{merged.config}; this loader reads {self._state.fingerprint} with "
+                f"{self._config}: resume with the same lake snapshot, order settings and packing"
+            )
+        missing = [p for p in self._owned if p not in merged.partitions]
+        if missing:
+            raise StateMismatchError(
+                f"the state(s) given hold no position for partition(s) {missing} of this rank: "
+                "pass the states of every rank of the saved run, as a list"
+            )
+        mine = {p: merged.partitions[p] for p in self._owned}
+        self._state = PackedState(
+            merged.fingerprint, merged.config, merged.num_partitions, merged.samples, mine
+        )
+
+    @property
+    def quarantine(self) -> list[Any]:
+        """Packed datasets skip no unit."""
+        return []
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and benchmarks (cumulative over the loader's life)."""
+        it, counters = self._res.iterator, self._reader.counters
+        positions = self._state.partitions.values()
+        return {
+            "units_decoded": counters.units_decoded,
+            "bytes_read": counters.bytes_read,
+            "requests": counters.requests,
+            "tokens": sum(x.tokens for x in positions),
+            "padding": sum(x.padding for x in positions),
+            "cache_bytes": it.cache_bytes() if it is not None else 0,
+            "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
+        }
+
+
+LOADER_FOR["packed"] = PackedLoader

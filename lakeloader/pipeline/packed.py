@@ -1,0 +1,306 @@
+"""A packed stream for one rank: its partitions' rows read in order, cut into samples.
+
+Each partition the rank owns (:mod:`lakeloader.order.packing`) is a :class:`PartitionStream`:
+it reads its rows in chunks, ahead, through an :class:`EpochReader` (the unit store and builder
+of one epoch, shared by the rank's partitions), and hands out tokens; at the end of its epoch
+it pads its last sample and goes on with the next epoch's rows. :class:`PackedIterator` takes
+``k`` samples of every partition per step and lays them out partition-major.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+from lakeloader.cache.arrays import Ragged
+from lakeloader.cache.packed import RowLayout
+from lakeloader.cache.store import Screening
+from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
+from lakeloader.options import LoaderOptions
+from lakeloader.order.batches import BatchSpec, partition_specs
+from lakeloader.order.packing import cut_tokens, owned_partitions
+from lakeloader.packing import Packing
+from lakeloader.pipeline.builders import LocalBuilder
+from lakeloader.pipeline.cleanup import close_safely
+from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe
+from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.packed_state import PartitionPosition
+from lakeloader.topology import Topology
+
+#: Rows a partition reads at a time.
+CHUNK_ROWS: Final = 1024
+#: Chunks a partition has requested ahead of the one it reads.
+AHEAD_CHUNKS: Final = 4
+
+
+class EpochReader:
+    """One epoch's unit store and builder, shared by a rank's partitions.
+
+    Args:
+        dataset: The dataset.
+        epoch: The epoch.
+        reader: Reads its units.
+        options: The loader's options.
+        unit_dir: The loader's folder for decoded units.
+        coordinator: The recovery coordinator.
+    """
+
+    def __init__(
+        self,
+        dataset: LakeDataset,
+        epoch: int,
+        reader: UnitReader,
+        options: LoaderOptions,
+        unit_dir: str,
+        coordinator: RecoveryCoordinator,
+    ) -> None:
+        self.plan = dataset.plan(epoch)
+        self.sizes = np.diff(self.plan.starts)
+        spec = PassSpec(
+            plan=self.plan,
+            start=0,
+            options=options,
+            topology=Topology(1, 0, 0, options.batch_size),
+            screening=Screening(dataset.on_error, dataset.validate, dataset.lost),
+            layout=RowLayout.of(reader.schema),
+            recipe=BatchRecipe(lists=dataset.list_format),
+        )
+        self.space = PassWorkspace(spec, reader, None, unit_dir, coordinator)
+        self._builder = LocalBuilder(spec, self.space, reader.schema)
+
+    def request(self, part: int, start: int, rows: int) -> BatchSpec:
+        """Ask for rows ``[start, start + rows)`` of a partition (decoded ahead)."""
+        (spec,) = partition_specs(
+            self.plan, np.zeros(1, np.int64), np.array([part]), np.array([start]), np.array([rows])
+        )
+        self.space.store.request(spec.positions)
+        return spec
+
+    def tokens(self, spec: BatchSpec, column: str) -> tuple[np.ndarray, np.ndarray]:
+        """The token lists of a requested run: values end to end, and offsets."""
+        kind, columns = self._builder.build(spec)
+        self._builder.skipped.pop(spec.step, None)
+        assert kind == COLUMNS
+        value = columns[column]
+        if isinstance(value, Ragged):
+            return value.values.reshape(len(value.values)), value.offsets
+        if isinstance(value, np.ndarray) and value.ndim == 2:  # a fixed-size list
+            width = value.shape[1]
+            return value.reshape(-1), np.arange(len(value) + 1, dtype=np.int64) * width
+        raise TypeError(
+            f"packing needs a list column of integers; {column!r} is {type(value).__name__} in "
+            "the batch"
+        )
+
+    def release(self, consumed: int) -> None:
+        """Evict units every partition of this rank is past (``consumed``: fewest rows read)."""
+        self.space.store.release(consumed * self.plan.num_partitions)
+
+    def close(self, wait: bool = False) -> None:
+        """Stop decoding; delete the epoch's units."""
+        self.space.close(wait)
+
+
+class PartitionStream:
+    """One partition's tokens, epoch after epoch (see the module docstring).
+
+    Args:
+        part: The partition.
+        at: Where it stands.
+        packing: How samples are cut.
+        reader_of: The :class:`EpochReader` of an epoch.
+    """
+
+    def __init__(
+        self,
+        part: int,
+        at: PartitionPosition,
+        packing: Packing,
+        reader_of: Callable[[int], EpochReader],
+    ) -> None:
+        self.part, self.at, self._packing, self._reader_of = part, at, packing, reader_of
+        self._start_epoch(at.epoch, at.row)
+
+    def _start_epoch(self, epoch: int, row: int) -> None:
+        self._reader = self._reader_of(epoch)
+        self._size = int(self._reader.sizes[self.part])
+        self._values = np.zeros(0, dtype=np.int64)
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._fetch = row  # the next row to request
+        self._pending: deque[BatchSpec] = deque()
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while len(self._pending) < AHEAD_CHUNKS and self._fetch < self._size:
+            rows = min(CHUNK_ROWS, self._size - self._fetch)
+            self._pending.append(self._reader.request(self.part, self._fetch, rows))
+            self._fetch += rows
+
+    def _pull(self) -> bool:
+        """Read the next chunk into the buffer; False when the epoch's rows are all read."""
+        if not self._pending:
+            return False
+        values, offsets = self._reader.tokens(self._pending.popleft(), self._packing.column)
+        self._top_up()
+        self._values = np.concatenate([self._values, values[offsets[0] : offsets[-1]]])
+        self._offsets = np.concatenate(
+            [self._offsets, self._offsets[-1] + offsets[1:] - offsets[0]]
+        )
+        return True
+
+    def take(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next ``count`` tokens (whole samples): tokens, positions, padding mask."""
+        pack, parts, need, empty_epochs = self._packing, [], count, 0
+        while need:
+            cut = cut_tokens(self._values, self._offsets, self.at.offset, need, pack.eos_id)
+            if len(cut.tokens) < need and self._pull():
+                continue
+            self._advance(cut)
+            got = len(cut.tokens)
+            parts.append((cut.tokens, cut.positions, np.zeros(got, dtype=bool)))
+            need -= got
+            if need:  # the epoch is over: pad its last sample, go on with the next epoch
+                pad = -(count - need) % pack.seq_len  # to the end of the sample under way
+                parts.append(_padding(pad, pack.pad_id))
+                need -= pad
+                self.at = PartitionPosition(
+                    self.at.epoch + 1, 0, 0, self.at.tokens, self.at.padding + pad
+                )
+                empty_epochs = 0 if got else empty_epochs + 1
+                if empty_epochs > 1:
+                    raise ValueError(
+                        f"partition {self.part} of the lake has no {pack.column!r} token in "
+                        "an epoch: packing cannot fill a sample from it"
+                    )
+                self._start_epoch(self.at.epoch, 0)
+        tokens, positions, pads = (np.concatenate(x) for x in zip(*parts, strict=True))
+        return tokens, positions, pads
+
+    def _advance(self, cut: Any) -> None:
+        """Take ``cut`` out of the buffer and move the position past it."""
+        done = cut.rows
+        start = self._offsets[done]
+        self._values = self._values[start:]
+        self._offsets = self._offsets[done:] - start
+        self.at = PartitionPosition(
+            self.at.epoch,
+            self.at.row + done,
+            cut.offset,
+            self.at.tokens + len(cut.tokens),
+            self.at.padding,
+        )
+
+
+def _padding(count: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (
+        np.full(count, pad_id, dtype=np.int64),
+        np.zeros(count, dtype=np.int64),
+        np.ones(count, dtype=bool),
+    )
+
+
+class PackedIterator:
+    """Endless iterator over one rank's packed batches.
+
+    Args:
+        dataset: The dataset (with its packing).
+        positions: Where each partition this rank owns stands.
+        per_partition: Samples each partition gives a step.
+        topology: The loader's topology.
+        options: The loader's options.
+        reader: Reads the dataset's units.
+        unit_dir: The loader's folder for decoded units.
+        coordinator: The recovery coordinator.
+        delivered: Told each partition's position after each batch handed over.
+    """
+
+    def __init__(
+        self,
+        dataset: LakeDataset,
+        positions: dict[int, PartitionPosition],
+        per_partition: int,
+        topology: Topology,
+        options: LoaderOptions,
+        reader: UnitReader,
+        unit_dir: str,
+        coordinator: RecoveryCoordinator,
+        delivered: Callable[[dict[int, PartitionPosition]], None],
+    ) -> None:
+        assert dataset.packing is not None
+        self._packing = dataset.packing
+        self._k = per_partition
+        self._delivered = delivered
+        self._readers: dict[int, EpochReader] = {}
+        self._closed = False
+        self._finalizer = weakref.finalize(self, close_safely, _close_readers, self._readers)
+
+        def reader_of(epoch: int) -> EpochReader:
+            if epoch not in self._readers:
+                self._readers[epoch] = EpochReader(
+                    dataset, epoch, reader, options, unit_dir, coordinator
+                )
+            return self._readers[epoch]
+
+        owned = owned_partitions(dataset.config.num_partitions, topology.world_size, topology.rank)
+        self._streams = [PartitionStream(p, positions[p], self._packing, reader_of) for p in owned]
+
+    def __iter__(self) -> PackedIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._closed:
+            raise StopIteration
+        L = self._packing.seq_len
+        taken = [stream.take(self._k * L) for stream in self._streams]
+        tokens, positions, pads = (
+            np.concatenate(x).reshape(-1, L) for x in zip(*taken, strict=True)
+        )
+        self._delivered({s.part: s.at for s in self._streams})
+        self._release()
+        return {
+            "input_ids": torch.from_numpy(tokens),
+            "position_ids": torch.from_numpy(positions),
+            "pad_mask": torch.from_numpy(pads),
+        }
+
+    def _release(self) -> None:
+        """Evict what every partition of this rank is past; close epochs all have left."""
+        for epoch in list(self._readers):
+            rows = [
+                s.at.row if s.at.epoch == epoch else (0 if s.at.epoch < epoch else None)
+                for s in self._streams
+            ]
+            behind = [r for r in rows if r is not None]
+            if not behind:
+                self._readers.pop(epoch).close()
+            else:
+                self._readers[epoch].release(min(behind))
+
+    def cache_bytes(self) -> int:
+        """Bytes of decoded units held now."""
+        return sum(r.space.store.nbytes for r in self._readers.values())
+
+    def cache_peak_bytes(self) -> int:
+        """Most bytes held at once by an epoch's store."""
+        return max((r.space.store.peak_bytes for r in self._readers.values()), default=0)
+
+    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
+        """Stop decoding; drop every epoch's units (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        _close_readers(self._readers, wait)
+
+
+def _close_readers(readers: dict[int, EpochReader], wait: bool = False) -> None:
+    for reader in readers.values():
+        reader.close(wait)
+    readers.clear()

@@ -1,0 +1,134 @@
+"""``PackedState``: where a packed loader stands, as versioned plain data, O(partitions).
+
+Each rank reads whole partitions (:mod:`lakeloader.order.packing`), so each rank knows the
+position of its own partitions only: ``state_dict()`` holds those, and a resume under another
+world size loads the states of every rank (a list), merged here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from lakeloader.errors import StateFormatError, StateMismatchError
+
+#: The ``kind`` of a packed state.
+PACKED_KIND: Final = "packed"
+#: Version of the format below; states of other versions are refused.
+PACKED_STATE_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class PartitionPosition:
+    """Where one partition's token stream stands, and what it has delivered.
+
+    Attributes:
+        epoch: The epoch its next rows come from.
+        row: Its next row's position in the partition.
+        offset: Tokens of that row already delivered.
+        tokens: Tokens delivered so far (separators included, padding not).
+        padding: Padding tokens delivered so far (ends of epochs).
+    """
+
+    epoch: int
+    row: int
+    offset: int
+    tokens: int = 0
+    padding: int = 0
+
+
+@dataclass(frozen=True)
+class PackedState:
+    """A packed loader's position (see the module docstring).
+
+    Attributes:
+        fingerprint: The snapshot's fingerprint.
+        config: Hash of the order configuration and the packing.
+        num_partitions: C.
+        samples: Samples delivered by each partition (all advance together).
+        partitions: ``{partition: PartitionPosition}`` of the partitions this state covers.
+    """
+
+    fingerprint: str
+    config: str
+    num_partitions: int
+    samples: int
+    partitions: Mapping[int, PartitionPosition]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types.
+
+        >>> s = PackedState("f", "c", 2, 3, {0: PartitionPosition(0, 5, 2, 24, 0)})
+        >>> PackedState.from_dict(s.to_dict()) == s
+        True
+        """
+        return {
+            "kind": PACKED_KIND,
+            "version": PACKED_STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "config": self.config,
+            "num_partitions": self.num_partitions,
+            "samples": self.samples,
+            "partitions": {
+                str(p): [x.epoch, x.row, x.offset, x.tokens, x.padding]
+                for p, x in sorted(self.partitions.items())
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PackedState:
+        """Read a state back.
+
+        Raises:
+            StateFormatError: If it is not a packed state of this version, or is malformed.
+        """
+        if not isinstance(data, Mapping) or data.get("kind") != PACKED_KIND:
+            raise StateFormatError(
+                "not a packed state (no kind='packed'): a packed loader loads only the states "
+                "of packed loaders"
+            )
+        if data.get("version") != PACKED_STATE_VERSION:
+            raise StateFormatError(
+                f"packed state version {data.get('version')!r}; this lakeloader reads version "
+                f"{PACKED_STATE_VERSION}"
+            )
+        try:
+            return cls(
+                fingerprint=str(data["fingerprint"]),
+                config=str(data["config"]),
+                num_partitions=int(data["num_partitions"]),
+                samples=int(data["samples"]),
+                partitions={
+                    int(p): PartitionPosition(*(int(v) for v in x))
+                    for p, x in data["partitions"].items()
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateFormatError(f"malformed packed state: {exc!r}") from exc
+
+    @classmethod
+    def merge(cls, states: Sequence[PackedState]) -> PackedState:
+        """One state from the states of several ranks (each holding its own partitions).
+
+        Raises:
+            StateMismatchError: If they belong to different snapshots, configurations or
+                steps, or two hold the same partition at different positions.
+        """
+        first = states[0]
+        merged: dict[int, PartitionPosition] = {}
+        for state in states:
+            mine = (state.fingerprint, state.config, state.num_partitions, state.samples)
+            theirs = (first.fingerprint, first.config, first.num_partitions, first.samples)
+            if mine != theirs:
+                raise StateMismatchError(
+                    f"packed states of different runs or steps: (snapshot, config, C, samples) "
+                    f"{theirs} and {mine}; pass the states every rank took at the same step"
+                )
+            for p, position in state.partitions.items():
+                if merged.setdefault(p, position) != position:
+                    raise StateMismatchError(
+                        f"two states hold partition {p} at different positions: "
+                        f"{merged[p]} and {position}"
+                    )
+        return cls(first.fingerprint, first.config, first.num_partitions, first.samples, merged)
