@@ -108,6 +108,7 @@ def test_cpu_split_smoke(tmp_path: Path) -> None:
         ("transforms", ("row_ratios", "batch_ratios")),
         ("array_columns", ("ratios",)),
         ("mixture", ("ratios",)),
+        ("packing", ("ratios",)),
     ],
 )
 def test_issue13_benchmarks_smoke(tmp_path: Path, script: str, tables: tuple[str, ...]) -> None:
