@@ -145,6 +145,18 @@ class MixtureLoader(DataLoader):
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
         self._state = dataclasses.replace(resumed.state, topology=self.topology.to_dict())
 
+    def barrier_position(self) -> MixtureState:
+        """What the checkpoint barrier compares across ranks (the same on every rank)."""
+        return self._state
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The state a checkpoint holds (every rank's is the same)."""
+        return self._state.to_dict()
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshots a checkpoint pins: one per source."""
+        return dict(self.mixture.sources)
+
     @property
     def quarantine(self) -> list[Any]:
         """Mixtures skip no unit (their sources read with ``on_error="raise"``)."""

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from lakeloader.cache.shm import default_cache_dir, make_unit_dir
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
@@ -152,6 +154,22 @@ class PackedLoader(DataLoader):
         self._state = PackedState(
             merged.fingerprint, merged.config, merged.num_partitions, merged.samples, mine
         )
+
+    def barrier_position(self) -> PackedState:
+        """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
+        return self._state
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Every rank's partitions, merged: a collective under torch.distributed."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self._state.to_dict()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self._state.to_dict())
+        return PackedState.merge([PackedState.from_dict(s) for s in gathered]).to_dict()
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshot a checkpoint pins."""
+        return {"lake": self.dataset}
 
     @property
     def quarantine(self) -> list[Any]:

@@ -4,6 +4,7 @@ other world sizes and batch sizes, padding counted."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -171,5 +172,36 @@ def test_bad_shapes_and_states_are_refused(lake: Path) -> None:
         len(other)
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
         ll.Packing("tokens", 0)
-    with pytest.raises(TypeError, match="does not save packed loaders yet"):
-        ll.CheckpointManager(str(lake.parent / "packed-ckpt")).save(1, loader)
+
+
+def test_checkpoints_and_inspect_of_a_packed_loader(
+    lake: Path, reference: list[np.ndarray], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CheckpointManager saves every partition's position (here one rank holds them all) and a
+    run of two ranks continues from it; inspect shows each partition's tokens and offset."""
+    from lakeloader.cli.main import main
+
+    before, states = run(lake, 1, 8, 37)
+    loader = ll.DataLoader(dataset(lake), batch_size=8)
+    loader.load_state_dict(states)
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    manager.save(37, loader, extra={"step": 37})
+    fresh = [ll.DataLoader(dataset(lake), batch_size=4, rank=r, world_size=2) for r in range(2)]
+    for r in fresh:
+        assert manager.load(r) == {"step": 37}
+    after, _ = run(lake, 2, 4, 100, states=[r.state_dict() for r in fresh])
+    for p in range(C):
+        got = np.concatenate([before[p], after[p]])
+        assert (got == reference[p][: len(got)]).all()
+    assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "packed" and info["samples_per_partition"] == 37 * 2
+    saved = states[0]["partitions"]
+    for x in info["partitions"]:
+        assert [x["epoch"], x["row"], x["token_offset"], x["tokens"], x["padding"]] == saved[
+            str(x["partition"])
+        ]
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
+    assert "token offset" in capsys.readouterr().out
+    with pytest.raises(ll.CheckpointError, match=r"packed loader.s position.*is a lake loader"):
+        manager.load(ll.DataLoader(ll.LakeDataset(lake), batch_size=4))

@@ -25,6 +25,14 @@ from fsspec.core import url_to_fs
 
 from lakeloader._version import __version__
 from lakeloader.checkpoint.barrier import confirm_same_position
+from lakeloader.checkpoint.kind_record import (
+    KindCheckpoint,
+    KindRecord,
+    check_same_kind,
+    kind_record,
+    record_kind,
+    verify_manifests,
+)
 from lakeloader.checkpoint.layout import (
     COMMIT_FILE,
     MANIFEST_DIR,
@@ -38,14 +46,6 @@ from lakeloader.checkpoint.layout import (
     sha256,
     step_dir_name,
 )
-from lakeloader.checkpoint.mixture_record import (
-    MixtureCheckpoint,
-    MixtureRecord,
-    check_same_kind,
-    is_mixture_record,
-    mixture_record,
-    verify_manifests,
-)
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
@@ -56,10 +56,8 @@ from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.lake_changes import LakeChangePolicy
 from lakeloader.signals import main_thread_only
-from lakeloader.state.mixture_state import MixtureState
 
 logger = logging.getLogger(__name__)
-_PACKED = "save every rank's loader.state_dict() (a list) with your model, for load_state_dict"
 
 
 class CheckpointManager:
@@ -158,11 +156,9 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
-        if getattr(loader.dataset, "packing", None) is not None:
-            raise TypeError(f"CheckpointManager does not save packed loaders yet: {_PACKED}")
         previous = self._settle()
-        if not isinstance(loader.dataset, LakeDataset):  # a Mixture's loader
-            self._save_mixture(step, loader, extra, previous)
+        if loader.dataset.loader_kind != "lake":  # a Mixture's or a packed loader
+            self._save_kind(step, loader, extra, previous)
             return
         ds = loader.dataset
         state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
@@ -178,20 +174,20 @@ class CheckpointManager:
         manifest = (ds.snapshot, loader.dataset.source.describe())
         self._submit(step, functools.partial(self._write, step, payload, manifest))
 
-    def _save_mixture(
-        self, step: int, loader: DataLoader, extra: Any, previous: CheckpointError | None
+    def _save_kind(
+        self, step: int, loader: Any, extra: Any, previous: CheckpointError | None
     ) -> None:
-        """Save a Mixture's loader: its state, and every source's manifest."""
-        state = MixtureState.from_dict(loader.state_dict())
-        confirm_same_position(state, previous)
+        """Save a Mixture's or a packed loader: its state (every rank's), its manifests."""
+        confirm_same_position(loader.barrier_position(), previous)
         if previous is not None:
             raise previous
+        state = loader.checkpoint_state()  # a collective for a packed loader
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
         def write() -> None:
-            record = mixture_record(loader, step, extra, created, __version__, self._manifest)
+            record = kind_record(loader, state, step, extra, created, __version__, self._manifest)
             self._write_folder(step, record.to_bytes(), "", "")
 
         self._submit(step, write)
@@ -284,7 +280,7 @@ class CheckpointManager:
             self.store.rm(dirs[s], recursive=True)
 
     # ------------------------------------------------------------------ loading
-    def read(self, step: int) -> Checkpoint | MixtureCheckpoint:
+    def read(self, step: int) -> Checkpoint | KindCheckpoint:
         """Read and verify one checkpoint.
 
         Raises:
@@ -300,10 +296,10 @@ class CheckpointManager:
                     f"..., its COMMIT says {marker.state_bytes} bytes, "
                     f"{marker.state_sha256[:12]}...: truncated or overwritten"
                 )
-            if is_mixture_record(payload):
-                mixture = MixtureRecord.from_bytes(payload)
-                verify_manifests(mixture, lambda rel: self.store.cat(self._path(rel)))
-                return MixtureCheckpoint(step, folder, mixture, len(payload))
+            if record_kind(payload) is not None:
+                kind = KindRecord.from_bytes(payload)
+                verify_manifests(kind, lambda rel: self.store.cat(self._path(rel)))
+                return KindCheckpoint(step, folder, kind, len(payload))
             record = StateRecord.from_bytes(payload)
             manifest_bytes = self.store.cat(self._path(marker.manifest))
             if sha256(manifest_bytes) != marker.manifest_sha256:
@@ -333,7 +329,7 @@ class CheckpointManager:
             len(payload),
         )
 
-    def load_checkpoint(self, step: int | None = None) -> Checkpoint | MixtureCheckpoint:
+    def load_checkpoint(self, step: int | None = None) -> Checkpoint | KindCheckpoint:
         """The newest usable checkpoint (or the given step), falling back past corrupt ones.
 
         Raises:
@@ -379,10 +375,10 @@ class CheckpointManager:
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        mixture = not isinstance(loader.dataset, LakeDataset)
-        check_same_kind(ckpt.path, isinstance(ckpt, MixtureCheckpoint), mixture)
-        if isinstance(ckpt, MixtureCheckpoint):
-            loader.load_state_dict(ckpt.record.state.to_dict())
+        saved = ckpt.kind if isinstance(ckpt, KindCheckpoint) else "lake"
+        check_same_kind(ckpt.path, saved, loader.dataset.loader_kind)
+        if isinstance(ckpt, KindCheckpoint):
+            loader.load_state_dict(dict(ckpt.record.state))
         else:
             loader._resume(coordinator.resume(ckpt, loader.dataset))
         return ckpt.extra
@@ -418,10 +414,10 @@ class CheckpointManager:
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        if isinstance(ckpt, MixtureCheckpoint):
+        if isinstance(ckpt, KindCheckpoint):
             raise CheckpointError(
-                f"{ckpt.path} is a Mixture's checkpoint: build each source's LakeDataset on its "
-                "lake and load it into a DataLoader over the Mixture"
+                f"{ckpt.path} is a {ckpt.kind} loader's checkpoint: build the dataset on its "
+                "lake(s) and load the checkpoint into a DataLoader over it"
             )
         return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.checkpoint.layout import Checkpoint, split_checkpoint_path
 from lakeloader.checkpoint.manager import CheckpointManager
-from lakeloader.checkpoint.mixture_record import MixtureCheckpoint
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.errors import CheckpointError
 from lakeloader.lake.snapshot import Snapshot
@@ -39,7 +39,7 @@ _CATEGORIES = ("consumed", "remaining", "dropped")
 
 def open_checkpoint(
     path: str, step: int | None = None, storage_options: dict[str, Any] | None = None
-) -> tuple[Checkpoint | MixtureCheckpoint, list[int]]:
+) -> tuple[Checkpoint | KindCheckpoint, list[int]]:
     """Read the checkpoint a path names: a step folder, or a root (newest usable, or ``step``).
 
     Returns:

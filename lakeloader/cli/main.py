@@ -179,9 +179,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from lakeloader.checkpoint.mixture_record import MixtureCheckpoint
+    from lakeloader.checkpoint.kind_record import KindCheckpoint
     from lakeloader.cli.inspect import inspect_checkpoint, open_checkpoint, render_text
-    from lakeloader.cli.inspect_mixture import inspect_mixture, render_mixture_text
+    from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
 
     overrides = {
         "world_size": args.world_size,
@@ -190,9 +190,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         "drop_last": args.drop_last,
     }
     ckpt, steps = open_checkpoint(args.checkpoint, args.step, _storage_options(args.storage_option))
-    if isinstance(ckpt, MixtureCheckpoint):  # per source: no topology to map onto
-        report = inspect_mixture(ckpt, steps)
-        _emit(to_json(report) if args.json else render_mixture_text(report))
+    if isinstance(ckpt, KindCheckpoint):  # per source or partition: no topology to map onto
+        report = inspect_kind(ckpt, steps)
+        _emit(to_json(report) if args.json else render_kind_text(report))
         return 0
     given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
     topology = dataclasses.replace(ckpt.context.topology, **given)

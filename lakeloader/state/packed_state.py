@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError, StateMismatchError
+from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a packed state.
 PACKED_KIND: Final = "packed"
@@ -55,6 +56,26 @@ class PackedState:
     num_partitions: int
     samples: int
     partitions: Mapping[int, PartitionPosition]
+
+    @property
+    def config_hash(self) -> str:
+        """The hash of the order configuration and the packing (what the barrier compares)."""
+        return self.config
+
+    @property
+    def epoch(self) -> int:
+        """0: each partition has its own epoch, so the barrier compares the samples only."""
+        return 0
+
+    @property
+    def position(self) -> int:
+        """Samples delivered by each partition (the same on every rank)."""
+        return self.samples
+
+    @property
+    def quarantine(self) -> tuple[QuarantineEntry, ...]:
+        """Packed datasets skip no unit."""
+        return ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types.
