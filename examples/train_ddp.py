@@ -150,13 +150,19 @@ def init_distributed(attempt: int) -> None:
     )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def base_parser(description: str, rows: int) -> argparse.ArgumentParser:
+    """The arguments of this example and ``pretrain_packed.py``: the lake, checkpoints, logs."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--make-lake", type=Path, help="write a lake here and exit")
-    p.add_argument("--rows", type=int, default=4000, help="rows of --make-lake")
+    p.add_argument("--rows", type=int, default=rows, help="rows of --make-lake")
     p.add_argument("--lake", type=Path, help="the lake to train on")
     p.add_argument("--ckpt", help="checkpoint folder (any fsspec URL)")
     p.add_argument("--log-dir", type=Path, help="per-rank JSON-lines logs")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = base_parser(__doc__.split("\n")[0], 4000)
     p.add_argument("--epochs", type=int, default=2, help="train until this many epochs are done")
     p.add_argument("--max-steps", type=int, default=0, help="stop at this global step (0: none)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per rank per step")
