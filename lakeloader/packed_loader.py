@@ -22,13 +22,17 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.loader import LOADER_FOR, DataLoader
 from lakeloader.mixture import Mixture
+from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import owned_partitions, samples_per_partition
-from lakeloader.pipeline.packed import PackedIterator
+from lakeloader.pipeline.packed import PackedIterator, PackedSource
 from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.packed_state import PackedState, PartitionPosition
 
 logger = logging.getLogger(__name__)
+
+#: The name of a single dataset's only source, in the rounds' cursor.
+ONLY = "lake"
 
 
 class PackedLoader(DataLoader):
@@ -98,13 +102,17 @@ class PackedLoader(DataLoader):
             root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
             res.unit_dir = make_unit_dir(root)
             exit_cleanly_on_sigterm()
+        assert self.dataset.packing is not None
+        samples = self._state.samples  # one round gives each partition one sample
         it = PackedIterator(
-            self.dataset,
-            dict(self._state.partitions),
+            [PackedSource(self.dataset, self._reader, dict(self._state.partitions))],
+            self.dataset.packing,
+            MixCursor(samples, {ONLY: samples}),
+            MixWeights.of({ONLY: 1.0}),
+            0,
             self._per_partition,
             self.topology,
             self.options,
-            self._reader,
             res.unit_dir,
             self._coordinator,
             self._delivered,
@@ -112,15 +120,11 @@ class PackedLoader(DataLoader):
         res.iterator = it
         return it
 
-    def _delivered(self, positions: dict[int, PartitionPosition]) -> None:
+    def _delivered(self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]]) -> None:
         """The only place the position moves: a batch was handed over."""
         state = self._state
         self._state = PackedState(
-            state.fingerprint,
-            state.config,
-            state.num_partitions,
-            state.samples + self._per_partition,
-            positions,
+            state.fingerprint, state.config, state.num_partitions, cursor.slot, positions[0]
         )
 
     def state_dict(self) -> dict[str, Any]:

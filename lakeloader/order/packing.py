@@ -58,21 +58,6 @@ def owned_partitions(num_partitions: int, world_size: int, rank: int) -> range:
 
 
 @dataclass(frozen=True)
-class PackCursor:
-    """Where a partition's stream stands.
-
-    Attributes:
-        epoch: The epoch its rows come from.
-        row: The next row's position in the partition (its rows in their shuffled order).
-        offset: Tokens of that row already delivered (a document cut by a sample).
-    """
-
-    epoch: int
-    row: int
-    offset: int
-
-
-@dataclass(frozen=True)
 class Cut:
     """Tokens taken from consecutive rows.
 

@@ -9,9 +9,12 @@ it pads its last sample and goes on with the next epoch's rows. :class:`PackedIt
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -24,6 +27,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, partition_specs
+from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import cut_tokens, owned_partitions
 from lakeloader.packing import Packing
 from lakeloader.pipeline.builders import LocalBuilder
@@ -206,50 +210,88 @@ def _padding(count: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     )
 
 
+@dataclass(frozen=True)
+class PackedSource:
+    """A packed stream's source: a dataset, its reader, where this rank's partitions stand.
+
+    Attributes:
+        dataset: The dataset.
+        reader: Reads its units.
+        positions: ``{partition: position}`` of the partitions this rank owns.
+    """
+
+    dataset: LakeDataset
+    reader: UnitReader
+    positions: dict[int, PartitionPosition]
+
+
 class PackedIterator:
-    """Endless iterator over one rank's packed batches.
+    """Endless iterator over one rank's packed batches, from one source or a mixture's.
+
+    A step is ``k = global batch / C`` rounds; a round takes one sample from every partition of
+    one source, the source of each round drawn by the mixture's cursor (always the only source
+    of a single dataset). A rank's batch is, for each partition it owns, its samples of the
+    step's rounds in order: partition-major, whatever the world size.
 
     Args:
-        dataset: The dataset (with its packing).
-        positions: Where each partition this rank owns stands.
-        per_partition: Samples each partition gives a step.
+        sources: The sources, in the order the cursor's weights name them.
+        packing: How samples are cut (the same for every source).
+        cursor: Rounds drawn so far (in all, and from each source).
+        weights: The weights of the sources' rounds.
+        seed: The seed of the rounds' interleaving.
+        rounds: Rounds per step (``k``).
         topology: The loader's topology.
         options: The loader's options.
-        reader: Reads the dataset's units.
         unit_dir: The loader's folder for decoded units.
         coordinator: The recovery coordinator.
-        delivered: Told each partition's position after each batch handed over.
+        delivered: Told the cursor and every source's partitions after each batch handed over.
+        source_key: The batch's key of each sample's source (an index into ``sources``), or
+            None: no such key (a single dataset).
     """
 
     def __init__(
         self,
-        dataset: LakeDataset,
-        positions: dict[int, PartitionPosition],
-        per_partition: int,
+        sources: list[PackedSource],
+        packing: Packing,
+        cursor: MixCursor,
+        weights: MixWeights,
+        seed: int,
+        rounds: int,
         topology: Topology,
         options: LoaderOptions,
-        reader: UnitReader,
         unit_dir: str,
         coordinator: RecoveryCoordinator,
-        delivered: Callable[[dict[int, PartitionPosition]], None],
+        delivered: Callable[[MixCursor, list[dict[int, PartitionPosition]]], None],
+        source_key: str | None = None,
     ) -> None:
-        assert dataset.packing is not None
-        self._packing = dataset.packing
-        self._k = per_partition
+        self._source_key = source_key
+        self._packing, self._cursor, self._weights, self._seed = packing, cursor, weights, seed
+        self._k = rounds
         self._delivered = delivered
-        self._readers: dict[int, EpochReader] = {}
+        self._readers: dict[tuple[int, int], EpochReader] = {}
         self._closed = False
         self._finalizer = weakref.finalize(self, close_safely, _close_readers, self._readers)
+        share = dataclasses.replace(
+            options, cache_bytes=max(options.cache_bytes // len(sources), 1)
+        )
 
-        def reader_of(epoch: int) -> EpochReader:
-            if epoch not in self._readers:
-                self._readers[epoch] = EpochReader(
-                    dataset, epoch, reader, options, unit_dir, coordinator
+        def reader_of(source: int, epoch: int) -> EpochReader:
+            if (source, epoch) not in self._readers:
+                ds, reader = sources[source].dataset, sources[source].reader
+                self._readers[(source, epoch)] = EpochReader(
+                    ds, epoch, reader, share, unit_dir, coordinator
                 )
-            return self._readers[epoch]
+            return self._readers[(source, epoch)]
 
-        owned = owned_partitions(dataset.config.num_partitions, topology.world_size, topology.rank)
-        self._streams = [PartitionStream(p, positions[p], self._packing, reader_of) for p in owned]
+        C = sources[0].dataset.config.num_partitions
+        self._owned = list(owned_partitions(C, topology.world_size, topology.rank))
+        self._streams = [
+            [
+                PartitionStream(p, src.positions[p], packing, functools.partial(reader_of, i))
+                for p in self._owned
+            ]
+            for i, src in enumerate(sources)
+        ]
 
     def __iter__(self) -> PackedIterator:
         return self
@@ -257,31 +299,45 @@ class PackedIterator:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._closed:
             raise StopIteration
-        L = self._packing.seq_len
-        taken = [stream.take(self._k * L) for stream in self._streams]
-        tokens, positions, pads = (
-            np.concatenate(x).reshape(-1, L) for x in zip(*taken, strict=True)
-        )
-        self._delivered({s.part: s.at for s in self._streams})
+        L, k = self._packing.seq_len, self._k
+        draw, cursor = self._cursor.take(self._weights, self._seed, k)
+        rounds = draw.sources
+        parts = len(self._owned)
+        tokens = np.empty((parts, k, L), dtype=np.int64)
+        positions = np.empty((parts, k, L), dtype=np.int64)
+        pads = np.empty((parts, k, L), dtype=bool)
+        for source, streams in enumerate(self._streams):
+            mine = rounds == source
+            count = int(mine.sum())
+            for j, stream in enumerate(streams):
+                if count:
+                    t, q, m = stream.take(count * L)
+                    tokens[j, mine], positions[j, mine] = t.reshape(count, L), q.reshape(count, L)
+                    pads[j, mine] = m.reshape(count, L)
+        self._cursor = cursor
+        self._delivered(cursor, [{s.part: s.at for s in streams} for streams in self._streams])
         self._release()
-        return {
-            "input_ids": torch.from_numpy(tokens),
-            "position_ids": torch.from_numpy(positions),
-            "pad_mask": torch.from_numpy(pads),
+        batch = {
+            "input_ids": torch.from_numpy(tokens.reshape(-1, L)),
+            "position_ids": torch.from_numpy(positions.reshape(-1, L)),
+            "pad_mask": torch.from_numpy(pads.reshape(-1, L)),
         }
+        if self._source_key is not None:
+            batch[self._source_key] = torch.from_numpy(np.tile(rounds, parts))
+        return batch
 
     def _release(self) -> None:
         """Evict what every partition of this rank is past; close epochs all have left."""
-        for epoch in list(self._readers):
+        for source, epoch in list(self._readers):
             rows = [
                 s.at.row if s.at.epoch == epoch else (0 if s.at.epoch < epoch else None)
-                for s in self._streams
+                for s in self._streams[source]
             ]
             behind = [r for r in rows if r is not None]
             if not behind:
-                self._readers.pop(epoch).close()
+                self._readers.pop((source, epoch)).close()
             else:
-                self._readers[epoch].release(min(behind))
+                self._readers[(source, epoch)].release(min(behind))
 
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""
@@ -300,7 +356,7 @@ class PackedIterator:
         _close_readers(self._readers, wait)
 
 
-def _close_readers(readers: dict[int, EpochReader], wait: bool = False) -> None:
+def _close_readers(readers: dict[tuple[int, int], EpochReader], wait: bool = False) -> None:
     for reader in readers.values():
         reader.close(wait)
     readers.clear()
