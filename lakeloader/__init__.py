@@ -36,6 +36,7 @@ from lakeloader.mixture import Mixture
 from lakeloader.mixture_loader import MixtureLoader
 from lakeloader.options import LoaderOptions
 from lakeloader.packed_loader import PackedLoader
+from lakeloader.packed_mixture_loader import PackedMixtureLoader
 from lakeloader.packing import Packing
 from lakeloader.randomness import rng, row_rngs, row_seeds
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -61,6 +62,7 @@ __all__ = [
     "MixtureLoader",
     "Packing",
     "PackedLoader",
+    "PackedMixtureLoader",
     "PartitionWarning",
     "ReaderStateTracker",
     "RecoveryCoordinator",

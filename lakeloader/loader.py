@@ -18,7 +18,6 @@ import torch
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
-from lakeloader.cache.shm import default_cache_dir, make_unit_dir
 from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
@@ -34,7 +33,7 @@ from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
-from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
+from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
 from lakeloader.state.quarantine import QuarantineEntry
@@ -274,10 +273,7 @@ class DataLoader:
         if pool is not None:
             _hint_threads(self.num_workers)
         res = self._res
-        if res.unit_dir is None:  # the arena lives there, with or without workers
-            root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
-            res.unit_dir = make_unit_dir(root)
-            exit_cleanly_on_sigterm()
+        unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
         ds = self.dataset
         spec = PassSpec(
             plan=ds.plan(self.tracker.epoch),
@@ -293,7 +289,7 @@ class DataLoader:
             self._reader,
             self.tracker,
             pool,
-            res.unit_dir,
+            unit_dir,
             self._coordinator,
             functools.partial(res.pass_ended, self.options.persistent_workers),
             owner=self,

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lakeloader.dataset import LakeDataset
 from lakeloader.mixture import Mixture
+from lakeloader.options import LoaderOptions
+
+logger = logging.getLogger(__name__)
 
 
 def check_unsupported(
@@ -36,3 +40,24 @@ def check_unsupported(
             raise ValueError(f"{name} is not supported: lakeloader plans the order itself")
     if generator is not None:
         raise ValueError("generator is not supported: the order comes from LakeDataset(seed=...)")
+
+
+def check_stream_options(options: LoaderOptions, what: str) -> None:
+    """Check what a Mixture's or a packed loader takes of torch's arguments.
+
+    No ``collate_fn``; ``num_workers`` starts no process (it decodes in the loader's threads;
+    said in the log).
+
+    Raises:
+        ValueError: If a ``collate_fn`` is given.
+    """
+    if options.collate_fn is not None:
+        raise ValueError(f"collate_fn is not supported over {what}: batches are columnar")
+    if options.num_workers:
+        logger.warning(
+            "%s decodes in the loader's %d io_threads: num_workers=%d starts no worker "
+            "process for it",
+            what,
+            options.io_threads,
+            options.num_workers,
+        )

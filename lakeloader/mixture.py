@@ -18,6 +18,7 @@ import pyarrow as pa
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import SchemaMismatchError
 from lakeloader.order.mixture import MixWeights
+from lakeloader.packing import Packing
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class Mixture:
             many as the sources hold together. The sources' own epochs are apart from it.
         source_key: The batch's key of the source index of each row (an int64 tensor indexing
             :attr:`names`).
+        packing: A :class:`~lakeloader.Packing`: each source is packed on its own (its
+            partitions' token streams) and the mixture draws *rounds* of samples, a round one
+            sample from every partition of one source, in the weights' proportions (see
+            :mod:`lakeloader.order.packing`). The sources must have the same ``num_partitions``.
 
     Raises:
         ValueError: If the names of ``sources`` and ``weights`` differ, a weight is not a
@@ -71,6 +76,7 @@ class Mixture:
         seed: int = 0,
         epoch_rows: int | None = None,
         source_key: str = DEFAULT_SOURCE_KEY,
+        packing: Packing | None = None,
     ) -> None:
         if set(sources) != set(weights):
             raise ValueError(
@@ -104,11 +110,14 @@ class Mixture:
                 "source_key= to Mixture(...)"
             )
         self.source_key = source_key
+        self.packing = packing
+        if packing is not None:
+            _check_packing(self.sources, packing, self.schema)
         for name, ds in self.sources.items():
             if ds.packing is not None:
                 raise ValueError(
-                    f"mixture source {name!r} is packed: packing over a mixture is not supported "
-                    "yet; build its LakeDataset without packing="
+                    f"mixture source {name!r} has its own packing: give packing= to the "
+                    "Mixture (every source is then packed alike), not to its sources"
                 )
             if ds.transform is not None or ds.batch_transform is not None or ds.on_error != "raise":
                 raise ValueError(
@@ -117,8 +126,10 @@ class Mixture:
                     "without them"
                 )
 
-    #: Which loader streams it (``DataLoader(mixture)`` is a ``MixtureLoader``).
-    loader_kind = "mixture"
+    @property
+    def loader_kind(self) -> str:
+        """Which loader streams it: ``"packed-mixture"`` with a packing, else ``"mixture"``."""
+        return "packed-mixture" if self.packing is not None else "mixture"
 
     def __len__(self) -> int:
         """Rows in one pass over the mixture (``epoch_rows``)."""
@@ -138,6 +149,20 @@ class Mixture:
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={w:g}" for n, w in self.raw_weights.items())
         return f"Mixture({parts}, rows={self.epoch_rows}, seed={self.seed})"
+
+
+def _check_packing(sources: Mapping[str, LakeDataset], packing: Packing, schema: pa.Schema) -> None:
+    """Refuse a packing the sources cannot share (a missing column, different C)."""
+    if packing.column not in schema.names:
+        raise KeyError(
+            f"Packing column {packing.column!r} is not among the sources' columns {schema.names}"
+        )
+    parts = {name: ds.config.num_partitions for name, ds in sources.items()}
+    if len(set(parts.values())) > 1:
+        raise ValueError(
+            f"a packed mixture takes rounds of one sample per partition of a source: its sources "
+            f"need the same num_partitions, got {parts}"
+        )
 
 
 def _common_schema(sources: Mapping[str, LakeDataset]) -> pa.Schema:

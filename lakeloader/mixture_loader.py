@@ -14,13 +14,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from lakeloader.cache.shm import default_cache_dir, make_unit_dir
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import LOADER_FOR, DataLoader
+from lakeloader.loader_args import check_stream_options
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.mixing import MixtureIterator
-from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
+from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 
@@ -40,15 +40,7 @@ class MixtureLoader(DataLoader):
 
     def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
         assert isinstance(dataset, Mixture)
-        if self.options.collate_fn is not None:
-            raise ValueError("collate_fn is not supported over a Mixture yet")
-        if self.options.num_workers:
-            logger.warning(
-                "a Mixture decodes in the loader's %d io_threads: num_workers=%d starts no "
-                "worker process for it",
-                self.options.io_threads,
-                self.options.num_workers,
-            )
+        check_stream_options(self.options, "a Mixture")
         self.mixture = self.dataset = dataset
         self._readers = [dataset.sources[n].reader() for n in dataset.names]
         first = WeightChange(0, dict(dataset.raw_weights))
@@ -100,10 +92,7 @@ class MixtureLoader(DataLoader):
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
         res = self._res
-        if res.unit_dir is None:
-            root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
-            res.unit_dir = make_unit_dir(root)
-            exit_cleanly_on_sigterm()
+        unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
         state, size = self._state, self.global_batch_size
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
@@ -114,7 +103,7 @@ class MixtureLoader(DataLoader):
             self.topology,
             self.options,
             self._readers,
-            res.unit_dir,
+            unit_dir,
             self._coordinator,
             self._delivered,
         )

@@ -17,15 +17,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lakeloader.cache.shm import default_cache_dir, make_unit_dir
+from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
+from lakeloader.io.reader import UnitReader
 from lakeloader.loader import LOADER_FOR, DataLoader
+from lakeloader.loader_args import check_stream_options
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import owned_partitions, samples_per_partition
 from lakeloader.pipeline.packed import PackedIterator, PackedSource
-from lakeloader.pipeline.resources import LoaderResources, exit_cleanly_on_sigterm
+from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.packed_state import PackedState, PartitionPosition
 
@@ -44,8 +46,9 @@ class PackedLoader(DataLoader):
 
     def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
-        if self.options.collate_fn is not None or dataset.transform or dataset.batch_transform:
-            raise ValueError("a packed dataset takes no transform, batch_transform or collate_fn")
+        check_stream_options(self.options, "a packed dataset")
+        if dataset.transform or dataset.batch_transform:
+            raise ValueError("a packed dataset takes no transform or batch_transform")
         if dataset.on_error != "raise":
             raise ValueError(
                 "a packed dataset reads with on_error='raise' (skipping is not supported)"
@@ -58,13 +61,6 @@ class PackedLoader(DataLoader):
             )
         C = dataset.config.num_partitions
         self._per_partition = samples_per_partition(self.global_batch_size, C, self.world_size)
-        if self.options.num_workers:
-            logger.warning(
-                "a packed dataset decodes in the loader's %d io_threads: num_workers=%d starts "
-                "no worker process for it",
-                self.options.io_threads,
-                self.options.num_workers,
-            )
         self._base = self.dataset = dataset
         self._reader = dataset.reader()
         order = {**dataset.config.to_dict(), "packing": dataset.packing.to_dict()}
@@ -77,7 +73,7 @@ class PackedLoader(DataLoader):
         self._res = LoaderResources(self)
 
     def __len__(self) -> int:
-        raise TypeError("a packed loader is an endless stream: it has no len()")
+        raise TypeError("a packed stream is endless: it has no len()")
 
     @property
     def epoch(self) -> int:
@@ -91,17 +87,14 @@ class PackedLoader(DataLoader):
             TypeError: Always.
         """
         raise TypeError(
-            "a packed loader is an endless stream whose partitions run through their epochs by "
+            "a packed stream is endless, its partitions running through their epochs by "
             "themselves: iterate it for as many steps as you train, without set_epoch()"
         )
 
     def __iter__(self) -> Iterator[Any]:
         self._close_iterator("a newer iter(loader)")
         res = self._res
-        if res.unit_dir is None:
-            root = self.options.cache_dir or default_cache_dir(self.options.cache_bytes)
-            res.unit_dir = make_unit_dir(root)
-            exit_cleanly_on_sigterm()
+        unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
         assert self.dataset.packing is not None
         samples = self._state.samples  # one round gives each partition one sample
         it = PackedIterator(
@@ -113,7 +106,7 @@ class PackedLoader(DataLoader):
             self._per_partition,
             self.topology,
             self.options,
-            res.unit_dir,
+            unit_dir,
             self._coordinator,
             self._delivered,
         )
@@ -140,8 +133,7 @@ class PackedLoader(DataLoader):
                 do not cover this rank's partitions (the missing ones named).
         """
         self._close_iterator("load_state_dict()")
-        states = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
-        merged = PackedState.merge([PackedState.from_dict(s) for s in states])
+        merged = self._merged([state_dict] if isinstance(state_dict, Mapping) else state_dict)
         if (merged.fingerprint, merged.config) != (self._state.fingerprint, self._config):
             raise StateMismatchError(
                 f"the packed state is of snapshot {merged.fingerprint} with configuration "
@@ -159,17 +151,21 @@ class PackedLoader(DataLoader):
             merged.fingerprint, merged.config, merged.num_partitions, merged.samples, mine
         )
 
-    def barrier_position(self) -> PackedState:
+    def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
         return self._state
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Every rank's partitions, merged: a collective under torch.distributed."""
         if not (dist.is_available() and dist.is_initialized()):
-            return self._state.to_dict()
+            return self.state_dict()
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self._state.to_dict())
-        return PackedState.merge([PackedState.from_dict(s) for s in gathered]).to_dict()
+        dist.all_gather_object(gathered, self.state_dict())
+        return self._merged(gathered).to_dict()
+
+    def _merged(self, states: Sequence[Mapping[str, Any]]) -> PackedState:
+        """The states of several ranks as one."""
+        return PackedState.merge([PackedState.from_dict(s) for s in states])
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshot a checkpoint pins."""
@@ -180,14 +176,21 @@ class PackedLoader(DataLoader):
         """Packed datasets skip no unit."""
         return []
 
+    def _positions(self) -> list[PartitionPosition]:
+        """Where this rank's partitions stand."""
+        return list(self._state.partitions.values())
+
+    def _readers_used(self) -> list[UnitReader]:
+        return [self._reader]
+
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks (cumulative over the loader's life)."""
-        it, counters = self._res.iterator, self._reader.counters
-        positions = self._state.partitions.values()
+        it, counters = self._res.iterator, [r.counters for r in self._readers_used()]
+        positions = self._positions()
         return {
-            "units_decoded": counters.units_decoded,
-            "bytes_read": counters.bytes_read,
-            "requests": counters.requests,
+            "units_decoded": sum(c.units_decoded for c in counters),
+            "bytes_read": sum(c.bytes_read for c in counters),
+            "requests": sum(c.requests for c in counters),
             "tokens": sum(x.tokens for x in positions),
             "padding": sum(x.padding for x in positions),
             "cache_bytes": it.cache_bytes() if it is not None else 0,

@@ -14,7 +14,7 @@ from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.order.mixture import MixWeights
 from lakeloader.state.mixture_state import MixtureState
-from lakeloader.state.packed_state import PackedState
+from lakeloader.state.packed_state import PackedMixtureState, PackedState
 
 
 def inspect_kind(ckpt: KindCheckpoint, steps_available: list[int]) -> dict[str, Any]:
@@ -30,12 +30,16 @@ def inspect_kind(ckpt: KindCheckpoint, steps_available: list[int]) -> dict[str, 
         "extra_type": type(ckpt.extra).__name__,
     }
     if ckpt.kind == "packed":
-        return {**head, **_packed(ckpt)}
-    return {**head, **_mixture(ckpt)}
+        return {**head, **_packed(PackedState.from_dict(ckpt.record.state), ckpt)}
+    if ckpt.kind == "packed-mixture":
+        both = PackedMixtureState.from_dict(ckpt.record.state)
+        mixture = _mixture(both.mixture, ckpt)
+        partitions = {n: _packed(s, ckpt) for n, s in both.sources.items()}
+        return {**head, **mixture, "rounds": True, "packed": partitions}
+    return {**head, **_mixture(MixtureState.from_dict(ckpt.record.state), ckpt)}
 
 
-def _packed(ckpt: KindCheckpoint) -> dict[str, Any]:
-    state = PackedState.from_dict(ckpt.record.state)
+def _packed(state: PackedState, ckpt: KindCheckpoint) -> dict[str, Any]:
     partitions = [
         {
             "partition": p,
@@ -58,9 +62,9 @@ def _packed(ckpt: KindCheckpoint) -> dict[str, Any]:
     }
 
 
-def _mixture(ckpt: KindCheckpoint) -> dict[str, Any]:
-    """Realised shares are over the whole run (slots drawn from each source / all drawn)."""
-    record, state = ckpt.record, MixtureState.from_dict(ckpt.record.state)
+def _mixture(state: MixtureState, ckpt: KindCheckpoint) -> dict[str, Any]:
+    """Realised shares are over the whole run (slots, or rounds, drawn from each source / all)."""
+    record = ckpt.record
     weights = MixWeights.of(state.history[-1].weights)
     shares = dict(zip(weights.names, weights.shares, strict=True))
     drawn = sum(state.counts.values())
@@ -109,6 +113,12 @@ def render_kind_text(info: dict[str, Any]) -> str:
     ]
     if info["kind"] == "packed":
         return _packed_text(info, common)
+    if info["kind"] == "packed-mixture":
+        tables = [_packed_text(packed, []) for packed in info["packed"].values()]
+        names = list(info["packed"])
+        parts = [f"source {n}\n\n{t}" for n, t in zip(names, tables, strict=True)]
+        mixture = render_kind_text({**info, "kind": "mixture"})
+        return "\n\n".join([mixture, "(a packed mixture: drawn counts rounds)", *parts])
     head = format_pairs(
         [
             *common,

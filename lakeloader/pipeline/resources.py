@@ -21,6 +21,7 @@ import weakref
 from types import FrameType
 from typing import Any, Final, Protocol
 
+from lakeloader.cache.shm import default_cache_dir, make_unit_dir
 from lakeloader.pipeline.cleanup import close_safely, prepare
 from lakeloader.workers.pool import WorkerPool
 
@@ -94,6 +95,17 @@ class LoaderResources:
         if it is not None:
             it.close(wait, ended_by)
         self._iterator = None
+
+    def unit_folder(self, cache_dir: str | None, cache_bytes: int) -> str:
+        """The loader's folder for decoded units, made on first use.
+
+        In ``/dev/shm`` when it has ``cache_bytes`` free, unless ``cache_dir`` says where;
+        from then on SIGTERM exits cleanly (releasing it).
+        """
+        if self.unit_dir is None:
+            self.unit_dir = make_unit_dir(cache_dir or default_cache_dir(cache_bytes))
+            exit_cleanly_on_sigterm()
+        return self.unit_dir
 
     def shutdown_workers(self, graceful: bool = True) -> None:
         """Stop the workers and delete the unit folder."""

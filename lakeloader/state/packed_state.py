@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError, StateMismatchError
+from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a packed state.
@@ -153,3 +154,76 @@ class PackedState:
                         f"{merged[p]} and {position}"
                     )
         return cls(first.fingerprint, first.config, first.num_partitions, first.samples, merged)
+
+
+#: The ``kind`` of a packed mixture's state.
+PACKED_MIXTURE_KIND: Final = "packed-mixture"
+
+
+@dataclass(frozen=True)
+class PackedMixtureState:
+    """A packed mixture's position: the rounds' cursor, and every source's partitions.
+
+    A round takes one sample from every partition of one source (:mod:`lakeloader.order.packing`),
+    so the mixture's cursor counts rounds: ``mixture.slot`` rounds drawn, ``mixture.counts``
+    from each source, which is also the samples each partition of that source delivered.
+
+    Attributes:
+        mixture: The rounds' cursor, weights history and sources (a mixture's state).
+        sources: ``{name: PackedState}`` of each source, for this rank's partitions.
+    """
+
+    mixture: MixtureState
+    sources: Mapping[str, PackedState]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types."""
+        return {
+            "kind": PACKED_MIXTURE_KIND,
+            "version": PACKED_STATE_VERSION,
+            "mixture": self.mixture.to_dict(),
+            "sources": {name: s.to_dict() for name, s in sorted(self.sources.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PackedMixtureState:
+        """Read a state back.
+
+        Raises:
+            StateFormatError: If it is not a packed mixture's state of this version.
+        """
+        if not isinstance(data, Mapping) or data.get("kind") != PACKED_MIXTURE_KIND:
+            raise StateFormatError(
+                "not a packed mixture's state (no kind='packed-mixture'): a loader over a "
+                "packed Mixture loads only the states of such loaders"
+            )
+        if data.get("version") != PACKED_STATE_VERSION:
+            raise StateFormatError(
+                f"packed mixture state version {data.get('version')!r}; this lakeloader reads "
+                f"version {PACKED_STATE_VERSION}"
+            )
+        try:
+            sources = {str(n): PackedState.from_dict(s) for n, s in data["sources"].items()}
+            return cls(MixtureState.from_dict(data["mixture"]), sources)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise StateFormatError(f"malformed packed mixture state: {exc!r}") from exc
+
+    @classmethod
+    def merge(cls, states: Sequence[PackedMixtureState]) -> PackedMixtureState:
+        """One state from the states of several ranks.
+
+        Raises:
+            StateMismatchError: If their cursors differ, or a source's partitions conflict.
+        """
+        first = states[0].mixture
+        for state in states[1:]:
+            if (state.mixture.slot, dict(state.mixture.counts)) != (first.slot, dict(first.counts)):
+                raise StateMismatchError(
+                    f"packed mixture states of different steps: {first.slot} rounds and "
+                    f"{state.mixture.slot}; pass the states every rank took at the same step"
+                )
+        names = {n for s in states for n in s.sources}
+        sources = {
+            n: PackedState.merge([s.sources[n] for s in states if n in s.sources]) for n in names
+        }
+        return cls(first, sources)
