@@ -148,14 +148,17 @@ class MixCursor:
         (6, 6)
         """
         sources = slot_sources(weights, seed, self.slot, count)
+        names = weights.names
+        # Each slot's offset: its source's count so far plus its rank among that source's slots.
+        order = np.argsort(sources, kind="stable")
+        drawn = np.bincount(sources, minlength=len(names))
+        first = np.cumsum(drawn) - drawn  # where each source's slots start in ``order``
+        base = np.array([self.counts.get(n, 0) for n in names], dtype=np.int64)
         offsets = np.empty(count, dtype=np.int64)
+        offsets[order] = np.arange(count, dtype=np.int64) - np.repeat(first - base, drawn)
         counts = dict(self.counts)
-        for k, name in enumerate(weights.names):
-            mine = np.flatnonzero(sources == k)
-            base = counts.get(name, 0)
-            offsets[mine] = base + np.arange(len(mine), dtype=np.int64)
-            counts[name] = base + len(mine)
-        draw = MixDraw(self.slot, weights.names, sources, offsets)
+        counts.update((n, int(b + d)) for n, b, d in zip(names, base, drawn, strict=True))
+        draw = MixDraw(self.slot, names, sources, offsets)
         return draw, MixCursor(self.slot + count, counts)
 
 
@@ -268,13 +271,38 @@ def rank_parts(
     return sources, parts
 
 
-def rank_parts_many(
-    draw: MixDraw, rows: Sequence[int], steps: int, world_size: int, rank: int
-) -> list[tuple[np.ndarray, list[MixPart]]]:
-    """:func:`rank_parts` of ``steps`` consecutive global batches of equal size, at once.
+@dataclass(frozen=True)
+class PartTable:
+    """The parts of a rank's shares of consecutive global batches, as arrays.
 
-    ``draw`` holds them end to end. The work is a few array operations for all the steps,
-    not a loop over them (a loader plans many steps per call).
+    One entry per part, ordered by step, source, epoch.
+
+    Attributes:
+        shares: The source of each row of each share, ``(steps, rows of a share)``.
+        step: Each part's step (index among the steps planned).
+        source: Its source.
+        epoch: Its source's epoch.
+        start: Its first position in that epoch's order.
+        stop: One past its last.
+        at: Where its rows stand in their share, all parts end to end (``stop - start`` each).
+    """
+
+    shares: np.ndarray
+    step: np.ndarray
+    source: np.ndarray
+    epoch: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    at: np.ndarray
+
+
+def part_table(
+    draw: MixDraw, rows: Sequence[int], steps: int, world_size: int, rank: int
+) -> PartTable:
+    """A rank's parts of ``steps`` consecutive global batches of equal size.
+
+    The batches lie end to end in ``draw``; the work is a few array operations for all the
+    steps, not a loop over them.
     """
     size = len(draw.sources) // steps
     lo, hi = rank_bounds(size, world_size, rank)
@@ -285,22 +313,45 @@ def rank_parts_many(
     epoch, position = share.epochs(rows)
     width = hi - lo
     step = np.repeat(np.arange(steps, dtype=np.int64), width)
-    slot = np.tile(np.arange(width, dtype=np.int64), steps)
     # One key per (step, source, epoch): a stable sort groups the parts, each in slot order.
     low = int(epoch.min()) if len(epoch) else 0
     span = int(epoch.max()) - low + 1 if len(epoch) else 1
     combined = (step * len(draw.names) + share.sources) * span + (epoch - low)
     order = np.argsort(combined, kind="stable")
-    key = np.stack([step[order], share.sources[order], epoch[order]])
-    cuts = np.flatnonzero(np.diff(combined[order])) + 1
-    firsts = np.concatenate([[0], cuts]).tolist()
-    lasts = (np.concatenate([cuts, [len(order)]]) - 1).tolist()
-    ordered_position = position[order]
-    at = np.split(slot[order], cuts) if len(order) else []
-    out: list[tuple[np.ndarray, list[MixPart]]] = [(row, []) for row in sources]
-    columns = zip(firsts, lasts, at, strict=True)
-    for first, last, where in columns:
-        k, source, ep = (int(v) for v in key[:, first])
-        start, stop = int(ordered_position[first]), int(ordered_position[last]) + 1
-        out[k][1].append(MixPart(source, ep, start, stop, where))
+    ordered = combined[order]
+    first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    last = np.concatenate([first[1:], [len(order)]]) - 1
+    head, tail = order[first], order[last]
+    return PartTable(
+        shares=sources,
+        step=step[head],
+        source=share.sources[head],
+        epoch=epoch[head],
+        start=position[head],
+        stop=position[tail] + 1,
+        at=order % max(width, 1),
+    )
+
+
+def rank_parts_many(
+    draw: MixDraw, rows: Sequence[int], steps: int, world_size: int, rank: int
+) -> list[tuple[np.ndarray, list[MixPart]]]:
+    """:func:`rank_parts` of ``steps`` consecutive global batches of equal size, at once.
+
+    :func:`part_table`'s parts as values.
+    """
+    table = part_table(draw, rows, steps, world_size, rank)
+    out: list[tuple[np.ndarray, list[MixPart]]] = [(row, []) for row in table.shares]
+    cuts = np.cumsum(table.stop - table.start)[:-1]
+    columns = zip(
+        table.step.tolist(),
+        table.source.tolist(),
+        table.epoch.tolist(),
+        table.start.tolist(),
+        table.stop.tolist(),
+        np.split(table.at, cuts),
+        strict=True,
+    )
+    for k, source, epoch, start, stop, where in columns:
+        out[k][1].append(MixPart(source, epoch, start, stop, where))
     return out

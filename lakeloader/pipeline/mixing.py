@@ -16,7 +16,7 @@ import dataclasses
 import shutil
 import tempfile
 import weakref
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -30,7 +30,7 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_specs
-from lakeloader.order.mixture import MixCursor, MixPart, MixWeights, rank_parts_many
+from lakeloader.order.mixture import MixCursor, MixWeights, part_table
 from lakeloader.order.plan import batch_runs, expand_runs
 from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
@@ -41,9 +41,9 @@ from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.topology import Topology
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
-LOOKAHEAD_STEPS: Final = 256
+LOOKAHEAD_STEPS: Final = 512
 #: Steps planned by one call.
-PLAN_CHUNK: Final = 64
+PLAN_CHUNK: Final = 256
 
 
 class SourcePass:
@@ -192,37 +192,35 @@ class MixtureIterator:
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
         draw, after = before.take(self._weights, self._mixture.seed, count * size)
-        shares = rank_parts_many(draw, self._rows, count, topo.world_size, topo.rank)
-        drawn = draw.sources.reshape(count, size)
-        totals = np.stack([(drawn == k).sum(axis=1) for k in range(len(names))], axis=1)
-        totals = np.cumsum(totals, axis=0).tolist()  # drawn from each source, after each step
-        groups: defaultdict[tuple[int, int], list[tuple[int, MixPart]]] = defaultdict(list)
-        for k, (_, parts) in enumerate(shares):
-            for part in parts:
-                groups[(part.source, part.epoch)].append((k, part))
-        planned: dict[tuple[int, tuple[int, int]], tuple[BatchSpec, np.ndarray]] = {}
-        for key, items in groups.items():
-            source_pass = self._source_pass(key)
-            parts = [p for _, p in items]
-            starts = np.array([p.start for p in parts], dtype=np.int64)
-            stops = np.array([p.stop for p in parts], dtype=np.int64)
+        table = part_table(draw, self._rows, count, topo.world_size, topo.rank)
+        lengths = table.stop - table.start
+        offsets = np.cumsum(lengths) - lengths  # of each part's rows in ``table.at``
+        keys = table.source * (int(table.epoch.max()) + 1) + table.epoch
+        made: dict[int, tuple[tuple[int, int], BatchSpec, np.ndarray]] = {}
+        for key in np.unique(keys).tolist():
+            idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order
+            pair = (int(table.source[idx[0]]), int(table.epoch[idx[0]]))
+            source_pass = self._source_pass(pair)
             plan = source_pass.spec.plan
             specs = range_specs(
-                plan, np.array([self._next_plan + k for k, _ in items]), starts, stops
+                plan, self._next_plan + table.step[idx], table.start[idx], table.stop[idx]
             )
-            dests = _dests(parts, starts, stops, plan.num_partitions)
-            for (k, _), spec, dest in zip(items, specs, dests, strict=True):
-                source_pass.space.store.request(spec.positions)
-                planned[(k, key)] = spec, dest
-        for k, (sources, parts) in enumerate(shares):
-            counts = dict(before.counts)
-            counts.update(
-                (name, before.counts.get(name, 0) + totals[k][i]) for i, name in enumerate(names)
-            )
-            steps = tuple((key, *planned[(k, key)]) for key in ((p.source, p.epoch) for p in parts))
-            self._planned.append(
-                _Step(sources, steps, MixCursor(before.slot + (k + 1) * size, counts))
-            )
+            at = table.at[expand_runs(offsets[idx], lengths[idx], 1)]
+            dests = _dests(at, table.start[idx], table.stop[idx], plan.num_partitions)
+            wanted = np.concatenate([s.positions for s in specs])
+            _, first = np.unique(wanted, return_index=True)  # each piece once, in step order
+            source_pass.space.store.request(wanted[np.sort(first)])
+            for i, spec, dest in zip(idx.tolist(), specs, dests, strict=True):
+                made[i] = pair, spec, dest
+        drawn = draw.sources.reshape(count, size)
+        totals = np.stack([(drawn == k).sum(axis=1) for k in range(len(names))], axis=1)
+        totals = np.cumsum(totals, axis=0) + [before.counts.get(n, 0) for n in names]
+        bounds = np.searchsorted(table.step, np.arange(count + 1)).tolist()
+        for k, (sources, after_step) in enumerate(zip(table.shares, totals.tolist(), strict=True)):
+            counts = {**before.counts, **dict(zip(names, after_step, strict=True))}
+            parts = tuple(made[i] for i in range(bounds[k], bounds[k + 1]))
+            cursor = MixCursor(before.slot + (k + 1) * size, counts)
+            self._planned.append(_Step(sources, parts, cursor))
         self._planned_cursor = after
         self._next_plan += count
 
@@ -307,15 +305,17 @@ class MixtureIterator:
 
 
 def _dests(
-    parts: list[MixPart], starts: np.ndarray, stops: np.ndarray, num_partitions: int
+    at: np.ndarray, starts: np.ndarray, stops: np.ndarray, num_partitions: int
 ) -> list[np.ndarray]:
-    """Where each row a part's build gives (partition-major in its range) goes in its share."""
+    """Where each row a part's build gives (partition-major in its range) goes in its share.
+
+    ``at`` holds, part after part, where each position of the part's range goes.
+    """
     first, counts = batch_runs(starts, stops, num_partitions)
     slots = expand_runs(first.ravel(), counts.ravel(), num_partitions)
     lengths = stops - starts
     base = np.cumsum(lengths) - lengths
-    local = slots - np.repeat(starts - base, lengths)
-    where = np.concatenate([p.at for p in parts])[local]
+    where = at[slots - np.repeat(starts - base, lengths)]
     return np.split(where, np.cumsum(lengths)[:-1])
 
 
