@@ -44,9 +44,15 @@ def lakes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make(
-    lakes: Path, weights: Mapping[str, float] = WEIGHTS, epoch_rows: int | None = None
+    lakes: Path,
+    weights: Mapping[str, float] = WEIGHTS,
+    epoch_rows: int | None = None,
+    columns: list[str] | None = None,
 ) -> Mixture:
-    sources = {n: ll.LakeDataset(lakes / n, seed=7, num_partitions=4, window=64) for n in weights}
+    sources = {
+        n: ll.LakeDataset(lakes / n, seed=7, num_partitions=4, window=64, columns=columns)
+        for n in weights
+    }
     return Mixture(sources, weights, seed=11, epoch_rows=epoch_rows)
 
 
@@ -75,6 +81,10 @@ def stream(
         for shares in zip(*iters, strict=True):
             for share in shares:
                 assert len(share["id"]) == batch
+                if "text" not in share:
+                    ids += share["id"].tolist()
+                    sources += share["source"].tolist()
+                    continue
                 assert share["text"] == [f"row {i}" for i in share["id"].tolist()]
                 tokens = [t.tolist() for t in share["tokens"].unbind()]
                 assert tokens == [
@@ -152,6 +162,18 @@ def test_the_same_global_sequence_under_any_topology(
     batch = {1: 48, 2: 24, 3: 16, 8: 6}[world]
     ids, _, _ = stream(make(lakes), world, batch, 4800, workers=workers)
     assert ids[:4800] == reference
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_numeric_columns_take_one_gather_a_step_with_the_same_rows(
+    lakes: Path, reference: list[int], world: int
+) -> None:
+    """Only packed columns: a step is one gather of arena rows planned ahead."""
+    mixture = make(lakes, columns=["id"])
+    ids, _, state = stream(mixture, world, 48 // world, 2400)
+    assert ids[:2400] == reference[:2400]
+    after, _, _ = stream(make(lakes, columns=["id"]), 2, 24, 2400, state=state)
+    assert (ids + after)[:4800] == reference
 
 
 def test_resume_at_20_random_points_under_other_topologies(

@@ -240,6 +240,16 @@ class UnitStore:
             if entry.future.done():  # finished before it had an entry to count itself in
                 self._decoded(pos, entry.future)
 
+    def arena_starts(self, positions: np.ndarray) -> np.ndarray:
+        """The first arena row of each requested unit (-1: not packed into the arena)."""
+        entries = self._entries
+        return np.fromiter((entries[p].start for p in positions.tolist()), np.int64, len(positions))
+
+    def held(self, positions: np.ndarray) -> list[Held] | None:
+        """The units at these positions if all are decoded, else None (no wait, no lock)."""
+        held = [self._held.get(p) for p in positions.tolist()]
+        return [h for h in held if h is not None] if None not in held else None
+
     def ready(self, positions: np.ndarray) -> bool:
         """Whether every unit at these positions is decoded (or failed)."""
         with self._lock:

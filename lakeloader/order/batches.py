@@ -253,32 +253,13 @@ def _run_specs(
     share: np.ndarray,
 ) -> list[BatchSpec]:
     """Specs of steps made of runs: (index of the step, partition, first position, length)."""
-    step, part, win, inner, length = _window_segments(plan.window, *runs)
-    pieces, table, seg_piece, table_row, table_piece = _window_tables(
-        plan, step, part, win, inner, length
-    )
-    width = max(len(pieces), 1)
-    entry = expand_runs(table, length, 1)  # the table entry of each row, in batch order
-    if table_piece is None:  # each window holds one piece: a key (step, piece) per segment
-        unique, inv = _unique_inverse(step * width + seg_piece, span=len(steps) * width)
-    else:  # a key per row
-        keys = np.repeat(step * width, length)
-        keys += table_piece[entry]
-        unique, inv = _unique_inverse(keys, span=len(steps) * width)
-    key_step, key_piece = np.divmod(unique, width)
-    positions = pieces[key_piece]
-    per_step = np.bincount(key_step, minlength=len(steps))
+    positions, per_step, key_step, piece, row = _run_core(plan, len(steps), runs)
     first = (np.cumsum(per_step) - per_step)[key_step]  # first key of each key's step
     offset = np.cumsum(plan.piece_rows(positions))
     offset -= plan.piece_rows(positions)  # start of each piece among all steps' pieces ...
     offset -= offset[first]  # ... and among its step's
-    local = np.arange(len(unique)) - first  # index of each key's piece among its step's
-    if table_piece is None:
-        inverse, take = np.repeat(local[inv], length), np.repeat(offset[inv], length)
-    else:
-        inverse, take = local[inv], offset[inv]
-    row = table_row[entry]
-    take += row
+    local = np.arange(len(positions)) - first  # index of each piece among its step's
+    inverse, take = local[piece], offset[piece] + row
     specs = []
     r0 = p0 = 0
     bounds = zip(np.cumsum(share).tolist(), np.cumsum(per_step).tolist(), strict=True)
@@ -288,6 +269,57 @@ def _run_specs(
         specs.append(BatchSpec(t, a, b, positions[p0:p1], take[r0:r1], inverse[r0:r1], row[r0:r1]))
         r0, p0 = r1, p1
     return specs
+
+
+def _run_core(
+    plan: EpochPlan, num_steps: int, runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces of steps made of runs, and each row's piece and row inside it.
+
+    Returns:
+        The pieces of each step, step after step (unique per step, sorted); how many each
+        step has; each piece's step; for each row (steps end to end, in batch order) the
+        index of its piece among all of them; and its row inside that piece.
+    """
+    step, part, win, inner, length = _window_segments(plan.window, *runs)
+    pieces, table, seg_piece, table_row, table_piece = _window_tables(
+        plan, step, part, win, inner, length
+    )
+    width = max(len(pieces), 1)
+    entry = expand_runs(table, length, 1)  # the table entry of each row, in batch order
+    if table_piece is None:  # each window holds one piece: a key (step, piece) per segment
+        unique, inv = _unique_inverse(step * width + seg_piece, span=num_steps * width)
+        inv = np.repeat(inv, length)
+    else:  # a key per row
+        keys = np.repeat(step * width, length)
+        keys += table_piece[entry]
+        unique, inv = _unique_inverse(keys, span=num_steps * width)
+    key_step, key_piece = np.divmod(unique, width)
+    per_step = np.bincount(key_step, minlength=num_steps)
+    return pieces[key_piece], per_step, key_step, inv, table_row[entry]
+
+
+def range_rows(
+    plan: EpochPlan, starts: np.ndarray, stops: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`range_specs` as flat arrays, for many ranges without a spec each.
+
+    Returns:
+        The pieces of each range, range after range (unique per range); how many each range
+        has; and for each row (ranges end to end, each partition-major) the index of its piece
+        among all of them, and its row inside that piece.
+
+    >>> from lakeloader.order.plan import make_units, plan_epoch
+    >>> plan = plan_epoch(make_units([[6]], 6), seed=0, epoch=0, shuffle=False,
+    ...                   num_partitions=2, window=3)
+    >>> [a.tolist() for a in range_rows(plan, np.array([0, 3]), np.array([3, 6]))]
+    [[0, 1, 0, 1], [2, 2], [0, 0, 1, 2, 3, 3], [0, 1, 0, 2, 1, 2]]
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    step, part, pos, length, _ = _share_runs(plan, starts, stops, 1, 0)
+    positions, per_range, _, piece, row = _run_core(plan, len(starts), (step, part, pos, length))
+    return positions, per_range, piece, row
 
 
 def _share_runs(

@@ -107,8 +107,14 @@ def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.n
     index = np.arange(first, first + count, dtype=np.uint64)
     with np.errstate(over="ignore"):  # wrapping is the point: arithmetic modulo 2**64
         x = index * GOLDEN_STEP + phase(seed)
-    sources: np.ndarray = np.searchsorted(weights.thresholds(), x, side="right")
-    return sources.astype(np.int64)
+    thresholds = weights.thresholds()
+    if len(thresholds) > 8:
+        found: np.ndarray = np.searchsorted(thresholds, x, side="right")
+        return found.astype(np.int64)
+    sources = np.zeros(count, dtype=np.int64)
+    for threshold in thresholds.tolist():  # a few comparisons beat a binary search
+        sources += x >= np.uint64(threshold)
+    return sources
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ class MixCursor:
         sources = slot_sources(weights, seed, self.slot, count)
         names = weights.names
         # Each slot's offset: its source's count so far plus its rank among that source's slots.
-        order = np.argsort(sources, kind="stable")
+        order = np.argsort(_small(sources, len(names)), kind="stable")
         drawn = np.bincount(sources, minlength=len(names))
         first = np.cumsum(drawn) - drawn  # where each source's slots start in ``order``
         base = np.array([self.counts.get(n, 0) for n in names], dtype=np.int64)
@@ -193,6 +199,20 @@ class MixDraw:
             empty = sorted({self.names[k] for k in self.sources[sizes <= 0].tolist()})
             raise ValueError(f"mixture source(s) {empty} have no rows to draw from")
         return self.offsets // sizes, self.offsets % sizes
+
+
+def _small(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``keys`` (all below ``bound``) in the smallest unsigned type that holds them.
+
+    numpy sorts 8- and 16-bit keys stably by radix, in linear time.
+
+    >>> _small(np.array([3, 1]), 300).dtype
+    dtype('uint16')
+    """
+    for dtype in (np.uint8, np.uint16):
+        if bound <= np.iinfo(dtype).max + 1:
+            return keys.astype(dtype)
+    return keys
 
 
 def cursor_at(segments: Sequence[MixSegment], seed: int, slot: int) -> MixCursor:
@@ -317,7 +337,7 @@ def part_table(
     low = int(epoch.min()) if len(epoch) else 0
     span = int(epoch.max()) - low + 1 if len(epoch) else 1
     combined = (step * len(draw.names) + share.sources) * span + (epoch - low)
-    order = np.argsort(combined, kind="stable")
+    order = np.argsort(_small(combined, steps * len(draw.names) * span), kind="stable")
     ordered = combined[order]
     first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
     last = np.concatenate([first[1:], [len(order)]]) - 1

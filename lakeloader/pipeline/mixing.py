@@ -18,21 +18,23 @@ import tempfile
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
 from lakeloader.cache.arena import Arena
+from lakeloader.cache.decode import UnitRef
 from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import Screening
 from lakeloader.io.reader import UnitReader
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
-from lakeloader.order.batches import BatchSpec, range_specs
+from lakeloader.order.batches import range_rows, range_specs
 from lakeloader.order.mixture import MixCursor, MixWeights, part_table
 from lakeloader.order.plan import batch_runs, expand_runs
-from lakeloader.pipeline.builders import LocalBuilder
+from lakeloader.pipeline.builders import LocalBuilder, timed_out
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
@@ -96,12 +98,40 @@ class SourcePass:
 
 
 @dataclass(frozen=True)
+class _Part:
+    """A planned part of a step: one source epoch's positions ``[start, stop)``.
+
+    Attributes:
+        pair: (source, epoch).
+        start: First position in that epoch's order.
+        stop: One past the last.
+        positions: The pieces it reads.
+        dest: Where each of its rows (partition-major in its range) goes in the share.
+    """
+
+    pair: tuple[int, int]
+    start: int
+    stop: int
+    positions: np.ndarray
+    dest: np.ndarray
+
+
+@dataclass(frozen=True)
 class _Step:
-    """A planned step of the rank: its parts, the source of each row, the cursor after it."""
+    """A planned step of the rank.
+
+    Attributes:
+        sources: The source of each row.
+        parts: Its parts.
+        cursor: The mixture's cursor after it.
+        rows: The arena row of each row, when every column of every piece is packed into the
+            arena (else None).
+    """
 
     sources: np.ndarray
-    parts: tuple[tuple[tuple[int, int], BatchSpec, np.ndarray], ...]
+    parts: tuple[_Part, ...]
     cursor: MixCursor
+    rows: np.ndarray | None
 
 
 class MixtureIterator:
@@ -153,6 +183,8 @@ class MixtureIterator:
             self._arena = Arena(
                 self._dir, self._layout.record, min(budget, ARENA_START_ROWS), budget
             )
+        #: Every column packed into the arena: a step is one gather of rows planned ahead.
+        self._fast = self._arena is not None and len(self._layout.names) == len(self._schema)
         self._closed = False
         self._finalizer = weakref.finalize(
             self, close_safely, _close_passes, self._passes, self._arena, self._dir
@@ -188,30 +220,46 @@ class MixtureIterator:
             self._plan_chunk(min(PLAN_CHUNK, self.num_steps - self._next_plan))
 
     def _plan_chunk(self, count: int) -> None:
-        """Plan ``count`` steps: draw them, cut the rank's shares, ask each source for its parts."""
+        """Plan ``count`` steps: draw them, cut the rank's shares, ask each source for its parts.
+
+        Where every column is packed, each row's arena row is worked out here, for all the
+        steps at once, so that a step is then one gather.
+        """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
         draw, after = before.take(self._weights, self._mixture.seed, count * size)
         table = part_table(draw, self._rows, count, topo.world_size, topo.rank)
+        width = table.shares.shape[1]
         lengths = table.stop - table.start
         offsets = np.cumsum(lengths) - lengths  # of each part's rows in ``table.at``
         keys = table.source * (int(table.epoch.max()) + 1) + table.epoch
-        made: dict[int, tuple[tuple[int, int], BatchSpec, np.ndarray]] = {}
+        rows = np.full((count, width), -1, dtype=np.int64) if self._fast else None
+        made: dict[int, _Part] = {}
         for key in np.unique(keys).tolist():
             idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order
             pair = (int(table.source[idx[0]]), int(table.epoch[idx[0]]))
             source_pass = self._source_pass(pair)
-            plan = source_pass.spec.plan
-            specs = range_specs(
-                plan, self._next_plan + table.step[idx], table.start[idx], table.stop[idx]
-            )
+            plan, store = source_pass.spec.plan, source_pass.space.store
+            starts, stops = table.start[idx], table.stop[idx]
+            positions, per_part, piece, row = range_rows(plan, starts, stops)
+            _, first = np.unique(positions, return_index=True)  # each piece once, in step order
+            store.request(positions[np.sort(first)])
             at = table.at[expand_runs(offsets[idx], lengths[idx], 1)]
-            dests = _dests(at, table.start[idx], table.stop[idx], plan.num_partitions)
-            wanted = np.concatenate([s.positions for s in specs])
-            _, first = np.unique(wanted, return_index=True)  # each piece once, in step order
-            source_pass.space.store.request(wanted[np.sort(first)])
-            for i, spec, dest in zip(idx.tolist(), specs, dests, strict=True):
-                made[i] = pair, spec, dest
+            where = _dests(at, starts, stops, plan.num_partitions)
+            if rows is not None:
+                arena = store.arena_starts(positions)[piece] + row
+                rows.reshape(-1)[np.repeat(table.step[idx], lengths[idx]) * width + where] = arena
+            ends, cuts = np.cumsum(per_part).tolist(), np.cumsum(lengths[idx]).tolist()
+            for j, i in enumerate(idx.tolist()):
+                p0, r0 = (ends[j - 1], cuts[j - 1]) if j else (0, 0)
+                part = _Part(
+                    pair,
+                    int(starts[j]),
+                    int(stops[j]),
+                    positions[p0 : ends[j]],
+                    where[r0 : cuts[j]],
+                )
+                made[i] = part
         drawn = draw.sources.reshape(count, size)
         totals = np.stack([(drawn == k).sum(axis=1) for k in range(len(names))], axis=1)
         totals = np.cumsum(totals, axis=0) + [before.counts.get(n, 0) for n in names]
@@ -220,7 +268,8 @@ class MixtureIterator:
             counts = {**before.counts, **dict(zip(names, after_step, strict=True))}
             parts = tuple(made[i] for i in range(bounds[k], bounds[k + 1]))
             cursor = MixCursor(before.slot + (k + 1) * size, counts)
-            self._planned.append(_Step(sources, parts, cursor))
+            packed = rows[k] if rows is not None and (rows[k] >= 0).all() else None
+            self._planned.append(_Step(sources, parts, cursor, packed))
         self._planned_cursor = after
         self._next_plan += count
 
@@ -244,13 +293,29 @@ class MixtureIterator:
         return batch
 
     def _build(self, step: _Step) -> dict[str, Any]:
-        """The step's columns in slot order (packed rows at once, other columns by part)."""
+        """The step's columns in slot order: one gather when every column is packed."""
+        if step.rows is not None and self._arena is not None:
+            timeout, full, held = self._options.timeout or None, self._layout.names, []
+            for part in step.parts:
+                source_pass = self._passes[part.pair]
+                try:
+                    held += source_pass.space.store.get(part.positions, timeout)
+                except FutureTimeout:
+                    raise timed_out(source_pass.spec, self._next_deliver) from None
+            if all(isinstance(h, UnitRef) and (h.packed is full or h.packed == full) for h in held):
+                return gather_packed(self._arena.records, step.rows, self._layout, full)
+        return self._build_by_part(step)
+
+    def _build_by_part(self, step: _Step) -> dict[str, Any]:
+        """Each part screened; packed rows gathered at once, other columns part by part."""
         size = len(step.sources)
-        dests = [dest for _, _, dest in step.parts]
-        screens = [
-            (self._passes[key].builder, self._passes[key].builder.screened(spec))
-            for key, spec, _ in step.parts
-        ]
+        dests = [part.dest for part in step.parts]
+        screens = []
+        for part in step.parts:
+            source_pass = self._passes[part.pair]
+            bounds = np.array([part.start]), np.array([part.stop])
+            (spec,) = range_specs(source_pass.spec.plan, np.zeros(1, np.int64), *bounds)
+            screens.append((source_pass.builder, source_pass.builder.screened(spec)))
         columns: dict[str, Any] = {}
         done: tuple[str, ...] = ()
         if self._arena is not None and all(s.rows is not None for _, s in screens):
@@ -306,17 +371,18 @@ class MixtureIterator:
 
 def _dests(
     at: np.ndarray, starts: np.ndarray, stops: np.ndarray, num_partitions: int
-) -> list[np.ndarray]:
-    """Where each row a part's build gives (partition-major in its range) goes in its share.
+) -> np.ndarray:
+    """Where each row of each part (partition-major in its range) goes in its share.
 
-    ``at`` holds, part after part, where each position of the part's range goes.
+    ``at`` holds, part after part, where each position of the part's range goes; so does the
+    result, for the rows in the order a part's build gives them.
     """
     first, counts = batch_runs(starts, stops, num_partitions)
     slots = expand_runs(first.ravel(), counts.ravel(), num_partitions)
     lengths = stops - starts
     base = np.cumsum(lengths) - lengths
-    where = at[slots - np.repeat(starts - base, lengths)]
-    return np.split(where, np.cumsum(lengths)[:-1])
+    where: np.ndarray = at[slots - np.repeat(starts - base, lengths)]
+    return where
 
 
 def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
