@@ -123,7 +123,14 @@ class MixtureState:
             "epoch_start": self.epoch_start,
             "epoch_rows": self.epoch_rows,
             "sources": {
-                name: {"fingerprint": r.fingerprint, "config": r.config, "rows": r.rows}
+                name: {
+                    "fingerprint": r.fingerprint,
+                    "config": r.config,
+                    "rows": r.rows,
+                    # Derived from the count, for people reading a state: where it stands.
+                    "epoch": self.counts.get(name, 0) // r.rows,
+                    "position": self.counts.get(name, 0) % r.rows,
+                }
                 for name, r in self.sources.items()
             },
             "topology": dict(self.topology),
