@@ -13,6 +13,8 @@ from lakeloader.order.mixture import (
     MixSegment,
     MixWeights,
     cursor_at,
+    draw_parts,
+    part_table,
     rank_parts,
     rank_parts_many,
     slot_sources,
@@ -175,3 +177,35 @@ def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(
             share = range(rank * per_rank, (rank + 1) * per_rank)
             want = [(j - rank * per_rank, int(one.sources[j]), int(one.offsets[j])) for j in share]
             assert got == want
+
+
+@FAST
+@given(
+    weights=weight_maps,
+    seed=st.integers(0, 2**32),
+    start=st.integers(0, 10_000),
+    steps=st.integers(1, 6),
+    world=st.integers(1, 5),
+    per_rank=st.integers(1, 40),
+    rows=st.lists(st.integers(1, 60), min_size=6, max_size=6),
+)
+def test_drawing_and_cutting_at_once_equals_taking_then_cutting(
+    weights: dict[str, float],
+    seed: int,
+    start: int,
+    steps: int,
+    world: int,
+    per_rank: int,
+    rows: list[int],
+) -> None:
+    w = MixWeights.of(weights)
+    size = world * per_rank
+    cursor = MixCursor(start, {name: start % 97 for name in w.names})
+    draw, after = cursor.take(w, seed, steps * size)
+    for rank in range(world):
+        want = part_table(draw, rows, steps, world, rank)
+        got, got_after, totals = draw_parts(cursor, w, seed, steps, size, rows, world, rank)
+        for field in ("shares", "step", "source", "epoch", "start", "stop", "at"):
+            assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+        assert got_after == after
+        assert totals[-1].tolist() == [after.counts[n] for n in w.names]

@@ -28,7 +28,7 @@ from typing import Final
 
 import numpy as np
 
-from lakeloader.order.plan import _rng, rank_bounds
+from lakeloader.order.plan import _rng, expand_runs, rank_bounds
 
 #: ``2**64`` divided by the golden ratio, odd: the step of the sequence in fixed point.
 GOLDEN_STEP: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -375,3 +375,63 @@ def rank_parts_many(
     for k, source, epoch, start, stop, where in columns:
         out[k][1].append(MixPart(source, epoch, start, stop, where))
     return out
+
+
+def draw_parts(
+    cursor: MixCursor,
+    weights: MixWeights,
+    seed: int,
+    steps: int,
+    size: int,
+    rows: Sequence[int],
+    world_size: int,
+    rank: int,
+) -> tuple[PartTable, MixCursor, np.ndarray]:
+    """Draw ``steps`` global batches of ``size`` slots and cut a rank's shares into parts.
+
+    What :meth:`MixCursor.take` then :func:`part_table` give, without working out each
+    slot's offset and epoch: a part's range comes from its source's count before it (in
+    earlier steps, and in the step's slots before the rank's), and its rows, in slot order,
+    from one stable sort of the share's slots by (step, source).
+
+    Returns:
+        The parts; the cursor after the batches; and, after each step, each source's count
+        (``(steps, sources)``, in the order of ``weights.names``).
+    """
+    names, S = weights.names, len(weights.names)
+    drawn = slot_sources(weights, seed, cursor.slot, steps * size).reshape(steps, size)
+    lo, hi = rank_bounds(size, world_size, rank)
+    width = hi - lo
+    step_of = np.arange(steps, dtype=np.int64)[:, None] * S
+    full = np.bincount((step_of + drawn).ravel(), minlength=steps * S).reshape(steps, S)
+    before = np.array([cursor.counts.get(n, 0) for n in names], dtype=np.int64)
+    after_step = before + np.cumsum(full, axis=0)
+    ahead = np.bincount((step_of + drawn[:, :lo]).ravel(), minlength=steps * S).reshape(steps, S)
+    share = drawn[:, lo:hi]
+    mine = np.bincount((step_of + share).ravel(), minlength=steps * S).reshape(steps, S)
+    first = after_step - full + ahead  # each (step, source)'s first offset in the share
+    k, s = np.nonzero(mine)  # (step, source) pairs with rows, step-major as the sort below
+    start, count = first[k, s], mine[k, s]
+    n = np.asarray(rows, dtype=np.int64)[s]
+    if (n <= 0).any():
+        raise ValueError(f"mixture source(s) {sorted({names[i] for i in s[n <= 0]})} have no rows")
+    e0, e1 = start // n, (start + count - 1) // n
+    runs = e1 - e0 + 1  # epochs each (step, source) spans: one, or more at an epoch's end
+    part = np.repeat(np.arange(len(k)), runs)
+    epoch = expand_runs(e0, runs, 1)
+    lo_off = np.maximum(start[part], epoch * n[part])
+    hi_off = np.minimum((start + count)[part], (epoch + 1) * n[part])
+    keys = _small((step_of + share).ravel(), steps * S)
+    order = np.argsort(keys, kind="stable")
+    table = PartTable(
+        shares=share,
+        step=k[part],
+        source=s[part],
+        epoch=epoch,
+        start=lo_off - epoch * n[part],
+        stop=hi_off - epoch * n[part],
+        at=order % max(width, 1),
+    )
+    counts = dict(cursor.counts)
+    counts.update((name, int(c)) for name, c in zip(names, after_step[-1], strict=True))
+    return table, MixCursor(cursor.slot + steps * size, counts), after_step

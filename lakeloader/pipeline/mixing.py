@@ -32,7 +32,7 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import range_rows, range_specs
-from lakeloader.order.mixture import MixCursor, MixWeights, part_table
+from lakeloader.order.mixture import MixCursor, MixWeights, draw_parts
 from lakeloader.order.plan import batch_runs, expand_runs
 from lakeloader.pipeline.builders import LocalBuilder, timed_out
 from lakeloader.pipeline.cleanup import close_safely
@@ -62,6 +62,7 @@ class SourcePass:
         unit_dir: The loader's folder for decoded units.
         coordinator: The recovery coordinator.
         arena: The mixture pass's arena, which every source's units are packed into.
+        layout: How the sources' rows are packed (the same for all: they read the same columns).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class SourcePass:
         unit_dir: str,
         coordinator: RecoveryCoordinator,
         arena: Arena | None,
+        layout: RowLayout,
     ) -> None:
         ds = mixture.sources[mixture.names[source]]
         self.epoch = epoch
@@ -85,7 +87,7 @@ class SourcePass:
             options=dataclasses.replace(options, cache_bytes=budget),
             topology=Topology(1, 0, 0, options.batch_size),
             screening=Screening(ds.on_error, ds.validate, ds.lost),
-            layout=RowLayout.of(reader.schema),
+            layout=layout,
             recipe=BatchRecipe(lists=ds.list_format),
         )
         self.space = PassWorkspace(self.spec, reader, None, unit_dir, coordinator, arena)
@@ -202,6 +204,7 @@ class MixtureIterator:
                 self._unit_dir,
                 self._coordinator,
                 self._arena,
+                self._layout,
             )
         return self._passes[key]
 
@@ -227,8 +230,16 @@ class MixtureIterator:
         """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
-        draw, after = before.take(self._weights, self._mixture.seed, count * size)
-        table = part_table(draw, self._rows, count, topo.world_size, topo.rank)
+        table, after, totals = draw_parts(
+            before,
+            self._weights,
+            self._mixture.seed,
+            count,
+            size,
+            self._rows,
+            topo.world_size,
+            topo.rank,
+        )
         width = table.shares.shape[1]
         lengths = table.stop - table.start
         offsets = np.cumsum(lengths) - lengths  # of each part's rows in ``table.at``
@@ -250,25 +261,22 @@ class MixtureIterator:
                 arena = store.arena_starts(positions)[piece] + row
                 rows.reshape(-1)[np.repeat(table.step[idx], lengths[idx]) * width + where] = arena
             ends, cuts = np.cumsum(per_part).tolist(), np.cumsum(lengths[idx]).tolist()
-            for j, i in enumerate(idx.tolist()):
-                p0, r0 = (ends[j - 1], cuts[j - 1]) if j else (0, 0)
-                part = _Part(
-                    pair,
-                    int(starts[j]),
-                    int(stops[j]),
-                    positions[p0 : ends[j]],
-                    where[r0 : cuts[j]],
-                )
-                made[i] = part
-        drawn = draw.sources.reshape(count, size)
-        totals = np.stack([(drawn == k).sum(axis=1) for k in range(len(names))], axis=1)
-        totals = np.cumsum(totals, axis=0) + [before.counts.get(n, 0) for n in names]
+            p0 = r0 = 0
+            columns = zip(idx.tolist(), starts.tolist(), stops.tolist(), ends, cuts, strict=True)
+            for i, start, stop, p1, r1 in columns:
+                made[i] = _Part(pair, start, stop, positions[p0:p1], where[r0:r1])
+                p0, r0 = p1, r1
         bounds = np.searchsorted(table.step, np.arange(count + 1)).tolist()
+        whole: list[bool] = [False] * count
+        if rows is not None:
+            complete: np.ndarray = np.all(rows >= 0, axis=1)
+            whole = [bool(w) for w in complete.tolist()]
+        ordered = [made[i] for i in range(len(made))]
         for k, (sources, after_step) in enumerate(zip(table.shares, totals.tolist(), strict=True)):
             counts = {**before.counts, **dict(zip(names, after_step, strict=True))}
-            parts = tuple(made[i] for i in range(bounds[k], bounds[k + 1]))
             cursor = MixCursor(before.slot + (k + 1) * size, counts)
-            packed = rows[k] if rows is not None and (rows[k] >= 0).all() else None
+            packed = rows[k] if rows is not None and whole[k] else None
+            parts = tuple(ordered[bounds[k] : bounds[k + 1]])
             self._planned.append(_Step(sources, parts, cursor, packed))
         self._planned_cursor = after
         self._next_plan += count
