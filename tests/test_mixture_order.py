@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -129,31 +131,52 @@ def test_bad_weights_say_which(weights: dict[str, float], message: str) -> None:
         MixWeights.of(weights)
 
 
-@FAST
-@given(
-    weights=weight_maps,
-    seed=st.integers(0, 2**32),
-    start=st.integers(0, 10_000),
-    steps=st.integers(1, 6),
-    world=st.integers(1, 5),
-    per_rank=st.integers(1, 40),
-    rows=st.lists(st.integers(1, 60), min_size=6, max_size=6),
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive global batches of a mixture, drawn from a cursor, for a world of ranks."""
+
+    weights: MixWeights
+    seed: int
+    cursor: MixCursor
+    steps: int
+    world: int
+    per_rank: int
+    rows: list[int]
+
+    @property
+    def size(self) -> int:
+        return self.world * self.per_rank
+
+
+chunks = st.builds(
+    lambda weights, seed, start, steps, world, per_rank, rows: Chunk(
+        MixWeights.of(weights),
+        seed,
+        MixCursor(start, {name: start % 97 for name in weights}),
+        steps,
+        world,
+        per_rank,
+        rows,
+    ),
+    weight_maps,
+    st.integers(0, 2**32),
+    st.integers(0, 10_000),
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.integers(1, 40),
+    st.lists(st.integers(1, 60), min_size=6, max_size=6),
 )
-def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(
-    weights: dict[str, float],
-    seed: int,
-    start: int,
-    steps: int,
-    world: int,
-    per_rank: int,
-    rows: list[int],
-) -> None:
+
+
+@FAST
+@given(chunks)
+def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(c: Chunk) -> None:
     """Planning many steps at once gives each step's parts as planning it alone; the parts of
     a rank's share are its slots' rows, each once, and the ranks' shares are the batch."""
-    w = MixWeights.of(weights)
-    size = world * per_rank
-    cursor = MixCursor(start, {name: start % 97 for name in w.names})
-    draw, _ = cursor.take(w, seed, steps * size)
+    w, seed, steps, world, per_rank, rows, size = (
+        c.weights, c.seed, c.steps, c.world, c.per_rank, c.rows, c.size,
+    )  # fmt: skip
+    draw, _ = c.cursor.take(w, seed, steps * size)
     for rank in range(world):
         chunked = rank_parts_many(draw, rows, steps, world, rank)
         for k, (sources, parts) in enumerate(chunked):
@@ -180,31 +203,13 @@ def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(
 
 
 @FAST
-@given(
-    weights=weight_maps,
-    seed=st.integers(0, 2**32),
-    start=st.integers(0, 10_000),
-    steps=st.integers(1, 6),
-    world=st.integers(1, 5),
-    per_rank=st.integers(1, 40),
-    rows=st.lists(st.integers(1, 60), min_size=6, max_size=6),
-)
-def test_drawing_and_cutting_at_once_equals_taking_then_cutting(
-    weights: dict[str, float],
-    seed: int,
-    start: int,
-    steps: int,
-    world: int,
-    per_rank: int,
-    rows: list[int],
-) -> None:
-    w = MixWeights.of(weights)
-    size = world * per_rank
-    cursor = MixCursor(start, {name: start % 97 for name in w.names})
-    draw, after = cursor.take(w, seed, steps * size)
+@given(chunks)
+def test_drawing_and_cutting_at_once_equals_taking_then_cutting(c: Chunk) -> None:
+    w, seed, steps, world, rows, size = c.weights, c.seed, c.steps, c.world, c.rows, c.size
+    draw, after = c.cursor.take(w, seed, steps * size)
     for rank in range(world):
         want = part_table(draw, rows, steps, world, rank)
-        got, got_after, totals = draw_parts(cursor, w, seed, steps, size, rows, world, rank)
+        got, got_after, totals = draw_parts(c.cursor, w, seed, steps, size, rows, world, rank)
         for field in ("shares", "step", "source", "epoch", "start", "stop", "at"):
             assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
         assert got_after == after

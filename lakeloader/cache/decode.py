@@ -19,8 +19,10 @@ import logging
 import os
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -275,6 +277,8 @@ class LocalDecodes:
         threads: Units decoded at once.
         limit: Bytes held by the decodes under way at most (one always runs).
         records: The arena's rows, read at each decode (it may have grown), or None.
+        pool: Threads shared with other decodes (a mixture's sources), which this one neither
+            starts nor stops; None: ``threads`` of its own.
     """
 
     def __init__(
@@ -283,17 +287,23 @@ class LocalDecodes:
         threads: int,
         limit: int,
         records: Callable[[], np.ndarray | None],
+        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         self._decoder = decoder
         self._records = records
-        self._pool = ThreadPoolExecutor(
+        self._owns_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="lakeloader-io", initializer=main_thread_only
         )
+        self._futures: weakref.WeakSet[Future[Held]] = weakref.WeakSet()
         self._gate = _ByteGate(limit)
 
     def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
         """Queue ``job`` for a decoding thread, which waits for ``fetch`` if it is given."""
-        return self._pool.submit(self._run, job, nbytes, fetch)
+        future = self._pool.submit(self._run, job, nbytes, fetch)
+        if not self._owns_pool:
+            self._futures.add(future)
+        return future
 
     def _run(self, job: DecodeJob, nbytes: int, fetch: Pending | None) -> Held:
         if fetch is not None:
@@ -304,4 +314,9 @@ class LocalDecodes:
     def close(self, wait: bool) -> None:
         """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
         self._gate.close()
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+        if self._owns_pool:
+            self._pool.shutdown(wait=wait, cancel_futures=True)
+            return
+        running = [f for f in list(self._futures) if not f.cancel()]  # queued ones are dropped
+        if wait:
+            wait_futures(running)

@@ -18,6 +18,7 @@ import tempfile
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Final
@@ -40,6 +41,7 @@ from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
 from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, PassWorkspace
 from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.signals import main_thread_only
 from lakeloader.topology import Topology
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
@@ -63,6 +65,7 @@ class SourcePass:
         coordinator: The recovery coordinator.
         arena: The mixture pass's arena, which every source's units are packed into.
         layout: How the sources' rows are packed (the same for all: they read the same columns).
+        decode_pool: The mixture pass's decoding threads, shared by its sources.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class SourcePass:
         coordinator: RecoveryCoordinator,
         arena: Arena | None,
         layout: RowLayout,
+        decode_pool: ThreadPoolExecutor,
     ) -> None:
         ds = mixture.sources[mixture.names[source]]
         self.epoch = epoch
@@ -90,7 +94,9 @@ class SourcePass:
             layout=layout,
             recipe=BatchRecipe(lists=ds.list_format),
         )
-        self.space = PassWorkspace(self.spec, reader, None, unit_dir, coordinator, arena)
+        self.space = PassWorkspace(
+            self.spec, reader, None, unit_dir, coordinator, arena, decode_pool
+        )
         #: Screens its parts of a step and gathers the columns not in the arena.
         self.builder = LocalBuilder(self.spec, self.space, reader.schema)
 
@@ -185,11 +191,23 @@ class MixtureIterator:
             self._arena = Arena(
                 self._dir, self._layout.record, min(budget, ARENA_START_ROWS), budget
             )
+        #: The sources' decoding threads: ``io_threads`` in all, started once a pass.
+        self._decode_pool = ThreadPoolExecutor(
+            max_workers=options.io_threads,
+            thread_name_prefix="lakeloader-io",
+            initializer=main_thread_only,
+        )
         #: Every column packed into the arena: a step is one gather of rows planned ahead.
         self._fast = self._arena is not None and len(self._layout.names) == len(self._schema)
         self._closed = False
         self._finalizer = weakref.finalize(
-            self, close_safely, _close_passes, self._passes, self._arena, self._dir
+            self,
+            close_safely,
+            _close_passes,
+            self._passes,
+            self._arena,
+            self._dir,
+            self._decode_pool,
         )
 
     def _source_pass(self, key: tuple[int, int]) -> SourcePass:
@@ -205,6 +223,7 @@ class MixtureIterator:
                 self._coordinator,
                 self._arena,
                 self._layout,
+                self._decode_pool,
             )
         return self._passes[key]
 
@@ -374,7 +393,7 @@ class MixtureIterator:
             return
         self._closed = True
         self._finalizer.detach()
-        _close_passes(self._passes, self._arena, self._dir, wait)
+        _close_passes(self._passes, self._arena, self._dir, self._decode_pool, wait)
 
 
 def _dests(
@@ -405,12 +424,14 @@ def _close_passes(
     passes: dict[tuple[int, int], SourcePass],
     arena: Arena | None,
     folder: str,
+    pool: ThreadPoolExecutor,
     wait: bool = False,
 ) -> None:
-    """Close every source's pass, then the shared arena, and delete the mixture's folder."""
+    """Close every source's pass, their threads and arena; delete the mixture's folder."""
     for source_pass in passes.values():
         source_pass.close(wait)
     passes.clear()
+    pool.shutdown(wait=wait, cancel_futures=True)
     if arena is not None:
         arena.close()
     shutil.rmtree(folder, ignore_errors=True)

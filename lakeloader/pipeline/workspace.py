@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -108,6 +108,8 @@ class PassWorkspace:
         coordinator: Decides what a dead worker's work becomes.
         arena: An arena shared with other passes (a mixture's sources), which this one
             neither makes nor closes; None: its own, when it packs rows.
+        decode_pool: Threads that decode in this process, shared with other passes (a
+            mixture's sources); None: ``io_threads`` of its own.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class PassWorkspace:
         unit_dir: str,
         coordinator: RecoveryCoordinator,
         arena: Arena | None = None,
+        decode_pool: ThreadPoolExecutor | None = None,
     ) -> None:
         opts, layout = spec.options, spec.layout
         packs = layout is not None and bool(layout.names)
@@ -145,7 +148,9 @@ class PassWorkspace:
             self.remote = decodes = WorkerDecodes(dispatcher, self.generation, self.arena)
         else:
             decoder = UnitDecoder(reader, layout, spec.screening.on_error, spec.screening.validate)
-            decodes = LocalDecodes(decoder, opts.io_threads, opts.cache_bytes, self.records)
+            decodes = LocalDecodes(
+                decoder, opts.io_threads, opts.cache_bytes, self.records, decode_pool
+            )
         #: Whether the workers decode (else, with a pool, they build batches).
         self.workers_decode = self.remote is not None
         #: Fetches units ahead of their decode (None: a local lake, which pyarrow reads).
