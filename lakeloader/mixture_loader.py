@@ -42,6 +42,8 @@ class MixtureLoader(DataLoader):
         assert isinstance(dataset, Mixture)
         check_stream_options(self.options, "a Mixture")
         self.mixture = self.dataset = dataset
+        self._cursor: MixCursor | None = None
+        self._stored: MixtureState
         self._readers = [dataset.sources[n].reader() for n in dataset.names]
         first = WeightChange(0, dict(dataset.raw_weights))
         self._state = MixtureState(
@@ -56,6 +58,20 @@ class MixtureLoader(DataLoader):
             topology=self.topology.to_dict(),
         )
         self._res = LoaderResources(self)
+
+    @property
+    def _state(self) -> MixtureState:
+        """The position: the last state set, moved to the cursor of the last batch delivered."""
+        if self._cursor is not None:
+            cursor, self._cursor = self._cursor, None
+            self._stored = dataclasses.replace(
+                self._stored, slot=cursor.slot, counts=dict(cursor.counts)
+            )
+        return self._stored
+
+    @_state.setter
+    def _state(self, state: MixtureState) -> None:
+        self._stored, self._cursor = state, None
 
     def __len__(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
@@ -112,7 +128,7 @@ class MixtureLoader(DataLoader):
 
     def _delivered(self, cursor: MixCursor) -> None:
         """The only place the position moves: a batch was handed over."""
-        self._state = dataclasses.replace(self._state, slot=cursor.slot, counts=dict(cursor.counts))
+        self._cursor = cursor  # the state is made of it when asked for (not at every step)
 
     def state_dict(self) -> dict[str, Any]:
         """The mixture's position: plain types, O(sources)."""

@@ -20,8 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 
@@ -105,9 +104,10 @@ class SourcePass:
         self.space.close(wait)
 
 
-@dataclass(frozen=True)
-class _Part:
+class _Part(NamedTuple):
     """A planned part of a step: one source epoch's positions ``[start, stop)``.
+
+    (Tuples, not frozen dataclasses: thousands are made per pass.)
 
     Attributes:
         pair: (source, epoch).
@@ -124,8 +124,7 @@ class _Part:
     dest: np.ndarray
 
 
-@dataclass(frozen=True)
-class _Step:
+class _Step(NamedTuple):
     """A planned step of the rank.
 
     Attributes:
