@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,6 +24,14 @@ from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
+from lakeloader.lake.tables.delta import DeltaSource
+from lakeloader.lake.tables.iceberg import IcebergSource
+from lakeloader.lake.tables.options import (
+    delta_options,
+    from_iceberg_properties,
+    fsspec_options,
+    iceberg_properties,
+)
 from lakeloader.order.plan import (
     DEFAULT_MAX_UNIT_ROWS,
     DEFAULT_NUM_PARTITIONS,
@@ -210,6 +219,70 @@ class LakeDataset:
             snapshot.num_rows,
             snapshot.fingerprint,
         )
+
+    @classmethod
+    def from_delta(
+        cls,
+        uri: str | os.PathLike[str],
+        *,
+        version: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> LakeDataset:
+        """A Delta Lake table version (extra ``delta``): its files from the table's log.
+
+        Args:
+            uri: The table's folder (a local path or ``s3://``, ``gs://``... URL).
+            version: The table version; None takes the newest now. A checkpoint pins the
+                version it read, and a resume finishes that epoch on it even after the table
+                has moved on; later epochs run on the version this dataset was made with.
+            storage_options: fsspec options (as for any ``LakeDataset``), also handed to
+                ``deltalake`` in its own spelling (upper-case object_store keys pass as they
+                are).
+            **kwargs: Any other ``LakeDataset`` argument.
+
+        Raises:
+            LakeNotFoundError: If there is no Delta table at ``uri``, or not that version.
+        """
+        options = dict(storage_options or {})
+        found = DeltaSource(os.fspath(uri), version, tuple(sorted(delta_options(options).items())))
+        return cls(found, storage_options=fsspec_options(options), **kwargs)
+
+    @classmethod
+    def from_iceberg(
+        cls,
+        table: Any,
+        *,
+        snapshot_id: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> LakeDataset:
+        """An Iceberg table snapshot (extra ``iceberg``): its files from the table's manifests.
+
+        Args:
+            table: A pyiceberg ``Table``, or the location of a table's metadata file (read as
+                a static table).
+            snapshot_id: The snapshot; None takes the current one. Pinned by checkpoints like
+                a Delta version (see :meth:`from_delta`).
+            storage_options: fsspec options, also handed to pyiceberg as its ``s3.*``
+                properties; a ``Table``'s own FileIO properties serve when none are given.
+            **kwargs: Any other ``LakeDataset`` argument.
+
+        Raises:
+            LakeNotFoundError: If the metadata or the snapshot cannot be found.
+            LakeDataError: If the snapshot has equality deletes (refused, naming the table).
+        """
+        options = dict(storage_options or {})
+        properties = iceberg_properties(options)
+        if isinstance(table, str | os.PathLike):
+            location = os.fspath(table)
+        else:
+            location = str(table.metadata_location)
+            properties = {**{k: str(v) for k, v in table.io.properties.items()}, **properties}
+            if not fsspec_options(options):
+                options = from_iceberg_properties(properties)
+        found = IcebergSource(location, snapshot_id, tuple(sorted(properties.items())))
+        return cls(found, storage_options=fsspec_options(options), **kwargs)
 
     def _pin(self, snapshot: Snapshot) -> None:
         """Take ``snapshot`` as this dataset's files (only while the dataset is being made)."""

@@ -43,6 +43,8 @@ def describe_plan(
             "bytes": sum(f.size for f in snap.files),
             "fingerprint": snap.fingerprint,
             "partition_columns": [k for k, _ in snap.partition_types],
+            "table": None if snap.table is None else snap.table.describe(),
+            "deleted_rows": sum(len(f.deleted) for f in snap.files),
         },
         "schema": {f.name: str(f.type) for f in snap.schema},
         "config": cfg.to_dict(),

@@ -83,14 +83,32 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from lakeloader.cli.describe import describe_plan
+def _open_lake(args: argparse.Namespace, kind: str, **kwargs: Any) -> Any:
+    """The dataset of ``lakeloader plan``'s LAKE: a folder, a Delta or an Iceberg table."""
     from lakeloader.dataset import LakeDataset
 
-    ds = LakeDataset(
-        args.lake,
+    if kind == "delta":
+        return LakeDataset.from_delta(args.lake, version=args.table_version, **kwargs)
+    if kind == "iceberg":
+        return LakeDataset.from_iceberg(args.lake, snapshot_id=args.table_version, **kwargs)
+    return LakeDataset(args.lake, **kwargs)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from lakeloader.cli.describe import describe_plan
+    from lakeloader.lake.tables.detect import table_kind
+
+    options = _storage_options(args.storage_option)
+    kind = table_kind(args.lake, options) if args.table == "auto" else args.table
+    if args.table_version is not None and kind == "folder":
+        raise ValueError(
+            f"--table-version is for a Delta or Iceberg table; {args.lake} is a folder"
+        )
+    ds = _open_lake(
+        args,
+        kind,
         columns=args.columns.split(",") if args.columns else None,
-        storage_options=_storage_options(args.storage_option),
+        storage_options=options,
         seed=args.seed,
         shuffle=not args.no_shuffle,
         num_partitions=args.num_partitions,
@@ -113,6 +131,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 ("rows", lake["rows"]),
                 ("size", human_bytes(lake["bytes"])),
                 ("fingerprint", lake["fingerprint"]),
+                ("table", lake["table"] or "-"),
+                ("deleted rows (left out)", f"{lake['deleted_rows']:,}"),
                 ("partition columns", ", ".join(lake["partition_columns"]) or "-"),
             ]
         ),
@@ -239,7 +259,23 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  lakeloader plan s3://bucket/lake/ --world-size 8 --batch-size 64 "
         "--storage-option endpoint_url=http://127.0.0.1:9000",
     )
-    plan.add_argument("lake", help="folder, glob, file or URL of the lake")
+    plan.add_argument(
+        "lake",
+        help="folder, glob, file or URL of the lake; a Delta table's folder; an Iceberg "
+        "table's metadata/*.metadata.json",
+    )
+    plan.add_argument(
+        "--table",
+        choices=("auto", "folder", "delta", "iceberg"),
+        default="auto",
+        help="what LAKE is (auto: a folder with _delta_log/ is Delta, *.metadata.json Iceberg)",
+    )
+    plan.add_argument(
+        "--table-version",
+        type=_count(0),
+        default=None,
+        help="Delta version or Iceberg snapshot id (None: the newest)",
+    )
     plan.add_argument("--columns", help="comma-separated columns to read")
     plan.add_argument("--seed", type=int, default=0, help="seed of the order")
     plan.add_argument("--no-shuffle", action="store_true", help="path order")

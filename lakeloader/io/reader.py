@@ -219,33 +219,43 @@ class UnitReader:
 
         A whole row group is read at once (fastest); a row range of one is streamed
         (:func:`stream_rows`). Bytes fetched ahead are decoded from; without them (or when
-        their file is gone) the unit's column chunks are fetched here.
+        their file is gone) the unit's column chunks are fetched here. Rows a table version
+        deleted are dropped (the range counts the rows that remain), and renamed columns
+        are read by their name in the file.
         """
         meta = fetched.footer if fetched is not None else self._footer(info)
-        expected = info.row_group_rows[row_group]
+        expected = info.rows_in_file(row_group)
         found = meta.row_group(row_group).num_rows
         if found != expected:
             raise self._changed(info, row_group, found, "in its footer")
+        physical = [info.physical_name(c) for c in file_cols]
         if self._local:
             source: Any = info.path
-            ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
+            ranges = coalesce(chunk_ranges(meta, row_group, set(physical)))
             self.counters.add_local_read(sum(end - start for start, end in ranges))
         else:
             parts: Parts | None = fetched.parts() if fetched is not None else None
             if parts is None:
-                parts = self._fetch_parts(info, meta, row_group, file_cols)
+                parts = self._fetch_parts(info, meta, row_group, physical)
             source = SparseFile(info.size, parts, lambda a, b: self._fetch_range(info, a, b))
-        if row_start == 0 and num_rows == expected:
+        kept = info.kept(row_group)
+        if kept is not None or (row_start == 0 and num_rows == expected):
             table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
-                row_group, columns=file_cols
+                row_group, columns=physical
             )
             if table.num_rows != expected:
                 raise self._changed(info, row_group, table.num_rows, "read")
-            return table
-        kept, streamed = stream_rows(source, meta, row_group, row_start, num_rows, file_cols)
-        if streamed < row_start + num_rows:
-            raise self._changed(info, row_group, streamed, "in its stream")
-        return pa.Table.from_batches(kept)
+            if kept is not None:
+                table = table.filter(pa.array(kept)).slice(row_start, num_rows)
+        else:
+            batches, streamed = stream_rows(source, meta, row_group, row_start, num_rows, physical)
+            if streamed < row_start + num_rows:
+                raise self._changed(info, row_group, streamed, "in its stream")
+            table = pa.Table.from_batches(batches)
+        if info.renames:
+            names = dict(zip(physical, file_cols, strict=True))
+            table = table.rename_columns([names.get(n, n) for n in table.column_names])
+        return table
 
     def _fetch_parts(
         self, info: FileInfo, meta: pq.FileMetaData, row_group: int, file_cols: list[str]
@@ -279,7 +289,8 @@ class UnitReader:
         info = self.snapshot.files[file_index]
         try:
             meta = self._footer(info)
-            parts = self._fetch_parts(info, meta, row_group, self._file_columns(info))
+            physical = [info.physical_name(c) for c in self._file_columns(info)]
+            parts = self._fetch_parts(info, meta, row_group, physical)
         except Exception as exc:
             raise self._failure(info, row_group, exc) from exc
         starts = tuple(s for s, _ in parts)
@@ -301,7 +312,7 @@ class UnitReader:
         """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's."""
         return LakeDataError(
             f"{url_of(self.fs, info.path)}, row group {row_group}: {rows} rows {how} but "
-            f"the snapshot says {info.row_group_rows[row_group]}; the file changed after the "
+            f"the snapshot says {info.rows_in_file(row_group)}; the file changed after the "
             "snapshot was taken: rebuild the dataset"
         )
 

@@ -1,9 +1,16 @@
-"""One data file of a lake as a snapshot pins it: size, version, row groups, schema."""
+"""One data file of a lake as a snapshot pins it: size, version, row groups, schema.
+
+A file of a table version may have rows deleted (Delta deletion vectors, Iceberg position
+deletes) and columns renamed since it was written (Iceberg field ids, Delta column mapping):
+its :class:`FileInfo` then says which physical rows are gone and which name each column has in
+the file, and its row counts are those of the rows that remain.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 
@@ -16,10 +23,17 @@ class FileInfo:
         size: Size in bytes.
         version: A token that changes when the file is rewritten (GCS generation, else ETag,
             version id or modification time: see ``discovery.version_token``).
-        row_group_rows: Row count of every row group, in file order.
+        row_group_rows: Row count of every row group, in file order (rows that remain, when
+            rows are deleted).
         row_group_bytes: Uncompressed size of every row group, for memory estimates.
-        partitions: Hive partition values ``(key, value)`` from the file's folders.
-        schema: The file's own Arrow schema (without metadata); None for a zero-byte file.
+        partitions: Partition values ``(key, value)`` (from hive folders, or from a table's
+            metadata).
+        schema: The file's own Arrow schema (without metadata), with the table's names for
+            renamed columns; None for a zero-byte file.
+        deleted: Physical row positions in the file (sorted) that a table version deleted.
+        physical_rows: Row count of every row group in the file itself, when rows are
+            deleted (else empty: the same as ``row_group_rows``).
+        renames: ``(name, name in the file)`` of each column renamed since it was written.
     """
 
     path: str
@@ -29,8 +43,42 @@ class FileInfo:
     row_group_bytes: tuple[int, ...]
     partitions: tuple[tuple[str, str], ...]
     schema: pa.Schema | None
+    deleted: tuple[int, ...] = ()
+    physical_rows: tuple[int, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_rows(self) -> int:
         """Rows in the file."""
         return sum(self.row_group_rows)
+
+    def rows_in_file(self, row_group: int) -> int:
+        """Rows of a row group in the file itself, deleted ones included."""
+        return (self.physical_rows or self.row_group_rows)[row_group]
+
+    def physical_name(self, column: str) -> str:
+        """The name a column has in the file.
+
+        >>> FileInfo("f", 1, "v", (1,), (1,), (), None, renames=(("b", "a"),)).physical_name("b")
+        'a'
+        """
+        return dict(self.renames).get(column, column)
+
+    def kept(self, row_group: int) -> np.ndarray | None:
+        """Which rows of a row group remain (a boolean mask), or None when all do.
+
+        >>> f = FileInfo("f", 1, "v", (2, 2), (1, 1), (), None, (1, 3), (3, 3))
+        >>> f.kept(1).tolist()
+        [False, True, True]
+        """
+        if not self.deleted:
+            return None
+        rows = self.physical_rows or self.row_group_rows
+        first = sum(rows[:row_group])
+        gone = np.asarray(self.deleted, dtype=np.int64)
+        gone = gone[(gone >= first) & (gone < first + rows[row_group])] - first
+        if not len(gone):
+            return None
+        mask = np.ones(rows[row_group], dtype=bool)
+        mask[gone] = False
+        return mask

@@ -7,6 +7,7 @@ load: a manifest that does not hash to its own fingerprint is refused as corrupt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -15,10 +16,12 @@ import pyarrow as pa
 
 from lakeloader.errors import StateFormatError
 from lakeloader.lake.files import FileInfo
-from lakeloader.lake.snapshot import Snapshot, assemble_snapshot
+from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot
 
 MANIFEST_KIND: Final = "lakeloader.manifest"
-MANIFEST_VERSION: Final = 1
+MANIFEST_VERSION: Final = 2
+#: Versions read: 1 had no deleted rows, renames or table version.
+READABLE_VERSIONS: Final = (1, 2)
 
 
 def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
@@ -39,17 +42,19 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
             ref = index.setdefault(blob, len(schemas))
             if ref == len(schemas):
                 schemas.append(blob)
-        files.append(
-            [
-                f.path,
-                f.size,
-                f.version,
-                list(f.row_group_rows),
-                list(f.row_group_bytes),
-                [list(p) for p in f.partitions],
-                ref,
-            ]
-        )
+        entry = [
+            f.path,
+            f.size,
+            f.version,
+            list(f.row_group_rows),
+            list(f.row_group_bytes),
+            [list(p) for p in f.partitions],
+            ref,
+        ]
+        if f.deleted or f.renames:
+            entry += [list(f.deleted), list(f.physical_rows), [list(r) for r in f.renames]]
+        files.append(entry)
+    table = snapshot.table
     return {
         "kind": MANIFEST_KIND,
         "version": MANIFEST_VERSION,
@@ -57,6 +62,7 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
         "fingerprint": snapshot.fingerprint,
         "files": files,
         "schemas": schemas,
+        "table": None if table is None else dataclasses.asdict(table),
     }
 
 
@@ -68,28 +74,19 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
     """
     if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
         raise StateFormatError("not a lakeloader manifest")
-    if manifest.get("version") != MANIFEST_VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise StateFormatError(
             f"manifest version {manifest.get('version')!r} is not supported "
             f"(this lakeloader reads version {MANIFEST_VERSION})"
         )
     try:
         schemas = [pa.ipc.read_schema(pa.py_buffer(b)) for b in manifest["schemas"]]
-        infos = [
-            FileInfo(
-                path=str(path),
-                size=int(size),
-                version=str(version),
-                row_group_rows=tuple(int(r) for r in rows),
-                row_group_bytes=tuple(int(b) for b in nbytes),
-                partitions=tuple((str(k), str(v)) for k, v in parts),
-                schema=schemas[ref] if ref >= 0 else None,
-            )
-            for path, size, version, rows, nbytes, parts, ref in manifest["files"]
-        ]
+        infos = [_file_info(entry, schemas) for entry in manifest["files"]]
+        table = manifest.get("table")
+        version = None if table is None else TableVersion(**table)
     except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
         raise StateFormatError(f"malformed lakeloader manifest: {exc!r}") from exc
-    snapshot = assemble_snapshot(infos, columns)
+    snapshot = assemble_snapshot(infos, columns, version)
     recorded = manifest.get("fingerprint")
     if snapshot.fingerprint != recorded:
         raise StateFormatError(
@@ -97,6 +94,24 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
             f"{recorded!r}"
         )
     return snapshot
+
+
+def _file_info(entry: list[Any], schemas: list[pa.Schema]) -> FileInfo:
+    """A manifest's file entry as a :class:`FileInfo`."""
+    path, size, version, rows, nbytes, parts, ref, *selection = entry
+    deleted, physical, renames = selection or ([], [], [])
+    return FileInfo(
+        path=str(path),
+        size=int(size),
+        version=str(version),
+        row_group_rows=tuple(int(r) for r in rows),
+        row_group_bytes=tuple(int(b) for b in nbytes),
+        partitions=tuple((str(k), str(v)) for k, v in parts),
+        schema=schemas[ref] if ref >= 0 else None,
+        deleted=tuple(int(d) for d in deleted),
+        physical_rows=tuple(int(r) for r in physical),
+        renames=tuple((str(a), str(b)) for a, b in renames),
+    )
 
 
 def pack_manifest(snapshot: Snapshot, source: str | list[str]) -> bytes:

@@ -39,6 +39,31 @@ _INT_RE = re.compile(r"-?[0-9]+")
 
 
 @dataclass(frozen=True)
+class TableVersion:
+    """Which version of which table a snapshot is.
+
+    Attributes:
+        format: ``"delta"`` or ``"iceberg"``.
+        location: The table's URI (Delta) or metadata file (Iceberg) as given.
+        table_id: The table's own identity (Delta table id, Iceberg table UUID).
+        version: The Delta version or the Iceberg snapshot id.
+    """
+
+    format: str
+    location: str
+    table_id: str
+    version: int
+
+    def describe(self) -> str:
+        """``format table_id@version``, for messages and ``inspect``.
+
+        >>> TableVersion("delta", "s3://b/t", "1f2e", 3).describe()
+        'delta table s3://b/t (id 1f2e) at version 3'
+        """
+        return f"{self.format} table {self.location} (id {self.table_id}) at version {self.version}"
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """A lake pinned at one moment.
 
@@ -48,7 +73,9 @@ class Snapshot:
         partition_types: Arrow type of each hive partition column.
         column_names: Every column of every file, then the partition keys.
         fingerprint: Hash of the files (paths, sizes, versions, row counts per row group,
-            hive values, schemas); equal fingerprints mean the same data.
+            hive values, schemas, deleted rows, renames) and of the table version; equal
+            fingerprints mean the same data.
+        table: The table version the files are of (None for a folder).
     """
 
     files: tuple[FileInfo, ...]
@@ -56,6 +83,7 @@ class Snapshot:
     partition_types: tuple[tuple[str, pa.DataType], ...]
     column_names: tuple[str, ...]
     fingerprint: str
+    table: TableVersion | None = None
 
     @property
     def num_rows(self) -> int:
@@ -132,22 +160,27 @@ def _is_int64(text: str) -> bool:
     return bool(_INT_RE.fullmatch(text)) and -(2**63) <= int(text) < 2**63
 
 
-def fingerprint(files: Sequence[FileInfo]) -> str:
-    """Hash a snapshot's identity: paths, sizes, versions, row group rows, hive values, schemas."""
-    payload = [
-        SNAPSHOT_FORMAT_VERSION,
-        [
-            [
-                f.path,
-                f.size,
-                f.version,
-                list(f.row_group_rows),
-                list(f.partitions),
-                f.schema.to_string(show_schema_metadata=False) if f.schema is not None else "",
-            ]
-            for f in files
-        ],
-    ]
+def fingerprint(files: Sequence[FileInfo], table: TableVersion | None = None) -> str:
+    """Hash a snapshot's identity: paths, sizes, versions, row group rows, hive values, schemas.
+
+    Deleted rows, renames and the table version count where there are any.
+    """
+    entries = []
+    for f in files:
+        entry: list[Any] = [
+            f.path,
+            f.size,
+            f.version,
+            list(f.row_group_rows),
+            list(f.partitions),
+            f.schema.to_string(show_schema_metadata=False) if f.schema is not None else "",
+        ]
+        if f.deleted or f.renames:
+            entry += [list(f.deleted), list(f.physical_rows), [list(r) for r in f.renames]]
+        entries.append(entry)
+    payload: list[Any] = [SNAPSHOT_FORMAT_VERSION, entries]
+    if table is not None:
+        payload.append([table.format, table.table_id, table.version])
     return hashlib.sha256(msgpack.packb(payload)).hexdigest()[:32]
 
 
@@ -178,6 +211,23 @@ def build_snapshot(
         LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
         SchemaMismatchError: If the schemas cannot be unified.
     """
+    infos = read_file_infos(fs, found, max_threads, progress, retry, skip_unreadable)
+    return assemble_snapshot([i for i in infos if i is not None], columns)
+
+
+def read_file_infos(
+    fs: fsspec.AbstractFileSystem,
+    found: Sequence[DiscoveredFile],
+    max_threads: int = 32,
+    progress: bool | None = None,
+    retry: RetryPolicy | None = None,
+    skip_unreadable: bool = False,
+) -> list[FileInfo | None]:
+    """:func:`read_file_info` of every file, in parallel (None: left out, unreadable).
+
+    Raises:
+        LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
+    """
 
     def read(d: DiscoveredFile) -> FileInfo | None:
         try:
@@ -191,7 +241,7 @@ def build_snapshot(
     show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
     threads = max(1, min(max_threads, len(found)))
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
-        infos = list(
+        return list(
             tqdm(
                 pool.map(read, found),
                 total=len(found),
@@ -200,10 +250,13 @@ def build_snapshot(
                 disable=not show,
             )
         )
-    return assemble_snapshot([i for i in infos if i is not None], columns)
 
 
-def assemble_snapshot(infos: Sequence[FileInfo], columns: Sequence[str] | None) -> Snapshot:
+def assemble_snapshot(
+    infos: Sequence[FileInfo],
+    columns: Sequence[str] | None,
+    table: TableVersion | None = None,
+) -> Snapshot:
     """Freeze file infos into a snapshot: unified schema, hive columns, fingerprint.
 
     Raises:
@@ -221,7 +274,7 @@ def assemble_snapshot(infos: Sequence[FileInfo], columns: Sequence[str] | None) 
         if columns is None or key in columns:
             schema = schema.append(pa.field(key, typ))
     names = tuple(dict.fromkeys(file_names + [k for k, _ in ptypes]))
-    return Snapshot(tuple(infos), schema, ptypes, names, fingerprint(infos))
+    return Snapshot(tuple(infos), schema, ptypes, names, fingerprint(infos, table), table)
 
 
 def snapshot_lake(

@@ -98,7 +98,10 @@ class RecoveryCoordinator:
         saved = ckpt.state
         if saved.fingerprint == live.fingerprint:
             return _checked(saved, live)
-        diff = diff_snapshots(ckpt.snapshot, live.snapshot)
+        if live.snapshot.table is None:
+            diff = diff_snapshots(ckpt.snapshot, live.snapshot)
+        else:  # a table's old version keeps files that its newer versions no longer list
+            diff = check_files(live.fs, ckpt.snapshot.files)
         saved.check_matches(saved.fingerprint, live.config.to_dict())
         if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
             return Resumption(None, restart_epoch=saved.epoch)

@@ -1,0 +1,141 @@
+"""A table version's listing of data files, made into a snapshot (footers read in parallel)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.errors import LakeDataError, LakeNotFoundError
+from lakeloader.io.fetch import url_of
+from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.discovery import DiscoveredFile
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot, read_file_infos
+
+#: Field metadata key of a Parquet field id (written by Iceberg and Delta column mapping).
+FIELD_ID = b"PARQUET:field_id"
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """A data file as a table version lists it.
+
+    Attributes:
+        path: Filesystem path (no protocol).
+        rows: Rows the table's metadata says the file holds (deleted ones included).
+        partitions: Partition values ``(column, value)`` from the table's metadata.
+        deleted: Positions of the file's rows that the version deleted (sorted).
+    """
+
+    path: str
+    rows: int
+    partitions: tuple[tuple[str, str], ...] = ()
+    deleted: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TableColumns:
+    """The columns of a table version.
+
+    Attributes:
+        names: The data columns (partition columns that files do not hold excluded).
+        by_field_id: The name of each field id, when files are matched by field id (Iceberg,
+            Delta column mapping); None matches them by name.
+    """
+
+    names: tuple[str, ...]
+    by_field_id: Mapping[int, str] | None = None
+
+
+def table_snapshot(
+    fs: fsspec.AbstractFileSystem,
+    files: Sequence[TableFile],
+    table: TableColumns,
+    version: TableVersion,
+    *,
+    columns: Sequence[str] | None,
+    progress: bool | None,
+    retry: RetryPolicy,
+    skip_unreadable: bool,
+) -> Snapshot:
+    """Read the footers of a table version's files and pin them as a snapshot.
+
+    Raises:
+        LakeNotFoundError: If the version holds no data file.
+        LakeDataError: If a footer cannot be read, or a file's rows differ from the metadata.
+        SchemaMismatchError: If file schemas conflict.
+    """
+    if not files:
+        raise LakeNotFoundError(f"{version.describe()} holds no data file")
+    ordered = sorted(files, key=lambda f: f.path)
+    found = [DiscoveredFile(f.path, f.partitions) for f in ordered]
+    infos = read_file_infos(fs, found, progress=progress, retry=retry)
+    kept = []
+    for listed, info in zip(ordered, infos, strict=True):
+        if info is None:
+            continue
+        if info.num_rows != listed.rows:
+            error = LakeDataError(
+                f"{url_of(fs, listed.path)}: {info.num_rows} rows in its footer but "
+                f"{listed.rows} in the metadata of {version.describe()}; the file was replaced "
+                "or the table is corrupt: repair the table (or pass on_error='skip')"
+            )
+            if not skip_unreadable:
+                raise error
+            continue
+        kept.append(as_table_file(info, listed, table))
+    return assemble_snapshot(kept, columns, version)
+
+
+def as_table_file(info: FileInfo, listed: TableFile, table: TableColumns) -> FileInfo:
+    """A file's footer info with the table's names, columns and deleted rows applied.
+
+    Columns are matched by field id when the table gives them (a renamed column keeps its id)
+    and by name otherwise; columns the version no longer has are left out.
+
+    >>> f = pa.field("a", pa.int64(), metadata={FIELD_ID: b"1"})
+    >>> info = FileInfo("f", 1, "v", (2, 2), (8, 8), (), pa.schema([f]))
+    >>> out = as_table_file(info, TableFile("f", 4, deleted=(0,)), TableColumns(("b",), {1: "b"}))
+    >>> out.schema.names, out.renames, out.row_group_rows, out.physical_rows
+    (['b'], (('b', 'a'),), (1, 2), (2, 2))
+    """
+    renames: list[tuple[str, str]] = []
+    schema = info.schema
+    if schema is not None:
+        fields = []
+        for field in schema:
+            name = field.name
+            if table.by_field_id is not None and field.metadata and FIELD_ID in field.metadata:
+                name = table.by_field_id.get(int(field.metadata[FIELD_ID]), "")
+            if name not in table.names:
+                continue  # dropped since, or not the table's
+            if name != field.name:
+                renames.append((name, field.name))
+            fields.append(field.with_name(name).remove_metadata())
+        schema = pa.schema(fields)
+    partitions = tuple(
+        (k, v) for k, v in listed.partitions if schema is None or k not in schema.names
+    )
+    rows = info.row_group_rows
+    physical: tuple[int, ...] = ()
+    if listed.deleted:
+        first = np.cumsum(rows) - rows
+        gone = np.bincount(
+            np.searchsorted(first, np.asarray(listed.deleted), side="right") - 1,
+            minlength=len(rows),
+        )
+        physical, rows = rows, tuple(int(r) for r in np.asarray(rows) - gone)
+    return dataclasses.replace(
+        info,
+        schema=schema,
+        partitions=partitions,
+        row_group_rows=rows,
+        physical_rows=physical,
+        deleted=listed.deleted,
+        renames=tuple(renames),
+    )

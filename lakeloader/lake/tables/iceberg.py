@@ -1,0 +1,164 @@
+"""An Iceberg table snapshot as a source, through ``pyiceberg`` (extra ``iceberg``).
+
+The snapshot's scan plan gives its data files and row counts (from manifests, no listing);
+position delete files give the rows deleted from each file; files are matched to the
+snapshot's schema by field id, so renamed columns keep their data. Iceberg data files hold
+their partition columns themselves. Equality deletes cannot be applied row by row before
+reading, and are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+
+from lakeloader.errors import LakeDataError, LakeNotFoundError
+from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.snapshot import Snapshot, TableVersion
+from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
+
+logger = logging.getLogger(__name__)
+
+
+def open_table(location: str, properties: dict[str, str]) -> Any:
+    """The static table of a metadata file.
+
+    Raises:
+        ImportError: If ``pyiceberg`` is not installed, saying which extra installs it.
+        LakeNotFoundError: If the metadata file cannot be read.
+    """
+    try:
+        from pyiceberg.table import StaticTable
+    except ImportError as exc:
+        raise ImportError(
+            "reading Iceberg tables needs pyiceberg: pip install 'lakeloader[iceberg]'"
+        ) from exc
+    try:
+        return StaticTable.from_metadata(location, properties=properties)
+    except (OSError, ValueError) as exc:
+        raise LakeNotFoundError(
+            f"{location}: cannot read it as an Iceberg metadata file ({exc}); pass a "
+            "pyiceberg Table or the location of its metadata/*.metadata.json"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class IcebergSource:
+    """A snapshot of an Iceberg table (None: the current one when the dataset is made).
+
+    Attributes:
+        location: The table's metadata file.
+        snapshot_id: The snapshot to read.
+        properties: pyiceberg FileIO properties (endpoint, credentials).
+    """
+
+    location: str
+    snapshot_id: int | None = None
+    properties: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    def describe(self) -> str:
+        """The table's metadata file."""
+        return self.location
+
+    def filesystem(self, storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem of the table's files."""
+        fs: fsspec.AbstractFileSystem = url_to_fs(self.location, **storage_options)[0]
+        return fs
+
+    def snapshot(
+        self,
+        storage_options: dict[str, Any],
+        *,
+        columns: list[str] | None,
+        progress: bool | None,
+        retry: RetryPolicy,
+        skip_unreadable: bool,
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+        """Pin the snapshot: its scan plan, position deletes and schema; then the footers.
+
+        Raises:
+            LakeNotFoundError: If there is no such table or snapshot, or it holds no data.
+            LakeDataError: If the snapshot has equality deletes, or a footer cannot be read.
+        """
+        table = open_table(self.location, dict(self.properties))
+        snap = (
+            table.current_snapshot()
+            if self.snapshot_id is None
+            else table.snapshot_by_id(self.snapshot_id)
+        )
+        if snap is None:
+            known = [s.snapshot_id for s in table.snapshots()]
+            raise LakeNotFoundError(
+                f"{self.location}: no snapshot {self.snapshot_id} (the table has "
+                f"{known or 'no snapshots: nothing was written'})"
+            )
+        fs = self.filesystem(storage_options)
+        version = TableVersion(
+            "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
+        )
+        schema = table.schemas()[snap.schema_id]
+        names = TableColumns(
+            tuple(f.name for f in schema.fields), {f.field_id: f.name for f in schema.fields}
+        )
+        snapshot = table_snapshot(
+            fs,
+            _files(fs, table, snap.snapshot_id, self.location),
+            names,
+            version,
+            columns=columns,
+            progress=progress,
+            retry=retry,
+            skip_unreadable=skip_unreadable,
+        )
+        return fs, snapshot
+
+
+def _files(
+    fs: fsspec.AbstractFileSystem, table: Any, snapshot_id: int, where: str
+) -> list[TableFile]:
+    """The snapshot's data files with the rows their position deletes delete."""
+    try:
+        tasks = list(table.scan(snapshot_id=snapshot_id).plan_files())
+    except ValueError as exc:
+        if "equality delete" not in str(exc):
+            raise
+        raise LakeDataError(
+            f"{where}, snapshot {snapshot_id}: has equality delete files, which lakeloader "
+            "cannot apply to a file's rows before reading them; compact the table "
+            "(rewrite its data files) so that the deletes are applied, then read the new "
+            "snapshot"
+        ) from exc
+    positions: dict[str, set[int]] = defaultdict(set)
+    read: set[str] = set()
+    for task in tasks:
+        for delete in task.delete_files:
+            if delete.file_path not in read:
+                read.add(delete.file_path)
+                _read_positions(fs, delete.file_path, positions)
+    out = []
+    for task in tasks:
+        data = task.file
+        gone = tuple(sorted(positions.get(data.file_path, ())))
+        out.append(TableFile(fs._strip_protocol(data.file_path), int(data.record_count), (), gone))
+    if read:
+        logger.info(
+            "position deletes: %d files, %d rows", len(read), sum(map(len, positions.values()))
+        )
+    return out
+
+
+def _read_positions(fs: fsspec.AbstractFileSystem, path: str, out: dict[str, set[int]]) -> None:
+    """Add the ``(file_path, pos)`` rows of a position delete file to ``out``."""
+    with fs.open(fs._strip_protocol(path), "rb") as handle:
+        table = pq.read_table(handle, columns=["file_path", "pos"])
+    for name in pc.unique(table.column("file_path")).to_pylist():
+        rows = table.filter(pc.equal(table.column("file_path"), pa.scalar(name)))
+        out[name].update(rows.column("pos").to_pylist())

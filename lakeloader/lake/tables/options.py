@@ -1,0 +1,110 @@
+"""Storage options for the table libraries, from the fsspec ones every ``LakeDataset`` takes.
+
+``deltalake`` takes object_store keys (``AWS_ENDPOINT_URL``, ...), pyiceberg its own
+properties (``s3.endpoint``, ...), and lakeloader reads the data files through fsspec (s3fs
+keys: ``key``, ``secret``, ``endpoint_url`` or ``client_kwargs``). One dict of fsspec options
+serves all three. Keys already in a library's own spelling (upper-case object_store keys, or
+dotted pyiceberg properties) are passed to that library as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: The region given when none is: object_store and pyarrow otherwise ask AWS for it.
+DEFAULT_REGION = "us-east-1"
+
+
+def _s3_settings(options: Mapping[str, Any]) -> dict[str, str]:
+    """Endpoint, credentials and region from s3fs options (absent ones left out)."""
+    client = dict(options.get("client_kwargs") or {})
+    found = {
+        "endpoint": options.get("endpoint_url") or client.get("endpoint_url"),
+        "key": options.get("key") or client.get("aws_access_key_id"),
+        "secret": options.get("secret") or client.get("aws_secret_access_key"),
+        "token": options.get("token") or client.get("aws_session_token"),
+        "region": client.get("region_name") or options.get("region_name"),
+    }
+    return {k: str(v) for k, v in found.items() if v}
+
+
+def _own(options: Mapping[str, Any], upper: bool) -> dict[str, Any]:
+    """The keys already spelled for a table library: upper-case ones, or dotted ones."""
+    return {k: v for k, v in options.items() if (k.isupper() if upper else "." in k)}
+
+
+def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The fsspec options among ``options`` (those for a table library left out).
+
+    >>> fsspec_options({"key": "k", "AWS_REGION": "x", "s3.region": "x"})
+    {'key': 'k'}
+    """
+    return {k: v for k, v in options.items() if not k.isupper() and "." not in k}
+
+
+def delta_options(options: Mapping[str, Any]) -> dict[str, str]:
+    """object_store options for ``deltalake`` from fsspec (s3fs) options.
+
+    >>> delta_options({"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"})
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'AWS_ENDPOINT_URL': 'http://127.0.0.1:9', 'AWS_ACCESS_KEY_ID': 'k',
+     'AWS_SECRET_ACCESS_KEY': 's', 'AWS_REGION': 'us-east-1', 'AWS_ALLOW_HTTP': 'true'}
+    """
+    s3 = _s3_settings(options)
+    names = {
+        "endpoint": "AWS_ENDPOINT_URL",
+        "key": "AWS_ACCESS_KEY_ID",
+        "secret": "AWS_SECRET_ACCESS_KEY",
+        "token": "AWS_SESSION_TOKEN",
+        "region": "AWS_REGION",
+    }
+    out = {names[k]: v for k, v in s3.items()}
+    if s3:
+        out.setdefault("AWS_REGION", DEFAULT_REGION)
+    if s3.get("endpoint", "").startswith("http://"):
+        out["AWS_ALLOW_HTTP"] = "true"
+    out.update({k: str(v) for k, v in _own(options, upper=True).items()})
+    return out
+
+
+def iceberg_properties(options: Mapping[str, Any]) -> dict[str, str]:
+    """The FileIO properties of pyiceberg from fsspec (s3fs) options.
+
+    >>> iceberg_properties({"key": "k", "secret": "s"})
+    {'s3.access-key-id': 'k', 's3.secret-access-key': 's', 's3.region': 'us-east-1'}
+    """
+    s3 = _s3_settings(options)
+    names = {
+        "endpoint": "s3.endpoint",
+        "key": "s3.access-key-id",
+        "secret": "s3.secret-access-key",
+        "token": "s3.session-token",
+        "region": "s3.region",
+    }
+    out = {names[k]: v for k, v in s3.items()}
+    if s3:
+        out.setdefault("s3.region", DEFAULT_REGION)
+    out.update({k: str(v) for k, v in _own(options, upper=False).items()})
+    return out
+
+
+def from_iceberg_properties(properties: Mapping[str, str]) -> dict[str, Any]:
+    """s3fs options from pyiceberg's S3 properties (the endpoint and credentials).
+
+    >>> from_iceberg_properties({"s3.endpoint": "http://127.0.0.1:9", "s3.access-key-id": "k"})
+    {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
+    """
+    out: dict[str, Any] = {}
+    if "s3.access-key-id" in properties:
+        out["key"] = properties["s3.access-key-id"]
+    if "s3.secret-access-key" in properties:
+        out["secret"] = properties["s3.secret-access-key"]
+    client = {}
+    if "s3.endpoint" in properties:
+        client["endpoint_url"] = properties["s3.endpoint"]
+    if "s3.region" in properties:
+        client["region_name"] = properties["s3.region"]
+    if client:
+        out["client_kwargs"] = client
+    return out
