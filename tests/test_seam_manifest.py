@@ -118,7 +118,7 @@ def test_row_group_bytes_are_not_part_of_the_identity(snapshot: Snapshot) -> Non
         ({"files": []}, "not a lakeloader manifest"),
         ({"kind": "lakeloader.state", "version": 1}, "not a lakeloader manifest"),
         ({"kind": MANIFEST_KIND}, "manifest version None is not supported"),
-        ({"kind": MANIFEST_KIND, "version": 2}, "manifest version 2 is not supported"),
+        ({"kind": MANIFEST_KIND, "version": 3}, "manifest version 3 is not supported"),
         ({"kind": MANIFEST_KIND, "version": "1"}, "manifest version '1' is not supported"),
     ],
 )

@@ -69,6 +69,33 @@ def is_safe_widening(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
+def without_views(schema: pa.Schema) -> pa.Schema:
+    """The schema with ``string_view`` and ``binary_view`` as ``string`` and ``binary``.
+
+    Writers built on arrow-rs (delta-rs rewrites, Polars) may store view types in a file's Arrow
+    schema; the values are the same, and one lake must not hold a column in both spellings.
+
+    >>> views = pa.schema([("s", pa.string_view()), ("l", pa.list_(pa.binary_view()))])
+    >>> plain = without_views(views)
+    >>> [str(t) for t in plain.types]
+    ['string', 'list<item: binary>']
+    """
+    return pa.schema([f.with_type(_plain(f.type)) for f in schema], metadata=schema.metadata)
+
+
+def _plain(t: pa.DataType) -> pa.DataType:
+    if t == pa.string_view():
+        return pa.string()
+    if t == pa.binary_view():
+        return pa.binary()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = t.value_field.with_type(_plain(t.value_type))
+        return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_plain(f.type)) for f in t])
+    return t
+
+
 def _is_list(t: pa.DataType) -> bool:
     return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
 

@@ -26,7 +26,7 @@ from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
 from lakeloader.lake.files import FileInfo
-from lakeloader.lake.schema import unify_schemas
+from lakeloader.lake.schema import unify_schemas, without_views
 from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def read_file_info(
         return FileInfo(found.path, 0, version, (), (), found.partitions, None)
     meta = read_footer(fs, found.path, size, retry, version=version)
     try:
-        schema = meta.schema.to_arrow_schema().remove_metadata()
+        schema = without_views(meta.schema.to_arrow_schema().remove_metadata())
     except Exception as exc:
         raise LakeDataError(
             f"{url_of(fs, found.path)}: its Parquet schema has no Arrow equivalent "
