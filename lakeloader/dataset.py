@@ -17,21 +17,16 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from lakeloader.cache.arrays import is_ragged_type
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
+from lakeloader.lake.filtering import RowFilter, filter_snapshot, lake_schema
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
-from lakeloader.lake.tables.delta import DeltaSource
-from lakeloader.lake.tables.iceberg import IcebergSource
-from lakeloader.lake.tables.options import (
-    delta_options,
-    from_iceberg_properties,
-    fsspec_options,
-    iceberg_properties,
-)
+from lakeloader.lake.tables.sources import delta_source, iceberg_source
 from lakeloader.order.plan import (
     DEFAULT_MAX_UNIT_ROWS,
     DEFAULT_NUM_PARTITIONS,
@@ -63,6 +58,7 @@ class OrderConfig:
         window: Rows shuffled together inside a partition.
         max_unit_rows: Row groups above this many rows are split into row ranges.
         columns: Columns read, in order.
+        filter: The row filter's text (None: every row).
     """
 
     seed: int
@@ -71,11 +67,14 @@ class OrderConfig:
     window: int
     max_unit_rows: int
     columns: tuple[str, ...]
+    filter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (columns as a list)."""
+        """Plain types (columns as a list; no filter key without a filter)."""
         d = asdict(self)
         d["columns"] = list(self.columns)
+        if self.filter is None:
+            del d["filter"]  # the hashes of states taken before filters existed stay valid
         return d
 
 
@@ -118,6 +117,11 @@ class LakeDataset:
             or a reason rejects it (raised, or quarantined with ``on_error="skip"``).
         packing: A :class:`~lakeloader.Packing`: batches are fixed-length samples cut from the
             rows' token lists (see :mod:`lakeloader.order.packing`).
+        filter: A ``pyarrow.compute.Expression`` over partition and data columns: only the
+            rows where it is true are delivered. Row groups that partition values or
+            statistics rule out are never fetched; the others are counted once, reading the
+            filter's columns, when the dataset is made (see :mod:`lakeloader.lake.filtering`).
+            Part of the order configuration: a state taken under another filter is refused.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -156,6 +160,7 @@ class LakeDataset:
         on_error: OnError = "raise",
         validate: Validate | None = None,
         packing: Packing | None = None,
+        filter: pc.Expression | None = None,
     ) -> None:
         self.source: Source = as_source(source)
         #: Token lists packed into fixed-length samples (``DataLoader`` is then a
@@ -181,6 +186,9 @@ class LakeDataset:
         else:
             fs = self.source.filesystem(self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
+        #: The row filter, or None.
+        self.row_filter = None if filter is None else RowFilter.of(filter, lake_schema(snapshot))
+        snapshot = self._filtered(snapshot, progress)
         if not -(2**63) <= int(seed) < 2**64:
             raise ValueError(
                 f"seed must be an integer in [-2**63, 2**64) (it is kept in states and "
@@ -195,6 +203,7 @@ class LakeDataset:
             window=int(window),
             max_unit_rows=int(max_unit_rows),
             columns=tuple(columns if columns is not None else snapshot.schema.names),
+            filter=None if self.row_filter is None else self.row_filter.text,
         )
         if self.config.num_partitions < 1 or self.config.window < 1:
             raise ValueError(
@@ -244,9 +253,8 @@ class LakeDataset:
         Raises:
             LakeNotFoundError: If there is no Delta table at ``uri``, or not that version.
         """
-        options = dict(storage_options or {})
-        found = DeltaSource(os.fspath(uri), version, tuple(sorted(delta_options(options).items())))
-        return cls(found, storage_options=fsspec_options(options), **kwargs)
+        found, options = delta_source(uri, version, storage_options)
+        return cls(found, storage_options=options, **kwargs)
 
     @classmethod
     def from_iceberg(
@@ -272,17 +280,25 @@ class LakeDataset:
             LakeNotFoundError: If the metadata or the snapshot cannot be found.
             LakeDataError: If the snapshot has equality deletes (refused, naming the table).
         """
-        options = dict(storage_options or {})
-        properties = iceberg_properties(options)
-        if isinstance(table, str | os.PathLike):
-            location = os.fspath(table)
-        else:
-            location = str(table.metadata_location)
-            properties = {**{k: str(v) for k, v in table.io.properties.items()}, **properties}
-            if not fsspec_options(options):
-                options = from_iceberg_properties(properties)
-        found = IcebergSource(location, snapshot_id, tuple(sorted(properties.items())))
-        return cls(found, storage_options=fsspec_options(options), **kwargs)
+        found, options = iceberg_source(table, snapshot_id, storage_options)
+        return cls(found, storage_options=options, **kwargs)
+
+    def _filtered(self, snapshot: Snapshot, progress: bool | None) -> Snapshot:
+        """The snapshot with the filter's counts (made once; a manifest's has them).
+
+        Raises:
+            ValueError: If ``snapshot`` was filtered by another filter than this dataset's.
+        """
+        wanted = None if self.row_filter is None else self.row_filter.text
+        if snapshot.row_filter == wanted:
+            return snapshot
+        if snapshot.row_filter is not None:
+            raise ValueError(
+                f"the snapshot was filtered by {snapshot.row_filter}, this dataset by {wanted}: "
+                "pass the filter the checkpoint was taken with"
+            )
+        assert self.row_filter is not None
+        return filter_snapshot(self.fs, snapshot, self.row_filter, progress)
 
     def _pin(self, snapshot: Snapshot) -> None:
         """Take ``snapshot`` as this dataset's files (only while the dataset is being made)."""
@@ -387,7 +403,7 @@ class LakeDataset:
 
     def reader(self) -> UnitReader:
         """A fresh unit reader (with its own counters) for the selected columns."""
-        return UnitReader(self.fs, self.snapshot, self.config.columns, self.retry)
+        return UnitReader(self.fs, self.snapshot, self.config.columns, self.retry, self.row_filter)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

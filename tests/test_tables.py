@@ -307,3 +307,16 @@ def test_a_manifest_keeps_deleted_rows_renames_and_the_table_version(
     assert back == ds.snapshot
     assert any(f.deleted for f in back.files) and any(f.renames for f in back.files)
     assert back.table == ds.snapshot.table
+
+
+def test_filters_on_tables_apply_after_deletes_and_renames(
+    iceberg: tuple[SqlCatalog, int, Path], delta_uri: str
+) -> None:
+    import pyarrow.compute as pc
+
+    wanted = (pc.field("id") < 100) & (pc.field("name") != "s7")
+    ds = ll.LakeDataset.from_iceberg(iceberg[0].load_table("ns.t"), filter=wanted, **ORDER)
+    assert sorted(_ids(ds)) == sorted(set(range(100)) - {0, 5, 7})
+    on_partition = (pc.field("p") == 1) & (pc.field("id") > 100)
+    delta = ll.LakeDataset.from_delta(delta_uri, columns=["id"], filter=on_partition, **ORDER)
+    assert sorted(_ids(delta)) == [i for i in range(101, 450) if i % 3 == 1]

@@ -132,7 +132,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 ("size", human_bytes(lake["bytes"])),
                 ("fingerprint", lake["fingerprint"]),
                 ("table", lake["table"] or "-"),
-                ("deleted rows (left out)", f"{lake['deleted_rows']:,}"),
+                ("deleted rows", f"{lake['deleted_rows']:,}"),
                 ("partition columns", ", ".join(lake["partition_columns"]) or "-"),
             ]
         ),

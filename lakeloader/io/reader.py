@@ -11,7 +11,7 @@ import contextlib
 import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pyarrow as pa
@@ -24,6 +24,9 @@ from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.io.sparse import Fetched, Parts, SparseFile
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from lakeloader.lake.filtering import RowFilter
 
 #: Most rows decoded at once when a unit that is a row range of its row group is streamed.
 #: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient
@@ -171,6 +174,7 @@ class UnitReader:
         snapshot: The pinned snapshot.
         columns: Columns to return (file columns and partition columns), in this order.
         retry: Retry policy for transient storage failures.
+        row_filter: The dataset's filter (the snapshot's counts are its matching rows).
     """
 
     def __init__(
@@ -179,8 +183,10 @@ class UnitReader:
         snapshot: Snapshot,
         columns: Sequence[str],
         retry: RetryPolicy,
+        row_filter: RowFilter | None = None,
     ) -> None:
         self.fs = fs
+        self.row_filter = row_filter
         self.snapshot = snapshot
         self.columns = list(columns)
         self.schema = pa.schema([snapshot.schema.field(c) for c in self.columns])
@@ -190,7 +196,7 @@ class UnitReader:
 
     def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
         """The same reader over another filesystem object, with counters of its own."""
-        return UnitReader(fs, self.snapshot, self.columns, self.retry)
+        return UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -228,7 +234,14 @@ class UnitReader:
         found = meta.row_group(row_group).num_rows
         if found != expected:
             raise self._changed(info, row_group, found, "in its footer")
-        physical = [info.physical_name(c) for c in file_cols]
+        kept = info.kept(row_group)
+        live = expected if kept is None else int(kept.sum())
+        screen = self.row_filter if info.row_group_rows[row_group] != live else None
+        read_cols = file_cols
+        if screen is not None:  # the filter's own columns too
+            extra = [c for c in screen.columns if c not in file_cols and c in self._names(info)]
+            read_cols = file_cols + extra
+        physical = [info.physical_name(c) for c in read_cols]
         if self._local:
             source: Any = info.path
             ranges = coalesce(chunk_ranges(meta, row_group, set(physical)))
@@ -238,24 +251,40 @@ class UnitReader:
             if parts is None:
                 parts = self._fetch_parts(info, meta, row_group, physical)
             source = SparseFile(info.size, parts, lambda a, b: self._fetch_range(info, a, b))
-        kept = info.kept(row_group)
-        if kept is not None or (row_start == 0 and num_rows == expected):
+        if kept is not None or screen is not None or (row_start == 0 and num_rows == expected):
             table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
                 row_group, columns=physical
             )
             if table.num_rows != expected:
                 raise self._changed(info, row_group, table.num_rows, "read")
             if kept is not None:
-                table = table.filter(pa.array(kept)).slice(row_start, num_rows)
+                table = table.filter(pa.array(kept))
+            table = self._named(table, info, physical, read_cols)
+            if screen is not None:
+                table = screen.apply(table, info).select(file_cols)
+                if table.num_rows != info.row_group_rows[row_group]:
+                    raise self._changed(info, row_group, table.num_rows, "match the filter")
+            if kept is not None or screen is not None:
+                table = table.slice(row_start, num_rows)
+            return table
         else:
             batches, streamed = stream_rows(source, meta, row_group, row_start, num_rows, physical)
             if streamed < row_start + num_rows:
                 raise self._changed(info, row_group, streamed, "in its stream")
             table = pa.Table.from_batches(batches)
-        if info.renames:
-            names = dict(zip(physical, file_cols, strict=True))
-            table = table.rename_columns([names.get(n, n) for n in table.column_names])
-        return table
+        return self._named(table, info, physical, read_cols)
+
+    @staticmethod
+    def _named(table: pa.Table, info: FileInfo, physical: list[str], names: list[str]) -> pa.Table:
+        """The table with the dataset's names for the file's renamed columns."""
+        if not info.renames:
+            return table
+        logical = dict(zip(physical, names, strict=True))
+        return table.rename_columns([logical.get(n, n) for n in table.column_names])
+
+    @staticmethod
+    def _names(info: FileInfo) -> list[str]:
+        return [] if info.schema is None else info.schema.names
 
     def _fetch_parts(
         self, info: FileInfo, meta: pq.FileMetaData, row_group: int, file_cols: list[str]

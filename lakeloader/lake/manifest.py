@@ -51,7 +51,7 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
             [list(p) for p in f.partitions],
             ref,
         ]
-        if f.deleted or f.renames:
+        if f.deleted or f.renames or f.physical_rows:
             entry += [list(f.deleted), list(f.physical_rows), [list(r) for r in f.renames]]
         files.append(entry)
     table = snapshot.table
@@ -63,6 +63,7 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
         "files": files,
         "schemas": schemas,
         "table": None if table is None else dataclasses.asdict(table),
+        "row_filter": snapshot.row_filter,
     }
 
 
@@ -86,7 +87,9 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
         version = None if table is None else TableVersion(**table)
     except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
         raise StateFormatError(f"malformed lakeloader manifest: {exc!r}") from exc
-    snapshot = assemble_snapshot(infos, columns, version)
+    snapshot = dataclasses.replace(
+        assemble_snapshot(infos, columns, version), row_filter=manifest.get("row_filter")
+    )
     recorded = manifest.get("fingerprint")
     if snapshot.fingerprint != recorded:
         raise StateFormatError(

@@ -76,6 +76,8 @@ class Snapshot:
             hive values, schemas, deleted rows, renames) and of the table version; equal
             fingerprints mean the same data.
         table: The table version the files are of (None for a folder).
+        row_filter: The filter whose matching rows ``row_group_rows`` count (None: all rows;
+            see :mod:`lakeloader.lake.filtering`). Not in the fingerprint: the lake is the same.
     """
 
     files: tuple[FileInfo, ...]
@@ -84,6 +86,7 @@ class Snapshot:
     column_names: tuple[str, ...]
     fingerprint: str
     table: TableVersion | None = None
+    row_filter: str | None = None
 
     @property
     def num_rows(self) -> int:
@@ -163,7 +166,8 @@ def _is_int64(text: str) -> bool:
 def fingerprint(files: Sequence[FileInfo], table: TableVersion | None = None) -> str:
     """Hash a snapshot's identity: paths, sizes, versions, row group rows, hive values, schemas.
 
-    Deleted rows, renames and the table version count where there are any.
+    Deleted rows, renames and the table version count where there are any; the rows of a
+    file are those in it (a filter's counts of matching rows are not the lake's identity).
     """
     entries = []
     for f in files:
@@ -171,12 +175,12 @@ def fingerprint(files: Sequence[FileInfo], table: TableVersion | None = None) ->
             f.path,
             f.size,
             f.version,
-            list(f.row_group_rows),
+            list(f.physical_rows or f.row_group_rows),
             list(f.partitions),
             f.schema.to_string(show_schema_metadata=False) if f.schema is not None else "",
         ]
         if f.deleted or f.renames:
-            entry += [list(f.deleted), list(f.physical_rows), [list(r) for r in f.renames]]
+            entry += [list(f.deleted), [list(r) for r in f.renames]]
         entries.append(entry)
     payload: list[Any] = [SNAPSHOT_FORMAT_VERSION, entries]
     if table is not None:

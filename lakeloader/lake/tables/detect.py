@@ -13,12 +13,17 @@ def table_kind(url: str, storage_options: dict[str, Any]) -> TableKind:
     """What ``url`` names (one metadata request at most).
 
     ``"iceberg"`` for a ``*.metadata.json`` file, ``"delta"`` for a folder with a
-    ``_delta_log/``, else ``"folder"``.
+    ``_delta_log/``, else ``"folder"`` (also when the store cannot be asked: reading the URL
+    as a folder then reports why).
 
     >>> table_kind("warehouse/t/metadata/00002-ab.metadata.json", {})
     'iceberg'
     """
     if url.endswith(".metadata.json"):
         return "iceberg"
-    fs, path = url_to_fs(url, **storage_options)
-    return "delta" if fs.isdir(f"{path.rstrip('/')}/_delta_log") else "folder"
+    try:
+        fs, path = url_to_fs(url, **storage_options)
+        delta = fs.isdir(f"{path.rstrip('/')}/_delta_log")
+    except Exception:  # unreachable or refused: reading it as a folder says what went wrong
+        return "folder"
+    return "delta" if delta else "folder"

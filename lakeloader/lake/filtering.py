@@ -1,0 +1,242 @@
+"""Row filters: a pyarrow expression over partition and data columns, applied exactly.
+
+A filter is resolved when the dataset is made, row group by row group: one that the partition
+values or the footer's statistics rule out holds no row (it makes no unit and is never fetched);
+one that they prove to match in full keeps its rows; any other is counted by reading the
+filter's columns once. The counts are what the order plans over, so the order, the resume and
+the topology independence are those of a lake of exactly the matching rows. Reading a unit
+applies the filter again and checks the count (a file that changed is an error, as ever).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from lakeloader.io.fetch import is_local, url_of
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.snapshot import PROGRESS_MIN_FILES, Snapshot
+from lakeloader.signals import main_thread_only
+
+logger = logging.getLogger(__name__)
+
+#: Files resolved at once (statistics and counting reads are I/O bound).
+FILTER_THREADS = 16
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """A validated filter.
+
+    Attributes:
+        expression: The pyarrow expression.
+        fields: The columns it reads (data and partition columns, selected or not).
+        text: Its text, kept in the order configuration.
+    """
+
+    expression: pc.Expression
+    fields: pa.Schema
+    text: str
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The names of the columns it reads."""
+        return tuple(self.fields.names)
+
+    @classmethod
+    def of(cls, expression: Any, schema: pa.Schema) -> RowFilter:
+        """Check ``expression`` against the lake's columns (:func:`lake_schema`).
+
+        >>> f = RowFilter.of(pc.field("x") > 1, pa.schema([("x", pa.int64()), ("y", pa.int8())]))
+        >>> f.columns, f.text
+        (('x',), '(x > 1)')
+
+        Raises:
+            TypeError: If it is not a ``pyarrow.compute.Expression``.
+            ValueError: If it cannot be evaluated on the lake's columns (naming them).
+        """
+        if not isinstance(expression, pc.Expression):
+            raise TypeError(
+                "filter must be a pyarrow.compute.Expression such as pc.field('x') > 0, got "
+                f"{type(expression).__name__} {expression!r}"
+            )
+        error = _evaluation_error(expression, schema)
+        if error is not None:
+            raise ValueError(
+                f"filter {expression} cannot be evaluated on the lake's columns "
+                f"{schema.names}: {error}"
+            )
+        used = [
+            schema.field(i)
+            for i in range(len(schema))
+            if _evaluation_error(expression, schema.remove(i))
+        ]
+        return cls(expression, pa.schema(used), str(expression))
+
+    def apply(self, table: pa.Table, info: FileInfo) -> pa.Table:
+        """The rows of ``table`` (a piece of ``info``'s file) that match.
+
+        Columns the filter reads that ``table`` lacks come from the file's partition values,
+        or are nulls (a column the file does not have).
+        """
+        partitions = dict(info.partitions)
+        for name in self.columns:
+            if name in table.column_names:
+                continue
+            typ = self.fields.field(name).type
+            if name in partitions:
+                column = pa.repeat(pa.scalar(partitions[name]).cast(typ), table.num_rows)
+            else:
+                column = pa.nulls(table.num_rows, typ)
+            table = table.append_column(pa.field(name, typ), column)
+        return table.filter(self.expression)
+
+
+def _evaluation_error(expression: pc.Expression, schema: pa.Schema) -> str | None:
+    try:
+        schema.empty_table().filter(expression)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def lake_schema(snapshot: Snapshot) -> pa.Schema:
+    """Every column of the lake, selected or not: the files' own, then partition columns.
+
+    A column's type is the first file's that has it (a filter compares values, and the
+    selected columns' types were unified already).
+    """
+    fields: dict[str, pa.Field] = {}
+    for info in snapshot.files:
+        for field in info.schema or ():
+            fields.setdefault(field.name, field)
+    for key, typ in snapshot.partition_types:
+        fields.setdefault(key, pa.field(key, typ))
+    return pa.schema(list(fields.values()))
+
+
+def filter_snapshot(
+    fs: fsspec.AbstractFileSystem,
+    snapshot: Snapshot,
+    row_filter: RowFilter,
+    progress: bool | None = None,
+) -> Snapshot:
+    """The snapshot with each row group's count of matching rows (see the module docstring).
+
+    The fingerprint stays the lake's: the filter is part of the order configuration.
+    """
+    files = snapshot.files
+    show = len(files) >= PROGRESS_MIN_FILES if progress is None else progress
+    threads = max(1, min(FILTER_THREADS, len(files)))
+    with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
+        resolved = list(
+            tqdm(
+                pool.map(lambda f: _resolve(fs, f, snapshot, row_filter), files),
+                total=len(files),
+                desc="applying the filter",
+                unit="file",
+                disable=not show,
+            )
+        )
+    kept = sum(f.num_rows for f in resolved)
+    logger.info("filter %s keeps %d of %d rows", row_filter.text, kept, snapshot.num_rows)
+    return dataclasses.replace(snapshot, files=tuple(resolved), row_filter=row_filter.text)
+
+
+def _resolve(
+    fs: fsspec.AbstractFileSystem, info: FileInfo, snapshot: Snapshot, row_filter: RowFilter
+) -> FileInfo:
+    """A file with the matching rows of each of its row groups as its counts."""
+    if info.schema is None or not info.row_group_rows:
+        return info
+    maybe, whole = _by_statistics(fs, info, snapshot, row_filter)
+    counts = []
+    for rg, rows in enumerate(info.row_group_rows):
+        if rg not in maybe or rows == 0:
+            counts.append(0)
+        elif rg in whole:
+            counts.append(rows)
+        else:
+            counts.append(_count(fs, info, rg, row_filter))
+    return dataclasses.replace(
+        info,
+        row_group_rows=tuple(counts),
+        physical_rows=info.physical_rows or info.row_group_rows,
+    )
+
+
+def _by_statistics(
+    fs: fsspec.AbstractFileSystem, info: FileInfo, snapshot: Snapshot, row_filter: RowFilter
+) -> tuple[set[int], set[int]]:
+    """Row groups that may match, and those that match in full, by partitions and statistics.
+
+    A file with renamed columns is not judged by statistics (they carry the file's names).
+    """
+    every = set(range(len(info.row_group_rows)))
+    if info.renames:
+        return every, set()
+    types = dict(snapshot.partition_types)
+    partition = pc.scalar(True)
+    for key, value in info.partitions:
+        partition = partition & (pc.field(key) == pa.scalar(value).cast(types[key]))
+    filesystem = (
+        pafs.LocalFileSystem() if is_local(fs) else pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    )
+    fragment = pads.ParquetFileFormat().make_fragment(
+        info.path, filesystem=filesystem, partition_expression=partition
+    )
+    schema = row_filter.fields
+    try:
+        maybe = {rg.id for rg in fragment.subset(row_filter.expression, schema=schema).row_groups}
+        failing = {
+            rg.id for rg in fragment.subset(~row_filter.expression, schema=schema).row_groups
+        }
+    except (pa.ArrowException, OSError) as exc:
+        logger.warning("%s: statistics not used for the filter (%s)", url_of(fs, info.path), exc)
+        return every, set()
+    meta = fragment.metadata
+    data = [c for c in row_filter.columns if c in info.schema.names] if info.schema else []
+    whole = {rg for rg in maybe - failing if _no_nulls(meta, rg, data)}
+    return maybe, whole
+
+
+def _no_nulls(meta: pq.FileMetaData, rg: int, columns: list[str]) -> bool:
+    """Whether the statistics say these columns hold no null in the row group."""
+    group = meta.row_group(rg)
+    for i in range(group.num_columns):
+        chunk = group.column(i)
+        if chunk.path_in_schema.split(".")[0] not in columns:
+            continue
+        stats = chunk.statistics
+        if stats is None or not stats.has_null_count or stats.null_count != 0:
+            return False
+    return True
+
+
+def _count(fs: fsspec.AbstractFileSystem, info: FileInfo, rg: int, row_filter: RowFilter) -> int:
+    """Rows of a row group that match, from its filter columns (deleted rows left out)."""
+    names = [c for c in row_filter.columns if info.schema is not None and c in info.schema.names]
+    physical = [info.physical_name(c) for c in names]
+    opened = info.path if is_local(fs) else fs.open(info.path, "rb")
+    try:
+        table = pq.ParquetFile(opened).read_row_group(rg, columns=physical)
+    finally:
+        if not isinstance(opened, str):
+            opened.close()
+    kept = info.kept(rg)
+    if kept is not None:
+        table = table.filter(pa.array(kept))
+    logical = dict(zip(physical, names, strict=True))
+    table = table.rename_columns([logical[c] for c in table.column_names])
+    return int(row_filter.apply(table, info).num_rows)

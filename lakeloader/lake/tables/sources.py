@@ -1,0 +1,48 @@
+"""The sources of ``LakeDataset.from_delta`` and ``from_iceberg``, with their storage options."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lakeloader.lake.tables.delta import DeltaSource
+from lakeloader.lake.tables.iceberg import IcebergSource
+from lakeloader.lake.tables.options import (
+    delta_options,
+    from_iceberg_properties,
+    fsspec_options,
+    iceberg_properties,
+)
+
+
+def delta_source(
+    uri: str | os.PathLike[str], version: int | None, storage_options: dict[str, Any] | None
+) -> tuple[DeltaSource, dict[str, Any]]:
+    """A Delta table version's source, and the fsspec options that read its files.
+
+    >>> delta_source("t", 3, {"key": "k"})[1]
+    {'key': 'k'}
+    """
+    options = dict(storage_options or {})
+    found = DeltaSource(os.fspath(uri), version, tuple(sorted(delta_options(options).items())))
+    return found, fsspec_options(options)
+
+
+def iceberg_source(
+    table: Any, snapshot_id: int | None, storage_options: dict[str, Any] | None
+) -> tuple[IcebergSource, dict[str, Any]]:
+    """An Iceberg snapshot's source, and the fsspec options that read its files.
+
+    A ``Table``'s own FileIO properties serve when no storage options are given.
+    """
+    options = dict(storage_options or {})
+    properties = iceberg_properties(options)
+    if isinstance(table, str | os.PathLike):
+        location = os.fspath(table)
+    else:
+        location = str(table.metadata_location)
+        properties = {**{k: str(v) for k, v in table.io.properties.items()}, **properties}
+        if not fsspec_options(options):
+            options = from_iceberg_properties(properties)
+    found = IcebergSource(location, snapshot_id, tuple(sorted(properties.items())))
+    return found, fsspec_options(options)
