@@ -30,6 +30,8 @@ from lakeloader.errors import (
     StoreUnavailableError,
     WorkerError,
 )
+from lakeloader.follow import Follow
+from lakeloader.follow_loader import FollowLoader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader, PartitionWarning
 from lakeloader.mixture import Mixture
@@ -48,6 +50,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "CacheBudgetWarning",
     "Checkpoint",
+    "Follow",
+    "FollowLoader",
     "CheckpointError",
     "CheckpointManager",
     "LakeChangedError",

@@ -20,10 +20,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lakeloader.cache.arrays import is_ragged_type
+from lakeloader.follow import Follow
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
 from lakeloader.lake.filtering import RowFilter, filter_snapshot, lake_schema
+from lakeloader.lake.following import first_increment, next_increment
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
 from lakeloader.lake.tables.sources import delta_source, iceberg_source
@@ -122,6 +124,14 @@ class LakeDataset:
             statistics rule out are never fetched; the others are counted once, reading the
             filter's columns, when the dataset is made (see :mod:`lakeloader.lake.filtering`).
             Part of the order configuration: a state taken under another filter is refused.
+        follow: ``True`` or a :class:`~lakeloader.Follow`: an endless dataset of a growing
+            folder or Delta table, epoch ``k`` being the ``k``-th increment (what was appended
+            after the one before; :mod:`lakeloader.lake.increments`). Resume it with a
+            :class:`~lakeloader.CheckpointManager`, whose manifest pins the increment.
+        follow: ``True`` or a :class:`~lakeloader.Follow`: an endless dataset of a growing
+            folder or Delta table, epoch ``k`` being the ``k``-th increment (what was appended
+            after the one before; :mod:`lakeloader.lake.increments`). Resume it with a
+            :class:`~lakeloader.CheckpointManager`, whose manifest pins the increment.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -161,6 +171,7 @@ class LakeDataset:
         validate: Validate | None = None,
         packing: Packing | None = None,
         filter: pc.Expression | None = None,
+        follow: bool | Follow = False,
     ) -> None:
         self.source: Source = as_source(source)
         #: Token lists packed into fixed-length samples (``DataLoader`` is then a
@@ -175,14 +186,23 @@ class LakeDataset:
             raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
         self.on_error: OnError = on_error
         self.validate = validate
+        #: Follow mode's settings, or None.
+        self.follow = Follow.of(follow)
+        if self.follow is not None and packing is not None:
+            raise ValueError("follow= and packing= do not go together yet: pick one")
         if snapshot is None:
-            fs, snapshot = self.source.snapshot(
-                self.storage_options,
-                columns=None if columns is None else list(columns),
-                progress=progress,
-                retry=self.retry,
-                skip_unreadable=on_error == "skip",
-            )
+            kwargs: dict[str, Any] = {
+                "columns": None if columns is None else list(columns),
+                "progress": progress,
+                "retry": self.retry,
+                "skip_unreadable": on_error == "skip",
+            }
+            if self.follow is None:
+                fs, snapshot = self.source.snapshot(self.storage_options, **kwargs)
+            else:
+                fs, snapshot = first_increment(
+                    self.source, self.follow, self.storage_options, **kwargs
+                )
         else:
             fs = self.source.filesystem(self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
@@ -314,8 +334,10 @@ class LakeDataset:
 
     @property
     def loader_kind(self) -> str:
-        """Which loader streams it: ``"packed"`` with a packing, else ``"lake"``."""
-        return "packed" if self.packing is not None else "lake"
+        """Which loader streams it: ``"packed"``, ``"follow"`` (endless) or ``"lake"``."""
+        if self.packing is not None:
+            return "packed"
+        return "follow" if self.follow is not None else "lake"
 
     def __getitem__(self, index: object) -> None:
         """Refuse indexing: torch's own DataLoader would sample rows one by one.
@@ -397,6 +419,10 @@ class LakeDataset:
 
     def for_epoch(self, epoch: int) -> LakeDataset:
         """The dataset that epoch ``epoch`` runs on: this one, or its successor."""
+        if self._successor is None and self.follow is not None:
+            index = self.snapshot.increment.index if self.snapshot.increment else 0
+            if epoch > index:  # waits for the next increment (CaughtUpError if none comes)
+                self._successor = (index + 1, next_increment(self))
         if self._successor is not None and epoch >= self._successor[0]:
             return self._successor[1].for_epoch(epoch)
         return self

@@ -59,6 +59,9 @@ from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
 
+#: Loader kinds whose checkpoints are a lake's state and manifest (a followed lake's too).
+LAKE_KINDS = ("lake", "follow")
+
 
 class CheckpointManager:
     """Save and load loader positions under one URL, with ``keep`` checkpoints retained.
@@ -157,7 +160,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
-        if loader.dataset.loader_kind != "lake":  # a Mixture's or a packed loader
+        if loader.dataset.loader_kind not in LAKE_KINDS:  # a Mixture's or a packed loader
             self._save_kind(step, loader, extra, previous)
             return
         ds = loader.dataset
@@ -376,7 +379,8 @@ class CheckpointManager:
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
         saved = ckpt.kind if isinstance(ckpt, KindCheckpoint) else "lake"
-        check_same_kind(ckpt.path, saved, loader.dataset.loader_kind)
+        kind = loader.dataset.loader_kind
+        check_same_kind(ckpt.path, saved, "lake" if kind in LAKE_KINDS else kind)
         if isinstance(ckpt, KindCheckpoint):
             loader.load_state_dict(dict(ckpt.record.state))
         else:

@@ -127,6 +127,16 @@ def discover(
     storage_options: dict[str, Any] | None = None,
     retry: RetryPolicy | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, list[DiscoveredFile]]:
+    """List the data files of a lake (see :func:`discover_listed`)."""
+    fs, listed = discover_listed(source, storage_options, retry)
+    return fs, [d for d, _ in listed]
+
+
+def discover_listed(
+    source: Paths,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> tuple[fsspec.AbstractFileSystem, list[tuple[DiscoveredFile, dict[str, Any]]]]:
     """List the data files of a lake, sorted by path, with sizes and versions from the listing.
 
     Args:
@@ -136,7 +146,8 @@ def discover(
         retry: Retry policy for transient listing failures (None: the default policy).
 
     Returns:
-        The filesystem and the data files, sorted by path, without duplicates.
+        The filesystem and the data files, sorted by path, without duplicates, each with
+        its listing entry.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -149,18 +160,21 @@ def discover(
         raise LakeNotFoundError("the source is an empty list: name at least one Parquet file")
     fs, first = url_to_fs(items[0], **(storage_options or {}))
     fs.invalidate_cache()  # fsspec caches instances and listings: a snapshot must see the lake now
-    found: dict[str, DiscoveredFile] = {}
+    found: dict[str, tuple[DiscoveredFile, dict[str, Any]]] = {}
     for item in items:
         path = first if item is items[0] else url_to_fs(item, **(storage_options or {}))[1]
         root, listing = retry.call(functools.partial(_expand_one, fs, path), path)
         for p, info in listing.items():
             if _keep(p, root) and p not in found:
                 size = info.get("size")
-                found[p] = DiscoveredFile(
-                    p,
-                    hive_partitions(_relative_dir(p, root)),
-                    int(size) if size is not None else None,
-                    version_token(info) if version_token(info) != "none" else None,
+                found[p] = (
+                    DiscoveredFile(
+                        p,
+                        hive_partitions(_relative_dir(p, root)),
+                        int(size) if size is not None else None,
+                        version_token(info) if version_token(info) != "none" else None,
+                    ),
+                    info,
                 )
     if not found:
         raise LakeNotFoundError(

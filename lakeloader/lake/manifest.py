@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from lakeloader.errors import StateFormatError
 from lakeloader.lake.files import FileInfo
+from lakeloader.lake.increments import Increment, Mark
 from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot
 
 MANIFEST_KIND: Final = "lakeloader.manifest"
@@ -64,6 +65,13 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
         "schemas": schemas,
         "table": None if table is None else dataclasses.asdict(table),
         "row_filter": snapshot.row_filter,
+        "increment": None
+        if snapshot.increment is None
+        else [
+            snapshot.increment.index,
+            snapshot.increment.upto.position,
+            snapshot.increment.upto.path,
+        ],
     }
 
 
@@ -88,7 +96,9 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
     except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
         raise StateFormatError(f"malformed lakeloader manifest: {exc!r}") from exc
     snapshot = dataclasses.replace(
-        assemble_snapshot(infos, columns, version), row_filter=manifest.get("row_filter")
+        assemble_snapshot(infos, columns, version),
+        row_filter=manifest.get("row_filter"),
+        increment=_increment(manifest.get("increment")),
     )
     recorded = manifest.get("fingerprint")
     if snapshot.fingerprint != recorded:
@@ -97,6 +107,14 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
             f"{recorded!r}"
         )
     return snapshot
+
+
+def _increment(value: Any) -> Increment | None:
+    """A manifest's increment entry (``[index, position, path]``) as an :class:`Increment`."""
+    if value is None:
+        return None
+    index, position, path = value
+    return Increment(int(index), Mark(int(position), str(path)))
 
 
 def _file_info(entry: list[Any], schemas: list[pa.Schema]) -> FileInfo:

@@ -26,6 +26,7 @@ from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
 from lakeloader.lake.files import FileInfo
+from lakeloader.lake.increments import Increment
 from lakeloader.lake.schema import unify_schemas, without_views
 from lakeloader.signals import main_thread_only
 
@@ -78,6 +79,7 @@ class Snapshot:
         table: The table version the files are of (None for a folder).
         row_filter: The filter whose matching rows ``row_group_rows`` count (None: all rows;
             see :mod:`lakeloader.lake.filtering`). Not in the fingerprint: the lake is the same.
+        increment: Which increment of a followed lake it is (None: not following).
     """
 
     files: tuple[FileInfo, ...]
@@ -87,6 +89,7 @@ class Snapshot:
     fingerprint: str
     table: TableVersion | None = None
     row_filter: str | None = None
+    increment: Increment | None = None
 
     @property
     def num_rows(self) -> int:

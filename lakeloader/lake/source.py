@@ -10,6 +10,7 @@ rows never depends on where a snapshot came from, only on the snapshot itself.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -17,10 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec
 from fsspec.core import url_to_fs
 
+from lakeloader.errors import LakeNotFoundError
 from lakeloader.io.access import access_error, refused
+from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.discovery import Paths
-from lakeloader.lake.snapshot import Snapshot, snapshot_lake
+from lakeloader.lake.discovery import Paths, discover_listed
+from lakeloader.lake.increments import Increment, IncrementRequest, listed_ns, newer_files
+from lakeloader.lake.snapshot import Snapshot, build_snapshot, snapshot_lake
 
 #: What a source is described as in checkpoints: a URL, or a list of them.
 Described = str | list[str]
@@ -116,6 +120,65 @@ class FolderSource:
             if not refused(exc):
                 raise
             raise access_error(str(paths), exc) from exc
+
+    def increment(
+        self,
+        after: Increment | None,
+        request: IncrementRequest,
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
+        """The files listed with a modification time after ``after``'s mark (up to ``upto``).
+
+        A folder cannot tell a rewritten file from a new one (``on_rewrite`` does not apply):
+        files must be written once, under new names.
+
+        Raises:
+            LakeNotFoundError: If the first increment holds no data file, or the listing
+                gives no modification times.
+        """
+        paths = self.paths if isinstance(self.paths, str) else list(self.paths)
+        fs, listed = discover_listed(paths, request.storage_options, request.retry)
+        marked = []
+        for found, info in listed:
+            ns = listed_ns(info)
+            if ns is None:
+                raise LakeNotFoundError(
+                    f"{url_of(fs, found.path)}: the listing gives no modification time, which "
+                    "follow mode orders appended files by; follow a Delta table instead"
+                )
+            marked.append((found, ns))
+        files, last = newer_files(marked, None if after is None else after.upto, request.upto)
+        if last is None:
+            return None
+        snapshot = build_snapshot(
+            fs,
+            files,
+            progress=request.progress,
+            columns=request.columns,
+            retry=request.retry,
+            skip_unreadable=request.skip_unreadable,
+        )
+        index = 0 if after is None else after.index + 1
+        return fs, dataclasses.replace(snapshot, increment=Increment(index, last))
+
+
+@runtime_checkable
+class Growing(Protocol):
+    """A source that follow mode can take increments of (see :mod:`lakeloader.lake.increments`)."""
+
+    def increment(
+        self,
+        after: Increment | None,
+        request: IncrementRequest,
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
+        """The increment after ``after`` (None: the first), up to ``request.upto``.
+
+        Another rank's increment is taken again with its mark as ``upto``, so that every rank
+        has the same. Returns None when nothing new was appended.
+
+        Raises:
+            LakeNotFoundError: If the first increment holds no data file.
+            LakeChangedError: If data already taken in was rewritten (under ``"error"``).
+        """
 
 
 def as_source(source: Source | Paths) -> Source:

@@ -22,6 +22,7 @@ from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
+from lakeloader.errors import StateMismatchError
 from lakeloader.recovery.lake_changes import (
     LakeChangePolicy,
     LakeDiff,
@@ -96,6 +97,19 @@ class RecoveryCoordinator:
             StateMismatchError: If the order configuration differs.
         """
         saved = ckpt.state
+        if live.follow is not None:  # the increment pinned, later ones from its mark
+            saved.check_matches(saved.fingerprint, live.config.to_dict())
+            if ckpt.snapshot.increment is None:
+                raise StateMismatchError(
+                    f"{ckpt.path} was taken without follow=, and this dataset follows its lake: "
+                    "load it into a dataset made without follow="
+                )
+            pinned = live.pinned_to(ckpt.snapshot)
+            diff = check_files(live.fs, ckpt.snapshot.files)
+            if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
+                return Resumption(None, dataset=pinned, restart_epoch=saved.epoch)
+            pinned.lost = () if saved.at_epoch_end else tuple(lost_units(pinned.snapshot, diff))
+            return Resumption(saved, dataset=pinned)
         if saved.fingerprint == live.fingerprint:
             return _checked(saved, live)
         if live.snapshot.table is None:

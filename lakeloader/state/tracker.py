@@ -134,6 +134,10 @@ class ReaderStateTracker:
         self.epoch, self.position, self.rows_dropped, self._fresh = int(epoch), 0, 0, True
         return True
 
+    def epoch_over(self, num_rows: int) -> bool:
+        """Whether the epoch under way (of ``num_rows`` rows) has begun and is all delivered."""
+        return not self._fresh and self.position + self.rows_dropped >= num_rows
+
     def start_pass(self) -> int:
         """Begin a pass and return its epoch.
 

@@ -8,6 +8,7 @@ listed: only the files' footers are read.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import urllib.parse
 from dataclasses import dataclass, field
@@ -20,7 +21,9 @@ from fsspec.core import url_to_fs
 
 from lakeloader.errors import LakeNotFoundError
 from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.increments import Increment, IncrementRequest, Mark
 from lakeloader.lake.snapshot import Snapshot, TableVersion
+from lakeloader.lake.tables.delta_log import next_append
 from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
 
 logger = logging.getLogger(__name__)
@@ -113,6 +116,44 @@ class DeltaSource:
             skip_unreadable=skip_unreadable,
         )
         return fs, snapshot
+
+    def increment(
+        self,
+        after: Increment | None,
+        request: IncrementRequest,
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
+        """The first increment is the version; then what later commits appended.
+
+        Each commit that appends rows is an increment of its own (the next after ``after``'s
+        version, up to ``upto``'s), so every rank that looks at the log finds the same.
+
+        Raises:
+            LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.
+        """
+        upto = request.upto
+        kwargs: dict[str, Any] = {
+            "columns": request.columns,
+            "progress": request.progress,
+            "retry": request.retry,
+            "skip_unreadable": request.skip_unreadable,
+        }
+        if after is None:
+            source = self if upto is None else dataclasses.replace(self, version=upto.position)
+            fs, snapshot = source.snapshot(request.storage_options, **kwargs)
+            assert snapshot.table is not None
+            return fs, dataclasses.replace(
+                snapshot, increment=Increment(0, Mark(snapshot.table.version))
+            )
+        table = open_table(self.uri, None if upto is None else upto.position, dict(self.options))
+        fs = self.filesystem(request.storage_options)
+        root, newest = fs._strip_protocol(self.uri), int(table.version())
+        found = next_append(fs, root, after.upto.position, newest, request.on_rewrite)
+        if found is None:
+            return None
+        newest, files = found
+        version = TableVersion("delta", self.uri, str(table.metadata().id), newest)
+        snapshot = table_snapshot(fs, files, _columns(table), version, **kwargs)
+        return fs, dataclasses.replace(snapshot, increment=Increment(after.index + 1, Mark(newest)))
 
 
 def _columns(table: Any) -> TableColumns:

@@ -27,13 +27,14 @@ class TableFile:
 
     Attributes:
         path: Filesystem path (no protocol).
-        rows: Rows the table's metadata says the file holds (deleted ones included).
+        rows: Rows the table's metadata says the file holds (deleted ones included; None
+            when it does not say).
         partitions: Partition values ``(column, value)`` from the table's metadata.
         deleted: Positions of the file's rows that the version deleted (sorted).
     """
 
     path: str
-    rows: int
+    rows: int | None
     partitions: tuple[tuple[str, str], ...] = ()
     deleted: tuple[int, ...] = ()
 
@@ -79,7 +80,7 @@ def table_snapshot(
     for listed, info in zip(ordered, infos, strict=True):
         if info is None:
             continue
-        if info.num_rows != listed.rows:
+        if listed.rows is not None and info.num_rows != listed.rows:
             error = LakeDataError(
                 f"{url_of(fs, listed.path)}: {info.num_rows} rows in its footer but "
                 f"{listed.rows} in the metadata of {version.describe()}; the file was replaced "

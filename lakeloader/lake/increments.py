@@ -1,0 +1,114 @@
+"""Increments of a growing lake: what follow mode takes in, one epoch each.
+
+Increment 0 is the lake when the dataset is made; increment ``k + 1`` is what was appended
+after increment ``k``, found from increment ``k``'s mark alone (so the state stays small):
+
+- a folder: files listed with a modification time (and path) after the mark, the largest
+  of which is the next mark: files must be written once, under new names (a file rewritten
+  in place is taken as new), and appear whole (an upload, or a rename after writing);
+- a Delta table: the data files that the next commit appending rows added
+  (:mod:`lakeloader.lake.tables.delta_log`); its version is the next mark.
+
+In a job of several processes, rank 0 finds each increment and the others take the same,
+up to its mark (:mod:`lakeloader.lake.following`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lakeloader.follow import OnRewrite
+from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.discovery import DiscoveredFile
+
+
+@dataclass(frozen=True, order=True)
+class Mark:
+    """Where an increment ends: a time (ns) and path for a folder, a version for a table.
+
+    >>> Mark(5, "b") > Mark(5, "a") > Mark(4, "z")
+    True
+    """
+
+    position: int
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Increment:
+    """Which increment a snapshot is, and the mark it ends at.
+
+    Attributes:
+        index: The increment (the epoch it is delivered as).
+        upto: Its mark: the next increment is what comes after it.
+    """
+
+    index: int
+    upto: Mark
+
+
+@dataclass(frozen=True)
+class IncrementRequest:
+    """What a source is asked for an increment with.
+
+    Attributes:
+        storage_options: fsspec options.
+        columns: The columns read (None: all).
+        progress: Progress bar while reading footers (None: from 64 files on).
+        retry: Retry policy for transient storage failures.
+        skip_unreadable: Leave out files whose footer cannot be read.
+        on_rewrite: What a rewrite of data already taken in does (see ``Follow``).
+        upto: The last mark to take (another rank's increment); None: all there is now.
+    """
+
+    storage_options: dict[str, Any]
+    columns: list[str] | None
+    progress: bool | None
+    retry: RetryPolicy
+    skip_unreadable: bool
+    on_rewrite: OnRewrite
+    upto: Mark | None = None
+
+
+def listed_ns(info: dict[str, Any]) -> int | None:
+    """A listing entry's modification time in nanoseconds (local, S3 or GCS), or None.
+
+    >>> listed_ns({"mtime": 1.5}), listed_ns({"LastModified": dt.datetime(1970, 1, 1, 0, 0, 2,
+    ...     tzinfo=dt.timezone.utc)})
+    (1500000000, 2000000000)
+    """
+    for key in ("mtime", "LastModified", "updated", "last_modified"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        if isinstance(value, dt.datetime):
+            return int(value.timestamp() * 1e9)
+        return int(float(value) * 1e9)
+    return None
+
+
+def newer_files(
+    found: Sequence[tuple[DiscoveredFile, int]], after: Mark | None, upto: Mark | None = None
+) -> tuple[list[DiscoveredFile], Mark | None]:
+    """The files listed after ``after`` and up to ``upto``, by path, and their largest mark.
+
+    ``after`` None takes every file from the first on; ``upto`` None every file to the last.
+
+    >>> f = [(DiscoveredFile("a", ()), 10), (DiscoveredFile("b", ()), 20)]
+    >>> [d.path for d in newer_files(f, Mark(10, "a"))[0]], newer_files(f, None)[1]
+    (['b'], Mark(position=20, path='b'))
+    >>> newer_files(f, None, Mark(10, "a"))[1]
+    Mark(position=10, path='a')
+    """
+    marked = [(Mark(ns, d.path), d) for d, ns in found]
+    new = [
+        (m, d) for m, d in marked if (after is None or m > after) and (upto is None or m <= upto)
+    ]
+    if not new:
+        return [], None
+    return sorted((d for _, d in new), key=lambda d: d.path), max(m for m, _ in new)

@@ -1,0 +1,189 @@
+"""Follow mode: a growing folder or Delta table read increment by increment, exactly once.
+
+Files and table versions are appended while the loader runs; a training process is killed
+with SIGKILL part-way and resumed on another world size; compactions and deletes of data
+already delivered deliver nothing twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+import lakeloader as ll
+from tests.conftest import global_batches, make_loaders, wait_dead
+
+FAST = ll.Follow(poll_interval=0.02, timeout=0.2)
+ORDER: dict[str, Any] = {"seed": 2, "num_partitions": 4, "window": 16}
+
+
+def _append(root: Path, first: int, rows: int, name: str | None = None) -> None:
+    """A new file of ids ``first ..`` written whole (renamed into place), newest mtime."""
+    ids = np.arange(first, first + rows, dtype=np.int64)
+    path = root / (name or f"part-{first:06d}.parquet")
+    tmp = root / f".{path.name}.tmp"
+    pq.write_table(pa.table({"id": ids, "x": ids * 2.0}), tmp, row_group_size=20)
+    os.replace(tmp, path)
+    stamp = time.time() + first * 1e-3  # distinct and increasing, whatever the clock's grain
+    os.utime(path, (stamp, stamp))
+
+
+def _ids(loader: ll.DataLoader) -> list[int]:
+    return [i for b in loader for i in b["id"].tolist()]
+
+
+def test_a_folder_is_followed_increment_by_increment(tmp_path: Path) -> None:
+    _append(tmp_path, 0, 100)
+    _append(tmp_path, 100, 60)
+    loader = ll.DataLoader(ll.LakeDataset(tmp_path, follow=FAST, **ORDER), batch_size=16)
+    with pytest.raises(TypeError, match="endless"):
+        len(loader)
+    assert sorted(_ids(loader)) == list(range(160)), "increment 0, then caught up"
+    assert _ids(loader) == [], "nothing new"
+    _append(tmp_path, 160, 50)
+    assert sorted(_ids(loader)) == list(range(160, 210)), "only what was appended"
+    assert loader.epoch == 1 and loader.dataset.snapshot.increment is not None
+    loader.close()
+
+
+def test_files_appended_while_the_loader_waits_are_taken_in(tmp_path: Path) -> None:
+    _append(tmp_path, 0, 40)
+    follow = ll.Follow(poll_interval=0.02, timeout=3)
+    loader = ll.DataLoader(ll.LakeDataset(tmp_path, follow=follow, **ORDER), batch_size=8)
+
+    def writer() -> None:
+        for k in range(1, 4):
+            time.sleep(0.3)
+            _append(tmp_path, 40 * k, 40)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    seen = []
+    for batch in loader:
+        seen += batch["id"].tolist()
+        if len(seen) >= 160:
+            break
+    thread.join()
+    loader.close()
+    assert sorted(seen) == list(range(160))
+
+
+def test_a_sigkill_and_a_resume_on_two_ranks_deliver_every_appended_row_once(
+    tmp_path: Path,
+) -> None:
+    lake, ckpt, log = tmp_path / "lake", tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    lake.mkdir()
+    _append(lake, 0, 120)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.follow_child", str(lake), str(ckpt), str(log)],
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not log.exists() or len(log.read_text().splitlines()) < 15:
+            assert time.monotonic() < deadline and child.poll() is None, "the child stalled"
+            time.sleep(0.05)
+        _append(lake, 120, 80)  # while it trains
+        while len(log.read_text().splitlines()) < 22:
+            assert time.monotonic() < deadline and child.poll() is None, "the child stalled"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        wait_dead(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    manager = ll.CheckpointManager(str(ckpt))
+    saved = manager.latest()
+    assert saved is not None and saved >= 20, "a checkpoint inside the second increment"
+    committed = [i for s in steps if s["step"] <= saved for i in s["ids"]]
+    assert len(steps) > saved, "steps after the checkpoint were lost with the process"
+    _append(lake, 200, 70)  # after the crash, before the resume
+    loaders = make_loaders(
+        ll.LakeDataset(
+            lake, follow=ll.Follow(poll_interval=0.02, timeout=0.5), seed=1, num_partitions=4
+        ),
+        2,
+        batch_size=4,
+    )
+    for loader in loaders:
+        manager.load(loader)
+    rest = [i for b in global_batches(loaders) for i in b]
+    for loader in loaders:
+        loader.close()
+    assert sorted(committed + rest) == list(range(270)), "every appended row exactly once"
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> str:
+    uri = str(tmp_path / "table")
+    ids = np.arange(100, dtype=np.int64)
+    write_deltalake(uri, pa.table({"id": ids, "p": ids % 2}), partition_by=["p"])
+    return uri
+
+
+def _delta_append(uri: str, first: int, rows: int) -> None:
+    ids = np.arange(first, first + rows, dtype=np.int64)
+    write_deltalake(uri, pa.table({"id": ids, "p": ids % 2}), mode="append")
+
+
+def test_a_delta_table_is_followed_and_compaction_delivers_nothing_twice(
+    table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    loader = ll.DataLoader(ll.LakeDataset.from_delta(table, follow=FAST, **ORDER), batch_size=10)
+    assert sorted(_ids(loader)) == list(range(100))
+    _delta_append(table, 100, 30)
+    _delta_append(table, 130, 30)
+    assert sorted(_ids(loader)) == list(range(100, 160)), "two versions: two increments"
+    assert loader.epoch == 2
+    DeltaTable(table).optimize.compact()
+    assert _ids(loader) == [], "a compaction appends nothing"
+    _delta_append(table, 160, 20)
+    DeltaTable(table).delete("id < 10")
+    with caplog.at_level("WARNING", logger="lakeloader"):
+        assert sorted(_ids(loader)) == list(range(160, 180)), "the delete's rewrite left out"
+    assert "(DELETE) rewrites data: left out" in caplog.text
+    loader.close()
+
+
+def test_a_rewrite_is_refused_under_on_rewrite_error(table: str) -> None:
+    follow = ll.Follow(poll_interval=0.02, timeout=0.2, on_rewrite="error")
+    loader = ll.DataLoader(ll.LakeDataset.from_delta(table, follow=follow), batch_size=10)
+    assert len(_ids(loader)) == 100
+    DeltaTable(table).delete("id < 10")
+    with pytest.raises(ll.LakeChangedError, match=r"version 1 \(DELETE\) rewrites data"):
+        _ids(loader)
+    loader.close()
+
+
+def test_a_followed_delta_table_resumes_on_another_world_size(table: str, tmp_path: Path) -> None:
+    _delta_append(table, 100, 60)
+    ds = ll.LakeDataset.from_delta(table, follow=FAST, **ORDER)
+    loaders = make_loaders(ds, 2, batch_size=4)
+    seen = [i for b in itertools.islice(global_batches(loaders), 6) for i in b]
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    manager.save(6, loaders[0])
+    for loader in loaders:
+        loader.close()
+    _delta_append(table, 160, 40)
+    loaders = make_loaders(ll.LakeDataset.from_delta(table, follow=FAST, **ORDER), 3, batch_size=4)
+    for loader in loaders:
+        manager.load(loader)
+    rest = [i for b in global_batches(loaders) for i in b]
+    for loader in loaders:
+        loader.close()
+    assert sorted(seen + rest) == list(range(200))
