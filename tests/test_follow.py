@@ -187,3 +187,74 @@ def test_a_followed_delta_table_resumes_on_another_world_size(table: str, tmp_pa
     for loader in loaders:
         loader.close()
     assert sorted(seen + rest) == list(range(200))
+
+
+def test_inspect_shows_the_increment_and_the_lag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lakeloader.cli.main import main as cli_main
+
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    _append(lake, 0, 40)
+    loader = ll.DataLoader(ll.LakeDataset(lake, follow=FAST, **ORDER), batch_size=8)
+    assert len(_ids(loader)) == 40
+    _append(lake, 40, 24)
+    batches = iter(loader)
+    next(batches)  # one step into increment 1
+    ll.CheckpointManager(str(tmp_path / "ckpt")).save(6, loader)
+    loader.close()
+    _append(lake, 64, 30)
+    _append(lake, 94, 6)
+    assert cli_main(["inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "increment" in out and "1 (1 consumed before it)" in out
+    assert "2 files, 36 rows in 1 increments appended after this one" in out
+    assert cli_main(["inspect", str(tmp_path / "ckpt"), "--json", "--no-lag"]) == 0
+    details = json.loads(capsys.readouterr().out)["lake_details"]
+    assert details["increment"]["index"] == 1 and details["increment"]["lag"] is None
+
+
+def test_ranks_under_torchrun_take_the_same_increments(tmp_path: Path) -> None:
+    lake, logs = tmp_path / "lake", tmp_path / "logs"
+    lake.mkdir()
+    logs.mkdir()
+    _append(lake, 0, 48)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--local-addr=127.0.0.1",
+        "--nproc-per-node=2",
+        str(Path(__file__).with_name("follow_ranks.py")),
+        str(lake),
+        str(logs),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    run = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while not (logs / "rank1.jsonl").exists() or not (logs / "rank1.jsonl").read_text():
+            assert time.monotonic() < deadline and run.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        first = 48
+        for k in range(1, 5):  # files land while the ranks train and wait
+            time.sleep(0.4)
+            _append(lake, first, 24 + 8 * k)
+            first += 24 + 8 * k
+        output, _ = run.communicate(timeout=120)
+    finally:
+        run.kill()
+        run.wait()
+    assert run.returncode == 0, output.decode(errors="replace")[-3000:]
+    records = {
+        r: [json.loads(x) for x in (logs / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    }
+    assert len(records[0]) == len(records[1]), "the ranks took the same steps"
+    every = [i for r in (0, 1) for rec in records[r] for i in rec["ids"]]
+    total = 48 + sum(24 + 8 * k for k in range(1, 5))
+    assert sorted(every) == list(range(total)), "every appended row exactly once"
+    epochs = [[rec["epoch"] for rec in records[r]] for r in (0, 1)]
+    assert epochs[0] == epochs[1] and epochs[0][-1] >= 1, "the same increments, in step"

@@ -201,6 +201,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from lakeloader.checkpoint.kind_record import KindCheckpoint
     from lakeloader.cli.inspect import inspect_checkpoint, open_checkpoint, render_text
+    from lakeloader.cli.inspect_follow import lake_details, render_details
     from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
 
     overrides = {
@@ -223,7 +224,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ranges=args.ranges,
         steps_available=steps,
     )
-    _emit(to_json(info) if args.json else render_text(info))
+    options = _storage_options(args.storage_option)
+    info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag)
+    lines = render_details(details)
+    text = render_text(info) + ("\n" + format_pairs(lines) + "\n" if lines else "")
+    _emit(to_json(info) if args.json else text)
     return 0
 
 
@@ -324,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument(
         "--ranges", action="store_true", help="row ranges consumed and remaining per row group"
+    )
+    inspect.add_argument(
+        "--no-lag",
+        action="store_true",
+        help="for a followed lake, do not look at the lake for what was appended since",
     )
     _add_io_arguments(inspect)
     inspect.set_defaults(func=_cmd_inspect)
