@@ -154,6 +154,25 @@ def run_epoch(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[list[i
             loader.close()
 
 
+def torchrun_command(nproc: int, script: Path, *args: str, max_restarts: int = 0) -> list[str]:
+    """``torchrun`` of ``script`` on ``nproc`` local ranks, rendezvous on loopback only."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--local-addr=127.0.0.1",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        str(script),
+        *args,
+    ]
+
+
+#: The environment of every torchrun launch: one intra-op thread, gloo on loopback.
+TORCHRUN_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
 def wait_dead(pid: int, sent: str = "SIGKILL") -> None:
     """Wait until a process sent ``sent`` is dead and its parent can reap it.
 

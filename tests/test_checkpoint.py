@@ -17,7 +17,7 @@ import pytest
 import lakeloader as ll
 import lakeloader.lake.snapshot
 from lakeloader.checkpoint.manager import COMMIT_FILE, STATE_FILE, step_dir_name
-from tests.conftest import layout_dataset
+from tests.conftest import TORCHRUN_ENV, layout_dataset, torchrun_command
 
 BATCH = 48
 
@@ -237,19 +237,9 @@ dist.destroy_process_group()
 def test_ranks_that_disagree_are_named(lake: Path, tmp_path: Path) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, **TORCHRUN_ENV}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--local-addr=127.0.0.1",
-            "--nproc-per-node=3",
-            str(script),
-            str(lake),
-            str(tmp_path / "ckpt"),
-        ],
+        torchrun_command(3, script, str(lake), str(tmp_path / "ckpt")),
         capture_output=True,
         text=True,
         timeout=180,

@@ -25,7 +25,13 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 import lakeloader as ll
-from tests.conftest import global_batches, make_loaders, wait_dead
+from tests.conftest import (
+    TORCHRUN_ENV,
+    global_batches,
+    make_loaders,
+    torchrun_command,
+    wait_dead,
+)
 
 FAST = ll.Follow(poll_interval=0.02, timeout=0.2)
 ORDER: dict[str, Any] = {"seed": 2, "num_partitions": 4, "window": 16}
@@ -220,18 +226,8 @@ def test_ranks_under_torchrun_take_the_same_increments(tmp_path: Path) -> None:
     lake.mkdir()
     logs.mkdir()
     _append(lake, 0, 48)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--local-addr=127.0.0.1",
-        "--nproc-per-node=2",
-        str(Path(__file__).with_name("follow_ranks.py")),
-        str(lake),
-        str(logs),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = torchrun_command(2, Path(__file__).with_name("follow_ranks.py"), str(lake), str(logs))
+    env = {**os.environ, **TORCHRUN_ENV}
     run = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90

@@ -17,7 +17,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.conftest import TORCHRUN_ENV, torchrun_command
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 
@@ -95,15 +96,9 @@ def torchrun(
 ) -> Run:
     """Launch the example under torchrun (loopback only) and wait for it, cleaning up after."""
     log_dir = work / f"logs-{name}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--local-addr=127.0.0.1",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        str(SCRIPT),
+    cmd = torchrun_command(
+        nproc,
+        SCRIPT,
         "--lake",
         str(work / "lake"),
         "--log-dir",
@@ -115,9 +110,10 @@ def torchrun(
         "--epochs",
         str(EPOCHS),
         *args,
-    ]
+        max_restarts=max_restarts,
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("LL_KILL_")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.update(TORCHRUN_ENV)
     if kill is not None:
         env.update(LL_KILL_RANK=str(kill[0]), LL_KILL_AT_STEP=str(kill[1]))
     output = work / f"{name}.out"

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import lakeloader as ll
+from tests.conftest import TORCHRUN_ENV, torchrun_command
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_packed.py"
 KILL_RANK, KILL_STEP, FIRST_STOP, LAST_STOP = 2, 7, 20, 36
@@ -44,13 +45,12 @@ def launch(work: Path, name: str, nproc: int, kill: bool) -> Path:
     """Run the example under torchrun (loopback only); SIGKILL any rank left behind."""
     logs = work / f"logs-{name}"
     steps = FIRST_STOP if kill else LAST_STOP
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
-        f"--nproc-per-node={nproc}", "--max-restarts=1", str(SCRIPT), "--lake", str(work / "lake"),
-        "--ckpt", str(work / "ckpt"), "--log-dir", str(logs), "--steps", str(steps), "--resume",
-    ]  # fmt: skip
+    cmd = torchrun_command(
+        nproc, SCRIPT, "--lake", str(work / "lake"), "--ckpt", str(work / "ckpt"),
+        "--log-dir", str(logs), "--steps", str(steps), "--resume", max_restarts=1,
+    )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("LL_KILL_")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env.update(TORCHRUN_ENV)
     if kill:
         env.update(LL_KILL_RANK=str(KILL_RANK), LL_KILL_AT_STEP=str(KILL_STEP))
     out = work / f"{name}.out"
