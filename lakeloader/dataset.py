@@ -16,16 +16,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
-import pyarrow as pa
 import pyarrow.compute as pc
 
-from lakeloader.cache.arrays import is_ragged_type
+from lakeloader.dataset_checks import check_columns, check_lengths_keys
 from lakeloader.follow import Follow
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
-from lakeloader.lake.filtering import RowFilter, filter_snapshot, lake_schema
+from lakeloader.lake.filtering import RowFilter, filtered, lake_schema
 from lakeloader.lake.following import first_increment, next_increment
+from lakeloader.lake.increments import IncrementRequest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
 from lakeloader.lake.tables.sources import delta_source, iceberg_source
@@ -208,7 +208,7 @@ class LakeDataset:
         self.fs: fsspec.AbstractFileSystem = fs
         #: The row filter, or None.
         self.row_filter = None if filter is None else RowFilter.of(filter, lake_schema(snapshot))
-        snapshot = self._filtered(snapshot, progress)
+        snapshot = filtered(fs, snapshot, self.row_filter, progress)
         if not -(2**63) <= int(seed) < 2**64:
             raise ValueError(
                 f"seed must be an integer in [-2**63, 2**64) (it is kept in states and "
@@ -234,7 +234,7 @@ class LakeDataset:
         self.units: Units
         self._pin(snapshot)
         if self.list_format.padded:
-            _check_lengths_keys(self.config.columns, snapshot.schema)
+            check_lengths_keys(self.config.columns, snapshot.schema)
         #: Units of this snapshot known to be lost (files gone or rewritten since a
         #: checkpoint, under ``on_lake_change="skip"``): skipped like quarantined units.
         self.lost: tuple[QuarantineEntry, ...] = ()
@@ -303,26 +303,9 @@ class LakeDataset:
         found, options = iceberg_source(table, snapshot_id, storage_options)
         return cls(found, storage_options=options, **kwargs)
 
-    def _filtered(self, snapshot: Snapshot, progress: bool | None) -> Snapshot:
-        """The snapshot with the filter's counts (made once; a manifest's has them).
-
-        Raises:
-            ValueError: If ``snapshot`` was filtered by another filter than this dataset's.
-        """
-        wanted = None if self.row_filter is None else self.row_filter.text
-        if snapshot.row_filter == wanted:
-            return snapshot
-        if snapshot.row_filter is not None:
-            raise ValueError(
-                f"the snapshot was filtered by {snapshot.row_filter}, this dataset by {wanted}: "
-                "pass the filter the checkpoint was taken with"
-            )
-        assert self.row_filter is not None
-        return filter_snapshot(self.fs, snapshot, self.row_filter, progress)
-
     def _pin(self, snapshot: Snapshot) -> None:
         """Take ``snapshot`` as this dataset's files (only while the dataset is being made)."""
-        _check_columns(self.config.columns, snapshot)
+        check_columns(self.config.columns, snapshot)
         self.snapshot = snapshot
         self.units = make_units(
             [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows
@@ -422,7 +405,20 @@ class LakeDataset:
         if self._successor is None and self.follow is not None:
             index = self.snapshot.increment.index if self.snapshot.increment else 0
             if epoch > index:  # waits for the next increment (CaughtUpError if none comes)
-                self._successor = (index + 1, next_increment(self))
+                request = IncrementRequest(
+                    self.storage_options,
+                    list(self.config.columns),
+                    False,
+                    self.retry,
+                    self.on_error == "skip",
+                    self.follow.on_rewrite,
+                )
+                fs, found = next_increment(
+                    self.source, self.follow, self.snapshot.increment, request
+                )
+                twin = self.pinned_to(filtered(fs, found, self.row_filter, False))
+                twin.fs = fs
+                self._successor = (index + 1, twin)
         if self._successor is not None and epoch >= self._successor[0]:
             return self._successor[1].for_epoch(epoch)
         return self
@@ -439,24 +435,3 @@ class LakeDataset:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(self._plan)
-
-
-def _check_columns(columns: Sequence[str], snapshot: Snapshot) -> None:
-    """Raise KeyError naming the columns that are not in the snapshot's schema."""
-    unknown = [c for c in columns if c not in snapshot.schema.names]
-    if unknown:
-        raise KeyError(
-            f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
-        )
-
-
-def _check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:
-    """Raise if a padded list column's ``<name>_lengths`` key is a column of the batch too."""
-    for name in columns:
-        key = ListFormat.lengths_of(name)
-        if is_ragged_type(schema.field(name).type) and key in columns:
-            raise ValueError(
-                f"list_format='padded' puts the lengths of list column {name!r} under "
-                f"{key!r}, which is a column of the lake too: leave one of them out with "
-                "columns=[...], or use list_format='jagged'"
-            )

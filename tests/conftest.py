@@ -154,6 +154,17 @@ def run_epoch(ds: ll.LakeDataset, world_size: int, **kwargs: Any) -> list[list[i
             loader.close()
 
 
+def checkpointed(ds: Any, world_size: int, batch_size: int, steps: int, folder: Path) -> list[int]:
+    """Run ``steps`` global batches on ``world_size`` ranks, save a checkpoint to ``folder``,
+    close the loaders; the row ids delivered."""
+    loaders = make_loaders(ds, world_size, batch_size=batch_size)
+    seen = [i for b in itertools.islice(global_batches(loaders), steps) for i in b]
+    ll.CheckpointManager(str(folder)).save(steps, loaders[0])
+    for loader in loaders:
+        loader.close()
+    return seen
+
+
 def torchrun_command(nproc: int, script: Path, *args: str, max_restarts: int = 0) -> list[str]:
     """``torchrun`` of ``script`` on ``nproc`` local ranks, rendezvous on loopback only."""
     return [

@@ -7,7 +7,6 @@ already delivered deliver nothing twice.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
@@ -27,6 +26,7 @@ from deltalake import DeltaTable, write_deltalake
 import lakeloader as ll
 from tests.conftest import (
     TORCHRUN_ENV,
+    checkpointed,
     global_batches,
     make_loaders,
     torchrun_command,
@@ -179,12 +179,8 @@ def test_a_rewrite_is_refused_under_on_rewrite_error(table: str) -> None:
 def test_a_followed_delta_table_resumes_on_another_world_size(table: str, tmp_path: Path) -> None:
     _delta_append(table, 100, 60)
     ds = ll.LakeDataset.from_delta(table, follow=FAST, **ORDER)
-    loaders = make_loaders(ds, 2, batch_size=4)
-    seen = [i for b in itertools.islice(global_batches(loaders), 6) for i in b]
+    seen = checkpointed(ds, 2, 4, 6, tmp_path / "ckpt")
     manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
-    manager.save(6, loaders[0])
-    for loader in loaders:
-        loader.close()
     _delta_append(table, 160, 40)
     loaders = make_loaders(ll.LakeDataset.from_delta(table, follow=FAST, **ORDER), 3, batch_size=4)
     for loader in loaders:
@@ -254,3 +250,29 @@ def test_ranks_under_torchrun_take_the_same_increments(tmp_path: Path) -> None:
     assert sorted(every) == list(range(total)), "every appended row exactly once"
     epochs = [[rec["epoch"] for rec in records[r]] for r in (0, 1)]
     assert epochs[0] == epochs[1] and epochs[0][-1] >= 1, "the same increments, in step"
+
+
+def test_an_iceberg_table_is_followed_snapshot_by_snapshot(tmp_path: Path) -> None:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    catalog = SqlCatalog(
+        "default", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/wh"
+    )
+    catalog.create_namespace("ns")
+    schema = pa.schema([pa.field("id", pa.int64())])
+    table = catalog.create_table("ns.t", schema=schema)
+    table.append(pa.table({"id": np.arange(50)}, schema))
+    loader = ll.DataLoader(ll.LakeDataset.from_iceberg(table, follow=FAST, **ORDER), batch_size=8)
+    assert sorted(_ids(loader)) == list(range(50))
+    table = catalog.load_table("ns.t")
+    table.append(pa.table({"id": np.arange(50, 80)}, schema))
+    table = catalog.load_table("ns.t")
+    table.append(pa.table({"id": np.arange(80, 90)}, schema))
+    assert sorted(_ids(loader)) == list(range(50, 90)), "two append snapshots"
+    assert loader.epoch == 2
+    table = catalog.load_table("ns.t")
+    table.delete("id < 5")  # copy-on-write: an overwrite of delivered rows
+    table = catalog.load_table("ns.t")
+    table.append(pa.table({"id": np.arange(90, 95)}, schema))
+    assert sorted(_ids(loader)) == list(range(90, 95)), "the rewrite left out"
+    loader.close()

@@ -27,7 +27,7 @@ from pyiceberg.types import DoubleType
 import lakeloader as ll
 from lakeloader.cli.main import main as cli_main
 from lakeloader.lake.tables.options import delta_options, iceberg_properties
-from tests.conftest import global_batches, make_loaders, roundtrip, run_epoch
+from tests.conftest import checkpointed, global_batches, make_loaders, roundtrip, run_epoch
 
 if TYPE_CHECKING:
     from tests.stores import ObjectStore
@@ -320,3 +320,30 @@ def test_filters_on_tables_apply_after_deletes_and_renames(
     on_partition = (pc.field("p") == 1) & (pc.field("id") > 100)
     delta = ll.LakeDataset.from_delta(delta_uri, columns=["id"], filter=on_partition, **ORDER)
     assert sorted(_ids(delta)) == [i for i in range(101, 450) if i % 3 == 1]
+
+
+def test_a_delta_resume_on_s3_after_the_table_moved_on(
+    s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    bucket = s3_store.new_bucket("moved")
+    uri, options = s3_store.url(f"{bucket}/table"), s3_store.storage_options
+    delta = delta_options(options)
+    write_deltalake(uri, _rows(0, 300), partition_by=["p"], storage_options=delta)
+    ds = ll.LakeDataset.from_delta(uri, storage_options=options, **ORDER)
+    seen = checkpointed(ds, 2, 10, 6, tmp_path / "ckpt")
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    write_deltalake(uri, _rows(300, 350), mode="append", storage_options=delta)
+    DeltaTable(uri, storage_options=delta).delete("id >= 250")
+    resumed = ll.DataLoader(
+        ll.LakeDataset.from_delta(uri, storage_options=options, **ORDER), batch_size=7
+    )
+    manager.load(resumed)
+    rest = _ids_of(resumed)
+    following = _ids_of(resumed)
+    resumed.close()
+    assert sorted(seen + rest) == list(range(300)), "version 0 on S3, exactly once"
+    assert sorted(following) == list(range(250)), "then the newest version"
+
+
+def _ids_of(loader: ll.DataLoader) -> list[int]:
+    return [i for b in loader for i in b["id"].tolist()]

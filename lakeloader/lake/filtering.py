@@ -126,6 +126,28 @@ def lake_schema(snapshot: Snapshot) -> pa.Schema:
     return pa.schema(list(fields.values()))
 
 
+def filtered(
+    fs: fsspec.AbstractFileSystem,
+    snapshot: Snapshot,
+    row_filter: RowFilter | None,
+    progress: bool | None,
+) -> Snapshot:
+    """``snapshot`` with ``row_filter``'s counts (made once: a manifest's snapshot has them).
+
+    Raises:
+        ValueError: If ``snapshot`` was filtered by another filter.
+    """
+    wanted = None if row_filter is None else row_filter.text
+    if snapshot.row_filter == wanted:
+        return snapshot
+    if snapshot.row_filter is not None or row_filter is None:
+        raise ValueError(
+            f"the snapshot was filtered by {snapshot.row_filter}, this dataset by {wanted}: "
+            "pass the filter the checkpoint was taken with"
+        )
+    return filter_snapshot(fs, snapshot, row_filter, progress)
+
+
 def filter_snapshot(
     fs: fsspec.AbstractFileSystem,
     snapshot: Snapshot,

@@ -10,11 +10,10 @@ yet, or caught up), and every rank takes the same increment: all ranks ask at th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import fsspec
 import torch.distributed as dist
@@ -23,9 +22,6 @@ from lakeloader.follow import Follow
 from lakeloader.lake.increments import Increment, IncrementRequest, Mark
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Growing, Source
-
-if TYPE_CHECKING:
-    from lakeloader.dataset import LakeDataset
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +43,7 @@ def growing(source: Source) -> Growing:
     """
     if not isinstance(source, Growing):
         raise TypeError(
-            f"follow=True needs a folder or a Delta table; {source!r} cannot be followed"
+            f"follow=True needs a folder, a Delta or an Iceberg table; {source!r} is neither"
         )
     return source
 
@@ -58,14 +54,15 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
-def _agreed(source: Source, after: Increment | None, decide: Any, **kwargs: Any) -> Found:
+def _agreed(
+    source: Source, after: Increment | None, decide: Any, request: IncrementRequest
+) -> Found:
     """The increment after ``after`` as rank 0 finds it (``decide(found)`` may stop the wait).
 
     Raises:
         CaughtUpError: When rank 0 says so.
     """
     rank, world = _ranks()
-    request = IncrementRequest(**kwargs)
     if world == 1:
         found = growing(source).increment(after, request)
         decide(found)
@@ -99,26 +96,21 @@ def first_increment(
     Raises:
         LakeNotFoundError: If it holds no data file.
     """
-    found = _agreed(
-        source,
-        None,
-        lambda _: None,
-        storage_options=storage_options,
-        on_rewrite=follow.on_rewrite,
-        **kwargs,
-    )
+    request = IncrementRequest(storage_options, on_rewrite=follow.on_rewrite, **kwargs)
+    found = _agreed(source, None, lambda _: None, request)
     assert found is not None, "the first increment of a lake holds its files"
     return found
 
 
-def next_increment(dataset: LakeDataset) -> LakeDataset:
-    """The dataset of the increment after ``dataset``'s, waiting for one to be appended.
+def next_increment(
+    source: Source, follow: Follow, now: Increment | None, request: IncrementRequest
+) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    """The increment after ``now``, waiting for one to be appended.
 
     Raises:
         CaughtUpError: If none comes within the follow timeout.
     """
-    follow, now = dataset.follow, dataset.snapshot.increment
-    assert follow is not None and now is not None
+    assert now is not None, "a followed dataset's snapshot is an increment"
     deadline = None if follow.timeout is None else time.monotonic() + follow.timeout
 
     def decide(found: Found) -> None:
@@ -127,33 +119,13 @@ def next_increment(dataset: LakeDataset) -> LakeDataset:
             raise CaughtUpError(f"no increment after {now.index} within {follow.timeout} s")
 
     while True:
-        found = _agreed(
-            dataset.source,
-            now,
-            decide,
-            storage_options=dataset.storage_options,
-            columns=list(dataset.config.columns),
-            progress=False,
-            retry=dataset.retry,
-            skip_unreadable=dataset.on_error == "skip",
-            on_rewrite=follow.on_rewrite,
-        )
+        found = _agreed(source, now, decide, request)
         if found is not None:
-            fs, snapshot = found
             logger.info(
                 "increment %d: %d files, %d rows appended",
                 now.index + 1,
-                len(snapshot.files),
-                snapshot.num_rows,
+                len(found[1].files),
+                found[1].num_rows,
             )
-            return grown(dataset, fs, snapshot)
+            return found
         time.sleep(follow.poll_interval)
-
-
-def grown(dataset: LakeDataset, fs: fsspec.AbstractFileSystem, snapshot: Snapshot) -> LakeDataset:
-    """A twin of ``dataset`` on a new increment (the filter applied to it)."""
-    twin = copy.copy(dataset)
-    twin.fs = fs
-    twin._pin(twin._filtered(snapshot, progress=False))
-    twin._successor, twin.lost = None, ()
-    return twin

@@ -16,13 +16,17 @@ up to its mark (:mod:`lakeloader.lake.following`).
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lakeloader.errors import LakeChangedError
 from lakeloader.follow import OnRewrite
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import DiscoveredFile
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, order=True)
@@ -71,6 +75,29 @@ class IncrementRequest:
     skip_unreadable: bool
     on_rewrite: OnRewrite
     upto: Mark | None = None
+
+    def snapshot_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Source.snapshot`` (and ``table_snapshot``) it carries."""
+        return {
+            "columns": self.columns,
+            "progress": self.progress,
+            "retry": self.retry,
+            "skip_unreadable": self.skip_unreadable,
+        }
+
+
+def rewritten(where: str, on_rewrite: OnRewrite) -> None:
+    """Apply the rewrite policy to a commit or snapshot that rewrote data (``where`` names it).
+
+    Raises:
+        LakeChangedError: Under ``"error"``; under ``"skip"`` it is logged as a warning.
+    """
+    if on_rewrite == "error":
+        raise LakeChangedError(
+            f"{where} rewrites data already in the table; follow mode takes in only appends: "
+            "pass Follow(on_rewrite='skip') to leave such changes out"
+        )
+    logger.warning("%s rewrites data: left out (on_rewrite='skip')", where)
 
 
 def listed_ns(info: dict[str, Any]) -> int | None:

@@ -143,7 +143,7 @@ class FolderSource:
             if ns is None:
                 raise LakeNotFoundError(
                     f"{url_of(fs, found.path)}: the listing gives no modification time, which "
-                    "follow mode orders appended files by; follow a Delta table instead"
+                    "follow mode orders appended files by; follow a Delta or Iceberg table instead"
                 )
             marked.append((found, ns))
         files, last = newer_files(marked, None if after is None else after.upto, request.upto)

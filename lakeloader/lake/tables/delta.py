@@ -131,12 +131,7 @@ class DeltaSource:
             LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.
         """
         upto = request.upto
-        kwargs: dict[str, Any] = {
-            "columns": request.columns,
-            "progress": request.progress,
-            "retry": request.retry,
-            "skip_unreadable": request.skip_unreadable,
-        }
+        kwargs = request.snapshot_kwargs()
         if after is None:
             source = self if upto is None else dataclasses.replace(self, version=upto.position)
             fs, snapshot = source.snapshot(request.storage_options, **kwargs)

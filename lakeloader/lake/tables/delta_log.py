@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import fsspec
 
-from lakeloader.errors import LakeChangedError, LakeDataError
+from lakeloader.errors import LakeDataError
 from lakeloader.follow import OnRewrite
+from lakeloader.lake.increments import rewritten
 from lakeloader.lake.tables.files import TableFile
 
 logger = logging.getLogger(__name__)
@@ -92,13 +93,9 @@ def next_append(
     for version in range(after + 1, newest + 1):
         commit = read_commit(fs, root, version)
         if commit.rewrites:
-            where = f"{fs.unstrip_protocol(root)} version {version} ({commit.operation})"
-            if on_rewrite == "error":
-                raise LakeChangedError(
-                    f"{where} rewrites data already in the table; follow mode takes in only "
-                    "appends: pass Follow(on_rewrite='skip') to leave such commits out"
-                )
-            logger.warning("%s rewrites data: left out (on_rewrite='skip')", where)
+            rewritten(
+                f"{fs.unstrip_protocol(root)} version {version} ({commit.operation})", on_rewrite
+            )
         elif commit.added:
             return version, list(commit.added)
     return None

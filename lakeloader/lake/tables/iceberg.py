@@ -9,6 +9,7 @@ reading, and are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,8 +21,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import LakeDataError, LakeNotFoundError
+from lakeloader.errors import LakeChangedError, LakeDataError, LakeNotFoundError
+from lakeloader.follow import OnRewrite
 from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.increments import Increment, IncrementRequest, Mark, rewritten
 from lakeloader.lake.snapshot import Snapshot, TableVersion
 from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
 
@@ -119,6 +122,121 @@ class IcebergSource:
             skip_unreadable=skip_unreadable,
         )
         return fs, snapshot
+
+    def increment(
+        self, after: Increment | None, request: IncrementRequest
+    ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
+        """The first increment is the snapshot; then each later one that appends files.
+
+        Later table versions are found as the newest metadata file beside this one.
+
+        Raises:
+            LakeChangedError: Under ``on_rewrite="error"``, naming a snapshot that rewrote data.
+        """
+        upto = request.upto
+        kwargs = request.snapshot_kwargs()
+        fs = self.filesystem(request.storage_options)
+        table = open_table(newest_metadata(fs, self.location), dict(self.properties))
+        if after is None:
+            wanted = self.snapshot_id if upto is None else int(upto.path)
+            source = dataclasses.replace(self, snapshot_id=wanted)
+            fs, snapshot = source.snapshot(request.storage_options, **kwargs)
+            assert snapshot.table is not None
+            head = table.snapshot_by_id(snapshot.table.version)
+            return fs, dataclasses.replace(snapshot, increment=Increment(0, _mark(head)))
+        head = table.current_snapshot() if upto is None else table.snapshot_by_id(int(upto.path))
+        if head is None:
+            return None
+        found = next_append(table, int(after.upto.path), head, request.on_rewrite, fs)
+        if found is None:
+            return None
+        snap, files = found
+        schema = table.schemas()[snap.schema_id]
+        names = TableColumns(
+            tuple(f.name for f in schema.fields), {f.field_id: f.name for f in schema.fields}
+        )
+        version = TableVersion(
+            "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
+        )
+        snapshot = table_snapshot(fs, files, names, version, **kwargs)
+        return fs, dataclasses.replace(snapshot, increment=Increment(after.index + 1, _mark(snap)))
+
+
+def newest_metadata(fs: fsspec.AbstractFileSystem, location: str) -> str:
+    """The newest metadata file beside ``location`` (``NNNNN-<uuid>.metadata.json``).
+
+    A file catalog (SqlCatalog, Hadoop-style tables) writes each table version's metadata as
+    the next-numbered file in the same folder.
+    """
+    folder = location.rsplit("/", 1)[0]
+    found = fs.glob(f"{fs._strip_protocol(folder)}/*.metadata.json")
+    numbered = [p for p in found if p.rsplit("/", 1)[-1].split("-", 1)[0].isdigit()]
+    if not numbered:
+        return location
+    newest = max(numbered, key=lambda p: int(p.rsplit("/", 1)[-1].split("-", 1)[0]))
+    return f"{folder}/{newest.rsplit('/', 1)[-1]}"
+
+
+def _added_files(table: Any, snap: Any, fs: fsspec.AbstractFileSystem) -> list[TableFile]:
+    """The data files an append snapshot added."""
+    from pyiceberg.manifest import ManifestContent, ManifestEntryStatus
+
+    out = []
+    for manifest in snap.manifests(table.io):
+        if (
+            manifest.added_snapshot_id != snap.snapshot_id
+            or manifest.content != ManifestContent.DATA
+        ):
+            continue
+        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+            if entry.status == ManifestEntryStatus.ADDED:
+                data = entry.data_file
+                out.append(TableFile(fs._strip_protocol(data.file_path), int(data.record_count)))
+    return out
+
+
+def next_append(
+    table: Any, after: int, head: Any, on_rewrite: OnRewrite, fs: fsspec.AbstractFileSystem
+) -> tuple[Any, list[TableFile]] | None:
+    """The first snapshot after ``after`` (up to ``head``) that appends data files.
+
+    Compactions (``replace``) are passed over; overwrites and deletes of data already there
+    go by ``on_rewrite``.
+
+    Raises:
+        LakeChangedError: If ``after`` is not an ancestor of ``head`` (the history was
+            rewritten or expired), or under ``on_rewrite="error"`` for a rewrite.
+    """
+    chain = []
+    snap = head
+    while snap is not None and snap.snapshot_id != after:
+        chain.append(snap)
+        snap = (
+            None
+            if snap.parent_snapshot_id is None
+            else table.snapshot_by_id(snap.parent_snapshot_id)
+        )
+    if snap is None:
+        raise LakeChangedError(
+            f"snapshot {after} is no longer an ancestor of snapshot {head.snapshot_id}: the "
+            "table's history was rewritten or expired; follow it anew from a new dataset"
+        )
+    for snap in reversed(chain):
+        operation = str(snap.summary.operation.value if snap.summary else "append")
+        if operation == "replace":
+            continue
+        if operation != "append":
+            rewritten(f"snapshot {snap.snapshot_id} ({operation})", on_rewrite)
+            continue
+        added = _added_files(table, snap, fs)
+        if added:
+            return snap, added
+    return None
+
+
+def _mark(snap: Any) -> Mark:
+    """An Iceberg snapshot as a follow mark: its sequence number, then its id."""
+    return Mark(int(snap.sequence_number or 0), str(snap.snapshot_id))
 
 
 def _files(

@@ -1,0 +1,32 @@
+"""Checks of a dataset's columns against its snapshot, with errors that say what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from lakeloader.cache.arrays import is_ragged_type
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.pipeline.collate import ListFormat
+
+
+def check_columns(columns: Sequence[str], snapshot: Snapshot) -> None:
+    """Raise KeyError naming the columns that are not in the snapshot's schema."""
+    unknown = [c for c in columns if c not in snapshot.schema.names]
+    if unknown:
+        raise KeyError(
+            f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
+        )
+
+
+def check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:
+    """Raise if a padded list column's ``<name>_lengths`` key is a column of the batch too."""
+    for name in columns:
+        key = ListFormat.lengths_of(name)
+        if is_ragged_type(schema.field(name).type) and key in columns:
+            raise ValueError(
+                f"list_format='padded' puts the lengths of list column {name!r} under "
+                f"{key!r}, which is a column of the lake too: leave one of them out with "
+                "columns=[...], or use list_format='jagged'"
+            )
