@@ -276,3 +276,26 @@ def test_an_iceberg_table_is_followed_snapshot_by_snapshot(tmp_path: Path) -> No
     table.append(pa.table({"id": np.arange(90, 95)}, schema))
     assert sorted(_ids(loader)) == list(range(90, 95)), "the rewrite left out"
     loader.close()
+
+
+def test_delta_versions_committed_while_the_loader_runs_are_taken_in(table: str) -> None:
+    follow = ll.Follow(poll_interval=0.02, timeout=3)
+    loader = ll.DataLoader(ll.LakeDataset.from_delta(table, follow=follow, **ORDER), batch_size=8)
+
+    def writer() -> None:
+        for k in range(3):
+            time.sleep(0.3)
+            _delta_append(table, 100 + 40 * k, 40)
+            if k == 1:
+                DeltaTable(table).optimize.compact()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    seen = []
+    for batch in loader:
+        seen += batch["id"].tolist()
+        if len(seen) >= 220:
+            break
+    thread.join()
+    loader.close()
+    assert sorted(seen) == list(range(220)), "every committed row once, the compaction none"

@@ -347,3 +347,33 @@ def test_a_delta_resume_on_s3_after_the_table_moved_on(
 
 def _ids_of(loader: ll.DataLoader) -> list[int]:
     return [i for b in loader for i in b["id"].tolist()]
+
+
+def test_an_iceberg_resume_finishes_on_the_pinned_snapshot_of_a_partitioned_table(
+    tmp_path: Path,
+) -> None:
+    catalog = _catalog(tmp_path, f"file://{tmp_path}/wh")
+    schema = pa.schema([pa.field("id", pa.int64()), pa.field("p", pa.int64())])
+    table = catalog.create_table("ns.parts", schema=schema)
+    with table.update_spec() as spec:
+        spec.add_identity("p")
+    table = catalog.load_table("ns.parts")
+    ids = np.arange(300, dtype=np.int64)
+    table.append(pa.table({"id": ids, "p": ids % 3}, schema))
+    ds = ll.LakeDataset.from_iceberg(table, **ORDER)
+    assert len(ds.snapshot.files) == 3, "one file per partition"
+    seen = checkpointed(ds, 2, 10, 6, tmp_path / "ckpt")
+    table = catalog.load_table("ns.parts")
+    table.delete(delete_filter="id < 100")  # rewrites files the epoch still needs
+    table = catalog.load_table("ns.parts")
+    more = np.arange(300, 330, dtype=np.int64)
+    table.append(pa.table({"id": more, "p": more % 3}, schema))
+    live = ll.LakeDataset.from_iceberg(catalog.load_table("ns.parts"), **ORDER)
+    resumed = ll.DataLoader(live, batch_size=7)
+    ll.CheckpointManager(str(tmp_path / "ckpt")).load(resumed)
+    rest = [i for b in resumed for i in b["id"].tolist()]
+    rows = [(i, p) for b in resumed for i, p in zip(b["id"].tolist(), b["p"].tolist(), strict=True)]
+    resumed.close()
+    assert sorted(seen + rest) == list(range(300)), "the pinned snapshot, exactly once"
+    assert sorted(i for i, _ in rows) == list(range(100, 330)), "then the newest snapshot"
+    assert all(p == i % 3 for i, p in rows)
