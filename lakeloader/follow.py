@@ -28,7 +28,7 @@ class Follow:
         'skip'
     """
 
-    poll_interval: float = 5.0
+    poll_interval: float = 2.0
     timeout: float | None = None
     on_rewrite: OnRewrite = "skip"
 

@@ -377,3 +377,23 @@ def test_an_iceberg_resume_finishes_on_the_pinned_snapshot_of_a_partitioned_tabl
     assert sorted(seen + rest) == list(range(300)), "the pinned snapshot, exactly once"
     assert sorted(i for i, _ in rows) == list(range(100, 330)), "then the newest snapshot"
     assert all(p == i % 3 for i, p in rows)
+
+
+def test_a_table_checkpoint_rebuilds_its_dataset_on_the_table(tmp_path: Path) -> None:
+    uri = str(tmp_path / "table")
+    write_deltalake(uri, _rows(0, 200), partition_by=["p"])
+    seen = checkpointed(ll.LakeDataset.from_delta(uri, **ORDER), 1, 10, 4, tmp_path / "ckpt")
+    DeltaTable(uri).delete("id >= 150")
+    DeltaTable(uri).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    ds = manager.dataset(on_lake_change="skip")
+    assert ds.snapshot.table is not None and ds.snapshot.table.version == 0
+    later = ds.for_epoch(1)
+    assert later.snapshot.table is not None
+    assert later.snapshot.table.version == DeltaTable(uri).version(), "the newest version"
+    assert len(later) == 150, "the newest version, not the folder's files"
+    loader = ll.DataLoader(ds, batch_size=10)
+    manager.load(loader, on_lake_change="skip")
+    rest = _ids_of(loader)
+    loader.close()
+    assert len(set(seen + rest)) == len(seen + rest), "nothing twice"

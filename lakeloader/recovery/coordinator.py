@@ -23,6 +23,7 @@ from typing import Any
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
+from lakeloader.lake.tables.sources import checkpoint_source
 from lakeloader.recovery.lake_changes import (
     LakeChangePolicy,
     LakeDiff,
@@ -136,7 +137,14 @@ class RecoveryCoordinator:
         """
         saved = ckpt.state
         kwargs = {**saved.config, **settings}  # the order config's keys are LakeDataset's
-        source = ckpt.context.source
+        if isinstance(kwargs.get("filter"), str):
+            raise ValueError(
+                f"{ckpt.path} was taken with filter {kwargs['filter']}: pass the same "
+                "pyarrow expression as filter= (an expression is not stored, only its text)"
+            )
+        source, kwargs["storage_options"] = checkpoint_source(
+            ckpt.context.source, ckpt.snapshot.table, kwargs.get("storage_options")
+        )
         pinned = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
         diff = check_files(pinned.fs, pinned.snapshot.files)
         if not (diff.gone or diff.changed):

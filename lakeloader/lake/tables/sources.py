@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lakeloader.lake.snapshot import TableVersion
 from lakeloader.lake.tables.delta import DeltaSource
 from lakeloader.lake.tables.iceberg import IcebergSource
 from lakeloader.lake.tables.options import (
@@ -26,6 +27,21 @@ def delta_source(
     options = dict(storage_options or {})
     found = DeltaSource(os.fspath(uri), version, tuple(sorted(delta_options(options).items())))
     return found, fsspec_options(options)
+
+
+def checkpoint_source(
+    described: Any, table: TableVersion | None, storage_options: dict[str, Any] | None
+) -> tuple[Any, dict[str, Any]]:
+    """The source of a checkpoint's lake, and its fsspec options.
+
+    A folder as the checkpoint describes it, or the table its snapshot is a version of
+    (opened at its newest version).
+    """
+    if table is None:
+        return described, dict(storage_options or {})
+    if table.format == "delta":
+        return delta_source(table.location, None, storage_options)
+    return iceberg_source(table.location, None, storage_options)
 
 
 def iceberg_source(
