@@ -261,6 +261,11 @@ def test_a_delta_table_on_s3_reads_and_resumes_like_a_local_one(
     )
     local = ll.LakeDataset.from_delta(delta_uri, columns=["id"], **ORDER)
     assert len(ds) == len(local) == 430
+    spelled = ll.LakeDataset.from_delta(  # deltalake's own spelling of the options serves too
+        uri, storage_options=delta_options(s3_store.storage_options), columns=["id"], **ORDER
+    )
+    assert spelled.fingerprint == ds.fingerprint
+    assert sorted(_ids(spelled)) == list(range(20, 450))
     loaders = make_loaders(ds, 2, batch_size=8)
     seen = [i for b in itertools.islice(global_batches(loaders), 5) for i in b]
     state = roundtrip(loaders[0].state_dict())

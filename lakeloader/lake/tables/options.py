@@ -35,12 +35,42 @@ def _own(options: Mapping[str, Any], upper: bool) -> dict[str, Any]:
 
 
 def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The fsspec options among ``options`` (those for a table library left out).
+    """The fsspec options among ``options``, and those the table libraries' keys imply.
 
-    >>> fsspec_options({"key": "k", "AWS_REGION": "x", "s3.region": "x"})
-    {'key': 'k'}
+    Endpoint, credentials and region given only as object_store keys (``AWS_*``, as
+    ``deltalake`` takes them) or pyiceberg properties (``s3.*``) serve s3fs too; fsspec's own
+    keys win over them.
+
+    >>> fsspec_options({"key": "k", "s3.region": "x"})
+    {'client_kwargs': {'region_name': 'x'}, 'key': 'k'}
+    >>> fsspec_options({"AWS_ACCESS_KEY_ID": "k", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
     """
-    return {k: v for k, v in options.items() if not k.isupper() and "." not in k}
+    plain = {k: v for k, v in options.items() if not k.isupper() and "." not in k}
+    upper = _own(options, upper=True)
+    spelled = {name: upper[key] for key, name in _OBJECT_STORE.items() if key in upper}
+    dotted = {f"s3.{_ICEBERG[name]}": value for name, value in spelled.items()}
+    implied = from_iceberg_properties({**dotted, **_own(options, upper=False)})
+    return {**implied, **plain}
+
+
+#: object_store's S3 keys, by what they give.
+_OBJECT_STORE = {
+    "AWS_ENDPOINT_URL": "endpoint",
+    "AWS_ENDPOINT": "endpoint",
+    "AWS_ACCESS_KEY_ID": "key",
+    "AWS_SECRET_ACCESS_KEY": "secret",
+    "AWS_SESSION_TOKEN": "token",
+    "AWS_REGION": "region",
+}
+#: pyiceberg's S3 property names (after ``s3.``), by what they give.
+_ICEBERG = {
+    "endpoint": "endpoint",
+    "key": "access-key-id",
+    "secret": "secret-access-key",
+    "token": "session-token",
+    "region": "region",
+}
 
 
 def delta_options(options: Mapping[str, Any]) -> dict[str, str]:
@@ -75,14 +105,7 @@ def iceberg_properties(options: Mapping[str, Any]) -> dict[str, str]:
     {'s3.access-key-id': 'k', 's3.secret-access-key': 's', 's3.region': 'us-east-1'}
     """
     s3 = _s3_settings(options)
-    names = {
-        "endpoint": "s3.endpoint",
-        "key": "s3.access-key-id",
-        "secret": "s3.secret-access-key",
-        "token": "s3.session-token",
-        "region": "s3.region",
-    }
-    out = {names[k]: v for k, v in s3.items()}
+    out = {f"s3.{_ICEBERG[k]}": v for k, v in s3.items()}
     if s3:
         out.setdefault("s3.region", DEFAULT_REGION)
     out.update({k: str(v) for k, v in _own(options, upper=False).items()})
@@ -96,10 +119,9 @@ def from_iceberg_properties(properties: Mapping[str, str]) -> dict[str, Any]:
     {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
     """
     out: dict[str, Any] = {}
-    if "s3.access-key-id" in properties:
-        out["key"] = properties["s3.access-key-id"]
-    if "s3.secret-access-key" in properties:
-        out["secret"] = properties["s3.secret-access-key"]
+    for name in ("key", "secret", "token"):
+        if f"s3.{_ICEBERG[name]}" in properties:
+            out[name] = properties[f"s3.{_ICEBERG[name]}"]
     client = {}
     if "s3.endpoint" in properties:
         client["endpoint_url"] = properties["s3.endpoint"]
