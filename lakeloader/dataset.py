@@ -405,23 +405,30 @@ class LakeDataset:
         if self._successor is None and self.follow is not None:
             index = self.snapshot.increment.index if self.snapshot.increment else 0
             if epoch > index:  # waits for the next increment (CaughtUpError if none comes)
-                request = IncrementRequest(
-                    self.storage_options,
-                    list(self.config.columns),
-                    False,
-                    self.retry,
-                    self.on_error == "skip",
-                    self.follow.on_rewrite,
-                )
-                fs, found = next_increment(
-                    self.source, self.follow, self.snapshot.increment, request
-                )
-                twin = self.pinned_to(filtered(fs, found, self.row_filter, False))
-                twin.fs = fs
-                self._successor = (index + 1, twin)
+                now = self.snapshot.increment
+                found = next_increment(self.source, self.follow, now, self.increment_request())
+                self._successor = (index + 1, self.on_increment(*found))
         if self._successor is not None and epoch >= self._successor[0]:
             return self._successor[1].for_epoch(epoch)
         return self
+
+    def increment_request(self) -> IncrementRequest:
+        """How this (followed) dataset asks its source for an increment."""
+        assert self.follow is not None
+        return IncrementRequest(
+            self.storage_options,
+            list(self.config.columns),
+            False,
+            self.retry,
+            self.on_error == "skip",
+            self.follow.on_rewrite,
+        )
+
+    def on_increment(self, fs: fsspec.AbstractFileSystem, snapshot: Snapshot) -> LakeDataset:
+        """A twin of this dataset on an increment's snapshot (its filter applied)."""
+        twin = self.pinned_to(filtered(fs, snapshot, self.row_filter, False))
+        twin.fs = fs
+        return twin
 
     def reader(self) -> UnitReader:
         """A fresh unit reader (with its own counters) for the selected columns."""

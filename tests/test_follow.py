@@ -7,6 +7,7 @@ already delivered deliver nothing twice.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -299,3 +300,23 @@ def test_delta_versions_committed_while_the_loader_runs_are_taken_in(table: str)
     thread.join()
     loader.close()
     assert sorted(seen) == list(range(220)), "every committed row once, the compaction none"
+
+
+def test_a_bare_state_resumes_its_increment_on_a_dataset_made_anew(tmp_path: Path) -> None:
+    _append(tmp_path, 0, 60)
+    loader = ll.DataLoader(ll.LakeDataset(tmp_path, follow=FAST, **ORDER), batch_size=8)
+    assert len(_ids(loader)) == 60
+    _append(tmp_path, 60, 48)
+    batches = iter(loader)
+    seen = [i for b in itertools.islice(batches, 3) for i in b["id"].tolist()]
+    state = json.loads(json.dumps(loader.state_dict()))  # plain data, a few numbers more
+    loader.close()
+    assert state["follow_increment"][0] == 1
+    _append(tmp_path, 108, 20)  # later files: the increment under way must not take them
+    loaders = make_loaders(ll.LakeDataset(tmp_path, follow=FAST, **ORDER), 3, batch_size=4)
+    for resumed in loaders:
+        resumed.load_state_dict(state)
+    rest = [i for b in global_batches(loaders) for i in b]
+    for resumed in loaders:
+        resumed.close()
+    assert sorted(seen + rest) == list(range(60, 128)), "increment 1 finished, then increment 2"

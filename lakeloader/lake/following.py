@@ -18,6 +18,7 @@ from typing import Any, Final
 import fsspec
 import torch.distributed as dist
 
+from lakeloader.errors import StateMismatchError
 from lakeloader.follow import Follow
 from lakeloader.lake.increments import Increment, IncrementRequest, Mark
 from lakeloader.lake.snapshot import Snapshot
@@ -99,6 +100,25 @@ def first_increment(
     request = IncrementRequest(storage_options, on_rewrite=follow.on_rewrite, **kwargs)
     found = _agreed(source, None, lambda _: None, request)
     assert found is not None, "the first increment of a lake holds its files"
+    return found
+
+
+def increment_at(
+    source: Source, increment: Increment, request: IncrementRequest
+) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    """The files of ``increment`` found again from its marks (a resume from a state alone).
+
+    Raises:
+        StateMismatchError: If the lake no longer gives that increment (files gone).
+    """
+    before = None if increment.after is None else Increment(increment.index - 1, increment.after)
+    found = growing(source).increment(before, dataclasses.replace(request, upto=increment.upto))
+    if found is None or found[1].increment != increment:
+        raise StateMismatchError(
+            f"the lake no longer holds increment {increment.index} as the state saw it (up to "
+            f"{increment.upto}): files were removed; resume from a CheckpointManager "
+            "checkpoint, whose manifest pins the increment's files"
+        )
     return found
 
 

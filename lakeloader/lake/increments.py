@@ -43,15 +43,38 @@ class Mark:
 
 @dataclass(frozen=True)
 class Increment:
-    """Which increment a snapshot is, and the mark it ends at.
+    """Which increment a snapshot is: what comes after one mark, up to another.
 
     Attributes:
         index: The increment (the epoch it is delivered as).
         upto: Its mark: the next increment is what comes after it.
+        after: The mark it starts after (None: the first increment). With ``upto``, it finds
+            the increment's files again, from a loader state alone.
     """
 
     index: int
     upto: Mark
+    after: Mark | None = None
+
+    def to_list(self) -> list[Any]:
+        """Plain data (for states and manifests).
+
+        >>> Increment(2, Mark(9, "b"), Mark(5, "a")).to_list()
+        [2, 9, 'b', 5, 'a']
+        """
+        after = [] if self.after is None else [self.after.position, self.after.path]
+        return [self.index, self.upto.position, self.upto.path, *after]
+
+    @classmethod
+    def from_list(cls, value: list[Any]) -> Increment:
+        """Parse :meth:`to_list`'s data (an increment without ``after`` has 3 items).
+
+        >>> Increment.from_list([2, 9, "b", 5, "a"]).after
+        Mark(position=5, path='a')
+        """
+        index, position, path, *after = value
+        start = Mark(int(after[0]), str(after[1])) if after else None
+        return cls(int(index), Mark(int(position), str(path)), start)
 
 
 @dataclass(frozen=True)

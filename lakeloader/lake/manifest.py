@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from lakeloader.errors import StateFormatError
 from lakeloader.lake.files import FileInfo
-from lakeloader.lake.increments import Increment, Mark
+from lakeloader.lake.increments import Increment
 from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot
 
 MANIFEST_KIND: Final = "lakeloader.manifest"
@@ -65,13 +65,7 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
         "schemas": schemas,
         "table": None if table is None else dataclasses.asdict(table),
         "row_filter": snapshot.row_filter,
-        "increment": None
-        if snapshot.increment is None
-        else [
-            snapshot.increment.index,
-            snapshot.increment.upto.position,
-            snapshot.increment.upto.path,
-        ],
+        "increment": None if snapshot.increment is None else snapshot.increment.to_list(),
     }
 
 
@@ -98,7 +92,7 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
     snapshot = dataclasses.replace(
         assemble_snapshot(infos, columns, version),
         row_filter=manifest.get("row_filter"),
-        increment=_increment(manifest.get("increment")),
+        increment=_increment(manifest.get("increment")),  # [index, upto.., after..]
     )
     recorded = manifest.get("fingerprint")
     if snapshot.fingerprint != recorded:
@@ -110,11 +104,8 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
 
 
 def _increment(value: Any) -> Increment | None:
-    """A manifest's increment entry (``[index, position, path]``) as an :class:`Increment`."""
-    if value is None:
-        return None
-    index, position, path = value
-    return Increment(int(index), Mark(int(position), str(path)))
+    """A manifest's increment entry as an :class:`Increment` (None: not following)."""
+    return None if value is None else Increment.from_list(value)
 
 
 def _file_info(entry: list[Any], schemas: list[pa.Schema]) -> FileInfo:

@@ -158,7 +158,8 @@ class FolderSource:
             skip_unreadable=request.skip_unreadable,
         )
         index = 0 if after is None else after.index + 1
-        return fs, dataclasses.replace(snapshot, increment=Increment(index, last))
+        start = None if after is None else after.upto
+        return fs, dataclasses.replace(snapshot, increment=Increment(index, last, start))
 
 
 @runtime_checkable

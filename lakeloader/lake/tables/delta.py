@@ -148,7 +148,8 @@ class DeltaSource:
         newest, files = found
         version = TableVersion("delta", self.uri, str(table.metadata().id), newest)
         snapshot = table_snapshot(fs, files, _columns(table), version, **kwargs)
-        return fs, dataclasses.replace(snapshot, increment=Increment(after.index + 1, Mark(newest)))
+        taken = Increment(after.index + 1, Mark(newest), after.upto)
+        return fs, dataclasses.replace(snapshot, increment=taken)
 
 
 def _columns(table: Any) -> TableColumns:

@@ -159,7 +159,8 @@ class IcebergSource:
             "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
         )
         snapshot = table_snapshot(fs, files, names, version, **kwargs)
-        return fs, dataclasses.replace(snapshot, increment=Increment(after.index + 1, _mark(snap)))
+        taken = Increment(after.index + 1, _mark(snap), after.upto)
+        return fs, dataclasses.replace(snapshot, increment=taken)
 
 
 def newest_metadata(fs: fsspec.AbstractFileSystem, location: str) -> str:
