@@ -25,7 +25,7 @@ from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths
 from lakeloader.lake.filtering import RowFilter, filtered, lake_schema
 from lakeloader.lake.following import first_increment, next_increment
-from lakeloader.lake.increments import IncrementRequest
+from lakeloader.lake.increments import SourceRequest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
 from lakeloader.lake.tables.sources import delta_source, iceberg_source
@@ -191,18 +191,17 @@ class LakeDataset:
         if self.follow is not None and packing is not None:
             raise ValueError("follow= and packing= do not go together yet: pick one")
         if snapshot is None:
-            kwargs: dict[str, Any] = {
-                "columns": None if columns is None else list(columns),
-                "progress": progress,
-                "retry": self.retry,
-                "skip_unreadable": on_error == "skip",
-            }
+            request = SourceRequest(
+                self.storage_options,
+                None if columns is None else list(columns),
+                progress,
+                self.retry,
+                on_error == "skip",
+            )
             if self.follow is None:
-                fs, snapshot = self.source.snapshot(self.storage_options, **kwargs)
+                fs, snapshot = self.source.snapshot(request)
             else:
-                fs, snapshot = first_increment(
-                    self.source, self.follow, self.storage_options, **kwargs
-                )
+                fs, snapshot = first_increment(self.source, self.follow, request)
         else:
             fs = self.source.filesystem(self.storage_options)
         self.fs: fsspec.AbstractFileSystem = fs
@@ -412,10 +411,10 @@ class LakeDataset:
             return self._successor[1].for_epoch(epoch)
         return self
 
-    def increment_request(self) -> IncrementRequest:
+    def increment_request(self) -> SourceRequest:
         """How this (followed) dataset asks its source for an increment."""
         assert self.follow is not None
-        return IncrementRequest(
+        return SourceRequest(
             self.storage_options,
             list(self.config.columns),
             False,

@@ -13,7 +13,7 @@ from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.increments import Increment, IncrementRequest
+from lakeloader.lake.increments import Increment, SourceRequest
 from lakeloader.lake.source import FolderSource, Growing
 from lakeloader.lake.tables.delta import DeltaSource
 from lakeloader.lake.tables.options import delta_options, fsspec_options
@@ -53,7 +53,7 @@ def _lag(ckpt: Checkpoint, after: Increment, storage_options: dict[str, Any]) ->
         source = DeltaSource(ckpt.snapshot.table.location, None, options)
     else:
         source = FolderSource.of(where)
-    request = IncrementRequest(
+    request = SourceRequest(
         fsspec_options(storage_options), None, False, RetryPolicy(deadline=30), False, "skip"
     )
     files = rows = increments = 0

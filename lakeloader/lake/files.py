@@ -62,6 +62,8 @@ class FileInfo:
         >>> FileInfo("f", 1, "v", (1,), (1,), (), None, renames=(("b", "a"),)).physical_name("b")
         'a'
         """
+        if not self.renames:  # every unit read asks, for every column: the usual case first
+            return column
         return dict(self.renames).get(column, column)
 
     def kept(self, row_group: int) -> np.ndarray | None:

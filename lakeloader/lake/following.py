@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lakeloader.errors import StateMismatchError
 from lakeloader.follow import Follow
-from lakeloader.lake.increments import Increment, IncrementRequest, Mark
+from lakeloader.lake.increments import Increment, Mark, SourceRequest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Growing, Source
 
@@ -55,9 +55,7 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
-def _agreed(
-    source: Source, after: Increment | None, decide: Any, request: IncrementRequest
-) -> Found:
+def _agreed(source: Source, after: Increment | None, decide: Any, request: SourceRequest) -> Found:
     """The increment after ``after`` as rank 0 finds it (``decide(found)`` may stop the wait).
 
     Raises:
@@ -90,21 +88,21 @@ def _agreed(
 
 
 def first_increment(
-    source: Source, follow: Follow, storage_options: dict[str, Any], **kwargs: Any
+    source: Source, follow: Follow, request: SourceRequest
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """Increment 0: the lake as it is now (as rank 0 sees it).
 
     Raises:
         LakeNotFoundError: If it holds no data file.
     """
-    request = IncrementRequest(storage_options, on_rewrite=follow.on_rewrite, **kwargs)
+    request = dataclasses.replace(request, on_rewrite=follow.on_rewrite)
     found = _agreed(source, None, lambda _: None, request)
     assert found is not None, "the first increment of a lake holds its files"
     return found
 
 
 def increment_at(
-    source: Source, increment: Increment, request: IncrementRequest
+    source: Source, increment: Increment, request: SourceRequest
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """The files of ``increment`` found again from its marks (a resume from a state alone).
 
@@ -123,7 +121,7 @@ def increment_at(
 
 
 def next_increment(
-    source: Source, follow: Follow, now: Increment | None, request: IncrementRequest
+    source: Source, follow: Follow, now: Increment | None, request: SourceRequest
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """The increment after ``now``, waiting for one to be appended.
 

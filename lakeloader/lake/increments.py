@@ -78,8 +78,8 @@ class Increment:
 
 
 @dataclass(frozen=True)
-class IncrementRequest:
-    """What a source is asked for an increment with.
+class SourceRequest:
+    """What a source is asked for a snapshot or an increment with.
 
     Attributes:
         storage_options: fsspec options.
@@ -96,17 +96,8 @@ class IncrementRequest:
     progress: bool | None
     retry: RetryPolicy
     skip_unreadable: bool
-    on_rewrite: OnRewrite
+    on_rewrite: OnRewrite = "skip"
     upto: Mark | None = None
-
-    def snapshot_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``Source.snapshot`` (and ``table_snapshot``) it carries."""
-        return {
-            "columns": self.columns,
-            "progress": self.progress,
-            "retry": self.retry,
-            "skip_unreadable": self.skip_unreadable,
-        }
 
 
 def rewritten(where: str, on_rewrite: OnRewrite) -> None:

@@ -21,9 +21,8 @@ from fsspec.core import url_to_fs
 from lakeloader.errors import LakeNotFoundError
 from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import url_of
-from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import Paths, discover_listed
-from lakeloader.lake.increments import Increment, IncrementRequest, listed_ns, newer_files
+from lakeloader.lake.increments import Increment, SourceRequest, listed_ns, newer_files
 from lakeloader.lake.snapshot import Snapshot, build_snapshot, snapshot_lake
 
 #: What a source is described as in checkpoints: a URL, or a list of them.
@@ -42,18 +41,14 @@ class Source(Protocol):
 
     def snapshot(
         self,
-        storage_options: dict[str, Any],
-        *,
-        columns: list[str] | None,
-        progress: bool | None,
-        retry: RetryPolicy,
-        skip_unreadable: bool,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """Pin the source as it is now.
 
         Raises:
             LakeNotFoundError: If it holds no data file.
-            LakeDataError: If a footer cannot be read (and ``skip_unreadable`` is False).
+            LakeDataError: If a footer cannot be read (and ``request.skip_unreadable`` is
+                False).
             SchemaMismatchError: If file schemas conflict.
         """
 
@@ -94,12 +89,7 @@ class FolderSource:
 
     def snapshot(
         self,
-        storage_options: dict[str, Any],
-        *,
-        columns: list[str] | None,
-        progress: bool | None,
-        retry: RetryPolicy,
-        skip_unreadable: bool,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """List the files and read their footers in parallel (see ``snapshot_lake``).
 
@@ -110,11 +100,11 @@ class FolderSource:
         try:
             return snapshot_lake(
                 paths,
-                storage_options,
-                progress=progress,
-                columns=columns,
-                retry=retry,
-                skip_unreadable=skip_unreadable,
+                request.storage_options,
+                progress=request.progress,
+                columns=request.columns,
+                retry=request.retry,
+                skip_unreadable=request.skip_unreadable,
             )
         except Exception as exc:
             if not refused(exc):
@@ -124,7 +114,7 @@ class FolderSource:
     def increment(
         self,
         after: Increment | None,
-        request: IncrementRequest,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The files listed with a modification time after ``after``'s mark (up to ``upto``).
 
@@ -169,7 +159,7 @@ class Growing(Protocol):
     def increment(
         self,
         after: Increment | None,
-        request: IncrementRequest,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The increment after ``after`` (None: the first), up to ``request.upto``.
 

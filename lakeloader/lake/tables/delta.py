@@ -20,8 +20,7 @@ import pyarrow as pa
 from fsspec.core import url_to_fs
 
 from lakeloader.errors import LakeNotFoundError
-from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.increments import Increment, IncrementRequest, Mark
+from lakeloader.lake.increments import Increment, Mark, SourceRequest
 from lakeloader.lake.snapshot import Snapshot, TableVersion
 from lakeloader.lake.tables.delta_log import next_append
 from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
@@ -88,12 +87,7 @@ class DeltaSource:
 
     def snapshot(
         self,
-        storage_options: dict[str, Any],
-        *,
-        columns: list[str] | None,
-        progress: bool | None,
-        retry: RetryPolicy,
-        skip_unreadable: bool,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """Pin the version: its add actions, deletion vectors and schema; then the footers.
 
@@ -102,7 +96,7 @@ class DeltaSource:
             LakeDataError: If a footer cannot be read or disagrees with the metadata.
         """
         table = open_table(self.uri, self.version, dict(self.options))
-        fs = self.filesystem(storage_options)
+        fs = self.filesystem(request.storage_options)
         version = TableVersion("delta", self.uri, str(table.metadata().id), int(table.version()))
         files = _files(fs, self.uri, table)
         snapshot = table_snapshot(
@@ -110,17 +104,14 @@ class DeltaSource:
             files,
             _columns(table),
             version,
-            columns=columns,
-            progress=progress,
-            retry=retry,
-            skip_unreadable=skip_unreadable,
+            request,
         )
         return fs, snapshot
 
     def increment(
         self,
         after: Increment | None,
-        request: IncrementRequest,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The first increment is the version; then what later commits appended.
 
@@ -131,10 +122,9 @@ class DeltaSource:
             LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.
         """
         upto = request.upto
-        kwargs = request.snapshot_kwargs()
         if after is None:
             source = self if upto is None else dataclasses.replace(self, version=upto.position)
-            fs, snapshot = source.snapshot(request.storage_options, **kwargs)
+            fs, snapshot = source.snapshot(request)
             assert snapshot.table is not None
             return fs, dataclasses.replace(
                 snapshot, increment=Increment(0, Mark(snapshot.table.version))
@@ -147,7 +137,7 @@ class DeltaSource:
             return None
         newest, files = found
         version = TableVersion("delta", self.uri, str(table.metadata().id), newest)
-        snapshot = table_snapshot(fs, files, _columns(table), version, **kwargs)
+        snapshot = table_snapshot(fs, files, _columns(table), version, request)
         taken = Increment(after.index + 1, Mark(newest), after.upto)
         return fs, dataclasses.replace(snapshot, increment=taken)
 

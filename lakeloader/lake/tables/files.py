@@ -12,9 +12,9 @@ import pyarrow as pa
 
 from lakeloader.errors import LakeDataError, LakeNotFoundError
 from lakeloader.io.fetch import url_of
-from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.discovery import DiscoveredFile
 from lakeloader.lake.files import FileInfo
+from lakeloader.lake.increments import SourceRequest
 from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot, read_file_infos
 
 #: Field metadata key of a Parquet field id (written by Iceberg and Delta column mapping).
@@ -58,11 +58,7 @@ def table_snapshot(
     files: Sequence[TableFile],
     table: TableColumns,
     version: TableVersion,
-    *,
-    columns: Sequence[str] | None,
-    progress: bool | None,
-    retry: RetryPolicy,
-    skip_unreadable: bool,
+    request: SourceRequest,
 ) -> Snapshot:
     """Read the footers of a table version's files and pin them as a snapshot.
 
@@ -75,7 +71,7 @@ def table_snapshot(
         raise LakeNotFoundError(f"{version.describe()} holds no data file")
     ordered = sorted(files, key=lambda f: f.path)
     found = [DiscoveredFile(f.path, f.partitions) for f in ordered]
-    infos = read_file_infos(fs, found, progress=progress, retry=retry)
+    infos = read_file_infos(fs, found, progress=request.progress, retry=request.retry)
     kept = []
     for listed, info in zip(ordered, infos, strict=True):
         if info is None:
@@ -86,11 +82,11 @@ def table_snapshot(
                 f"{listed.rows} in the metadata of {version.describe()}; the file was replaced "
                 "or the table is corrupt: repair the table (or pass on_error='skip')"
             )
-            if not skip_unreadable:
+            if not request.skip_unreadable:
                 raise error
             continue
         kept.append(as_table_file(info, listed, table))
-    return assemble_snapshot(kept, columns, version)
+    return assemble_snapshot(kept, request.columns, version)
 
 
 def as_table_file(info: FileInfo, listed: TableFile, table: TableColumns) -> FileInfo:

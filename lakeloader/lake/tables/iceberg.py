@@ -23,8 +23,7 @@ from fsspec.core import url_to_fs
 
 from lakeloader.errors import LakeChangedError, LakeDataError, LakeNotFoundError
 from lakeloader.follow import OnRewrite
-from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.increments import Increment, IncrementRequest, Mark, rewritten
+from lakeloader.lake.increments import Increment, Mark, SourceRequest, rewritten
 from lakeloader.lake.snapshot import Snapshot, TableVersion
 from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
 
@@ -78,12 +77,7 @@ class IcebergSource:
 
     def snapshot(
         self,
-        storage_options: dict[str, Any],
-        *,
-        columns: list[str] | None,
-        progress: bool | None,
-        retry: RetryPolicy,
-        skip_unreadable: bool,
+        request: SourceRequest,
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """Pin the snapshot: its scan plan, position deletes and schema; then the footers.
 
@@ -103,7 +97,7 @@ class IcebergSource:
                 f"{self.location}: no snapshot {self.snapshot_id} (the table has "
                 f"{known or 'no snapshots: nothing was written'})"
             )
-        fs = self.filesystem(storage_options)
+        fs = self.filesystem(request.storage_options)
         version = TableVersion(
             "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
         )
@@ -116,15 +110,12 @@ class IcebergSource:
             _files(fs, table, snap.snapshot_id, self.location),
             names,
             version,
-            columns=columns,
-            progress=progress,
-            retry=retry,
-            skip_unreadable=skip_unreadable,
+            request,
         )
         return fs, snapshot
 
     def increment(
-        self, after: Increment | None, request: IncrementRequest
+        self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The first increment is the snapshot; then each later one that appends files.
 
@@ -134,13 +125,12 @@ class IcebergSource:
             LakeChangedError: Under ``on_rewrite="error"``, naming a snapshot that rewrote data.
         """
         upto = request.upto
-        kwargs = request.snapshot_kwargs()
         fs = self.filesystem(request.storage_options)
         table = open_table(newest_metadata(fs, self.location), dict(self.properties))
         if after is None:
             wanted = self.snapshot_id if upto is None else int(upto.path)
             source = dataclasses.replace(self, snapshot_id=wanted)
-            fs, snapshot = source.snapshot(request.storage_options, **kwargs)
+            fs, snapshot = source.snapshot(request)
             assert snapshot.table is not None
             head = table.snapshot_by_id(snapshot.table.version)
             return fs, dataclasses.replace(snapshot, increment=Increment(0, _mark(head)))
@@ -158,7 +148,7 @@ class IcebergSource:
         version = TableVersion(
             "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
         )
-        snapshot = table_snapshot(fs, files, names, version, **kwargs)
+        snapshot = table_snapshot(fs, files, names, version, request)
         taken = Increment(after.index + 1, _mark(snap), after.upto)
         return fs, dataclasses.replace(snapshot, increment=taken)
 
