@@ -262,17 +262,16 @@ class UnitReader:
             table = self._named(table, info, physical, read_cols)
             if screen is not None:
                 table = screen.apply(table, info).select(file_cols)
-                if table.num_rows != info.row_group_rows[row_group]:
-                    raise self._changed(info, row_group, table.num_rows, "match the filter")
+                matching = info.row_group_rows[row_group]
+                if table.num_rows != matching:
+                    raise self._changed(info, row_group, table.num_rows, "match", matching)
             if kept is not None or screen is not None:
                 table = table.slice(row_start, num_rows)
             return table
-        else:
-            batches, streamed = stream_rows(source, meta, row_group, row_start, num_rows, physical)
-            if streamed < row_start + num_rows:
-                raise self._changed(info, row_group, streamed, "in its stream")
-            table = pa.Table.from_batches(batches)
-        return self._named(table, info, physical, read_cols)
+        batches, streamed = stream_rows(source, meta, row_group, row_start, num_rows, physical)
+        if streamed < row_start + num_rows:
+            raise self._changed(info, row_group, streamed, "in its stream")
+        return self._named(pa.Table.from_batches(batches), info, physical, read_cols)
 
     @staticmethod
     def _named(table: pa.Table, info: FileInfo, physical: list[str], names: list[str]) -> pa.Table:
@@ -337,12 +336,18 @@ class UnitReader:
             "on_error='skip' to quarantine the unit"
         )
 
-    def _changed(self, info: FileInfo, row_group: int, rows: int, how: str) -> LakeDataError:
-        """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's."""
+    def _changed(
+        self, info: FileInfo, row_group: int, rows: int, how: str, expected: int | None = None
+    ) -> LakeDataError:
+        """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's.
+
+        ``expected`` is what the snapshot says (default: the rows in the file).
+        """
+        said = info.rows_in_file(row_group) if expected is None else expected
         return LakeDataError(
             f"{url_of(self.fs, info.path)}, row group {row_group}: {rows} rows {how} but "
-            f"the snapshot says {info.rows_in_file(row_group)}; the file changed after the "
-            "snapshot was taken: rebuild the dataset"
+            f"the snapshot says {said}; the file changed after the snapshot was taken: "
+            "rebuild the dataset"
         )
 
     def read(
