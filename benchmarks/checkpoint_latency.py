@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from lakeloader import CheckpointManager, DataLoader, LakeDataset
-from lakeloader.checkpoint.manager import COMMIT_FILE, MANIFEST_DIR, STATE_FILE, step_dir_name
+from lakeloader.checkpoint.layout import COMMIT_FILE, MANIFEST_DIR, STATE_FILE, step_dir_name
 from lakeloader.cli.demo import BEFORE, FEATURES, write_demo_lake
 from lakeloader.cli.tables import format_pairs, format_table, to_json
 from lakeloader.units import human_bytes

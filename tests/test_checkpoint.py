@@ -16,7 +16,7 @@ import pytest
 
 import lakeloader as ll
 import lakeloader.lake.snapshot
-from lakeloader.checkpoint.manager import COMMIT_FILE, STATE_FILE, step_dir_name
+from lakeloader.checkpoint.layout import COMMIT_FILE, STATE_FILE, step_dir_name
 from tests.conftest import TORCHRUN_ENV, layout_dataset, torchrun_command
 
 BATCH = 48
@@ -94,7 +94,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(
         f"""
         import os, signal
         import lakeloader as ll
-        from lakeloader.checkpoint.manager import CheckpointManager, STATE_FILE
+        from lakeloader.checkpoint.manager import CheckpointManager
+        from lakeloader.checkpoint.layout import STATE_FILE
         ds = ll.LakeDataset({str(own_lake)!r}, seed=7, num_partitions=4, window=64,
                             max_unit_rows=128)
         loader = ll.DataLoader(ds, batch_size={BATCH})

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
-from lakeloader.checkpoint.manager import STATE_FILE, step_dir_name
+from lakeloader.checkpoint.layout import STATE_FILE, step_dir_name
 from lakeloader.lake.files import FileInfo
 from tests.conftest import (
     GLOBAL_BATCH,

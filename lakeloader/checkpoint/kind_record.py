@@ -16,6 +16,7 @@ from typing import Any, Final
 import msgpack
 
 from lakeloader.checkpoint.layout import sha256
+from lakeloader.checkpoint.training import TrainingRecord
 from lakeloader.errors import CheckpointError
 
 #: Key of a record's kind in ``state.msgpack`` (a single lake's record has none).
@@ -128,12 +129,14 @@ class KindCheckpoint:
         path: Its folder.
         record: What ``state.msgpack`` holds.
         nbytes: Size of ``state.msgpack``.
+        training: Its training context, or None (written before lakeloader saved one).
     """
 
     step: int
     path: str
     record: KindRecord
     nbytes: int
+    training: TrainingRecord | None = None
 
     @property
     def kind(self) -> str:

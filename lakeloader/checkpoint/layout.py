@@ -16,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgpack
 
+from lakeloader.checkpoint.training import TrainingRecord
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.state.loader_state import LoaderState
@@ -83,6 +85,9 @@ class CommitRecord:
         manifest: Path of the pinned snapshot's manifest, relative to the root.
         manifest_sha256: The manifest's SHA-256.
         version: The format version.
+        parts: The step folder's other files (the training context, the weights' shards),
+            by path relative to the folder: ``(size, SHA-256)``, the digest empty for shards
+            (their sizes are checked; DCP checks what it reads).
 
     Example:
         >>> c = CommitRecord(7, 10, "ab", "manifests/f.msgpack", "cd")
@@ -96,14 +101,16 @@ class CommitRecord:
     manifest: str
     manifest_sha256: str
     version: int = CHECKPOINT_FORMAT_VERSION
+    parts: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         """The marker's bytes (msgpack)."""
+        files = {name: [size, digest] for name, (size, digest) in self.parts.items()}
         packed: bytes = msgpack.packb(
             {
                 "version": self.version,
                 "step": self.step,
-                "files": {STATE_FILE: [self.state_bytes, self.state_sha256]},
+                "files": {STATE_FILE: [self.state_bytes, self.state_sha256], **files},
                 "manifest": self.manifest,
                 "manifest_sha256": self.manifest_sha256,
             }
@@ -126,6 +133,11 @@ class CommitRecord:
                     f"{CHECKPOINT_FORMAT_VERSION}. Load it with the lakeloader that wrote it"
                 )
             size, digest = d["files"][STATE_FILE]
+            parts = {
+                str(name): (int(n), str(sha))
+                for name, (n, sha) in d["files"].items()
+                if name != STATE_FILE
+            }
             return cls(
                 int(d["step"]),
                 int(size),
@@ -133,6 +145,7 @@ class CommitRecord:
                 str(d["manifest"]),
                 str(d["manifest_sha256"]),
                 int(version),
+                parts,
             )
         except CheckpointError:
             raise
@@ -273,6 +286,8 @@ class Checkpoint:
         snapshot: The pinned snapshot from the manifest.
         manifest: The manifest itself (plain dict).
         nbytes: Size of ``state.msgpack``.
+        training: Its training context (generators, versions, what the weights hold), or
+            None for a checkpoint written before lakeloader saved one.
     """
 
     step: int
@@ -283,3 +298,4 @@ class Checkpoint:
     snapshot: Snapshot
     manifest: dict[str, Any]
     nbytes: int
+    training: TrainingRecord | None = None

@@ -1,6 +1,8 @@
-"""The checkpoint manager: the loader's position, saved at a sync barrier to any fsspec URL.
+"""The checkpoint manager: whole checkpoints saved at a sync barrier to any fsspec URL.
 
-The folder layout and the records of each file are :mod:`lakeloader.checkpoint.layout`. A
+A checkpoint is the loader's position with, optionally, the model's and optimizer's shards
+(:mod:`~lakeloader.checkpoint.whole`) and the context that produced them. The folder layout
+and the records of each file are :mod:`lakeloader.checkpoint.layout`. A
 checkpoint is visible only once its ``COMMIT`` marker exists, which works the same on a local
 disk and on object stores that cannot rename; a save killed half-way leaves a folder without a
 marker, which ``load`` ignores and the next save removes. Loading hands the checkpoint to the
@@ -11,47 +13,29 @@ topology of now.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
-import posixpath
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import torch
 import torch.distributed as dist
 from fsspec.core import url_to_fs
 
 from lakeloader._version import __version__
+from lakeloader.audit.ledger import Ledger
 from lakeloader.checkpoint.barrier import confirm_same_position
-from lakeloader.checkpoint.kind_record import (
-    KindCheckpoint,
-    KindRecord,
-    check_same_kind,
-    kind_record,
-    record_kind,
-    verify_manifests,
-)
-from lakeloader.checkpoint.layout import (
-    COMMIT_FILE,
-    MANIFEST_DIR,
-    STATE_FILE,
-    STEP_DIR_RE,
-    Checkpoint,
-    CheckpointContext,
-    CommitRecord,
-    StateRecord,
-    manifest_name,
-    sha256,
-    step_dir_name,
-)
+from lakeloader.checkpoint.folders import CheckpointFolders
+from lakeloader.checkpoint.kind_record import KindCheckpoint, check_same_kind, kind_record
+from lakeloader.checkpoint.layout import Checkpoint, CheckpointContext, StateRecord
+from lakeloader.checkpoint.reading import read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
+from lakeloader.checkpoint.training import code_version
+from lakeloader.checkpoint.whole import capture, restore
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
+from lakeloader.errors import CheckpointError, StoreAccessError
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manifest
-from lakeloader.lake.snapshot import Snapshot
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.lake_changes import LakeChangePolicy
@@ -64,18 +48,28 @@ LAKE_KINDS = ("lake", "follow")
 
 
 class CheckpointManager:
-    """Save and load loader positions under one URL, with ``keep`` checkpoints retained.
+    """Save and load whole training checkpoints under one URL, with ``keep`` retained.
+
+    A checkpoint holds the loader's position, and optionally the model's and the optimizer's
+    state (``torch.distributed.checkpoint``: each rank writes its shards, a load reshards),
+    every rank's random generators, and its context (versions, the training code's git
+    commit, the topology, the order configuration); all of it under one ``COMMIT``, so that
+    it is whole or invisible. Rank 0 also keeps the audit ledger beside the checkpoints
+    (:mod:`lakeloader.audit`): every step the loaders it saves or loads deliver.
 
     Args:
         url: Root folder, any fsspec URL (a local path, ``s3://``, ``gs://``, ...).
         keep: Complete checkpoints kept; older ones are deleted after each save.
-        async_save: Write in a background thread; ``save`` returns once the state is
-            captured. A second save waits for the first; errors surface on the next call or
-            on :meth:`wait`.
+        async_save: Write in the background; ``save`` returns once the state is captured
+            (the model's and optimizer's copied to memory by DCP's ``async_save``). A second
+            save waits for the first; errors surface on the next call or on :meth:`wait`.
         storage_options: fsspec options for the URL.
         retry: How transient storage failures of checkpoint reads and writes are retried
             (default: as data reads, up to 5 minutes per call); a refused request fails at
             once with :class:`~lakeloader.errors.StoreAccessError` naming the URL.
+        ledger: Keep the audit ledger (``lakeloader audit``).
+        ledger_flush_seconds: Longest time a delivered step waits before the ledger writes it
+            (0: a ledger segment per step); a save always writes one.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -90,7 +84,7 @@ class CheckpointManager:
         >>> fresh = DataLoader(LakeDataset(root), batch_size=32)
         >>> ckpt.load(fresh), fresh.state_dict()["position"]
         ({'lr': 0.1}, 32)
-        >>> tmp.cleanup(); runs.cleanup()
+        >>> ckpt.close(); tmp.cleanup(); runs.cleanup()
     """
 
     def __init__(
@@ -101,99 +95,138 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        ledger: bool = True,
+        ledger_flush_seconds: float = 10.0,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.url = url
         self.keep = keep
         self.async_save = async_save
+        self.storage_options = dict(storage_options or {})
         self.fs: fsspec.AbstractFileSystem
-        self.fs, self.root = url_to_fs(url, **(storage_options or {}))
-        self.root = self.root.rstrip("/")
+        self.fs, root = url_to_fs(url, **self.storage_options)
+        self.root = root.rstrip("/")
         self.store = CheckpointStore(self.fs, url, retry or RetryPolicy())
+        self.folders = CheckpointFolders(self.store, self.root, keep)
+        self.ledger = Ledger(self.store, self.root, flush_seconds=ledger_flush_seconds)
+        self._keep_ledger = ledger
+        self._code = code_version()
         self._writer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="lakeloader-ckpt", initializer=main_thread_only
         )
-        self._pending: Future[None] | None = None
-        self._manifests: dict[str, str] = {}  # manifests known intact: path -> SHA-256
+        self._pending: Future[Any] | None = None
+        self._async_group: dist.ProcessGroup | None = None
         self._closed = False
-
-    # ------------------------------------------------------------------ listing
-    def _path(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts)
-
-    def _step_dirs(self) -> dict[int, str]:
-        try:
-            entries = self.store.ls(self.root)
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for entry in entries:
-            match = STEP_DIR_RE.search(entry.rstrip("/"))
-            if match:
-                out[int(match.group(1))] = entry.rstrip("/")
-        return out
 
     def steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint, oldest first."""
-        dirs = self._step_dirs()
-        exists = self.store.exists
-        return sorted(s for s, d in dirs.items() if exists(posixpath.join(d, COMMIT_FILE)))
+        return self.folders.committed()
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
 
-    # ------------------------------------------------------------------- saving
-    def save(self, step: int, loader: DataLoader, extra: Any = None) -> None:
-        """Save the loader's position (collective when torch.distributed is initialised).
+    def _url(self, path: str) -> str:
+        """The URL of a path under the root (what DCP's writers open)."""
+        return self.url.rstrip("/") + path[len(self.root) :]
 
-        Every rank calls it at the same step; ranks confirm that they hold the same position
-        (and that the previous background save succeeded) and the save fails on every rank,
-        naming the ranks, if they do not. Rank 0 writes; ``extra`` is taken from rank 0.
+    def attach(self, loader: DataLoader) -> None:
+        """Record every step ``loader`` delivers in the audit ledger (rank 0 of a lake's loader).
+
+        :meth:`save` and :meth:`load` attach their loader; call this before training when
+        the run starts without loading, so that the ledger sees its first steps.
+        """
+        if self._keep_ledger and _rank() == 0 and loader.dataset.loader_kind in LAKE_KINDS:
+            loader.tracker.observer = self.ledger.step
+
+    # ------------------------------------------------------------------- saving
+    def save(
+        self,
+        step: int,
+        loader: DataLoader,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Any = None,
+    ) -> None:
+        """Save a whole checkpoint (collective when torch.distributed is initialised).
+
+        Every rank calls it at the same step; ranks confirm that they hold the same loader
+        position (and that the previous background save succeeded) and the save fails on
+        every rank, naming the ranks, if they do not. Each rank writes its shards of
+        ``model`` and ``optimizer`` (plain, DDP or FSDP2 modules) and hands rank 0 its random
+        generators; rank 0 writes the loader's state, the context and ``extra`` (taken from
+        rank 0; plain msgpack-able types), then ``COMMIT``.
 
         Raises:
             CheckpointError: If ranks disagree, the write fails (sync), a previous background
-                save failed, or the manager is closed.
+                save failed, an optimizer comes without its model, or the manager is closed.
         """
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
-        if loader.dataset.loader_kind not in LAKE_KINDS:  # a Mixture's or a packed loader
-            self._save_kind(step, loader, extra, previous)
-            return
+        lake = loader.dataset.loader_kind in LAKE_KINDS
         ds = loader.dataset
-        state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
-        everyone = confirm_same_position(state, previous)
+        if lake:
+            state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
+            everyone = confirm_same_position(state, previous)
+        else:  # a Mixture's or a packed loader
+            kind_loader: Any = loader
+            everyone = confirm_same_position(kind_loader.barrier_position(), previous)
         if previous is not None:
             raise previous
-        if everyone:
+        if lake and everyone:
             loader.tracker.merge_quarantine(everyone)
             state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-            return
-        payload = StateRecord(state, _context(loader, step), extra).to_bytes()
-        manifest = (ds.snapshot, loader.dataset.source.describe())
-        self._submit(step, functools.partial(self._write, step, payload, manifest))
-
-    def _save_kind(
-        self, step: int, loader: Any, extra: Any, previous: CheckpointError | None
-    ) -> None:
-        """Save a Mixture's or a packed loader: its state (every rank's), its manifests."""
-        confirm_same_position(loader.barrier_position(), previous)
-        if previous is not None:
-            raise previous
-        state = loader.checkpoint_state()  # a collective for a packed loader
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        kind_state = {} if lake else kind_loader.checkpoint_state()  # a collective if packed
+        position = (state.epoch, state.position) if lake else (0, 0)
+        if lake:
+            self.attach(loader)
+        folder = self.folders.step_folder(step)
+        if _rank() == 0 and model is not None:
+            self.folders.uncommit(step)  # before any rank writes shards into the folder
+        captured = capture(
+            step,
+            folder,
+            self._url(folder),
+            model=model,
+            optimizer=optimizer,
+            attempt=self.ledger.attempt,
+            code=self._code,
+            storage_options=self.storage_options,
+            async_group=self._group() if self.async_save and model is not None else None,
+        )
+        if _rank() != 0:
+            if captured.pending is not None:
+                self._pending = captured.pending  # the next save waits for this rank's shards
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
+        def record() -> tuple[bytes, tuple[str, str]]:
+            if not lake:
+                rec = kind_record(
+                    loader, kind_state, step, extra, created, __version__, self.folders.manifest
+                )
+                return rec.to_bytes(), ("", "")
+            payload = StateRecord(state, _context(loader, step, created), extra).to_bytes()
+            return payload, self.folders.manifest(ds.snapshot, ds.source.describe())
+
         def write() -> None:
-            record = kind_record(loader, state, step, extra, created, __version__, self._manifest)
-            self._write_folder(step, record.to_bytes(), "", "")
+            captured.wait()
+            parts = captured.parts(self.store, folder)
+            self.folders.commit(step, *record(), parts)
+            if lake and self._keep_ledger:
+                self.ledger.saved(step, *position, captured.record.world_size)
 
         self._submit(step, write)
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The process group of background weight saves (made once, on every rank)."""
+        if self._async_group is None and dist.is_available() and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
 
     def _submit(self, step: int, write: Callable[[], None]) -> None:
         """Write now, or in the background with ``async_save``."""
@@ -230,107 +263,14 @@ class CheckpointManager:
         if error is not None:
             raise error
 
-    def _manifest(self, snapshot: Snapshot, source: Any) -> tuple[str, str]:
-        """Write the snapshot's manifest unless an intact one is there; (relative path, sha)."""
-        rel = manifest_name(snapshot.fingerprint)
-        known = self._manifests.get(rel)
-        if known is not None:
-            return rel, known
-        data = pack_manifest(snapshot, source)
-        digest = sha256(data)
-        path = self._path(rel)
-        try:
-            intact = sha256(self.store.cat(path)) == digest
-        except FileNotFoundError:
-            intact = False
-        if not intact:  # absent, or torn by an earlier crash: (re)write it whole
-            self.store.makedirs(self._path(MANIFEST_DIR))
-            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-            self.store.put(tmp, data)
-            self.store.mv(tmp, path)
-        self._manifests[rel] = digest
-        return rel, digest
-
-    def _write(self, step: int, payload: bytes, manifest: tuple[Snapshot, Any]) -> None:
-        self._write_folder(step, payload, *self._manifest(*manifest))
-
-    def _write_folder(
-        self, step: int, payload: bytes, manifest_rel: str, manifest_sha: str
-    ) -> None:
-        """Write a step's state, then its COMMIT (a mixture's names no manifest)."""
-        folder = self._path(step_dir_name(step))
-        commit = posixpath.join(folder, COMMIT_FILE)
-        if self.store.exists(commit):
-            self.store.rm(commit)  # invisible first, then overwrite
-        self.store.makedirs(folder)
-        self.store.put(posixpath.join(folder, STATE_FILE), payload)
-        marker = CommitRecord(step, len(payload), sha256(payload), manifest_rel, manifest_sha)
-        self.store.put(commit, marker.to_bytes())
-        logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, len(payload))
-        self._prune(step)
-
-    def _prune(self, current: int) -> None:
-        """Keep the newest ``keep`` committed checkpoints; drop half-written folders."""
-        dirs = self._step_dirs()
-        committed = sorted(
-            s for s, d in dirs.items() if self.store.exists(posixpath.join(d, COMMIT_FILE))
-        )
-        doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s != current]
-        for s in doomed:
-            commit = posixpath.join(dirs[s], COMMIT_FILE)
-            if self.store.exists(commit):
-                self.store.rm(commit)  # invisible before it is incomplete
-            self.store.rm(dirs[s], recursive=True)
-
     # ------------------------------------------------------------------ loading
     def read(self, step: int) -> Checkpoint | KindCheckpoint:
-        """Read and verify one checkpoint.
+        """Read and verify one checkpoint: its state, manifests and every part ``COMMIT`` lists.
 
         Raises:
             CheckpointError: If it is missing, incomplete, truncated or corrupt.
         """
-        folder = self._path(step_dir_name(step))
-        try:
-            marker = CommitRecord.from_bytes(self.store.cat(posixpath.join(folder, COMMIT_FILE)))
-            payload = self.store.cat(posixpath.join(folder, STATE_FILE))
-            if len(payload) != marker.state_bytes or sha256(payload) != marker.state_sha256:
-                raise CheckpointError(
-                    f"{STATE_FILE} is {len(payload)} bytes with SHA-256 {sha256(payload)[:12]}"
-                    f"..., its COMMIT says {marker.state_bytes} bytes, "
-                    f"{marker.state_sha256[:12]}...: truncated or overwritten"
-                )
-            if record_kind(payload) is not None:
-                kind = KindRecord.from_bytes(payload)
-                verify_manifests(kind, lambda rel: self.store.cat(self._path(rel)))
-                return KindCheckpoint(step, folder, kind, len(payload))
-            record = StateRecord.from_bytes(payload)
-            manifest_bytes = self.store.cat(self._path(marker.manifest))
-            if sha256(manifest_bytes) != marker.manifest_sha256:
-                raise CheckpointError(
-                    f"manifest {marker.manifest} does not match the SHA-256 its COMMIT "
-                    "records: torn or overwritten"
-                )
-            manifest = unpack_manifest(manifest_bytes)
-            snapshot = from_manifest(manifest, record.loader.config.get("columns"))
-            if snapshot.fingerprint != record.loader.fingerprint:
-                raise CheckpointError(
-                    f"its state refers to snapshot {record.loader.fingerprint} but its manifest "
-                    f"{marker.manifest} describes {snapshot.fingerprint}"
-                )
-        except FileNotFoundError as exc:
-            raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
-        except (CheckpointError, StateFormatError) as exc:
-            raise CheckpointError(f"{folder}: {exc}") from exc
-        return Checkpoint(
-            step,
-            folder,
-            record.loader,
-            record.context,
-            record.extra,
-            snapshot,
-            manifest,
-            len(payload),
-        )
+        return read_checkpoint(self.folders, step)
 
     def load_checkpoint(self, step: int | None = None) -> Checkpoint | KindCheckpoint:
         """The newest usable checkpoint (or the given step), falling back past corrupt ones.
@@ -357,9 +297,18 @@ class CheckpointManager:
         loader: DataLoader,
         step: int | None = None,
         *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        rng: bool = True,
         on_lake_change: LakeChangePolicy = "error",
     ) -> Any:
-        """Restore the loader from the newest usable checkpoint; return the saved extras.
+        """Restore the loader, model, optimizer and generators; return the saved extras.
+
+        It takes the newest usable checkpoint, or ``step``.
+        With ``model`` (and ``optimizer``), every rank must call it (a collective): rank 0
+        picks the checkpoint, and each rank reads the shards its parameters need, whatever
+        the world size that saved them. ``rng`` restores each rank's random generators as
+        they were at the save (ranks the saving run did not have keep theirs).
 
         The loader may have any world size, worker count or batch size. The
         :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot with the
@@ -377,6 +326,8 @@ class CheckpointManager:
             ValueError: For an unknown ``on_lake_change`` (whether or not the lake changed).
         """
         coordinator = RecoveryCoordinator(on_lake_change)
+        if model is not None or optimizer is not None:
+            step = _agreed(step if step is not None else self.load_checkpoint().step)
         ckpt = self.load_checkpoint(step)
         saved = ckpt.kind if isinstance(ckpt, KindCheckpoint) else "lake"
         kind = loader.dataset.loader_kind
@@ -385,6 +336,16 @@ class CheckpointManager:
             loader.load_state_dict(dict(ckpt.record.state))
         else:
             loader._resume(coordinator.resume(ckpt, loader.dataset))
+        restore(
+            ckpt.training,
+            self._url(ckpt.path),
+            model=model,
+            optimizer=optimizer,
+            rng=rng,
+            storage_options=self.storage_options,
+        )
+        self.ledger.resumed(ckpt.step, ckpt.training.attempt if ckpt.training else "")
+        self.attach(loader)
         return ckpt.extra
 
     def dataset(
@@ -426,20 +387,34 @@ class CheckpointManager:
         return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
 
     def close(self) -> None:
-        """Finish a pending background save and stop the writer thread."""
+        """Finish a pending background save, write the ledger, stop the writer threads."""
         try:
             self.wait()
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
+            self.ledger.close()
 
 
-def _context(loader: DataLoader, step: int) -> CheckpointContext:
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _agreed(step: int) -> int:
+    """Rank 0's choice of checkpoint, on every rank (weights load collectively)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return step
+    chosen: list[Any] = [step]
+    dist.broadcast_object_list(chosen, src=0)
+    return int(chosen[0])
+
+
+def _context(loader: DataLoader, step: int, created: str) -> CheckpointContext:
     ds = loader.dataset
     return CheckpointContext(
         step=step,
         library_version=__version__,
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created=created,
         fingerprint=ds.fingerprint,
         config=ds.config.to_dict(),
         topology=loader.topology,

@@ -61,6 +61,15 @@ class CheckpointStore:
         data: bytes = self._call(lambda: self.fs.cat_file(path), path, "read")
         return data
 
+    def sizes(self, path: str) -> dict[str, int]:
+        """Every file below ``path``, with its size (empty if there is none)."""
+
+        def find() -> dict[str, int]:
+            found = self.fs.find(path, detail=True)
+            return {name: int(info["size"]) for name, info in found.items()}
+
+        return self._call(find, path, "list")
+
     def put(self, path: str, data: bytes) -> None:
         """Write ``path`` whole (a retry writes it again from the start)."""
 

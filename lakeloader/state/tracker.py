@@ -11,7 +11,7 @@ per-rank and per-worker view of files, row groups and row offsets (:meth:`view`)
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,9 @@ class ReaderStateTracker:
         #: Whether the next pass continues the position as it is (a fresh loader, a loaded
         #: state, or ``set_epoch``) rather than starting the next epoch.
         self._fresh = True
+        #: Told of every delivered step: ``(epoch, start, stop, rows of the epoch,
+        #: topology)``, global positions (the checkpoint manager's audit ledger).
+        self.observer: Callable[[int, int, int, int, Topology], None] | None = None
 
     @classmethod
     def standing_at(
@@ -178,7 +181,9 @@ class ReaderStateTracker:
             num_rows: Rows in the epoch; with ``drop_last``, the rows after the last step
                 of the pass are counted as dropped.
         """
-        self.position = d.slot_stop
+        start, self.position = self.position, d.slot_stop
+        if self.observer is not None:
+            self.observer(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:

@@ -1,0 +1,258 @@
+"""The exactly-once audit: the committed history of a run, proven epoch by epoch (pure).
+
+The committed history is found backwards from the newest committed checkpoint (the *head*):
+the steps its attempt delivered up to it, then, from that attempt's start, the steps of the
+attempt it resumed from up to the checkpoint it resumed from, and so on to a fresh start. Each
+epoch's committed steps must then tile its global positions ``[0, N)`` with neither gap nor
+overlap; the order is a bijection from positions to rows, so that proves every row was
+trained on exactly once. Steps outside the committed history are *replayed* where the history
+covers their positions again (delivered after a checkpoint by an attempt that then died) and
+*uncommitted* where it does not (delivered after the head: a resume will train on them again).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry
+
+
+@dataclass(frozen=True)
+class Span:
+    """Global positions ``[start, stop)`` of an epoch."""
+
+    epoch: int
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        """Positions in the span."""
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class EpochVerdict:
+    """What the audit found in one epoch.
+
+    Attributes:
+        epoch: The epoch.
+        num_rows: Its rows (N).
+        trained: Rows of the committed history (each counted once per step).
+        complete: Whether the committed history reaches the epoch's end.
+        dropped: Rows of the epoch's end left out by ``drop_last`` (less than a step).
+        missing: Positions the committed history skipped (an error).
+        doubled: Positions it delivered twice (an error).
+        replayed: Positions delivered outside the committed history and again inside it.
+        uncommitted: Positions delivered after the head checkpoint.
+        topologies: ``(world size, batch size)`` of its committed steps, in order of use.
+    """
+
+    epoch: int
+    num_rows: int
+    trained: int
+    complete: bool
+    dropped: int
+    missing: tuple[Span, ...]
+    doubled: tuple[Span, ...]
+    replayed: tuple[Span, ...]
+    uncommitted: tuple[Span, ...]
+    topologies: tuple[tuple[int, int], ...]
+
+    @property
+    def ok(self) -> bool:
+        """No row missing or doubled."""
+        return not self.missing and not self.doubled
+
+
+@dataclass(frozen=True)
+class AttemptLink:
+    """One attempt's part of the committed history.
+
+    Attributes:
+        attempt: Its id.
+        steps: Its committed steps.
+        discarded: Its steps outside the committed history.
+        resumed_step: The checkpoint it resumed from (-1: a fresh start).
+        world_sizes: World sizes of its committed steps.
+    """
+
+    attempt: str
+    steps: int
+    discarded: int
+    resumed_step: int
+    world_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """The audit of a run's ledger.
+
+    Attributes:
+        head_step: The newest committed checkpoint's step.
+        head_attempt: The attempt that saved it.
+        chain: The attempts of the committed history, oldest first.
+        epochs: Each epoch's verdict.
+        problems: What makes the history unprovable (a missing entry, a start that is not
+            at the beginning of epoch 0, ...).
+    """
+
+    head_step: int
+    head_attempt: str
+    chain: tuple[AttemptLink, ...]
+    epochs: tuple[EpochVerdict, ...]
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        """Every row of the committed history exactly once, and the history whole."""
+        return not self.problems and all(e.ok for e in self.epochs)
+
+
+def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditReport:
+    """Prove (or refute) exactly-once delivery in the committed history ending at a checkpoint.
+
+    Args:
+        entries: Every ledger entry of the run, any order.
+        head_step: The step of the newest committed checkpoint.
+        head_attempt: The attempt that saved it.
+
+    Example:
+        >>> from lakeloader.audit.records import StartEntry, StepEntry, SaveEntry
+        >>> a = [StartEntry("a", 0.0, 1, 0, -1, "", 0, 0)]
+        >>> a += [StepEntry("a", i + 1, 0, 4 * i, 4 * i + 4, 12, 1, 4) for i in range(3)]
+        >>> a += [SaveEntry("a", 1, 1, 0, 4)]   # a checkpoint after step 1, then a crash
+        >>> b = [StartEntry("b", 1.0, 2, 1, 1, "a", 0, 4)]   # resumed on 2 ranks
+        >>> b += [StepEntry("b", 1, 0, 4, 8, 12, 2, 2), StepEntry("b", 2, 0, 8, 12, 12, 2, 2)]
+        >>> b += [SaveEntry("b", 3, 2, 0, 12)]
+        >>> report = audit(a + b, 3, "b")
+        >>> report.ok, report.epochs[0].trained, report.epochs[0].replayed
+        (True, 12, (Span(epoch=0, start=4, stop=12),))
+    """
+    steps: dict[str, dict[int, StepEntry]] = defaultdict(dict)
+    saves: dict[tuple[str, int], SaveEntry] = {}
+    starts: dict[str, list[StartEntry]] = defaultdict(list)
+    for e in entries:
+        if isinstance(e, StepEntry):
+            steps[e.attempt][e.seq] = e
+        elif isinstance(e, SaveEntry):
+            saves[(e.attempt, e.step)] = e
+        else:
+            starts[e.attempt].append(e)
+    problems: list[str] = []
+    committed: list[StepEntry] = []
+    chain: list[AttemptLink] = []
+    attempt, step, seen = head_attempt, head_step, set()
+    while True:
+        save = saves.get((attempt, step))
+        if save is None or (attempt, step) in seen:
+            problems.append(
+                f"the ledger has no entry of the checkpoint of step {step} saved by attempt "
+                f"{attempt or '(unknown)'}: the history before it cannot be proven"
+            )
+            break
+        seen.add((attempt, step))
+        begun = [s for s in starts[attempt] if s.seq < save.seq or s.seq == 0]
+        start = max(begun, key=lambda s: s.seq) if begun else None
+        low = start.seq if start is not None else 0
+        mine = [s for q, s in steps[attempt].items() if low < q <= save.seq and s.committed]
+        committed += mine
+        chain.append(
+            AttemptLink(
+                attempt,
+                len(mine),
+                len(steps[attempt]) - len(mine),
+                start.resumed_step if start is not None else -1,
+                tuple(sorted({s.world_size for s in mine})),
+            )
+        )
+        if start is None:
+            problems.append(f"attempt {attempt} has no start entry: where it began is unknown")
+            break
+        if start.resumed_step < 0:
+            if (start.epoch, start.position) != (0, 0):
+                problems.append(
+                    f"attempt {attempt} began at epoch {start.epoch}, position "
+                    f"{start.position} without a checkpoint: the rows before are not recorded"
+                )
+            break
+        attempt, step = start.resumed_attempt, start.resumed_step
+    ids = {(s.attempt, s.seq) for s in committed}
+    others = [s for a in steps.values() for s in a.values() if (s.attempt, s.seq) not in ids]
+    epochs = _verdicts(committed, others)
+    return AuditReport(head_step, head_attempt, tuple(reversed(chain)), epochs, tuple(problems))
+
+
+def _verdicts(committed: list[StepEntry], others: list[StepEntry]) -> tuple[EpochVerdict, ...]:
+    """Each epoch's verdict from its committed steps and the steps outside the history."""
+    by_epoch: dict[int, list[StepEntry]] = defaultdict(list)
+    for s in committed:
+        by_epoch[s.epoch].append(s)
+    last_epoch = max(by_epoch, default=-1)
+    out = []
+    for epoch in sorted(by_epoch):
+        mine = sorted(by_epoch[epoch], key=lambda s: (s.start, s.stop))
+        reached, missing, doubled, covered = 0, [], [], []
+        for s in mine:
+            if s.start > reached:
+                missing.append(Span(epoch, reached, s.start))
+            elif s.start < reached:
+                doubled.append(Span(epoch, s.start, min(reached, s.stop)))
+            covered.append(Span(epoch, s.start, s.stop))
+            reached = max(reached, s.stop)
+        num_rows = mine[-1].num_rows
+        tail = num_rows - reached
+        biggest = max(s.world_size * s.batch_size for s in mine)
+        later = epoch < last_epoch
+        dropped = tail if later and 0 < tail < biggest else 0
+        if later and tail >= biggest:
+            missing.append(Span(epoch, reached, num_rows))
+        outside = [Span(epoch, s.start, s.stop) for s in others if s.epoch == epoch]
+        replayed, uncommitted = _split(outside, covered)
+        topologies = tuple(dict.fromkeys((s.world_size, s.batch_size) for s in mine))
+        out.append(
+            EpochVerdict(
+                epoch,
+                num_rows,
+                sum(s.stop - s.start for s in mine),
+                later or tail == 0,
+                dropped,
+                tuple(missing),
+                tuple(doubled),
+                replayed,
+                uncommitted,
+                topologies,
+            )
+        )
+    return tuple(out)
+
+
+def _split(outside: list[Span], covered: list[Span]) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
+    """Parts of ``outside`` inside the union of ``covered`` (replayed) and outside it."""
+    union = _merge(covered)
+    inside, beyond = [], []
+    for span in _merge(outside):
+        at = span.start
+        for c in union:
+            if c.stop <= at or c.start >= span.stop:
+                continue
+            if c.start > at:
+                beyond.append(Span(span.epoch, at, c.start))
+            inside.append(Span(span.epoch, max(at, c.start), min(span.stop, c.stop)))
+            at = min(span.stop, c.stop)
+        if at < span.stop:
+            beyond.append(Span(span.epoch, at, span.stop))
+    return tuple(inside), tuple(beyond)
+
+
+def _merge(spans: list[Span]) -> list[Span]:
+    """The union of spans of one epoch, as sorted disjoint spans."""
+    out: list[Span] = []
+    for s in sorted(spans, key=lambda s: s.start):
+        if out and s.start <= out[-1].stop:
+            out[-1] = Span(s.epoch, out[-1].start, max(out[-1].stop, s.stop))
+        else:
+            out.append(s)
+    return out

@@ -1,0 +1,177 @@
+"""The audit ledger: every delivered step and every committed checkpoint, append-only.
+
+It lives beside the checkpoints, ``<root>/ledger/<attempt>/<first seq>.jsonl``: each attempt (a
+run of the training program) writes its entries in segments that are never rewritten, which
+works the same on a local disk and on object stores that cannot append. A segment is written
+at every checkpoint save (after its ``COMMIT``), every ``flush_seconds`` while steps are
+delivered (in a background thread), and at ``close``. Steps delivered after the last segment
+of a crashed attempt are lost with it; they were not committed by any checkpoint (a save
+writes a segment), so the audit's committed history is whole; only its count of replayed rows
+misses them.
+
+Only rank 0 writes: the loader's position is global, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import posixpath
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Final
+
+from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry, dump_entry
+from lakeloader.checkpoint.store import CheckpointStore
+from lakeloader.signals import main_thread_only
+from lakeloader.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+LEDGER_DIR: Final = "ledger"
+
+
+def new_attempt_id() -> str:
+    """A new attempt's id: its start time (UTC, so that ids sort by time) and 8 random hex.
+
+    >>> len(new_attempt_id().split("-")[1])
+    8
+    """
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    return f"{now}-{uuid.uuid4().hex[:8]}"
+
+
+class Ledger:
+    """The entries of one attempt, written in immutable segments.
+
+    Args:
+        store: The checkpoint folder's store.
+        root: The checkpoint root (a path of ``store``'s filesystem).
+        flush_seconds: Longest time delivered steps wait in memory (0: a segment per step).
+        attempt: The attempt's id (default: a new one).
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        root: str,
+        *,
+        flush_seconds: float = 10.0,
+        attempt: str | None = None,
+    ) -> None:
+        if flush_seconds < 0:
+            raise ValueError(f"ledger_flush_seconds must be >= 0, got {flush_seconds}")
+        self.store = store
+        self.attempt = attempt or new_attempt_id()
+        self.folder = posixpath.join(root, LEDGER_DIR, self.attempt)
+        self.flush_seconds = flush_seconds
+        self.seq = 0
+        self._resumed = (-1, "")
+        self._started = False
+        self._buffer: list[Entry] = []
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        self._writer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lakeloader-ledger", initializer=main_thread_only
+        )
+        self._pending: list[Future[None]] = []
+
+    def resumed(self, step: int, attempt: str) -> None:
+        """The attempt resumes from the checkpoint of ``step``, saved by ``attempt``."""
+        self._resumed = (step, attempt)
+        self._started = False  # a load starts the attempt's history again from there
+
+    def _start(self, epoch: int, position: int, world_size: int) -> None:
+        if self._started:
+            return
+        self._started = True
+        step, attempt = self._resumed
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._buffer.append(
+            StartEntry(
+                self.attempt,
+                time.time(),
+                world_size,
+                restart,
+                step,
+                attempt,
+                epoch,
+                position,
+                self.seq,
+            )
+        )
+
+    def step(
+        self,
+        epoch: int,
+        start: int,
+        stop: int,
+        num_rows: int,
+        topology: Topology,
+        *,
+        committed: bool = True,
+    ) -> None:
+        """Record a delivered step (the tracker's observer)."""
+        with self._lock:
+            self._start(epoch, start, topology.world_size)
+            self.seq += 1
+            self._buffer.append(
+                StepEntry(
+                    self.attempt,
+                    self.seq,
+                    epoch,
+                    start,
+                    stop,
+                    num_rows,
+                    topology.world_size,
+                    topology.batch_size,
+                    committed,
+                )
+            )
+        if time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def saved(self, step: int, epoch: int, position: int, world_size: int) -> None:
+        """Record a committed checkpoint and write the segment at once (after ``COMMIT``)."""
+        with self._lock:
+            self._start(epoch, position, world_size)
+            self._buffer.append(SaveEntry(self.attempt, step, self.seq, epoch, position))
+        self.flush(wait=True)
+
+    def flush(self, *, wait: bool = False) -> None:
+        """Write the buffered entries as a new segment (in the background unless ``wait``)."""
+        with self._lock:
+            entries, self._buffer = self._buffer, []
+            self._last_flush = time.monotonic()
+        if entries:
+            name = f"{_first_seq(entries):012d}-{uuid.uuid4().hex[:6]}.jsonl"
+            data = "".join(dump_entry(e) + "\n" for e in entries).encode()
+            path = posixpath.join(self.folder, name)
+            self._pending.append(self._writer.submit(self._put, path, data))
+        if wait:
+            self.wait()
+
+    def _put(self, path: str, data: bytes) -> None:
+        self.store.makedirs(self.folder)
+        self.store.put(path, data)
+
+    def wait(self) -> None:
+        """Wait for the segments being written; raise the first failure."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        """Write what is buffered and stop the writer thread."""
+        try:
+            self.flush(wait=True)
+        finally:
+            self._writer.shutdown(wait=True)
+
+
+def _first_seq(entries: list[Entry]) -> int:
+    """The first step number a segment records (its name sorts segments within an attempt)."""
+    return next((e.seq for e in entries if isinstance(e, StepEntry | SaveEntry)), 0)

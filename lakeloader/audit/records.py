@@ -1,0 +1,134 @@
+"""The entries of the audit ledger, one JSON object per line (no I/O here).
+
+Three kinds, each with the attempt (one run of the training program) that wrote it:
+
+- :class:`StartEntry`: an attempt began, fresh or resumed from a checkpoint (its step and the
+  attempt that saved it);
+- :class:`StepEntry`: a step was delivered to the training loop: its epoch, the global
+  position range ``[start, stop)`` it covered, the epoch's rows, the topology, and whether the
+  step was committed (``False`` only where a fault-tolerant step was discarded);
+- :class:`SaveEntry`: a checkpoint of a step was committed: the steps of its attempt up to
+  ``seq`` are in it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+
+from lakeloader.errors import CheckpointError
+
+#: Version of the ledger's entries.
+LEDGER_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class StartEntry:
+    """An attempt began.
+
+    Attributes:
+        attempt: Its id.
+        time: Unix seconds.
+        world_size: Ranks of the run.
+        restart: torchrun's restart count (0 outside torchrun).
+        resumed_step: The checkpoint step it resumed from (-1: a fresh start).
+        resumed_attempt: The attempt that saved that checkpoint ("" if unknown).
+        epoch: The epoch it resumed in.
+        position: The position it resumed at.
+        seq: Steps the attempt had delivered before (a second load within an attempt).
+    """
+
+    attempt: str
+    time: float
+    world_size: int
+    restart: int
+    resumed_step: int
+    resumed_attempt: str
+    epoch: int
+    position: int
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A step delivered to the training loop.
+
+    Attributes:
+        attempt: The attempt.
+        seq: The step's number within its attempt (1, 2, ...).
+        epoch: Its epoch.
+        start: The global position before it.
+        stop: The global position after it.
+        num_rows: Rows in the epoch.
+        world_size: Ranks (or fault-tolerant participants) that took the step.
+        batch_size: Rows per rank per step.
+        committed: False if the step was discarded (a fault-tolerant step that did not
+            commit); a step is in the committed history only if a checkpoint also covers it.
+    """
+
+    attempt: str
+    seq: int
+    epoch: int
+    start: int
+    stop: int
+    num_rows: int
+    world_size: int
+    batch_size: int
+    committed: bool = True
+
+
+@dataclass(frozen=True)
+class SaveEntry:
+    """A checkpoint committed.
+
+    Attributes:
+        attempt: The attempt that saved it.
+        step: The checkpoint's step.
+        seq: The attempt's last delivered step in it.
+        epoch: The loader's epoch.
+        position: The loader's position.
+    """
+
+    attempt: str
+    step: int
+    seq: int
+    epoch: int
+    position: int
+
+
+Entry = StartEntry | StepEntry | SaveEntry
+_KINDS: Final[dict[str, type[Any]]] = {"start": StartEntry, "step": StepEntry, "save": SaveEntry}
+_NAMES: Final = {cls: name for name, cls in _KINDS.items()}
+
+
+def dump_entry(entry: Entry) -> str:
+    """One JSON line (without its newline).
+
+    >>> dump_entry(SaveEntry("a1", 10, 10, 0, 160))
+    '{"v": 1, "type": "save", "attempt": "a1", "step": 10, "seq": 10, "epoch": 0, "position": 160}'
+    """
+    return json.dumps({"v": LEDGER_VERSION, "type": _NAMES[type(entry)], **asdict(entry)})
+
+
+def parse_entry(line: str, where: str) -> Entry:
+    """Parse one line of a ledger segment.
+
+    Raises:
+        CheckpointError: Naming the segment, if the line is malformed or of a version this
+            lakeloader does not read.
+    """
+    try:
+        d = json.loads(line)
+        if d.pop("v") != LEDGER_VERSION:
+            raise CheckpointError(
+                f"{where}: ledger entry of version {d.get('v')!r}; this lakeloader reads "
+                f"version {LEDGER_VERSION}"
+            )
+        cls = _KINDS[d.pop("type")]
+        entry: Entry = cls(**d)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{where}: malformed ledger entry {line[:120]!r} ({exc!r})") from exc
+    return entry

@@ -1,0 +1,138 @@
+"""The checkpoint root on its store: step folders, shared manifests, commits and pruning.
+
+:class:`CheckpointFolders` is the one writer of the layout :mod:`lakeloader.checkpoint.layout`
+describes: it lists committed steps, writes a snapshot's manifest once (whole, through a
+temporary name), writes a step's state and then its ``COMMIT`` (listing every part), and
+prunes old and half-written folders. Everything goes through the retried
+:class:`~lakeloader.checkpoint.store.CheckpointStore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from lakeloader.checkpoint.layout import (
+    COMMIT_FILE,
+    MANIFEST_DIR,
+    STATE_FILE,
+    STEP_DIR_RE,
+    CommitRecord,
+    manifest_name,
+    sha256,
+    step_dir_name,
+)
+from lakeloader.checkpoint.store import CheckpointStore
+from lakeloader.lake.manifest import pack_manifest
+from lakeloader.lake.snapshot import Snapshot
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointFolders:
+    """Step folders and manifests under one root.
+
+    Args:
+        store: The root's store.
+        root: The root (a path of ``store``'s filesystem).
+        keep: Committed checkpoints kept.
+    """
+
+    def __init__(self, store: CheckpointStore, root: str, keep: int) -> None:
+        self.store = store
+        self.root = root
+        self.keep = keep
+        self._manifests: dict[str, str] = {}  # manifests known intact: path -> SHA-256
+
+    def path(self, *parts: str) -> str:
+        """A path under the root."""
+        return posixpath.join(self.root, *parts)
+
+    def step_folder(self, step: int) -> str:
+        """The folder of a step's checkpoint."""
+        return self.path(step_dir_name(step))
+
+    def step_dirs(self) -> dict[int, str]:
+        """Every step folder, committed or not."""
+        try:
+            entries = self.store.ls(self.root)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in entries:
+            match = STEP_DIR_RE.search(entry.rstrip("/"))
+            if match:
+                out[int(match.group(1))] = entry.rstrip("/")
+        return out
+
+    def committed(self) -> list[int]:
+        """Steps with a ``COMMIT``, oldest first."""
+        dirs = self.step_dirs()
+        exists = self.store.exists
+        return sorted(s for s, d in dirs.items() if exists(posixpath.join(d, COMMIT_FILE)))
+
+    def manifest(self, snapshot: Snapshot, source: Any) -> tuple[str, str]:
+        """Write the snapshot's manifest unless an intact one is there; (relative path, sha)."""
+        rel = manifest_name(snapshot.fingerprint)
+        known = self._manifests.get(rel)
+        if known is not None:
+            return rel, known
+        data = pack_manifest(snapshot, source)
+        digest = sha256(data)
+        path = self.path(rel)
+        try:
+            intact = sha256(self.store.cat(path)) == digest
+        except FileNotFoundError:
+            intact = False
+        if not intact:  # absent, or torn by an earlier crash: (re)write it whole
+            self.store.makedirs(self.path(MANIFEST_DIR))
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            self.store.put(tmp, data)
+            self.store.mv(tmp, path)
+        self._manifests[rel] = digest
+        return rel, digest
+
+    def uncommit(self, step: int) -> None:
+        """Make an earlier checkpoint of ``step`` invisible, then remove it (before a save)."""
+        folder = self.step_folder(step)
+        commit = posixpath.join(folder, COMMIT_FILE)
+        if self.store.exists(commit):
+            self.store.rm(commit)
+        if self.store.exists(folder):
+            self.store.rm(folder, recursive=True)
+
+    def commit(
+        self,
+        step: int,
+        payload: bytes,
+        manifest: tuple[str, str],
+        parts: Mapping[str, tuple[int, str]],
+    ) -> None:
+        """Write a step's state, then its ``COMMIT`` listing every part; prune."""
+        folder = self.step_folder(step)
+        commit = posixpath.join(folder, COMMIT_FILE)
+        if self.store.exists(commit):
+            self.store.rm(commit)  # invisible first, then overwrite
+        self.store.makedirs(folder)
+        self.store.put(posixpath.join(folder, STATE_FILE), payload)
+        marker = CommitRecord(step, len(payload), sha256(payload), *manifest, parts=parts)
+        self.store.put(commit, marker.to_bytes())
+        size = len(payload) + sum(n for n, _ in parts.values())
+        logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, size)
+        self.prune(step)
+
+    def prune(self, current: int) -> None:
+        """Keep the newest ``keep`` committed checkpoints; drop half-written folders."""
+        dirs = self.step_dirs()
+        committed = sorted(
+            s for s, d in dirs.items() if self.store.exists(posixpath.join(d, COMMIT_FILE))
+        )
+        doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s != current]
+        for s in doomed:
+            commit = posixpath.join(dirs[s], COMMIT_FILE)
+            if self.store.exists(commit):
+                self.store.rm(commit)  # invisible before it is incomplete
+            self.store.rm(dirs[s], recursive=True)

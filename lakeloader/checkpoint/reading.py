@@ -1,0 +1,81 @@
+"""Reading a checkpoint back: every part checked against its ``COMMIT`` before it is used."""
+
+from __future__ import annotations
+
+import posixpath
+
+from lakeloader.checkpoint.folders import CheckpointFolders
+from lakeloader.checkpoint.kind_record import (
+    KindCheckpoint,
+    KindRecord,
+    record_kind,
+    verify_manifests,
+)
+from lakeloader.checkpoint.layout import (
+    COMMIT_FILE,
+    STATE_FILE,
+    Checkpoint,
+    CommitRecord,
+    StateRecord,
+    sha256,
+)
+from lakeloader.checkpoint.whole import check_parts, read_training
+from lakeloader.errors import CheckpointError, StateFormatError
+from lakeloader.lake.manifest import from_manifest, unpack_manifest
+
+
+def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindCheckpoint:
+    """Read and verify one checkpoint: its state, manifests and every part ``COMMIT`` lists.
+
+    Raises:
+        CheckpointError: If it is missing, incomplete, truncated or corrupt.
+    """
+    folder = folders.step_folder(step)
+    store = folders.store
+    try:
+        marker = CommitRecord.from_bytes(store.cat(posixpath.join(folder, COMMIT_FILE)))
+        payload = store.cat(posixpath.join(folder, STATE_FILE))
+        if len(payload) != marker.state_bytes or sha256(payload) != marker.state_sha256:
+            raise CheckpointError(
+                f"{STATE_FILE} is {len(payload)} bytes with SHA-256 {sha256(payload)[:12]}"
+                f"..., its COMMIT says {marker.state_bytes} bytes, "
+                f"{marker.state_sha256[:12]}...: truncated or overwritten"
+            )
+        if record_kind(payload) is not None:
+            kind = KindRecord.from_bytes(payload)
+            verify_manifests(kind, lambda rel: store.cat(folders.path(rel)))
+            check_parts(store, folder, marker.parts)
+            return KindCheckpoint(
+                step, folder, kind, len(payload), read_training(store, folder, marker.parts)
+            )
+        record = StateRecord.from_bytes(payload)
+        manifest_bytes = store.cat(folders.path(marker.manifest))
+        if sha256(manifest_bytes) != marker.manifest_sha256:
+            raise CheckpointError(
+                f"manifest {marker.manifest} does not match the SHA-256 its COMMIT "
+                "records: torn or overwritten"
+            )
+        manifest = unpack_manifest(manifest_bytes)
+        snapshot = from_manifest(manifest, record.loader.config.get("columns"))
+        if snapshot.fingerprint != record.loader.fingerprint:
+            raise CheckpointError(
+                f"its state refers to snapshot {record.loader.fingerprint} but its manifest "
+                f"{marker.manifest} describes {snapshot.fingerprint}"
+            )
+        check_parts(store, folder, marker.parts)
+        training = read_training(store, folder, marker.parts)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
+    except (CheckpointError, StateFormatError) as exc:
+        raise CheckpointError(f"{folder}: {exc}") from exc
+    return Checkpoint(
+        step,
+        folder,
+        record.loader,
+        record.context,
+        record.extra,
+        snapshot,
+        manifest,
+        len(payload),
+        training,
+    )

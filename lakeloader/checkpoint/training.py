@@ -1,0 +1,210 @@
+"""The training context of a checkpoint: what produced the weights, saved beside them.
+
+``training.msgpack`` in a step's folder holds a :class:`TrainingRecord`: every rank's random
+generators, the versions of lakeloader and torch, the git commit of the training code, the
+run attempt that wrote it, the world size, and which of model and optimizer the weights folder
+holds. ``COMMIT`` lists it with its size and SHA-256, so that it is written and loaded with the
+loader's position and the weights, or not at all. Nothing here does I/O but
+:func:`code_version` (one ``git`` call).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+import torch.distributed as dist
+
+from lakeloader.checkpoint.rng import RngState
+from lakeloader.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+TRAINING_FILE: Final = "training.msgpack"
+#: Version of the record below.
+TRAINING_RECORD_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class CodeVersion:
+    """The git commit of the training code, when it runs from a repository.
+
+    Attributes:
+        commit: The commit's full hash ("" outside a repository or without git).
+        dirty: Whether tracked files differ from the commit.
+        root: The repository's folder ("" outside one).
+    """
+
+    commit: str
+    dirty: bool
+    root: str
+
+    def describe(self) -> str:
+        """One line for people.
+
+        >>> CodeVersion("0123456789abcdef", True, "/src").describe()
+        '0123456789ab (modified) in /src'
+        >>> CodeVersion("", False, "").describe()
+        'not in a git repository'
+        """
+        if not self.commit:
+            return "not in a git repository"
+        return f"{self.commit[:12]}{' (modified)' if self.dirty else ''} in {self.root}"
+
+
+def code_version(path: str | None = None) -> CodeVersion:
+    """The git commit of the repository holding ``path`` (default: the running script).
+
+    The script is ``sys.argv[0]`` (the training program), falling back to the working folder
+    when there is none (an interactive session).
+    """
+    where = path or (os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv[0] else os.getcwd())
+    if not os.path.isdir(where):
+        where = os.getcwd()
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", where, *args], capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout.strip()
+
+    try:
+        root = git("rev-parse", "--show-toplevel")
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.debug("no git commit for %s (%s)", where, exc)
+        return CodeVersion("", False, "")
+    return CodeVersion(commit, dirty, root)
+
+
+@dataclass(frozen=True)
+class TrainingRecord:
+    """``training.msgpack``: the context that produced a checkpoint's weights.
+
+    Attributes:
+        step: The training step.
+        rng: Every rank's generators, in rank order.
+        torch_version: ``torch.__version__`` of the saving run.
+        library_version: The lakeloader that wrote it.
+        code: The training code's git commit.
+        attempt: The run attempt that saved it (see :mod:`lakeloader.audit.ledger`).
+        world_size: Ranks that saved it.
+        model: Whether the weights folder holds a model's state.
+        optimizer: Whether it holds an optimizer's state.
+        version: The record's layout version.
+    """
+
+    step: int
+    rng: tuple[RngState, ...]
+    torch_version: str
+    library_version: str
+    code: CodeVersion
+    attempt: str
+    world_size: int
+    model: bool
+    optimizer: bool
+    version: int = TRAINING_RECORD_VERSION
+
+    def to_bytes(self) -> bytes:
+        """The record's bytes (msgpack)."""
+        packed: bytes = msgpack.packb(
+            {
+                "version": self.version,
+                "step": self.step,
+                "rng": [r.to_dict() for r in self.rng],
+                "torch_version": self.torch_version,
+                "library_version": self.library_version,
+                "code": {
+                    "commit": self.code.commit,
+                    "dirty": self.code.dirty,
+                    "root": self.code.root,
+                },
+                "attempt": self.attempt,
+                "world_size": self.world_size,
+                "model": self.model,
+                "optimizer": self.optimizer,
+            },
+            use_bin_type=True,
+        )
+        return packed
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TrainingRecord:
+        """Parse a record.
+
+        Raises:
+            CheckpointError: If its version is unknown or it is malformed.
+        """
+        try:
+            d = msgpack.unpackb(data, raw=False)
+            if d.get("version") != TRAINING_RECORD_VERSION:
+                raise CheckpointError(
+                    f"its {TRAINING_FILE} has version {d.get('version')!r}; this lakeloader "
+                    f"reads version {TRAINING_RECORD_VERSION}"
+                )
+            code = d["code"]
+            return cls(
+                step=int(d["step"]),
+                rng=tuple(RngState.from_dict(r) for r in d["rng"]),
+                torch_version=str(d["torch_version"]),
+                library_version=str(d["library_version"]),
+                code=CodeVersion(str(code["commit"]), bool(code["dirty"]), str(code["root"])),
+                attempt=str(d["attempt"]),
+                world_size=int(d["world_size"]),
+                model=bool(d["model"]),
+                optimizer=bool(d["optimizer"]),
+            )
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
+            raise CheckpointError(f"its {TRAINING_FILE} is corrupt ({exc!r})") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``lakeloader inspect`` shows (generators as digests, not their words)."""
+        return {
+            "step": self.step,
+            "torch_version": self.torch_version,
+            "library_version": self.library_version,
+            "code_commit": self.code.commit,
+            "code_modified": self.code.dirty,
+            "code_root": self.code.root,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "rng_ranks": len(self.rng),
+            "rng_cuda_devices": max((len(r.cuda) for r in self.rng), default=0),
+        }
+
+
+def gather_rng() -> tuple[RngState, ...]:
+    """Every rank's generators, in rank order (a collective under torch.distributed)."""
+    mine = RngState.capture()
+    if not (dist.is_available() and dist.is_initialized()):
+        return (mine,)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return tuple(gathered)
+
+
+def restore_rng(record: TrainingRecord, rank: int) -> None:
+    """Give this rank the generators it had when the checkpoint was saved.
+
+    A rank the saving run did not have (the world grew) keeps its own, with a log line.
+    """
+    if rank >= len(record.rng):
+        logger.info(
+            "rank %d: the checkpoint of step %d holds the generators of %d rank(s); this "
+            "rank keeps its own",
+            rank,
+            record.step,
+            len(record.rng),
+        )
+        return
+    record.rng[rank].restore()

@@ -1,0 +1,151 @@
+"""Model and optimizer state through ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes its own shards into a step's ``weights/`` folder and reads back what its
+parameters need, so a checkpoint saved on 3 ranks loads onto 2 (DCP reshards), and a plain
+module, a ``DistributedDataParallel`` one and an FSDP2 (``fully_shard``) one go through the
+same calls: ``get_state_dict``/``set_state_dict`` of
+:mod:`torch.distributed.checkpoint.state_dict`. A local folder is written with DCP's
+``FileSystemWriter``; any other fsspec URL with its ``FsspecWriter``.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from concurrent.futures import Future
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
+
+from lakeloader.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+#: The DCP folder inside a step's folder.
+WEIGHTS_DIR: Final = "weights"
+#: DCP's metadata file (written last, by the coordinator rank).
+DCP_METADATA: Final = ".metadata"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def weights_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """The DCP state dict of a model and its optimizer (sharded as they are)."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _writer(url: str, storage_options: dict[str, Any]) -> Any:
+    if "://" not in url or url.startswith("file://"):
+        return FileSystemWriter(url.removeprefix("file://"))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url, **storage_options)
+
+
+def _reader(url: str, storage_options: dict[str, Any]) -> Any:
+    if "://" not in url or url.startswith("file://"):
+        return FileSystemReader(url.removeprefix("file://"))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(url, **storage_options)
+
+
+def save_weights(
+    url: str,
+    state: dict[str, Any],
+    storage_options: dict[str, Any],
+    *,
+    async_group: dist.ProcessGroup | None = None,
+    asynchronous: bool = False,
+) -> Future[Any] | None:
+    """Write ``state`` under ``url`` (collective: every rank writes its shards).
+
+    Args:
+        url: The weights folder.
+        state: From :func:`weights_state`.
+        storage_options: fsspec options for a URL that is not a local path.
+        async_group: The process group of asynchronous saves (their collectives run in a
+            background thread, beside the training loop's on the default group).
+        asynchronous: Stage to memory now and write in the background (DCP's
+            ``async_save``); the returned future completes, on every rank, once the whole
+            folder (every rank's shards and the metadata) is written.
+
+    Returns:
+        The future of an asynchronous save, else None.
+    """
+    writer = _writer(url, storage_options)
+    if asynchronous:
+        response = async_save(
+            state, storage_writer=writer, process_group=async_group, no_dist=not _distributed()
+        )
+        if isinstance(response, AsyncSaveResponse):
+            upload: Future[Any] = response.upload_completion
+            return upload
+        return response
+    save(state, storage_writer=writer, no_dist=not _distributed())
+    return None
+
+
+def load_weights(
+    url: str,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    storage_options: dict[str, Any],
+    *,
+    saved: tuple[bool, bool],
+) -> None:
+    """Load a weights folder into ``model`` (and ``optimizer``), resharding as needed.
+
+    Args:
+        url: The weights folder.
+        model: The model (its parameters' placement decides what each rank reads).
+        optimizer: Its optimizer, or None.
+        storage_options: fsspec options for a URL that is not a local path.
+        saved: Whether the folder holds a model's and an optimizer's state.
+
+    Raises:
+        CheckpointError: If asked for a state the checkpoint does not hold.
+    """
+    if model is None:
+        raise CheckpointError("an optimizer's state loads with its model: pass model= too")
+    has_model, has_optimizer = saved
+    if not has_model or (optimizer is not None and not has_optimizer):
+        missing = "a model" if not has_model else "an optimizer"
+        raise CheckpointError(
+            f"{url.rsplit('/', 2)[0]} holds no state of {missing}: it was saved without one "
+            "(save(..., model=, optimizer=))"
+        )
+    state = weights_state(model, optimizer)
+    load(state, storage_reader=_reader(url, storage_options), no_dist=not _distributed())
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+
+
+def weights_url(folder_url: str) -> str:
+    """The weights folder of a step's folder URL.
+
+    >>> weights_url("s3://b/ckpt/step-000000000010")
+    's3://b/ckpt/step-000000000010/weights'
+    """
+    return posixpath.join(folder_url, WEIGHTS_DIR)
