@@ -181,16 +181,30 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         attempt, step = start.resumed_attempt, start.resumed_step
     ids = {(s.attempt, s.seq) for s in committed}
     others = [s for a in steps.values() for s in a.values() if (s.attempt, s.seq) not in ids]
-    epochs = _verdicts(committed, others)
+    head = saves.get((head_attempt, head_step))
+    epochs = _verdicts(committed, others, (head.epoch, head.position) if head else None)
+    if head is not None:
+        present = {e.epoch for e in epochs}
+        for epoch in range(head.epoch + (1 if head.position else 0)):
+            if epoch not in present:
+                problems.append(f"epoch {epoch}: no committed step, yet the head is past it")
     return AuditReport(head_step, head_attempt, tuple(reversed(chain)), epochs, tuple(problems))
 
 
-def _verdicts(committed: list[StepEntry], others: list[StepEntry]) -> tuple[EpochVerdict, ...]:
-    """Each epoch's verdict from its committed steps and the steps outside the history."""
+def _verdicts(
+    committed: list[StepEntry], others: list[StepEntry], head: tuple[int, int] | None
+) -> tuple[EpochVerdict, ...]:
+    """Each epoch's verdict from its committed steps and the steps outside the history.
+
+    ``head`` is where the head checkpoint stands (epoch, position): epochs before its epoch
+    must be complete, and its epoch must reach exactly its position.
+    """
     by_epoch: dict[int, list[StepEntry]] = defaultdict(list)
     for s in committed:
         by_epoch[s.epoch].append(s)
     last_epoch = max(by_epoch, default=-1)
+    if head is not None and head[0] > last_epoch and last_epoch >= 0:
+        last_epoch = head[0]  # the checkpoint stands past the last step's epoch
     out = []
     for epoch in sorted(by_epoch):
         mine = sorted(by_epoch[epoch], key=lambda s: (s.start, s.stop))
@@ -209,6 +223,8 @@ def _verdicts(committed: list[StepEntry], others: list[StepEntry]) -> tuple[Epoc
         dropped = tail if later and 0 < tail < biggest else 0
         if later and tail >= biggest:
             missing.append(Span(epoch, reached, num_rows))
+        if head is not None and epoch == head[0] and reached < head[1]:
+            missing.append(Span(epoch, reached, head[1]))
         outside = [Span(epoch, s.start, s.stop) for s in others if s.epoch == epoch]
         replayed, uncommitted = _split(outside, covered)
         topologies = tuple(dict.fromkeys((s.world_size, s.batch_size) for s in mine))

@@ -24,7 +24,14 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
-from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry, dump_entry
+from lakeloader.audit.records import (
+    Entry,
+    SaveEntry,
+    StartEntry,
+    StepEntry,
+    dump_entry,
+    parse_entry,
+)
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.signals import main_thread_only
 from lakeloader.topology import Topology
@@ -175,3 +182,30 @@ class Ledger:
 def _first_seq(entries: list[Entry]) -> int:
     """The first step number a segment records (its name sorts segments within an attempt)."""
     return next((e.seq for e in entries if isinstance(e, StepEntry | SaveEntry)), 0)
+
+
+def read_entries(store: CheckpointStore, root: str) -> tuple[list[Entry], list[str]]:
+    """Every entry of every attempt's segments under a checkpoint root.
+
+    A segment cut short by a crash while it was written (its last line incomplete) gives
+    the entries before the cut; the cut is reported.
+
+    Returns:
+        The entries, and one line per segment that was cut short.
+
+    Raises:
+        CheckpointError: If an entry is malformed anywhere but at a segment's end.
+    """
+    folder = posixpath.join(root, LEDGER_DIR)
+    entries: list[Entry] = []
+    torn: list[str] = []
+    for path in sorted(store.sizes(folder)):
+        if not path.endswith(".jsonl"):
+            continue
+        text = store.cat(path).decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        if lines[-1]:  # no newline at the end: the write was cut short
+            torn.append(f"{path}: its last line is incomplete (cut short by a crash)")
+            lines = lines[:-1]
+        entries += [parse_entry(line, path) for line in lines if line]
+    return entries, torn

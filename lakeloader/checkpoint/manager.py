@@ -138,7 +138,7 @@ class CheckpointManager:
         :meth:`save` and :meth:`load` attach their loader; call this before training when
         the run starts without loading, so that the ledger sees its first steps.
         """
-        if self._keep_ledger and _rank() == 0 and loader.dataset.loader_kind in LAKE_KINDS:
+        if self._keep_ledger and loader.rank == 0 and loader.dataset.loader_kind in LAKE_KINDS:
             loader.tracker.observer = self.ledger.step
 
     # ------------------------------------------------------------------- saving
@@ -385,6 +385,12 @@ class CheckpointManager:
                 "lake(s) and load the checkpoint into a DataLoader over it"
             )
         return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Finish a pending background save, write the ledger, stop the writer threads."""

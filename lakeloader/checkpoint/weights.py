@@ -10,7 +10,10 @@ same calls: ``get_state_dict``/``set_state_dict`` of
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 import posixpath
 from concurrent.futures import Future
 from typing import Any, Final
@@ -39,6 +42,14 @@ DCP_METADATA: Final = ".metadata"
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process (asked for: ``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def weights_state(
@@ -99,7 +110,8 @@ def save_weights(
             upload: Future[Any] = response.upload_completion
             return upload
         return response
-    save(state, storage_writer=writer, no_dist=not _distributed())
+    with _single_process():
+        save(state, storage_writer=writer, no_dist=not _distributed())
     return None
 
 
@@ -133,7 +145,8 @@ def load_weights(
             "(save(..., model=, optimizer=))"
         )
     state = weights_state(model, optimizer)
-    load(state, storage_reader=_reader(url, storage_options), no_dist=not _distributed())
+    with _single_process():
+        load(state, storage_reader=_reader(url, storage_options), no_dist=not _distributed())
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

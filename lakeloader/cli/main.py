@@ -1,8 +1,9 @@
-"""The ``lakeloader`` command: ``plan``, ``inspect``, ``clean`` and ``demo``.
+"""The ``lakeloader`` command: ``plan``, ``inspect``, ``audit``, ``clean`` and ``demo``.
 
 ``plan`` shows a lake and the cut of an epoch, ``inspect`` a checkpoint's position under any
-topology, ``clean`` removes the shared memory of loaders that were killed, ``demo`` runs the
-end-to-end job. Bad arguments and failures print one line and exit with status 2
+topology, ``audit`` proves exactly-once delivery from a run's ledger (exit status 1 when a row
+is missing or doubled), ``clean`` removes the shared memory of loaders that were killed,
+``demo`` runs the end-to-end job. Bad arguments and failures print one line and exit with status 2
 (``--verbose`` adds the traceback of an unexpected error).
 """
 
@@ -203,6 +204,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from lakeloader.cli.inspect import inspect_checkpoint, open_checkpoint, render_text
     from lakeloader.cli.inspect_follow import lake_details, render_details
     from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
+    from lakeloader.cli.inspect_training import render_training, training_details
 
     overrides = {
         "world_size": args.world_size,
@@ -213,7 +215,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     ckpt, steps = open_checkpoint(args.checkpoint, args.step, _storage_options(args.storage_option))
     if isinstance(ckpt, KindCheckpoint):  # per source or partition: no topology to map onto
         report = inspect_kind(ckpt, steps)
-        _emit(to_json(report) if args.json else render_kind_text(report))
+        report["training"] = training_details(ckpt.training)
+        text = render_kind_text(report) + "\n" + format_pairs(render_training(report["training"]))
+        _emit(to_json(report) if args.json else text)
         return 0
     given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
     topology = dataclasses.replace(ckpt.context.topology, **given)
@@ -226,10 +230,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     options = _storage_options(args.storage_option)
     info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag)
-    lines = render_details(details)
+    info["training"] = training_details(ckpt.training)
+    lines = render_details(details) + render_training(info["training"])
     text = render_text(info) + ("\n" + format_pairs(lines) + "\n" if lines else "")
     _emit(to_json(info) if args.json else text)
     return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from lakeloader.cli.audit import render_audit_text, run_audit
+
+    report, info = run_audit(args.checkpoint, _storage_options(args.storage_option))
+    _emit(to_json(info) if args.json else render_audit_text(info))
+    return 0 if report.ok else 1
 
 
 def _add_io_arguments(parser: argparse.ArgumentParser) -> None:
@@ -337,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_io_arguments(inspect)
     inspect.set_defaults(func=_cmd_inspect)
+
+    audit = sub.add_parser(
+        "audit",
+        help="prove from the ledger that every row was trained on exactly once (exit 1 if not)",
+        formatter_class=_Help,
+        epilog="examples:\n  lakeloader audit runs/7/ckpt\n  lakeloader audit s3://b/ckpt --json",
+    )
+    audit.add_argument("checkpoint", help="the checkpoints' root folder (any fsspec URL)")
+    _add_io_arguments(audit)
+    audit.set_defaults(func=_cmd_audit)
 
     clean = sub.add_parser(
         "clean",
