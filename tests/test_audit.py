@@ -42,13 +42,11 @@ def runs(draw: st.DrawFn) -> tuple[list[Entry], int, str, int, int]:
         entries.append(StartEntry(attempt, float(a), world, a - 1, *resumed, epoch, position))
         crash = draw(st.booleans()) and a < 6
         steps = draw(st.integers(1, 12))
-        seq = 0
         saved = (epoch, position, step, 0)
-        for _ in range(steps):
+        for seq in range(1, steps + 1):
             if epoch >= epochs:
                 break
             stop = min(position + world * batch, num_rows)
-            seq += 1
             step += 1
             entries.append(StepEntry(attempt, seq, epoch, position, stop, num_rows, world, batch))
             position = stop

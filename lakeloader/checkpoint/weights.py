@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import posixpath
 import warnings
 from collections.abc import Iterator
-import posixpath
 from concurrent.futures import Future
 from typing import Any, Final
 
