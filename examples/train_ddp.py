@@ -17,21 +17,24 @@ of the loader's position ``G`` over the step, so no collective is needed to coun
 ``--max-steps N`` stops the run at global step ``N`` (saving there), wherever it falls in an
 epoch; the tests use it to hand a run over to another world size in the middle of an epoch.
 
+``--fsdp`` shards the model with FSDP2 (``fully_shard`` on a CPU device mesh) instead of
+wrapping it in DDP; the loss and the gradients mean the same.
+
 Checkpoints: every ``--save-every`` steps, and once more at the end of the run, every rank calls
-``CheckpointManager.save(step, loader, extra)`` (a collective: the ranks' loader positions are
-compared with an all-gather and rank 0 writes). The model and the optimizer travel in ``extra``,
-which must be msgpack-able, so ``extra`` is::
+``CheckpointManager.save(step, loader, model=model, optimizer=optim, extra=...)`` (a
+collective: the ranks' loader positions are compared with an all-gather, each rank writes its
+shards of the model and the optimizer through ``torch.distributed.checkpoint``, rank 0 writes
+the loader's position, every rank's random generators and the context, then ``COMMIT``).
+``extra`` is ``{"step": int, "epoch": int}``. With ``--resume``, the newest checkpoint (if
+any) restores the loader (under any world size, worker count or batch size), the model and
+the optimizer (resharded onto this world size) and the generators, and the step counter goes
+on from the saved step. Torchrun's restarts pass the same arguments, so ``--resume`` is how a
+restarted group picks up where the last checkpoint left it. The manager's audit ledger records
+every step (``lakeloader audit CKPT`` proves the run exactly once).
 
-    {"step": int, "epoch": int,
-     "model": bytes,   # torch.save(model.state_dict()) into a BytesIO
-     "optim": bytes,   # torch.save(optimizer.state_dict()) into a BytesIO
-     "torch_rng": bytes}
-
-Only rank 0 builds it (the other ranks pass ``extra=None``; only rank 0 writes). The loader's
-own position is saved beside it by the manager. With ``--resume``, the newest checkpoint (if
-any) restores the loader (under any world size, worker count or batch size), the model and the
-optimizer, and the step counter goes on from the saved step. Torchrun's restarts pass the same
-arguments, so ``--resume`` is how a restarted group picks up where the last checkpoint left it.
+``--preemptible`` catches SIGTERM (``lakeloader.Preemption``): at the next step boundary every
+rank learns that one was signalled, a checkpoint of that step is saved, and the run ends with
+status 0 (a ``preempted`` record).
 
 Logs: every rank appends JSON lines to ``{log_dir}/rank{RANK}-attempt{N}.jsonl`` (``N`` is
 torchrun's ``TORCHELASTIC_RESTART_COUNT``), flushed after each line. Record types:
@@ -43,6 +46,7 @@ torchrun's ``TORCHELASTIC_RESTART_COUNT``), flushed after each line. Record type
   batch's mean loss, all-reduced in float64) and ``local_loss_sum`` (this rank's float32 sum),
   both as ``float.hex`` so that they round-trip exactly;
 - ``save``: a checkpoint of ``step`` was saved; ``kill``: the fault injection fires;
+- ``preempted``: a SIGTERM was agreed on at ``step`` (saved, then the loop ends);
 - ``end``: the run finished at ``step``.
 
 Every record also has ``time`` (Unix seconds).
@@ -69,6 +73,7 @@ a resume are bit-identical to those of an uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -80,10 +85,12 @@ from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import lakeloader as ll
-from lakeloader.cli.demo import CLASSES, FEATURES, from_bytes, to_bytes, write_demo_lake
+from lakeloader.cli.demo import CLASSES, FEATURES, write_demo_lake
 
 SEED = 0
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -170,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=5, help="0: only at the end")
     p.add_argument("--resume", action="store_true", help="load the newest checkpoint if any")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2, not DDP")
+    p.add_argument("--preemptible", action="store_true", help="save and stop on SIGTERM")
     args = p.parse_args(argv)
     if args.make_lake is None and None in (args.lake, args.ckpt, args.log_dir):
         p.error("--lake, --ckpt and --log-dir are required (or --make-lake)")
@@ -195,21 +204,21 @@ def train(args: argparse.Namespace) -> None:
 
     ds = ll.LakeDataset(args.lake, columns=["id", *FEATURES, "label"], seed=SEED)
     loader = ll.DataLoader(ds, batch_size=args.batch_size, num_workers=args.num_workers)
-    ckpt = ll.CheckpointManager(args.ckpt)
+    ckpt = ll.CheckpointManager(args.ckpt, ledger_flush_seconds=0)
+    ckpt.attach(loader)
     model = make_model()
+    if args.fsdp:
+        shard(model, world)
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     step = 0
     if args.resume and ckpt.latest() is not None:
-        extra = ckpt.load(loader)
-        model.load_state_dict(from_bytes(extra["model"]))
-        optim.load_state_dict(from_bytes(extra["optim"]))
-        torch.set_rng_state(from_bytes(extra["torch_rng"]))
+        extra = ckpt.load(loader, model=model, optimizer=optim)
         step = int(extra["step"])
         state = loader.state_dict()
         log.write("resume", step=step, epoch=state["epoch"], position=state["position"])
     # find_unused_parameters=True keeps DDP's first gradient-bucket layout for the whole run
     # (see the module docstring): a restarted process reduces in the same order as before.
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    net = model if args.fsdp else DistributedDataParallel(model, find_unused_parameters=True)
 
     state = loader.state_dict()
     epoch = state["epoch"]
@@ -217,47 +226,52 @@ def train(args: argparse.Namespace) -> None:
         epoch += 1  # the saved epoch was complete
     saved_at = step
     stop = bool(args.max_steps) and step >= args.max_steps
-    while epoch < args.epochs and not stop:
-        loader.set_epoch(epoch)  # keeps a just-loaded position of this epoch
-        batches = iter(loader)
-        assert loader.epoch == epoch, f"the loader runs epoch {loader.epoch}, not {epoch}"
-        before = loader.state_dict()["position"]
-        for batch in batches:
-            after = loader.state_dict()["position"]
-            rows, before = after - before, after
-            x = torch.stack([batch[f] for f in FEATURES], 1)
-            y = batch["label"]
-            loss_sum = torch.nn.functional.cross_entropy(ddp(x), y, reduction="sum")
-            optim.zero_grad()
-            (loss_sum * (world / rows)).backward()  # DDP averages: the global batch's mean
-            optim.step()
-            step += 1
-            total = loss_sum.detach().to(torch.float64)
-            dist.all_reduce(total)
-            log.write(
-                "step",
-                epoch=epoch,
-                step=step,
-                position=after,
-                rows=rows,
-                ids=batch["id"].tolist(),
-                loss=(total.item() / rows).hex(),
-                local_loss_sum=loss_sum.item().hex(),
-            )
-            if args.save_every and step % args.save_every == 0:
-                save(ckpt, step, epoch, loader, ddp, optim, rank)
-                saved_at = step
-                log.write("save", step=step)
-            if attempt == 0 and rank == kill_rank and step == kill_step:
-                log.write("kill", step=step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if args.max_steps and step >= args.max_steps:
-                stop = True
-                break
-        epoch += 1
-    if step != saved_at:
-        save(ckpt, step, loader.epoch, loader, ddp, optim, rank)
-        log.write("save", step=step)
+    with ll.Preemption() if args.preemptible else contextlib.nullcontext() as preempt:
+        while epoch < args.epochs and not stop:
+            loader.set_epoch(epoch)  # keeps a just-loaded position of this epoch
+            batches = iter(loader)
+            assert loader.epoch == epoch, f"the loader runs epoch {loader.epoch}, not {epoch}"
+            before = loader.state_dict()["position"]
+            for batch in batches:
+                after = loader.state_dict()["position"]
+                rows, before = after - before, after
+                x = torch.stack([batch[f] for f in FEATURES], 1)
+                y = batch["label"]
+                loss_sum = torch.nn.functional.cross_entropy(net(x), y, reduction="sum")
+                optim.zero_grad()
+                (loss_sum * (world / rows)).backward()  # ranks average: the global batch's mean
+                optim.step()
+                step += 1
+                total = loss_sum.detach().to(torch.float64)
+                dist.all_reduce(total)
+                log.write(
+                    "step",
+                    epoch=epoch,
+                    step=step,
+                    position=after,
+                    rows=rows,
+                    ids=batch["id"].tolist(),
+                    loss=(total.item() / rows).hex(),
+                    local_loss_sum=loss_sum.item().hex(),
+                )
+                if args.save_every and step % args.save_every == 0:
+                    save(ckpt, step, epoch, loader, model, optim)
+                    saved_at = step
+                    log.write("save", step=step)
+                if attempt == 0 and rank == kill_rank and step == kill_step:
+                    log.write("kill", step=step)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if preempt is not None and preempt.requested():
+                    log.write("preempted", step=step, signal=preempt.signalled)
+                    stop = True
+                    break
+                if args.max_steps and step >= args.max_steps:
+                    stop = True
+                    break
+            epoch += 1
+        if step != saved_at:
+            save(ckpt, step, loader.epoch, loader, model, optim)
+            log.write("save", step=step)
     ckpt.close()
     loader.close()
     log.write("end", step=step, epoch=loader.epoch)
@@ -266,9 +280,18 @@ def train(args: argparse.Namespace) -> None:
     # the gloo group's destructor, which joins a thread that may need the GIL to free the
     # final barrier's tensor: a hang at exit (pytorch/pytorch#56297). So drop the model
     # first, and let destroy_process_group (which releases the GIL) end the group.
-    del ddp
+    del net
     dist.barrier()
     dist.destroy_process_group()
+
+
+def shard(model: torch.nn.Module, world: int) -> None:
+    """FSDP2: each linear layer, then the whole model, sharded over a CPU mesh of the ranks."""
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.children():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def save(
@@ -276,21 +299,11 @@ def save(
     step: int,
     epoch: int,
     loader: ll.DataLoader,
-    ddp: DistributedDataParallel,
+    model: torch.nn.Module,
     optim: torch.optim.Optimizer,
-    rank: int,
 ) -> None:
-    """Collective: every rank calls it; only rank 0 builds the extras (only it writes)."""
-    extra = None
-    if rank == 0:
-        extra = {
-            "step": step,
-            "epoch": epoch,
-            "model": to_bytes(ddp.module.state_dict()),
-            "optim": to_bytes(optim.state_dict()),
-            "torch_rng": to_bytes(torch.get_rng_state()),
-        }
-    ckpt.save(step, loader, extra=extra)
+    """Collective: every rank writes its shards; rank 0 the loader's position and extras."""
+    ckpt.save(step, loader, model=model, optimizer=optim, extra={"step": step, "epoch": epoch})
 
 
 def main(argv: list[str] | None = None) -> None:

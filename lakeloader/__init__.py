@@ -40,6 +40,7 @@ from lakeloader.options import LoaderOptions
 from lakeloader.packed_loader import PackedLoader
 from lakeloader.packed_mixture_loader import PackedMixtureLoader
 from lakeloader.packing import Packing
+from lakeloader.preemption import Preemption
 from lakeloader.randomness import rng, row_rngs, row_seeds
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import ReaderStateTracker
@@ -54,6 +55,7 @@ __all__ = [
     "FollowLoader",
     "CheckpointError",
     "CheckpointManager",
+    "Preemption",
     "LakeChangedError",
     "LakeDataError",
     "DataLoader",

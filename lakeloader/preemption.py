@@ -1,0 +1,123 @@
+"""Preemption: SIGTERM turns into a checkpoint at the next step boundary and a clean exit.
+
+Spot and preemptible machines get a SIGTERM some seconds before they are taken away (torchrun
+passes its own SIGTERM on to its workers, and kills them 30 seconds later). Python's default is
+to die at once, losing every step since the last checkpoint. Inside a :class:`Preemption`
+block, the signal only raises a flag; :meth:`Preemption.requested`, called once per step by
+every rank, tells every rank (one all-reduce under torch.distributed) that some rank was
+signalled, so that all of them save the same step and leave the loop together. If the block
+is not left within ``deadline`` seconds of the signal, the process exits with the signal's
+status (a rank stuck in a collective must not hold the machine past its notice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class Preemption:
+    """Catch SIGTERM (or other signals) and turn it into a checkpoint at a step boundary.
+
+    Args:
+        deadline: Seconds from the signal to leaving the block before the process exits
+            anyway with status ``128 + signal``.
+        signals: The signals caught (default: SIGTERM).
+
+    Example:
+        >>> import os, signal
+        >>> with Preemption(deadline=10.0) as preempt:
+        ...     for step in range(1, 100):
+        ...         if step == 3:
+        ...             os.kill(os.getpid(), signal.SIGTERM)  # the machine's notice
+        ...         if preempt.requested():
+        ...             break  # here: ckpt.save(step, loader, model=..., optimizer=...)
+        >>> step, preempt.signalled
+        (3, 'SIGTERM')
+    """
+
+    def __init__(
+        self, deadline: float = 25.0, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)
+    ) -> None:
+        if deadline <= 0:
+            raise ValueError(f"deadline must be > 0 seconds, got {deadline}")
+        if not signals:
+            raise ValueError("signals must name at least one signal")
+        self.deadline = deadline
+        self.signals = signals
+        #: The name of the signal received by this process, or None.
+        self.signalled: str | None = None
+        self._agreed = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("Preemption catches signals: enter it in the main thread")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._caught)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _caught(self, signum: int, frame: FrameType | None) -> None:
+        if self.signalled is not None:
+            return
+        sig = signal.Signals(signum)
+        self.signalled = sig.name
+        logger.warning(
+            "%s received: a checkpoint is saved at the next step boundary (deadline %.0f s)",
+            sig.name,
+            self.deadline,
+        )
+        self._timer = threading.Timer(self.deadline, self._expire, args=(sig, time.monotonic()))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self, sig: signal.Signals, since: float) -> None:
+        logger.error(
+            "%s: no checkpoint within the %.0f s deadline (%.1f s since the signal); exiting "
+            "with status %d",
+            sig.name,
+            self.deadline,
+            time.monotonic() - since,
+            128 + sig.value,
+        )
+        logging.shutdown()
+        os._exit(128 + sig.value)
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled: call it once per step on every rank.
+
+        Under torch.distributed it is a collective (an all-reduce of one number), so every
+        rank gets the same answer at the same step; once True it stays True.
+        """
+        if self._agreed:
+            return True
+        mine = self.signalled is not None
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            mine = bool(flag.item())
+        self._agreed = mine
+        return mine
