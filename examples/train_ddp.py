@@ -54,7 +54,8 @@ Every record also has ``time`` (Unix seconds).
 Fault injection (for tests): with ``LL_KILL_RANK=r`` and ``LL_KILL_AT_STEP=s`` in the
 environment, on restart attempt 0 only, rank ``r`` logs a ``kill`` record and sends itself
 ``SIGKILL`` right after step ``s`` is finished: trained, logged, and checkpointed if ``s`` is a
-save step.
+save step. ``LL_TERM_RANK`` and ``LL_TERM_AT_STEP`` do the same with ``SIGTERM`` (a ``term``
+record), the notice of a preemptible machine.
 
 Determinism: torch is seeded and runs on one thread with deterministic algorithms; the loader's
 order does not depend on the topology; DDP reduces gradients with gloo on CPU, which for a
@@ -189,6 +190,8 @@ def train(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kill_rank = int(os.environ.get("LL_KILL_RANK", "-1"))
     kill_step = int(os.environ.get("LL_KILL_AT_STEP", "-1"))
+    term_rank = int(os.environ.get("LL_TERM_RANK", "-1"))
+    term_step = int(os.environ.get("LL_TERM_AT_STEP", "-1"))
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     init_distributed(attempt)
@@ -261,6 +264,9 @@ def train(args: argparse.Namespace) -> None:
                 if attempt == 0 and rank == kill_rank and step == kill_step:
                     log.write("kill", step=step)
                     os.kill(os.getpid(), signal.SIGKILL)
+                if attempt == 0 and rank == term_rank and step == term_step:
+                    log.write("term", step=step)
+                    os.kill(os.getpid(), signal.SIGTERM)  # the machine's preemption notice
                 if preempt is not None and preempt.requested():
                     log.write("preempted", step=step, signal=preempt.signalled)
                     stop = True

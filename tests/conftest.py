@@ -4,6 +4,7 @@ epochs, multi-rank collection, random epoch plans (hypothesis), and running a mo
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -260,3 +261,37 @@ def running(pid: int) -> bool:
             return fh.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def double_a_step(root: Path, epoch: int) -> tuple[int, int]:
+    """Make a run's ledger say that the head attempt trained on a step of ``epoch`` twice.
+
+    The head attempt's last step of ``epoch`` is appended once more (a new segment), and the
+    head checkpoint's save entry is moved after it, as a loader that re-delivered it would
+    have written. Returns the doubled positions ``[start, stop)``.
+    """
+    from lakeloader.audit.ledger import LEDGER_DIR
+    from lakeloader.audit.records import SaveEntry, StepEntry, dump_entry
+
+    segments = sorted((root / LEDGER_DIR).glob("*/*.jsonl"))
+    lines = [json.loads(x) for p in segments for x in p.read_text().splitlines()]
+    save = max((x for x in lines if x["type"] == "save"), key=lambda x: (x["attempt"], x["seq"]))
+    attempt = save["attempt"]
+    steps = [x for x in lines if x["type"] == "step" and x["attempt"] == attempt]
+    victim = max((x for x in steps if x["epoch"] == epoch), key=lambda x: x["seq"])
+    seq = max(x["seq"] for x in steps) + 1
+    again = StepEntry(
+        attempt,
+        seq,
+        epoch,
+        victim["start"],
+        victim["stop"],
+        victim["num_rows"],
+        victim["world_size"],
+        victim["batch_size"],
+    )
+    moved = SaveEntry(attempt, save["step"], seq, save["epoch"], save["position"])
+    (root / LEDGER_DIR / attempt / "999999999999-doubled.jsonl").write_text(
+        dump_entry(again) + "\n" + dump_entry(moved) + "\n"
+    )
+    return victim["start"], victim["stop"]

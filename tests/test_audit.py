@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 
 import lakeloader as ll
 from lakeloader.audit.history import audit
-from lakeloader.audit.ledger import LEDGER_DIR
-from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry, dump_entry
+from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry
 from lakeloader.cli.main import main as cli
-from tests.conftest import layout_dataset
+from tests.conftest import double_a_step, layout_dataset
 
 
 @st.composite
@@ -171,23 +170,9 @@ def test_audit_command_on_a_crash_and_a_resize(
     text = capsys.readouterr().out
     assert "every row exactly once" in text and "1x32" in text and "2x24" in text
     # a ledger that says a step of epoch 1 was trained on twice
-    segment = next((tmp_path / "ckpt" / LEDGER_DIR).glob("*/*.jsonl"))
-    attempt = segment.parent.name
-    lines = [
-        json.loads(x) for p in segment.parent.glob("*.jsonl") for x in p.read_text().splitlines()
-    ]
-    step = max(
-        (x for x in lines if x["type"] == "step" and x["epoch"] == 1), key=lambda x: x["seq"]
-    )
-    save = max((x for x in lines if x["type"] == "save"), key=lambda x: x["seq"])
-    assert save["seq"] == step["seq"] and save["attempt"] == attempt
-    extra = StepEntry(attempt, step["seq"] + 1, 1, 0, 48, rows, 2, 24)
-    moved = SaveEntry(attempt, save["step"], step["seq"] + 1, save["epoch"], save["position"])
-    (segment.parent / "999999999999-doubled.jsonl").write_text(
-        dump_entry(extra) + "\n" + dump_entry(moved) + "\n"
-    )
+    start, stop = double_a_step(tmp_path / "ckpt", 1)
     assert cli(["audit", ckpt_dir]) == 1
     text = capsys.readouterr().out
-    assert "ERROR epoch 1: positions [0, 48) trained on twice" in text
+    assert f"ERROR epoch 1: positions [{start}, {stop}) trained on twice" in text
     assert "row group" in text and "NOT exactly once" in text
     dead.close()

@@ -1,142 +1,42 @@
 """``examples/train_ddp.py`` under torchrun, with real processes on the loopback interface.
 
 The sequence: a 3-rank run in which rank 1 SIGKILLs itself after step 13 (torchrun restarts the
-group, which resumes from the checkpoint of step 10) and which stops at step 52, in the middle
-of epoch 0; then the same checkpoint folder continued on 2 ranks (with a DataLoader worker each)
-to the end of epoch 1. From the per-rank logs: every row id is trained on exactly once in each
-epoch (records of an attempt past the step the next attempt resumed from were replayed, so they
-do not count), and the steps after the restart have bit-identical losses to an uninterrupted
-3-rank run.
+group, which resumes from the checkpoint of step 10: loader, DCP shards of model and optimizer,
+generators) and which stops at step 52, in the middle of epoch 0; then the same checkpoint
+folder continued on 2 ranks of batch 24 (the same global batch of 48, with a DataLoader worker
+each) to the end of epoch 1. From the per-rank logs: every row id is trained on exactly once in
+each epoch (records of an attempt past the step the next attempt resumed from were replayed,
+so they do not count); the steps after the restart have bit-identical losses to an
+uninterrupted 3-rank run, and the steps after the resize train on the same rows as that run,
+with losses within a stated deviation (the gradients are summed over 2 ranks, not 3).
+``lakeloader audit`` proves the same from the checkpoints' ledger, and fails on a ledger in
+which a step was doubled.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
-import time
+import shutil
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.conftest import TORCHRUN_ENV, torchrun_command
+from lakeloader.cli.main import main as cli
+from tests.conftest import double_a_step
+from tests.torchrun_runs import Run, load_example, torchrun
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
-
-ROWS = 4001  # 4001 = 125 x 32 + 1: on 2 ranks the last batch of an epoch leaves rank 1 empty
-BATCH = 16  # per rank: global batches of 48 (3 ranks) and 32 (2 ranks); C = 16 divides both
+ROWS = 4001  # 4001 = 83 x 48 + 17: on 2 ranks the last batch of an epoch leaves rank 1 empty
+BATCH = 16  # per rank on 3 ranks: global batches of 48
+RESIZED_BATCH = 24  # per rank on 2 ranks: the same global batch of 48
 SAVE_EVERY = 5
 KILL_RANK, KILL_STEP = 1, 13  # attempt 0 only; the restart resumes from the save of step 10
 STOP_STEP = 52  # the 3-rank run stops here, in epoch 0; the 2-rank run takes over
 EPOCHS = 2
-RUN_TIMEOUT = 180.0  # seconds for one torchrun launch
-
-
-@dataclass
-class Run:
-    """One torchrun launch and what its ranks logged."""
-
-    name: str
-    log_dir: Path
-    seconds: float
-
-    def records(self, attempt: int, kind: str | None = None) -> list[dict[str, Any]]:
-        out = []
-        for path in sorted(self.log_dir.glob(f"rank*-attempt{attempt}.jsonl")):
-            with path.open(encoding="utf-8") as fh:
-                out += [json.loads(line) for line in fh]
-        return [r for r in out if kind is None or r["type"] == kind]
-
-    def attempts(self) -> list[int]:
-        return sorted({int(p.stem.split("-attempt")[1]) for p in self.log_dir.glob("*.jsonl")})
-
-    def resumed_from(self, attempt: int) -> int:
-        """The checkpoint step all ranks of an attempt resumed from (0: a fresh start)."""
-        steps = {r["step"] for r in self.records(attempt, "resume")}
-        assert len(steps) <= 1, f"{self.name} attempt {attempt}: ranks resumed from {steps}"
-        return steps.pop() if steps else 0
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _kill_leftovers(log_dir: Path) -> None:
-    """SIGKILL rank processes of this launch that outlived it (their pids are in the logs)."""
-    for path in log_dir.glob("*.jsonl"):
-        with path.open(encoding="utf-8") as fh:
-            pids = [r["pid"] for r in map(json.loads, fh) if r["type"] == "start"]
-        for pid in pids:
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if SCRIPT.name.encode() in cmdline:
-                os.kill(pid, signal.SIGKILL)
-
-
-def torchrun(
-    work: Path,
-    name: str,
-    nproc: int,
-    *args: str,
-    max_restarts: int = 0,
-    kill: tuple[int, int] | None = None,
-) -> Run:
-    """Launch the example under torchrun (loopback only) and wait for it, cleaning up after."""
-    log_dir = work / f"logs-{name}"
-    cmd = torchrun_command(
-        nproc,
-        SCRIPT,
-        "--lake",
-        str(work / "lake"),
-        "--log-dir",
-        str(log_dir),
-        "--batch-size",
-        str(BATCH),
-        "--save-every",
-        str(SAVE_EVERY),
-        "--epochs",
-        str(EPOCHS),
-        *args,
-        max_restarts=max_restarts,
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LL_KILL_")}
-    env.update(TORCHRUN_ENV)
-    if kill is not None:
-        env.update(LL_KILL_RANK=str(kill[0]), LL_KILL_AT_STEP=str(kill[1]))
-    output = work / f"{name}.out"
-    start = time.monotonic()
-    with output.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work)
-        try:
-            returncode: int | None = proc.wait(timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            returncode = None
-            proc.terminate()  # torchrun passes SIGTERM on to its workers
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        finally:
-            _kill_leftovers(log_dir)
-    seconds = time.monotonic() - start
-    if returncode != 0:
-        tail = output.read_text(errors="replace")[-6000:]
-        pytest.fail(f"torchrun {name} ended with {returncode} after {seconds:.1f} s:\n{tail}")
-    return Run(name, log_dir, seconds)
+FINAL_STEP = 2 * math.ceil(ROWS / (3 * BATCH))  # both epochs at 48 rows a step: 168
+RESIZE_DEVIATION = 1e-4  # largest relative loss deviation accepted after the resize
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +44,32 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("torchrun")
     assert load_example().make_lake(root / "lake", ROWS) == ROWS
     return root
+
+
+_RESIZED: dict[Path, Run] = {}
+
+
+def _resized(work: Path) -> Run:
+    """The checkpoint folder of ``restarted`` continued on 2 ranks of batch 24 (run once)."""
+    if work not in _RESIZED:
+        _RESIZED[work] = torchrun(
+            work,
+            "resized",
+            2,
+            "--ckpt",
+            str(work / "ckpt"),
+            "--resume",
+            "--num-workers",
+            "1",
+            batch=RESIZED_BATCH,
+        )
+    return _RESIZED[work]
+
+
+@pytest.fixture(scope="module")
+def reference(work: Path) -> Run:
+    """The same training, uninterrupted, on 3 ranks to the end of epoch 1."""
+    return torchrun(work, "reference", 3, "--ckpt", str(work / "ckpt-ref"))
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +100,11 @@ def test_restart_then_resize_trains_on_every_row_once_per_epoch(work: Path, rest
     assert [r["step"] for r in restarted.records(1, "end")] == [STOP_STEP] * 3
 
     # (b) the same checkpoint folder, continued on 2 ranks with one DataLoader worker each
-    resized = torchrun(
-        work, "resized", 2, "--ckpt", str(work / "ckpt"), "--resume", "--num-workers", "1"
-    )
+    resized = _resized(work)
     assert resized.attempts() == [0]
     assert {r["world_size"] for r in resized.records(0, "start")} == {2}
     assert resized.resumed_from(0) == STOP_STEP
-    left = ROWS - STOP_STEP * 3 * BATCH
-    final = STOP_STEP + math.ceil(left / (2 * BATCH)) + math.ceil(ROWS / (2 * BATCH))
+    final = FINAL_STEP
     assert [(r["step"], r["epoch"]) for r in resized.records(0, "end")] == [(final, 1)] * 2
 
     # (c) every row once per epoch: drop what an attempt did past the next one's resume step
@@ -218,23 +141,13 @@ def test_restart_then_resize_trains_on_every_row_once_per_epoch(work: Path, rest
 
 
 def test_losses_after_the_restart_are_bit_identical_to_an_uninterrupted_run(
-    work: Path, restarted: Run
+    work: Path, restarted: Run, reference: Run
 ) -> None:
-    reference = torchrun(
-        work, "reference", 3, "--ckpt", str(work / "ckpt-ref"), "--max-steps", str(STOP_STEP)
-    )
     assert reference.attempts() == [0]
-
-    def by_rank_and_step(records: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[Any, ...]]:
-        return {
-            (r["rank"], r["step"]): (r["epoch"], r["ids"], r["loss"], r["local_loss_sum"])
-            for r in records
-        }
-
-    expected = by_rank_and_step(reference.records(0, "step"))
-    assert len(expected) == 3 * STOP_STEP
-    before = by_rank_and_step(restarted.records(0, "step"))
-    after = by_rank_and_step(restarted.records(1, "step"))
+    expected = _by_rank_and_step(reference.records(0, "step"))
+    assert len(expected) == 3 * FINAL_STEP
+    before = _by_rank_and_step(restarted.records(0, "step"))
+    after = _by_rank_and_step(restarted.records(1, "step"))
     resumed = restarted.resumed_from(1)
     assert sorted({s for _, s in after}) == list(range(resumed + 1, STOP_STEP + 1))
     for got in (before, after):
@@ -244,3 +157,60 @@ def test_losses_after_the_restart_are_bit_identical_to_an_uninterrupted_run(
         f"\n{len(after)} rank-steps after the resume (steps {resumed + 1}..{STOP_STEP}) have "
         f"bit-identical losses to the uninterrupted run; torchrun {reference.seconds:.1f} s"
     )
+
+
+def test_after_the_resize_the_same_rows_and_nearly_the_same_losses(
+    work: Path, restarted: Run, reference: Run
+) -> None:
+    resized = _resized(work)
+    mine = _global_steps(resized.records(0, "step"))
+    theirs = _global_steps(reference.records(0, "step"))
+    assert sorted(mine) == list(range(STOP_STEP + 1, FINAL_STEP + 1))
+    deviation = 0.0
+    for step, (ids, loss) in mine.items():
+        ref_ids, ref_loss = theirs[step]
+        assert ids == ref_ids, f"step {step}: other rows than the uninterrupted run"
+        deviation = max(deviation, abs(loss - ref_loss) / abs(ref_loss))
+    assert deviation < RESIZE_DEVIATION
+    print(
+        f"\nafter the resize 3 -> 2 ranks: {len(mine)} steps on the same rows as the "
+        f"uninterrupted run, largest relative loss deviation {deviation:.2e}"
+    )
+
+
+def test_audit_proves_the_run_and_catches_a_doubled_step(
+    work: Path, restarted: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _resized(work)
+    assert cli(["audit", str(work / "ckpt"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [(e["epoch"], e["trained"], e["complete"]) for e in info["epochs"]] == [
+        (0, ROWS, True),
+        (1, ROWS, True),
+    ]
+    assert [c["world_sizes"] for c in info["chain"]] == [[3], [3], [2]]
+    (replayed,) = info["epochs"][0]["replayed"]
+    first = SAVE_EVERY * (KILL_STEP // SAVE_EVERY) * 3 * BATCH
+    assert replayed[0] == first and replayed[1] >= KILL_STEP * 3 * BATCH, replayed
+    doubled = tmp_path / "ckpt"
+    shutil.copytree(work / "ckpt", doubled)
+    start, stop = double_a_step(doubled, 1)
+    assert cli(["audit", str(doubled)]) == 1
+    assert f"ERROR epoch 1: positions [{start}, {stop}) trained on twice" in capsys.readouterr().out
+    print(f"\naudit: exactly once over 3 attempts; replayed positions {replayed}")
+
+
+def _by_rank_and_step(records: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[Any, ...]]:
+    return {
+        (r["rank"], r["step"]): (r["epoch"], r["ids"], r["loss"], r["local_loss_sum"])
+        for r in records
+    }
+
+
+def _global_steps(records: list[dict[str, Any]]) -> dict[int, tuple[list[int], float]]:
+    """Per global step: the sorted row ids of all ranks, and the step's loss."""
+    out: dict[int, tuple[list[int], float]] = {}
+    for r in records:
+        ids, _ = out.get(r["step"], ([], 0.0))
+        out[r["step"]] = (sorted(ids + r["ids"]), float.fromhex(r["loss"]))
+    return out
