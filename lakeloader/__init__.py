@@ -32,6 +32,7 @@ from lakeloader.errors import (
 )
 from lakeloader.follow import Follow
 from lakeloader.follow_loader import FollowLoader
+from lakeloader.ft.loader import FaultTolerantLoader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader, PartitionWarning
 from lakeloader.mixture import Mixture
@@ -51,6 +52,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "CacheBudgetWarning",
     "Checkpoint",
+    "FaultTolerantLoader",
     "Follow",
     "FollowLoader",
     "CheckpointError",
