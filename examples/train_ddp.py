@@ -25,7 +25,8 @@ Checkpoints: every ``--save-every`` steps, and once more at the end of the run, 
 collective: the ranks' loader positions are compared with an all-gather, each rank writes its
 shards of the model and the optimizer through ``torch.distributed.checkpoint``, rank 0 writes
 the loader's position, every rank's random generators and the context, then ``COMMIT``).
-``extra`` is ``{"step": int, "epoch": int}``. With ``--resume``, the newest checkpoint (if
+``extra`` is ``{"step": int, "epoch": int}``; ``--async-save`` writes them in the background
+(DCP's ``async_save`` on a process group of its own). With ``--resume``, the newest checkpoint (if
 any) restores the loader (under any world size, worker count or batch size), the model and
 the optimizer (resharded onto this world size) and the generators, and the step counter goes
 on from the saved step. Torchrun's restarts pass the same arguments, so ``--resume`` is how a
@@ -180,6 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2, not DDP")
     p.add_argument("--preemptible", action="store_true", help="save and stop on SIGTERM")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     args = p.parse_args(argv)
     if args.make_lake is None and None in (args.lake, args.ckpt, args.log_dir):
         p.error("--lake, --ckpt and --log-dir are required (or --make-lake)")
@@ -207,7 +209,7 @@ def train(args: argparse.Namespace) -> None:
 
     ds = ll.LakeDataset(args.lake, columns=["id", *FEATURES, "label"], seed=SEED)
     loader = ll.DataLoader(ds, batch_size=args.batch_size, num_workers=args.num_workers)
-    ckpt = ll.CheckpointManager(args.ckpt, ledger_flush_seconds=0)
+    ckpt = ll.CheckpointManager(args.ckpt, async_save=args.async_save, ledger_flush_seconds=0)
     ckpt.attach(loader)
     model = make_model()
     if args.fsdp:

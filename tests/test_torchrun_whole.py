@@ -3,7 +3,8 @@
 The sequence, all with ``examples/train_ddp.py --fsdp`` (FSDP2 ``fully_shard`` on a CPU mesh,
 gloo): 3 ranks under ``--preemptible``, where rank 1 gets a SIGTERM after step 12: every rank
 agrees at that step boundary, saves (DCP shards of model and optimizer, the loader, the
-generators) and exits 0; the same 3 ranks resume and train to step 25 (saving there); 2 ranks
+generators) and exits 0; the same 3 ranks resume and train to step 25 (saving in the
+background, DCP's ``async_save``, every 5 steps); 2 ranks
 of batch 24 (the same global batch of 48) load the shards of 3 and train to step 40. An
 uninterrupted 3-rank run to step 40 is the reference: the preempted and resumed steps are
 bit-identical to it, the resharded steps train on the same rows with nearly the same losses.
@@ -39,7 +40,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             "0",
             term=(TERM_RANK, TERM_STEP),
         ),
-        "resumed": torchrun(work, "resumed", 3, *ckpt, "--max-steps", str(RESUMED_STOP)),
+        "resumed": torchrun(
+            work, "resumed", 3, *ckpt, "--max-steps", str(RESUMED_STOP), "--async-save"
+        ),
         "resharded": torchrun(
             work, "resharded", 2, *ckpt, "--max-steps", str(FINAL_STOP), batch=24
         ),
