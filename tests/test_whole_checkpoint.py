@@ -44,13 +44,14 @@ def _draws() -> tuple[float, float, float]:
     return random.random(), float(np.random.random()), float(torch.rand(1).item())
 
 
+@pytest.mark.parametrize("async_save", [False, True])
 def test_weights_optimizer_and_generators_resume_bit_identically(
-    own_lake: Path, tmp_path: Path
+    own_lake: Path, tmp_path: Path, async_save: bool
 ) -> None:
     ds = layout_dataset(own_lake)
     model, optim = _model()
     loader = ll.DataLoader(ds, batch_size=BATCH)
-    ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    ckpt = ll.CheckpointManager(str(tmp_path / "ckpt"), async_save=async_save)
     ckpt.attach(loader)
     losses, after = [], []
     for step, batch in enumerate(loader, 1):

@@ -196,6 +196,7 @@ class CheckpointManager:
             attempt=self.ledger.attempt,
             code=self._code,
             storage_options=self.storage_options,
+            asynchronous=self.async_save,
             async_group=self._group() if self.async_save and model is not None else None,
         )
         if _rank() != 0:

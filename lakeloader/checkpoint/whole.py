@@ -95,6 +95,7 @@ def capture(
     attempt: str,
     code: CodeVersion,
     storage_options: dict[str, Any],
+    asynchronous: bool,
     async_group: dist.ProcessGroup | None,
 ) -> Captured:
     """Gather generators and write (or start writing) the weights: a collective on every rank.
@@ -108,8 +109,9 @@ def capture(
         attempt: The saving attempt's id.
         code: The training code's git commit.
         storage_options: fsspec options of the checkpoint URL.
-        async_group: With a group, the weights are written in the background (DCP's
-            ``async_save`` on that group); without, before this returns.
+        asynchronous: Write the weights in the background (DCP's ``async_save``, which
+            copies them to memory first) rather than before this returns.
+        async_group: The process group of a background save under torch.distributed.
 
     Raises:
         CheckpointError: If an optimizer is given without its model.
@@ -135,7 +137,7 @@ def capture(
         weights_state(model, optimizer),
         storage_options,
         async_group=async_group,
-        asynchronous=async_group is not None,
+        asynchronous=asynchronous,
     )
     return Captured(record, posixpath.join(folder, WEIGHTS_DIR), pending)
 
