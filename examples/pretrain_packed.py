@@ -10,9 +10,10 @@ Every rank reads its partitions' packed samples (``LakeDataset(..., packing=Pack
 ``num_partitions=4``, so 1, 2 or 4 ranks) through ``lakeloader.DataLoader``; the global batch
 is 8 samples of 16 tokens whatever the world size. Every ``--save-every`` steps, and at the
 end, every rank calls ``CheckpointManager.save`` (a collective: the ranks' positions are
-compared and their partitions gathered; rank 0 writes, with the model and optimizer in
-``extra``). With ``--resume`` the newest checkpoint restores the loader (each rank takes its
-partitions, under any world size dividing 4), the model and the optimizer.
+compared and their partitions gathered; each rank writes its shards of the model and the
+optimizer through ``torch.distributed.checkpoint``, rank 0 the loader's state). With
+``--resume`` the newest checkpoint restores the loader (each rank takes its partitions, under
+any world size dividing 4), the model and the optimizer.
 
 Logs: JSON lines in ``{log_dir}/rank{RANK}-attempt{N}.jsonl`` (``start``, ``resume``,
 ``step`` with the ``input_ids`` this rank trained on, ``kill``, ``end``), as in
@@ -23,12 +24,10 @@ Logs: JSON lines in ``{log_dir}/rank{RANK}-attempt{N}.jsonl`` (``start``, ``resu
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -68,12 +67,6 @@ def dataset(lake: Path) -> ll.LakeDataset:
     )
 
 
-def _blob(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def train(args: argparse.Namespace) -> None:
     """One rank's training run (see the module docstring)."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -90,9 +83,7 @@ def train(args: argparse.Namespace) -> None:
     ckpt = ll.CheckpointManager(args.ckpt)
     step = 0
     if args.resume and ckpt.latest() is not None:
-        extra = ckpt.load(loader)
-        net.load_state_dict(torch.load(io.BytesIO(extra["model"])))
-        optim.load_state_dict(torch.load(io.BytesIO(extra["optim"])))
+        extra = ckpt.load(loader, model=net, optimizer=optim)
         step = int(extra["step"])
         log.write("resume", step=step)
     kill_rank = int(os.environ.get("LL_KILL_RANK", "-1"))
@@ -111,14 +102,7 @@ def train(args: argparse.Namespace) -> None:
         optim.step()
         log.write("step", step=step, input_ids=ids.tolist(), loss=float(loss))
         if step % args.save_every == 0 or step == args.steps:
-            extra = None
-            if rank == 0:
-                extra = {
-                    "step": step,
-                    "model": _blob(net.state_dict()),
-                    "optim": _blob(optim.state_dict()),
-                }
-            ckpt.save(step, loader, extra)
+            ckpt.save(step, loader, model=net, optimizer=optim, extra={"step": step})
         if attempt == 0 and rank == kill_rank and step == kill_step:
             log.write("kill", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
