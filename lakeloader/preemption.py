@@ -6,8 +6,10 @@ to die at once, losing every step since the last checkpoint. Inside a :class:`Pr
 block, the signal only raises a flag; :meth:`Preemption.requested`, called once per step by
 every rank, tells every rank (one all-reduce under torch.distributed) that some rank was
 signalled, so that all of them save the same step and leave the loop together. If the block
-is not left within ``deadline`` seconds of the signal, the process exits with the signal's
-status (a rank stuck in a collective must not hold the machine past its notice).
+is not left within ``deadline`` seconds of the signal, the signal is raised again in the main
+thread as ``SystemExit`` with the signal's status (exit handlers run: loaders release their
+shared memory); a main thread that cannot run Python code then (stuck in a collective) is
+ended :data:`GRACE` seconds later with ``os._exit``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between the deadline's ``SystemExit`` and ``os._exit`` when the former cannot run.
+GRACE = 5.0
 
 
 class Preemption:
@@ -60,6 +65,7 @@ class Preemption:
         self._agreed = False
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
+        self._expired = False
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
@@ -81,12 +87,14 @@ class Preemption:
         self._previous.clear()
 
     def _caught(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self._expired:  # the deadline passed: leave now, through the exit handlers
+            raise SystemExit(128 + sig.value)
         if self.signalled is not None:
             return
-        sig = signal.Signals(signum)
         self.signalled = sig.name
         logger.warning(
-            "%s received: a checkpoint is saved at the next step boundary (deadline %.0f s)",
+            "%s received: a checkpoint is saved at the next step boundary (deadline %g s)",
             sig.name,
             self.deadline,
         )
@@ -96,15 +104,18 @@ class Preemption:
 
     def _expire(self, sig: signal.Signals, since: float) -> None:
         logger.error(
-            "%s: no checkpoint within the %.0f s deadline (%.1f s since the signal); exiting "
+            "%s: no checkpoint within the %g s deadline (%.1f s since the signal); exiting "
             "with status %d",
             sig.name,
             self.deadline,
             time.monotonic() - since,
             128 + sig.value,
         )
-        logging.shutdown()
-        os._exit(128 + sig.value)
+        self._expired = True
+        last = threading.Timer(GRACE, os._exit, args=(128 + sig.value,))
+        last.daemon = True
+        last.start()
+        os.kill(os.getpid(), sig)  # the handler raises SystemExit in the main thread
 
     def requested(self) -> bool:
         """Whether any rank was signalled: call it once per step on every rank.

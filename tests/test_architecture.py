@@ -81,7 +81,15 @@ def test_the_three_parts_are_public_objects() -> None:
     assert ll.CheckpointManager.__module__ == "lakeloader.checkpoint.manager"
 
 
+#: Record modules of the checkpoint room that the layout may use: value objects, leaves too.
+CHECKPOINT_RECORDS = {"lakeloader.checkpoint.training", "lakeloader.checkpoint.rng"}
+
+
 def test_the_checkpoint_layout_is_a_leaf() -> None:
     modules = _modules()
+    inside = ("lakeloader.checkpoint", "lakeloader.loader")
     layout = _imports(modules["lakeloader.checkpoint.layout"], modules)
-    assert not {m for m in layout if m.startswith(("lakeloader.checkpoint", "lakeloader.loader"))}
+    assert not {m for m in layout if m.startswith(inside)} - CHECKPOINT_RECORDS
+    for record in CHECKPOINT_RECORDS:  # and they import nothing else of the room
+        used = _imports(modules[record], modules)
+        assert not {m for m in used if m.startswith(inside)} - CHECKPOINT_RECORDS, record
