@@ -189,10 +189,13 @@ def test_checkpoints_round_trip_and_keep(
     objects = fs.find(path)
     # Folders holding objects (SeaweedFS still lists a folder emptied by pruning as a prefix).
     assert {posixpath.relpath(p, path).split("/")[0] for p in objects} == {
+        "ledger",
         "manifests",
         step_dir_name(3),
         step_dir_name(4),
     }
+    segments = [p for p in objects if posixpath.relpath(p, path).startswith("ledger/")]
+    assert segments and all(p.endswith(".jsonl") for p in segments), "the audit ledger's segments"
     secrets = [str(v).encode() for k, v in store.storage_options.items() if k in ("key", "secret")]
     for obj in objects:
         data = fs.cat_file(obj)

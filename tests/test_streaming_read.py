@@ -96,7 +96,7 @@ def test_streamed_units_equal_the_row_group_read_whole(tmp_path: Path) -> None:
     ).column("part").to_pylist() == [0, 0, 0], "no column of the file at all"
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     row_groups=st.lists(st.integers(1, 600), min_size=1, max_size=3),
     unit_rows=st.integers(1, 300),
