@@ -128,8 +128,10 @@ def replica(args: argparse.Namespace) -> None:
     ds = ll.LakeDataset(args.lake, columns=["id", *FEATURES, "label"], seed=SEED)
     loader = ll.FaultTolerantLoader(ds, manager, batch_size=args.batch_size)
     log.write("start", pid=os.getpid(), batch_size=args.batch_size)
-    for epoch in range(args.epochs):
-        loader.set_epoch(epoch)
+    # the loader's epoch, not a counter of this process's: a group that joins late heals into
+    # its peers' epoch
+    while loader.epoch < args.epochs:
+        epoch = loader.epoch
         for batch in loader:  # starts the step's quorum, slices for its participants
             x = torch.stack([batch[f] for f in FEATURES], 1)
             optim.zero_grad()
@@ -143,7 +145,7 @@ def replica(args: argparse.Namespace) -> None:
                 optim.step()
             log.write(
                 "step",
-                epoch=epoch,
+                epoch=loader.epoch,
                 step=manager.current_step(),
                 position=loader.position,
                 rows=loader.step_rows,
@@ -155,6 +157,7 @@ def replica(args: argparse.Namespace) -> None:
                 rank=loader.participating_rank,
             )
             time.sleep(args.step_sleep)
+        loader.set_epoch(max(epoch, loader.epoch) + 1)
     log.write("end", step=manager.current_step(), epoch=loader.epoch)
     log.close()
     loader.close()

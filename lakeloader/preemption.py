@@ -127,7 +127,9 @@ class Preemption:
             return True
         mine = self.signalled is not None
         if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+            nccl_only = dist.get_backend() == "nccl"  # no CPU tensors there
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl_only else None
+            flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             mine = bool(flag.item())
         self._agreed = mine

@@ -290,7 +290,7 @@ def double_a_step(root: Path, epoch: int) -> tuple[int, int]:
         victim["world_size"],
         victim["batch_size"],
     )
-    moved = SaveEntry(attempt, save["step"], seq, save["epoch"], save["position"])
+    moved = SaveEntry(attempt, save["step"], seq, save["epoch"], save["position"], save["start"])
     (root / LEDGER_DIR / attempt / "999999999999-doubled.jsonl").write_text(
         dump_entry(again) + "\n" + dump_entry(moved) + "\n"
     )

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lakeloader as ll
-from lakeloader.audit.history import audit
+from lakeloader.audit.history import Span, audit
 from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry
 from lakeloader.cli.main import main as cli
 from tests.conftest import double_a_step, layout_dataset
@@ -130,19 +130,35 @@ def _moved(e: Entry, seq: int, head_step: int, head_attempt: str) -> Entry:
     return e
 
 
+def test_an_attempt_that_loads_again_and_saves_at_once() -> None:
+    # attempt a: 4 steps of 4 rows, a checkpoint after step 2; it then loads that checkpoint
+    # again (rolling steps 3-4 back) and saves at once, before delivering a step
+    entries: list[Entry] = [StartEntry("a", 0.0, 1, 0, -1, "", 0, 0, 0, 0)]
+    entries += [StepEntry("a", q, 0, 4 * (q - 1), 4 * q, 40, 1, 4) for q in range(1, 5)]
+    entries += [SaveEntry("a", 2, 2, 0, 8, 0)]
+    entries += [StartEntry("a", 1.0, 1, 0, 2, "a", 0, 8, 4, 1), SaveEntry("a", 3, 4, 0, 8, 1)]
+    report = audit(entries, 3, "a")
+    assert report.ok, report
+    assert report.epochs[0].trained == 8, "steps 1-2, not the rolled-back 3-4"
+    assert report.epochs[0].uncommitted == (Span(0, 8, 16),)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
 def test_audit_command_on_a_crash_and_a_resize(
-    own_lake: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    own_lake: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], async_save: bool
 ) -> None:
     ckpt_dir = str(tmp_path / "ckpt")
-    # attempt 1: one rank, batch 32, a checkpoint after step 5, killed after step 8
+    # attempt 1: one rank, batch 32, a checkpoint after step 5 (written in the background
+    # while steps 6-8 are delivered, with async_save), killed after step 8
     first = ll.DataLoader(layout_dataset(own_lake), batch_size=32)
-    dead = ll.CheckpointManager(ckpt_dir, ledger_flush_seconds=0)
+    dead = ll.CheckpointManager(ckpt_dir, ledger_flush_seconds=0, async_save=async_save)
     dead.attach(first)
     for step, _ in enumerate(first, 1):
         if step == 5:
             dead.save(step, first)
         if step == 8:
             break
+    dead.wait()
     dead.ledger.wait()  # what a crash leaves: the segments written so far, no close
     # attempt 2: two ranks of batch 24 resume from step 5 and finish epochs 0 and 1
     ranks = [

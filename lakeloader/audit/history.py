@@ -151,11 +151,12 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
             problems.append(
                 f"the ledger has no entry of the checkpoint of step {step} saved by attempt "
                 f"{attempt or '(unknown)'}: the history before it cannot be proven"
+                if save is None
+                else f"the history loops back to the checkpoint of step {step} ({attempt})"
             )
             break
         seen.add((attempt, step))
-        begun = [s for s in starts[attempt] if s.seq < save.seq or s.seq == 0]
-        start = max(begun, key=lambda s: s.seq) if begun else None
+        start = next((s for s in starts[attempt] if s.index == save.start), None)
         low = start.seq if start is not None else 0
         mine = [s for q, s in steps[attempt].items() if low < q <= save.seq and s.committed]
         committed += mine
@@ -183,6 +184,15 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
     others = [s for a in steps.values() for s in a.values() if (s.attempt, s.seq) not in ids]
     head = saves.get((head_attempt, head_step))
     epochs = _verdicts(committed, others, (head.epoch, head.position) if head else None)
+    sizes: dict[int, set[int]] = defaultdict(set)
+    for s in committed:
+        sizes[s.epoch].add(s.num_rows)
+    for epoch, rows in sorted(sizes.items()):
+        if len(rows) > 1:
+            problems.append(
+                f"epoch {epoch}: its committed steps disagree on its rows ({sorted(rows)}): "
+                "the epoch was restarted on a changed lake (on_lake_change='restart_epoch')"
+            )
     if head is not None:
         present = {e.epoch for e in epochs}
         for epoch in range(head.epoch + (1 if head.position else 0)):
@@ -218,13 +228,15 @@ def _verdicts(
             reached = max(reached, s.stop)
         num_rows = mine[-1].num_rows
         tail = num_rows - reached
-        biggest = max(s.world_size * s.batch_size for s in mine)
+        last = max(mine, key=lambda s: s.stop)
+        step_rows = last.world_size * last.batch_size  # drop_last drops less than a step
         later = epoch < last_epoch
-        dropped = tail if later and 0 < tail < biggest else 0
-        if later and tail >= biggest:
+        dropped = tail if later and 0 < tail < step_rows else 0
+        if later and tail >= step_rows:
             missing.append(Span(epoch, reached, num_rows))
-        if head is not None and epoch == head[0] and reached < head[1]:
-            missing.append(Span(epoch, reached, head[1]))
+        if head is not None and epoch == head[0] and reached != head[1]:
+            gap = Span(epoch, min(reached, head[1]), max(reached, head[1]))
+            (missing if reached < head[1] else doubled).append(gap)
         outside = [Span(epoch, s.start, s.stop) for s in others if s.epoch == epoch]
         replayed, uncommitted = _split(outside, covered)
         topologies = tuple(dict.fromkeys((s.world_size, s.batch_size) for s in mine))

@@ -3,7 +3,7 @@
 It lives beside the checkpoints, ``<root>/ledger/<attempt>/<first seq>.jsonl``: each attempt (a
 run of the training program) writes its entries in segments that are never rewritten, which
 works the same on a local disk and on object stores that cannot append. A segment is written
-at every checkpoint save (after its ``COMMIT``), every ``flush_seconds`` while steps are
+at every checkpoint save (before its ``COMMIT``), every ``flush_seconds`` while steps are
 delivered (in a background thread), and at ``close``. Steps delivered after the last segment
 of a crashed attempt are lost with it; they were not committed by any checkpoint (a save
 writes a segment), so the audit's committed history is whole; only its count of replayed rows
@@ -78,6 +78,8 @@ class Ledger:
         self.seq = 0
         self._resumed = (-1, "")
         self._started = False
+        self._starts = 0  # start entries written: the index of the next one
+        self._closed = False
         self._buffer: list[Entry] = []
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
@@ -108,8 +110,10 @@ class Ledger:
                 epoch,
                 position,
                 self.seq,
+                self._starts,
             )
         )
+        self._starts += 1
 
     def step(
         self,
@@ -121,7 +125,9 @@ class Ledger:
         *,
         committed: bool = True,
     ) -> None:
-        """Record a delivered step (the tracker's observer)."""
+        """Record a delivered step (the tracker's observer; nothing once closed)."""
+        if self._closed:
+            return
         with self._lock:
             self._start(epoch, start, topology.world_size)
             self.seq += 1
@@ -141,11 +147,23 @@ class Ledger:
         if time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
-    def saved(self, step: int, epoch: int, position: int, world_size: int) -> None:
-        """Record a committed checkpoint and write the segment at once (after ``COMMIT``)."""
+    def mark(self, epoch: int, position: int, world_size: int) -> tuple[int, int]:
+        """Where a checkpoint taken now stands: (steps delivered, index of the attempt's start).
+
+        Taken when ``save`` is called, in the training loop's thread: a background write
+        finishes while later steps are delivered.
+        """
         with self._lock:
             self._start(epoch, position, world_size)
-            self._buffer.append(SaveEntry(self.attempt, step, self.seq, epoch, position))
+            return self.seq, self._starts - 1
+
+    def saved(self, step: int, mark: tuple[int, int], epoch: int, position: int) -> None:
+        """Record a checkpoint and write the segment at once (before its ``COMMIT``)."""
+        if self._closed:
+            return
+        seq, start = mark
+        with self._lock:
+            self._buffer.append(SaveEntry(self.attempt, step, seq, epoch, position, start))
         self.flush(wait=True)
 
     def flush(self, *, wait: bool = False) -> None:
@@ -157,7 +175,8 @@ class Ledger:
             name = f"{_first_seq(entries):012d}-{uuid.uuid4().hex[:6]}.jsonl"
             data = "".join(dump_entry(e) + "\n" for e in entries).encode()
             path = posixpath.join(self.folder, name)
-            self._pending.append(self._writer.submit(self._put, path, data))
+            with self._lock:
+                self._pending.append(self._writer.submit(self._put, path, data))
         if wait:
             self.wait()
 
@@ -167,7 +186,8 @@ class Ledger:
 
     def wait(self) -> None:
         """Wait for the segments being written; raise the first failure."""
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         for future in pending:
             future.result()
 
@@ -176,6 +196,7 @@ class Ledger:
         try:
             self.flush(wait=True)
         finally:
+            self._closed = True
             self._writer.shutdown(wait=True)
 
 

@@ -37,6 +37,7 @@ class StartEntry:
         epoch: The epoch it resumed in.
         position: The position it resumed at.
         seq: Steps the attempt had delivered before (a second load within an attempt).
+        index: Its place among the attempt's start entries (0, 1, ...).
     """
 
     attempt: str
@@ -48,6 +49,7 @@ class StartEntry:
     epoch: int
     position: int
     seq: int = 0
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class SaveEntry:
         seq: The attempt's last delivered step in it.
         epoch: The loader's epoch.
         position: The loader's position.
+        start: The index of the attempt's start entry its history begins at.
     """
 
     attempt: str
@@ -95,6 +98,7 @@ class SaveEntry:
     seq: int
     epoch: int
     position: int
+    start: int = 0
 
 
 Entry = StartEntry | StepEntry | SaveEntry
@@ -105,8 +109,9 @@ _NAMES: Final = {cls: name for name, cls in _KINDS.items()}
 def dump_entry(entry: Entry) -> str:
     """One JSON line (without its newline).
 
-    >>> dump_entry(SaveEntry("a1", 10, 10, 0, 160))
-    '{"v": 1, "type": "save", "attempt": "a1", "step": 10, "seq": 10, "epoch": 0, "position": 160}'
+    >>> print(dump_entry(SaveEntry("a1", 10, 10, 0, 160)))  # doctest: +NORMALIZE_WHITESPACE
+    {"v": 1, "type": "save", "attempt": "a1", "step": 10, "seq": 10, "epoch": 0,
+     "position": 160, "start": 0}
     """
     return json.dumps({"v": LEDGER_VERSION, "type": _NAMES[type(entry)], **asdict(entry)})
 

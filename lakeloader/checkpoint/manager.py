@@ -29,7 +29,7 @@ from lakeloader.checkpoint.barrier import confirm_same_position
 from lakeloader.checkpoint.folders import CheckpointFolders
 from lakeloader.checkpoint.kind_record import KindCheckpoint, check_same_kind, kind_record
 from lakeloader.checkpoint.layout import Checkpoint, CheckpointContext, StateRecord
-from lakeloader.checkpoint.reading import read_checkpoint
+from lakeloader.checkpoint.reading import agreed_checkpoint, read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.checkpoint.training import code_version
 from lakeloader.checkpoint.whole import capture, restore
@@ -129,8 +129,10 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def _url(self, path: str) -> str:
-        """The URL of a path under the root (what DCP's writers open)."""
-        return self.url.rstrip("/") + path[len(self.root) :]
+        """The URL of a path of the checkpoint's filesystem (what DCP's writers open)."""
+        if "://" not in self.url:
+            return path  # a local path, user folder expanded
+        return str(self.fs.unstrip_protocol(path))
 
     def attach(self, loader: DataLoader) -> None:
         """Record every step ``loader`` delivers in the audit ledger (rank 0 of a lake's loader).
@@ -185,8 +187,8 @@ class CheckpointManager:
         if lake:
             self.attach(loader)
         folder = self.folders.step_folder(step)
-        if _rank() == 0 and model is not None:
-            self.folders.uncommit(step)  # before any rank writes shards into the folder
+        if _rank() == 0:
+            self.folders.uncommit(step)  # invisible before any rank writes into the folder
         captured = capture(
             step,
             folder,
@@ -204,6 +206,9 @@ class CheckpointManager:
                 self._pending = captured.pending  # the next save waits for this rank's shards
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        keep = lake and self._keep_ledger
+        # the steps in this checkpoint, taken now: the loop goes on during a background write
+        mark = self.ledger.mark(*position, captured.record.world_size) if keep else (0, 0)
 
         def record() -> tuple[bytes, tuple[str, str]]:
             if not lake:
@@ -217,9 +222,9 @@ class CheckpointManager:
         def write() -> None:
             captured.wait()
             parts = captured.parts(self.store, folder)
+            if keep:  # before COMMIT: no committed step goes unrecorded
+                self.ledger.saved(step, mark, *position)
             self.folders.commit(step, *record(), parts)
-            if lake and self._keep_ledger:
-                self.ledger.saved(step, *position, captured.record.world_size)
 
         self._submit(step, write)
 
@@ -327,9 +332,10 @@ class CheckpointManager:
             ValueError: For an unknown ``on_lake_change`` (whether or not the lake changed).
         """
         coordinator = RecoveryCoordinator(on_lake_change)
-        if model is not None or optimizer is not None:
-            step = _agreed(step if step is not None else self.load_checkpoint().step)
-        ckpt = self.load_checkpoint(step)
+        if model is not None or optimizer is not None:  # the weights load collectively
+            ckpt = agreed_checkpoint(self.load_checkpoint, self.read, step)
+        else:
+            ckpt = self.load_checkpoint(step)
         saved = ckpt.kind if isinstance(ckpt, KindCheckpoint) else "lake"
         kind = loader.dataset.loader_kind
         check_same_kind(ckpt.path, saved, "lake" if kind in LAKE_KINDS else kind)
@@ -394,26 +400,30 @@ class CheckpointManager:
         self.close()
 
     def close(self) -> None:
-        """Finish a pending background save, write the ledger, stop the writer threads."""
+        """Finish a pending background save, write the ledger, stop the writer threads.
+
+        The ledger's last steps (delivered after the last save, so in no checkpoint) are
+        written here; a failure to write them is logged, not raised: every save writes the
+        ledger up to its step, so what is lost is only the count of replayed rows.
+        """
         try:
             self.wait()
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
-            self.ledger.close()
+            try:
+                self.ledger.close()
+            except Exception as exc:
+                logger.error(
+                    "the audit ledger's last steps could not be written under %s (%r): "
+                    "lakeloader audit will not count them as replayed",
+                    self.url,
+                    exc,
+                )
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _agreed(step: int) -> int:
-    """Rank 0's choice of checkpoint, on every rank (weights load collectively)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return step
-    chosen: list[Any] = [step]
-    dist.broadcast_object_list(chosen, src=0)
-    return int(chosen[0])
 
 
 def _context(loader: DataLoader, step: int, created: str) -> CheckpointContext:

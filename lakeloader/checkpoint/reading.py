@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
 
 from lakeloader.checkpoint.folders import CheckpointFolders
 from lakeloader.checkpoint.kind_record import (
@@ -79,3 +83,32 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindC
         len(payload),
         training,
     )
+
+
+def agreed_checkpoint(
+    newest: Callable[[int | None], Checkpoint | KindCheckpoint],
+    read: Callable[[int], Checkpoint | KindCheckpoint],
+    step: int | None,
+) -> Checkpoint | KindCheckpoint:
+    """Rank 0's choice of checkpoint, read on every rank.
+
+    Rank 0 alone walks the checkpoints (``newest``); its choice, or its error, goes to every
+    rank, so that all of them load the same step or raise alike.
+
+    Raises:
+        CheckpointError: On every rank, if rank 0 found none.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return newest(step)
+    chosen: list[Any] = [None]
+    mine: Checkpoint | KindCheckpoint | None = None
+    if dist.get_rank() == 0:
+        try:
+            mine = newest(step)
+            chosen = [mine.step]
+        except CheckpointError as exc:
+            chosen = [str(exc)]
+    dist.broadcast_object_list(chosen, src=0)
+    if isinstance(chosen[0], str):
+        raise CheckpointError(f"rank 0 found no checkpoint to load: {chosen[0]}")
+    return mine if mine is not None else read(int(chosen[0]))

@@ -184,13 +184,17 @@ class TrainingRecord:
 
 
 def gather_rng() -> tuple[RngState, ...]:
-    """Every rank's generators, in rank order (a collective under torch.distributed)."""
+    """Every rank's generators on rank 0, in rank order; this rank's elsewhere.
+
+    A collective under torch.distributed (a gather: only rank 0 writes them).
+    """
     mine = RngState.capture()
     if not (dist.is_available() and dist.is_initialized()):
         return (mine,)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return tuple(gathered)
+    rank0 = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return tuple(gathered) if gathered is not None else (mine,)
 
 
 def restore_rng(record: TrainingRecord, rank: int) -> None:

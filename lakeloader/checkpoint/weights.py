@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
+from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from lakeloader.errors import CheckpointError
 
@@ -103,13 +103,13 @@ def save_weights(
     """
     writer = _writer(url, storage_options)
     if asynchronous:
-        response = async_save(
-            state, storage_writer=writer, process_group=async_group, no_dist=not _distributed()
+        single: dict[str, Any] = {} if _distributed() else {"no_dist": True}
+        response: Any = async_save(
+            state, storage_writer=writer, process_group=async_group, **single
         )
-        if isinstance(response, AsyncSaveResponse):
-            upload: Future[Any] = response.upload_completion
-            return upload
-        return response
+        # a Future, or (torch >= 2.9, with an async stager) a response holding the upload's
+        upload: Future[Any] = getattr(response, "upload_completion", response)
+        return upload
     with _single_process():
         save(state, storage_writer=writer, no_dist=not _distributed())
     return None
