@@ -3,6 +3,10 @@
 The peer libraries are not needed: the peers benchmark runs with this interpreter for every
 loader, so peers that do not import here are skipped (which only ``--smoke`` allows, and says).
 lakeloader and pyarrow always run.
+
+The smoke runs are started together when the first of them is needed, two at a time (most of
+their time is starting Python processes that import torch, one core each), and each test
+checks its own run's output.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -22,6 +29,97 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     result = run_module(*args, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+#: Each smoke run: its command line for an output folder, and its timeout in seconds.
+SMOKES: dict[str, tuple[Callable[[Path], list[str]], float]] = {
+    "peers": (
+        lambda d: [
+            "benchmarks.peers",
+            "--smoke",
+            "--work",
+            str(d / "work"),
+            "--out",
+            str(d / "out"),
+            "--bench-python",
+            sys.executable,
+            "--mosaic-python",
+            sys.executable,
+        ],
+        300,
+    ),
+    "scale": (lambda d: ["benchmarks.scale", "--smoke", "--out", str(d)], 300),
+    "cpu_split": (lambda d: ["benchmarks.cpu_split", "--smoke", "--out", str(d)], 300),
+    **{
+        script: (
+            lambda d, s=script: [
+                f"benchmarks.{s}",
+                "--smoke",
+                "--lake",
+                str(d / "lake"),
+                "--out",
+                str(d),
+            ],
+            400,
+        )
+        for script in ("transforms", "array_columns", "mixture", "packing")
+    },
+    "memory": (
+        lambda d: ["benchmarks.memory", "--smoke", "--lake", str(d / "lake"), "--out", str(d)],
+        300,
+    ),
+    "s3_vs_local": (
+        lambda d: [
+            "benchmarks.s3_vs_local",
+            "--smoke",
+            "--lake-dir",
+            str(d / "lake"),
+            "--out",
+            str(d),
+        ],
+        300,
+    ),
+    "latency": (
+        lambda d: ["benchmarks.latency", "--smoke", "--lake-dir", str(d / "lake"), "--out", str(d)],
+        400,
+    ),
+    "train_overlap": (
+        lambda d: [
+            "benchmarks.train_overlap",
+            "--smoke",
+            "--lake",
+            str(d / "lake"),
+            "--out",
+            str(d),
+        ],
+        400,
+    ),
+    "checkpoint_latency": (lambda d: ["benchmarks.checkpoint_latency", "--quick", "--json"], 300),
+    "plan_defaults": (
+        lambda d: ["benchmarks.plan_defaults", "--quick", "--json", "--jobs", "1"],
+        300,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def smoke(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], tuple[subprocess.CompletedProcess[str], Path]]]:
+    """``smoke(name)``: that run's result and output folder (all runs start at the first call)."""
+    root = tmp_path_factory.mktemp("smokes")
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+
+    def get(name: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        if not futures:
+            for key, (argv, timeout) in SMOKES.items():
+                (root / key).mkdir()
+                futures[key] = pool.submit(_run, *argv(root / key), timeout=timeout)
+        return futures[name].result(), root / name
+
+    yield get
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def test_reference_lake_is_deterministic_and_idempotent(
@@ -53,20 +151,9 @@ def test_reference_lake_is_deterministic_and_idempotent(
     assert table.column("id").to_pylist() == list(range(400))
 
 
-def test_peers_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    result = _run(
-        "benchmarks.peers",
-        "--smoke",
-        "--work",
-        str(tmp_path / "work"),
-        "--out",
-        str(out),
-        "--bench-python",
-        sys.executable,
-        "--mosaic-python",
-        sys.executable,
-    )
+def test_peers_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    result, folder = smoke("peers")
+    out = folder / "out"
     report = json.loads((out / "peers-smoke.json").read_text())
     assert (out / "peers-smoke.md").read_text().startswith("# Peers")
     for kind in ("numeric", "text"):
@@ -84,8 +171,8 @@ def test_peers_smoke(tmp_path: Path) -> None:
         assert f"skipped {name}" in result.stdout
 
 
-def test_scale_smoke(tmp_path: Path) -> None:
-    _run("benchmarks.scale", "--smoke", "--out", str(tmp_path))
+def test_scale_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("scale")
     report = json.loads((tmp_path / "scale-smoke.json").read_text())
     assert report["planning"]["units"] == 10_000
     for topo in report["lake"]["topologies"]:
@@ -93,8 +180,8 @@ def test_scale_smoke(tmp_path: Path) -> None:
         assert set(topo["recovery"]) == {"state_s", "plan_s", "reassign_s", "total_s"}
 
 
-def test_cpu_split_smoke(tmp_path: Path) -> None:
-    _run("benchmarks.cpu_split", "--smoke", "--out", str(tmp_path))
+def test_cpu_split_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("cpu_split")
     report = json.loads((tmp_path / "cpu_split-smoke.json").read_text())
     for name in ("pyarrow-dataset", "lakeloader-w0", "lakeloader-w2"):
         run = report["best"][name]
@@ -111,48 +198,32 @@ def test_cpu_split_smoke(tmp_path: Path) -> None:
         ("packing", ("ratios",)),
     ],
 )
-def test_issue13_benchmarks_smoke(tmp_path: Path, script: str, tables: tuple[str, ...]) -> None:
-    _run(
-        f"benchmarks.{script}",
-        "--smoke",
-        "--lake",
-        str(tmp_path / "lake"),
-        "--out",
-        str(tmp_path),
-        timeout=300,
-    )
+def test_issue13_benchmarks_smoke(
+    smoke: Callable[[str], tuple[Any, Path]], script: str, tables: tuple[str, ...]
+) -> None:
+    _, tmp_path = smoke(script)
     report = json.loads((tmp_path / f"{script}-smoke.json").read_text())
     for table in tables:  # every loader ran and was measured against the reference
         assert report[table] and all(r["rows_per_s"][0] > 0 for r in report[table].values())
     assert "failed" not in (tmp_path / f"{script}-smoke.md").read_text()
 
 
-@pytest.mark.parametrize("script", ["benchmarks.memory"])
-def test_memory_smoke(tmp_path: Path, script: str) -> None:
-    _run(script, "--smoke", "--lake", str(tmp_path / "lake"), "--out", str(tmp_path))
+def test_memory_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("memory")
     report = json.loads((tmp_path / "memory-smoke.json").read_text())
     assert {(r["workers"], r["budget"]) for r in report["runs"]} == {(w, 2**20) for w in (0, 2)}
     assert all(r["rows"] == 80_000 and r["peak_pss_plus_shm"] > 0 for r in report["runs"])
 
 
-def test_s3_vs_local_smoke(tmp_path: Path) -> None:
-    _run(
-        "benchmarks.s3_vs_local",
-        "--smoke",
-        "--lake-dir",
-        str(tmp_path / "lake"),
-        "--out",
-        str(tmp_path),
-        timeout=180,
-    )
+def test_s3_vs_local_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("s3_vs_local")
     report = json.loads((tmp_path / "s3_vs_local_smoke.json").read_text())
     assert set(report["passes"]) >= {"local", "s3", "s3+proxy"}
     assert all(p["rows_per_s"] > 0 for passes in report["passes"].values() for p in passes)
 
 
-def test_latency_smoke(tmp_path: Path) -> None:
-    lake, out = str(tmp_path / "lake"), str(tmp_path)
-    _run("benchmarks.latency", "--smoke", "--lake-dir", lake, "--out", out, timeout=300)
+def test_latency_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("latency")
     report = json.loads((tmp_path / "latency-smoke.json").read_text())
     got = {(r["store"], r["delay_ms"], r["workers"]) for r in report["table"]}
     stores = [("local", 0)] + [(s, d) for s in ("s3", "gcs") for d in (0, 20)]
@@ -163,9 +234,8 @@ def test_latency_smoke(tmp_path: Path) -> None:
         assert row["epoch_requests"] == (0 if row["store"] == "local" else 16), row
 
 
-def test_train_overlap_smoke(tmp_path: Path) -> None:
-    lake, out = str(tmp_path / "lake"), str(tmp_path)
-    _run("benchmarks.train_overlap", "--smoke", "--lake", lake, "--out", out, timeout=300)
+def test_train_overlap_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("train_overlap")
     report = json.loads((tmp_path / "train_overlap-smoke.json").read_text())
     for step in ("0.5", "2.0"):
         runs = report[step]["runs"]
@@ -174,13 +244,9 @@ def test_train_overlap_smoke(tmp_path: Path) -> None:
         assert all(r[0]["next_us_median"] > 0 for k, r in runs.items() if k != f"sleep-{step}")
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["checkpoint_latency", "--quick", "--json"],
-        ["plan_defaults", "--quick", "--json", "--jobs", "1"],
-    ],
-)
-def test_checkpoint_and_plan_benchmarks_smoke(args: list[str]) -> None:
-    result = _run(f"benchmarks.{args[0]}", *args[1:], timeout=180)
+@pytest.mark.parametrize("name", ["checkpoint_latency", "plan_defaults"])
+def test_checkpoint_and_plan_benchmarks_smoke(
+    smoke: Callable[[str], tuple[Any, Path]], name: str
+) -> None:
+    result, _ = smoke(name)
     assert json.loads(result.stdout)
