@@ -176,12 +176,12 @@ def test_numeric_columns_take_one_gather_a_step_with_the_same_rows(
     assert (ids + after)[:4800] == reference
 
 
-def test_resume_at_8_random_points_under_other_topologies(
+def test_resume_at_20_random_points_under_other_topologies(
     lakes: Path, reference: list[int]
 ) -> None:
     rng = random.Random(5)
     shapes = [(1, 48), (2, 24), (3, 16), (4, 12), (8, 6), (2, 8), (3, 10)]
-    for _ in range(8):
+    for _ in range(20):
         (w1, b1), (w2, b2) = rng.sample(shapes, 2)
         steps = rng.randrange(1, 4800 // (w1 * b1))
         before, _, state = stream(make(lakes), w1, b1, steps * w1 * b1)
