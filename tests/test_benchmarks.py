@@ -31,6 +31,16 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _on_lake(script: str, lake_flag: str | None = "--lake") -> Callable[[Path], list[str]]:
+    """The smoke command of a benchmark that writes its lake and results in a folder."""
+
+    def argv(folder: Path) -> list[str]:
+        lake = [lake_flag, str(folder / "lake")] if lake_flag else []
+        return [f"benchmarks.{script}", "--smoke", *lake, "--out", str(folder)]
+
+    return argv
+
+
 #: Each smoke run: its command line for an output folder, and its timeout in seconds.
 SMOKES: dict[str, tuple[Callable[[Path], list[str]], float]] = {
     "peers": (
@@ -48,52 +58,13 @@ SMOKES: dict[str, tuple[Callable[[Path], list[str]], float]] = {
         ],
         300,
     ),
-    "scale": (lambda d: ["benchmarks.scale", "--smoke", "--out", str(d)], 300),
-    "cpu_split": (lambda d: ["benchmarks.cpu_split", "--smoke", "--out", str(d)], 300),
-    **{
-        script: (
-            lambda d, s=script: [
-                f"benchmarks.{s}",
-                "--smoke",
-                "--lake",
-                str(d / "lake"),
-                "--out",
-                str(d),
-            ],
-            400,
-        )
-        for script in ("transforms", "array_columns", "mixture", "packing")
-    },
-    "memory": (
-        lambda d: ["benchmarks.memory", "--smoke", "--lake", str(d / "lake"), "--out", str(d)],
-        300,
-    ),
-    "s3_vs_local": (
-        lambda d: [
-            "benchmarks.s3_vs_local",
-            "--smoke",
-            "--lake-dir",
-            str(d / "lake"),
-            "--out",
-            str(d),
-        ],
-        300,
-    ),
-    "latency": (
-        lambda d: ["benchmarks.latency", "--smoke", "--lake-dir", str(d / "lake"), "--out", str(d)],
-        400,
-    ),
-    "train_overlap": (
-        lambda d: [
-            "benchmarks.train_overlap",
-            "--smoke",
-            "--lake",
-            str(d / "lake"),
-            "--out",
-            str(d),
-        ],
-        400,
-    ),
+    "scale": (_on_lake("scale", None), 300),
+    "cpu_split": (_on_lake("cpu_split", None), 300),
+    **{s: (_on_lake(s), 400) for s in ("transforms", "array_columns", "mixture", "packing")},
+    "memory": (_on_lake("memory"), 300),
+    "s3_vs_local": (_on_lake("s3_vs_local", "--lake-dir"), 300),
+    "latency": (_on_lake("latency", "--lake-dir"), 400),
+    "train_overlap": (_on_lake("train_overlap"), 400),
     "checkpoint_latency": (lambda d: ["benchmarks.checkpoint_latency", "--quick", "--json"], 300),
     "plan_defaults": (
         lambda d: ["benchmarks.plan_defaults", "--quick", "--json", "--jobs", "1"],

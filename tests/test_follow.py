@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,20 @@ from tests.conftest import (
 
 FAST = ll.Follow(poll_interval=0.02, timeout=0.2)
 ORDER: dict[str, Any] = {"seed": 2, "num_partitions": 4, "window": 16}
+
+
+def _ids_while(writer: Callable[[], None], loader: Any, count: int) -> list[int]:
+    """The first ``count`` ids a followed loader delivers while ``writer`` appends in a thread."""
+    thread = threading.Thread(target=writer)
+    thread.start()
+    seen: list[int] = []
+    for batch in loader:
+        seen += batch["id"].tolist()
+        if len(seen) >= count:
+            break
+    thread.join()
+    loader.close()
+    return seen
 
 
 def _append(root: Path, first: int, rows: int, name: str | None = None) -> None:
@@ -77,15 +92,7 @@ def test_files_appended_while_the_loader_waits_are_taken_in(tmp_path: Path) -> N
             time.sleep(0.3)
             _append(tmp_path, 40 * k, 40)
 
-    thread = threading.Thread(target=writer)
-    thread.start()
-    seen = []
-    for batch in loader:
-        seen += batch["id"].tolist()
-        if len(seen) >= 160:
-            break
-    thread.join()
-    loader.close()
+    seen = _ids_while(writer, loader, 160)
     assert sorted(seen) == list(range(160))
 
 
@@ -290,15 +297,7 @@ def test_delta_versions_committed_while_the_loader_runs_are_taken_in(table: str)
             if k == 1:
                 DeltaTable(table).optimize.compact()
 
-    thread = threading.Thread(target=writer)
-    thread.start()
-    seen = []
-    for batch in loader:
-        seen += batch["id"].tolist()
-        if len(seen) >= 220:
-            break
-    thread.join()
-    loader.close()
+    seen = _ids_while(writer, loader, 220)
     assert sorted(seen) == list(range(220)), "every committed row once, the compaction none"
 
 

@@ -13,6 +13,7 @@ topology of now.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from lakeloader.checkpoint.kind_record import KindCheckpoint, check_same_kind, k
 from lakeloader.checkpoint.layout import Checkpoint, CheckpointContext, StateRecord
 from lakeloader.checkpoint.reading import agreed_checkpoint, read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
-from lakeloader.checkpoint.training import code_version
+from lakeloader.checkpoint.training import CodeVersion, code_version
 from lakeloader.checkpoint.whole import capture, restore
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StoreAccessError
@@ -111,13 +112,17 @@ class CheckpointManager:
         self.folders = CheckpointFolders(self.store, self.root, keep)
         self.ledger = Ledger(self.store, self.root, flush_seconds=ledger_flush_seconds)
         self._keep_ledger = ledger
-        self._code = code_version()
         self._writer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="lakeloader-ckpt", initializer=main_thread_only
         )
         self._pending: Future[Any] | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._closed = False
+
+    @functools.cached_property
+    def _code(self) -> CodeVersion:
+        """The training code's git commit."""
+        return code_version()
 
     def steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint, oldest first."""
@@ -196,7 +201,7 @@ class CheckpointManager:
             model=model,
             optimizer=optimizer,
             attempt=self.ledger.attempt,
-            code=self._code,
+            code=self._code,  # looked up at the first save (inspect and audit need none)
             storage_options=self.storage_options,
             asynchronous=self.async_save,
             async_group=self._group() if self.async_save and model is not None else None,

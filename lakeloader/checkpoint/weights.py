@@ -139,10 +139,10 @@ def load_weights(
         raise CheckpointError("an optimizer's state loads with its model: pass model= too")
     has_model, has_optimizer = saved
     if not has_model or (optimizer is not None and not has_optimizer):
-        missing = "a model" if not has_model else "an optimizer"
+        missing = "model" if not has_model else "optimizer"
         raise CheckpointError(
-            f"{url.rsplit('/', 2)[0]} holds no state of {missing}: it was saved without one "
-            "(save(..., model=, optimizer=))"
+            f"{posixpath.dirname(url)} holds no {missing} state: it was saved without "
+            f"{missing}= (or by an older lakeloader); load what it holds"
         )
     state = weights_state(model, optimizer)
     with _single_process():

@@ -185,18 +185,10 @@ def restore(
     Raises:
         CheckpointError: If model or optimizer state is asked for and the checkpoint has none.
     """
-    if (model is not None or optimizer is not None) and (record is None or not record.model):
-        raise CheckpointError(
-            f"{url} holds no model state: it was saved without model= (or by an older "
-            "lakeloader); load the weights the way they were saved"
-        )
-    if record is not None and (model is not None or optimizer is not None):
+    if model is not None or optimizer is not None:
+        saved = (record.model, record.optimizer) if record is not None else (False, False)
         load_weights(
-            posixpath.join(url, WEIGHTS_DIR),
-            model,
-            optimizer,
-            storage_options,
-            saved=(record.model, record.optimizer),
+            posixpath.join(url, WEIGHTS_DIR), model, optimizer, storage_options, saved=saved
         )
     if rng and record is not None:
         restore_rng(record, _rank())

@@ -12,10 +12,10 @@ from lakeloader.audit.ledger import read_entries
 from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
-from lakeloader.cli.inspect import rebuild_plan
+from lakeloader.cli.inspect import rebuild_plan, unit_offsets
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.errors import CheckpointError
-from lakeloader.order.plan import slots_to_virtual, virtual_to_piece
+from lakeloader.order.plan import slots_to_virtual
 
 #: Positions of each missing or doubled span located in the lake (file, row group, row).
 LOCATED = 3
@@ -87,11 +87,11 @@ def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]
     files = ckpt.snapshot.files
     for span in spans:
         slots = np.arange(span.start, min(span.stop, span.start + LOCATED), dtype=np.int64)
-        pieces, rows = virtual_to_piece(plan, slots_to_virtual(plan, slots))
-        for slot, piece, row in zip(slots.tolist(), pieces.tolist(), rows.tolist(), strict=True):
-            unit = int(plan.piece_unit[piece])
+        units, offsets = unit_offsets(plan, slots_to_virtual(plan, slots))
+        for slot, unit, offset in zip(
+            slots.tolist(), units.tolist(), offsets.tolist(), strict=True
+        ):
             f = files[int(plan.units.file_index[unit])]
-            offset = int(plan.units.row_start[unit] + plan.piece_start[piece] + row)
             rg = int(plan.units.row_group[unit])
             out.append(f"position {slot}: {f.path} row group {rg} row {offset}")
     return out

@@ -119,6 +119,13 @@ def _virtual_of_every_slot(plan: EpochPlan) -> np.ndarray:
     return out
 
 
+def unit_offsets(plan: EpochPlan, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For virtual rows of a plan: their units, and their row offsets inside the row group."""
+    piece, row = virtual_to_piece(plan, virtual)
+    unit = plan.piece_unit[piece]
+    return unit, plan.units.row_start[unit] + plan.piece_start[piece] + row
+
+
 def row_ranges(
     plan: EpochPlan, snapshot: Snapshot, position: int, deliver_stop: int
 ) -> list[dict[str, Any]]:
@@ -138,10 +145,9 @@ def row_ranges(
     )
     rg_base = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
     first_rg = np.concatenate([[0], np.cumsum([len(f.row_group_rows) for f in snapshot.files])])
-    pos, row = virtual_to_piece(plan, _virtual_of_every_slot(plan))
-    unit = plan.piece_unit[pos]
+    unit, offset = unit_offsets(plan, _virtual_of_every_slot(plan))
     flat_rg = first_rg[plan.units.file_index[unit]] + plan.units.row_group[unit]
-    lake_row = rg_base[flat_rg] + plan.units.row_start[unit] + plan.piece_start[pos] + row
+    lake_row = rg_base[flat_rg] + offset
     category = np.full(n, _REMAINING, dtype=np.int8)
     category[lake_row[:position]] = _CONSUMED
     category[lake_row[deliver_stop:]] = _DROPPED

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lakeloader.checkpoint.training import TrainingRecord
+from lakeloader.checkpoint.training import CodeVersion, TrainingRecord
 
 
 def training_details(record: TrainingRecord | None) -> dict[str, Any] | None:
@@ -21,11 +21,9 @@ def render_training(details: dict[str, Any] | None) -> list[tuple[str, str]]:
     if details is None:
         return [("training context", "none (saved without one)")]
     held = [name for name in ("model", "optimizer") if details[name]]
-    commit = details["code_commit"]
-    code = "not in a git repository"
-    if commit:
-        modified = " (modified)" if details["code_modified"] else ""
-        code = f"{commit[:12]}{modified} in {details['code_root']}"
+    code = CodeVersion(
+        details["code_commit"], details["code_modified"], details["code_root"]
+    ).describe()
     cuda = details["rng_cuda_devices"]
     return [
         ("weights", " and ".join(held) + " (torch.distributed.checkpoint)" if held else "none"),

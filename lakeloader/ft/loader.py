@@ -106,7 +106,6 @@ class FaultTolerantLoader:
         self.epoch = 0
         #: The committed position of the epoch (global rows).
         self.position = 0
-        self._at_step = manager.current_step()
         self._issued: Issued | None = None
         self._inner: DataLoader | None = None
         self._inner_key: tuple[int, int, int] | None = None
@@ -179,7 +178,6 @@ class FaultTolerantLoader:
                 issued.start, self.num_rows, issued.participants, self.batch_size
             )
         self._issued = None
-        self._at_step = step
 
     def _take(self, participants: int, rank: int) -> Any:
         """This group's share of the step at the position, for ``participants`` groups."""
@@ -247,7 +245,6 @@ class FaultTolerantLoader:
             issued = self._issued
             if issued is not None:  # handed out before the state arrived: count it from there
                 self._issued = Issued(at_step, issued.participants, self.epoch, self.position)
-            self._at_step = at_step
         logger.info(
             "loader state from a peer: epoch %d, position %d, at step %d",
             self.epoch,
