@@ -48,7 +48,7 @@ HOST = "127.0.0.1"
 #: Seconds a server gets to answer after it is started.
 READY_DEADLINE = 30.0
 #: Seconds between SIGTERM and SIGKILL.
-STOP_GRACE = 3.0  # SeaweedFS takes 15 s to leave on SIGTERM; its data survives SIGKILL
+STOP_GRACE = 15.0
 #: Every SeaweedFS HTTP port also opens a gRPC port this much higher.
 WEED_GRPC_OFFSET = 10000
 #: Longest path of a unix socket (sun_path holds 108 bytes with the terminating NUL).
