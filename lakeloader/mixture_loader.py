@@ -21,6 +21,7 @@ from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.resources import LoaderResources
+from lakeloader.pipeline.source_passes import SourcePasses
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 
@@ -33,7 +34,9 @@ class MixtureLoader(DataLoader):
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. Rows are decoded in this process's ``io_threads``; with
     ``num_workers > 0`` no worker process is started for a mixture (said once in the log).
-    A user ``collate_fn`` is not supported for a mixture.
+    A pass that ends at its last step leaves its sources' decoded row groups to the next pass,
+    which goes on with them (released by ``close()``, ``load_state_dict()``, or when the loader
+    is collected). A user ``collate_fn`` is not supported for a mixture.
     """
 
     dataset: Any  # the Mixture (the single-lake loader's is a LakeDataset)
@@ -108,20 +111,27 @@ class MixtureLoader(DataLoader):
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
         res = self._res
-        unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
         state, size = self._state, self.global_batch_size
+        cursor = MixCursor(state.slot, state.counts)
+        sources = res.take_carried()
+        if not isinstance(sources, SourcePasses) or sources.at != cursor:
+            if sources is not None:
+                sources.close()
+            unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
+            sources = SourcePasses(
+                self.mixture, self.options, self._readers, unit_dir, self._coordinator
+            )
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
             self.mixture,
             self.mixture.weights,
-            MixCursor(state.slot, state.counts),
+            cursor,
             -(-left // size),
             self.topology,
             self.options,
-            self._readers,
-            unit_dir,
-            self._coordinator,
+            sources,
             self._delivered,
+            res.carry,
         )
         res.iterator = it
         return it
@@ -145,6 +155,7 @@ class MixtureLoader(DataLoader):
             StateMismatchError: If a source or the seed differs from the saved one.
         """
         self._close_iterator("load_state_dict()")
+        self._res.drop_carried()
         resumed = resume_mixture(MixtureState.from_dict(state_dict), self.mixture)
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)

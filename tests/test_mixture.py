@@ -48,9 +48,10 @@ def make(
     weights: Mapping[str, float] = WEIGHTS,
     epoch_rows: int | None = None,
     columns: list[str] | None = None,
+    partitions: int = 4,
 ) -> Mixture:
     sources = {
-        n: ll.LakeDataset(lakes / n, seed=7, num_partitions=4, window=64, columns=columns)
+        n: ll.LakeDataset(lakes / n, seed=7, num_partitions=partitions, window=64, columns=columns)
         for n in weights
     }
     return Mixture(sources, weights, seed=11, epoch_rows=epoch_rows)
@@ -187,6 +188,44 @@ def test_resume_at_20_random_points_under_other_topologies(
         before, _, state = stream(make(lakes), w1, b1, steps * w1 * b1)
         after, _, _ = stream(make(lakes), w2, b2, 4800 - len(before), state=state, workers=2)
         assert (before + after)[:4800] == reference, (w1, b1, steps, w2, b2)
+
+
+def test_the_next_pass_goes_on_with_the_row_groups_decoded_by_the_last(lakes: Path) -> None:
+    """Passes of 700 rows cut through the sources' epochs: the row groups a pass leaves half
+    delivered (or decoded ahead) are not decoded again by the next; each (source, epoch, row
+    group) is decoded once, and the stream is the one of a single long pass. (3 partitions:
+    each source's are whole row groups, so that a row group is one unit of the plan.)"""
+    loader = ll.DataLoader(make(lakes, epoch_rows=700, partitions=3), batch_size=35)
+    ids: list[int] = []
+    for _ in range(6):
+        ids += [i for batch in loader for i in batch["id"].tolist()]
+    folder = Path(loader._res.unit_dir or "")
+    assert list(folder.glob("mixture-*")), "the open sources are kept between passes"
+    touched = set()
+    for name, drawn in per_source(ids).items():
+        for k, i in enumerate(drawn):
+            touched.add((name, k // SIZES[name], (i - BASE[name]) // 100))  # 100-row groups
+    assert loader.stats()["units_decoded"] == len(touched)
+    assert ids == stream(make(lakes, epoch_rows=4200, partitions=3), 1, 35, 4200)[0]
+    loader.close()
+    assert not folder.exists()
+
+
+def test_a_pass_left_early_or_a_load_starts_the_sources_afresh(lakes: Path) -> None:
+    loader = ll.DataLoader(make(lakes, epoch_rows=700), batch_size=35)
+    ids = [i for batch in loader for i in batch["id"].tolist()]
+    for k, batch in enumerate(loader):  # the second pass, left after 5 steps
+        ids += batch["id"].tolist()
+        if k == 4:
+            break
+    state = loader.state_dict()
+    ids += [i for batch in loader for i in batch["id"].tolist()]  # the rest of the pass
+    loader.load_state_dict(state)
+    again = [i for batch in loader for i in batch["id"].tolist()]
+    assert again == ids[-len(again) :]
+    ids += [i for batch in loader for i in batch["id"].tolist()]
+    assert ids == stream(make(lakes, epoch_rows=2100), 1, 35, 2100)[0]
+    loader.close()
 
 
 def test_new_weights_at_a_resume_lose_and_repeat_nothing(lakes: Path) -> None:

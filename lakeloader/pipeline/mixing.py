@@ -3,105 +3,40 @@
 Each global batch is drawn by the mixture's cursor (:mod:`lakeloader.order.mixture`); the
 rank's share is cut into parts, one per source and epoch of that source
 (:func:`~lakeloader.order.mixture.rank_parts`), and each part is a slot range of that epoch's
-order, which a :class:`SourcePass` (a unit store and a builder over one epoch of one source)
-reads and builds like a single lake's step. The parts' columns are laid out in slot order
-(:mod:`lakeloader.pipeline.merge`) with the source of each row, and only then made tensors.
-Steps are planned ahead in chunks, so that every source decodes ahead in its plan order.
-A source's pass is closed once all ranks are past its epoch.
+order, which a :class:`~lakeloader.pipeline.source_passes.SourcePass` (a unit store and a
+builder over one epoch of one source) reads and builds like a single lake's step. The parts'
+columns are laid out in slot order (:mod:`lakeloader.pipeline.merge`) with the source of each
+row, and only then made tensors. Steps are planned ahead in chunks, so that every source
+decodes ahead in its plan order. A source's pass is closed once all ranks are past its epoch;
+the others outlive a pass that ends at its last step, for the next one to go on with.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
-import tempfile
-import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Final, NamedTuple
 
 import numpy as np
 
-from lakeloader.cache.arena import Arena
 from lakeloader.cache.decode import UnitRef
-from lakeloader.cache.packed import RowLayout, gather_packed
-from lakeloader.cache.store import Screening
-from lakeloader.io.reader import UnitReader
+from lakeloader.cache.packed import gather_packed
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import range_rows, range_specs
 from lakeloader.order.mixture import MixCursor, MixWeights, draw_parts
 from lakeloader.order.plan import batch_runs, expand_runs
-from lakeloader.pipeline.builders import LocalBuilder, timed_out
-from lakeloader.pipeline.cleanup import close_safely
+from lakeloader.pipeline.builders import timed_out
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
-from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, PassWorkspace
-from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.signals import main_thread_only
+from lakeloader.pipeline.source_passes import SourcePasses
 from lakeloader.topology import Topology
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
 LOOKAHEAD_STEPS: Final = 512
 #: Steps planned by one call.
 PLAN_CHUNK: Final = 256
-
-
-class SourcePass:
-    """One epoch of one source in a mixture: its unit store and a builder of its slot ranges.
-
-    Its units are decoded in this process's threads.
-
-    Args:
-        mixture: The mixture.
-        source: The source's index.
-        epoch: The source's epoch.
-        reader: Reads the source's units.
-        options: The loader's options (the byte budget is shared among sources).
-        unit_dir: The loader's folder for decoded units.
-        coordinator: The recovery coordinator.
-        arena: The mixture pass's arena, which every source's units are packed into.
-        layout: How the sources' rows are packed (the same for all: they read the same columns).
-        decode_pool: The mixture pass's decoding threads, shared by its sources.
-    """
-
-    def __init__(
-        self,
-        mixture: Mixture,
-        source: int,
-        epoch: int,
-        reader: UnitReader,
-        options: LoaderOptions,
-        unit_dir: str,
-        coordinator: RecoveryCoordinator,
-        arena: Arena | None,
-        layout: RowLayout,
-        decode_pool: ThreadPoolExecutor,
-    ) -> None:
-        ds = mixture.sources[mixture.names[source]]
-        self.epoch = epoch
-        self.rows = len(ds)
-        budget = max(options.cache_bytes // len(mixture.names), 1)
-        self.spec = PassSpec(
-            plan=ds.plan(epoch),
-            start=0,
-            options=dataclasses.replace(options, cache_bytes=budget),
-            topology=Topology(1, 0, 0, options.batch_size),
-            screening=Screening(ds.on_error, ds.validate, ds.lost),
-            layout=layout,
-            recipe=BatchRecipe(lists=ds.list_format),
-        )
-        self.space = PassWorkspace(
-            self.spec, reader, None, unit_dir, coordinator, arena, decode_pool
-        )
-        #: Screens its parts of a step and gathers the columns not in the arena.
-        self.builder = LocalBuilder(self.spec, self.space, reader.schema)
-
-    def close(self, wait: bool = False) -> None:
-        """Stop decoding; delete the pass's units."""
-        self.space.close(wait)
 
 
 class _Part(NamedTuple):
@@ -151,10 +86,10 @@ class MixtureIterator:
         num_steps: Steps in this pass.
         topology: The loader's topology.
         options: The loader's options.
-        readers: One reader per source, in the order of the mixture's names.
-        unit_dir: The loader's folder for decoded units.
-        coordinator: The recovery coordinator.
+        sources: The sources' passes: new, or left by a pass that ended at ``cursor``.
         delivered: Told the cursor after each batch handed over.
+        ended: Told the sources' passes when this pass ended at its last step (they can go on);
+            a pass ended otherwise closes them.
     """
 
     def __init__(
@@ -165,69 +100,26 @@ class MixtureIterator:
         num_steps: int,
         topology: Topology,
         options: LoaderOptions,
-        readers: list[UnitReader],
-        unit_dir: str,
-        coordinator: RecoveryCoordinator,
+        sources: SourcePasses,
         delivered: Callable[[MixCursor], None],
+        ended: Callable[[SourcePasses], None],
     ) -> None:
         self._mixture, self._weights, self._topology = mixture, weights, topology
-        self._options, self._readers = options, readers
-        self._unit_dir, self._coordinator = unit_dir, coordinator
-        self._delivered = delivered
+        self._options, self._sources = options, sources
+        self._delivered, self._ended = delivered, ended
         self._rows = mixture.rows()
-        self._lists = BatchRecipe(lists=next(iter(mixture.sources.values())).list_format)
+        first = next(iter(mixture.sources.values()))
+        self._lists = BatchRecipe(lists=first.list_format)
         self.num_steps = num_steps
         self._planned_cursor = cursor
         self._planned: deque[_Step] = deque()
         self._next_plan = self._next_deliver = 0
-        self._passes: dict[tuple[int, int], SourcePass] = {}
-        self._schema = readers[0].schema
-        self._layout = RowLayout.of(self._schema)
-        self._dir = tempfile.mkdtemp(prefix="mixture-", dir=unit_dir)
-        self._arena: Arena | None = None
-        if self._layout.names:  # every source's packed rows in one arena: one gather a step
-            budget = max(options.cache_bytes // self._layout.row_bytes, 1)
-            self._arena = Arena(
-                self._dir, self._layout.record, min(budget, ARENA_START_ROWS), budget
-            )
-        #: The sources' decoding threads: ``io_threads`` in all, started once a pass.
-        self._decode_pool = ThreadPoolExecutor(
-            max_workers=options.io_threads,
-            thread_name_prefix="lakeloader-io",
-            initializer=main_thread_only,
-        )
+        self._schema = sources.schema
+        sources.at = None  # under way
+        self._layout, self._arena = sources.layout, sources.arena
         #: Every column packed into the arena: a step is one gather of rows planned ahead.
         self._fast = self._arena is not None and len(self._layout.names) == len(self._schema)
         self._closed = False
-        self._finalizer = weakref.finalize(
-            self,
-            close_safely,
-            _close_passes,
-            self._passes,
-            self._arena,
-            self._dir,
-            self._decode_pool,
-        )
-
-    def _source_pass(self, key: tuple[int, int]) -> SourcePass:
-        if key not in self._passes:
-            source, epoch = key
-            self._passes[key] = SourcePass(
-                self._mixture,
-                source,
-                epoch,
-                self._readers[source],
-                self._options,
-                self._unit_dir,
-                self._coordinator,
-                self._arena,
-                self._layout,
-                self._decode_pool,
-            )
-        return self._passes[key]
-
-    def _held_bytes(self) -> int:
-        return sum(p.space.store.nbytes for p in self._passes.values())
 
     def _plan_ahead(self) -> None:
         while (
@@ -235,7 +127,7 @@ class MixtureIterator:
             and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
             and (
                 self._next_plan == self._next_deliver
-                or self._held_bytes() < self._options.cache_bytes
+                or self._sources.held_bytes() < self._options.cache_bytes
             )
         ):
             self._plan_chunk(min(PLAN_CHUNK, self.num_steps - self._next_plan))
@@ -267,7 +159,7 @@ class MixtureIterator:
         for key in np.unique(keys).tolist():
             idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order
             pair = (int(table.source[idx[0]]), int(table.epoch[idx[0]]))
-            source_pass = self._source_pass(pair)
+            source_pass = self._sources.get(pair)
             plan, store = source_pass.spec.plan, source_pass.space.store
             starts, stops = table.start[idx], table.stop[idx]
             positions, per_part, piece, row = range_rows(plan, starts, stops)
@@ -313,9 +205,11 @@ class MixtureIterator:
         batch = finish_payload((COLUMNS, columns), self._lists)
         self._next_deliver += 1
         self._delivered(step.cursor)
-        self._release(step.cursor)
-        if self._next_deliver >= self.num_steps:
-            self.close()
+        self._sources.release(step.cursor)
+        if self._next_deliver >= self.num_steps:  # the sources go on: the next pass may take them
+            self._closed = True
+            self._sources.at = step.cursor
+            self._ended(self._sources)
         return batch
 
     def _build(self, step: _Step) -> dict[str, Any]:
@@ -323,7 +217,7 @@ class MixtureIterator:
         if step.rows is not None and self._arena is not None:
             timeout, full, held = self._options.timeout or None, self._layout.names, []
             for part in step.parts:
-                source_pass = self._passes[part.pair]
+                source_pass = self._sources.passes[part.pair]
                 try:
                     held += source_pass.space.store.get(part.positions, timeout)
                 except FutureTimeout:
@@ -338,7 +232,7 @@ class MixtureIterator:
         dests = [part.dest for part in step.parts]
         screens = []
         for part in step.parts:
-            source_pass = self._passes[part.pair]
+            source_pass = self._sources.passes[part.pair]
             bounds = np.array([part.start]), np.array([part.stop])
             (spec,) = range_specs(source_pass.spec.plan, np.zeros(1, np.int64), *bounds)
             screens.append((source_pass.builder, source_pass.builder.screened(spec)))
@@ -366,33 +260,20 @@ class MixtureIterator:
             columns.update(merge_columns(parts, dests, size))
         return {name: columns[name] for name in self._schema.names}
 
-    def _release(self, cursor: MixCursor) -> None:
-        """Evict what every rank is past; close the passes of epochs every rank is done with."""
-        names = self._mixture.names
-        for key in list(self._passes):
-            source, epoch = key
-            count, rows = cursor.counts.get(names[source], 0), self._rows[source]
-            consumed = min(max(count - epoch * rows, 0), rows)
-            if consumed >= rows:
-                self._passes.pop(key).close()
-            else:
-                self._passes[key].space.store.release(consumed)
-
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""
-        return self._held_bytes()
+        return self._sources.held_bytes()
 
     def cache_peak_bytes(self) -> int:
-        """Most bytes held at once by a source's pass under way."""
-        return max((p.space.store.peak_bytes for p in self._passes.values()), default=0)
+        """Most bytes held at once by a source's pass open."""
+        return self._sources.peak_bytes()
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
         """Stop decoding; drop every source's units (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._finalizer.detach()
-        _close_passes(self._passes, self._arena, self._dir, self._decode_pool, wait)
+        self._sources.close(wait)
 
 
 def _dests(
@@ -417,20 +298,3 @@ def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
         return names[0]
     shared = set(names[0]).intersection(*names[1:])
     return tuple(n for n in names[0] if n in shared)
-
-
-def _close_passes(
-    passes: dict[tuple[int, int], SourcePass],
-    arena: Arena | None,
-    folder: str,
-    pool: ThreadPoolExecutor,
-    wait: bool = False,
-) -> None:
-    """Close every source's pass, their threads and arena; delete the mixture's folder."""
-    for source_pass in passes.values():
-        source_pass.close(wait)
-    passes.clear()
-    pool.shutdown(wait=wait, cancel_futures=True)
-    if arena is not None:
-        arena.close()
-    shutil.rmtree(folder, ignore_errors=True)

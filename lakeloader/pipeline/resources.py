@@ -61,8 +61,17 @@ class Pass(Protocol):
         """Most bytes of decoded units held at once."""
 
 
+class Carried(Protocol):
+    """What a pass that ended left for the next one (a mixture's open sources)."""
+
+    def close(self, wait: bool = True) -> None:
+        """Release it."""
+
+
 class LoaderResources:
     """The pass, the worker pool and the unit folder of one loader.
+
+    And what a finished pass left for the next (:meth:`carry`), held until taken or released.
 
     Args:
         owner: The loader; when it is collected, or the interpreter exits, everything is
@@ -77,6 +86,7 @@ class LoaderResources:
         self.pool: WorkerPool | None = None
         self.unit_dir: str | None = None
         self.worker_restarts = 0
+        self._carried: Carried | None = None
         prepare()
         self._finalizer = weakref.finalize(owner, close_safely, self.release)
 
@@ -96,6 +106,22 @@ class LoaderResources:
             it.close(wait, ended_by)
         self._iterator = None
 
+    def carry(self, kept: Carried) -> None:
+        """Keep what a pass left for the next one (released with the loader if never taken)."""
+        self.drop_carried()
+        self._carried = kept
+
+    def take_carried(self) -> Carried | None:
+        """What the last pass left, if anything (the caller owns it from now on)."""
+        kept, self._carried = self._carried, None
+        return kept
+
+    def drop_carried(self, wait: bool = True) -> None:
+        """Release what the last pass left, if anything."""
+        kept = self.take_carried()
+        if kept is not None:
+            kept.close(wait)
+
     def unit_folder(self, cache_dir: str | None, cache_bytes: int) -> str:
         """The loader's folder for decoded units, made on first use.
 
@@ -108,7 +134,8 @@ class LoaderResources:
         return self.unit_dir
 
     def shutdown_workers(self, graceful: bool = True) -> None:
-        """Stop the workers and delete the unit folder."""
+        """Stop the workers, release what a pass left, and delete the unit folder."""
+        self.drop_carried(wait=graceful)  # it lives in the unit folder
         if self.pool is not None:
             self.worker_restarts += self.pool.restarts
             self.pool.shutdown(graceful)
