@@ -98,3 +98,30 @@ def test_same_batches_in_place_or_in_the_thread(
     assert ids == expected, "same rows, same order, wherever built"
     assert len(ahead) == len(reference)
     assert ahead.count("lakeloader-build") >= len(ahead) - 1, ahead  # all but the first
+
+
+def test_a_loop_that_computes_gets_its_later_steps_planned_in_the_thread(
+    lake: Path, slot_order: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning a chunk of steps costs milliseconds: past the first lookahead, the build
+    thread plans the next chunk while the loop computes; the steps are the same."""
+    from lakeloader.pipeline import iterator
+
+    where: list[tuple[int, str]] = []
+    plan = iterator.batch_specs
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        where.append((kwargs["first_step"], threading.current_thread().name))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(iterator, "batch_specs", recording)
+    monkeypatch.setattr(background, "BUILD_AHEAD_AWAY_SECONDS", 0.0)
+    loader = ll.DataLoader(layout_dataset(lake), batch_size=1)  # 1,500 steps: 24 chunks
+    ids = [i for batch in loader for i in batch["id"].tolist()]
+    loader.close()
+    assert ids == slot_order
+    firsts = [first for first, _ in where]
+    assert firsts == list(range(0, len(slot_order), iterator.PLAN_CHUNK)), "each chunk once"
+    in_thread = [first for first, name in where if name == "lakeloader-build"]
+    lookahead = iterator.LOOKAHEAD_STEPS
+    assert in_thread == [f for f in firsts if f >= lookahead], where

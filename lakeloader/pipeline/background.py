@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Final
+from typing import Any, Final, TypeVar
 
 from lakeloader.order.batches import BatchSpec
 from lakeloader.pipeline.builders import LocalBuilder, timed_out
@@ -30,6 +30,8 @@ from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, Payload, finish_payload
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.signals import main_thread_only
+
+_T = TypeVar("_T")
 
 #: The loop's time between ``next()`` calls (a moving average) from which steps are built in
 #: the thread: below it, building in place is faster than handing steps over.
@@ -93,7 +95,7 @@ class ThreadBuilder:
         self._build = functools.partial(_finished, local, spec)
         self._planned = planned
         self._ahead = max(1, spec.options.prefetch_factor)
-        self._queue: queue.SimpleQueue[tuple[BatchSpec, Future[Payload]] | None] = (
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
         # A daemon thread: one blocked waiting for a unit must not hold up the interpreter's
@@ -144,20 +146,31 @@ class ThreadBuilder:
             self._futures[planned.step] = self._submit(planned)
             self._next += 1
 
-    def _submit(self, step: BatchSpec) -> Future[Payload]:
-        future: Future[Payload] = Future()
-        self._queue.put((step, future))
+    def run_ahead(self, work: Callable[[], _T]) -> Future[_T] | None:
+        """Run ``work`` in the thread, after the steps handed to it, if the loop stays away.
+
+        For the pass's other work that need not be done inside ``next()`` (planning the next
+        steps): None, and nothing is run, when the loop asks again at once (see above).
+        """
+        if not self._pace.builds_ahead:
+            return None
+        return self._submit(work)
+
+    def _submit(self, work: BatchSpec | Callable[[], _T]) -> Future[Any]:
+        future: Future[Any] = Future()
+        job = functools.partial(self._build, work) if isinstance(work, BatchSpec) else work
+        self._queue.put((job, future))
         return future
 
     def _run(self) -> None:
         main_thread_only()
         while (job := self._queue.get()) is not None:
-            step, future = job
+            work, future = job
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(self._build(step))
-            except BaseException as exc:  # raised in the training loop, at its step
+                future.set_result(work())
+            except BaseException as exc:  # raised in the training loop, where it waits
                 future.set_exception(exc)
 
     def close(self, wait: bool) -> None:

@@ -10,10 +10,12 @@ position move.
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Final
 
 import pyarrow as pa
@@ -76,6 +78,8 @@ class EpochIterator:
         schema: pa.Schema = reader.schema
         self._local = LocalBuilder(spec, self._space, schema)
         self._planned: deque[BatchSpec] = deque()
+        #: The chunk of steps after ``_planned`` (its first step), planned in the build thread.
+        self._chunk: tuple[int, Future[list[BatchSpec]]] | None = None
         self._specs: dict[int, BatchSpec] = {}
         self._workers: WorkerBuilder | ThreadBuilder | None = None
         if pool is not None and not self._space.workers_decode:
@@ -97,29 +101,49 @@ class EpochIterator:
     def _plan_ahead(self) -> None:
         """Plan steps and request their units, while the lookahead and the budget allow."""
         spec, store = self.spec, self._space.store
-        topo = spec.topology
         while (
             self._next_plan < self.num_steps
             and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
             and (self._next_plan == self._next_deliver or store.nbytes < spec.options.cache_bytes)
         ):
             if not self._planned:
-                n = min(PLAN_CHUNK, self.num_steps - self._next_plan)
-                self._planned.extend(
-                    batch_specs(
-                        spec.plan,
-                        first_step=self._next_plan,
-                        num_steps=n,
-                        start=spec.start,
-                        global_batch=topo.global_batch,
-                        world_size=topo.world_size,
-                        rank=topo.rank,
-                    )
-                )
+                self._planned.extend(self._chunk_at(self._next_plan))
             step = self._planned.popleft()
             store.request(step.positions)
             self._specs[step.step] = step
             self._next_plan += 1
+
+    def _chunk_at(self, first: int) -> list[BatchSpec]:
+        """The specs of the chunk of steps from ``first``: planned in the thread, or now."""
+        ahead, self._chunk = self._chunk, None
+        if ahead is not None and ahead[0] == first:
+            return ahead[1].result()
+        return self._plan_chunk(first)
+
+    def _plan_chunk(self, first: int) -> list[BatchSpec]:
+        spec, topo = self.spec, self.spec.topology
+        return batch_specs(
+            spec.plan,
+            first_step=first,
+            num_steps=min(PLAN_CHUNK, self.num_steps - first),
+            start=spec.start,
+            global_batch=topo.global_batch,
+            world_size=topo.world_size,
+            rank=topo.rank,
+        )
+
+    def _plan_next_chunk(self, builder: ThreadBuilder) -> None:
+        """Have the build thread plan the chunk after the steps planned, while the loop works.
+
+        Once half of the planned steps are requested: planning a chunk costs a few
+        milliseconds, which ``next()`` would otherwise spend once every :data:`PLAN_CHUNK`
+        steps.
+        """
+        first = self._next_plan + len(self._planned)
+        if self._chunk is None and first < self.num_steps and len(self._planned) <= PLAN_CHUNK // 2:
+            future = builder.run_ahead(functools.partial(self._plan_chunk, first))
+            if future is not None:
+                self._chunk = (first, future)
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -160,6 +184,7 @@ class EpochIterator:
         store.release(step.slot_stop)
         if isinstance(self._workers, ThreadBuilder):  # steps planned: LOOKAHEAD_STEPS ahead
             self._workers.top_up(self._next_deliver)
+            self._plan_next_chunk(self._workers)
         return batch
 
     def _warn_budget(self, step: BatchSpec) -> None:
