@@ -10,7 +10,8 @@ their copies). When the loop asks again at once (it only counts rows, or feeds a
 queue), a thread could not build ahead of it, and handing steps to it and back would only
 add its cost and the two threads' contention for the GIL (a quarter of the epoch's time,
 measured); so ``next()`` builds the step itself. Batches are delivered strictly in step order
-either way, and a step's error is raised when that step is asked for.
+either way, and a step's error is raised when that step is asked for. While the loop computes,
+the thread also plans the pass's next chunk of steps (:meth:`ThreadBuilder.run_ahead`).
 """
 
 from __future__ import annotations

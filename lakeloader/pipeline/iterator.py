@@ -1,7 +1,8 @@
 """One pass over an epoch for one rank: plan ahead, decode ahead, build, deliver in order.
 
 The iterator walks the rank's steps from the start position. It plans steps ahead (each a
-:class:`~lakeloader.order.batches.BatchSpec`, many per call) and asks the pass's unit store to
+:class:`~lakeloader.order.batches.BatchSpec`, many per call; past the first ones in the build
+thread, while the training loop computes) and asks the pass's unit store to
 decode their units in plan order within the byte budget; a builder
 (:mod:`lakeloader.pipeline.builders`) makes each batch, and batches are yielded strictly in
 step order. Only when a batch is handed to the training loop does the reader-state tracker's
