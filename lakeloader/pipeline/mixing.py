@@ -24,9 +24,9 @@ from lakeloader.cache.decode import UnitRef
 from lakeloader.cache.packed import gather_packed
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
-from lakeloader.order.batches import range_rows, range_specs
+from lakeloader.order.batches import BatchSpec, range_rows, range_specs
 from lakeloader.order.mixture import MixCursor, MixWeights, draw_parts
-from lakeloader.order.plan import batch_runs, expand_runs
+from lakeloader.order.plan import EpochPlan, batch_runs, expand_runs
 from lakeloader.pipeline.builders import timed_out
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
@@ -50,6 +50,8 @@ class _Part(NamedTuple):
         stop: One past the last.
         positions: The pieces it reads.
         dest: Where each of its rows (partition-major in its range) goes in the share.
+        spec: Its range as a step of its source epoch, for the builder to screen and gather
+            (None where every column is packed: a step is then one gather of arena rows).
     """
 
     pair: tuple[int, int]
@@ -57,6 +59,7 @@ class _Part(NamedTuple):
     stop: int
     positions: np.ndarray
     dest: np.ndarray
+    spec: BatchSpec | None
 
 
 class _Step(NamedTuple):
@@ -162,7 +165,14 @@ class MixtureIterator:
             source_pass = self._sources.get(pair)
             plan, store = source_pass.spec.plan, source_pass.space.store
             starts, stops = table.start[idx], table.stop[idx]
-            positions, per_part, piece, row = range_rows(plan, starts, stops)
+            specs: list[BatchSpec] | list[None]
+            if rows is None:  # specs of all the parts at once: the builder screens each
+                specs = range_specs(plan, np.zeros(len(idx), dtype=np.int64), starts, stops)
+                per_part = np.fromiter((len(s.positions) for s in specs), np.int64, len(specs))
+                positions = np.concatenate([s.positions for s in specs])
+            else:
+                positions, per_part, piece, row = range_rows(plan, starts, stops)
+                specs = [None] * len(idx)
             _, first = np.unique(positions, return_index=True)  # each piece once, in step order
             store.request(positions[np.sort(first)])
             at = table.at[expand_runs(offsets[idx], lengths[idx], 1)]
@@ -172,9 +182,11 @@ class MixtureIterator:
                 rows.reshape(-1)[np.repeat(table.step[idx], lengths[idx]) * width + where] = arena
             ends, cuts = np.cumsum(per_part).tolist(), np.cumsum(lengths[idx]).tolist()
             p0 = r0 = 0
-            columns = zip(idx.tolist(), starts.tolist(), stops.tolist(), ends, cuts, strict=True)
-            for i, start, stop, p1, r1 in columns:
-                made[i] = _Part(pair, start, stop, positions[p0:p1], where[r0:r1])
+            columns = zip(
+                idx.tolist(), starts.tolist(), stops.tolist(), ends, cuts, specs, strict=True
+            )
+            for i, start, stop, p1, r1, spec in columns:
+                made[i] = _Part(pair, start, stop, positions[p0:p1], where[r0:r1], spec)
                 p0, r0 = p1, r1
         bounds = np.searchsorted(table.step, np.arange(count + 1)).tolist()
         whole: list[bool] = [False] * count
@@ -232,10 +244,9 @@ class MixtureIterator:
         dests = [part.dest for part in step.parts]
         screens = []
         for part in step.parts:
-            source_pass = self._sources.passes[part.pair]
-            bounds = np.array([part.start]), np.array([part.stop])
-            (spec,) = range_specs(source_pass.spec.plan, np.zeros(1, np.int64), *bounds)
-            screens.append((source_pass.builder, source_pass.builder.screened(spec)))
+            builder = self._sources.passes[part.pair].builder
+            spec = part.spec or _spec_of(self._sources.passes[part.pair].spec.plan, part)
+            screens.append((builder, builder.screened(spec)))
         columns: dict[str, Any] = {}
         done: tuple[str, ...] = ()
         if self._arena is not None and all(s.rows is not None for _, s in screens):
@@ -290,6 +301,16 @@ def _dests(
     base = np.cumsum(lengths) - lengths
     where: np.ndarray = at[slots - np.repeat(starts - base, lengths)]
     return where
+
+
+def _spec_of(plan: EpochPlan, part: _Part) -> BatchSpec:
+    """A part's range as a step of its source epoch.
+
+    For a step planned as one gather whose units came back without every column packed.
+    """
+    bounds = np.array([part.start]), np.array([part.stop])
+    (spec,) = range_specs(plan, np.zeros(1, np.int64), *bounds)
+    return spec
 
 
 def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
