@@ -20,17 +20,11 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from lakeloader.errors import CheckpointError
+
+# torch.distributed.checkpoint is imported where it is used: importing it costs about a second
+# (DTensor, sympy), which every process importing lakeloader (the CLI, each worker) would pay.
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +50,8 @@ def weights_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
     """The DCP state dict of a model and its optimizer (sharded as they are)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -64,6 +60,8 @@ def weights_state(
 
 def _writer(url: str, storage_options: dict[str, Any]) -> Any:
     if "://" not in url or url.startswith("file://"):
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
         return FileSystemWriter(url.removeprefix("file://"))
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -72,6 +70,8 @@ def _writer(url: str, storage_options: dict[str, Any]) -> Any:
 
 def _reader(url: str, storage_options: dict[str, Any]) -> Any:
     if "://" not in url or url.startswith("file://"):
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
         return FileSystemReader(url.removeprefix("file://"))
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
@@ -101,6 +101,8 @@ def save_weights(
     Returns:
         The future of an asynchronous save, else None.
     """
+    from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
     writer = _writer(url, storage_options)
     if asynchronous:
         single: dict[str, Any] = {} if _distributed() else {"no_dist": True}
@@ -144,6 +146,9 @@ def load_weights(
             f"{posixpath.dirname(url)} holds no {missing} state: it was saved without "
             f"{missing}= (or by an older lakeloader); load what it holds"
         )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
     state = weights_state(model, optimizer)
     with _single_process():
         load(state, storage_reader=_reader(url, storage_options), no_dist=not _distributed())
