@@ -66,10 +66,15 @@ class Preemption:
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
         self._expired = False
+        #: Held while the deadline fires or the block ends: a timer that fires as the block
+        #: ends cleanly does nothing.
+        self._lock = threading.Lock()
+        self._left = False
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Preemption catches signals: enter it in the main thread")
+        self._left = False
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._caught)
         return self
@@ -80,8 +85,10 @@ class Preemption:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        with self._lock:
+            self._left = True
+            if self._timer is not None:
+                self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -103,6 +110,10 @@ class Preemption:
         self._timer.start()
 
     def _expire(self, sig: signal.Signals, since: float) -> None:
+        with self._lock:
+            if self._left:  # the block ended as the deadline came: nothing to end
+                return
+            self._expired = True
         logger.error(
             "%s: no checkpoint within the %g s deadline (%.1f s since the signal); exiting "
             "with status %d",
@@ -111,7 +122,6 @@ class Preemption:
             time.monotonic() - since,
             128 + sig.value,
         )
-        self._expired = True
         last = threading.Timer(GRACE, os._exit, args=(128 + sig.value,))
         last.daemon = True
         last.start()

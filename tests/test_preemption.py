@@ -69,3 +69,19 @@ def test_bad_arguments_are_refused() -> None:
         ll.Preemption(deadline=0)
     with pytest.raises(ValueError, match="at least one signal"):
         ll.Preemption(signals=())
+
+
+def test_a_deadline_that_fires_as_the_block_ends_cleanly_does_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timer thread may already run when the block ends: it neither re-sends the signal
+    nor arms the last-resort ``os._exit``."""
+    import os
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    with ll.Preemption(deadline=30.0) as preempt:
+        signal.raise_signal(signal.SIGTERM)  # caught: the deadline timer starts
+        assert preempt.signalled == "SIGTERM"
+    preempt._expire(signal.SIGTERM, time.monotonic())  # what a timer firing just now does
+    assert sent == [] and not preempt._expired
