@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import lakeloader as ll
 
@@ -205,3 +207,39 @@ def test_checkpoints_and_inspect_of_a_packed_loader(
     assert "token offset" in capsys.readouterr().out
     with pytest.raises(ll.CheckpointError, match=r"packed loader.s position.*is a lake loader"):
         manager.load(ll.DataLoader(ll.LakeDataset(lake), batch_size=4))
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=30),
+    st.integers(min_value=0, max_value=20),
+    st.integers(min_value=1, max_value=50),
+    st.integers(min_value=1, max_value=8),
+    st.booleans(),
+)
+def test_a_block_hands_out_what_cutting_take_by_take_gives(
+    lengths: list[int], offset: int, count: int, most: int, eos: bool
+) -> None:
+    """Takes from one Block equal cut_tokens take after take: tokens, positions, and the
+    (rows finished, offset) each take leaves."""
+    from lakeloader.order.packing import Block, cut_tokens
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = np.arange(1, int(offsets[-1]) + 1, dtype=np.int64)
+    eos_id = 0 if eos else None
+    total = int(offsets[-1]) + (len(lengths) if eos else 0)
+    offset = min(offset, max(lengths[0] + eos - 1, 0))
+    block = Block.cut(values, offsets, offset, count, most, eos_id)
+    if total - offset < count:
+        assert block is None
+        return
+    assert block is not None
+    takes = len(block.tokens) // count
+    assert takes == min((total - offset) // count, most) and len(block.tokens) == takes * count
+    rows, at = 0, offset
+    for k in range(takes):
+        cut = cut_tokens(values[offsets[rows] :], offsets[rows:] - offsets[rows], at, count, eos_id)
+        got = slice(k * count, (k + 1) * count)
+        assert block.tokens[got].tolist() == cut.tokens.tolist()
+        assert block.positions[got].tolist() == cut.positions.tolist()
+        rows, at = rows + cut.rows, cut.offset
+        assert block.after((k + 1) * count) == (rows, at)

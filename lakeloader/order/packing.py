@@ -110,3 +110,57 @@ def cut_tokens(
     done = int(np.searchsorted(ends, stop, side="right"))  # rows whose last token was taken
     left = stop - int(ends[done - 1]) if done else stop
     return Cut(stream[first:stop], positions[first:stop], done, left)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Samples cut at once from a partition's buffered rows, handed out one take at a time.
+
+    One :func:`cut_tokens` of many samples costs about what one of a single sample does (a
+    few array operations); a take is then two slices and a binary search for where it ends.
+
+    Attributes:
+        tokens: The block's tokens, separators included.
+        positions: Each token's position in its document.
+        ends: Where each buffered row ends, in tokens from the buffer's first row.
+        first: Where the block starts, in the same tokens.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    ends: np.ndarray
+    first: int
+
+    @classmethod
+    def cut(
+        cls,
+        values: np.ndarray,
+        offsets: np.ndarray,
+        offset: int,
+        count: int,
+        most: int,
+        eos_id: int | None,
+    ) -> Block | None:
+        """Cut as many takes of ``count`` tokens as the rows hold, ``most`` at most.
+
+        None when the rows hold fewer than ``count`` tokens past ``offset`` (the caller reads
+        more rows, or ends the epoch).
+
+        >>> b = Block.cut(np.arange(1, 8), np.array([0, 3, 7]), 1, 2, 8, eos_id=0)
+        >>> b.tokens.tolist(), b.positions.tolist()
+        ([2, 3, 0, 4, 5, 6, 7, 0], [1, 2, 3, 0, 1, 2, 3, 4])
+        >>> b.after(2), b.after(6), b.after(8)
+        ((0, 3), (1, 3), (2, 0))
+        """
+        ends = np.cumsum(np.diff(offsets) + (eos_id is not None))
+        takes = min((int(ends[-1]) - offset) // count if len(ends) else 0, most)
+        if takes < 1:
+            return None
+        cut = cut_tokens(values, offsets, offset, takes * count, eos_id)
+        return cls(cut.tokens, cut.positions, ends, offset)
+
+    def after(self, used: int) -> tuple[int, int]:
+        """Rows finished and tokens into the next row once ``used`` of the block's are taken."""
+        stop = self.first + used
+        done = int(np.searchsorted(self.ends, stop, side="right"))
+        return done, stop - (int(self.ends[done - 1]) if done else 0)

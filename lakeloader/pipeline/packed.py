@@ -28,7 +28,7 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, partition_specs
 from lakeloader.order.mixture import MixCursor, MixWeights
-from lakeloader.order.packing import cut_tokens, owned_partitions
+from lakeloader.order.packing import Block, cut_tokens, owned_partitions
 from lakeloader.packing import Packing
 from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
@@ -42,6 +42,8 @@ from lakeloader.topology import Topology
 CHUNK_ROWS: Final = 1024
 #: Chunks a partition has requested ahead of the one it reads.
 AHEAD_CHUNKS: Final = 4
+#: Takes cut at once from a partition's buffered rows (:class:`~lakeloader.order.packing.Block`).
+CUT_AHEAD: Final = 32
 
 
 class EpochReader:
@@ -139,6 +141,9 @@ class PartitionStream:
         self._offsets = np.zeros(1, dtype=np.int64)
         self._fetch = row  # the next row to request
         self._pending: deque[BatchSpec] = deque()
+        self._block: Block | None = None  # cut from the buffer, which starts at its first row
+        self._used = 0  # the block's tokens taken
+        self._block_row = row  # the row the buffer starts at while a block is cut
         self._top_up()
 
     def _top_up(self) -> None:
@@ -160,7 +165,40 @@ class PartitionStream:
         return True
 
     def take(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The next ``count`` tokens (whole samples): tokens, positions, padding mask."""
+        """The next ``count`` tokens (whole samples): tokens, positions, padding mask.
+
+        Cut from a block of up to :data:`CUT_AHEAD` takes while the buffered rows hold them;
+        the position moves take by take, as :meth:`_take_rows` moves it.
+        """
+        block = self._block
+        if block is None or len(block.tokens) - self._used < count:
+            self._drop_block()
+            pack = self._packing
+            at = self.at
+            block = Block.cut(self._values, self._offsets, at.offset, count, CUT_AHEAD, pack.eos_id)
+            if block is None:
+                return self._take_rows(count)
+            self._block, self._used, self._block_row = block, 0, at.row
+        a, self._used = self._used, self._used + count
+        done, offset = block.after(self._used)
+        at = self.at
+        self.at = PartitionPosition(
+            at.epoch, self._block_row + done, offset, at.tokens + count, at.padding
+        )
+        return block.tokens[a : self._used], block.positions[a : self._used], np.zeros(count, bool)
+
+    def _drop_block(self) -> None:
+        """Trim the buffer to the position (the rows the block's takes finished)."""
+        if self._block is None:
+            return
+        self._block = None
+        done = self.at.row - self._block_row
+        start = self._offsets[done]
+        self._values = self._values[start:]
+        self._offsets = self._offsets[done:] - start
+
+    def _take_rows(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`take` from the rows, reading more and crossing into the next epoch."""
         pack, parts, need, empty_epochs = self._packing, [], count, 0
         while need:
             cut = cut_tokens(self._values, self._offsets, self.at.offset, need, pack.eos_id)
