@@ -132,25 +132,47 @@ class PartitionStream:
         reader_of: Callable[[int], EpochReader],
     ) -> None:
         self.part, self.at, self._packing, self._reader_of = part, at, packing, reader_of
+        #: The next epoch: its reader, chunks requested ahead, and the next row to request.
+        self._following: tuple[int, EpochReader, deque[BatchSpec], int] | None = None
         self._start_epoch(at.epoch, at.row)
 
     def _start_epoch(self, epoch: int, row: int) -> None:
-        self._reader = self._reader_of(epoch)
+        following, self._following = self._following, None
+        if following is not None and following[0] == epoch and row == 0:
+            _, self._reader, self._pending, self._fetch = following  # requested ahead
+        else:
+            self._reader = self._reader_of(epoch)
+            self._fetch = row  # the next row to request
+            self._pending = deque()
         self._size = int(self._reader.sizes[self.part])
         self._values = np.zeros(0, dtype=np.int64)
         self._offsets = np.zeros(1, dtype=np.int64)
-        self._fetch = row  # the next row to request
-        self._pending: deque[BatchSpec] = deque()
         self._block: Block | None = None  # cut from the buffer, which starts at its first row
         self._used = 0  # the block's tokens taken
         self._block_row = row  # the row the buffer starts at while a block is cut
         self._top_up()
 
     def _top_up(self) -> None:
+        """Keep :data:`AHEAD_CHUNKS` chunks requested, into the next epoch's first rows.
+
+        The next epoch's chunks are requested once this epoch's last rows are: the partition
+        crosses into it without waiting for its first row group to decode.
+        """
         while len(self._pending) < AHEAD_CHUNKS and self._fetch < self._size:
             rows = min(CHUNK_ROWS, self._size - self._fetch)
             self._pending.append(self._reader.request(self.part, self._fetch, rows))
             self._fetch += rows
+        if self._fetch < self._size or len(self._pending) >= AHEAD_CHUNKS:
+            return
+        if self._following is None:
+            self._following = (self.at.epoch + 1, self._reader_of(self.at.epoch + 1), deque(), 0)
+        epoch, reader, pending, fetch = self._following
+        size = int(reader.sizes[self.part])
+        while len(self._pending) + len(pending) < AHEAD_CHUNKS and fetch < size:
+            rows = min(CHUNK_ROWS, size - fetch)
+            pending.append(reader.request(self.part, fetch, rows))
+            fetch += rows
+        self._following = (epoch, reader, pending, fetch)
 
     def _pull(self) -> bool:
         """Read the next chunk into the buffer; False when the epoch's rows are all read."""
