@@ -159,6 +159,7 @@ class LoaderResources:
         """
         try:
             self.close_iterator(wait=False)
+            self.drop_carried(wait=False)
             self.shutdown_workers(graceful=not sys.is_finalizing())
         except Exception:
             logger.debug("error while releasing a DataLoader's resources", exc_info=True)
