@@ -144,7 +144,7 @@ class ThreadBuilder:
             planned = self._planned(self._next)
             if planned is None:
                 break
-            self._futures[planned.step] = self._submit(planned)
+            self._futures[planned.step] = self._submit(functools.partial(self._build, planned))
             self._next += 1
 
     def run_ahead(self, work: Callable[[], _T]) -> Future[_T] | None:
@@ -157,10 +157,9 @@ class ThreadBuilder:
             return None
         return self._submit(work)
 
-    def _submit(self, work: BatchSpec | Callable[[], _T]) -> Future[Any]:
-        future: Future[Any] = Future()
-        job = functools.partial(self._build, work) if isinstance(work, BatchSpec) else work
-        self._queue.put((job, future))
+    def _submit(self, work: Callable[[], _T]) -> Future[_T]:
+        future: Future[_T] = Future()
+        self._queue.put((work, future))
         return future
 
     def _run(self) -> None:

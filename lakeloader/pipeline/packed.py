@@ -214,10 +214,7 @@ class PartitionStream:
         if self._block is None:
             return
         self._block = None
-        done = self.at.row - self._block_row
-        start = self._offsets[done]
-        self._values = self._values[start:]
-        self._offsets = self._offsets[done:] - start
+        self._trim(self.at.row - self._block_row)
 
     def _take_rows(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`take` from the rows, reading more and crossing into the next epoch."""
@@ -247,12 +244,16 @@ class PartitionStream:
         tokens, positions, pads = (np.concatenate(x) for x in zip(*parts, strict=True))
         return tokens, positions, pads
 
-    def _advance(self, cut: Any) -> None:
-        """Take ``cut`` out of the buffer and move the position past it."""
-        done = cut.rows
+    def _trim(self, done: int) -> None:
+        """Drop the buffer's first ``done`` rows (finished)."""
         start = self._offsets[done]
         self._values = self._values[start:]
         self._offsets = self._offsets[done:] - start
+
+    def _advance(self, cut: Any) -> None:
+        """Take ``cut`` out of the buffer and move the position past it."""
+        done = cut.rows
+        self._trim(done)
         self.at = PartitionPosition(
             self.at.epoch,
             self.at.row + done,
