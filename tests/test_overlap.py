@@ -3,8 +3,10 @@ in place when the loop asks again at once (a thread could not get ahead, only ad
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +127,32 @@ def test_a_loop_that_computes_gets_its_later_steps_planned_in_the_thread(
     in_thread = [first for first, name in where if name == "lakeloader-build"]
     lookahead = iterator.LOOKAHEAD_STEPS
     assert in_thread == [f for f in firsts if f >= lookahead], where
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_the_loop_is_done_with_are_freed_in_the_thread(
+    lake: Path, workers: int, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While it builds ahead, freeing a batch's tensors is the thread's work, not the loop's
+    (tens of microseconds a step); the builder keeps only the newest batches, so none leaks."""
+    monkeypatch.setattr(background, "BUILD_AHEAD_AWAY_SECONDS", 0.0)
+    freed: list[tuple[str, int]] = []  # (thread, batches received by then)
+    received = 0
+
+    def on_free() -> None:
+        freed.append((threading.current_thread().name, received))
+
+    loader = ll.DataLoader(layout_dataset(lake), batch_size=GLOBAL_BATCH, num_workers=workers)
+    ids: list[int] = []
+    for batch in loader:
+        received += 1
+        weakref.finalize(batch["id"], on_free)
+        ids.extend(batch["id"].tolist())
+    del batch
+    loader.close()
+    gc.collect()
+    assert ids == [i for b in reference for i in b]
+    assert len(freed) == len(reference), "every batch freed once the loop is done"
+    in_loop = [name for name, seen in freed if seen < len(reference)]
+    assert set(in_loop) == {"lakeloader-build"}, freed
+    assert len(in_loop) >= len(reference) - 4 * background.KEPT_HANDED, freed

@@ -20,9 +20,9 @@ import functools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import CancelledError, Future
 from typing import Any, Final, TypeVar
 
 from lakeloader.order.batches import BatchSpec
@@ -39,6 +39,9 @@ _T = TypeVar("_T")
 BUILD_AHEAD_AWAY_SECONDS: Final = 250e-6
 #: Weight of the latest interval in that moving average.
 AWAY_WEIGHT: Final = 0.1
+#: Batches handed over that the builder keeps referenced, the newest ones: the loop holds the
+#: last one, and maybe the one before while it rebinds its variable.
+KEPT_HANDED: Final = 2
 #: Longest interval the average takes in, as a multiple of the threshold: one pause of the
 #: loop's (a garbage collection, the scheduler) moves it by at most a fifth of the threshold,
 #: so a loop that asks again at once keeps building in place through pauses of any length,
@@ -96,16 +99,24 @@ class ThreadBuilder:
         self._build = functools.partial(_finished, local, spec)
         self._planned = planned
         self._ahead = max(1, spec.options.prefetch_factor)
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        #: Steps handed to the thread and not yet taken back.
+        self._sent: set[int] = set()
+        #: What the thread built, by step: the payload, or the exception the step raised.
+        #: One lock and one dictionary for all steps (no future per step: ``next()`` takes a
+        #: ready batch with a dictionary lookup).
+        self._built: dict[int, Payload | BaseException] = {}
+        self._ready = threading.Condition(threading.Lock())
+        self._closed = False
         # A daemon thread: one blocked waiting for a unit must not hold up the interpreter's
         # exit (an executor's threads are joined before atexit handlers close the pass).
         self._thread = threading.Thread(target=self._run, name="lakeloader-build", daemon=True)
         self._thread.start()
-        self._futures: dict[int, Future[Payload]] = {}
         self._next = 0  # the next step to hand to the thread
         self._pace = Pace()
+        #: Batches handed over while building ahead, which the thread lets go of (see
+        #: :meth:`top_up`); appended here, trimmed there (deque operations are atomic).
+        self._handed: deque[Any] = deque()
 
     def asked(self) -> None:
         """Note that the loop asks for its next batch (first thing in ``next()``)."""
@@ -117,16 +128,25 @@ class ThreadBuilder:
         Raises:
             RuntimeError: If it takes longer than the loader's ``timeout``.
         """
-        future = self._futures.pop(step.step, None)
-        if future is None:  # not handed to the thread: build it here, now
-            self._next = max(self._next, step.step + 1)
+        index = step.step
+        if index not in self._sent:  # not handed to the thread: build it here, now
+            self._next = max(self._next, index + 1)
             return self._build(step)
-        try:
-            return future.result(self._spec.options.timeout or None)
-        except FutureTimeout:
-            raise timed_out(self._spec, step.step) from None
+        self._sent.discard(index)
+        built = self._built.pop(index, None)
+        if built is None:
+            with self._ready:
+                timeout = self._spec.options.timeout or None
+                if not self._ready.wait_for(lambda: index in self._built or self._closed, timeout):
+                    raise timed_out(self._spec, index)
+                if index not in self._built:  # closed meanwhile, from another thread
+                    raise CancelledError(f"step {index}: the pass was closed")
+                built = self._built.pop(index)
+        if isinstance(built, BaseException):  # raised in the training loop, where it waits
+            raise built
+        return built
 
-    def top_up(self, next_step: int) -> None:
+    def top_up(self, next_step: int, batch: Any) -> None:
         """Keep the thread ``prefetch_factor`` to twice that many steps ahead of ``next_step``.
 
         Called once a batch is handed over, so that the thread builds while the training loop
@@ -135,17 +155,32 @@ class ThreadBuilder:
         :class:`Pace`). Steps are handed over ``prefetch_factor`` at a time, when only that many
         remain queued: one wake-up of the thread per ``prefetch_factor`` steps, not one per
         step.
+
+        While it builds ahead, the thread also frees the batches the loop is done with: the
+        builder keeps a reference to ``batch`` (the one being handed over), so that when the
+        loop drops its own the tensors are not freed inside the loop (tens of microseconds
+        for a batch of a few dozen tensors) but in the thread, while the loop computes. The
+        thread lets go of all but the newest :data:`KEPT_HANDED`.
         """
         self._next = max(self._next, next_step)
         self._pace.returned(time.perf_counter())
-        if self._next - next_step > self._ahead or not self._pace.builds_ahead:
+        if not self._pace.builds_ahead:
             return
+        self._handed.append(batch)
+        if self._next - next_step > self._ahead:
+            return
+        steps = []
         while self._next < next_step + 2 * self._ahead:
             planned = self._planned(self._next)
             if planned is None:
                 break
-            self._futures[planned.step] = self._submit(functools.partial(self._build, planned))
+            steps.append(planned)
             self._next += 1
+        if steps:
+            self._sent.update(s.step for s in steps)
+            self._queue.put(functools.partial(self._build_steps, steps))
+        elif len(self._handed) > 2 * KEPT_HANDED:  # the pass's last steps: nothing to build
+            self._queue.put(self._let_go)
 
     def run_ahead(self, work: Callable[[], _T]) -> Future[_T] | None:
         """Run ``work`` in the thread, after the steps handed to it, if the loop stays away.
@@ -155,34 +190,57 @@ class ThreadBuilder:
         """
         if not self._pace.builds_ahead:
             return None
-        return self._submit(work)
-
-    def _submit(self, work: Callable[[], _T]) -> Future[_T]:
         future: Future[_T] = Future()
-        self._queue.put((work, future))
+        self._queue.put(functools.partial(_run_into, work, future))
         return future
+
+    def _build_steps(self, steps: list[BatchSpec]) -> None:
+        for step in steps:
+            if self._closed:
+                return
+            built: Payload | BaseException
+            try:
+                built = self._build(step)
+            except BaseException as exc:
+                built = exc
+            with self._ready:
+                self._built[step.step] = built
+                self._ready.notify_all()
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop the batches handed over but the newest :data:`KEPT_HANDED` (in the thread)."""
+        while len(self._handed) > KEPT_HANDED:
+            self._handed.popleft()
 
     def _run(self) -> None:
         main_thread_only()
-        while (job := self._queue.get()) is not None:
-            work, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(work())
-            except BaseException as exc:  # raised in the training loop, where it waits
-                future.set_exception(exc)
+        while (work := self._queue.get()) is not None:
+            work()
 
     def close(self, wait: bool) -> None:
-        """Cancel the steps queued and stop the thread once the step under way ends.
+        """Drop the steps queued and stop the thread once the step under way ends.
 
         The thread is not joined: a step under way ends when the pass's store is closed
         (its units' futures are cancelled), which comes right after this.
         """
-        for future in self._futures.values():
-            future.cancel()
-        self._futures.clear()
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        self._sent.clear()
+        self._built.clear()
+        self._handed.clear()
         self._queue.put(None)
+
+
+def _run_into(work: Callable[[], _T], future: Future[_T]) -> None:
+    """Run ``work`` and set its result (or its exception) on ``future``."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(work())
+    except BaseException as exc:  # raised where the result is waited for
+        future.set_exception(exc)
 
 
 def _finished(local: LocalBuilder, spec: PassSpec, step: BatchSpec) -> Payload:

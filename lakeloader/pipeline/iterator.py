@@ -89,6 +89,7 @@ class EpochIterator:
             )
         elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
+        self._thread = self._workers if isinstance(self._workers, ThreadBuilder) else None
         self._next_plan = self._next_deliver = 0
         self._closed = False
         self._ended_by: str | None = None
@@ -150,8 +151,9 @@ class EpochIterator:
         return self
 
     def __next__(self) -> Any:
-        if isinstance(self._workers, ThreadBuilder):
-            self._workers.asked()
+        thread = self._thread
+        if thread is not None:
+            thread.asked()
         if self._ended_by is not None:
             raise RuntimeError(
                 f"this iterator over epoch {self.spec.plan.epoch} was ended by "
@@ -183,9 +185,9 @@ class EpochIterator:
         delivery = Delivery(step.slot_stop, step.num_rows - rows, last, skipped, rows)
         self._tracker.delivered(delivery, self.spec.plan.num_rows)
         store.release(step.slot_stop)
-        if isinstance(self._workers, ThreadBuilder):  # steps planned: LOOKAHEAD_STEPS ahead
-            self._workers.top_up(self._next_deliver)
-            self._plan_next_chunk(self._workers)
+        if thread is not None:  # steps planned: LOOKAHEAD_STEPS ahead
+            thread.top_up(self._next_deliver, batch)
+            self._plan_next_chunk(thread)
         return batch
 
     def _warn_budget(self, step: BatchSpec) -> None:

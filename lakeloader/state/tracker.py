@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import EpochPlan, steps_in_epoch
@@ -25,9 +25,11 @@ from lakeloader.topology import Topology
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Delivery:
+class Delivery(NamedTuple):
     """What the tracker learns as a batch is handed to the training loop.
+
+    A named tuple rather than a frozen dataclass: one is made in every ``next()``, where a
+    tuple costs a third of the time.
 
     Attributes:
         slot_stop: One past the last global slot of the step (the new position G).
