@@ -29,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lakeloader.errors import LakeDataError
 from lakeloader.io import pinned
+from lakeloader.io.pinned import Blob
 from lakeloader.io.retry import RetryPolicy, describe
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def _cat(
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None,
     version: str = "",
-) -> bytes:
+) -> Blob:
     """Bytes ``[start, end)`` of a file, pinned to ``version`` (see :mod:`.pinned`)."""
     return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
 
@@ -231,7 +232,7 @@ def fetch_ranges(
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None = None,
     version: str = "",
-) -> list[tuple[int, bytes]]:
+) -> list[tuple[int, Blob]]:
     """Fetch byte ranges of a file at once (concurrently on async filesystems).
 
     Each range is read pinned to ``version`` where the store allows it
@@ -245,7 +246,7 @@ def fetch_ranges(
         StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
 
-    def cat_all() -> list[bytes]:
+    def cat_all() -> list[Blob]:
         blobs = pinned.cat_ranges(fs, path, version, ranges)
         for blob, (start, end) in zip(blobs, ranges, strict=True):
             if isinstance(blob, BaseException):

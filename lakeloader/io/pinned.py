@@ -5,7 +5,8 @@ snapshot pinned: its row groups may hold other rows, or as many rows with other 
 every ranged read asks the store for the snapshot's version:
 
 - S3 (s3fs): ``GetObject`` with ``IfMatch`` on the listed ETag, or ``VersionId`` when the
-  listing gave a version id; a rewritten object answers 412 ``PreconditionFailed``.
+  listing gave a version id; a rewritten object answers 412 ``PreconditionFailed``. The
+  request goes over a presigned URL (:mod:`lakeloader.io.direct`) where the client allows it.
 - GCS (gcsfs): the ``generation`` parameter; a rewritten object of a bucket without
   versioning answers 404 (with versioning, the pinned generation is read, which is right).
 - Other filesystems read unpinned (a local file's version is its modification time, which
@@ -19,14 +20,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import fsspec
 from fsspec.asyn import sync
 
 from lakeloader.errors import LakeChangedError
+from lakeloader.io.direct import direct_for
 from lakeloader.io.retry import describe
 
+#: A range's bytes, as the client returns them.
+Blob: TypeAlias = bytes | bytearray
 #: HTTP status of a failed precondition (a rewritten object under ``If-Match``).
 PRECONDITION_FAILED: Final = 412
 
@@ -83,7 +87,7 @@ async def _gcs_range(fs: Any, path: str, version: str, start: int, end: int) -> 
 
 def cat_ranges(
     fs: fsspec.AbstractFileSystem, path: str, version: str, ranges: Sequence[tuple[int, int]]
-) -> list[bytes]:
+) -> list[Blob]:
     """Read byte ranges ``[start, end)`` of a file, at once, pinned to ``version`` if possible.
 
     Raises:
@@ -92,8 +96,16 @@ def cat_ranges(
     """
     if not ranges:
         return []
+    direct = direct_for(fs)
+    if direct is not None:  # S3 without s3fs's request pipeline (see lakeloader.io.direct)
+        try:
+            return [direct.read(path, version, s, e) for s, e in ranges]
+        except Exception as exc:
+            if pins(fs, version) and is_version_mismatch(exc):
+                raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
+            raise
     if not pins(fs, version):
-        blobs: list[bytes] = fs.cat_ranges(
+        blobs: list[Blob] = fs.cat_ranges(
             [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise"
         )
         return blobs

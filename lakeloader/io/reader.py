@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
+from lakeloader.io.pinned import Blob
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.io.sparse import Fetched, Parts, SparseFile
 from lakeloader.lake.files import FileInfo
@@ -287,14 +288,14 @@ class UnitReader:
 
     def _fetch_parts(
         self, info: FileInfo, meta: pq.FileMetaData, row_group: int, file_cols: list[str]
-    ) -> list[tuple[int, bytes]]:
+    ) -> list[tuple[int, Blob]]:
         """The coalesced ranges of a row group's selected column chunks, fetched at once."""
         ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
         return fetch_ranges(
             self.fs, info.path, ranges, self.retry, self.counters.add_request, info.version
         )
 
-    def _fetch_range(self, info: FileInfo, start: int, end: int) -> bytes:
+    def _fetch_range(self, info: FileInfo, start: int, end: int) -> Blob:
         """One range outside those fetched (a footer whose chunk sizes are wrong)."""
         parts = fetch_ranges(
             self.fs, info.path, [(start, end)], self.retry, self.counters.add_request, info.version

@@ -1,0 +1,248 @@
+"""Ranged GETs of S3 objects on presigned URLs over plain keep-alive connections.
+
+A pass's bytes arrive in a few large ranged GETs (one per unit: about 3 MB each in the
+reference lake). Through s3fs each costs the client more CPU than the bytes do: aiobotocore
+builds, signs and parses the request through botocore's whole pipeline, and aiohttp hands the
+body over in chunks that are joined afterwards. So the reader fetches the ranges of S3 files
+with :class:`DirectRanges` where it can:
+
+- the request is a presigned ``GetObject`` URL made by s3fs's own client (endpoint, region,
+  addressing style and credentials are the client's), one per file and version, made again
+  before it expires (:data:`URL_RENEW_SECONDS`) or when the store refuses it (an expired
+  session token); a version id is part of the URL, an ETag is sent as ``If-Match``;
+- ``Range`` and ``If-Match`` are added as headers (neither needs signing);
+- idle keep-alive connections are pooled per host and shared by the fetching threads
+  (``http.client``), and the body is read with ``readinto`` straight into the buffer that
+  is returned, with no chunk copied twice.
+
+:func:`direct_for` says when: an s3fs filesystem whose requests carry nothing the URL would
+lose (no requester-pays or server-side-encryption arguments, default certificate checks, no
+proxy in the configuration or the environment); anything else reads through s3fs. Failures
+are raised as the rest of the reader expects them: 404 as :class:`FileNotFoundError`, 401 and
+403 as :class:`PermissionError`, other statuses as :class:`HTTPStatusError` (its ``code`` is
+what retries and the changed-file check look at: 412, 429, 5xx), a dropped connection or a
+short body as :class:`ConnectionError` (retried).
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import threading
+import time
+import urllib.parse
+import urllib.request
+import weakref
+from typing import Any, Final
+
+import fsspec
+from fsspec.asyn import sync
+
+logger = logging.getLogger(__name__)
+
+#: How long a presigned URL is asked to stay valid, and when it is made again.
+URL_SECONDS: Final = 3600
+URL_RENEW_SECONDS: Final = 1800
+#: Seconds a connection waits for the store before it counts as dropped.
+SOCKET_TIMEOUT: Final = 60.0
+#: Idle connections kept per host.
+POOL_SIZE: Final = 64
+#: Environment variables that route requests through a proxy (http.client ignores them).
+_PROXY_VARIABLES: Final = ("http_proxy", "https_proxy", "all_proxy")
+
+
+class HTTPStatusError(OSError):
+    """The store answered a ranged GET with another status than 206 (``code``: the status)."""
+
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"{url}: HTTP {status} {body}".strip())
+        self.code = status
+
+
+def _proxied(fs: Any) -> bool:
+    """Whether the environment sends the filesystem's requests through a proxy.
+
+    A proxy variable is set, and the endpoint is not one that ``NO_PROXY`` exempts (no
+    endpoint given: AWS, through the proxy).
+    """
+    if not any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES):
+        return False
+    client_kwargs = getattr(fs, "client_kwargs", None) or {}
+    endpoint = client_kwargs.get("endpoint_url") or getattr(fs, "endpoint_url", None)
+    host = urllib.parse.urlsplit(endpoint).hostname if endpoint else None
+    return host is None or not urllib.request.proxy_bypass(host)
+
+
+def _etag(version: str) -> str | None:
+    return version[len("ETag:") :] if version.startswith("ETag:") else None
+
+
+def _version_id(version: str) -> str | None:
+    return version[len("version_id:") :] if version.startswith("version_id:") else None
+
+
+class DirectRanges:
+    """Ranged reads of one s3fs filesystem's objects (see the module docstring).
+
+    Args:
+        fs: The s3fs filesystem whose client presigns the URLs.
+    """
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+        self._urls: dict[tuple[str, str], tuple[float, urllib.parse.SplitResult]] = {}
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+
+    def read(self, path: str, version: str, start: int, end: int) -> bytearray:
+        """Bytes ``[start, end)`` of ``path`` at ``version`` (``""``: unpinned).
+
+        Raises:
+            FileNotFoundError: If the object (or that version of it) is not there.
+            PermissionError: If the store refuses a freshly presigned URL.
+            HTTPStatusError: For another status than 206 (412: a rewritten object).
+            ConnectionError: If the connection drops or the body comes short.
+        """
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if (etag := _etag(version)) is not None:
+            headers["If-Match"] = etag
+        try:
+            return self._get(self._url(path, version, renew=False), headers, end - start)
+        except PermissionError:  # an expired URL or session token: once more, signed anew
+            return self._get(self._url(path, version, renew=True), headers, end - start)
+
+    def _url(self, path: str, version: str, *, renew: bool) -> urllib.parse.SplitResult:
+        key, now = (path, version), time.monotonic()
+        with self._lock:
+            made = self._urls.get(key)
+        if made is not None and not renew and now - made[0] < URL_RENEW_SECONDS:
+            return made[1]
+        params = {}
+        if (version_id := _version_id(version)) is not None:
+            params["VersionId"] = version_id
+        signed: str = sync(self._fs.loop, self._fs._url, path, expires=URL_SECONDS, **params)
+        url = urllib.parse.urlsplit(signed)
+        with self._lock:
+            self._urls[key] = (now, url)
+        return url
+
+    def _get(
+        self, url: urllib.parse.SplitResult, headers: dict[str, str], length: int
+    ) -> bytearray:
+        target = f"{url.path}?{url.query}" if url.query else url.path
+        shown = f"{url.scheme}://{url.netloc}{url.path}"  # never the signature
+        host = (url.scheme, url.netloc)
+        for fresh in (False, True):
+            conn, reused = self._connection(host, fresh)
+            try:
+                conn.request("GET", target, headers=headers)
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if reused and not fresh:  # an idle connection the store had closed
+                    continue
+                raise ConnectionError(f"{shown}: {type(exc).__name__}: {exc}") from exc
+            break
+        try:
+            if response.status != http.client.PARTIAL_CONTENT:
+                raise _status_error(shown, response)
+            body = _read_into(response, length, shown)
+        except BaseException:
+            conn.close()
+            raise
+        if response.will_close:
+            conn.close()
+        else:
+            self._put_back(host, conn)
+        return body
+
+    def _connection(
+        self, host: tuple[str, str], fresh: bool
+    ) -> tuple[http.client.HTTPConnection, bool]:
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(host)
+                if idle:
+                    return idle.pop(), True
+        scheme, netloc = host
+        kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        return kind(netloc, timeout=SOCKET_TIMEOUT), False
+
+    def _put_back(self, host: tuple[str, str], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(host, [])
+            if len(idle) < POOL_SIZE:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+
+def _status_error(url: str, response: http.client.HTTPResponse) -> OSError:
+    """The exception for an answer that is not the range asked for."""
+    body = " ".join(response.read(2048).decode("utf-8", "replace").split())
+    status = response.status
+    if status == http.client.NOT_FOUND:
+        return FileNotFoundError(f"{url}: HTTP 404 {body}".strip())
+    if status in (http.client.UNAUTHORIZED, http.client.FORBIDDEN):
+        return PermissionError(f"{url}: HTTP {status} {body}".strip())
+    return HTTPStatusError(url, status, body)
+
+
+def _read_into(response: http.client.HTTPResponse, length: int, url: str) -> bytearray:
+    """The body of a 206 answer of ``length`` bytes, read into one buffer."""
+    if response.length is not None and response.length != length:
+        raise ConnectionError(f"{url}: {response.length} bytes answered for a range of {length}")
+    body = bytearray(length)
+    view, got = memoryview(body), 0
+    try:
+        while got < length:
+            n = response.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    except (OSError, http.client.HTTPException) as exc:
+        raise ConnectionError(f"{url}: {type(exc).__name__} after {got} bytes: {exc}") from exc
+    finally:
+        view.release()
+    if got != length:
+        raise ConnectionError(f"{url}: {got} bytes read for a range of {length}")
+    return body
+
+
+_DIRECT: weakref.WeakKeyDictionary[Any, DirectRanges] = weakref.WeakKeyDictionary()
+_DIRECT_LOCK = threading.Lock()
+
+
+def direct_for(fs: fsspec.AbstractFileSystem) -> DirectRanges | None:
+    """The direct reader of an s3fs filesystem, or None where its requests need s3fs.
+
+    >>> from fsspec.implementations.local import LocalFileSystem
+    >>> direct_for(LocalFileSystem()) is None
+    True
+    """
+    if not hasattr(fs, "_call_s3") or not hasattr(fs, "_url") or _proxied(fs):
+        return None
+    client_kwargs = getattr(fs, "client_kwargs", None) or {}
+    config_kwargs = getattr(fs, "config_kwargs", None) or {}
+    if (
+        client_kwargs.get("verify", True) is not True
+        or config_kwargs.get("proxies")
+        or getattr(fs, "req_kw", None)
+        or getattr(fs, "s3_additional_kwargs", None)
+    ):
+        return None
+    with _DIRECT_LOCK:
+        direct = _DIRECT.get(fs)
+        if direct is None:
+            direct = _DIRECT[fs] = DirectRanges(fs)
+            logger.debug("ranged reads of %s go over presigned URLs", fs)
+        return direct

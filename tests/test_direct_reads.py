@@ -1,0 +1,123 @@
+"""Ranged reads of S3 objects on presigned URLs (``lakeloader.io.direct``), on a real server.
+
+The unit reads of an S3 lake go over presigned URLs and pooled keep-alive connections
+instead of s3fs's request pipeline. These tests hold them to what s3fs gives: the same bytes,
+the same failures (a rewritten object, refused credentials, a store restarted under pooled
+connections), and s3fs itself where the URL would lose part of the request (a proxy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import fsspec
+import numpy as np
+import pytest
+
+import lakeloader as ll
+from lakeloader.io import direct, pinned
+from lakeloader.io.fetch import FOOTER_TAIL_BYTES
+from lakeloader.lake.discovery import version_token
+from tests.conftest import write_lake
+
+if TYPE_CHECKING:
+    from tests.stores import ObjectStore, RestartableStore
+
+pytest_plugins = ["tests.stores"]
+
+
+def _object(store: ObjectStore, size: int) -> tuple[str, bytes, str]:
+    """A new object of ``size`` random bytes: its path, bytes and version token."""
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    bucket = store.new_bucket("direct")
+    fs = store.filesystem()
+    path = f"{bucket}/blob.bin"
+    fs.pipe_file(path, data)
+    fs.invalidate_cache()
+    return path, data, version_token(fs.info(path))
+
+
+def test_ranges_are_the_bytes_s3fs_reads(s3_store: ObjectStore) -> None:
+    fs = s3_store.filesystem()
+    reader = direct.direct_for(fs)
+    assert reader is not None, "an s3fs filesystem on a plain endpoint reads directly"
+    path, data, version = _object(s3_store, 3 * 1024 * 1024 + 17)
+    ranges = [(0, 1), (5, 70_000), (len(data) - FOOTER_TAIL_BYTES, len(data)), (0, len(data))]
+    for pinned_to in (version, ""):
+        got = pinned.cat_ranges(fs, path, pinned_to, ranges)
+        assert [bytes(b) for b in got] == [data[s:e] for s, e in ranges]
+    assert [bytes(b) for b in got] == fs.cat_ranges(
+        [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges]
+    )
+
+
+def test_a_rewritten_object_fails_naming_it(s3_store: ObjectStore) -> None:
+    fs = s3_store.filesystem()
+    path, data, version = _object(s3_store, 4096)
+    assert bytes(pinned.cat_ranges(fs, path, version, [(0, 10)])[0]) == data[:10]
+    fs.pipe_file(path, data[::-1])  # same size, other bytes: another ETag
+    with pytest.raises(ll.LakeChangedError) as err:
+        pinned.cat_ranges(fs, path, version, [(0, 10)])
+    assert str(err.value).startswith(f"s3://{path}: the file was rewritten"), err.value
+    assert version in str(err.value) and "412" in str(err.value)
+
+
+def test_a_deleted_object_fails_naming_it(s3_store: ObjectStore) -> None:
+    fs = s3_store.filesystem()
+    path, _, version = _object(s3_store, 4096)
+    fs.rm(path)
+    with pytest.raises(ll.LakeChangedError, match=f"s3://{path}: the file was rewritten or del"):
+        pinned.cat_ranges(fs, path, version, [(0, 10)])
+
+
+def test_a_wrong_secret_is_refused_at_once_naming_the_url(
+    s3_store: ObjectStore, tmp_path: Path
+) -> None:
+    write_lake(tmp_path / "lake", [[100, 100]] * 2)
+    _, url = s3_store.upload(tmp_path / "lake", "direct-creds")
+    ds = ll.LakeDataset(url, storage_options=s3_store.storage_options, seed=0)
+    bad = {**s3_store.storage_options, "secret": "not-the-secret"}
+    fs = fsspec.filesystem("s3", **bad)
+    assert direct.direct_for(fs) is not None
+    info = ds.snapshot.files[0]
+    with pytest.raises(PermissionError, match="HTTP 403"):
+        pinned.cat_ranges(fs, info.path, info.version, [(0, 4)])
+    reader = ds.reader()
+    reader.fs = fs
+    with pytest.raises(ll.StoreAccessError) as err:
+        reader.fetch(0, 0)
+    message = str(err.value)
+    assert message.startswith(f"s3://{info.path}: the store refused access"), message
+    assert "AWS_ACCESS_KEY_ID" in message and "Not retried" in message
+
+
+def test_pooled_connections_survive_a_store_restart(
+    restartable_s3_store: RestartableStore,
+) -> None:
+    store = restartable_s3_store
+    fs = store.filesystem(fresh=True)
+    path, data, version = _object(store, 100_000)
+    reader = direct.direct_for(fs)
+    assert reader is not None
+    assert bytes(reader.read(path, version, 0, 100)) == data[:100]
+    store.restart(kill=True)  # the pooled connection is dead now
+    assert bytes(reader.read(path, version, 100, 5000)) == data[100:5000]
+
+
+def test_a_proxy_in_the_environment_leaves_reads_to_s3fs(
+    s3_store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = s3_store.filesystem(fresh=True)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert direct.direct_for(fs) is None
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert direct.direct_for(fs) is not None, "an endpoint the proxy is bypassed for"
+
+
+def test_other_filesystems_read_as_before() -> None:
+    assert direct.direct_for(fsspec.filesystem("file")) is None
+    assert direct.direct_for(fsspec.filesystem("memory")) is None
