@@ -15,8 +15,8 @@ Each loop runs one epoch, 391 steps of batch 1,024, and "computes" ``S`` ms per 
 
 Figures per loop, after the first 3 steps (workers starting, first decodes): rows/s, its ratio
 to the sleep-only loop of the same ``S`` in the same repetition, and the microseconds each step
-spent inside ``next()`` (median and mean). Every loop runs in a child process of its own, in
-turn, ``--reps`` times; children run with ``OMP_NUM_THREADS=1``.
+spent inside ``next()`` on the loader's iterator (median and mean). Every loop runs in a
+child process of its own, in turn, ``--reps`` times; children run with ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -38,17 +38,18 @@ STEPS_MS = (0.5, 2.0)
 WORKERS = (0, 2)
 
 
-def _batches(args: argparse.Namespace, workers: int | None) -> Iterator[int]:
-    """Rows of each batch: from lakeloader, or (``workers`` None) no data at all."""
+def _batches(args: argparse.Namespace, workers: int | None) -> Iterator[Any]:
+    """``iter(loader)``, or (``workers`` None) each batch's row count, with no data."""
     if workers is None:  # the epoch's batch sizes, the last one short
-        for start in range(0, args.total, BATCH):
-            yield min(BATCH, args.total - start)
-        return
+        return iter([min(BATCH, args.total - s) for s in range(0, args.total, BATCH)])
     import lakeloader as ll
 
     ds = ll.LakeDataset(args.lake, columns=["id", *FLOATS], seed=0, progress=False)
-    for batch in ll.DataLoader(ds, batch_size=BATCH, num_workers=workers):
-        yield len(batch["id"])
+    return iter(ll.DataLoader(ds, batch_size=BATCH, num_workers=workers))
+
+
+def _rows(batch: Any) -> int:
+    return batch if isinstance(batch, int) else len(batch["id"])
 
 
 def _loop(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -61,11 +62,13 @@ def _loop(args: argparse.Namespace, name: str) -> dict[str, Any]:
     start = end = time.perf_counter()
     while True:
         began = time.perf_counter()
-        n = next(batches, None)
-        if n is None:
+        batch = next(batches, None)
+        waited = time.perf_counter() - began
+        if batch is None:
             end = began
             break
-        waits.append(time.perf_counter() - began)
+        waits.append(waited)
+        n = _rows(batch)
         if len(waits) == WARMUP_BATCHES + 1:
             start = began  # timed from the step after the warm-up ones
         if len(waits) > WARMUP_BATCHES:
