@@ -15,7 +15,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import multiprocessing as mp
-import os
+import select
 import signal
 import sys
 from collections.abc import Sequence
@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 5.0
 #: Seconds to reap a worker whose sentinel fired (it has exited: this is only a cap).
 REAP_SECONDS = 0.5
-#: waitid flags: report a child that has exited, without waiting or reaping it.
-_EXITED_UNREAPED = os.WEXITED | os.WNOHANG | os.WNOWAIT
 #: fcntl command to set a pipe's capacity (Linux), and the capacity asked for.
 F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
@@ -100,6 +98,7 @@ class WorkerPool:
             mp.get_context(context) if not isinstance(context, BaseContext) else context
         )
         self._slots = [self._start(i) for i in range(num_workers)]
+        self._sentinels = self._watch()
         self._collecting = 0  # collect() calls under way (see all_alive)
         self._start_deaths: dict[int, int] = {}  # deaths in a row before starting, by worker
         self._failure: WorkerError | None = None  # once workers cannot start, every collect says so
@@ -121,6 +120,13 @@ class WorkerPool:
         writer.close()
         task_reader.close()
         return _Slot(proc, task_writer, reader, building)
+
+    def _watch(self) -> select.poll:
+        """A poll over the workers' sentinels (each readable once its worker has exited)."""
+        sentinels = select.poll()
+        for slot in self._slots:
+            sentinels.register(slot.process.sentinel, select.POLLIN)
+        return sentinels
 
     def pids(self) -> list[int | None]:
         """Process ids of the workers, by worker id."""
@@ -180,18 +186,13 @@ class WorkerPool:
     def all_alive(self) -> bool:
         """Whether every worker is surely running; False when one may have died.
 
-        Cheap enough for every step: one ``waitid`` per worker, which leaves an exited
-        worker unreaped (``WNOWAIT``), so that reaping stays with :meth:`collect`. Callers
-        confirm a False with :meth:`collect` under the lock that serialises their collects.
-        A worker that a collect() in another thread is reaping at this very moment looks
-        running to ``waitid``, so the answer is also False while a collect() is under way.
+        Cheap enough for every step: one ``poll(2)`` over the workers' sentinels, which
+        reaps nothing, so that reaping stays with :meth:`collect`. Callers confirm a False
+        with :meth:`collect` under the lock that serialises their collects. While a
+        collect() in another thread replaces a worker the answer is False too (the poll may
+        then see a sentinel it has closed, which also reads as False).
         """
-        for slot in self._slots:
-            try:
-                if os.waitid(os.P_PID, slot.process.pid, _EXITED_UNREAPED) is None:
-                    continue  # running
-            except ChildProcessError:  # reaped already, by a collect()
-                pass
+        if self._sentinels.poll(0):
             return False
         return not self._collecting
 
@@ -251,6 +252,8 @@ class WorkerPool:
             self._close_slot(slot)
             self._slots[worker] = self._start(worker)
             self.restarts += 1
+        if deaths:
+            self._sentinels = self._watch()
         return results, deaths
 
     def _count_start_death(self, worker: int, slot: _Slot) -> None:
@@ -303,3 +306,4 @@ class WorkerPool:
                 slot.process.join(timeout=SHUTDOWN_GRACE)
             self._close_slot(slot)
         self._slots = []
+        self._sentinels = self._watch()
