@@ -121,3 +121,29 @@ def test_a_proxy_in_the_environment_leaves_reads_to_s3fs(
 def test_other_filesystems_read_as_before() -> None:
     assert direct.direct_for(fsspec.filesystem("file")) is None
     assert direct.direct_for(fsspec.filesystem("memory")) is None
+
+
+def test_a_forked_child_opens_connections_of_its_own(s3_store: ObjectStore) -> None:
+    """Pooled sockets are the process's own: a forked worker that reads gets a new reader."""
+    import multiprocessing as mp
+
+    fs = s3_store.filesystem()
+    path, data, version = _object(s3_store, 10_000)
+    parent = direct.direct_for(fs)
+    assert parent is not None
+    assert bytes(parent.read(path, version, 0, 10)) == data[:10]  # a connection is pooled now
+    with mp.get_context("fork").Pool(1) as pool:
+        inherited, replaced, got = pool.apply(_read_in_child, (fs, path, version))
+    assert inherited, "the child sees the parent's reader (the same cached filesystem)"
+    assert replaced and got == data[10:20]
+    assert direct.direct_for(fs) is parent, "the parent keeps its own"
+    assert bytes(parent.read(path, version, 20, 30)) == data[20:30]
+
+
+def _read_in_child(
+    fs: fsspec.AbstractFileSystem, path: str, version: str
+) -> tuple[bool, bool, bytes]:
+    before = direct._DIRECT.get(fs)
+    reader = direct.direct_for(fs)
+    assert reader is not None
+    return before is not None, reader is not before, bytes(reader.read(path, version, 10, 20))

@@ -91,6 +91,7 @@ class DirectRanges:
 
     def __init__(self, fs: Any) -> None:
         self._fs = fs
+        self.pid = os.getpid()  # a forked child must not share the parent's connections
         self._urls: dict[tuple[str, str], tuple[float, urllib.parse.SplitResult]] = {}
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
@@ -242,7 +243,7 @@ def direct_for(fs: fsspec.AbstractFileSystem) -> DirectRanges | None:
         return None
     with _DIRECT_LOCK:
         direct = _DIRECT.get(fs)
-        if direct is None:
+        if direct is None or direct.pid != os.getpid():
             direct = _DIRECT[fs] = DirectRanges(fs)
             logger.debug("ranged reads of %s go over presigned URLs", fs)
         return direct
