@@ -186,7 +186,8 @@ class MixtureLoader(DataLoader):
             "units_decoded": sum(c.units_decoded for c in counters),
             "bytes_read": sum(c.bytes_read for c in counters),
             "requests": sum(c.requests for c in counters),
-            "cache_bytes": it.cache_bytes() if it is not None else 0,
+            # Between passes, the sources the last one left hold what the next will use.
+            "cache_bytes": it.cache_bytes() if it is not None else self._res.carried_bytes(),
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
         }
 

@@ -201,6 +201,7 @@ def test_the_next_pass_goes_on_with_the_row_groups_decoded_by_the_last(lakes: Pa
         ids += [i for batch in loader for i in batch["id"].tolist()]
     folder = Path(loader._res.unit_dir or "")
     assert list(folder.glob("mixture-*")), "the open sources are kept between passes"
+    assert loader.stats()["cache_bytes"] > 0, "and what they hold is counted"
     touched = set()
     for name, drawn in per_source(ids).items():
         for k, i in enumerate(drawn):
@@ -209,6 +210,7 @@ def test_the_next_pass_goes_on_with_the_row_groups_decoded_by_the_last(lakes: Pa
     assert ids == stream(make(lakes, epoch_rows=4200, partitions=3), 1, 35, 4200)[0]
     loader.close()
     assert not folder.exists()
+    assert loader.stats()["cache_bytes"] == 0
 
 
 def test_a_pass_left_early_or_a_load_starts_the_sources_afresh(lakes: Path) -> None:

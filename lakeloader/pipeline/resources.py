@@ -67,6 +67,9 @@ class Carried(Protocol):
     def close(self, wait: bool = True) -> None:
         """Release it."""
 
+    def held_bytes(self) -> int:
+        """Bytes of decoded units it holds."""
+
 
 class LoaderResources:
     """The pass, the worker pool and the unit folder of one loader.
@@ -121,6 +124,10 @@ class LoaderResources:
         kept = self.take_carried()
         if kept is not None:
             kept.close(wait)
+
+    def carried_bytes(self) -> int:
+        """Bytes of decoded units that what the last pass left holds (0: nothing left)."""
+        return self._carried.held_bytes() if self._carried is not None else 0
 
     def unit_folder(self, cache_dir: str | None, cache_bytes: int) -> str:
         """The loader's folder for decoded units, made on first use.
