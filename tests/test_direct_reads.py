@@ -156,3 +156,18 @@ def _reader_in_child(fs: fsspec.AbstractFileSystem, send: Any) -> None:
     reader = direct.direct_for(fs)
     assert reader is not None
     send.send((before is not None, reader is not before, bool(reader._idle)))
+
+
+def test_s3fs_reads_where_a_presigned_url_would_drop_an_option(s3_store: ObjectStore) -> None:
+    """Custom certificate checks (here ``verify=False``) keep the reads in s3fs, pinned all
+    the same: the same bytes, and a rewrite caught."""
+    options = {**s3_store.storage_options, "client_kwargs": {"verify": False}}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+    assert direct.direct_for(fs) is None
+    path, data, version = _object(s3_store, 70_000)
+    ranges = [(0, 1), (5, 60_000), (69_000, 70_000)]
+    got = pinned.cat_ranges(fs, path, version, ranges)
+    assert [bytes(b) for b in got] == [data[s:e] for s, e in ranges]
+    s3_store.filesystem().pipe_file(path, data[::-1])
+    with pytest.raises(ll.LakeChangedError, match=f"s3://{path}: the file was rewritten"):
+        pinned.cat_ranges(fs, path, version, [(0, 10)])
