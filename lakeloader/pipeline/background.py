@@ -11,7 +11,8 @@ queue), a thread could not build ahead of it, and handing steps to it and back w
 add its cost and the two threads' contention for the GIL (a quarter of the epoch's time,
 measured); so ``next()`` builds the step itself. Batches are delivered strictly in step order
 either way, and a step's error is raised when that step is asked for. While the loop computes,
-the thread also plans the pass's next chunk of steps (:meth:`ThreadBuilder.run_ahead`).
+the thread also plans the pass's next chunk of steps (:meth:`ThreadBuilder.run_ahead`) and
+frees the batches the loop is done with (:meth:`ThreadBuilder.top_up`).
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ class ThreadBuilder:
         self._next = max(self._next, next_step)
         self._pace.returned(time.perf_counter())
         if not self._pace.builds_ahead:
+            if self._handed:  # the loop turned tight: keep nothing for a thread that waits
+                self._handed.clear()
             return
         self._handed.append(batch)
         if self._next - next_step > self._ahead:
