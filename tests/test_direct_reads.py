@@ -171,3 +171,16 @@ def test_s3fs_reads_where_a_presigned_url_would_drop_an_option(s3_store: ObjectS
     s3_store.filesystem().pipe_file(path, data[::-1])
     with pytest.raises(ll.LakeChangedError, match=f"s3://{path}: the file was rewritten"):
         pinned.cat_ranges(fs, path, version, [(0, 10)])
+
+
+def test_presigned_urls_are_kept_for_the_newest_files_only(
+    s3_store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(direct, "URL_CACHE_FILES", 2)
+    fs = s3_store.filesystem(fresh=True)
+    reader = direct.direct_for(fs)
+    assert reader is not None
+    objects = [_object(s3_store, 1000 + k) for k in range(3)]
+    for path, data, version in objects:
+        assert bytes(reader.read(path, version, 0, 8)) == data[:8]
+    assert list(reader._urls) == [(p, v) for p, _, v in objects[1:]]

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 #: How long a presigned URL is asked to stay valid, and when it is made again.
 URL_SECONDS: Final = 3600
 URL_RENEW_SECONDS: Final = 1800
+#: Presigned URLs kept (one per file and version; about a kilobyte each).
+URL_CACHE_FILES: Final = 4096
 #: Seconds a connection waits for the store before it counts as dropped.
 SOCKET_TIMEOUT: Final = 60.0
 #: Idle connections kept per host.
@@ -125,7 +127,10 @@ class DirectRanges:
         signed: str = sync(self._fs.loop, self._fs._url, path, expires=URL_SECONDS, **params)
         url = urllib.parse.urlsplit(signed)
         with self._lock:
+            self._urls.pop(key, None)
             self._urls[key] = (now, url)
+            while len(self._urls) > URL_CACHE_FILES:  # the least recently made out
+                del self._urls[next(iter(self._urls))]
         return url
 
     def _get(
@@ -146,7 +151,9 @@ class DirectRanges:
                 raise ConnectionError(f"{shown}: {type(exc).__name__}: {exc}") from exc
             break
         try:
-            if response.status != http.client.PARTIAL_CONTENT:
+            # 206; or 200 for a range that is the whole object, from a store that says so
+            whole = response.status == http.client.OK and response.length == length
+            if response.status != http.client.PARTIAL_CONTENT and not whole:
                 raise _status_error(shown, response)
             body = _read_into(response, length, shown)
         except BaseException:
@@ -216,6 +223,8 @@ def _read_into(response: http.client.HTTPResponse, length: int, url: str) -> byt
         view.release()
     if got != length:
         raise ConnectionError(f"{url}: {got} bytes read for a range of {length}")
+    if not response.isclosed() and response.read(1):  # (a chunked body's end is read here)
+        raise ConnectionError(f"{url}: more bytes answered than the range of {length}")
     return body
 
 
