@@ -34,6 +34,7 @@ import time
 import urllib.parse
 import urllib.request
 import weakref
+from collections.abc import Sequence
 from typing import Any, Final
 
 import fsspec
@@ -97,6 +98,42 @@ class DirectRanges:
         self._urls: dict[tuple[str, str], tuple[float, urllib.parse.SplitResult]] = {}
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
+
+    def read_all(
+        self, path: str, version: str, ranges: Sequence[tuple[int, int]]
+    ) -> list[bytearray]:
+        """Ranges ``[start, end)`` of ``path`` at ``version``, all at once (see :meth:`read`).
+
+        The first is read in this thread, each other in a daemon thread of its own (one that
+        hangs on a store that is down does not hold up the interpreter's exit), so that a
+        unit's ranges cost one round trip, not one each.
+
+        Raises:
+            Exception: The first range's failure, in the order given (see :meth:`read`).
+        """
+        if len(ranges) == 1:
+            return [self.read(path, version, *ranges[0])]
+        out: list[bytearray | BaseException] = [bytearray()] * len(ranges)  # each set below
+
+        def one(k: int) -> None:
+            try:
+                out[k] = self.read(path, version, *ranges[k])
+            except BaseException as exc:  # raised below, in the caller's thread
+                out[k] = exc
+
+        others = [
+            threading.Thread(target=one, args=(k,), name="lakeloader-range", daemon=True)
+            for k in range(1, len(ranges))
+        ]
+        for thread in others:
+            thread.start()
+        one(0)
+        for thread in others:
+            thread.join()
+        failed = [blob for blob in out if isinstance(blob, BaseException)]
+        if failed:
+            raise failed[0]
+        return [blob for blob in out if isinstance(blob, bytearray)]
 
     def read(self, path: str, version: str, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of ``path`` at ``version`` (``""``: unpinned).

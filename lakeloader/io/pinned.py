@@ -99,7 +99,7 @@ def cat_ranges(
     direct = direct_for(fs)
     if direct is not None:  # S3 without s3fs's request pipeline (see lakeloader.io.direct)
         try:
-            return [direct.read(path, version, s, e) for s, e in ranges]
+            return list(direct.read_all(path, version, ranges))
         except Exception as exc:
             if pins(fs, version) and is_version_mismatch(exc):
                 raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
