@@ -102,7 +102,7 @@ def test_pooled_connections_survive_a_store_restart(
     reader = direct.direct_for(fs)
     assert reader is not None
     assert bytes(reader.read(path, version, 0, 100)) == data[:100]
-    store.restart(kill=True)  # the pooled connection is dead now
+    store.restart()  # the pooled connection is dead now
     assert bytes(reader.read(path, version, 100, 5000)) == data[100:5000]
 
 
