@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -268,6 +269,21 @@ async def _read_response_head(reader: asyncio.StreamReader, method: str) -> _Res
     return _ResponseHead(raw, status, length, chunked, close)
 
 
+def _hang_up(writer: asyncio.StreamWriter) -> None:
+    """End a client connection at once, even when another process holds its socket too.
+
+    ``abort()`` only closes this process's descriptor: a DataLoader worker forked from the
+    process under test (where the proxy's thread runs) inherits the descriptor and keeps the
+    connection open, so the client would wait for an answer that never comes. A shutdown acts
+    on the connection itself: the client sees it end.
+    """
+    sock = writer.transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    writer.transport.abort()
+
+
 def _error_response(status: int, code: str, method: str, path: str) -> tuple[bytes, bytes]:
     """(head, body) of an S3-style error."""
     message = S3_503_MESSAGES.get(code, "Injected by the test's fault proxy.")
@@ -425,7 +441,7 @@ class FaultProxy:
 
     def _cut_clients(self) -> None:
         for writer in list(self._clients):
-            writer.transport.abort()
+            _hang_up(writer)
         self._clients.clear()
 
     async def _shutdown(self) -> None:
@@ -589,7 +605,7 @@ class FaultProxy:
     # ------------------------------------------------------------------ serving
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._outage is not None:
-            writer.transport.abort()
+            _hang_up(writer)
             return
         with self._lock:
             self._connections += 1
@@ -609,7 +625,7 @@ class FaultProxy:
         finally:
             upstream.close()
             self._clients.discard(writer)
-            writer.transport.abort()
+            _hang_up(writer)
 
     async def _exchange(
         self, request: _Request, client: asyncio.StreamWriter, upstream: _Upstream

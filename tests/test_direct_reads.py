@@ -143,11 +143,12 @@ def test_a_forked_child_opens_connections_of_its_own(s3_store: ObjectStore) -> N
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_reader_in_child, args=(fs, send))  # inherited, not pickled
     child.start()
-    inherited, replaced, pooled = receive.recv()
+    inherited, replaced, pooled, open_copies = receive.recv()
     child.join(30)
     assert child.exitcode == 0
     assert inherited, "the child sees the parent's reader"
     assert replaced and not pooled
+    assert open_copies == 0, "the child closed its copies of the parent's sockets"
     assert direct.direct_for(fs) is parent, "the parent keeps its own"
     assert bytes(parent.read(path, version, 20, 30)) == data[20:30]
 
@@ -156,7 +157,9 @@ def _reader_in_child(fs: fsspec.AbstractFileSystem, send: Any) -> None:
     before = direct._DIRECT.get(fs)
     reader = direct.direct_for(fs)
     assert reader is not None
-    send.send((before is not None, reader is not before, bool(reader._idle)))
+    idle = [c for conns in (before._idle if before else {}).values() for c in conns]
+    open_copies = sum(c.sock is not None for c in idle) if idle else -1  # -1: none inherited
+    send.send((before is not None, reader is not before, bool(reader._idle), open_copies))
 
 
 def test_s3fs_reads_where_a_presigned_url_would_drop_an_option(s3_store: ObjectStore) -> None:

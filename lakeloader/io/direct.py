@@ -212,7 +212,9 @@ class DirectRanges:
                     return idle.pop(), True
         scheme, netloc = host
         kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-        return kind(netloc, timeout=SOCKET_TIMEOUT), False
+        conn = kind(netloc, timeout=SOCKET_TIMEOUT)
+        _OPEN.add(conn)
+        return conn, False
 
     def _put_back(self, host: tuple[str, str], conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -267,6 +269,25 @@ def _read_into(response: http.client.HTTPResponse, length: int, url: str) -> byt
 
 _DIRECT: weakref.WeakKeyDictionary[Any, DirectRanges] = weakref.WeakKeyDictionary()
 _DIRECT_LOCK = threading.Lock()
+#: Every connection this process opened (and has not dropped).
+_OPEN: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+
+
+def _drop_inherited() -> None:
+    """In a forked child: close its copies of the parent's sockets (the parent's stay open).
+
+    A forked DataLoader worker never uses them (it gets a reader of its own), and holding them
+    would keep every connection that the parent closes (after an error answer, say) open on
+    the store's side for the worker's whole life.
+    """
+    for conn in list(_OPEN):
+        if conn.sock is not None:
+            conn.sock.close()
+            conn.sock = None
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
 
 
 def direct_for(fs: fsspec.AbstractFileSystem) -> DirectRanges | None:
