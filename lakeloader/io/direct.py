@@ -40,6 +40,9 @@ from typing import Any, Final
 import fsspec
 from fsspec.asyn import sync
 
+from lakeloader.io.sparse import Blob
+from lakeloader.lake.discovery import version_value
+
 logger = logging.getLogger(__name__)
 
 #: How long a presigned URL is asked to stay valid, and when it is made again.
@@ -77,14 +80,6 @@ def _proxied(fs: Any) -> bool:
     return host is None or not urllib.request.proxy_bypass(host)
 
 
-def _etag(version: str) -> str | None:
-    return version[len("ETag:") :] if version.startswith("ETag:") else None
-
-
-def _version_id(version: str) -> str | None:
-    return version[len("version_id:") :] if version.startswith("version_id:") else None
-
-
 class DirectRanges:
     """Ranged reads of one s3fs filesystem's objects (see the module docstring).
 
@@ -99,9 +94,7 @@ class DirectRanges:
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
 
-    def read_all(
-        self, path: str, version: str, ranges: Sequence[tuple[int, int]]
-    ) -> list[bytearray]:
+    def read_all(self, path: str, version: str, ranges: Sequence[tuple[int, int]]) -> list[Blob]:
         """Ranges ``[start, end)`` of ``path`` at ``version``, all at once (see :meth:`read`).
 
         The first is read in this thread, each other in a daemon thread of its own (one that
@@ -145,7 +138,7 @@ class DirectRanges:
             ConnectionError: If the connection drops or the body comes short.
         """
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        if (etag := _etag(version)) is not None:
+        if (etag := version_value(version, "ETag")) is not None:
             headers["If-Match"] = etag
         try:
             return self._get(self._url(path, version, renew=False), headers, end - start)
@@ -159,7 +152,7 @@ class DirectRanges:
         if made is not None and not renew and now - made[0] < URL_RENEW_SECONDS:
             return made[1]
         params = {}
-        if (version_id := _version_id(version)) is not None:
+        if (version_id := version_value(version, "version_id")) is not None:
             params["VersionId"] = version_id
         signed: str = sync(self._fs.loop, self._fs._url, path, expires=URL_SECONDS, **params)
         url = urllib.parse.urlsplit(signed)

@@ -29,8 +29,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lakeloader.errors import LakeDataError
 from lakeloader.io import pinned
-from lakeloader.io.pinned import Blob
 from lakeloader.io.retry import RetryPolicy, describe
+from lakeloader.io.sparse import Blob
 
 logger = logging.getLogger(__name__)
 

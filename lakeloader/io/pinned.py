@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Final, TypeAlias
+from typing import Any, Final
 
 import fsspec
 from fsspec.asyn import sync
@@ -28,17 +28,11 @@ from fsspec.asyn import sync
 from lakeloader.errors import LakeChangedError
 from lakeloader.io.direct import direct_for
 from lakeloader.io.retry import describe
+from lakeloader.io.sparse import Blob
+from lakeloader.lake.discovery import version_value
 
-#: A range's bytes, as the client returns them.
-Blob: TypeAlias = bytes | bytearray
 #: HTTP status of a failed precondition (a rewritten object under ``If-Match``).
 PRECONDITION_FAILED: Final = 412
-
-
-def _token(version: str, key: str) -> str | None:
-    """The value of a ``key:value`` version token (see ``discovery.version_token``)."""
-    prefix = key + ":"
-    return version[len(prefix) :] if version.startswith(prefix) else None
 
 
 def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
@@ -58,16 +52,19 @@ def pins(fs: fsspec.AbstractFileSystem, version: str) -> bool:
     False
     """
     if _is_s3(fs):
-        return _token(version, "ETag") is not None or _token(version, "version_id") is not None
-    return _is_gcs(fs) and _token(version, "generation") is not None
+        return (
+            version_value(version, "ETag") is not None
+            or version_value(version, "version_id") is not None
+        )
+    return _is_gcs(fs) and version_value(version, "generation") is not None
 
 
 async def _s3_range(fs: Any, path: str, version: str, start: int, end: int) -> bytes:
     bucket, key, _ = fs.split_path(path)
     condition: dict[str, str] = {}
-    if (version_id := _token(version, "version_id")) is not None:
+    if (version_id := version_value(version, "version_id")) is not None:
         condition["VersionId"] = version_id
-    elif (etag := _token(version, "ETag")) is not None:
+    elif (etag := version_value(version, "ETag")) is not None:
         condition["IfMatch"] = etag
     response = await fs._call_s3(
         "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition
@@ -80,7 +77,7 @@ async def _s3_range(fs: Any, path: str, version: str, start: int, end: int) -> b
 
 
 async def _gcs_range(fs: Any, path: str, version: str, start: int, end: int) -> bytes:
-    generation = _token(version, "generation")
+    generation = version_value(version, "generation")
     data: bytes = await fs._cat_file(path, start=start, end=end, generation=generation)
     return data
 
@@ -96,14 +93,21 @@ def cat_ranges(
     """
     if not ranges:
         return []
+    try:
+        return _read(fs, path, version, ranges)
+    except Exception as exc:
+        if pins(fs, version) and is_version_mismatch(exc):
+            raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
+        raise
+
+
+def _read(
+    fs: fsspec.AbstractFileSystem, path: str, version: str, ranges: Sequence[tuple[int, int]]
+) -> list[Blob]:
+    """The ranges, by the cheapest way the filesystem and the version allow."""
     direct = direct_for(fs)
     if direct is not None:  # S3 without s3fs's request pipeline (see lakeloader.io.direct)
-        try:
-            return list(direct.read_all(path, version, ranges))
-        except Exception as exc:
-            if pins(fs, version) and is_version_mismatch(exc):
-                raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
-            raise
+        return direct.read_all(path, version, ranges)
     if not pins(fs, version):
         blobs: list[Blob] = fs.cat_ranges(
             [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise"
@@ -111,15 +115,10 @@ def cat_ranges(
         return blobs
     one = _s3_range if _is_s3(fs) else _gcs_range
 
-    async def gather() -> list[bytes]:
+    async def gather() -> list[Blob]:
         return list(await asyncio.gather(*(one(fs, path, version, s, e) for s, e in ranges)))
 
-    try:
-        return sync(fs.loop, gather)  # type: ignore[no-any-return]
-    except Exception as exc:
-        if is_version_mismatch(exc):
-            raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
-        raise
+    return sync(fs.loop, gather)  # type: ignore[no-any-return]
 
 
 def is_version_mismatch(exc: BaseException) -> bool:

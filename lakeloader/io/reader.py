@@ -20,9 +20,8 @@ import pyarrow.parquet as pq
 from lakeloader.errors import LakeDataError, LakeError
 from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
-from lakeloader.io.pinned import Blob
 from lakeloader.io.retry import RetryPolicy, describe
-from lakeloader.io.sparse import Fetched, Parts, SparseFile
+from lakeloader.io.sparse import Blob, Fetched, Parts, SparseFile
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import Snapshot
 

@@ -15,13 +15,18 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
 
+#: A range's bytes, as a client returns them.
+Blob: TypeAlias = bytes | bytearray
+#: Bytes of a file held in memory or mapped.
+Chunk: TypeAlias = Blob | memoryview
 #: Bytes-like parts of a file: ``(offset in the file, data)``.
-Parts = Sequence[tuple[int, bytes | bytearray | memoryview]]
+Parts = Sequence[tuple[int, Chunk]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +44,7 @@ class Fetched:
     footer: pq.FileMetaData
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
-    blobs: tuple[bytes | bytearray, ...] | None = None
+    blobs: tuple[Blob, ...] | None = None
     path: str | None = None
 
     @property
@@ -47,7 +52,7 @@ class Fetched:
         """Bytes of the ranges."""
         return sum(self.lengths)
 
-    def parts(self) -> list[tuple[int, bytes | bytearray | memoryview]] | None:
+    def parts(self) -> list[tuple[int, Chunk]] | None:
         """``(offset, data)`` of each range; None if its file is gone (fetch again).
 
         A file is mapped, not read: pages are touched as pyarrow decodes them.
@@ -60,7 +65,7 @@ class Fetched:
                 view = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
         except (FileNotFoundError, ValueError):  # removed, or empty
             return None
-        out: list[tuple[int, bytes | bytearray | memoryview]] = []
+        out: list[tuple[int, Chunk]] = []
         offset = 0
         for start, length in zip(self.starts, self.lengths, strict=True):
             out.append((start, view[offset : offset + length]))
@@ -90,9 +95,7 @@ class SparseFile:
     is fetched from the store rather than failing, and logged.
     """
 
-    def __init__(
-        self, size: int, parts: Parts, fetch: Callable[[int, int], bytes | bytearray]
-    ) -> None:
+    def __init__(self, size: int, parts: Parts, fetch: Callable[[int, int], Blob]) -> None:
         self._size = size
         self._parts = sorted(parts, key=lambda p: p[0])
         self._starts = [p[0] for p in self._parts]
@@ -100,14 +103,14 @@ class SparseFile:
         self._pos = 0
         self.closed = False
 
-    def read(self, nbytes: int = -1) -> bytes | bytearray | memoryview:
+    def read(self, nbytes: int = -1) -> Chunk:
         """Read up to ``nbytes`` bytes (all the rest if negative) from the position."""
         end = self._size if nbytes is None or nbytes < 0 else min(self._size, self._pos + nbytes)
         data = self._slice(self._pos, end)
         self._pos = end
         return data
 
-    def _slice(self, start: int, end: int) -> bytes | bytearray | memoryview:
+    def _slice(self, start: int, end: int) -> Chunk:
         i = bisect.bisect_right(self._starts, start) - 1
         if i >= 0:
             part_start, blob = self._parts[i]

@@ -44,6 +44,16 @@ def version_token(info: dict[str, Any]) -> str:
     return "none"
 
 
+def version_value(version: str, key: str) -> str | None:
+    """The value of a version token made by :func:`version_token` if it is of ``key``.
+
+    >>> version_value('ETag:"9b2cf5"', "ETag"), version_value('ETag:"9b2cf5"', "generation")
+    ('"9b2cf5"', None)
+    """
+    prefix = key + ":"
+    return version[len(prefix) :] if version.startswith(prefix) else None
+
+
 @dataclass(frozen=True)
 class DiscoveredFile:
     """A data file found by discovery.
