@@ -8,6 +8,12 @@ overlap; the order is a bijection from positions to rows, so that proves every r
 trained on exactly once. Steps outside the committed history are *replayed* where the history
 covers their positions again (delivered after a checkpoint by an attempt that then died) and
 *uncommitted* where it does not (delivered after the head: a resume will train on them again).
+
+Where the history begins past the start of epoch 0 (a loader restored with
+``load_state_dict`` rather than ``CheckpointManager.load``, a checkpoint saved without a
+ledger, a start entry lost), the positions before it were not recorded: the audit proves the
+rest and calls the run *unverified* before that point, a verdict of its own, never a row
+missing.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class EpochVerdict:
         dropped: Rows of the epoch's end left out by ``drop_last`` (less than a step).
         missing: Positions the committed history skipped (an error).
         doubled: Positions it delivered twice (an error).
+        unrecorded: Positions before the history begins (not an error: unverified).
         replayed: Positions delivered outside the committed history and again inside it.
         uncommitted: Positions delivered after the head checkpoint.
         topologies: ``(world size, batch size)`` of its committed steps, in order of use.
@@ -57,6 +64,7 @@ class EpochVerdict:
     dropped: int
     missing: tuple[Span, ...]
     doubled: tuple[Span, ...]
+    unrecorded: tuple[Span, ...]
     replayed: tuple[Span, ...]
     uncommitted: tuple[Span, ...]
     topologies: tuple[tuple[int, int], ...]
@@ -95,8 +103,10 @@ class AuditReport:
         head_attempt: The attempt that saved it.
         chain: The attempts of the committed history, oldest first.
         epochs: Each epoch's verdict.
-        problems: What makes the history unprovable (a missing entry, a start that is not
-            at the beginning of epoch 0, ...).
+        problems: What contradicts exactly-once besides the epochs' missing and doubled
+            positions (a history that loops, an epoch restarted on a changed lake, ...).
+        unverified: What was not recorded, so neither proven nor refuted (the history
+            begins past the start of epoch 0).
     """
 
     head_step: int
@@ -104,11 +114,19 @@ class AuditReport:
     chain: tuple[AttemptLink, ...]
     epochs: tuple[EpochVerdict, ...]
     problems: tuple[str, ...] = field(default=())
+    unverified: tuple[str, ...] = field(default=())
 
     @property
     def ok(self) -> bool:
-        """Every row of the committed history exactly once, and the history whole."""
+        """Every row of the recorded history exactly once (whether or not it is whole)."""
         return not self.problems and all(e.ok for e in self.epochs)
+
+    @property
+    def verdict(self) -> str:
+        """``"exactly once"``, ``"NOT exactly once"`` or ``"unverified"`` (part unrecorded)."""
+        if not self.ok:
+            return "NOT exactly once"
+        return "unverified" if self.unverified else "exactly once"
 
 
 def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditReport:
@@ -142,17 +160,24 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         else:
             starts[e.attempt].append(e)
     problems: list[str] = []
+    unverified: list[str] = []
     committed: list[StepEntry] = []
     chain: list[AttemptLink] = []
+    origin: tuple[int, int] | None = (0, 0)  # where the recorded history begins
+    resumed_at: tuple[int, int] | None = None  # where the attempt after this one began
     attempt, step, seen = head_attempt, head_step, set()
     while True:
         save = saves.get((attempt, step))
-        if save is None or (attempt, step) in seen:
-            problems.append(
-                f"the ledger has no entry of the checkpoint of step {step} saved by attempt "
-                f"{attempt or '(unknown)'}: the history before it cannot be proven"
-                if save is None
-                else f"the history loops back to the checkpoint of step {step} ({attempt})"
+        if (attempt, step) in seen:
+            problems.append(f"the history loops back to the checkpoint of step {step} ({attempt})")
+            break
+        if save is None:
+            origin = resumed_at
+            where = f" (epoch {origin[0]}, position {origin[1]})" if origin else ""
+            unverified.append(
+                f"unverified before step {step}{where}: the ledger has no entry of its "
+                f"checkpoint, saved by attempt {attempt or '(unknown)'} (with ledger=False, "
+                "or by a lakeloader without a ledger)"
             )
             break
         seen.add((attempt, step))
@@ -160,30 +185,43 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         low = start.seq if start is not None else 0
         mine = [s for q, s in steps[attempt].items() if low < q <= save.seq and s.committed]
         committed += mine
+        recorded = sum(s.steps for s in mine)
         chain.append(
             AttemptLink(
                 attempt,
-                len(mine),
-                len(steps[attempt]) - len(mine),
+                recorded,
+                sum(s.steps for s in steps[attempt].values()) - recorded,
                 start.resumed_step if start is not None else -1,
                 tuple(sorted({s.world_size for s in mine})),
             )
         )
         if start is None:
-            problems.append(f"attempt {attempt} has no start entry: where it began is unknown")
+            first = min(mine, key=lambda s: (s.epoch, s.start), default=None)
+            origin = (first.epoch, first.start) if first else (save.epoch, save.position)
+            unverified.append(
+                f"unverified before epoch {origin[0]}, position {origin[1]}: attempt {attempt} "
+                "has no start entry (its first ledger segment is lost), so where it began is "
+                "unknown"
+            )
             break
         if start.resumed_step < 0:
             if (start.epoch, start.position) != (0, 0):
-                problems.append(
-                    f"attempt {attempt} began at epoch {start.epoch}, position "
-                    f"{start.position} without a checkpoint: the rows before are not recorded"
+                origin = (start.epoch, start.position)
+                first_step = save.step - recorded
+                when = f"step {first_step} " if first_step >= 0 else ""
+                unverified.append(
+                    f"unverified before {when}(epoch {start.epoch}, position {start.position}):"
+                    f" the ledger was attached late: attempt {attempt} began there without "
+                    "CheckpointManager.load (a load_state_dict?), so the steps before are not "
+                    "recorded; resume with CheckpointManager.load to keep the history whole"
                 )
             break
+        resumed_at = (start.epoch, start.position)
         attempt, step = start.resumed_attempt, start.resumed_step
     ids = {(s.attempt, s.seq) for s in committed}
     others = [s for a in steps.values() for s in a.values() if (s.attempt, s.seq) not in ids]
     head = saves.get((head_attempt, head_step))
-    epochs = _verdicts(committed, others, (head.epoch, head.position) if head else None)
+    epochs = _verdicts(committed, others, (head.epoch, head.position) if head else None, origin)
     sizes: dict[int, set[int]] = defaultdict(set)
     for s in committed:
         sizes[s.epoch].add(s.num_rows)
@@ -193,21 +231,32 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
                 f"epoch {epoch}: its committed steps disagree on its rows ({sorted(rows)}): "
                 "the epoch was restarted on a changed lake (on_lake_change='restart_epoch')"
             )
-    if head is not None:
+    if head is not None and origin is not None:
         present = {e.epoch for e in epochs}
-        for epoch in range(head.epoch + (1 if head.position else 0)):
+        for epoch in range(origin[0], head.epoch + (1 if head.position else 0)):
             if epoch not in present:
                 problems.append(f"epoch {epoch}: no committed step, yet the head is past it")
-    return AuditReport(head_step, head_attempt, tuple(reversed(chain)), epochs, tuple(problems))
+    return AuditReport(
+        head_step,
+        head_attempt,
+        tuple(reversed(chain)),
+        epochs,
+        tuple(problems),
+        tuple(unverified),
+    )
 
 
 def _verdicts(
-    committed: list[StepEntry], others: list[StepEntry], head: tuple[int, int] | None
+    committed: list[StepEntry],
+    others: list[StepEntry],
+    head: tuple[int, int] | None,
+    origin: tuple[int, int] | None,
 ) -> tuple[EpochVerdict, ...]:
     """Each epoch's verdict from its committed steps and the steps outside the history.
 
     ``head`` is where the head checkpoint stands (epoch, position): epochs before its epoch
-    must be complete, and its epoch must reach exactly its position.
+    must be complete, and its epoch must reach exactly its position. ``origin`` is where the
+    recorded history begins (epoch, position): the positions before it are unrecorded.
     """
     by_epoch: dict[int, list[StepEntry]] = defaultdict(list)
     for s in committed:
@@ -218,7 +267,9 @@ def _verdicts(
     out = []
     for epoch in sorted(by_epoch):
         mine = sorted(by_epoch[epoch], key=lambda s: (s.start, s.stop))
-        reached, missing, doubled, covered = 0, [], [], []
+        begin = origin[1] if origin is not None and origin[0] == epoch else 0
+        unrecorded = (Span(epoch, 0, begin),) if begin else ()
+        reached, missing, doubled, covered = begin, [], [], []
         for s in mine:
             if s.start > reached:
                 missing.append(Span(epoch, reached, s.start))
@@ -249,6 +300,7 @@ def _verdicts(
                 dropped,
                 tuple(missing),
                 tuple(doubled),
+                unrecorded,
                 replayed,
                 uncommitted,
                 topologies,

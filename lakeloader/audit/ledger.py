@@ -34,7 +34,7 @@ from lakeloader.audit.records import (
 )
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.signals import main_thread_only
-from lakeloader.topology import Topology
+from lakeloader.state.journal import DeliveredRun
 
 logger = logging.getLogger(__name__)
 
@@ -115,33 +115,32 @@ class Ledger:
         )
         self._starts += 1
 
-    def step(
-        self,
-        epoch: int,
-        start: int,
-        stop: int,
-        num_rows: int,
-        topology: Topology,
-        *,
-        committed: bool = True,
-    ) -> None:
-        """Record a delivered step (the tracker's observer; nothing once closed)."""
+    def step(self, run: DeliveredRun, *, committed: bool = True) -> None:
+        """Record delivered steps (the tracker's observer; nothing once closed).
+
+        Args:
+            run: One step, or consecutive steps the loader delivered before the ledger was
+                attached to it (its journal).
+            committed: False for steps that were discarded.
+        """
         if self._closed:
             return
+        t = run.topology
         with self._lock:
-            self._start(epoch, start, topology.world_size)
+            self._start(run.epoch, run.start, t.world_size)
             self.seq += 1
             self._buffer.append(
                 StepEntry(
                     self.attempt,
                     self.seq,
-                    epoch,
-                    start,
-                    stop,
-                    num_rows,
-                    topology.world_size,
-                    topology.batch_size,
+                    run.epoch,
+                    run.start,
+                    run.stop,
+                    run.num_rows,
+                    t.world_size,
+                    t.batch_size,
                     committed,
+                    run.steps,
                 )
             )
         if time.monotonic() - self._last_flush >= self.flush_seconds:

@@ -67,6 +67,9 @@ class StepEntry:
         batch_size: Rows per rank per step.
         committed: False if the step was discarded (a fault-tolerant step that did not
             commit); a step is in the committed history only if a checkpoint also covers it.
+        steps: Consecutive steps the entry stands for (more than one where the loader
+            delivered them before the ledger was attached to it, each of ``world_size x
+            batch_size`` rows but an epoch's last).
     """
 
     attempt: str
@@ -78,6 +81,7 @@ class StepEntry:
     world_size: int
     batch_size: int
     committed: bool = True
+    steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,10 @@ def dump_entry(entry: Entry) -> str:
     {"v": 1, "type": "save", "attempt": "a1", "step": 10, "seq": 10, "epoch": 0,
      "position": 160, "start": 0}
     """
-    return json.dumps({"v": LEDGER_VERSION, "type": _NAMES[type(entry)], **asdict(entry)})
+    d = asdict(entry)
+    if d.get("steps") == 1:
+        del d["steps"]  # a single step, as every step entry was before runs were recorded
+    return json.dumps({"v": LEDGER_VERSION, "type": _NAMES[type(entry)], **d})
 
 
 def parse_entry(line: str, where: str) -> Entry:
@@ -125,10 +132,11 @@ def parse_entry(line: str, where: str) -> Entry:
     """
     try:
         d = json.loads(line)
-        if d.pop("v") != LEDGER_VERSION:
+        version = d.pop("v")
+        if version != LEDGER_VERSION:
             raise CheckpointError(
-                f"{where}: ledger entry of version {d.get('v')!r}; this lakeloader reads "
-                f"version {LEDGER_VERSION}"
+                f"{where}: ledger entry of version {version!r}; this lakeloader reads "
+                f"version {LEDGER_VERSION}: audit it with the lakeloader that wrote it"
             )
         cls = _KINDS[d.pop("type")]
         entry: Entry = cls(**d)

@@ -142,11 +142,14 @@ class CheckpointManager:
     def attach(self, loader: DataLoader) -> None:
         """Record every step ``loader`` delivers in the audit ledger (rank 0 of a lake's loader).
 
-        :meth:`save` and :meth:`load` attach their loader; call this before training when
-        the run starts without loading, so that the ledger sees its first steps.
+        :meth:`save` and :meth:`load` attach their loader, so there is seldom a need to call
+        this: the loader remembers the steps it delivered since it began (or was restored),
+        and the ledger records them at attachment. Only steps delivered before a restore by
+        ``load_state_dict`` (rather than :meth:`load`) stay unrecorded, which the audit
+        reports as unverified.
         """
         if self._keep_ledger and loader.rank == 0 and loader.dataset.loader_kind in LAKE_KINDS:
-            loader.tracker.observer = self.ledger.step
+            loader.tracker.attach(self.ledger.step)
 
     # ------------------------------------------------------------------- saving
     def save(

@@ -5,13 +5,15 @@ The demo writes a small hive-partitioned lake, starts a training run in a child 
 SIGKILL part-way through the first epoch, resumes from the last checkpoint in this process on
 another topology (3 ranks x 48 rows, 1 worker each), runs the rest of the epoch and a second
 one, and checks from the per-step row-id logs that every row of every epoch was trained on
-exactly once (the steps after the last checkpoint, replayed after the crash, count once).
+exactly once (the steps after the last checkpoint, replayed after the crash, count once). The
+checkpoints hold the model and the optimizer (``model=``, ``optimizer=``) beside the loaders'
+position, and the run is proven a second time by its audit ledger, as ``lakeloader audit``
+does (the training code never calls ``attach``: the manager records from the first step).
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import signal
@@ -31,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from lakeloader.checkpoint.manager import CheckpointManager
+from lakeloader.cli.audit import run_audit
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import DataLoader
@@ -75,22 +78,15 @@ def write_demo_lake(root: Path, rows: int, seed: int = 0) -> int:
     return rows
 
 
-def to_bytes(obj: Any) -> bytes:
-    """A state dict as ``torch.save`` bytes, so that it fits a checkpoint's msgpack ``extra``."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def from_bytes(data: bytes) -> Any:
-    """The inverse of :func:`to_bytes` (tensors and plain containers only)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
 def train(
-    lake: Path, ckpt: Path, log: Path, topo: Topology, *, resume: bool, epochs: int = EPOCHS
+    lake: Path, ckpt: Path, log: Path, topo: Topology, *, epochs: int = EPOCHS
 ) -> dict[str, Any]:
-    """Train a linear classifier on simulated ranks; log row ids per step; checkpoint."""
+    """Train a linear classifier on simulated ranks; log row ids per step; checkpoint.
+
+    It resumes from the newest checkpoint under ``ckpt`` if there is one, as a training
+    script would: the loaders' position, the model, the optimizer and the random generators
+    come back, on whatever topology ``topo`` is.
+    """
     torch.manual_seed(0)
     # Leave the cores to the loaders' workers (see README: torch's threads compete with them).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - topo.num_workers * topo.world_size))
@@ -109,12 +105,10 @@ def train(
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     step, losses = 0, []
     manager = CheckpointManager(str(ckpt))
-    if resume:  # any topology: every simulated rank restores the same position
-        extras = [manager.load(loader) for loader in loaders]
-        saved = extras[0]
-        model.load_state_dict(from_bytes(saved["model"]))
-        optim.load_state_dict(from_bytes(saved["optim"]))
-        step = saved["step"]
+    if manager.latest() is not None:  # every simulated rank restores the same position
+        step = manager.load(loaders[0], model=model, optimizer=optim)["step"]
+        for loader in loaders[1:]:
+            manager.load(loader)
     with log.open("ab") as out:
         for _ in range(epochs):
             for shares in zip(*loaders, strict=True):
@@ -130,15 +124,13 @@ def train(
                 out.write(msgpack.packb([loaders[0].epoch, step, ids]))
                 out.flush()
                 if step % SAVE_EVERY == 0:
-                    extra = {
-                        "step": step,
-                        "model": to_bytes(model.state_dict()),
-                        "optim": to_bytes(optim.state_dict()),
-                    }
-                    manager.save(step, loaders[0], extra=extra)
+                    manager.save(
+                        step, loaders[0], model=model, optimizer=optim, extra={"step": step}
+                    )
             if loaders[0].epoch >= epochs - 1:
                 break
     state_bytes = len(msgpack.packb(loaders[0].state_dict()))
+    manager.close()
     for loader in loaders:
         loader.close()
     return {"steps": step, "losses": losses, "state_bytes": state_bytes, "rows": len(ds)}
@@ -173,20 +165,30 @@ def _run_child(lake: Path, ckpt: Path, log: Path, crash_at: int) -> tuple[int, f
 def run_demo(
     directory: str | None, *, rows: int = 60_000, steps_before_crash: int | None = None
 ) -> dict[str, Any]:
-    """Run the whole demo and return the report (``text`` for people, the rest for machines)."""
+    """Run the whole demo and return the report (``text`` for people, the rest for machines).
+
+    Raises:
+        ValueError: If ``steps_before_crash`` is not a step of the run before the crash.
+    """
+    steps_per_epoch = -(-rows // (BEFORE.world_size * BEFORE.batch_size))
+    last = EPOCHS * steps_per_epoch
+    crash_at = steps_before_crash or int(steps_per_epoch * 0.6)
+    if not 1 <= crash_at < last:
+        raise ValueError(
+            f"--crash-at {crash_at} is not a step the training child reaches before its end: "
+            f"it trains {EPOCHS} epochs of {steps_per_epoch} steps ({last} in all) on "
+            f"{rows:,} rows; choose a step from 1 to {last - 1}"
+        )
     work = Path(directory or tempfile.mkdtemp(prefix="lakeloader-demo-"))
     lake, ckpt, log = work / "lake", work / "checkpoints", work / "steps.msgpack"
     shutil.rmtree(ckpt, ignore_errors=True)
     log.unlink(missing_ok=True)
     write_demo_lake(lake, rows)
-    steps_per_epoch = -(-rows // (BEFORE.world_size * BEFORE.batch_size))
-    crash_at = steps_before_crash or int(steps_per_epoch * 0.6)
     killed_at, child_seconds = _run_child(lake, ckpt, log, crash_at)
-    saved = CheckpointManager(str(ckpt)).load_checkpoint()
-    saved_step = saved.step
-    manifest_bytes = sum(p.stat().st_size for p in (ckpt / "manifests").iterdir())
+    saved_step = CheckpointManager(str(ckpt), ledger=False).latest() or 0
+    manifest_bytes = sum(p.stat().st_size for p in (ckpt / "manifests").glob("*"))
     t0 = time.monotonic()
-    resumed = train(lake, ckpt, log, AFTER, resume=True)
+    resumed = train(lake, ckpt, log, AFTER)
     records = _read_log(log)
     before = [r for r in records if r[1] <= killed_at][:killed_at]
     kept = [r for r in before if r[1] <= saved_step] + records[len(before) :]
@@ -204,9 +206,11 @@ def run_demo(
         }
         for epoch, c in enumerate(counts)
     ]
+    audited, _ = run_audit(str(ckpt), {})
+    head = CheckpointManager(str(ckpt), ledger=False).load_checkpoint()
     ok = all(p["exactly_once"] == rows and p["missing"] == p["duplicated"] == 0 for p in per_epoch)
     report: dict[str, Any] = {
-        "ok": ok,
+        "ok": ok and audited.verdict == "exactly once",
         "work_dir": str(work),
         "before": BEFORE.describe(),
         "after": AFTER.describe(),
@@ -218,9 +222,9 @@ def run_demo(
         "loss_last": resumed["losses"][-1],
         "state_bytes": resumed["state_bytes"],
         "checkpoint_dir": str(ckpt),
-        "workdir": str(work),
-        "checkpoint_file_bytes": saved.nbytes,
+        "checkpoint_bytes": sum(f.stat().st_size for f in Path(head.path).rglob("*")),
         "manifest_bytes": manifest_bytes,
+        "audit": audited.verdict,
         "phase_one_seconds": round(child_seconds, 2),
         "phase_two_seconds": round(time.monotonic() - t0, 2),
         "epochs": per_epoch,
@@ -249,10 +253,12 @@ def _render(r: dict[str, Any]) -> str:
             ("loader state", f"{r['state_bytes']} bytes (msgpack)"),
             (
                 "checkpoint",
-                f"{r['checkpoint_file_bytes']:,} bytes with the model, manifest "
-                f"{r['manifest_bytes']:,} bytes (lakeloader inspect {r['checkpoint_dir']})",
+                f"{r['checkpoint_bytes']:,} bytes (loader state, model, optimizer, random "
+                f"generators, context), manifest {r['manifest_bytes']:,} bytes",
             ),
-            ("files", f"{r['workdir']} is kept for that; remove it with rm -r when done"),
+            ("inspect it", f"lakeloader inspect {r['checkpoint_dir']}"),
+            ("audit it", f"lakeloader audit {r['checkpoint_dir']}  ({r['audit']})"),
+            ("files", f"{r['work_dir']} is kept for that; remove it with rm -r when done"),
         ]
     )
     table = format_table(
@@ -270,9 +276,9 @@ def _render(r: dict[str, Any]) -> str:
         ],
     )
     verdict = (
-        "every row of every epoch was trained on exactly once"
+        "every row of every epoch was trained on exactly once, by the step logs and the audit"
         if r["ok"]
-        else "FAILED: rows were lost or repeated"
+        else f"FAILED: rows were lost or repeated (audit: {r['audit']})"
     )
     return f"{head}\n\n{table}\n\n{verdict}"
 
@@ -282,7 +288,7 @@ def _child_main(argv: Sequence[str]) -> None:
     for name in ("lake", "ckpt", "log"):
         parser.add_argument(name, type=Path)
     args = parser.parse_args(argv)
-    train(args.lake, args.ckpt, args.log, BEFORE, resume=False)
+    train(args.lake, args.ckpt, args.log, BEFORE)
 
 
 if __name__ == "__main__":

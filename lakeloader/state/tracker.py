@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import EpochPlan, steps_in_epoch
+from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.state.loader_state import LoaderState, config_hash
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.state.view import RankView, WorkerView, step_shares, worker_views
@@ -107,9 +108,10 @@ class ReaderStateTracker:
         #: Whether the next pass continues the position as it is (a fresh loader, a loaded
         #: state, or ``set_epoch``) rather than starting the next epoch.
         self._fresh = True
-        #: Told of every delivered step: ``(epoch, start, stop, rows of the epoch,
-        #: topology)``, global positions (the checkpoint manager's audit ledger).
-        self.observer: Callable[[int, int, int, int, Topology], None] | None = None
+        #: Told of every delivered step once attached (the checkpoint manager's audit
+        #: ledger); until then the journal keeps the steps for it.
+        self.observer: Callable[[DeliveredRun], None] | None = None
+        self.journal = DeliveryJournal()
 
     @classmethod
     def standing_at(
@@ -185,7 +187,10 @@ class ReaderStateTracker:
         """
         start, self.position = self.position, d.slot_stop
         if self.observer is not None:
-            self.observer(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
+            run = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
+            self.observer(run)
+        else:
+            self.journal.record(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:
@@ -208,6 +213,19 @@ class ReaderStateTracker:
         if state.at_epoch_end:
             self.epoch, self.position, self.rows_dropped = state.epoch + 1, 0, 0
         self._fresh = True
+        self.journal.take()  # what was delivered before is not this attempt's history
+
+    def attach(self, observer: Callable[[DeliveredRun], None]) -> None:
+        """Tell ``observer`` of every step from now on, and first of those in the journal.
+
+        The journal holds the steps delivered since the loader began or was restored, so
+        an observer attached at the first checkpoint still sees the attempt from its start.
+        """
+        if self.observer == observer:  # the same bound method
+            return
+        for run in self.journal.take():
+            observer(run)
+        self.observer = observer
 
     def merge_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add quarantine entries (this rank's, or all ranks' at a checkpoint's barrier)."""
