@@ -169,6 +169,22 @@ def test_no_usable_checkpoint_is_a_clear_error(dataset: ll.LakeDataset, tmp_path
         ckpt.load(loader)
 
 
+def test_every_damaged_checkpoint_is_reported_once(
+    dataset: ll.LakeDataset, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    loader = ll.DataLoader(dataset, batch_size=BATCH)
+    ckpt = ll.CheckpointManager(str(tmp_path))
+    for step in (1, 2):
+        ckpt.save(step, loader)
+        (tmp_path / step_dir_name(step) / STATE_FILE).write_bytes(b"garbage")
+    with caplog.at_level(logging.WARNING, logger="lakeloader"):
+        with pytest.raises(ll.CheckpointError) as err:
+            ckpt.load(loader)
+    assert not caplog.records, "the error says it all: no warning besides it"
+    for step in (1, 2):
+        assert str(err.value).count(step_dir_name(step)) == 1
+
+
 def test_file_removed_or_rewritten_since_the_checkpoint(own_lake: Path, tmp_path: Path) -> None:
     loader = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
     it = iter(loader)

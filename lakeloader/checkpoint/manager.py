@@ -299,9 +299,10 @@ class CheckpointManager:
             try:
                 ckpt = self.read(candidate)
             except CheckpointError as exc:
-                logger.warning("%s; falling back to the previous checkpoint", exc)
                 failures.append(str(exc))
                 continue
+            for failure in failures:  # each said once: here, or in the error below
+                logger.warning("%s; falling back to the checkpoint of step %d", failure, ckpt.step)
             return ckpt
         detail = "\n".join(failures) or "no committed checkpoint"
         raise CheckpointError(f"no usable checkpoint under {self.url}:\n{detail}")
