@@ -4,9 +4,13 @@ process restarts, every committed row of each epoch trained on exactly once.
 Run the whole story (a torchft Lighthouse, three replica groups of one process each, gloo on
 CPU, one group SIGKILLed mid-epoch, a replacement that joins)::
 
-    pip install 'lakeloader[ft]'
-    python examples/train_ft.py --make-lake /tmp/ftlake --rows 6000
-    python examples/train_ft.py --demo --lake /tmp/ftlake --log-dir /tmp/ftlogs
+    pip install -e '.[ft]'  # from the root of a clone of lakeloader
+    python examples/train_ft.py --demo
+
+It writes a lake of ``--rows`` rows and the logs to a temporary folder that it names (choose
+them with ``--lake`` and ``--log-dir``; ``--make-lake DIR`` only writes a lake). torchft's
+Lighthouse and managers log at INFO through Rust's ``RUST_LOG`` (a thousand lines for the
+demo): the example sets ``RUST_LOG=warn`` unless ``--verbose`` or ``RUST_LOG`` is given.
 
 or one replica group by hand, against a Lighthouse of your own (``torchft_lighthouse``)::
 
@@ -45,10 +49,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+# torchft's Rust logging reads RUST_LOG when torchft is imported (its replica groups inherit it)
+os.environ.setdefault("RUST_LOG", "info" if "--verbose" in sys.argv else "warn")
 
 import torch
 import torch.distributed as dist
@@ -88,11 +96,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of 'compute' a step")
     p.add_argument("--kill-at-step", type=int, default=20, help="--demo: kill group 1 here")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--verbose", action="store_true", help="torchft's INFO logs (RUST_LOG=info)")
     args = p.parse_args(argv)
-    if args.make_lake is None and None in (args.lake, args.log_dir):
-        p.error("--lake and --log-dir are required (or --make-lake)")
-    if args.make_lake is None and not args.demo and None in (args.replica_id, args.lighthouse):
-        p.error("--replica-id and --lighthouse are required (or --demo)")
+    one_group = (args.lake, args.log_dir, args.replica_id, args.lighthouse)
+    if args.make_lake is None and not args.demo and None in one_group:
+        p.error("--lake, --log-dir, --replica-id and --lighthouse are required (or --demo)")
     return args
 
 
@@ -200,8 +208,22 @@ def wait_for(
     raise TimeoutError(f"train_ft --demo: timed out waiting for {what}")
 
 
+def demo_folders(args: argparse.Namespace) -> None:
+    """Fill in the demo's ``--lake`` (written) and ``--log-dir`` in a temporary folder."""
+    if args.lake is not None and args.log_dir is not None:
+        return
+    work = Path(tempfile.mkdtemp(prefix="train_ft-"))
+    if args.lake is None:
+        args.lake = work / "lake"
+        print(f"wrote a lake of {make_lake(args.lake, args.rows):,} rows to {args.lake}")
+    if args.log_dir is None:
+        args.log_dir = work / "logs"
+    print(f"logs go to {args.log_dir}", flush=True)
+
+
 def demo(args: argparse.Namespace) -> int:
     """Lighthouse, 3 groups, group 1 SIGKILLed mid-epoch, a replacement joins; summary."""
+    demo_folders(args)
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=2,

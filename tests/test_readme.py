@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -239,3 +240,31 @@ def test_parse_finds_what_would_go_untested() -> None:
         "README.md:15: readme-test comment above a ```bash block",
         "README.md:7: unknown readme-test need 'needs gpu' (known: ['needs s3'])",
     ]
+
+
+@pytest.mark.slow
+def test_train_ft_demo_runs_with_no_other_arguments(tmp_path: Path) -> None:
+    """The README's ``python examples/train_ft.py --demo``: a lake and logs of its own, quiet."""
+    command = "python examples/train_ft.py --demo"
+    assert f"`{command}`" in README.read_text(encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"} | {"TMPDIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, *command.split()[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert len(output.splitlines()) < 50, output[-3000:]
+    (work,) = tmp_path.glob("train_ft-*")  # the folder it made, and named
+    assert f"logs go to {work / 'logs'}" in run.stdout
+    assert sorted(p.name for p in (work / "logs").glob("*.jsonl")) == [
+        f"replica{i}.jsonl" for i in range(4)
+    ]
+    summary = json.loads(run.stdout.splitlines()[-1])
+    assert summary["exactly_once"] is True
+    assert summary["epochs"][0]["rows"] == 6000
