@@ -18,23 +18,28 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
     CacheBudgetWarning,
     CheckpointError,
+    CpuContentionWarning,
     LakeChangedError,
     LakeDataError,
     LakeError,
     LakeNotFoundError,
+    LakeWarning,
     NullValuesError,
+    PartitionWarning,
     SchemaMismatchError,
     StateFormatError,
     StateMismatchError,
+    StorageRetryWarning,
     StoreAccessError,
     StoreUnavailableError,
     WorkerError,
+    WorkerWarning,
 )
 from lakeloader.follow import Follow
 from lakeloader.follow_loader import FollowLoader
 from lakeloader.ft.loader import FaultTolerantLoader
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.loader import DataLoader, PartitionWarning
+from lakeloader.loader import DataLoader
 from lakeloader.mixture import Mixture
 from lakeloader.mixture_loader import MixtureLoader
 from lakeloader.options import LoaderOptions
@@ -57,6 +62,7 @@ __all__ = [
     "FollowLoader",
     "CheckpointError",
     "CheckpointManager",
+    "CpuContentionWarning",
     "Preemption",
     "LakeChangedError",
     "LakeDataError",
@@ -64,6 +70,7 @@ __all__ = [
     "LakeDataset",
     "LakeError",
     "LakeNotFoundError",
+    "LakeWarning",
     "NullValuesError",
     "LoaderOptions",
     "Mixture",
@@ -78,6 +85,7 @@ __all__ = [
     "SchemaMismatchError",
     "StateFormatError",
     "StateMismatchError",
+    "StorageRetryWarning",
     "StoreAccessError",
     "StoreUnavailableError",
     "Topology",
@@ -85,5 +93,6 @@ __all__ = [
     "row_rngs",
     "row_seeds",
     "WorkerError",
+    "WorkerWarning",
     "__version__",
 ]

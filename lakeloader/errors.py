@@ -63,9 +63,33 @@ class CheckpointError(LakeError):
     """A checkpoint cannot be saved or no usable checkpoint can be loaded."""
 
 
-class CacheBudgetWarning(UserWarning):
+class LakeWarning(UserWarning):
+    """Base class of every warning lakeloader issues (each one a subclass).
+
+    Warnings are what a user should act on, and reach them without any logging set up;
+    ``warnings.filterwarnings("ignore", category=lakeloader.LakeWarning)`` silences them all.
+    """
+
+
+class CacheBudgetWarning(LakeWarning):
     """One step's decoded pieces alone exceed ``cache_bytes``: the loader holds them anyway.
 
     A step draws rows from about ``C`` pieces (one per canonical partition), each decoded
     whole, so the cache cannot go below what they hold, whatever the budget.
     """
+
+
+class PartitionWarning(LakeWarning):
+    """``C`` does not divide the global batch: exact, but ranks re-read each other's units."""
+
+
+class CpuContentionWarning(LakeWarning):
+    """torch's intra-op threads and the DataLoader workers together exceed the CPU cores."""
+
+
+class WorkerWarning(LakeWarning):
+    """A DataLoader worker died and was replaced, or ``num_workers`` starts no process."""
+
+
+class StorageRetryWarning(LakeWarning):
+    """The store failed transiently and requests are retried (said once per outage)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,8 +19,9 @@ from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
 from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
+from lakeloader.errors import PartitionWarning as PartitionWarning  # its home before errors
 from lakeloader.io.reader import UnitReader
-from lakeloader.loader_args import check_unsupported
+from lakeloader.loader_args import check_unsupported, warn_cpu_contention, warn_partitions
 from lakeloader.mixture import Mixture
 from lakeloader.options import (
     DEFAULT_CACHE_BYTES,
@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 #: module, which builds on this one: ``"mixture"`` (:mod:`lakeloader.mixture_loader`),
 #: ``"packed"`` (:mod:`lakeloader.packed_loader`).
 LOADER_FOR: dict[str, type[DataLoader]] = {}
-
-
-class PartitionWarning(UserWarning):
-    """``C`` does not divide the global batch: exact, but ranks re-read each other's units."""
 
 
 class DataLoader:
@@ -185,7 +181,7 @@ class DataLoader:
         self._row_layout: RowLayout | None
         self._use_reader(dataset.reader())
         self._res = LoaderResources(self)
-        self._warn_partitions()
+        warn_partitions(dataset.config.num_partitions, self.topology)
 
     # ------------------------------------------------------------- torch's names
     @property
@@ -223,24 +219,6 @@ class DataLoader:
         """Rows all ranks together consume in one step."""
         return self.topology.global_batch
 
-    def _warn_partitions(self) -> None:
-        """Warn when ranks will re-read each other's units: C does not divide the global batch.
-
-        With one rank nothing is read twice whatever the batch size, so torch's default
-        ``batch_size=1`` and any single-process batch size warn of nothing.
-        """
-        c, b = self.dataset.config.num_partitions, self.global_batch_size
-        if b % c and self.world_size > 1:
-            divisors = [d for d in range(1, b + 1) if b % d == 0 and d <= c]
-            warnings.warn(
-                f"C={c} canonical partitions do not divide the global batch of {b} rows "
-                f"({self.world_size} ranks x {self.batch_size}): the order is still exact, "
-                f"but ranks re-read each other's units. Choose num_partitions={divisors[-1]} "
-                "(or a global batch that is a multiple of C)",
-                PartitionWarning,
-                stacklevel=3,
-            )
-
     def __len__(self) -> int:
         """Steps in a whole epoch for this topology (as torch's ``len(loader)``)."""
         return steps_in_epoch(0, len(self.dataset), self.global_batch_size, self.drop_last)
@@ -271,7 +249,7 @@ class DataLoader:
         self.tracker.settle_tail(len(self.dataset))
         pool = self._ensure_pool() if self.num_workers else None
         if pool is not None:
-            _hint_threads(self.num_workers)
+            warn_cpu_contention(self.num_workers)
         res = self._res
         unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
         ds = self.dataset
@@ -424,19 +402,3 @@ class DataLoader:
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
             "worker_restarts": self._res.worker_restarts + (pool.restarts if pool else 0),
         }
-
-
-@functools.cache
-def _hint_threads(num_workers: int) -> None:
-    """Say once per process when torch's intra-op threads and the workers exceed the cores."""
-    cores, threads = os.cpu_count() or 1, torch.get_num_threads()
-    if threads + num_workers > cores:
-        logger.warning(
-            "torch runs %d intra-op threads beside %d DataLoader workers on %d cores: they "
-            "compete, and a training step can take several times longer. Consider "
-            "torch.set_num_threads(%d)",
-            threads,
-            num_workers,
-            cores,
-            max(1, cores - num_workers),
-        )

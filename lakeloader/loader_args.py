@@ -1,15 +1,25 @@
-"""torch's DataLoader arguments that lakeloader does not take, refused with the reason."""
+"""Checks of a loader's arguments: what is refused, and what is only warned of.
+
+torch's DataLoader arguments that lakeloader does not take are refused with the reason;
+choices that work but cost something (a ``C`` that does not divide the global batch, more
+threads than cores, workers a loader does not start) are warned of with a
+:class:`~lakeloader.errors.LakeWarning`.
+"""
 
 from __future__ import annotations
 
-import logging
+import functools
+import os
+import warnings
 from typing import Any
 
+import torch
+
 from lakeloader.dataset import LakeDataset
+from lakeloader.errors import CpuContentionWarning, PartitionWarning, WorkerWarning
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
-
-logger = logging.getLogger(__name__)
+from lakeloader.topology import Topology
 
 
 def check_unsupported(
@@ -45,8 +55,8 @@ def check_unsupported(
 def check_stream_options(options: LoaderOptions, what: str) -> None:
     """Check what a Mixture's or a packed loader takes of torch's arguments.
 
-    No ``collate_fn``; ``num_workers`` starts no process (it decodes in the loader's threads;
-    said in the log).
+    No ``collate_fn``; ``num_workers`` starts no process (it decodes in the loader's threads),
+    which a :class:`~lakeloader.errors.WorkerWarning` says.
 
     Raises:
         ValueError: If a ``collate_fn`` is given.
@@ -54,10 +64,47 @@ def check_stream_options(options: LoaderOptions, what: str) -> None:
     if options.collate_fn is not None:
         raise ValueError(f"collate_fn is not supported over {what}: batches are columnar")
     if options.num_workers:
-        logger.warning(
-            "%s decodes in the loader's %d io_threads: num_workers=%d starts no worker "
-            "process for it",
-            what,
-            options.io_threads,
-            options.num_workers,
+        warnings.warn(
+            f"{what} decodes in the loader's {options.io_threads} io_threads: "
+            f"num_workers={options.num_workers} starts no worker process for it (pass "
+            "num_workers=0, and io_threads= for more decoding threads)",
+            WorkerWarning,
+            stacklevel=4,  # here, the loader's _init_dataset, its __init__, the user's call
+        )
+
+
+def warn_partitions(num_partitions: int, topology: Topology) -> None:
+    """Warn when ranks will re-read each other's units: C does not divide the global batch.
+
+    With one rank nothing is read twice whatever the batch size, so torch's default
+    ``batch_size=1`` and any single-process batch size warn of nothing.
+    """
+    c, b = num_partitions, topology.global_batch
+    if b % c and topology.world_size > 1:
+        divisors = [d for d in range(1, b + 1) if b % d == 0 and d <= c]
+        warnings.warn(
+            f"C={c} canonical partitions do not divide the global batch of {b} rows "
+            f"({topology.world_size} ranks x {topology.batch_size}): the order is still "
+            f"exact, but ranks re-read each other's units. Choose num_partitions={divisors[-1]} "
+            "(or a global batch that is a multiple of C)",
+            PartitionWarning,
+            stacklevel=4,  # here, the loader's _init_dataset, its __init__, the user's call
+        )
+
+
+def warn_cpu_contention(num_workers: int) -> None:
+    """Warn once per process when torch's intra-op threads and the workers exceed the cores."""
+    _warn_cpu_contention(num_workers, torch.get_num_threads(), os.cpu_count() or 1)
+
+
+@functools.cache
+def _warn_cpu_contention(num_workers: int, threads: int, cores: int) -> None:
+    if threads + num_workers > cores:
+        warnings.warn(
+            f"torch runs {threads} intra-op threads beside {num_workers} DataLoader workers on "
+            f"{cores} cores: they compete, and a training step can take several times longer. "
+            f"Call torch.set_num_threads({max(1, cores - num_workers)}) in the training "
+            "process, or use fewer workers",
+            CpuContentionWarning,
+            stacklevel=4,  # here, warn_cpu_contention, the loader's __iter__, the user's loop
         )

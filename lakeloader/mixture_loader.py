@@ -33,8 +33,8 @@ class MixtureLoader(DataLoader):
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. Rows are decoded in this process's ``io_threads``; with
-    ``num_workers > 0`` no worker process is started for a mixture (said once in the log).
-    A pass that ends at its last step leaves its sources' decoded row groups to the next pass,
+    ``num_workers > 0`` no worker process is started for a mixture (a ``WorkerWarning`` says
+    so). A pass that ends at its last step leaves its sources' decoded row groups to the next pass,
     which goes on with them (released by ``close()``, ``load_state_dict()``, or when the loader
     is collected). A user ``collate_fn`` is not supported for a mixture.
     """

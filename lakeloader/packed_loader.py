@@ -41,7 +41,7 @@ class PackedLoader(DataLoader):
     """Streams packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
     ``batch_size`` counts samples. Rows are decoded in this process's ``io_threads``; with
-    ``num_workers > 0`` no worker process is started (said once in the log).
+    ``num_workers > 0`` no worker process is started (a ``WorkerWarning`` says so).
     """
 
     def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:

@@ -7,7 +7,6 @@ contain; and ``lakeloader clean`` sweeping the shared memory of a killed process
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -136,6 +135,7 @@ def test_the_readme_example_warns_of_nothing(lake: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.simplefilter("ignore", ll.CpuContentionWarning)  # on a machine of few cores
         ds = ll.LakeDataset(lake, columns=["x", "label", "id"], seed=0)
         loader = ll.DataLoader(ds, batch_size=256, num_workers=4)
         for _ in range(2):
@@ -149,20 +149,20 @@ def test_the_readme_example_warns_of_nothing(lake: Path) -> None:
 
 
 def test_a_one_time_hint_when_torch_threads_and_workers_exceed_the_cores(
-    dataset: ll.LakeDataset, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    dataset: ll.LakeDataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
 
-    from lakeloader import loader as loader_module
+    from lakeloader import loader_args
 
-    loader_module._hint_threads.cache_clear()
+    loader_args._warn_cpu_contention.cache_clear()
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    with caplog.at_level(logging.WARNING, logger="lakeloader"):
+    with pytest.warns(ll.CpuContentionWarning) as record:
         for _ in range(2):
             loader = ll.DataLoader(dataset, batch_size=64, num_workers=1)
             next(iter(loader))
             loader.close()
-    hints = [r.getMessage() for r in caplog.records if "intra-op threads" in r.getMessage()]
+    hints = [str(w.message) for w in record if "intra-op threads" in str(w.message)]
     assert len(hints) == 1 and "torch.set_num_threads(1)" in hints[0]
-    loader_module._hint_threads.cache_clear()
+    loader_args._warn_cpu_contention.cache_clear()

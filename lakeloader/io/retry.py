@@ -11,19 +11,26 @@ The clients do not agree on exception types (s3fs raises ``OSError`` with an err
 errors but botocore's own classes for connection failures; aiohttp and gcsfs have theirs), so
 :func:`is_transient` classifies by type, errno, HTTP status and class name, along the whole
 chain of causes, without importing the optional clients.
+
+The user hears of it once per outage, not once per request or retry: the first transient failure
+while no other request of the process is being retried issues a
+:class:`~lakeloader.errors.StorageRetryWarning`; every retry is logged (``WARNING``).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
+import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from lakeloader.errors import StoreUnavailableError
+from lakeloader.errors import StorageRetryWarning, StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,38 @@ TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 TRANSIENT_S3_CODES = frozenset(
     {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
 )
+
+
+class _Outage:
+    """How many requests of this process are being retried now; an outage begins at the first.
+
+    A store that is down fails every request in flight at once (dozens of fetches, each
+    worker's own): warning per request, or per retry, would bury the message. One warning
+    when the count leaves zero says it once per outage; the next outage warns again.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forked worker starts with no request of its own under way, and a free lock.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._retrying = 0
+
+    def begin(self) -> bool:
+        """A request starts being retried: True if it is the first (an outage begins)."""
+        with self._lock:
+            self._retrying += 1
+            return self._retrying == 1
+
+    def end(self) -> None:
+        """A request that was retried is over (it succeeded, or failed for good)."""
+        with self._lock:
+            self._retrying -= 1
+
+
+_OUTAGE = _Outage()
 
 
 @dataclass(frozen=True)
@@ -110,33 +149,52 @@ class RetryPolicy:
             Exception: Whatever ``fn`` raised, at once, if it is not transient.
         """
         started = time.monotonic()
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                elapsed = time.monotonic() - started
-                if elapsed >= self.deadline:
-                    raise StoreUnavailableError(
-                        f"{url}: the store kept failing for {elapsed:.1f} s over "
-                        f"{attempt + 1} attempts (retry deadline {self.deadline:g} s); last "
-                        f"cause: {describe(exc)}. Check that the store is up and reachable, "
-                        "or raise RetryPolicy(deadline=...); the loader's position is "
-                        "unchanged, so a state taken before this error resumes exactly"
-                    ) from exc
-                cap = min(self.max_delay, self.initial_delay * 2.0**attempt)
-                delay = min(random.uniform(0.0, cap), self.deadline - elapsed)
-                logger.warning(
-                    "transient storage error on %s (%s); retry %d in %.2f s",
-                    url,
-                    describe(exc),
-                    attempt + 1,
-                    delay,
-                )
-                time.sleep(delay)
-                attempt += 1
+        attempt, retrying = 0, False
+        try:
+            while True:
+                try:
+                    return fn()
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
+                    elapsed = time.monotonic() - started
+                    if elapsed >= self.deadline:
+                        raise StoreUnavailableError(
+                            f"{url}: the store kept failing for {elapsed:.1f} s over "
+                            f"{attempt + 1} attempts (retry deadline {self.deadline:g} s); last "
+                            f"cause: {describe(exc)}. Check that the store is up and reachable, "
+                            "or raise RetryPolicy(deadline=...); the loader's position is "
+                            "unchanged, so a state taken before this error resumes exactly"
+                        ) from exc
+                    if not retrying:
+                        retrying = True
+                        if _OUTAGE.begin():
+                            self._warn(url, exc)
+                    cap = min(self.max_delay, self.initial_delay * 2.0**attempt)
+                    delay = min(random.uniform(0.0, cap), self.deadline - elapsed)
+                    logger.warning(
+                        "transient storage error on %s (%s); retry %d in %.2f s",
+                        url,
+                        describe(exc),
+                        attempt + 1,
+                        delay,
+                    )
+                    time.sleep(delay)
+                    attempt += 1
+        finally:
+            if retrying:
+                _OUTAGE.end()
+
+    def _warn(self, url: str, exc: BaseException) -> None:
+        """Say that an outage began (see :class:`_Outage`)."""
+        warnings.warn(
+            f"transient storage error on {url} ({describe(exc)}): it and every request failing "
+            f"meanwhile are retried for up to {self.deadline:g} s each before "
+            "StoreUnavailableError is raised (RetryPolicy(deadline=...) sets it); each retry "
+            "is logged by the 'lakeloader' logger",
+            StorageRetryWarning,
+            stacklevel=3,  # here, call(), the caller of call()
+        )
 
 
 def describe(exc: BaseException) -> str:

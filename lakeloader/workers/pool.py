@@ -6,8 +6,11 @@ a row copy per batch. Otherwise (a transform or a collate_fn, which run per row,
 pack) they build batches from units the loader decoded (:mod:`lakeloader.workers.process` is
 the worker's side). Each worker answers on its own pipe, where its log records travel too.
 The pool notices a worker that died (its sentinel becomes ready), returns the tasks it owed,
-and starts a fresh one under the same number; the dispatcher
-(:mod:`lakeloader.workers.dispatch`) decides what becomes of those tasks.
+starts a fresh one under the same number and says so with a
+:class:`~lakeloader.errors.WorkerWarning`; the dispatcher (:mod:`lakeloader.workers.dispatch`)
+decides what becomes of those tasks. A :class:`~lakeloader.errors.LakeWarning` issued in a worker
+(a storage retry while it fetches) travels on its pipe too, and is issued again in the loader's
+process, where the user's warning filters and display apply.
 """
 
 from __future__ import annotations
@@ -18,15 +21,24 @@ import multiprocessing as mp
 import select
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, TextIO
 
-from lakeloader.errors import WorkerError
+from lakeloader.errors import LakeWarning, WorkerError, WorkerWarning
 from lakeloader.recovery.reassign import MAX_ATTEMPTS
-from lakeloader.workers.process import IDLE, Result, Started, Work, WorkerSetup, worker_main
+from lakeloader.workers.process import (
+    IDLE,
+    LOGGER,
+    Result,
+    Started,
+    Work,
+    WorkerSetup,
+    worker_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +49,45 @@ REAP_SECONDS = 0.5
 #: fcntl command to set a pipe's capacity (Linux), and the capacity asked for.
 F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
+#: Attribute of a worker's log record that carries a LakeWarning's category to the loader.
+WARNING_ATTR = "lake_warning"
+#: Warnings registry of what workers sent: the same warning of several workers is said once.
+_FORWARDED: dict[Any, Any] = {}
+
+
+def _worker_process(*args: Any) -> None:
+    """A worker's process: :func:`worker_main`, with its lakeloader warnings sent home."""
+    show = warnings.showwarning
+
+    def send(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        home = [h for h in logging.getLogger(LOGGER).handlers if type(h) is not logging.NullHandler]
+        if not (issubclass(category, LakeWarning) and home):  # not ours, or not set up yet
+            show(message, category, filename, lineno, file, line)
+            return
+        record = logging.LogRecord(LOGGER, logging.WARNING, filename, lineno, message, None, None)
+        setattr(record, WARNING_ATTR, category)
+        for handler in home:  # the pipe to the loader, whatever the logger's level
+            handler.handle(record)
+
+    warnings.showwarning = send
+    worker_main(*args)
+
+
+def _handle_record(record: logging.LogRecord) -> None:
+    """Log a worker's log record here, or issue the warning it carries."""
+    category = getattr(record, WARNING_ATTR, None)
+    if category is None:
+        logging.getLogger(record.name).handle(record)
+    else:
+        text = record.getMessage()
+        warnings.warn_explicit(text, category, record.pathname, record.lineno, registry=_FORWARDED)
 
 
 def _widen_pipe(fd: int) -> None:
@@ -111,7 +162,7 @@ class WorkerPool:
         _widen_pipe(reader.fileno())
         building = self._ctx.Value("q", IDLE, lock=False)
         proc = self._ctx.Process(
-            target=worker_main,
+            target=_worker_process,
             args=(worker_id, self._setup, task_reader, writer, building),
             name=f"lakeloader-worker-{worker_id}",
             daemon=True,
@@ -157,8 +208,8 @@ class WorkerPool:
         try:
             while slot.results.poll():
                 message = slot.results.recv()
-                if isinstance(message, logging.LogRecord):  # a worker's log line
-                    logging.getLogger(message.name).handle(message)
+                if isinstance(message, logging.LogRecord):  # a worker's log line or warning
+                    _handle_record(message)
                 elif isinstance(message, Started):
                     self._started(slot, message)
                 elif message.generation == self.generation:
@@ -252,6 +303,7 @@ class WorkerPool:
             self._close_slot(slot)
             self._slots[worker] = self._start(worker)
             self.restarts += 1
+            _warn_replaced(deaths[-1])
         if deaths:
             self._sentinels = self._watch()
         return results, deaths
@@ -307,3 +359,16 @@ class WorkerPool:
             self._close_slot(slot)
         self._slots = []
         self._sentinels = self._watch()
+
+
+def _warn_replaced(death: Death) -> None:
+    """Say that a worker died and a fresh one took its place (its work is done again)."""
+    how = " (SIGKILL: killed from outside, often by the out-of-memory killer)"
+    warnings.warn(
+        f"DataLoader worker {death.worker} (pid {death.pid}) died with exit code "
+        f"{death.exitcode}{how if death.exitcode == -signal.SIGKILL else ''}: a fresh worker "
+        f"took its place, and the {len(death.owed)} task(s) it held are handed out again (the "
+        "'lakeloader' log names them)",
+        WorkerWarning,
+        stacklevel=2,
+    )
