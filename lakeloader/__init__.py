@@ -18,6 +18,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import (
     CacheBudgetWarning,
     CheckpointError,
+    ColumnNotFoundError,
     CpuContentionWarning,
     LakeChangedError,
     LakeDataError,
@@ -62,6 +63,7 @@ __all__ = [
     "FollowLoader",
     "CheckpointError",
     "CheckpointManager",
+    "ColumnNotFoundError",
     "CpuContentionWarning",
     "Preemption",
     "LakeChangedError",

@@ -86,7 +86,8 @@ class LakeDataset:
     Args:
         source: A folder, glob, file or list of them (local paths or any fsspec URL), or any
             :class:`~lakeloader.lake.source.Source`.
-        columns: Columns to read (file and hive partition columns); None reads all.
+        columns: Columns to read, in this order (file and hive partition columns; a single
+            name is one column); None reads all.
         storage_options: fsspec options (credentials, endpoint, ...).
         seed: Seed of the order.
         shuffle: Shuffle (True) or keep path order (False).
@@ -128,16 +129,12 @@ class LakeDataset:
             folder or Delta table, epoch ``k`` being the ``k``-th increment (what was appended
             after the one before; :mod:`lakeloader.lake.increments`). Resume it with a
             :class:`~lakeloader.CheckpointManager`, whose manifest pins the increment.
-        follow: ``True`` or a :class:`~lakeloader.Follow`: an endless dataset of a growing
-            folder or Delta table, epoch ``k`` being the ``k``-th increment (what was appended
-            after the one before; :mod:`lakeloader.lake.increments`). Resume it with a
-            :class:`~lakeloader.CheckpointManager`, whose manifest pins the increment.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
         LakeDataError: If a footer cannot be read.
         SchemaMismatchError: If file schemas conflict.
-        KeyError: If a requested column does not exist.
+        ColumnNotFoundError: If a requested column does not exist (a ``KeyError`` too).
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -153,7 +150,7 @@ class LakeDataset:
         self,
         source: Source | Paths,
         *,
-        columns: Sequence[str] | None = None,
+        columns: str | Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         seed: int = 0,
         shuffle: bool = True,
@@ -174,6 +171,8 @@ class LakeDataset:
         follow: bool | Follow = False,
     ) -> None:
         self.source: Source = as_source(source)
+        if isinstance(columns, str):
+            columns = [columns]
         #: Token lists packed into fixed-length samples (``DataLoader`` is then a
         #: ``PackedLoader``), or None.
         self.packing = packing
@@ -304,7 +303,7 @@ class LakeDataset:
 
     def _pin(self, snapshot: Snapshot) -> None:
         """Take ``snapshot`` as this dataset's files (only while the dataset is being made)."""
-        check_columns(self.config.columns, snapshot)
+        check_columns(self.config.columns, snapshot, self.source.describe())
         self.snapshot = snapshot
         self.units = make_units(
             [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows
@@ -367,7 +366,7 @@ class LakeDataset:
         checkpoint pinned. Neither dataset is changed.
 
         Raises:
-            KeyError: If a selected column is not in ``snapshot``.
+            ColumnNotFoundError: If a selected column is not in ``snapshot``.
         """
         twin = copy.copy(self)
         twin._pin(snapshot)

@@ -7,17 +7,16 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from lakeloader.cache.arrays import is_ragged_type
+from lakeloader.errors import ColumnNotFoundError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.pipeline.collate import ListFormat
 
 
-def check_columns(columns: Sequence[str], snapshot: Snapshot) -> None:
-    """Raise KeyError naming the columns that are not in the snapshot's schema."""
+def check_columns(columns: Sequence[str], snapshot: Snapshot, lake: object) -> None:
+    """Raise ColumnNotFoundError naming the columns of ``lake`` not in the snapshot's schema."""
     unknown = [c for c in columns if c not in snapshot.schema.names]
     if unknown:
-        raise KeyError(
-            f"columns {unknown} are not in the lake; it has {list(snapshot.column_names)}"
-        )
+        raise ColumnNotFoundError.of(unknown, snapshot.column_names, lake)
 
 
 def check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:

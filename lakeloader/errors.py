@@ -6,6 +6,12 @@ that a failure deep inside a DataLoader worker is actionable from the training l
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
+#: Columns a ColumnNotFoundError lists at most (the closest to the missing ones first).
+SHOWN_COLUMNS = 20
+
 
 class LakeError(Exception):
     """Base class of every error lakeloader raises on purpose."""
@@ -13,6 +19,51 @@ class LakeError(Exception):
 
 class LakeNotFoundError(LakeError):
     """The source names no Parquet file (an empty folder, a glob that matches nothing)."""
+
+
+class ColumnNotFoundError(LakeError, KeyError):
+    """A column asked for is not in the lake (a ``KeyError`` too, as a missing key is).
+
+    Its message is one line, unlike a plain ``KeyError``'s (the quoted repr of its text).
+
+    Example:
+        >>> err = ColumnNotFoundError.of(["lable"], ["id", "x", "label"], "/data/lake")
+        >>> print(err)  # doctest: +NORMALIZE_WHITESPACE
+        column 'lable' is not in the lake /data/lake (did you mean 'label'?); its columns,
+        closest first: 'label', 'id', 'x'. Pass columns= names among them (None reads every
+        column)
+        >>> isinstance(err, KeyError)
+        True
+    """
+
+    @classmethod
+    def of(
+        cls,
+        missing: Sequence[str],
+        available: Sequence[str],
+        lake: object,
+        remedy: str = "Pass columns= names among them (None reads every column)",
+    ) -> ColumnNotFoundError:
+        """The error for ``missing`` columns of ``lake``, whose columns are ``available``."""
+
+        def closeness(name: str) -> float:
+            return max(difflib.SequenceMatcher(None, m, name).ratio() for m in missing)
+
+        ranked = sorted(available, key=closeness, reverse=True)  # stable: ties keep their order
+        shown = ", ".join(map(repr, ranked[:SHOWN_COLUMNS]))
+        if len(ranked) > SHOWN_COLUMNS:
+            shown += f" and {len(ranked) - SHOWN_COLUMNS} more"
+        guesses = [g for m in missing for g in difflib.get_close_matches(m, available, n=1)]
+        guess = f" (did you mean {', '.join(map(repr, guesses))}?)" if guesses else ""
+        what = ", ".join(map(repr, missing))
+        subject = f"column {what} is" if len(missing) == 1 else f"columns {what} are"
+        return cls(
+            f"{subject} not in the lake {lake}{guess}; its columns, closest first: {shown}. "
+            f"{remedy}"
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class SchemaMismatchError(LakeError):

@@ -16,7 +16,7 @@ from typing import Any, Final
 import pyarrow as pa
 
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import SchemaMismatchError
+from lakeloader.errors import ColumnNotFoundError, SchemaMismatchError
 from lakeloader.order.mixture import MixWeights
 from lakeloader.packing import Packing
 
@@ -45,6 +45,7 @@ class Mixture:
             :mod:`lakeloader.order.packing`). The sources must have the same ``num_partitions``.
 
     Raises:
+        ColumnNotFoundError: If ``packing`` names a column the sources do not read.
         ValueError: If the names of ``sources`` and ``weights`` differ, a weight is not a
             positive number, a source has no row, or ``source_key`` names a column.
         TypeError: If a source is not a LakeDataset.
@@ -154,8 +155,9 @@ class Mixture:
 def _check_packing(sources: Mapping[str, LakeDataset], packing: Packing, schema: pa.Schema) -> None:
     """Refuse a packing the sources cannot share (a missing column, different C)."""
     if packing.column not in schema.names:
-        raise KeyError(
-            f"Packing column {packing.column!r} is not among the sources' columns {schema.names}"
+        raise ColumnNotFoundError(
+            f"Packing column {packing.column!r} is not among the sources' columns "
+            f"{schema.names}: pass Packing(column=...) one of them"
         )
     parts = {name: ds.config.num_partitions for name, ds in sources.items()}
     if len(set(parts.values())) > 1:

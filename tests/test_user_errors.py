@@ -87,7 +87,7 @@ def test_a_missing_required_column_names_the_file_that_requires_it(tmp_path: Pat
         (["--batch-size", "-1"], "argument --batch-size: must be >= 1, got -1"),
         (["--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
         (["--batch-size", "x"], "argument --batch-size: expected an integer, got 'x'"),
-        (["--columns", "idd"], "columns ['idd'] are not in the lake"),
+        (["--columns", "idd"], "column 'idd' is not in the lake"),
     ],
 )
 def test_plan_refuses_nonsense_in_one_line(
