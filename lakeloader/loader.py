@@ -7,6 +7,7 @@ Each iteration is one epoch; ``state_dict()`` says how far the training loop got
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import warnings
@@ -353,6 +354,22 @@ class DataLoader:
         self._close_iterator("loader.close()")
         self._shutdown_workers()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy a loader as its configuration and position, never what it runs.
+
+        ``pickle`` and ``copy.deepcopy`` give a loader of the same class over an equal dataset
+        (its snapshot included: nothing is listed again), with the same arguments, standing
+        where this one stands (an equal ``state_dict()``); iterated, it continues from there.
+        Workers, threads, shared memory and a pass under way are not copied (the copy starts
+        its own when iterated), nor a checkpoint manager's hold on the position.
+        """
+        kept = {name: value for name, value in vars(self).items() if name != "_res"}
+        if "tracker" in kept:
+            tracker = copy.copy(self.tracker)
+            tracker.observer = None
+            kept["tracker"] = copy.deepcopy(tracker)
+        return _rebuilt, (type(self), kept)
+
     # --------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The position of the training loop: plain types, O(1) in the size of the lake."""
@@ -402,3 +419,11 @@ class DataLoader:
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
             "worker_restarts": self._res.worker_restarts + (pool.restarts if pool else 0),
         }
+
+
+def _rebuilt(cls: type[DataLoader], kept: dict[str, Any]) -> DataLoader:
+    """A loader from what :meth:`DataLoader.__reduce__` kept, with resources of its own."""
+    loader = object.__new__(cls)
+    loader.__dict__.update(kept)
+    loader._res = LoaderResources(loader)
+    return loader

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
+import multiprocessing
+import pickle
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
-from tests.conftest import write_lake
+from tests.conftest import LAYOUT_ROWS, write_lake
 
 # ------------------------------------------------------------------------------------ columns
 
@@ -37,3 +45,124 @@ def test_several_wrong_columns_are_named_together(tmp_path: Path) -> None:
     with pytest.raises(KeyError, match=r"columns 'nope', 'prat' are not in the lake") as err:
         ll.LakeDataset(tmp_path, columns=["nope", "prat"])
     assert "did you mean 'part'?" in str(err.value)
+
+
+# ----------------------------------------------------------------------- pickle and deepcopy
+
+
+def _ids(batches: Iterable[dict[str, Any]], key: str = "id") -> list[list[int]]:
+    return [b[key].flatten().tolist() for b in batches]
+
+
+def _pickled(loader: ll.DataLoader) -> ll.DataLoader:
+    copied: ll.DataLoader = pickle.loads(pickle.dumps(loader))
+    return copied
+
+
+COPIES = [pytest.param(_pickled, id="pickle"), pytest.param(copy.deepcopy, id="deepcopy")]
+
+
+def _check_copy(loader: ll.DataLoader, twin: ll.DataLoader) -> None:
+    """Same class, options, topology and position; an equal dataset; nothing running."""
+    assert type(twin) is type(loader)
+    assert twin.options == loader.options and twin.topology == loader.topology
+    assert twin.state_dict() == loader.state_dict()
+    assert twin.dataset is not loader.dataset
+    assert repr(twin.dataset) == repr(loader.dataset)
+    assert twin._pool is None and twin._res.unit_dir is None and twin._res.iterator is None
+
+
+@pytest.mark.parametrize("copier", COPIES)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_copies_as_configuration_and_position(
+    dataset: ll.LakeDataset, copier: Callable[[ll.DataLoader], ll.DataLoader], workers: int
+) -> None:
+    loader = ll.DataLoader(dataset, batch_size=40, num_workers=workers, drop_last=True)
+    it = iter(loader)
+    head = _ids(itertools.islice(it, 7))  # a pass under way, with work prefetched
+    twin = copier(loader)
+    _check_copy(loader, twin)
+    assert twin.dataset.snapshot == dataset.snapshot
+    rest = _ids(twin)
+    assert rest == _ids(it), "the copy delivers what the original would have"
+    rows = list(itertools.chain.from_iterable(head + rest))
+    assert len(rows) == len(set(rows)) == LAYOUT_ROWS // 40 * 40
+    loader.close()
+    twin.close()
+
+
+def test_a_loader_copies_at_an_epoch_end_and_before_any_iteration(
+    dataset: ll.LakeDataset,
+) -> None:
+    loader = ll.DataLoader(dataset, batch_size=100)
+    _check_copy(loader, _pickled(loader))
+    first = _ids(loader)
+    twin = _pickled(loader)
+    _check_copy(loader, twin)
+    assert twin.state_dict()["position"] == LAYOUT_ROWS
+    assert _ids(twin) == _ids(loader) != first, "both run epoch 1"
+
+
+def test_a_dataset_pickles_without_listing_the_lake_again(own_lake: Path) -> None:
+    ds = ll.LakeDataset(own_lake, seed=3)
+    write_lake(own_lake / "later", [[10]])  # a file the copy must not see
+    twin = pickle.loads(pickle.dumps(ds))
+    assert twin.fingerprint == ds.fingerprint and len(twin) == len(ds)
+    assert twin.config == ds.config and twin.plan(2).num_rows == ds.plan(2).num_rows
+    assert len(ll.LakeDataset(own_lake, seed=3)) == len(ds) + 10
+
+
+@pytest.mark.parametrize("copier", COPIES)
+def test_a_mixture_loader_copies(lake: Path, copier: Callable[[Any], Any]) -> None:
+    sources = {n: ll.LakeDataset(lake, seed=s, num_partitions=2) for n, s in (("a", 1), ("b", 2))}
+    mixture = ll.Mixture(sources, {"a": 3, "b": 1}, seed=5)
+    loader = ll.DataLoader(mixture, batch_size=32)
+    assert isinstance(loader, ll.MixtureLoader)
+    it = iter(loader)
+    list(itertools.islice(it, 5))
+    twin = copier(loader)
+    assert type(twin) is ll.MixtureLoader and twin.state_dict() == loader.state_dict()
+    assert twin.mixture.names == mixture.names and twin._res.iterator is None
+    mine = [(b["id"].tolist(), b["source"].tolist()) for b in twin]
+    assert mine == [(b["id"].tolist(), b["source"].tolist()) for b in it]
+    twin.close()
+    loader.close()
+
+
+@pytest.mark.parametrize("copier", COPIES)
+def test_a_packed_loader_copies(tmp_path: Path, copier: Callable[[Any], Any]) -> None:
+    ids = list(range(300))
+    tokens = [[i] * (i % 7) for i in ids]
+    pq.write_table(pa.table({"id": ids, "tokens": tokens}), tmp_path / "a.parquet")
+    ds = ll.LakeDataset(tmp_path, packing=ll.Packing("tokens", 16, eos_id=0), num_partitions=4)
+    loader = ll.DataLoader(ds, batch_size=4)
+    assert isinstance(loader, ll.PackedLoader)
+    it = iter(loader)
+    list(itertools.islice(it, 3))
+    twin = copier(loader)
+    assert type(twin) is ll.PackedLoader and twin.state_dict() == loader.state_dict()
+    ahead = itertools.islice(iter(twin), 20)
+    assert _ids(ahead, "input_ids") == _ids(itertools.islice(it, 20), "input_ids")
+    twin.close()
+    loader.close()
+
+
+def _continue_in_child(loader: ll.DataLoader, out: Any) -> None:
+    """What a spawned process does with a loader it received: deliver the rest of the epoch."""
+    out.put(_ids(loader))
+    loader.close()
+
+
+def test_a_spawned_process_continues_a_loader_where_it_stood(dataset: ll.LakeDataset) -> None:
+    loader = ll.DataLoader(dataset, batch_size=32, num_workers=2)
+    it = iter(loader)
+    list(itertools.islice(it, 6))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_continue_in_child, args=(loader, out))
+    child.start()
+    got = out.get(timeout=240)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert got == _ids(it) and len(got) == -(-LAYOUT_ROWS // 32) - 6
+    loader.close()
