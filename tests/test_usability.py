@@ -6,7 +6,7 @@ import copy
 import itertools
 import multiprocessing
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +112,26 @@ def test_a_dataset_pickles_without_listing_the_lake_again(own_lake: Path) -> Non
     assert len(ll.LakeDataset(own_lake, seed=3)) == len(ds) + 10
 
 
+def _copied_midway(
+    loader: ll.DataLoader, kind: type[ll.DataLoader], copier: Callable[[Any], Any]
+) -> tuple[Iterator[Any], Any]:
+    """The loader's pass after a few batches, and a copy taken then (checked)."""
+    assert type(loader) is kind
+    it = iter(loader)
+    list(itertools.islice(it, 4))
+    twin = copier(loader)
+    assert type(twin) is kind and twin.state_dict() == loader.state_dict()
+    assert twin._res.iterator is None
+    return it, twin
+
+
 @pytest.mark.parametrize("copier", COPIES)
 def test_a_mixture_loader_copies(lake: Path, copier: Callable[[Any], Any]) -> None:
     sources = {n: ll.LakeDataset(lake, seed=s, num_partitions=2) for n, s in (("a", 1), ("b", 2))}
     mixture = ll.Mixture(sources, {"a": 3, "b": 1}, seed=5)
     loader = ll.DataLoader(mixture, batch_size=32)
-    assert isinstance(loader, ll.MixtureLoader)
-    it = iter(loader)
-    list(itertools.islice(it, 5))
-    twin = copier(loader)
-    assert type(twin) is ll.MixtureLoader and twin.state_dict() == loader.state_dict()
-    assert twin.mixture.names == mixture.names and twin._res.iterator is None
+    it, twin = _copied_midway(loader, ll.MixtureLoader, copier)
+    assert twin.mixture.names == mixture.names
     mine = [(b["id"].tolist(), b["source"].tolist()) for b in twin]
     assert mine == [(b["id"].tolist(), b["source"].tolist()) for b in it]
     twin.close()
@@ -136,11 +145,7 @@ def test_a_packed_loader_copies(tmp_path: Path, copier: Callable[[Any], Any]) ->
     pq.write_table(pa.table({"id": ids, "tokens": tokens}), tmp_path / "a.parquet")
     ds = ll.LakeDataset(tmp_path, packing=ll.Packing("tokens", 16, eos_id=0), num_partitions=4)
     loader = ll.DataLoader(ds, batch_size=4)
-    assert isinstance(loader, ll.PackedLoader)
-    it = iter(loader)
-    list(itertools.islice(it, 3))
-    twin = copier(loader)
-    assert type(twin) is ll.PackedLoader and twin.state_dict() == loader.state_dict()
+    it, twin = _copied_midway(loader, ll.PackedLoader, copier)
     ahead = itertools.islice(iter(twin), 20)
     assert _ids(ahead, "input_ids") == _ids(itertools.islice(it, 20), "input_ids")
     twin.close()
