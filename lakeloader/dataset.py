@@ -206,7 +206,7 @@ class LakeDataset:
         self.fs: fsspec.AbstractFileSystem = fs
         #: The row filter, or None.
         self.row_filter = None if filter is None else RowFilter.of(filter, lake_schema(snapshot))
-        snapshot = filtered(fs, snapshot, self.row_filter, progress)
+        snapshot, unreadable = self._filtered(fs, snapshot, progress)
         if not -(2**63) <= int(seed) < 2**64:
             raise ValueError(
                 f"seed must be an integer in [-2**63, 2**64) (it is kept in states and "
@@ -234,8 +234,9 @@ class LakeDataset:
         if self.list_format.padded:
             check_lengths_keys(self.config.columns, snapshot.schema)
         #: Units of this snapshot known to be lost (files gone or rewritten since a
-        #: checkpoint, under ``on_lake_change="skip"``): skipped like quarantined units.
-        self.lost: tuple[QuarantineEntry, ...] = ()
+        #: checkpoint, under ``on_lake_change="skip"``; row groups the filter could not read,
+        #: under ``on_error="skip"``): skipped like quarantined units.
+        self.lost: tuple[QuarantineEntry, ...] = unreadable
         self._successor: tuple[int, LakeDataset] | None = None
         logger.info(
             "lake %s: %d files, %d row groups, %d units, %d rows, fingerprint %s",
@@ -424,9 +425,17 @@ class LakeDataset:
 
     def on_increment(self, fs: fsspec.AbstractFileSystem, snapshot: Snapshot) -> LakeDataset:
         """A twin of this dataset on an increment's snapshot (its filter applied)."""
-        twin = self.pinned_to(filtered(fs, snapshot, self.row_filter, False))
-        twin.fs = fs
+        found, unreadable = self._filtered(fs, snapshot, False)
+        twin = self.pinned_to(found)
+        twin.fs, twin.lost = fs, unreadable
         return twin
+
+    def _filtered(
+        self, fs: fsspec.AbstractFileSystem, snapshot: Snapshot, progress: bool | None
+    ) -> tuple[Snapshot, tuple[QuarantineEntry, ...]]:
+        """``snapshot`` with the filter's counts, and the row groups it could not read."""
+        count = functools.partial(UnitReader, fs, retry=self.retry)
+        return filtered(fs, snapshot, self.row_filter, progress, self.on_error, count)
 
     def reader(self) -> UnitReader:
         """A fresh unit reader (with its own counters) for the selected columns."""

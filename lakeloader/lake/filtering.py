@@ -3,18 +3,28 @@
 A filter is resolved when the dataset is made, row group by row group: one that the partition
 values or the footer's statistics rule out holds no row (it makes no unit and is never fetched);
 one that they prove to match in full keeps its rows; any other is counted by reading the
-filter's columns once. The counts are what the order plans over, so the order, the resume and
-the topology independence are those of a lake of exactly the matching rows. Reading a unit
-applies the filter again and checks the count (a file that changed is an error, as ever).
+filter's columns once, through the unit reader (its retries, its errors). The counts are what
+the order plans over, so the order, the resume and the topology independence are those of a
+lake of exactly the matching rows. Reading a unit applies the filter again and checks the
+count (a file that changed is an error, as ever).
+
+A row group that cannot be read to be counted is what an unreadable unit is anywhere: a
+:class:`~lakeloader.errors.LakeDataError` naming its file and row group, or, under
+``on_error="skip"``, quarantined: it keeps all its rows' slots in the order (the count is
+unknown), and a :class:`~lakeloader.state.quarantine.QuarantineEntry` for the whole row group
+goes with the dataset (``LakeDataset.lost``), so that no rank ever reads it: its slots are
+left out of the batches that hold them, and the quarantine of the loader's state records them
+as they come, as for a unit that fails to decode.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 import pyarrow as pa
@@ -24,10 +34,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
+from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import is_local, url_of
+from lakeloader.io.retry import describe
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import PROGRESS_MIN_FILES, Snapshot
 from lakeloader.signals import main_thread_only
+from lakeloader.state.quarantine import OnError, QuarantineEntry
 
 logger = logging.getLogger(__name__)
 
@@ -126,76 +139,159 @@ def lake_schema(snapshot: Snapshot) -> pa.Schema:
     return pa.schema(list(fields.values()))
 
 
+class RowGroupReader(Protocol):
+    """What counting reads through: a :class:`~lakeloader.io.reader.UnitReader`."""
+
+    def read(self, file_index: int, row_group: int, row_start: int, num_rows: int) -> pa.Table:
+        """Rows ``[row_start, row_start + num_rows)`` of a row group, conformed to its schema."""
+        ...
+
+
+#: Makes a reader of some columns of a snapshot (the dataset's ``UnitReader``, with its retries).
+ReaderFactory = Callable[[Snapshot, Sequence[str]], RowGroupReader]
+#: Row groups that could not be counted, quarantined whole (``on_error="skip"``).
+Unreadable = tuple[QuarantineEntry, ...]
+
+
 def filtered(
     fs: fsspec.AbstractFileSystem,
     snapshot: Snapshot,
     row_filter: RowFilter | None,
     progress: bool | None,
-) -> Snapshot:
+    on_error: OnError,
+    reader: ReaderFactory,
+) -> tuple[Snapshot, Unreadable]:
     """``snapshot`` with ``row_filter``'s counts (made once: a manifest's snapshot has them).
+
+    Returns:
+        The snapshot, and the row groups quarantined because they could not be counted (none
+        for a snapshot filtered already).
 
     Raises:
         ValueError: If ``snapshot`` was filtered by another filter.
+        LakeDataError: If a row group cannot be read to be counted (``on_error="raise"``).
     """
     wanted = None if row_filter is None else row_filter.text
     if snapshot.row_filter == wanted:
-        return snapshot
+        return snapshot, ()
     if snapshot.row_filter is not None or row_filter is None:
         raise ValueError(
             f"the snapshot was filtered by {snapshot.row_filter}, this dataset by {wanted}: "
             "pass the filter the checkpoint was taken with"
         )
-    return filter_snapshot(fs, snapshot, row_filter, progress)
+    return filter_snapshot(fs, snapshot, row_filter, reader, on_error, progress)
 
 
 def filter_snapshot(
     fs: fsspec.AbstractFileSystem,
     snapshot: Snapshot,
     row_filter: RowFilter,
+    reader: ReaderFactory,
+    on_error: OnError = "raise",
     progress: bool | None = None,
-) -> Snapshot:
+) -> tuple[Snapshot, Unreadable]:
     """The snapshot with each row group's count of matching rows (see the module docstring).
 
     The fingerprint stays the lake's: the filter is part of the order configuration.
+
+    Returns:
+        The snapshot, and the row groups that could not be counted (``on_error="skip"``).
+
+    Raises:
+        LakeDataError: If a row group cannot be read to be counted (``on_error="raise"``).
     """
     files = snapshot.files
     show = len(files) >= PROGRESS_MIN_FILES if progress is None else progress
     threads = max(1, min(FILTER_THREADS, len(files)))
+    count = _Counter(fs, snapshot, row_filter, reader, on_error)
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
         resolved = list(
             tqdm(
-                pool.map(lambda f: _resolve(fs, f, snapshot, row_filter), files),
+                pool.map(count.resolve, range(len(files))),
                 total=len(files),
                 desc="applying the filter",
                 unit="file",
                 disable=not show,
             )
         )
-    kept = sum(f.num_rows for f in resolved)
+    kept = sum(f.num_rows for f, _ in resolved)
     logger.info("filter %s keeps %d of %d rows", row_filter.text, kept, snapshot.num_rows)
-    return dataclasses.replace(snapshot, files=tuple(resolved), row_filter=row_filter.text)
+    unreadable = tuple(e for _, lost in resolved for e in lost)
+    infos = tuple(f for f, _ in resolved)
+    return dataclasses.replace(snapshot, files=infos, row_filter=row_filter.text), unreadable
 
 
-def _resolve(
-    fs: fsspec.AbstractFileSystem, info: FileInfo, snapshot: Snapshot, row_filter: RowFilter
-) -> FileInfo:
-    """A file with the matching rows of each of its row groups as its counts."""
-    if info.schema is None or not info.row_group_rows:
-        return info
-    maybe, whole = _by_statistics(fs, info, snapshot, row_filter)
-    counts = []
-    for rg, rows in enumerate(info.row_group_rows):
-        if rg not in maybe or rows == 0:
-            counts.append(0)
-        elif rg in whole:
-            counts.append(rows)
-        else:
-            counts.append(_count(fs, info, rg, row_filter))
-    return dataclasses.replace(
-        info,
-        row_group_rows=tuple(counts),
-        physical_rows=info.physical_rows or info.row_group_rows,
-    )
+@dataclass(frozen=True)
+class _Counter:
+    """Counts the matching rows of a snapshot's files, one file per call."""
+
+    fs: fsspec.AbstractFileSystem
+    snapshot: Snapshot
+    row_filter: RowFilter
+    reader: ReaderFactory
+    on_error: OnError
+
+    def resolve(self, index: int) -> tuple[FileInfo, Unreadable]:
+        """A file with the matching rows of each of its row groups as its counts.
+
+        A row group that cannot be read keeps its rows under ``on_error="skip"``, and is
+        returned as quarantined.
+        """
+        info = self.snapshot.files[index]
+        if info.schema is None or not info.row_group_rows:
+            return info, ()
+        maybe, whole = _by_statistics(self.fs, info, self.snapshot, self.row_filter)
+        counts, lost = [], []
+        for rg, rows in enumerate(info.row_group_rows):
+            if rg not in maybe or rows == 0:
+                counts.append(0)
+            elif rg in whole:
+                counts.append(rows)
+            else:
+                try:
+                    counts.append(self._count(index, rg))
+                except LakeDataError as exc:
+                    if self.on_error != "skip":
+                        raise
+                    counts.append(rows)
+                    lost.append(self._quarantined(info, rg, exc))
+        resolved = dataclasses.replace(
+            info,
+            row_group_rows=tuple(counts),
+            physical_rows=info.physical_rows or info.row_group_rows,
+        )
+        return resolved, tuple(lost)
+
+    def _count(self, index: int, rg: int) -> int:
+        """Rows of a row group that match, from its filter columns (deleted rows left out).
+
+        Raises:
+            LakeDataError: If the row group cannot be read (naming the file and row group).
+        """
+        info = self.snapshot.files[index]
+        rows = info.row_group_rows[rg]
+        assert info.schema is not None
+        fields = [info.schema.field(c) for c in self.row_filter.columns if c in info.schema.names]
+        if not fields:  # only partition values, or columns the file lacks
+            table = pa.Table.from_batches([pa.RecordBatch.from_struct_array(pa.nulls(rows, _NONE))])
+        else:  # the file's own types: no cast
+            own = dataclasses.replace(self.snapshot, schema=pa.schema(fields))
+            table = self.reader(own, [f.name for f in fields]).read(index, rg, 0, rows)
+        return int(self.row_filter.apply(table, info).num_rows)
+
+    def _quarantined(self, info: FileInfo, rg: int, exc: LakeDataError) -> QuarantineEntry:
+        reason = describe(exc.__cause__ or exc)
+        logger.warning(
+            "quarantined %s, row group %d: it cannot be read to apply the filter (%s)",
+            url_of(self.fs, info.path),
+            rg,
+            reason,
+        )
+        return QuarantineEntry(info.path, rg, 0, info.row_group_rows[rg], reason)
+
+
+#: The type of a table without columns.
+_NONE = pa.struct([])
 
 
 def _by_statistics(
@@ -244,21 +340,3 @@ def _no_nulls(meta: pq.FileMetaData, rg: int, columns: list[str]) -> bool:
         if stats is None or not stats.has_null_count or stats.null_count != 0:
             return False
     return True
-
-
-def _count(fs: fsspec.AbstractFileSystem, info: FileInfo, rg: int, row_filter: RowFilter) -> int:
-    """Rows of a row group that match, from its filter columns (deleted rows left out)."""
-    names = [c for c in row_filter.columns if info.schema is not None and c in info.schema.names]
-    physical = [info.physical_name(c) for c in names]
-    opened = info.path if is_local(fs) else fs.open(info.path, "rb")
-    try:
-        table = pq.ParquetFile(opened).read_row_group(rg, columns=physical)
-    finally:
-        if not isinstance(opened, str):
-            opened.close()
-    kept = info.kept(rg)
-    if kept is not None:
-        table = table.filter(pa.array(kept))
-    logical = dict(zip(physical, names, strict=True))
-    table = table.rename_columns([logical[c] for c in table.column_names])
-    return int(row_filter.apply(table, info).num_rows)
