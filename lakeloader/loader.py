@@ -12,7 +12,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 #: module, which builds on this one: ``"mixture"`` (:mod:`lakeloader.mixture_loader`),
 #: ``"packed"`` (:mod:`lakeloader.packed_loader`).
 LOADER_FOR: dict[str, type[DataLoader]] = {}
+L = TypeVar("L", bound="DataLoader")
 
 
 class DataLoader:
@@ -94,8 +95,8 @@ class DataLoader:
         >>> from lakeloader import LakeDataset
         >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
         >>> pq.write_table(pa.table({"id": range(10)}), f"{root}/a.parquet")
-        >>> loader = DataLoader(LakeDataset(root, shuffle=False), batch_size=4)
-        >>> [b["id"].tolist() for b in loader]
+        >>> with DataLoader(LakeDataset(root, shuffle=False), batch_size=4) as loader:
+        ...     [b["id"].tolist() for b in loader]
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
         >>> loader.state_dict()["position"], loader.state_dict()["epoch"]
         (10, 0)
@@ -349,10 +350,18 @@ class DataLoader:
     def close(self) -> None:
         """Stop workers and threads and delete cached units.
 
-        Done anyway when the loader is garbage-collected, and at interpreter exit.
+        Done anyway when the loader is garbage-collected, and at interpreter exit, and at the
+        end of a ``with DataLoader(...) as loader:`` block. A closed loader can still be
+        iterated: it starts what it needs again.
         """
         self._close_iterator("loader.close()")
         self._shutdown_workers()
+
+    def __enter__(self: L) -> L:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle and copy a loader as its configuration and position, never what it runs.

@@ -171,3 +171,34 @@ def test_a_spawned_process_continues_a_loader_where_it_stood(dataset: ll.LakeDat
     assert child.exitcode == 0
     assert got == _ids(it) and len(got) == -(-LAYOUT_ROWS // 32) - 6
     loader.close()
+
+
+# --------------------------------------------------------------------------------- with block
+
+
+def test_a_with_block_stops_the_workers_and_removes_the_cache_folder(
+    dataset: ll.LakeDataset,
+) -> None:
+    with ll.DataLoader(dataset, batch_size=16, num_workers=2, persistent_workers=True) as loader:
+        first = next(iter(loader))["id"].tolist()
+        pids = loader._pool.pids()  # type: ignore[union-attr]
+        folder = loader._res.unit_dir
+        assert folder is not None and Path(folder).is_dir()
+        assert all(pid is not None and Path(f"/proc/{pid}").exists() for pid in pids)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "workers reaped"
+    assert not Path(folder).exists()
+    assert loader._pool is None
+    again = next(iter(loader))["id"].tolist()  # a closed loader goes on from its position
+    assert again != first and loader.state_dict()["position"] == 32
+    loader.close()
+
+
+def test_a_with_block_closes_on_an_exception(dataset: ll.LakeDataset) -> None:
+    with (
+        pytest.raises(RuntimeError, match="the training step failed"),
+        ll.DataLoader(dataset, batch_size=16, num_workers=1) as loader,
+    ):
+        next(iter(loader))
+        folder = loader._res.unit_dir
+        raise RuntimeError("the training step failed")
+    assert loader._pool is None and folder is not None and not Path(folder).exists()
