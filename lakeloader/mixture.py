@@ -37,6 +37,11 @@ class Mixture:
         seed: Seed of the interleaving of sources (each source's order has its own seed).
         epoch_rows: Rows in one pass over the mixture (one ``for batch in loader``); None: as
             many as the sources hold together. The sources' own epochs are apart from it.
+            A pass is rounded up to whole global batches: it is ``ceil(epoch_rows /
+            global_batch)`` steps, every batch full (``drop_last`` or not). The rows that fill
+            its last batch past ``epoch_rows`` are the mixture's next draws, not repeats, and
+            the next pass starts after them: no row is lost or repeated across passes, but a
+            pass delivers up to ``global_batch - 1`` rows more than ``epoch_rows``.
         source_key: The batch's key of the source index of each row (an int64 tensor indexing
             :attr:`names`).
         packing: A :class:`~lakeloader.Packing`: each source is packed on its own (its
@@ -66,7 +71,17 @@ class Mixture:
         >>> batch = next(iter(ll.DataLoader(mix, batch_size=8)))
         >>> sorted(batch), batch["source"].tolist().count(1) >= 5
         (['id', 'source'], True)
-        >>> tmp.cleanup()
+
+        A pass of 20 rows in global batches of 8 is three full batches, 24 rows:
+
+        >>> short = ll.Mixture(mix.sources, {"web": 0.75, "code": 0.25}, epoch_rows=20)
+        >>> loader = ll.DataLoader(short, batch_size=8, drop_last=True)
+        >>> [len(b["id"]) for b in loader], len(loader)
+        ([8, 8, 8], 3)
+        >>> state = loader.state_dict()  # the next pass starts at slot 24, after those rows
+        >>> state["slot"], state["epoch_rows"], sum(state["counts"].values())
+        (24, 20, 24)
+        >>> loader.close(); tmp.cleanup()
     """
 
     def __init__(
