@@ -50,6 +50,7 @@ BATCH = 1024
 COLUMNS = ["id", "label"] + [f"f{i}" for i in range(16)]
 LOADERS = ("pyarrow-dataset", "lakeloader-w0", "lakeloader-w2")
 DEFAULT_LAKE = "/tmp/lakeloader-reference-lake"
+SMOKE_LAKE = "/tmp/lakeloader-cpu-split-smoke-lake"
 
 
 def _batches(name: str, lake: str) -> tuple[Any, Any]:
@@ -117,7 +118,7 @@ def _run(src: Path, name: str, lake: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lake", default=DEFAULT_LAKE)
+    parser.add_argument("--lake", help=f"the lake (default {DEFAULT_LAKE}; smoke: {SMOKE_LAKE})")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="tiny lake, one repetition")
     parser.add_argument("--src", default=None, help="git revision (HEAD; smoke: worktree)")
@@ -127,9 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.lake)
         return 0
-    lake = args.lake
+    lake = args.lake or (SMOKE_LAKE if args.smoke else DEFAULT_LAKE)
     if args.smoke:
-        lake = "/tmp/lakeloader-cpu-split-smoke-lake"
         write_reference_lake(lake, files=4, row_groups=2, rows_per_group=2048)
         args.reps = 1
     elif not Path(lake, "_reference_lake.json").exists():

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,6 +26,50 @@ import lakeloader as ll
 from lakeloader.order.plan import EpochPlan, make_units, plan_epoch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: What this suite's tools could leave in the temporary folder: weed's glog files, torchrun's
+#: log folders, the benchmarks' and the examples' folders. Only such names are compared, so
+#: that what other processes make there meanwhile is not taken for the suite's.
+TMP_PATTERNS = ("weed.*", "torchelastic_*", "lakeloader-*", "train_ft-*")
+
+
+def left_in(folders: Sequence[Path]) -> set[str]:
+    """Paths of entries of ``folders`` whose names match ``TMP_PATTERNS``.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     for name in ("weed.INFO", "torchelastic_x1", "lakeloader-b", "pytest-of-me", "x"):
+    ...         Path(d, name).mkdir()
+    ...     sorted(Path(p).name for p in left_in([Path(d)]))
+    ['lakeloader-b', 'torchelastic_x1', 'weed.INFO']
+    """
+    return {str(p) for folder in folders for pattern in TMP_PATTERNS for p in folder.glob(pattern)}
+
+
+def _ours_in_tmp() -> set[str]:
+    """What ``left_in`` finds in /tmp and the temporary folder, and the gRPC sockets that the
+    weed servers of this session left in /tmp."""
+    found = left_in(sorted({Path("/tmp"), Path(tempfile.gettempdir())}))
+    stores = sys.modules.get("tests.stores")
+    if stores is not None:
+        found |= {str(sock) for sock in stores.weed_sockets(stores.WEED_PORTS)}
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_nothing_in_tmp() -> Iterator[None]:
+    """Fail the session if it leaves in /tmp what its servers, torchrun runs, examples or
+    benchmarks make (pytest's own ``tmp_path`` folders, which it cleans, are not looked at)."""
+    before = _ours_in_tmp()
+    yield
+    left = sorted(_ours_in_tmp() - before)
+    if left:
+        pytest.fail(
+            f"the test session left in the temporary folder: {', '.join(left)}; whatever "
+            "makes them should write under tmp_path (if other test sessions ran meanwhile, "
+            "some may be theirs)",
+            pytrace=False,
+        )
 
 
 def write_lake(
@@ -166,8 +211,15 @@ def checkpointed(ds: Any, world_size: int, batch_size: int, steps: int, folder: 
     return seen
 
 
-def torchrun_command(nproc: int, script: Path, *args: str, max_restarts: int = 0) -> list[str]:
-    """``torchrun`` of ``script`` on ``nproc`` local ranks, rendezvous on loopback only."""
+def torchrun_command(
+    nproc: int, script: Path, *args: str, max_restarts: int = 0, log_dir: str = os.devnull
+) -> list[str]:
+    """``torchrun`` of ``script`` on ``nproc`` local ranks, rendezvous on loopback only.
+
+    ``log_dir`` is torchrun's folder for the ranks' error files; left out, torchrun makes a
+    ``torchelastic_*`` folder in /tmp at every launch and leaves it there, so by default it
+    keeps none (the ranks' output goes to the caller's pipes either way).
+    """
     return [
         sys.executable,
         "-m",
@@ -176,6 +228,7 @@ def torchrun_command(nproc: int, script: Path, *args: str, max_restarts: int = 0
         "--local-addr=127.0.0.1",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
+        f"--log-dir={log_dir}",
         str(script),
         *args,
     ]

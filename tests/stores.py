@@ -29,10 +29,9 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -332,6 +331,7 @@ def _weed_argv(binary: str, root: Path, ports: dict[str, int]) -> list[str]:
     """The start line of shared/INFRA.md (every flag matters), sockets kept in ``root``."""
     return [
         binary,
+        "-logtostderr",  # into server.log; not glog's files, which it leaves in /tmp
         "mini",
         f"-dir={root / 'data'}",
         f"-ip={HOST}",
@@ -352,16 +352,25 @@ def _weed_argv(binary: str, root: Path, ports: dict[str, int]) -> list[str]:
     ]
 
 
-def _remove_weed_sockets(ports: dict[str, int]) -> None:
-    """Remove the gRPC sockets weed puts in the temporary folder, named by our ports.
+#: Ports of every ``weed mini`` this process started.
+WEED_PORTS: set[int] = set()
 
-    They are removed at a clean stop, but not always (the admin's outlives a slow stop).
+
+def weed_sockets(ports: Iterable[int]) -> list[Path]:
+    """The gRPC sockets weed put in /tmp (its own path: no flag or TMPDIR moves them) for
+    servers on ``ports``."""
+    tmp = Path("/tmp")
+    numbers = [n for port in ports for n in (port, port + WEED_GRPC_OFFSET)]
+    return [sock for n in numbers for sock in tmp.glob(f"seaweedfs-*-{n}.sock")]
+
+
+def _remove_weed_sockets(ports: dict[str, int]) -> None:
+    """Remove a server's gRPC sockets from /tmp.
+
+    weed removes them at a clean stop, but not always (the admin's outlives a slow stop).
     """
-    tmp = Path(tempfile.gettempdir())
-    for port in ports.values():
-        for number in (port, port + WEED_GRPC_OFFSET):
-            for sock in tmp.glob(f"seaweedfs-*-{number}.sock"):
-                sock.unlink(missing_ok=True)
+    for sock in weed_sockets(ports.values()):
+        sock.unlink(missing_ok=True)
 
 
 def _fake_gcs_argv(binary: str, data: Path, port: int) -> list[str]:
@@ -408,6 +417,7 @@ def _launch_weed(request: pytest.FixtureRequest, root: Path) -> _Weed:
         data.mkdir()
         components = ("s3", "master", "volume", "filer", "admin")
         ports = dict(zip(components, _free_weed_ports(len(components)), strict=True))
+        WEED_PORTS.update(ports.values())
         argv = _weed_argv(binary, root, ports)
         try:
             proc, ready = _launch(

@@ -59,7 +59,7 @@ SMOKES: dict[str, tuple[Callable[[Path], list[str]], float]] = {
         300,
     ),
     "scale": (_on_lake("scale", None), 300),
-    "cpu_split": (_on_lake("cpu_split", None), 300),
+    "cpu_split": (_on_lake("cpu_split"), 300),
     **{s: (_on_lake(s), 400) for s in ("transforms", "array_columns", "mixture", "packing")},
     "memory": (_on_lake("memory"), 300),
     "s3_vs_local": (_on_lake("s3_vs_local", "--lake-dir"), 300),
