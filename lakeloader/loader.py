@@ -38,7 +38,7 @@ from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
 from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.state.tracker import ReaderStateTracker
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
@@ -409,6 +409,45 @@ class DataLoader:
         ds = self.dataset  # the dataset that the saved epoch runs on here
         resumption.state.check_matches(ds.fingerprint, ds.config.to_dict())
         self.tracker.restore(resumption.state)
+
+    def view(self) -> ReaderView:
+        """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
+
+        Each rank's share of the next step, and what each worker of each rank builds or
+        decodes first: files, row groups and row offsets, derived from the position alone
+        (nothing is read, no worker is started).
+
+        Raises:
+            TypeError: For a mixture or a packed loader, whose position is its state_dict().
+
+        Example:
+            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> from lakeloader import LakeDataset
+            >>> tmp = tempfile.TemporaryDirectory(); path = f"{tmp.name}/a.parquet"
+            >>> pq.write_table(pa.table({"id": range(10)}), path, row_group_size=5)
+            >>> ds = LakeDataset(tmp.name, shuffle=False, max_unit_rows=5)
+            >>> loader = DataLoader(ds, batch_size=4, num_workers=2)
+            >>> next(iter(loader))["id"].tolist()
+            [0, 1, 2, 3]
+            >>> view = loader.view()
+            >>> view.epoch, view.position, view.steps_remaining, view.ranks[0].rows
+            (0, 4, 2, 4)
+            >>> at = view.ranks[0].at; at.file == path, at.row_group, at.row_offset
+            (True, 0, 4)
+            >>> [(w.worker, w.role, w.at.row_group, w.at.row_offset) for w in view.workers]
+            [(0, 'decode', 0, 0), (1, 'decode', 1, 0)]
+            >>> loader.close(); tmp.cleanup()
+        """
+        tracker = getattr(self, "tracker", None)
+        if not isinstance(tracker, ReaderStateTracker):
+            raise TypeError(
+                f"a {type(self).__name__} has no per-rank view: its position is its "
+                "state_dict() (per source or per partition)"
+            )
+        # The dataset of the tracker's epoch (a loaded state's may start the next one); a
+        # followed lake's next increment may not exist yet, so it keeps its own.
+        ds = self.dataset if self._base.follow else self._base.for_epoch(tracker.epoch)
+        return tracker.view(ds.plan(tracker.epoch), ds.snapshot)
 
     @property
     def quarantine(self) -> list[QuarantineEntry]:

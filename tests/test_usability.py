@@ -202,3 +202,26 @@ def test_a_with_block_closes_on_an_exception(dataset: ll.LakeDataset) -> None:
         folder = loader._res.unit_dir
         raise RuntimeError("the training step failed")
     assert loader._pool is None and folder is not None and not Path(folder).exists()
+
+
+# ---------------------------------------------------------------------------------- view()
+
+
+def test_view_needs_no_internal_object(dataset: ll.LakeDataset) -> None:
+    loader = ll.DataLoader(dataset, batch_size=24, world_size=2, rank=1, num_workers=3)
+    assert loader.view() == loader.tracker.view(dataset.plan(0), dataset.snapshot)
+    assert loader.view().position == 0 and loader._pool is None, "nothing started"
+    state = {**loader.state_dict(), "position": 96}
+    loader.load_state_dict(state)
+    view = loader.view()
+    assert (view.epoch, view.position) == (0, 96) and len(view.ranks) == 2
+    assert len(view.workers) == 2 * 3 and {w.rank for w in view.workers} == {0, 1}
+    loader.load_state_dict({**state, "position": LAYOUT_ROWS})  # the epoch is over
+    assert (loader.view().epoch, loader.view().position) == (1, 0)
+    assert loader.view() == loader.tracker.view(dataset.plan(1), dataset.snapshot)
+
+
+def test_view_of_a_mixture_says_what_to_use_instead(lake: Path) -> None:
+    mixture = ll.Mixture({"a": ll.LakeDataset(lake)}, {"a": 1})
+    with pytest.raises(TypeError, match=r"MixtureLoader has no per-rank view.*state_dict"):
+        ll.DataLoader(mixture, batch_size=4).view()

@@ -9,6 +9,9 @@ fixed order (see :mod:`lakeloader.workers.dispatch`): with a transform or a coll
 ``k``-th step of a pass is built by worker ``k mod W``; on the default tensor path the
 ``j``-th unit a rank decodes in a pass is decoded by worker ``j mod W``, units being decoded in
 the order the rank first needs them. A worker that dies is replaced under the same number.
+
+``loader.view()`` gives all of it for a loader's position (a
+:class:`~lakeloader.state.tracker.ReaderView`), ``lakeloader inspect`` for a checkpoint's.
 """
 
 from __future__ import annotations
