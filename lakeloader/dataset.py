@@ -86,8 +86,7 @@ class LakeDataset:
     Args:
         source: A folder, glob, file or list of them (local paths or any fsspec URL), or any
             :class:`~lakeloader.lake.source.Source`.
-        columns: Columns to read, in this order (file and hive partition columns; a single
-            name is one column); None reads all.
+        columns: Columns to read, a name or a list (file and hive partition columns); None: all.
         storage_options: fsspec options (credentials, endpoint, ...).
         seed: Seed of the order.
         shuffle: Shuffle (True) or keep path order (False).
@@ -171,8 +170,7 @@ class LakeDataset:
         follow: bool | Follow = False,
     ) -> None:
         self.source: Source = as_source(source)
-        if isinstance(columns, str):
-            columns = [columns]
+        columns = [columns] if isinstance(columns, str) else columns  # a name is one column
         #: Token lists packed into fixed-length samples (``DataLoader`` is then a
         #: ``PackedLoader``), or None.
         self.packing = packing

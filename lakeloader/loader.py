@@ -22,7 +22,12 @@ from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import PartitionWarning as PartitionWarning  # its home before errors
 from lakeloader.io.reader import UnitReader
-from lakeloader.loader_args import check_unsupported, warn_cpu_contention, warn_partitions
+from lakeloader.loader_args import (
+    TorchNames,
+    check_unsupported,
+    warn_cpu_contention,
+    warn_partitions,
+)
 from lakeloader.mixture import Mixture
 from lakeloader.options import (
     DEFAULT_CACHE_BYTES,
@@ -53,7 +58,7 @@ LOADER_FOR: dict[str, type[DataLoader]] = {}
 L = TypeVar("L", bound="DataLoader")
 
 
-class DataLoader:
+class DataLoader(TorchNames):
     """Streams batches of a :class:`LakeDataset`, deterministically and resumably.
 
     Args:
@@ -184,42 +189,6 @@ class DataLoader:
         self._use_reader(dataset.reader())
         self._res = LoaderResources(self)
         warn_partitions(dataset.config.num_partitions, self.topology)
-
-    # ------------------------------------------------------------- torch's names
-    @property
-    def batch_size(self) -> int:
-        """Rows per batch on this rank."""
-        return self.options.batch_size
-
-    @property
-    def num_workers(self) -> int:
-        """Worker processes per rank."""
-        return self.options.num_workers
-
-    @property
-    def drop_last(self) -> bool:
-        """Whether a short last global batch is dropped."""
-        return self.options.drop_last
-
-    @property
-    def collate_fn(self) -> Collate | None:
-        """The user's collate function, or None."""
-        return self.options.collate_fn
-
-    @property
-    def rank(self) -> int:
-        """This loader's rank."""
-        return self.topology.rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the run."""
-        return self.topology.world_size
-
-    @property
-    def global_batch_size(self) -> int:
-        """Rows all ranks together consume in one step."""
-        return self.topology.global_batch
 
     def __len__(self) -> int:
         """Steps in a whole epoch for this topology (as torch's ``len(loader)``)."""

@@ -1,4 +1,4 @@
-"""Checks of a loader's arguments: what is refused, and what is only warned of.
+"""A loader's arguments: what is refused, what is only warned of, and torch's names for them.
 
 torch's DataLoader arguments that lakeloader does not take are refused with the reason;
 choices that work but cost something (a ``C`` that does not divide the global batch, more
@@ -19,7 +19,50 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CpuContentionWarning, PartitionWarning, WorkerWarning
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
+from lakeloader.pipeline.collate import Collate
 from lakeloader.topology import Topology
+
+
+class TorchNames:
+    """torch's names for a loader's arguments, read from its options and topology."""
+
+    options: LoaderOptions
+    topology: Topology
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per batch on this rank."""
+        return self.options.batch_size
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes per rank."""
+        return self.options.num_workers
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a short last global batch is dropped."""
+        return self.options.drop_last
+
+    @property
+    def collate_fn(self) -> Collate | None:
+        """The user's collate function, or None."""
+        return self.options.collate_fn
+
+    @property
+    def rank(self) -> int:
+        """This loader's rank."""
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the run."""
+        return self.topology.world_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows all ranks together consume in one step."""
+        return self.topology.global_batch
 
 
 def check_unsupported(
