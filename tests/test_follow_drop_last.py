@@ -1,0 +1,118 @@
+"""Follow mode with ``drop_last=True``: an increment's short tail opens the next increment.
+
+A folder grows by files whose row counts are no multiple of the global batch (one of them
+smaller than what the tail lacks); every batch must be full and every appended row come
+exactly once, on two simulated ranks, across a resume from a bare state under another world
+size and batch size, and the global batches must be those of one rank with the same global
+batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import lakeloader as ll
+from tests.conftest import make_loaders
+
+FAST = ll.Follow(poll_interval=0.01, timeout=0.05)
+ORDER: dict[str, Any] = {"seed": 4, "num_partitions": 4, "window": 8, "max_unit_rows": 10}
+#: Rows of each file appended after the first (45 rows): none a multiple of 8 or 12.
+GROWTH = (13, 3, 31, 22, 17)
+
+
+class Lake:
+    """A folder that grows by files of consecutive ids, each newer than the last."""
+
+    def __init__(self, root: Path, first: int) -> None:
+        root.mkdir()
+        self.root, self.rows, self.files = root, 0, 0
+        self.add(first)
+
+    def add(self, rows: int) -> None:
+        ids = np.arange(self.rows, self.rows + rows, dtype=np.int64)
+        path = self.root / f"part-{self.files:04d}.parquet"
+        pq.write_table(pa.table({"id": ids}), path.with_suffix(".tmp"), row_group_size=7)
+        os.replace(path.with_suffix(".tmp"), path)
+        stamp = 1_700_000_000 + self.files  # increasing, whatever the clock's grain
+        os.utime(path, (stamp, stamp))
+        self.rows, self.files = self.rows + rows, self.files + 1
+
+    def dataset(self) -> ll.LakeDataset:
+        return ll.LakeDataset(self.root, follow=FAST, **ORDER)
+
+
+def _batches(loaders: list[ll.DataLoader]) -> list[list[int]]:
+    """Global batches until caught up, each share checked full."""
+    out = []
+    for shares in zip(*(iter(loader) for loader in loaders), strict=True):
+        assert [len(s["id"]) for s in shares] == [loaders[0].batch_size] * len(loaders)
+        out.append([i for s in shares for i in s["id"].tolist()])
+    return out
+
+
+def _flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
+def test_every_appended_row_comes_once_in_full_batches_across_a_resume(tmp_path: Path) -> None:
+    lake = Lake(tmp_path / "lake", 45)
+    loaders = make_loaders(lake.dataset(), 2, batch_size=4, drop_last=True)
+    seen = _flat(_batches(loaders))
+    assert len(seen) == 40, "5 rows of increment 0 wait for the next one"
+    state = loaders[0].state_dict()
+    assert (state["epoch"], state["position"], state["rows_dropped"]) == (0, 40, 0)
+    lake.add(GROWTH[0])  # 5 + 13: two batches, the first across two increments
+    seen += _flat(_batches(loaders))
+    assert len(seen) == 56 and loaders[0].epoch == 1
+    lake.add(GROWTH[1])  # 2 + 3 rows: less than a batch, they all wait
+    assert _batches(loaders) == []
+    lake.add(GROWTH[2])  # a batch of increments 1, 2 and 3, then increment 3's own
+    batches = iter(zip(*(iter(loader) for loader in loaders), strict=True))
+    seen += [i for shares in itertools.islice(batches, 2) for s in shares for i in s["id"].tolist()]
+    state = json.loads(json.dumps(loaders[0].state_dict()))  # mid-way through increment 3
+    for loader in loaders:
+        loader.close()
+    assert state["epoch"] == 3 and 0 < state["position"] < state["num_rows"]
+    lake.add(GROWTH[3])
+    resumed = make_loaders(lake.dataset(), 3, batch_size=4, drop_last=True)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    seen += _flat(_batches(resumed))
+    lake.add(GROWTH[4])
+    seen += _flat(_batches(resumed))
+    waiting = len(resumed[0].dataset) - resumed[0].tracker.position
+    assert len(set(seen)) == len(seen) == lake.rows - waiting, "each row once, none lost"
+    assert 0 < waiting < 12 and resumed[0].state_dict()["rows_dropped"] == 0
+    lake.add(12 - waiting)  # what completes the last batch
+    seen += _flat(_batches(resumed))
+    for loader in resumed:
+        loader.close()
+    assert sorted(seen) == list(range(lake.rows)), "the tail came, nothing else waits"
+
+
+def test_the_batches_of_a_growing_lake_are_the_same_on_every_world_size(tmp_path: Path) -> None:
+    lake = Lake(tmp_path / "lake", 45)
+    groups = [
+        make_loaders(lake.dataset(), 1, batch_size=12, drop_last=True),
+        make_loaders(lake.dataset(), 2, batch_size=6, drop_last=True),
+        make_loaders(lake.dataset(), 4, batch_size=3, drop_last=True),
+    ]
+    runs: list[list[list[int]]] = [[] for _ in groups]
+    for rows in (0, *GROWTH):
+        if rows:
+            lake.add(rows)
+        for run, loaders in zip(runs, groups, strict=True):
+            run += _batches(loaders)
+    for loaders in groups:
+        for loader in loaders:
+            loader.close()
+    assert runs[0] == runs[1] == runs[2], "one stream, cut into the same global batches"
+    assert len(runs[0]) == lake.rows // 12 and len(set(_flat(runs[0]))) == len(_flat(runs[0]))
