@@ -3,8 +3,9 @@
 A folder grows by files whose row counts are no multiple of the global batch (one of them
 smaller than what the tail lacks); every batch must be full and every appended row come
 exactly once, on two simulated ranks, across a resume from a bare state under another world
-size and batch size, and the global batches must be those of one rank with the same global
-batch.
+size and batch size or from a checkpoint taken while a tail waits, and the global batches
+must be those of one rank with the same global batch. A state taken at an increment's end
+waits for the next increment when it is loaded.
 """
 
 from __future__ import annotations
@@ -116,3 +117,31 @@ def test_the_batches_of_a_growing_lake_are_the_same_on_every_world_size(tmp_path
             loader.close()
     assert runs[0] == runs[1] == runs[2], "one stream, cut into the same global batches"
     assert len(runs[0]) == lake.rows // 12 and len(set(_flat(runs[0]))) == len(_flat(runs[0]))
+
+
+def test_a_checkpoint_while_a_tail_waits_resumes_it_on_another_topology(tmp_path: Path) -> None:
+    lake = Lake(tmp_path / "lake", 45)
+    loaders = make_loaders(lake.dataset(), 2, batch_size=4, drop_last=True)
+    seen = _flat(_batches(loaders))
+    ll.CheckpointManager(str(tmp_path / "ckpt")).save(len(seen) // 8, loaders[0])
+    for loader in loaders:
+        loader.close()
+    lake.add(GROWTH[0])
+    resumed = make_loaders(lake.dataset(), 1, batch_size=6, drop_last=True)
+    ll.CheckpointManager(str(tmp_path / "ckpt")).load(resumed[0])
+    assert resumed[0].state_dict()["position"] == 40, "before the 5 rows that wait"
+    seen += _flat(_batches(resumed))
+    resumed[0].close()
+    assert sorted(seen) == list(range(58)), "5 + 1 rows, then increment 1's other 12"
+
+
+def test_a_state_at_an_increments_end_waits_for_the_next_one(tmp_path: Path) -> None:
+    lake = Lake(tmp_path / "lake", 45)
+    loader = ll.DataLoader(lake.dataset(), batch_size=8)  # drop_last=False: the epoch ends
+    assert len([i for b in loader for i in b["id"].tolist()]) == 45
+    state = loader.state_dict()
+    again = ll.DataLoader(lake.dataset(), batch_size=8)
+    again.load_state_dict(state)
+    assert list(again) == [], "caught up, not CaughtUpError"
+    lake.add(GROWTH[0])
+    assert sorted(i for b in again for i in b["id"].tolist()) == list(range(45, 58))
