@@ -6,6 +6,7 @@ import copy
 import itertools
 import multiprocessing
 import pickle
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -225,3 +226,44 @@ def test_view_of_a_mixture_says_what_to_use_instead(lake: Path) -> None:
     mixture = ll.Mixture({"a": ll.LakeDataset(lake)}, {"a": 1})
     with pytest.raises(TypeError, match=r"MixtureLoader has no per-rank view.*state_dict"):
         ll.DataLoader(mixture, batch_size=4).view()
+
+
+# ------------------------------------------------------------------- a stray file in a lake
+
+
+def test_a_stray_file_is_named_with_a_glob_that_reads_the_lake(own_lake: Path) -> None:
+    (own_lake / "part=1").mkdir()
+    (own_lake / "README.md").write_text("# the lake of the tests\n")
+    (own_lake / "part=1" / "notes.txt").write_text("written by hand\n")
+    with pytest.raises(ll.LakeDataError) as err:
+        ll.LakeDataset(own_lake)
+    message = str(err.value)
+    assert message.startswith(f"{own_lake}/README.md: cannot read the Parquet footer")
+    assert "not named as Parquet (README.md, part=1/notes.txt)" in message
+    suggested = re.search(r"LakeDataset\('([^']+)'\)", message)
+    assert suggested is not None and suggested.group(1) == f"{own_lake}/**/*.parquet"
+    ds = ll.LakeDataset(suggested.group(1), seed=7)
+    assert len(ds) == LAYOUT_ROWS and len(ds.snapshot.files) == 5
+    assert ds.config.columns == ("id", "x", "s", "label")
+
+
+def test_a_hive_partitioned_lake_keeps_its_partitions_through_the_glob(tmp_path: Path) -> None:
+    write_lake(tmp_path, [[3], [4], [5]], hive=True)
+    (tmp_path / "part=0" / "SCHEMA.json").write_text("{}")
+    with pytest.raises(ll.LakeDataError, match=r"part=0/SCHEMA\.json") as err:
+        ll.LakeDataset(tmp_path)
+    glob = re.search(r"LakeDataset\('([^']+)'\)", str(err.value))
+    assert glob is not None
+    ds = ll.LakeDataset(glob.group(1), shuffle=False)
+    batch = next(iter(ll.DataLoader(ds, batch_size=12)))
+    assert sorted(batch["id"].tolist()) == list(range(12)) and "part" in batch
+
+
+@pytest.mark.parametrize("how", ["glob", "no parquet names"])
+def test_no_glob_is_suggested_where_names_do_not_tell(tmp_path: Path, how: str) -> None:
+    pq.write_table(pa.table({"id": [1]}), tmp_path / "000000_0")  # as Hive names its files
+    (tmp_path / "000001_0").write_text("not parquet")
+    source = str(tmp_path / "*") if how == "glob" else str(tmp_path)
+    with pytest.raises(ll.LakeDataError, match="000001_0: cannot read") as err:
+        ll.LakeDataset(source)
+    assert "LakeDataset(" not in str(err.value)

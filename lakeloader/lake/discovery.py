@@ -4,7 +4,9 @@ A *source* is a folder URL, a glob, a single file, or a list of any of those. Di
 resolves it to a sorted list of data-file paths plus the hive partition values (``key=value``
 folders) of each, without opening any file. Only names decide what is data: ``_SUCCESS``,
 ``_metadata``, ``_common_metadata`` and any file or folder whose name starts with ``.`` or
-``_`` are skipped, as Spark, Hive and pyarrow do.
+``_`` are skipped, as Spark, Hive and pyarrow do. Other files are taken as Parquet whatever
+their name (Hive writes ``000000_0``); when one of them cannot be read in a folder that also
+holds ``*.parquet`` files, :func:`add_glob_advice` suggests a glob of those.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import posixpath
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -19,7 +22,7 @@ from typing import Any, Final
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import LakeNotFoundError
+from lakeloader.errors import LakeDataError, LakeError, LakeNotFoundError
 from lakeloader.io.retry import RetryPolicy
 
 Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -29,6 +32,10 @@ Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 #: GCS's generation (gcsfs also reports an etag, which is not the object's version).
 #: File names that are never data in a lake.
 NON_DATA_NAMES: Final = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})
+#: How the names of Parquet files end (what a suggested glob keeps).
+PARQUET_SUFFIXES: Final = (".parquet", ".parq", ".pq")
+#: Files not named as Parquet that an error lists at most.
+SHOWN_STRAYS: Final = 3
 _VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
 
 
@@ -192,3 +199,42 @@ def discover_listed(
             "_common_metadata and dot- or underscore-prefixed names)"
         )
     return fs, [found[p] for p in sorted(found)]
+
+
+def add_glob_advice(
+    exc: LakeDataError,
+    source: Paths,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> None:
+    """Append to ``exc`` a glob that reads only the Parquet files of the folder ``source``.
+
+    For a file of a folder that cannot be read: when the folder (one folder, not a glob or a
+    file) holds files named as Parquet and others, the others (a README, a ``.csv``) are
+    named, with ``LakeDataset("<folder>/**/*.parquet")`` (or the suffix the folder's Parquet
+    files have), which reads the same partition folders. Lists the folder again (only on this
+    error path); adds nothing if that fails or the folder's names do not tell.
+    """
+    if not isinstance(source, str | os.PathLike) or any(c in os.fspath(source) for c in "*?["):
+        return
+    try:
+        _, listed = discover_listed(source, storage_options, retry)
+    except (LakeError, OSError):
+        return
+    root = os.fspath(source).rstrip("/")
+    names = [d.path for d, _ in listed]
+    suffixes = Counter(s for n in names for s in PARQUET_SUFFIXES if n.endswith(s))
+    strays = [n for n in names if not n.endswith(PARQUET_SUFFIXES)]
+    if not (suffixes and strays):
+        return
+    common = posixpath.commonpath(names) if len(names) > 1 else posixpath.dirname(names[0])
+    shown = ", ".join(posixpath.relpath(n, common) for n in strays[:SHOWN_STRAYS])
+    if len(strays) > SHOWN_STRAYS:
+        shown += f" and {len(strays) - SHOWN_STRAYS} more"
+    glob = f"{root}/**/*{suffixes.most_common(1)[0][0]}"
+    exc.args = (
+        f"{exc.args[0] if exc.args else exc}. The folder holds files not named as "
+        f"Parquet ({shown}): if they are not data, read only its Parquet files with "
+        f"LakeDataset({glob!r})",
+        *exc.args[1:],
+    )

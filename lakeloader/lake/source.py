@@ -18,10 +18,10 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec
 from fsspec.core import url_to_fs
 
-from lakeloader.errors import LakeNotFoundError
+from lakeloader.errors import LakeDataError, LakeNotFoundError
 from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import url_of
-from lakeloader.lake.discovery import Paths, discover_listed
+from lakeloader.lake.discovery import Paths, add_glob_advice, discover_listed
 from lakeloader.lake.increments import Increment, SourceRequest, listed_ns, newer_files
 from lakeloader.lake.snapshot import Snapshot, build_snapshot, snapshot_lake
 
@@ -107,6 +107,8 @@ class FolderSource:
                 skip_unreadable=request.skip_unreadable,
             )
         except Exception as exc:
+            if isinstance(exc, LakeDataError):  # a stray file? suggest a glob of the Parquet
+                add_glob_advice(exc, paths, request.storage_options, request.retry)
             if not refused(exc):
                 raise
             raise access_error(str(paths), exc) from exc
