@@ -167,9 +167,10 @@ class FollowLoader(DataLoader):
         parts = [_Part(self.dataset, self.tracker.epoch, start, rows)]
         need = batch - (rows - start)
         logger.info(
-            "increment %d ends %d rows short of a global batch: they open the next one",
+            "increment %d leaves %d rows, fewer than a global batch of %d: they open the next",
             self.tracker.epoch,
-            need,
+            rows - start,
+            batch,
         )
         while need:
             epoch = parts[-1].epoch + 1
@@ -187,7 +188,9 @@ class FollowLoader(DataLoader):
         if part.stop == part.start:  # an increment without rows
             empty = np.zeros(0, dtype=np.int64)
             return _Read([], empty, empty, empty.astype(np.uint64), ())
-        (spec,) = range_specs(plan, np.zeros(1), np.array([part.start]), np.array([part.stop]))
+        (spec,) = range_specs(
+            plan, np.zeros(1, np.int64), np.array([part.start]), np.array([part.stop])
+        )
         decoder = UnitDecoder(ds.reader(), None, ds.on_error, ds.validate)
         known = (*self.tracker.quarantine, *ds.lost)
         threads = max(1, min(self.options.io_threads, len(spec.positions)))

@@ -145,3 +145,37 @@ def test_a_state_at_an_increments_end_waits_for_the_next_one(tmp_path: Path) -> 
     assert list(again) == [], "caught up, not CaughtUpError"
     lake.add(GROWTH[0])
     assert sorted(i for b in again for i in b["id"].tolist()) == list(range(45, 58))
+
+
+def test_a_quarantined_piece_of_a_carried_step_is_skipped_alike_on_every_topology(
+    tmp_path: Path,
+) -> None:
+    lake = Lake(tmp_path / "lake", 45)
+
+    def validate(table: pa.Table) -> str | None:
+        return "holds id 44 or 50" if {44, 50} & set(table.column("id").to_pylist()) else None
+
+    groups = [
+        make_loaders(
+            ll.LakeDataset(lake.root, follow=FAST, on_error="skip", validate=validate, **ORDER),
+            world,
+            batch_size=8 // world,
+            drop_last=True,
+        )
+        for world in (1, 2)
+    ]
+    runs: list[list[list[int]]] = [[], []]
+    for rows in (0, *GROWTH[:3]):
+        if rows:
+            lake.add(rows)
+        for run, loaders in zip(runs, groups, strict=True):
+            for shares in zip(*(iter(loader) for loader in loaders), strict=True):
+                run.append(sorted(i for s in shares for i in s["id"].tolist()))
+    skipped = {e for loaders in groups for loader in loaders for e in loader.quarantine}
+    for loaders in groups:
+        for loader in loaders:
+            loader.close()
+    assert runs[0] == runs[1], "the same rows left out of the same batches"
+    ids = [i for b in runs[0] for i in b]
+    assert len(set(ids)) == len(ids) and not {44, 50} & set(ids)
+    assert len(ids) + sum(e.num_rows for e in skipped) == len(runs[0]) * 8, "slots: rows or holes"
