@@ -312,7 +312,7 @@ def test_a_path_without_checkpoint_is_a_clear_error(
 ) -> None:
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("lakeloader inspect: error:") and "no usable checkpoint" in err
+    assert err.startswith("lakeloader inspect: error:") and "no such folder" in err
     (tmp_path / "step-000000000007").mkdir()
     assert main(["inspect", str(tmp_path / "step-000000000007")]) == 2
     err = capsys.readouterr().err

@@ -1,47 +1,95 @@
-"""``lakeloader audit``: the exactly-once proof of a run, from its ledger and checkpoints."""
+"""``lakeloader audit``: the exactly-once proof of a run, from its ledger and checkpoints.
+
+The verdict is the command's exit status: 0 when every row of the committed history was trained
+on exactly once, 1 when NOT (a row missing or doubled, located in the lake), 3 when the proof
+is unverified (part of the history was not recorded: the ledger was attached late); 2 is any
+error (no checkpoint, no ledger, a ledger whose segments are cut short or empty).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from typing import Any
 
 import numpy as np
 
 from lakeloader.audit.history import AuditReport, Span, audit
-from lakeloader.audit.ledger import read_entries
+from lakeloader.audit.ledger import LEDGER_DIR, read_entries
 from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
-from lakeloader.cli.inspect import rebuild_plan, unit_offsets
-from lakeloader.cli.tables import format_pairs, format_table
+from lakeloader.cli.checkpoints import find_checkpoint, open_manager
+from lakeloader.cli.inspect import lake_url, rebuild_plan, unit_offsets
+from lakeloader.cli.tables import format_pairs, format_table, full_urls
 from lakeloader.errors import CheckpointError
+from lakeloader.io.fetch import url_of
+from lakeloader.io.retry import RetryPolicy
 from lakeloader.order.plan import slots_to_virtual
 
 #: Positions of each missing or doubled span located in the lake (file, row group, row).
 LOCATED = 3
+#: The report's last line, by the audit's verdict.
+_VERDICTS = {
+    "exactly once": "every row exactly once in the committed history",
+    "NOT exactly once": "NOT exactly once in the committed history",
+    "unverified": "unverified: no row missing or doubled in what the ledger recorded, but part "
+    "of the committed history was not recorded (UNVERIFIED above)",
+}
 
 
-def run_audit(url: str, storage_options: dict[str, Any]) -> tuple[AuditReport, dict[str, Any]]:
+def run_audit(
+    url: str, storage_options: dict[str, Any], retry: RetryPolicy | None = None
+) -> tuple[AuditReport, dict[str, Any]]:
     """Audit the run whose checkpoints are under ``url``; the report and its plain form.
 
+    ``retry`` is how long a store that fails transiently is retried (default: 5 minutes).
+
     Raises:
-        CheckpointError: If there is no usable checkpoint, or a ledger entry is malformed.
+        CheckpointError: If there is no usable checkpoint, no ledger, a ledger with no
+            complete entry, or a ledger entry is malformed.
     """
-    manager = CheckpointManager(url, storage_options=storage_options, ledger=False)
+    manager = open_manager(url, storage_options, retry or RetryPolicy())
     try:
-        ckpt = manager.load_checkpoint()
+        found = find_checkpoint(manager)
+        ckpt = found.checkpoint
         if ckpt.training is None:
             raise CheckpointError(
                 f"{ckpt.path} was saved without a training context (an older lakeloader): "
                 "its run has no ledger to audit"
             )
         entries, torn = read_entries(manager.store, manager.root)
+        if not entries:
+            raise CheckpointError(_no_entries(manager, url, torn))
     finally:
         manager.close()
-    if not entries:
-        raise CheckpointError(f"no audit ledger under {url} (CheckpointManager(ledger=False)?)")
     report = audit(entries, ckpt.step, ckpt.training.attempt)
-    return report, _plain(report, torn, ckpt)
+    info = _plain(report, [full_urls(t, url) for t in torn], ckpt)
+    info["skipped_damaged"] = found.skipped
+    return report, info
+
+
+def _no_entries(manager: CheckpointManager, url: str, torn: list[str]) -> str:
+    """Why a ledger gave no entry: there is none, or its segments are cut short or empty."""
+    folder = posixpath.join(manager.root, LEDGER_DIR)
+    where = url_of(manager.fs, folder)
+    if torn:
+        return (
+            f"the audit ledger {where} holds no complete entry: "
+            f"{'; '.join(full_urls(t, url) for t in torn)}; no step of the run is recorded, "
+            "so there is nothing to audit"
+        )
+    segments = [p for p in manager.store.sizes(folder) if p.endswith(".jsonl")]
+    if segments:
+        return (
+            f"the audit ledger {where} holds no entry: its segment(s) "
+            f"{', '.join(url_of(manager.fs, p) for p in segments)} are empty"
+        )
+    return (
+        f"no audit ledger under {url} (no {LEDGER_DIR}/ folder): the run was saved with "
+        "CheckpointManager(ledger=False), or by a loader that keeps none (a mixture or a "
+        "packed loader)"
+    )
 
 
 def _plain(
@@ -50,7 +98,7 @@ def _plain(
     epochs = []
     for e in report.epochs:
         d = dataclasses.asdict(e)
-        for key in ("missing", "doubled", "replayed", "uncommitted"):
+        for key in ("missing", "doubled", "unrecorded", "replayed", "uncommitted"):
             d[key] = [[s.start, s.stop] for s in getattr(e, key)]
         d["ok"] = e.ok
         d["located"] = (
@@ -64,6 +112,8 @@ def _plain(
         "head_step": report.head_step,
         "head_attempt": report.head_attempt,
         "ok": report.ok,
+        "verdict": report.verdict,
+        "unverified": list(report.unverified),
         "chain": [dataclasses.asdict(link) for link in report.chain],
         "epochs": epochs,
         "problems": list(report.problems),
@@ -93,7 +143,8 @@ def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]
         ):
             f = files[int(plan.units.file_index[unit])]
             rg = int(plan.units.row_group[unit])
-            out.append(f"position {slot}: {f.path} row group {rg} row {offset}")
+            where = lake_url(ckpt.context.source, f.path)
+            out.append(f"position {slot}: {where} row group {rg} row {offset}")
     return out
 
 
@@ -115,6 +166,8 @@ def render_audit_text(info: dict[str, Any]) -> str:
         status = "complete" if e["complete"] else "in progress"
         if not e["ok"]:
             status = "ERROR"
+        elif e["unrecorded"]:
+            status = "unverified"
         rows.append(
             [
                 e["epoch"],
@@ -147,9 +200,9 @@ def render_audit_text(info: dict[str, Any]) -> str:
                 lines.append(f"ERROR epoch {e['epoch']}: positions [{start}, {stop}) {word}")
         lines += [f"  {where}" for where in e["located"]]
     lines += [f"ERROR {p}" for p in info["problems"]]
+    lines += [f"UNVERIFIED {u}" for u in info["unverified"]]
     lines += [f"note: {t}" for t in info["torn_segments"]]
-    verdict = "every row exactly once" if info["ok"] else "NOT exactly once"
-    lines.append(f"verdict: {verdict} in the committed history")
+    lines.append(f"verdict: {_VERDICTS[info['verdict']]}")
     return "\n".join(lines)
 
 

@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lakeloader.checkpoint.kind_record import KindCheckpoint
-from lakeloader.checkpoint.layout import Checkpoint, split_checkpoint_path
-from lakeloader.checkpoint.manager import CheckpointManager
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.errors import CheckpointError
 from lakeloader.lake.snapshot import Snapshot
@@ -35,35 +33,6 @@ RANGES_SHOWN = 4
 #: Category codes of a row in :func:`row_ranges`.
 _CONSUMED, _REMAINING, _DROPPED = 0, 1, 2
 _CATEGORIES = ("consumed", "remaining", "dropped")
-
-
-def open_checkpoint(
-    path: str, step: int | None = None, storage_options: dict[str, Any] | None = None
-) -> tuple[Checkpoint | KindCheckpoint, list[int]]:
-    """Read the checkpoint a path names: a step folder, or a root (newest usable, or ``step``).
-
-    Returns:
-        The checkpoint and the committed steps under its root.
-
-    Raises:
-        CheckpointError: If there is no usable checkpoint there, or ``step`` contradicts the
-            step folder given.
-    """
-    root, folder_step = split_checkpoint_path(path)
-    if folder_step is not None and step is not None and step != folder_step:
-        raise CheckpointError(f"{path} is the checkpoint of step {folder_step}, not {step}")
-    manager = CheckpointManager(root, storage_options=storage_options)
-    try:
-        steps = manager.steps()
-        wanted = folder_step if folder_step is not None else step
-        if wanted is not None and wanted not in steps:
-            saved = ", ".join(map(str, steps)) or "none"
-            raise CheckpointError(
-                f"no committed checkpoint of step {wanted} under {root}; steps saved there: {saved}"
-            )
-        return manager.load_checkpoint(wanted), steps
-    finally:
-        manager.close()
 
 
 def rebuild_plan(ckpt: Checkpoint) -> EpochPlan:
@@ -255,22 +224,23 @@ def inspect_checkpoint(
     if ranges:
         deliver_stop = g + remaining - view.rows_to_drop
         info["ranges"] = row_ranges(plan, ckpt.snapshot, g, deliver_stop)
-    scheme = _scheme(ctx.source)
     for entry in [*info["ranks"], *info["workers"], *info.get("ranges", [])]:
-        if scheme and entry["file"] is not None and "://" not in entry["file"]:
-            entry["file"] = scheme + entry["file"]
+        if entry["file"] is not None:
+            entry["file"] = lake_url(ctx.source, entry["file"])
+    for entry in info["quarantine"]:
+        entry["path"] = lake_url(ctx.source, entry["path"])
     return info
 
 
-def _scheme(source: str | list[str]) -> str:
-    """``s3://`` for a lake in S3 (snapshots keep paths without it), else ``""``.
+def lake_url(source: str | list[str], path: str) -> str:
+    """The URL of a lake file's path (snapshots keep ``bucket/key``, without ``s3://``).
 
-    >>> _scheme(["gs://bucket/lake"]), _scheme("/data/lake")
-    ('gs://', '')
+    >>> lake_url(["gs://bucket/lake"], "bucket/lake/a.parquet"), lake_url("/data", "/data/a")
+    ('gs://bucket/lake/a.parquet', '/data/a')
     """
     first = source if isinstance(source, str) else (source[0] if source else "")
     head, sep, _ = first.partition("://")
-    return f"{head}{sep}" if sep and head != "file" else ""
+    return f"{head}{sep}{path}" if sep and head != "file" and "://" not in path else path
 
 
 def _topology_text(t: dict[str, Any]) -> str:

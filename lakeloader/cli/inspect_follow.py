@@ -24,8 +24,13 @@ logger = logging.getLogger(__name__)
 MAX_LAG_INCREMENTS = 10_000
 
 
-def lake_details(ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool) -> dict[str, Any]:
-    """The table version, the filter and, for a followed lake, its increment and lag."""
+def lake_details(
+    ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool, retry: RetryPolicy
+) -> dict[str, Any]:
+    """The table version, the filter and, for a followed lake, its increment and lag.
+
+    ``retry`` is how long the lake's store is retried while the lag is looked up.
+    """
     snap = ckpt.snapshot
     out: dict[str, Any] = {
         "table": None if snap.table is None else snap.table.describe(),
@@ -39,12 +44,14 @@ def lake_details(ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool) -
         "index": inc.index,
         "increments_consumed": inc.index,
         "mark": [inc.upto.position, inc.upto.path],
-        "lag": _lag(ckpt, inc, storage_options) if lag else None,
+        "lag": _lag(ckpt, inc, storage_options, retry) if lag else None,
     }
     return out
 
 
-def _lag(ckpt: Checkpoint, after: Increment, storage_options: dict[str, Any]) -> dict[str, int]:
+def _lag(
+    ckpt: Checkpoint, after: Increment, storage_options: dict[str, Any], retry: RetryPolicy
+) -> dict[str, int]:
     """Files and rows appended after an increment (the increments that would follow it)."""
     source: Growing
     where = ckpt.context.source
@@ -53,9 +60,7 @@ def _lag(ckpt: Checkpoint, after: Increment, storage_options: dict[str, Any]) ->
         source = DeltaSource(ckpt.snapshot.table.location, None, options)
     else:
         source = FolderSource.of(where)
-    request = SourceRequest(
-        fsspec_options(storage_options), None, False, RetryPolicy(deadline=30), False, "skip"
-    )
+    request = SourceRequest(fsspec_options(storage_options), None, False, retry, False, "skip")
     files = rows = increments = 0
     now: Increment | None = after
     while now is not None and increments < MAX_LAG_INCREMENTS:

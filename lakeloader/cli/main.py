@@ -1,10 +1,14 @@
 """The ``lakeloader`` command: ``plan``, ``inspect``, ``audit``, ``clean`` and ``demo``.
 
 ``plan`` shows a lake and the cut of an epoch, ``inspect`` a checkpoint's position under any
-topology, ``audit`` proves exactly-once delivery from a run's ledger (exit status 1 when a row
-is missing or doubled), ``clean`` removes the shared memory of loaders that were killed,
-``demo`` runs the end-to-end job. Bad arguments and failures print one line and exit with status 2
-(``--verbose`` adds the traceback of an unexpected error).
+topology, ``audit`` proves exactly-once delivery from a run's ledger, ``clean`` removes the
+shared memory of loaders that were killed, ``demo`` runs the end-to-end job. Bad arguments and
+failures print one line naming the path or URL and exit with status 2 (``--verbose``, before or
+after the subcommand, logs each storage retry and adds the traceback of an unexpected error);
+a store that keeps failing is given up after ``--retry-seconds`` (30 s). ``audit`` exits with
+0 when every row was trained on exactly once, 1 when not (a row missing or doubled), 3 when
+the proof is unverified (part of the history was not recorded: the ledger was attached late).
+Paths are printed as the URLs a user would pass (``s3://bucket/...``).
 """
 
 from __future__ import annotations
@@ -13,18 +17,22 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from lakeloader._version import __version__
-from lakeloader.cli.tables import format_pairs, format_table, to_json
-from lakeloader.errors import LakeError
+from lakeloader.cli.parser import UsageError, parse
+from lakeloader.cli.tables import format_pairs, format_table, full_urls, to_json
+from lakeloader.errors import LakeError, StorageRetryWarning, StoreUnavailableError
+from lakeloader.io.retry import RetryPolicy
 from lakeloader.units import human_bytes
 
 logger = logging.getLogger(__name__)
 
-#: Files listed by ``lakeloader plan`` unless ``--files`` asks for more.
-DEFAULT_FILES_SHOWN = 20
+#: What ``lakeloader audit`` exits with, by the audit's verdict (2 is any error).
+AUDIT_EXIT = {"exactly once": 0, "NOT exactly once": 1, "unverified": 3}
+#: The logger of each storage retry: shown with ``--verbose`` only (the error says it all).
+RETRY_LOGGER = "lakeloader.io.retry"
 
 
 def _emit(text: str, *, error: bool = False) -> None:
@@ -34,42 +42,17 @@ def _emit(text: str, *, error: bool = False) -> None:
     stream.flush()
 
 
-def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--storage-option expects KEY=VALUE, got {pair!r}")
-        options[key] = value
-    return options
-
-
-def _count(least: int) -> Any:
-    """An argparse type: an integer of at least ``least``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {least}"
-    return parse
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in every option's help, examples kept as written."""
-
-
 def _cmd_clean(args: argparse.Namespace) -> int:
     import tempfile
 
     from lakeloader.cache.shm import SHM_DIR, sweep
 
-    folders = [f for f in (args.dir or [SHM_DIR, tempfile.gettempdir()]) if os.path.isdir(f)]
+    sweeps = "clean sweeps local folders: /dev/shm, the temporary folder, a loader's cache_dir"
+    for folder in args.dir:
+        if not os.path.isdir(folder):
+            what = f"{folder} is a file" if os.path.exists(folder) else f"no such folder: {folder}"
+            raise UsageError(f"{what} ({sweeps})")
+    folders = args.dir or [f for f in (SHM_DIR, tempfile.gettempdir()) if os.path.isdir(f)]
     removed = [(path, size) for folder in folders for path, size in sweep(folder)]
     if args.json:
         _emit(
@@ -99,7 +82,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from lakeloader.cli.describe import describe_plan
     from lakeloader.lake.tables.detect import table_kind
 
-    options = _storage_options(args.storage_option)
+    options = dict(args.storage_option)
     kind = table_kind(args.lake, options) if args.table == "auto" else args.table
     if args.table_version is not None and kind == "folder":
         raise ValueError(
@@ -114,6 +97,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         shuffle=not args.no_shuffle,
         num_partitions=args.num_partitions,
         progress=None if not args.json else False,
+        retry=RetryPolicy(deadline=args.retry_seconds),
         **({"window": args.window} if args.window else {}),
     )
     info = describe_plan(
@@ -201,7 +185,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
     from lakeloader.checkpoint.kind_record import KindCheckpoint
-    from lakeloader.cli.inspect import inspect_checkpoint, open_checkpoint, render_text
+    from lakeloader.cli.checkpoints import open_checkpoint
+    from lakeloader.cli.inspect import inspect_checkpoint, render_text
     from lakeloader.cli.inspect_follow import lake_details, render_details
     from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
     from lakeloader.cli.inspect_training import render_training, training_details
@@ -212,10 +197,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "drop_last": args.drop_last,
     }
-    ckpt, steps = open_checkpoint(args.checkpoint, args.step, _storage_options(args.storage_option))
+    options, retry = dict(args.storage_option), RetryPolicy(deadline=args.retry_seconds)
+    found = open_checkpoint(args.checkpoint, args.step, options, retry)
+    ckpt, steps = found.checkpoint, found.steps
+    _warn_skipped(args.command, found.skipped)
     if isinstance(ckpt, KindCheckpoint):  # per source or partition: no topology to map onto
         report = inspect_kind(ckpt, steps)
         report["training"] = training_details(ckpt.training)
+        report["skipped_damaged"] = found.skipped
         text = render_kind_text(report) + "\n" + format_pairs(render_training(report["training"]))
         _emit(to_json(report) if args.json else text)
         return 0
@@ -228,8 +217,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         ranges=args.ranges,
         steps_available=steps,
     )
-    options = _storage_options(args.storage_option)
-    info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag)
+    info["skipped_damaged"] = found.skipped
+    info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
     info["training"] = training_details(ckpt.training)
     lines = render_details(details) + render_training(info["training"])
     text = render_text(info) + ("\n" + format_pairs(lines) + "\n" if lines else "")
@@ -240,167 +229,76 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_audit(args: argparse.Namespace) -> int:
     from lakeloader.cli.audit import render_audit_text, run_audit
 
-    report, info = run_audit(args.checkpoint, _storage_options(args.storage_option))
+    retry = RetryPolicy(deadline=args.retry_seconds)
+    report, info = run_audit(args.checkpoint, dict(args.storage_option), retry)
+    _warn_skipped(args.command, info["skipped_damaged"])
     _emit(to_json(info) if args.json else render_audit_text(info))
-    return 0 if report.ok else 1
+    return AUDIT_EXIT[report.verdict]
 
 
-def _add_io_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every command that reads a store shares: storage options and ``--json``."""
-    parser.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec storage option (repeatable)",
-    )
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+def _warn_skipped(command: str, skipped: list[str]) -> None:
+    """One line per newer checkpoint passed over as damaged."""
+    for line in skipped:
+        _emit(f"lakeloader {command}: warning: damaged checkpoint passed over: {line}", error=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``lakeloader`` command."""
-    parser = argparse.ArgumentParser(
-        prog="lakeloader",
-        description="Deterministic, exactly-resumable Parquet lakes for PyTorch.",
-        formatter_class=_Help,
-    )
-    parser.add_argument("--version", action="version", version=f"lakeloader {__version__}")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log at INFO level; tracebacks of errors"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "plan": _cmd_plan,
+    "demo": _cmd_demo,
+    "inspect": _cmd_inspect,
+    "audit": _cmd_audit,
+    "clean": _cmd_clean,
+}
 
-    plan = sub.add_parser(
-        "plan",
-        help="what a lake holds and how an epoch is cut",
-        formatter_class=_Help,
-        epilog="example:\n  lakeloader plan s3://bucket/lake/ --world-size 8 --batch-size 64 "
-        "--storage-option endpoint_url=http://127.0.0.1:9000",
-    )
-    plan.add_argument(
-        "lake",
-        help="folder, glob, file or URL of the lake; a Delta table's folder; an Iceberg "
-        "table's metadata/*.metadata.json",
-    )
-    plan.add_argument(
-        "--table",
-        choices=("auto", "folder", "delta", "iceberg"),
-        default="auto",
-        help="what LAKE is (auto: a folder with _delta_log/ is Delta, *.metadata.json Iceberg)",
-    )
-    plan.add_argument(
-        "--table-version",
-        type=_count(0),
-        default=None,
-        help="Delta version or Iceberg snapshot id (None: the newest)",
-    )
-    plan.add_argument("--columns", help="comma-separated columns to read")
-    plan.add_argument("--seed", type=int, default=0, help="seed of the order")
-    plan.add_argument("--no-shuffle", action="store_true", help="path order")
-    plan.add_argument(
-        "--num-partitions", type=_count(1), default=None, help="C (None: the library's default)"
-    )
-    plan.add_argument(
-        "--window", type=_count(1), default=None, help="rows per shuffle window (None: default)"
-    )
-    plan.add_argument("--world-size", type=_count(1), default=1, help="ranks")
-    plan.add_argument("--batch-size", type=_count(1), default=256, help="rows per rank per step")
-    plan.add_argument("--drop-last", action="store_true", help="drop a short last global batch")
-    plan.add_argument("--files", type=_count(0), default=DEFAULT_FILES_SHOWN, help="files to list")
-    _add_io_arguments(plan)
-    plan.set_defaults(func=_cmd_plan)
 
-    demo = sub.add_parser(
-        "demo",
-        help="generate a lake, train, crash, resume on another topology, report",
-        formatter_class=_Help,
-        epilog="example:\n  lakeloader demo --rows 20000",
-    )
-    demo.add_argument("--dir", default=None, help="working folder (None: a temporary one, kept)")
-    demo.add_argument("--rows", type=_count(1000), default=60_000, help="rows in the lake")
-    demo.add_argument("--crash-at", type=_count(1), default=None, help="step of the crash")
-    demo.add_argument("--json", action="store_true", help="machine-readable report")
-    demo.set_defaults(func=_cmd_demo)
+def _log_to_stderr(verbose: bool) -> None:
+    """Log to stderr (INFO with ``--verbose``); storage retries only with ``--verbose``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        handler.addFilter(lambda record: record.name != RETRY_LOGGER)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
 
-    inspect = sub.add_parser(
-        "inspect",
-        help="a checkpoint's position: per rank and worker, rows consumed and left",
-        formatter_class=_Help,
-        epilog="examples:\n  lakeloader inspect runs/7/ckpt\n"
-        "  lakeloader inspect runs/7/ckpt --world-size 16 --ranges --json",
-    )
-    inspect.add_argument("checkpoint", help="a checkpoint step folder, or the root holding them")
-    inspect.add_argument("--step", type=_count(0), default=None, help="step (None: the newest)")
-    inspect.add_argument("--world-size", type=_count(1), default=None, help="None: the saved one")
-    inspect.add_argument("--num-workers", type=_count(0), default=None, help="None: the saved one")
-    inspect.add_argument("--batch-size", type=_count(1), default=None, help="None: the saved one")
-    inspect.add_argument(
-        "--drop-last",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="instead of the saved setting",
-    )
-    inspect.add_argument(
-        "--ranges", action="store_true", help="row ranges consumed and remaining per row group"
-    )
-    inspect.add_argument(
-        "--no-lag",
-        action="store_true",
-        help="for a followed lake, do not look at the lake for what was appended since",
-    )
-    _add_io_arguments(inspect)
-    inspect.set_defaults(func=_cmd_inspect)
 
-    audit = sub.add_parser(
-        "audit",
-        help="prove from the ledger that every row was trained on exactly once (exit 1 if not)",
-        formatter_class=_Help,
-        epilog="examples:\n  lakeloader audit runs/7/ckpt\n  lakeloader audit s3://b/ckpt --json",
-    )
-    audit.add_argument("checkpoint", help="the checkpoints' root folder (any fsspec URL)")
-    _add_io_arguments(audit)
-    audit.set_defaults(func=_cmd_audit)
-
-    clean = sub.add_parser(
-        "clean",
-        help="remove the shared memory of lakeloader processes that were killed",
-        formatter_class=_Help,
-        epilog="example:\n  lakeloader clean --json",
-    )
-    clean.add_argument(
-        "dir", nargs="*", help="folders to sweep (None: /dev/shm and the temporary folder)"
-    )
-    clean.add_argument("--json", action="store_true", help="machine-readable output")
-    clean.set_defaults(func=_cmd_clean)
-    return parser
+def _one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lakeloader`` console script."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
     except SystemExit as exc:  # --help, --version, or a bad argument (one line, status 2)
         return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    _log_to_stderr(args.verbose)
+    target = getattr(args, "lake", None) or getattr(args, "checkpoint", None) or ""
+
+    def show(message: Warning | str, *_: Any, **__: Any) -> None:
+        text = _one_line(full_urls(str(message), target))
+        _emit(f"lakeloader {args.command}: warning: {text}", error=True)
+
     try:
-        code: int = args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            if not args.verbose:  # the error names the store, the attempts and the deadline
+                warnings.simplefilter("ignore", StorageRetryWarning)
+            return COMMANDS[args.command](args)
     except (LakeError, KeyError, ValueError, OSError) as exc:  # what bad input raises
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        _emit(f"lakeloader {args.command}: error: {message}", error=True)
+        message = str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
+        if isinstance(exc, StoreUnavailableError):
+            message += f" (here: --retry-seconds, now {args.retry_seconds:g})"
+        text = _one_line(full_urls(message, target))
+        _emit(f"lakeloader {args.command}: error: {text}", error=True)
         return 2
     except Exception as exc:
         if args.verbose:
             raise
         _emit(
-            f"lakeloader {args.command}: error: {type(exc).__name__}: {exc} (run with "
-            "--verbose for the traceback)",
+            f"lakeloader {args.command}: error: {type(exc).__name__}: {_one_line(str(exc))} "
+            "(run with --verbose for the traceback)",
             error=True,
         )
         return 2
-    return code
 
 
 if __name__ == "__main__":

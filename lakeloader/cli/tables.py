@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,3 +57,21 @@ def _cell(value: Any) -> str:
 def to_json(data: Any) -> str:
     """Indented JSON with sorted keys, for ``--json``."""
     return json.dumps(data, indent=2, sort_keys=True, default=str)
+
+
+def full_urls(text: str, url: str) -> str:
+    """``text`` with the paths in ``url``'s bucket written as URLs, as ``url`` is.
+
+    fsspec's paths of an object store drop the protocol (``bucket/key``); a message that
+    names one is shown with it, so that the path can be copied into another command.
+
+    >>> full_urls("b/ckpt/step-000000000001: torn; see 's3://b/x'", "s3://b/ckpt")
+    "s3://b/ckpt/step-000000000001: torn; see 's3://b/x'"
+    >>> full_urls("/runs/ckpt: empty", "/runs/ckpt")
+    '/runs/ckpt: empty'
+    """
+    scheme, sep, rest = url.partition("://")
+    bucket = rest.split("/", 1)[0]
+    if not sep or scheme == "file" or not bucket:
+        return text
+    return re.sub(rf"(?<![\w/.:-]){re.escape(bucket)}(?=/|$)", f"{scheme}://{bucket}", text)
