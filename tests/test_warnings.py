@@ -147,9 +147,12 @@ def _warns_in_worker(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def test_a_lake_warning_in_a_worker_process_is_issued_in_the_loaders(lake: Path) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_lake_warning_in_a_worker_process_is_issued_in_the_loaders(
+    lake: Path, context: str
+) -> None:
     ds = ll.LakeDataset(lake, shuffle=False, transform=_warns_in_worker)
-    loader = ll.DataLoader(ds, batch_size=50, num_workers=2)
+    loader = ll.DataLoader(ds, batch_size=50, num_workers=2, multiprocessing_context=context)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         assert sum(len(batch["id"]) for batch in loader) == LAYOUT_ROWS
