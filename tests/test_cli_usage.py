@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,11 +32,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.PartitionWarning")
 ROOT_HINT = "the checkpoints' root folder, the URL given to CheckpointManager"
 
 
-def _save(ds: ll.LakeDataset, url: str, steps: int = 3, **options: object) -> None:
+def _save(ds: ll.LakeDataset, url: str, steps: int = 3, **options: Any) -> None:
     """Checkpoints of steps 1..``steps`` (batch 16) under ``url``."""
     loader = ll.DataLoader(ds, batch_size=16)
     batches = iter(loader)
-    with ll.CheckpointManager(url, keep=steps, **options) as ckpt:  # type: ignore[arg-type]
+    with ll.CheckpointManager(url, keep=steps, **options) as ckpt:
         for step in range(1, steps + 1):
             next(batches)
             ckpt.save(step, loader)
@@ -226,6 +226,9 @@ def test_printed_paths_are_the_urls_a_user_passes(
     assert f"checkpoint       {audited}\n" in capsys.readouterr().out
     assert main(["plan", lake_url, *options, "--json"]) == 0
     assert all(f["path"].startswith(lake_url) for f in json.loads(capsys.readouterr().out)["files"])
+    assert main(["plan", f"{lake_url}-gone", *options]) == 2
+    said = _error(capsys, "plan")
+    assert f"{lake_url}-gone" in said and f" {bucket}/" not in said, said
     assert main(["inspect", f"{ckpt}/nothing", *options]) == 2
     assert f"no such folder: {ckpt}/nothing;" in _error(capsys, "inspect")
     assert main(["inspect", lake_url, *options]) == 2
