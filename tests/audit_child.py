@@ -2,16 +2,20 @@
 
 ``python -m tests.audit_child LAKE CKPT LOG BATCH EPOCHS [MISTAKE]`` trains (no model: the rows
 are what is audited), saving every 3 steps, resuming from the newest checkpoint if there is
-one, and appends ``[epoch, step, ids]`` per step to LOG (msgpack). The parent SIGKILLs it or
-lets it finish. MISTAKE makes the loop really lose or double rows, for the audit to catch:
-``double`` trains the first step after the resume twice (it restores the position before
-it), ``lose`` ends epoch 0 early (``set_epoch(1)`` at the resume), ``unrecorded`` resumes by
-``load_state_dict`` from the checkpoint instead of ``CheckpointManager.load``.
+one, and appends ``[epoch, step, ids]`` per step to LOG (msgpack). With ``AUDIT_CHILD_HOLD=8``
+in its environment it stops after step 8 until the parent SIGKILLs it (2 steps after the
+checkpoint of step 6); without, it trains to the end. MISTAKE makes the loop really lose or
+double rows, for the audit to catch: ``double`` trains the first step after the resume twice
+(it restores the position before it), ``lose`` ends epoch 0 early (``set_epoch(1)`` at the
+resume), ``unrecorded`` resumes by ``load_state_dict`` from the checkpoint instead of
+``CheckpointManager.load``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -43,6 +47,8 @@ def main(lake: str, ckpt_dir: str, log: str, batch: str, epochs: str, mistake: s
                 out.flush()
                 if step % 3 == 0:
                     ckpt.save(step, loader, extra={"step": step})
+                if step == int(os.environ.get("AUDIT_CHILD_HOLD", "0")):
+                    time.sleep(600)  # the parent kills it here
                 if not doubled:  # as if the loop lost track: it trains this step again
                     doubled = left_early = True
                     loader.load_state_dict(before)

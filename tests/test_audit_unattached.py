@@ -9,6 +9,7 @@ whose history the ledger could not see is *unverified* (exit 3), never "NOT exac
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def _crash_then_resume(own_lake: Path, tmp_path: Path, mistake: str = "") -> dic
     Returns, per epoch, how often each id was trained in the committed history by the loop's
     own logs (the steps after the checkpoint the resume started from are dropped).
     """
-    child = subprocess.Popen(_child(own_lake, tmp_path, 32), cwd=ROOT)
+    env = {**os.environ, "AUDIT_CHILD_HOLD": "8"}
+    child = subprocess.Popen(_child(own_lake, tmp_path, 32), cwd=ROOT, env=env)
     deadline = time.monotonic() + 120
     while not (records := _log(tmp_path)) or records[-1][1] < 8:
         assert child.poll() is None and time.monotonic() < deadline, "the child stopped early"
@@ -65,7 +67,7 @@ def _crash_then_resume(own_lake: Path, tmp_path: Path, mistake: str = "") -> dic
     child.wait()
     killed = _log(tmp_path)
     saved = ll.CheckpointManager(str(tmp_path / "ckpt"), ledger=False).latest()
-    assert saved is not None and saved < len(killed), "a checkpoint, then steps after it"
+    assert (saved, len(killed)) == (6, 8), "a checkpoint, then steps after it"
     done = subprocess.run(_child(own_lake, tmp_path, 20, mistake), cwd=ROOT, timeout=120)
     assert done.returncode == 0
     records = _log(tmp_path)
