@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,67 @@ ROOT = Path(__file__).resolve().parents[1]
 #: log folders, the benchmarks' and the examples' folders. Only such names are compared, so
 #: that what other processes make there meanwhile is not taken for the suite's.
 TMP_PATTERNS = ("weed.*", "torchelastic_*", "lakeloader-*", "train_ft-*")
+
+
+#: Long tests (3 s or more each, measured with ``--durations=0`` on 2 busy cores) in modules
+#: that are otherwise quick; modules of long tests carry ``pytestmark = pytest.mark.slow``
+#: instead. ``pytest -m "not slow"`` is the quick tier (docs/testing.md). An entry names a
+#: test function (all its parameters) or one parametrized case.
+SLOW_TESTS = frozenset(
+    {
+        "test_parquet_testing.py::test_file_streams_like_pyarrow[large_string_map.brotli.parquet]",
+        "test_checkpoint_store.py::test_checkpoint_save_and_load_ride_out_a_store_restart",
+        "test_mixture.py::test_resume_at_20_random_points_under_other_topologies",
+        "test_follow.py::test_ranks_under_torchrun_take_the_same_increments",
+        "test_follow.py::test_a_sigkill_and_a_resume_on_two_ranks_deliver_every_appended_row_once",
+        "test_preemption.py::test_a_loop_that_never_checks_exits_with_the_signal_status_at_the_"
+        "deadline",
+        "test_preemption.py::test_a_loop_that_checks_stops_at_the_next_step_and_exits_zero",
+        "test_faultproxy.py::test_the_restartable_store_keeps_its_objects",
+        "test_faultproxy.py::test_a_fraction_of_503s_is_retried_through",
+        "test_cli.py::test_demo_end_to_end",
+        "test_direct_reads.py::test_pooled_connections_survive_a_store_restart",
+        "test_packing.py::test_resume_at_20_random_points_mid_document_and_under_other_shapes",
+        "test_checkpoint.py::test_ranks_that_disagree_are_named",
+        "test_loader_api.py::test_timeout",
+        "test_transforms.py::test_tokens_and_embeddings_example_runs",
+        "test_packed_mixture.py::test_resume_under_other_shapes_with_new_weights_and_a_source_"
+        "added",
+        "test_ft.py::test_a_group_killed_and_one_joining_leave_every_row_exactly_once",
+        "test_demo.py::test_the_demo_passes_its_own_audit",
+        "test_usability.py::test_a_spawned_process_continues_a_loader_where_it_stood",
+        "test_cli_usage.py::test_a_store_that_does_not_answer_is_given_up_after_retry_seconds",
+        "test_cli_usage.py::test_each_damaged_checkpoint_is_named_once",
+        "test_audit_unattached.py::test_a_loop_that_really_doubles_or_loses_rows_fails_the_audit",
+        "test_audit_unattached.py::test_a_history_the_ledger_did_not_see_is_unverified",
+        "test_audit_unattached.py::test_a_readme_loop_without_attach_passes_after_a_crash_and_a_"
+        "resize",
+        "test_warnings.py::test_warnings_reach_stderr_without_any_logging_set_up",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``SLOW_TESTS`` slow; warn about entries that name no test of a module collected."""
+    matched = set()
+    for item in items:
+        function = getattr(item, "originalname", item.name)
+        for key in (f"{item.path.name}::{item.name}", f"{item.path.name}::{function}"):
+            if key in SLOW_TESTS:
+                item.add_marker(pytest.mark.slow)
+                matched.add(key)
+    if any("::" in arg for arg in config.args):
+        return  # tests picked by name: the others' entries match nothing, as they should
+    modules = {item.path.name for item in items}
+    stale = sorted(e for e in SLOW_TESTS - matched if e.split("::")[0] in modules)
+    if stale:
+        warnings.warn(
+            pytest.PytestWarning(
+                f"tests/conftest.py SLOW_TESTS names tests that do not exist (renamed or "
+                f"removed?): {', '.join(stale)}; the quick tier now runs what they became"
+            ),
+            stacklevel=1,
+        )
 
 
 def left_in(folders: Sequence[Path]) -> set[str]:

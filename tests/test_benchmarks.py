@@ -24,6 +24,8 @@ import pytest
 
 from tests.conftest import ROOT, run_module
 
+pytestmark = pytest.mark.slow  # each benchmark's smoke run: not in the quick tier
+
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     result = run_module(*args, timeout=timeout)

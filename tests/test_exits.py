@@ -20,6 +20,8 @@ import pytest
 
 from tests.conftest import running
 
+pytestmark = pytest.mark.slow  # processes killed by signals: not in the quick tier
+
 SCRIPT = r"""
 import os, sys, time, warnings
 import lakeloader as ll

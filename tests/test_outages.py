@@ -35,7 +35,10 @@ ORDER: dict[str, Any] = {"seed": 11, "num_partitions": 4, "window": 500}
 #: Small enough that units are fetched as the epoch goes, not all at its start.
 SMALL_CACHE = {"cache_bytes": 40_000, "io_threads": 2}
 #: That budget is below what some steps hold, on purpose: the loader says so, as it should.
-pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.CacheBudgetWarning")
+pytestmark = [
+    pytest.mark.slow,  # store outages: not in the quick tier
+    pytest.mark.filterwarnings("ignore::lakeloader.CacheBudgetWarning"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -193,6 +193,7 @@ def test_every_python_block_is_run() -> None:
     assert len(BLOCKS) >= 10, f"found {len(BLOCKS)} ```python blocks in README.md"
 
 
+@pytest.mark.slow  # the whole README at once (about 15 s) and an S3 server
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
 def test_readme_block(block: Block, readme_run: dict[str, Any]) -> None:
     result = readme_run["results"].get(block.index)

@@ -28,6 +28,8 @@ from lakeloader.cli.main import main as cli
 from tests.conftest import double_a_step
 from tests.torchrun_runs import Run, load_example, torchrun
 
+pytestmark = pytest.mark.slow  # torchrun runs: not in the quick tier
+
 ROWS = 4001  # 4001 = 83 x 48 + 17: on 2 ranks the last batch of an epoch leaves rank 1 empty
 BATCH = 16  # per rank on 3 ranks: global batches of 48
 RESIZED_BATCH = 24  # per rank on 2 ranks: the same global batch of 48

@@ -27,6 +27,8 @@ import pytest
 import lakeloader as ll
 from tests.conftest import TORCHRUN_ENV, torchrun_command
 
+pytestmark = pytest.mark.slow  # torchrun runs: not in the quick tier
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_packed.py"
 KILL_RANK, KILL_STEP, FIRST_STOP, LAST_STOP = 2, 7, 20, 36
 TIMEOUT = 240.0

@@ -19,6 +19,8 @@ import pytest
 
 from tests.torchrun_runs import Run, load_example, torchrun
 
+pytestmark = pytest.mark.slow  # torchrun runs: not in the quick tier
+
 ROWS = 2400  # 50 steps of 48: every run below stays inside epoch 0
 TERM_RANK, TERM_STEP = 1, 12
 FINAL_STOP = 30
