@@ -177,9 +177,11 @@ def test_every_damaged_checkpoint_is_reported_once(
     for step in (1, 2):
         ckpt.save(step, loader)
         (tmp_path / step_dir_name(step) / STATE_FILE).write_bytes(b"garbage")
-    with caplog.at_level(logging.WARNING, logger="lakeloader"):
-        with pytest.raises(ll.CheckpointError) as err:
-            ckpt.load(loader)
+    with (
+        caplog.at_level(logging.WARNING, logger="lakeloader"),
+        pytest.raises(ll.CheckpointError) as err,
+    ):
+        ckpt.load(loader)
     assert not caplog.records, "the error says it all: no warning besides it"
     for step in (1, 2):
         assert str(err.value).count(step_dir_name(step)) == 1

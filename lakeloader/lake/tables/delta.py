@@ -45,7 +45,8 @@ def open_table(uri: str, version: int | None, options: dict[str, str]) -> Any:
         from deltalake.exceptions import DeltaError, TableNotFoundError
     except ImportError as exc:
         raise ImportError(
-            "reading Delta tables needs the deltalake package: pip install 'lakeloader[delta]'"
+            "reading Delta tables needs the deltalake package: pip install deltalake (or "
+            "pip install -e '.[delta]' in a clone of lakeloader)"
         ) from exc
     try:
         return DeltaTable(uri, version=version, storage_options=options or None)

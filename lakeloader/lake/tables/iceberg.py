@@ -41,7 +41,8 @@ def open_table(location: str, properties: dict[str, str]) -> Any:
         from pyiceberg.table import StaticTable
     except ImportError as exc:
         raise ImportError(
-            "reading Iceberg tables needs pyiceberg: pip install 'lakeloader[iceberg]'"
+            "reading Iceberg tables needs pyiceberg: pip install 'pyiceberg[pyarrow]' (or "
+            "pip install -e '.[iceberg]' in a clone of lakeloader)"
         ) from exc
     try:
         return StaticTable.from_metadata(location, properties=properties)
