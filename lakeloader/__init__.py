@@ -33,6 +33,7 @@ from lakeloader.errors import (
     StorageRetryWarning,
     StoreAccessError,
     StoreUnavailableError,
+    TopologyError,
     WorkerError,
     WorkerWarning,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "StoreAccessError",
     "StoreUnavailableError",
     "Topology",
+    "TopologyError",
     "rng",
     "row_rngs",
     "row_seeds",

@@ -7,7 +7,13 @@ that a failure deep inside a DataLoader worker is actionable from the training l
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+import warnings
 from collections.abc import Sequence
+
+#: This package's folder: frames under it are lakeloader's own, not the user's.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 #: Columns a ColumnNotFoundError lists at most (the closest to the missing ones first).
 SHOWN_COLUMNS = 20
@@ -110,6 +116,10 @@ class LakeChangedError(LakeError):
     """Files of a pinned snapshot are gone or were rewritten since a checkpoint."""
 
 
+class TopologyError(LakeError, RuntimeError):
+    """This process's place in the run (rank, world size) cannot be told when it is needed."""
+
+
 class CheckpointError(LakeError):
     """A checkpoint cannot be saved or no usable checkpoint can be loaded."""
 
@@ -144,3 +154,15 @@ class WorkerWarning(LakeWarning):
 
 class StorageRetryWarning(LakeWarning):
     """The store failed transiently and requests are retried (said once per outage)."""
+
+
+def warn_user(message: str, category: type[LakeWarning]) -> None:
+    """Issue a warning attributed to the user's line that led here.
+
+    That is the first frame outside lakeloader, however deep in the loader the warning is
+    found (what ``skip_file_prefixes`` does from Python 3.12 on).
+    """
+    level, frame = 2, sys._getframe(1)  # 2: the caller of this function
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    warnings.warn(message, category, stacklevel=level)

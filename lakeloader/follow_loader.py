@@ -98,13 +98,14 @@ class FollowLoader(DataLoader):
         super()._init_dataset(dataset)
         self.tracker.drop_last = False  # a short tail is carried, never counted as dropped
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
         """The position, with the increment it stands in (its marks: a few numbers).
 
         With them, :meth:`load_state_dict` finds the increment's files again on a dataset
-        made anew, without a checkpoint's manifest.
+        made anew, without a checkpoint's manifest. ``fetched_ahead`` is the lake's
+        (``DataLoader.state_dict``).
         """
-        state = super().state_dict()
+        state = super().state_dict(fetched_ahead=fetched_ahead)
         increment = self.dataset.snapshot.increment
         state[INCREMENT_KEY] = None if increment is None else increment.to_list()
         return state
@@ -130,10 +131,10 @@ class FollowLoader(DataLoader):
         state.check_matches(base.fingerprint, base.config.to_dict())
         self._resume(Resumption(state, dataset=base))
 
-    def __len__(self) -> int:
+    def _pass_steps(self) -> int:
         raise TypeError("a followed lake is endless: it has no len(); see loader.dataset's")
 
-    def __iter__(self) -> Iterator[Any]:
+    def _pass(self) -> Iterator[Any]:
         return self._increments()
 
     def _increments(self) -> Iterator[Any]:
@@ -150,7 +151,7 @@ class FollowLoader(DataLoader):
                 logger.info("caught up with the lake: %s", caught)
                 return
             if carried is None:
-                yield from super().__iter__()
+                yield from super()._pass()
             else:
                 yield carried
 

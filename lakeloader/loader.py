@@ -7,7 +7,6 @@ Each iteration is one epoch; ``state_dict()`` says how far the training loop got
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import warnings
@@ -28,6 +27,7 @@ from lakeloader.loader_args import (
     warn_cpu_contention,
     warn_partitions,
 )
+from lakeloader.loader_position import LakePosition
 from lakeloader.mixture import Mixture
 from lakeloader.options import (
     DEFAULT_CACHE_BYTES,
@@ -36,14 +36,14 @@ from lakeloader.options import (
     LoaderOptions,
 )
 from lakeloader.order.plan import steps_in_epoch
+from lakeloader.passes import Endless
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.pipeline.workspace import PassSpec
-from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
-from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.state.tracker import ReaderStateTracker, ReaderView
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
@@ -58,7 +58,7 @@ LOADER_FOR: dict[str, type[DataLoader]] = {}
 L = TypeVar("L", bound="DataLoader")
 
 
-class DataLoader(TorchNames):
+class DataLoader(TorchNames, LakePosition):
     """Streams batches of a :class:`LakeDataset`, deterministically and resumably.
 
     Args:
@@ -87,13 +87,19 @@ class DataLoader(TorchNames):
         persistent_workers: Keep the workers alive between epochs.
         pin_memory_device: Accepted for compatibility; pinning uses the default device.
         in_order: Must be True: batches are always delivered in step order.
-        rank: This process's rank (default: torch.distributed, then ``RANK``, then 0).
-        world_size: Ranks in the run (default: torch.distributed, then ``WORLD_SIZE``, then 1).
+        rank: This process's rank (default: torch.distributed, then ``RANK``, then 0), resolved
+            when a pass starts, not when the loader is made.
+        world_size: Ranks in the run (default: torch.distributed, then ``WORLD_SIZE``, then 1),
+            resolved with the rank.
         cache_dir: Folder for decoded units and what workers share (default: ``/dev/shm`` when
             it has ``cache_bytes`` free, else the system's temporary folder, with a warning).
         cache_bytes: Byte budget for decoded units held ahead of use.
         io_threads: Threads decoding units in this process whenever the workers do not decode
             (no workers, a transform or collate_fn, or nothing to pack); fetching is apart.
+        restart_on_iter: Every ``iter()`` is a whole pass over the epoch under way, as with
+            torch's loaders (for evaluation); by default a new ``iter()`` continues it.
+        endless: One ``iter()`` runs epoch after epoch, for step-based trainers (the loader
+            then has no ``len()``).
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -133,8 +139,15 @@ class DataLoader(TorchNames):
         cache_dir: str | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         io_threads: int = DEFAULT_IO_THREADS,
+        restart_on_iter: bool = False,
+        endless: bool = False,
     ) -> None:
         check_unsupported(dataset, batch_size, shuffle, sampler, batch_sampler, generator)
+        if restart_on_iter and dataset.loader_kind != "lake":
+            raise ValueError(
+                f"restart_on_iter=True needs a LakeDataset: a {dataset.loader_kind} stream "
+                "cannot be rewound to its start at every iter()"
+            )
         if not in_order:
             raise ValueError("in_order=False is not supported: batches come in step order")
         if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
@@ -164,10 +177,11 @@ class DataLoader(TorchNames):
             cache_dir=cache_dir,
             cache_bytes=int(cache_bytes),
             io_threads=int(io_threads),
+            restart_on_iter=bool(restart_on_iter),
+            endless=bool(endless),
         )
-        self.topology = Topology.resolve(
-            rank, world_size, num_workers=self.options.num_workers, batch_size=int(batch_size)
-        )
+        self._placement = (rank, world_size)
+        self.topology  # noqa: B018  (explicit arguments are checked now)
         self._coordinator = RecoveryCoordinator()
         self._init_dataset(dataset)
 
@@ -188,10 +202,21 @@ class DataLoader(TorchNames):
         self._row_layout: RowLayout | None
         self._use_reader(dataset.reader())
         self._res = LoaderResources(self)
-        warn_partitions(dataset.config.num_partitions, self.topology)
+        self._warned: Topology | None = None  # the topology a PartitionWarning was checked for
 
     def __len__(self) -> int:
-        """Steps in a whole epoch for this topology (as torch's ``len(loader)``)."""
+        """Steps in a whole pass for this topology (as torch's ``len(loader)``).
+
+        Raises:
+            TypeError: For an ``endless`` loader, or a stream with no end (as torch's loader
+                over an iterable dataset).
+        """
+        if self.options.endless:
+            raise TypeError("an endless loader (endless=True) has no len(): it never ends")
+        return self._pass_steps()
+
+    def _pass_steps(self) -> int:
+        """Steps in a whole epoch for this topology."""
         return steps_in_epoch(0, len(self.dataset), self.global_batch_size, self.drop_last)
 
     # -------------------------------------------------------------------- epochs
@@ -215,6 +240,31 @@ class DataLoader(TorchNames):
             self._close_iterator("set_epoch()")
 
     def __iter__(self) -> Iterator[Any]:
+        """A pass over the epoch under way, or the next one (see the class docstring).
+
+        Rank and world size are resolved here: a pass runs on the topology of its start.
+
+        Raises:
+            TopologyError: If the world size is above 1 but this process's rank is unknown.
+        """
+        self._placed(self._resolve_topology(strict=True))
+        if self.options.restart_on_iter:
+            self.set_epoch(self.epoch, restart=True)
+        if self.options.endless:
+            return Endless(self._pass)
+        return self._pass()
+
+    def _placed(self, topology: Topology) -> None:
+        """Take the topology a pass starts on (workers of another rank are stopped)."""
+        if topology != self.tracker.topology:
+            self._close_iterator("a pass on another topology")
+            self._shutdown_workers()
+            self.tracker.topology = topology
+        if topology != self._warned:  # once a topology
+            self._warned = topology
+            warn_partitions(self.dataset.config.num_partitions, topology)
+
+    def _pass(self) -> Iterator[Any]:
         self._close_iterator("a newer iter(loader)")
         self._follow_dataset(self.tracker.start_pass())
         self.tracker.settle_tail(len(self.dataset))
@@ -342,86 +392,7 @@ class DataLoader(TorchNames):
         its own when iterated), nor a checkpoint manager's hold on the position.
         """
         kept = {name: value for name, value in vars(self).items() if name != "_res"}
-        if "tracker" in kept:
-            tracker = copy.copy(self.tracker)
-            tracker.observer = None
-            kept["tracker"] = copy.deepcopy(tracker)
         return _rebuilt, (type(self), kept)
-
-    # --------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """The position of the training loop: plain types, O(1) in the size of the lake."""
-        ds = self.dataset
-        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds)).to_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a state taken under any world size, worker count or batch size.
-
-        Raises:
-            StateFormatError: If the dict is not a lakeloader state of a known version.
-            StateMismatchError: If it belongs to another lake snapshot or configuration.
-        """
-        self._resume(self._coordinator.resume_state(state_dict, self._base))
-
-    def _resume(self, resumption: Resumption) -> None:
-        """Apply what the recovery coordinator decided (the one way a position is restored)."""
-        self._close_iterator("load_state_dict() or CheckpointManager.load()")
-        if resumption.dataset is not None:
-            self._shutdown_workers()
-            self._base = self.dataset = resumption.dataset
-            self._use_reader(resumption.dataset.reader())
-        if resumption.state is None:
-            assert resumption.restart_epoch is not None
-            self.tracker.set_epoch(resumption.restart_epoch, restart=True)
-            return
-        self._follow_dataset(resumption.state.epoch)
-        ds = self.dataset  # the dataset that the saved epoch runs on here
-        resumption.state.check_matches(ds.fingerprint, ds.config.to_dict())
-        self.tracker.restore(resumption.state)
-
-    def view(self) -> ReaderView:
-        """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
-
-        Each rank's share of the next step, and what each worker of each rank builds or
-        decodes first: files, row groups and row offsets, derived from the position alone
-        (nothing is read, no worker is started).
-
-        Raises:
-            TypeError: For a mixture or a packed loader, whose position is its state_dict().
-
-        Example:
-            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-            >>> from lakeloader import LakeDataset
-            >>> tmp = tempfile.TemporaryDirectory(); path = f"{tmp.name}/a.parquet"
-            >>> pq.write_table(pa.table({"id": range(10)}), path, row_group_size=5)
-            >>> ds = LakeDataset(tmp.name, shuffle=False, max_unit_rows=5)
-            >>> loader = DataLoader(ds, batch_size=4, num_workers=2)
-            >>> next(iter(loader))["id"].tolist()
-            [0, 1, 2, 3]
-            >>> view = loader.view()
-            >>> view.epoch, view.position, view.steps_remaining, view.ranks[0].rows
-            (0, 4, 2, 4)
-            >>> at = view.ranks[0].at; at.file == path, at.row_group, at.row_offset
-            (True, 0, 4)
-            >>> [(w.worker, w.role, w.at.row_group, w.at.row_offset) for w in view.workers]
-            [(0, 'decode', 0, 0), (1, 'decode', 1, 0)]
-            >>> loader.close(); tmp.cleanup()
-        """
-        tracker = getattr(self, "tracker", None)
-        if not isinstance(tracker, ReaderStateTracker):
-            raise TypeError(
-                f"a {type(self).__name__} has no per-rank view: its position is its "
-                "state_dict() (per source or per partition)"
-            )
-        # The dataset of the tracker's epoch (a loaded state's may start the next one); a
-        # followed lake's next increment may not exist yet, so it keeps its own.
-        ds = self.dataset if self._base.follow else self._base.for_epoch(tracker.epoch)
-        return tracker.view(ds.plan(tracker.epoch), ds.snapshot)
-
-    @property
-    def quarantine(self) -> list[QuarantineEntry]:
-        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
-        return list(self.tracker.quarantine)
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks (cumulative over the loader's life)."""

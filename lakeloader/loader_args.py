@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Any
 
 import torch
 
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import CpuContentionWarning, PartitionWarning, WorkerWarning
+from lakeloader.errors import CpuContentionWarning, PartitionWarning, WorkerWarning, warn_user
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
+from lakeloader.passes import EpochSampler
 from lakeloader.pipeline.collate import Collate
 from lakeloader.topology import Topology
 
@@ -27,7 +27,39 @@ class TorchNames:
     """torch's names for a loader's arguments, read from its options and topology."""
 
     options: LoaderOptions
-    topology: Topology
+    #: The ``rank`` and ``world_size`` arguments as given (None: resolved when needed).
+    _placement: tuple[int | None, int | None]
+
+    def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
+        """The loader's (see ``DataLoader.set_epoch``)."""
+        raise NotImplementedError
+
+    @property
+    def topology(self) -> Topology:
+        """Rank, world size, workers and batch size as of now.
+
+        Rank and world size are resolved when asked for, and a pass takes them when it
+        starts (see :meth:`~lakeloader.topology.Topology.resolve`), so a loader made before
+        a framework starts its processes or its process group takes its place in the run.
+        """
+        return self._resolve_topology(strict=False)
+
+    def _resolve_topology(self, *, strict: bool) -> Topology:
+        rank, world_size = self._placement
+        o = self.options
+        return Topology.resolve(
+            rank, world_size, num_workers=o.num_workers, batch_size=o.batch_size, strict=strict
+        )
+
+    @property
+    def sampler(self) -> EpochSampler:
+        """Where frameworks set the epoch: ``loader.sampler.set_epoch(n)`` is ``set_epoch(n)``."""
+        return EpochSampler(self.set_epoch)
+
+    @property
+    def batch_sampler(self) -> None:
+        """None: batches are planned, not sampled (as torch's loader without one)."""
+        return None
 
     @property
     def batch_size(self) -> int:
@@ -107,12 +139,26 @@ def check_stream_options(options: LoaderOptions, what: str) -> None:
     if options.collate_fn is not None:
         raise ValueError(f"collate_fn is not supported over {what}: batches are columnar")
     if options.num_workers:
-        warnings.warn(
+        warn_user(
             f"{what} decodes in the loader's {options.io_threads} io_threads: "
             f"num_workers={options.num_workers} starts no worker process for it (pass "
             "num_workers=0, and io_threads= for more decoding threads)",
             WorkerWarning,
-            stacklevel=4,  # here, the loader's _init_dataset, its __init__, the user's call
+        )
+
+
+def refuse_fetched_ahead(fetched_ahead: int, what: str) -> None:
+    """Raise for a state asked to stand before batches fetched ahead, where it cannot.
+
+    Raises:
+        ValueError: If ``fetched_ahead`` is not 0.
+    """
+    if fetched_ahead:
+        raise ValueError(
+            f"state_dict(fetched_ahead={fetched_ahead}) of {what}: its position cannot stand "
+            "before batches already delivered. Checkpoint it where the training loop has "
+            "trained on every batch it fetched (with Lightning: a loader with len(), or "
+            "training_step(self, dataloader_iter))"
         )
 
 
@@ -125,13 +171,12 @@ def warn_partitions(num_partitions: int, topology: Topology) -> None:
     c, b = num_partitions, topology.global_batch
     if b % c and topology.world_size > 1:
         divisors = [d for d in range(1, b + 1) if b % d == 0 and d <= c]
-        warnings.warn(
+        warn_user(
             f"C={c} canonical partitions do not divide the global batch of {b} rows "
             f"({topology.world_size} ranks x {topology.batch_size}): the order is still "
             f"exact, but ranks re-read each other's units. Choose num_partitions={divisors[-1]} "
             "(or a global batch that is a multiple of C)",
             PartitionWarning,
-            stacklevel=4,  # here, the loader's _init_dataset, its __init__, the user's call
         )
 
 
@@ -143,11 +188,10 @@ def warn_cpu_contention(num_workers: int) -> None:
 @functools.cache
 def _warn_cpu_contention(num_workers: int, threads: int, cores: int) -> None:
     if threads + num_workers > cores:
-        warnings.warn(
+        warn_user(
             f"torch runs {threads} intra-op threads beside {num_workers} DataLoader workers on "
             f"{cores} cores: they compete, and a training step can take several times longer. "
             f"Call torch.set_num_threads({max(1, cores - num_workers)}) in the training "
             "process, or use fewer workers",
             CpuContentionWarning,
-            stacklevel=4,  # here, warn_cpu_contention, the loader's __iter__, the user's loop
         )

@@ -16,7 +16,7 @@ from typing import Any
 
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import LOADER_FOR, DataLoader
-from lakeloader.loader_args import check_stream_options
+from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.mixing import MixtureIterator
@@ -24,6 +24,7 @@ from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.pipeline.source_passes import SourcePasses
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
+from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class MixtureLoader(DataLoader):
     def _state(self, state: MixtureState) -> None:
         self._stored, self._cursor = state, None
 
-    def __len__(self) -> int:
+    def _pass_steps(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
         return -(-self._state.epoch_rows // self.global_batch_size)
 
@@ -106,7 +107,10 @@ class MixtureLoader(DataLoader):
             self._close_iterator("set_epoch()")
             self._state = _next_pass(state)
 
-    def __iter__(self) -> Iterator[Any]:
+    def _placed(self, topology: Topology) -> None:
+        """Nothing to do: a pass takes the topology when it starts."""
+
+    def _pass(self) -> Iterator[Any]:
         self._close_iterator("a newer iter(loader)")
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
@@ -140,8 +144,9 @@ class MixtureLoader(DataLoader):
         """The only place the position moves: a batch was handed over."""
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
         """The mixture's position: plain types, O(sources)."""
+        refuse_fetched_ahead(fetched_ahead, "a mixture")
         return self._state.to_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

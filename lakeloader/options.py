@@ -40,6 +40,8 @@ class LoaderOptions:
         cache_dir: Folder for decoded units (None: ``/dev/shm`` when it has room).
         cache_bytes: Byte budget for decoded units held ahead of use.
         io_threads: Threads decoding units in the loader's process (fetching is apart).
+        restart_on_iter: Every ``iter()`` starts the epoch under way from its beginning.
+        endless: One ``iter()`` runs epoch after epoch.
 
     Example:
         >>> LoaderOptions(batch_size=0)
@@ -62,6 +64,8 @@ class LoaderOptions:
     cache_dir: str | None = None
     cache_bytes: int = DEFAULT_CACHE_BYTES
     io_threads: int = DEFAULT_IO_THREADS
+    restart_on_iter: bool = False
+    endless: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.batch_size, bool) or not self.batch_size or self.batch_size < 1:
@@ -72,6 +76,11 @@ class LoaderOptions:
             )
         if self.prefetch_factor < 0:
             raise ValueError(f"prefetch_factor must be >= 0, got {self.prefetch_factor}")
+        if self.restart_on_iter and self.endless:
+            raise ValueError(
+                "restart_on_iter=True (every iter() one whole pass) and endless=True (one "
+                "iter() for every epoch) exclude each other: choose one"
+            )
         if self.io_threads < 1 or self.cache_bytes < 1:
             raise ValueError(
                 f"io_threads ({self.io_threads}) and cache_bytes ({self.cache_bytes}) must be >= 1"

@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import StateMismatchError
+from lakeloader.errors import StateMismatchError, TopologyError
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader import LOADER_FOR, DataLoader
-from lakeloader.loader_args import check_stream_options
+from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import owned_partitions, samples_per_partition
@@ -30,6 +30,7 @@ from lakeloader.pipeline.packed import PackedIterator, PackedSource
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.packed_state import PackedState, PartitionPosition
+from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,37 @@ class PackedLoader(DataLoader):
         self._config = config_hash(order)
         start = PartitionPosition(0, 0, 0)
         self._owned = owned_partitions(C, self.world_size, self.rank)
+        self._placed_at = (self.rank, self.world_size)
         self._state = PackedState(
             dataset.fingerprint, self._config, C, 0, {p: start for p in self._owned}
         )
         self._res = LoaderResources(self)
 
-    def __len__(self) -> int:
+    def _pass_steps(self) -> int:
         raise TypeError("a packed stream is endless: it has no len()")
+
+    def _placed(self, topology: Topology) -> None:
+        """Take this rank's partitions of the topology a pass starts on.
+
+        Raises:
+            TopologyError: If samples were delivered under another rank or world size (the
+                state holds the partitions of the rank it was made for).
+        """
+        placed = (topology.rank, topology.world_size)
+        if placed == self._placed_at:
+            return
+        if self._started():
+            raise TopologyError(
+                f"this packed loader delivered samples as rank {self._placed_at[0]} of "
+                f"{self._placed_at[1]} and is now rank {placed[0]} of {placed[1]}: make it "
+                "after the process group is initialised, or pass rank= and world_size="
+            )
+        self._close_iterator("a pass on another topology")
+        self._init_dataset(self.dataset)
+
+    def _started(self) -> bool:
+        """Whether a sample was delivered or a state loaded."""
+        return bool(self._state.samples)
 
     @property
     def epoch(self) -> int:
@@ -91,7 +116,7 @@ class PackedLoader(DataLoader):
             "themselves: iterate it for as many steps as you train, without set_epoch()"
         )
 
-    def __iter__(self) -> Iterator[Any]:
+    def _pass(self) -> Iterator[Any]:
         self._close_iterator("a newer iter(loader)")
         res = self._res
         unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
@@ -120,8 +145,9 @@ class PackedLoader(DataLoader):
             state.fingerprint, state.config, state.num_partitions, cursor.slot, positions[0]
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
         """This rank's partitions' positions: plain types, O(C / world size)."""
+        refuse_fetched_ahead(fetched_ahead, "a packed stream")
         return self._state.to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:

@@ -23,7 +23,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader import LOADER_FOR
-from lakeloader.loader_args import check_stream_options
+from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor
 from lakeloader.order.packing import owned_partitions, samples_per_partition
@@ -55,6 +55,7 @@ class PackedMixtureLoader(PackedLoader):
         C = next(iter(dataset.sources.values())).config.num_partitions
         self._rounds = samples_per_partition(self.global_batch_size, C, self.world_size)
         self._owned = owned_partitions(C, self.world_size, self.rank)
+        self._placed_at = (self.rank, self.world_size)
         self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
         cursor = MixtureState(
             seed=dataset.seed,
@@ -92,7 +93,10 @@ class PackedMixtureLoader(PackedLoader):
         """0: each source's partitions run through their own epochs (see ``state_dict()``)."""
         return 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def _started(self) -> bool:
+        return bool(self._mixed.mixture.slot)
+
+    def _pass(self) -> Iterator[Any]:
         self._close_iterator("a newer iter(loader)")
         res = self._res
         unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
@@ -174,8 +178,9 @@ class PackedMixtureLoader(PackedLoader):
         """The snapshots a checkpoint pins: one per source."""
         return dict(self.mixture.sources)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
         """The rounds' cursor and this rank's partitions of every source: plain types."""
+        refuse_fetched_ahead(fetched_ahead, "a packed mixture")
         return self._mixed.to_dict()
 
     def _merged(self, states: Sequence[Mapping[str, Any]]) -> PackedMixtureState:  # type: ignore[override]

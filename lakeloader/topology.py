@@ -14,6 +14,8 @@ from typing import Any, Final
 
 import torch.distributed as dist
 
+from lakeloader.errors import TopologyError
+
 #: Environment variables that torchrun sets.
 ENV_RANK: Final = "RANK"
 ENV_WORLD_SIZE: Final = "WORLD_SIZE"
@@ -78,19 +80,30 @@ class Topology:
 
     @classmethod
     def resolve(
-        cls, rank: int | None, world_size: int | None, *, num_workers: int, batch_size: int
+        cls,
+        rank: int | None,
+        world_size: int | None,
+        *,
+        num_workers: int,
+        batch_size: int,
+        strict: bool = False,
     ) -> Topology:
-        """The topology of a loader in this process.
+        """The topology of a loader in this process, as things stand now.
 
         Rank and world size come, in order, from the explicit arguments, an initialised
         ``torch.distributed`` process group, or the ``RANK``/``WORLD_SIZE`` variables that
-        torchrun sets; else a single process.
+        torchrun sets; else a single process. A loader resolves them when iteration starts
+        (``strict``), not when it is made: frameworks make the loader before they start
+        the other processes or the process group (Lightning's ``ddp`` sets ``WORLD_SIZE``
+        and ``LOCAL_RANK`` but no ``RANK``, and initialises the group inside ``fit()``).
 
         >>> Topology.resolve(2, 4, num_workers=0, batch_size=8).rank
         2
 
         Raises:
             ValueError: If the rank is not in ``[0, world_size)``, or a count is negative.
+            TopologyError: With ``strict``, if the world size is above 1 but nothing says
+                this process's rank.
         """
         distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
@@ -98,6 +111,16 @@ class Topology:
                 dist.get_world_size() if distributed else int(os.environ.get(ENV_WORLD_SIZE, "1"))
             )
         if rank is None:
+            if strict and not distributed and int(world_size) > 1 and ENV_RANK not in os.environ:
+                local = os.environ.get("LOCAL_RANK")
+                raise TopologyError(
+                    f"this process is one of WORLD_SIZE={world_size} but its rank is unknown: "
+                    "torch.distributed is not initialised and RANK is not set"
+                    + (f" (LOCAL_RANK={local} is)" if local is not None else "")
+                    + ". Iterate the loader once the process group is initialised (Lightning, "
+                    "Accelerate and transformers' Trainer do that before training), or pass "
+                    "DataLoader(rank=..., world_size=...)"
+                )
             rank = dist.get_rank() if distributed else int(os.environ.get(ENV_RANK, "0"))
         return cls(int(world_size), int(rank), int(num_workers), int(batch_size))
 

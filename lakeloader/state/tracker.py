@@ -11,6 +11,7 @@ per-rank and per-worker view of files, row groups and row offsets (:meth:`view`)
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -24,6 +25,9 @@ from lakeloader.state.view import RankView, WorkerView, step_shares, worker_view
 from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
+
+#: Steps delivered whose earlier positions a tracker keeps (see ``ReaderStateTracker.before``).
+RECENT_STEPS = 8
 
 
 class Delivery(NamedTuple):
@@ -112,6 +116,8 @@ class ReaderStateTracker:
         #: ledger); until then the journal keeps the steps for it.
         self.observer: Callable[[DeliveredRun], None] | None = None
         self.journal = DeliveryJournal()
+        #: (epoch, position, rows dropped) before each of the last steps delivered.
+        self._before: deque[tuple[int, int, int]] = deque(maxlen=RECENT_STEPS)
 
     @classmethod
     def standing_at(
@@ -139,6 +145,7 @@ class ReaderStateTracker:
         if epoch == self.epoch and not restart and (self._fresh or not over):
             return False
         self.epoch, self.position, self.rows_dropped, self._fresh = int(epoch), 0, 0, True
+        self._before.clear()
         return True
 
     def epoch_over(self, num_rows: int) -> bool:
@@ -185,6 +192,7 @@ class ReaderStateTracker:
             num_rows: Rows in the epoch; with ``drop_last``, the rows after the last step
                 of the pass are counted as dropped.
         """
+        self._before.append((self.epoch, self.position, self.rows_dropped))
         start, self.position = self.position, d.slot_stop
         if self.observer is not None:
             run = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
@@ -214,6 +222,15 @@ class ReaderStateTracker:
             self.epoch, self.position, self.rows_dropped = state.epoch + 1, 0, 0
         self._fresh = True
         self.journal.take()  # what was delivered before is not this attempt's history
+        self._before.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy keeps the position, not who records it nor what it delivered before.
+
+        A copy (a pickled loader in a spawned process) stands where this tracker stands; a
+        checkpoint manager attached to it records from there (before it: unverified).
+        """
+        return {**self.__dict__, "observer": None, "journal": DeliveryJournal()}
 
     def attach(self, observer: Callable[[DeliveredRun], None]) -> None:
         """Tell ``observer`` of every step from now on, and first of those in the journal.
@@ -232,21 +249,41 @@ class ReaderStateTracker:
         self.quarantine = tuple(merge(self.quarantine, entries))
 
     # ---------------------------------------------------------------------- reading
-    def state(self, fingerprint: str, config: dict[str, Any], num_rows: int) -> LoaderState:
+    def before(self, steps: int) -> tuple[int, int, int]:
+        """(epoch, position, rows dropped) as they were ``steps`` deliveries ago.
+
+        Raises:
+            ValueError: If fewer steps than that were delivered since the pass, the restore
+                or the ``set_epoch`` that the position comes from (or more than are kept).
+        """
+        if steps == 0:
+            return self.epoch, self.position, self.rows_dropped
+        if not 0 < steps <= len(self._before):
+            raise ValueError(
+                f"cannot stand {steps} steps back: {len(self._before)} were delivered since "
+                f"the position was last set (at most {RECENT_STEPS} are kept)"
+            )
+        return self._before[-steps]
+
+    def state(
+        self, fingerprint: str, config: dict[str, Any], num_rows: int, *, back: int = 0
+    ) -> LoaderState:
         """The position as a versioned state.
 
         Args:
             fingerprint: The fingerprint of the snapshot this epoch runs on.
             config: The order configuration (plain types).
             num_rows: Rows in the epoch.
+            back: Stand this many delivered steps back (see :meth:`before`).
         """
+        epoch, position, rows_dropped = self.before(back)
         return LoaderState(
             fingerprint=fingerprint,
             config_hash=config_hash(config),
             config=dict(config),
-            epoch=self.epoch,
-            position=self.position,
-            rows_dropped=self.rows_dropped,
+            epoch=epoch,
+            position=position,
+            rows_dropped=rows_dropped,
             num_rows=num_rows,
             topology=self.topology,
             quarantine=self.quarantine,

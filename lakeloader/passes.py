@@ -1,0 +1,72 @@
+"""How ``iter(loader)`` maps onto epochs: one pass, a whole pass every time, or no end.
+
+A :class:`~lakeloader.DataLoader`'s plain ``iter()`` continues the epoch under way (a pass
+left early is not an epoch ended). Frameworks ask for two other shapes, which the loader's
+``restart_on_iter`` and ``endless`` arguments choose: an evaluation loader whose every
+``iter()`` is a whole pass (Lightning iterates a validation loader once per validation, and
+stops early for its sanity check and ``limit_val_batches``), and one iterator that runs epoch
+after epoch for step-based trainers (torchtitan iterates once and ends the run when the
+iterator does). :class:`EpochSampler` is where frameworks that set the epoch on
+``loader.sampler`` (Lightning, Accelerate) reach the loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class Endless:
+    """One iterator over pass after pass: when a pass ends, the next begins.
+
+    Args:
+        start_pass: Starts the next pass (the loader's own, which moves to the next epoch
+            when the one under way is over).
+
+    Example:
+        >>> passes = iter([[1, 2], [3], [4, 5]])
+        >>> it = Endless(lambda: iter(next(passes, [])))
+        >>> [next(it) for _ in range(5)]
+        [1, 2, 3, 4, 5]
+        >>> next(it)  # two passes in a row with nothing in them: the source is spent
+        Traceback (most recent call last):
+        ...
+        StopIteration
+    """
+
+    def __init__(self, start_pass: Callable[[], Iterator[Any]]) -> None:
+        self._start_pass = start_pass
+        self._pass = start_pass()
+
+    def __iter__(self) -> Endless:
+        return self
+
+    def __next__(self) -> Any:
+        for _ in range(2):  # an epoch that delivers nothing, then one more try
+            try:
+                return next(self._pass)
+            except StopIteration:
+                self._pass = self._start_pass()
+        return next(self._pass)  # a third empty pass ends it (an empty lake, a spent stream)
+
+
+class EpochSampler:
+    """``loader.sampler``: not a torch ``Sampler``, only where frameworks set the epoch.
+
+    Lightning and Accelerate call ``loader.sampler.set_epoch(epoch)`` at the start of each
+    epoch (never ``loader.set_epoch``); this hands it to the loader, with the loader's
+    meaning: the epoch under way keeps its position, another starts from its beginning.
+
+    Args:
+        set_epoch: The loader's ``set_epoch``.
+    """
+
+    def __init__(self, set_epoch: Callable[[int], None]) -> None:
+        self._set_epoch = set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the loader's next pass run ``epoch`` (see ``DataLoader.set_epoch``)."""
+        self._set_epoch(epoch)
+
+    def __repr__(self) -> str:
+        return "EpochSampler(the loader plans its own order; set_epoch reaches the loader)"
