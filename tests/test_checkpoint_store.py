@@ -102,3 +102,16 @@ def test_a_read_refused_mid_run_names_the_url_and_quarantines_nothing(
     )
     assert loader.state_dict()["quarantine"] in ("[]", []), "credentials are not bad data"
     loader.close()
+
+
+def test_a_damaged_checkpoint_on_s3_is_named_by_its_url(s3_store: ObjectStore, lake: Path) -> None:
+    url = s3_store.url(f"{s3_store.new_bucket('ckpt-damaged')}/run")
+    loader = ll.DataLoader(ll.LakeDataset(lake), batch_size=8)
+    with ll.CheckpointManager(url, storage_options=s3_store.storage_options) as ckpt:
+        ckpt.save(1, loader)
+        ckpt.save(2, loader)
+        state = f"{ckpt.folders.step_folder(2)}/state.msgpack"
+        ckpt.fs.pipe_file(state, b"garbage")
+        with pytest.raises(ll.CheckpointError) as err:
+            ckpt.read(2)
+    assert str(err.value).startswith(f"{url}/step-000000000002: "), str(err.value)

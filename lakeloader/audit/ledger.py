@@ -33,6 +33,7 @@ from lakeloader.audit.records import (
     parse_entry,
 )
 from lakeloader.checkpoint.store import CheckpointStore
+from lakeloader.io.fetch import url_of
 from lakeloader.signals import main_thread_only
 from lakeloader.state.journal import DeliveredRun
 
@@ -225,7 +226,9 @@ def read_entries(store: CheckpointStore, root: str) -> tuple[list[Entry], list[s
         text = store.cat(path).decode("utf-8", errors="replace")
         lines = text.split("\n")
         if lines[-1]:  # no newline at the end: the write was cut short
-            torn.append(f"{path}: its last line is incomplete (cut short by a crash)")
+            torn.append(
+                f"{url_of(store.fs, path)}: its last line is incomplete (cut short by a crash)"
+            )
             lines = lines[:-1]
         entries += [parse_entry(line, path) for line in lines if line]
     return entries, torn

@@ -30,7 +30,7 @@ from lakeloader.checkpoint.barrier import confirm_same_position
 from lakeloader.checkpoint.folders import CheckpointFolders
 from lakeloader.checkpoint.kind_record import KindCheckpoint, check_same_kind, kind_record
 from lakeloader.checkpoint.layout import Checkpoint, CheckpointContext, StateRecord
-from lakeloader.checkpoint.reading import agreed_checkpoint, read_checkpoint
+from lakeloader.checkpoint.reading import agreed_checkpoint, newest_usable, read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.checkpoint.training import CodeVersion, code_version
 from lakeloader.checkpoint.whole import capture, restore
@@ -294,18 +294,10 @@ class CheckpointManager:
         """
         if step is not None:
             return self.read(step)
-        failures = []
-        for candidate in reversed(self.steps()):
-            try:
-                ckpt = self.read(candidate)
-            except CheckpointError as exc:
-                failures.append(str(exc))
-                continue
-            for failure in failures:  # each said once: here, or in the error below
-                logger.warning("%s; falling back to the checkpoint of step %d", failure, ckpt.step)
-            return ckpt
-        detail = "\n".join(failures) or "no committed checkpoint"
-        raise CheckpointError(f"no usable checkpoint under {self.url}:\n{detail}")
+        ckpt, skipped = newest_usable(self.read, self.steps(), self.url)
+        for failure in skipped:  # each said once: here, or in newest_usable's error
+            logger.warning("%s; falling back to the checkpoint of step %d", failure, ckpt.step)
+        return ckpt
 
     def load(
         self,

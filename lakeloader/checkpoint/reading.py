@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -25,7 +25,10 @@ from lakeloader.checkpoint.layout import (
 )
 from lakeloader.checkpoint.whole import check_parts, read_training
 from lakeloader.errors import CheckpointError, StateFormatError
+from lakeloader.io.fetch import url_of
 from lakeloader.lake.manifest import from_manifest, unpack_manifest
+
+C = TypeVar("C")
 
 
 def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindCheckpoint:
@@ -69,9 +72,10 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindC
         check_parts(store, folder, marker.parts)
         training = read_training(store, folder, marker.parts)
     except FileNotFoundError as exc:
-        raise CheckpointError(f"{folder}: incomplete or missing ({exc})") from exc
+        where = url_of(store.fs, folder)
+        raise CheckpointError(f"{where}: incomplete or missing ({exc})") from exc
     except (CheckpointError, StateFormatError) as exc:
-        raise CheckpointError(f"{folder}: {exc}") from exc
+        raise CheckpointError(f"{url_of(store.fs, folder)}: {exc}") from exc
     return Checkpoint(
         step,
         folder,
@@ -82,6 +86,31 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindC
         manifest,
         len(payload),
         training,
+    )
+
+
+def newest_usable(read: Callable[[int], C], steps: list[int], url: str) -> tuple[C, list[str]]:
+    """The newest checkpoint of ``steps`` that reads, and one line per newer one passed over.
+
+    Args:
+        read: Reads and verifies one step's checkpoint (raises CheckpointError if unusable).
+        steps: The committed steps, oldest first.
+        url: The checkpoints' root, for the error.
+
+    Raises:
+        CheckpointError: Listing every checkpoint, if none is usable (or none is committed).
+    """
+    skipped: list[str] = []
+    for step in reversed(steps):
+        try:
+            return read(step), skipped
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+    if not steps:
+        raise CheckpointError(f"no usable checkpoint under {url}: no committed checkpoint")
+    raise CheckpointError(
+        f"no usable checkpoint under {url}: all {len(steps)} committed checkpoints are "
+        f"damaged ({'; '.join(skipped)}); restore one from a copy, or start afresh"
     )
 
 

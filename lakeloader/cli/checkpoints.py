@@ -16,6 +16,7 @@ from typing import Any
 from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.checkpoint.layout import STEP_DIR_RE, Checkpoint, split_checkpoint_path
 from lakeloader.checkpoint.manager import CheckpointManager
+from lakeloader.checkpoint.reading import newest_usable
 from lakeloader.cli.tables import full_urls
 from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
@@ -89,21 +90,15 @@ def find_checkpoint(manager: CheckpointManager, step: int | None = None) -> Foun
             f"no committed checkpoint of step {step} under {url}; steps saved there: "
             f"{', '.join(map(str, steps))}"
         )
-    skipped = []
-    for candidate in [step] if step is not None else reversed(steps):
+    if step is not None:
         try:
-            ckpt = manager.read(candidate)
+            ckpt, skipped = manager.read(step), list[str]()
         except CheckpointError as exc:
-            if step is not None:
-                raise CheckpointError(full_urls(str(exc), manager.url)) from exc
-            skipped.append(full_urls(str(exc), manager.url))
-            continue
-        folder = url_of(manager.fs, manager.folders.step_folder(candidate))
-        return Found(dataclasses.replace(ckpt, path=folder), steps, skipped)
-    raise CheckpointError(
-        f"no usable checkpoint under {url}: all {len(steps)} committed checkpoints are "
-        f"damaged ({'; '.join(skipped)}); restore one from a copy, or start afresh"
-    )
+            raise CheckpointError(full_urls(str(exc), manager.url)) from exc
+    else:
+        ckpt, skipped = newest_usable(manager.read, steps, url)
+    folder = url_of(manager.fs, manager.folders.step_folder(ckpt.step))
+    return Found(dataclasses.replace(ckpt, path=folder), steps, skipped)
 
 
 def _nothing_there(manager: CheckpointManager, url: str, step: int | None) -> str:
