@@ -75,7 +75,8 @@ class DataLoader(TorchNames, LakePosition):
             a pass on worker ``k mod num_workers``, sent back through shared memory.
         collate_fn: Receives the list of row dicts of a batch, as in torch.
         pin_memory: Copy tensors to pinned memory (when CUDA is available).
-        drop_last: Drop the last global batch if it is short (its rows are counted).
+        drop_last: Drop the last global batch if it is short (its rows are counted); a
+            followed lake carries it into its next increment instead.
         timeout: Seconds to wait for a batch (its units' decoding, or the worker building it)
             before failing (0: forever).
         worker_init_fn: Called with the worker id in each worker, as in torch.

@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import lakeloader as ll
+from lakeloader.cli.checkpoints import open_checkpoint
+from lakeloader.cli.inspect import inspect_checkpoint
 from tests.conftest import make_loaders
 
 FAST = ll.Follow(poll_interval=0.01, timeout=0.05)
@@ -126,6 +128,8 @@ def test_a_checkpoint_while_a_tail_waits_resumes_it_on_another_topology(tmp_path
     ll.CheckpointManager(str(tmp_path / "ckpt")).save(len(seen) // 8, loaders[0])
     for loader in loaders:
         loader.close()
+    info = inspect_checkpoint(open_checkpoint(str(tmp_path / "ckpt")).checkpoint)
+    assert (info["rows_to_carry"], info["rows_to_drop"]) == (5, 0), "carried, not dropped"
     lake.add(GROWTH[0])
     resumed = make_loaders(lake.dataset(), 1, batch_size=6, drop_last=True)
     ll.CheckpointManager(str(tmp_path / "ckpt")).load(resumed[0])

@@ -169,7 +169,8 @@ def inspect_checkpoint(
 
     Returns:
         A JSON-ready dict. ``rows_remaining`` is ``N - G - rows_dropped``; of those,
-        ``rows_to_drop`` will be dropped by ``drop_last`` under the topology used.
+        ``rows_to_drop`` will be dropped by ``drop_last`` under the topology used (for a
+        followed lake: ``rows_to_carry`` open the next increment's first step instead).
 
     Raises:
         CheckpointError: If the state and its manifest disagree.
@@ -181,6 +182,7 @@ def inspect_checkpoint(
         state, topo, drop_last=drop, workers_build=ctx.workers_build
     )
     view = tracker.view(plan, ckpt.snapshot)
+    followed = ckpt.snapshot.increment is not None
     g, n, dropped = view.position, view.num_rows, view.rows_dropped
     remaining = max(0, n - g - dropped)
     extra = ckpt.extra
@@ -211,7 +213,9 @@ def inspect_checkpoint(
         "rows_consumed": g,
         "rows_remaining": remaining,
         "rows_dropped": dropped,
-        "rows_to_drop": view.rows_to_drop,
+        # a followed lake carries a short tail into its next increment instead of dropping it
+        "rows_to_drop": 0 if followed else view.rows_to_drop,
+        "rows_to_carry": view.rows_to_drop if followed else 0,
         "finished": view.steps_remaining == 0,
         "steps_remaining": view.steps_remaining,
         "step_in_epoch": g // topo.global_batch if g % topo.global_batch == 0 else None,
@@ -315,7 +319,11 @@ def render_text(info: dict[str, Any]) -> str:
                 ("rows consumed", info["rows_consumed"]),
                 ("rows remaining", info["rows_remaining"]),
                 ("rows dropped", info["rows_dropped"]),
-                ("rows to drop", info["rows_to_drop"]),
+                (
+                    ("rows carried into the next increment", info["rows_to_carry"])
+                    if info["rows_to_carry"]
+                    else ("rows to drop", info["rows_to_drop"])
+                ),
                 ("saved topology", _topology_text(saved)),
                 ("topology used", _topology_text(topo) + (" (override)" if topo != saved else "")),
                 ("steps remaining", info["steps_remaining"]),
