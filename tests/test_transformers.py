@@ -389,3 +389,12 @@ def test_the_skip_is_bypassed_for_the_positioned_loaders_only_and_put_back(
     leave.set()
     thread.join()
     assert hf_trainer.skip_first_batches is original
+
+
+def test_an_endless_stream_is_refused_saying_what_to_pass(work: Path, tmp_path: Path) -> None:
+    followed = ll.LakeDataset(str(work / "lake"), columns=["id", "x"], follow=ll.Follow())
+    trainer = lt.LakeTrainer(model=Net(), args=args(tmp_path, max_steps=1), train_dataset=followed)
+    with pytest.raises(
+        lt.LakeTrainerError, match=r"a follow dataset .* without follow= or packing="
+    ):
+        trainer.train()

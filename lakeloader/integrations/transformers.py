@@ -25,10 +25,12 @@ Pass a :class:`~lakeloader.LakeDataset` or a :class:`~lakeloader.Mixture` as
   current number of processes: the epoch, the batches done in it, and ``global_step``
   (steps of the current global batch; ``max_steps`` counts them too). A resume on another
   number of processes thus ends where an uninterrupted run on that many ends, and the
-  learning-rate schedule is moved by as many steps as ``global_step``. Checkpoint numbers
-  follow: after a resume on more processes they are smaller than the old run's, so resume
-  from such a folder by its path rather than ``resume_from_checkpoint=True`` (which takes the
-  highest number). ``ignore_data_skip`` has nothing to save here and is ignored.
+  learning-rate schedule is moved by as many steps as ``global_step``. Checkpoints are
+  numbered by the new steps: after a resume on more processes the new numbers are smaller
+  than the old run's (and may be the same folders), and ``resume_from_checkpoint=True`` takes
+  the highest number, so clear the old run's checkpoints or resume by path. With
+  ``ignore_data_skip=True`` the loader resumes at its position all the same (that costs
+  nothing), and the Trainer's counters stay right.
 
 Private ``Trainer`` methods are overridden (transformers 5.24.0 is the version tested);
 making a ``LakeTrainer`` with a transformers that lacks one raises
