@@ -28,8 +28,11 @@ any number of data-parallel ranks. (torchtitan's own dataloaders key their state
 The loop is torchtitan's ``Trainer.train`` in miniature: ``checkpointer.load(step=-1)``,
 ``data_iterator = iter(dataloader)``, then per step ``--accum`` micro-batches (torchtitan's
 gradient accumulation), gradients averaged over the ranks, an optimizer and scheduler step,
-``checkpointer.save(step, last_step=...)`` every ``--interval`` steps. The last step's
-checkpoint holds the model only (torchtitan's ``last_save_model_only``).
+``checkpointer.save(step, last_step=...)`` every ``--interval`` steps and at the last step. That
+one is a whole checkpoint here (``last_save_model_only=False``), so a run can be taken further
+with a larger ``--steps``; torchtitan's default saves the model alone at the last step, and a
+load of such a checkpoint fails in DCP with "Missing key in checkpoint state_dict:
+dataloader.lakeloader" (for the optimizer too).
 
 Needs ``pip install torchtitan==0.3.0`` (checked with torch 2.13.0 on CPU; it brings
 datasets<4.8, tensorboard, wandb, tyro, spmd_types, torch_checkpointing and torchdata).
@@ -183,7 +186,11 @@ def train(args: argparse.Namespace, on_step: OnStep | None = None) -> int:
     )
     state = TrainState()
     checkpointer = CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=args.interval, keep_latest_k=0
+        enable=True,
+        folder="checkpoint",
+        interval=args.interval,
+        keep_latest_k=0,
+        last_save_model_only=False,  # the last step's checkpoint can be trained on from
     ).build(
         dataloader=dataloader,
         model_parts=[model],
@@ -228,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lake", type=Path, help="the lake to train on")
     p.add_argument("--dump", type=Path, help="torchtitan's dump folder (checkpoints in it)")
     p.add_argument("--steps", type=int, default=80, help="train until this step")
-    p.add_argument("--batch-size", type=int, default=25, help="rows per rank per micro-batch")
+    p.add_argument("--batch-size", type=int, default=32, help="rows per rank per micro-batch")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--interval", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--seed", type=int, default=0)
