@@ -20,8 +20,10 @@ Resume: ``accelerator.load_state(dir)`` before the epoch loop, then continue fro
 ``loader.epoch`` (the epoch the loaded position is in); the loader stands at its step, so
 ``accelerator.skip_first_batches(loader, n)``, which scripts written for torch's loaders call
 after ``load_state``, returns the loader unchanged (logged at INFO): skipping again would lose
-``n`` batches. ``set_epoch``, ``len``, ``state_dict`` and every other attribute of the lake
-loader pass through. An ``endless=True`` loader never ends an epoch for Accelerate.
+``n`` batches (``prepare`` sets that method on the accelerator; the function
+``accelerate.skip_first_batches`` is not covered and fails on a lake loader). ``set_epoch``,
+``len``, ``state_dict`` and every other attribute of the lake loader pass through. An endless,
+packed or followed loader never ends an epoch for Accelerate (its pass has no known length).
 """
 
 from __future__ import annotations
