@@ -75,14 +75,19 @@ class Launch:
         (name,) = {r["checkpoint"] for r in self.of("resume")}
         return int(name.rsplit("-", 1)[1])
 
-    def by_step(self) -> dict[int, dict[str, Any]]:
-        """Per global step: the Trainer's epoch, the learning rate and the ids of all ranks."""
+    def by_step(self, weights: bool = True) -> dict[int, dict[str, Any]]:
+        """Per global step: the Trainer's epoch, the learning rate, the weights after the step
+        (unless ``weights`` is False), which every rank must have alike, and all ranks' ids.
+        """
         out: dict[int, dict[str, Any]] = {}
         for r in self.of("step"):
-            got = out.setdefault(r["step"], {"epoch": r["epoch"], "lr": r["lr"], "ids": set()})
-            assert (got["epoch"], got["lr"]) == (r["epoch"], r["lr"]), f"{self.name}: {r}"
+            same = {"epoch": r["epoch"], "lr": r["lr"], "weights": r["weights"]}
+            got = out.setdefault(r["step"], {**same, "ids": set()})
+            assert {**got, "ids": None} == {**same, "ids": None}, f"{self.name} rank {r['rank']}"
             got["ids"] |= set(r["ids"])
-        return out
+        return {
+            s: {**got, "weights": got["weights"] if weights else None} for s, got in out.items()
+        }
 
     def finished(self) -> Launch:
         tail = self.output.read_text(errors="replace")[-4000:]
@@ -213,11 +218,12 @@ def test_the_counters_after_each_resume_are_an_uninterrupted_runs(
     # Checkpoint 45 of 2 processes stands 26 batches of 2 x 8 rows into epoch 1: 52 batches
     # of 8 on 1 process, 26 optimizer steps into its epoch 1.
     on_one = STEPS[1] + 2 * (45 - STEPS[2])
+    # On as many processes as the checkpoint's, the weights are the uninterrupted run's too.
     for run, n, start in ((b, 2, 10), (c, 1, on_one)):
-        ref = references[n].by_step()
+        ref = references[n].by_step(weights=run is b)
         assert {r["step"] for r in run.of("begin")} == {start}, run.name
         assert {r["epoch"] for r in run.of("begin")} == {ref[start]["epoch"]}, run.name
-        got = run.by_step()
+        got = run.by_step(weights=run is b)
         assert min(got) == start + 1, run.name
         for step, seen in got.items():
             assert seen == ref[step], f"{run.name} step {step}: not as in R{n}"
@@ -227,7 +233,8 @@ def test_the_counters_after_each_resume_are_an_uninterrupted_runs(
     print(
         f"\nB from step 10 (2 processes) and C from step {on_one} (checkpoint 45 of 2 "
         "processes, on 1) trained the rows, epoch and learning rate of the uninterrupted runs "
-        f"at every step; C ended at global_step {end[0]}, epoch {end[1]}, as R1 did"
+        f"at every step (B to the same weights); C ended at global_step {end[0]}, "
+        f"epoch {end[1]}, as R1 did"
     )
 
 
@@ -241,7 +248,7 @@ def test_a_resume_of_a_1_process_run_on_2_ends_as_an_uninterrupted_2_process_run
     # 15 steps of 2 x 8 rows on 1 process are 15 batches of 2 x 8 on 2: 7 steps and a batch.
     assert {r["step"] for r in d.of("begin")} == {7}
     figures = tally([references[1], d])
-    ref, got = references[2].by_step(), d.by_step()
+    ref, got = references[2].by_step(weights=False), d.by_step(weights=False)
     assert min(got) == 8 and got[8]["ids"] < ref[8]["ids"]  # the batch done is not repeated
     assert {**got[8], "ids": None} == {**ref[8], "ids": None}
     assert all(seen == ref[step] for step, seen in got.items() if step > 8)

@@ -5,7 +5,7 @@ on the lake's ``x`` for 2 epochs (batch 8 per process, a checkpoint every 5 opti
 OUT) and appends JSON lines to ``LOG-rank{R}.jsonl``: ``start`` (the pid), ``resume`` (the
 checkpoint taken), ``begin`` (the global step and epoch the Trainer starts from), one ``step``
 per optimizer step (global step, ``state.epoch``, the loader's epoch, the learning rate after
-the step, the ids trained in it on this rank), ``end`` (``state.global_step``,
+the step, the ids trained in it on this rank, the weights after it), ``end`` (``state.global_step``,
 ``state.epoch``), and with ``--torch-reference`` ``torch`` (the optimizer steps of one epoch
 of the plain Trainer over a torch dataset of the same rows).
 
@@ -73,6 +73,7 @@ class Log(TrainerCallback):
             loader_epoch=loader.epoch,
             lr=kw["lr_scheduler"].get_last_lr()[0],
             ids=self.net.seen,
+            weights=[float(w) for w in self.net.parameters()],
         )
         self.net.seen = []
         if state.global_step == self.kill_at and args.process_index == 0:
@@ -125,6 +126,7 @@ def main() -> None:
     a = p.parse_args()
     transformers.logging.set_verbosity_error()
     rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(0)  # the same initial weights in every run
     net = Net()
     log = Log(f"{a.log}-rank{rank}.jsonl", net, a.kill_at)
     log.write(type="start", pid=os.getpid())

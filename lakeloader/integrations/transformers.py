@@ -87,6 +87,7 @@ TRAINER_METHODS: dict[str, tuple[str, ...]] = {
     "_get_output_dir": ("trial",),
     "_load_optimizer_and_scheduler": ("checkpoint",),
     "_get_collator_with_removed_columns": ("data_collator", "description"),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
 }
 
 
@@ -226,6 +227,7 @@ class LakeTrainer(Trainer):
         #: The training loader of the current ``train()`` (None: not a lake).
         self.lake_loader: DataLoader | None = None
         self._lake_step_shift = 0
+        self._lake_short_group = 0
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------------- loaders
@@ -322,7 +324,7 @@ class LakeTrainer(Trainer):
         counters: tuple[int, int] = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
-        loader, self._lake_step_shift = self.lake_loader, 0
+        loader, self._lake_step_shift, self._lake_short_group = self.lake_loader, 0, 0
         if loader is None or resume_from_checkpoint is None:
             return counters
         path = os.path.join(resume_from_checkpoint, STATE_NAME)
@@ -336,7 +338,11 @@ class LakeTrainer(Trainer):
             ) from None
         loader.load_state_dict(state)
         epoch, done = epoch_and_steps_done(loader)
-        step = epoch * num_update_steps_per_epoch + done // self.args.gradient_accumulation_steps
+        ga = self.args.gradient_accumulation_steps
+        step = epoch * num_update_steps_per_epoch + done // ga
+        # Batches done in the middle of an accumulation group (a position saved under fewer
+        # processes): the rest of that group is the first one.
+        self._lake_short_group = -done % ga
         if step != self.state.global_step:
             logger.info(
                 "resumed at global step %d of the checkpoint's topology, step %d of this one "
@@ -359,6 +365,24 @@ class LakeTrainer(Trainer):
         scheduler = self.lr_scheduler
         if self._lake_step_shift and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             scheduler.last_epoch += self._lake_step_shift
+
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: Any, device: Any
+    ) -> tuple[list[Any], Any]:
+        """The Trainer's, the first group after a resume cut to where the group ends.
+
+        A resume whose batches done end inside a gradient-accumulation group (a position
+        saved under another number of processes) takes the rest of that group alone, so
+        that every later group is the uninterrupted run's: the Trainer synchronises the
+        processes' gradients at the last batch of each group it takes, and steps the
+        optimizer where the uninterrupted run's groups end.
+        """
+        if self._lake_short_group:
+            num_batches, self._lake_short_group = min(num_batches, self._lake_short_group), 0
+        samples: tuple[list[Any], Any] = super().get_batch_samples(
+            epoch_iterator, num_batches, device
+        )
+        return samples
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's epoch, skipping nothing: the loader resumes at its position.
