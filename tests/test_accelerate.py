@@ -40,14 +40,21 @@ BATCH = 30  # 25 steps an epoch on 2 ranks (odd), 50 on 1
 EPOCHS = 2
 
 
-def launch(work: Path, child: Path, nproc: int, *args: str, killed: bool = False) -> None:
+def launch(
+    work: Path, child: Path, nproc: int, *args: str, killed: bool = False, path: str = ""
+) -> None:
     """torchrun ``child``; it must end with status 0, or by the SIGKILL it was told to send.
 
     Ranks that outlive their torchrun are SIGKILLed (their pids are in the ``start`` records
-    of ``work/logs``); the children import this checkout's lakeloader (PYTHONPATH).
+    of ``work/logs``); the children import this checkout's lakeloader (PYTHONPATH), and what
+    is in ``path`` if given.
     """
     out = work / "torchrun.out"
-    env = {**os.environ, **TORCHRUN_ENV, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        **TORCHRUN_ENV,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), path])),
+    }
     with out.open("ab") as fh:
         proc = subprocess.run(
             torchrun_command(nproc, child, *args), stdout=fh, stderr=subprocess.STDOUT,
