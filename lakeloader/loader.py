@@ -243,7 +243,10 @@ class DataLoader(TorchNames, LakePosition):
     def __iter__(self) -> Iterator[Any]:
         """A pass over the epoch under way, or the next one (see the class docstring).
 
-        Rank and world size are resolved here: a pass runs on the topology of its start.
+        Rank and world size are resolved here: a pass runs on the topology of its start. The
+        iterator's ``num_steps`` is the number of batches the pass delivers from where it
+        starts (None, or no such attribute, where the end is not known: ``endless``, a
+        followed lake, a packed stream).
 
         Raises:
             TopologyError: If the world size is above 1 but this process's rank is unknown.

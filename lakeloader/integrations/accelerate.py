@@ -117,8 +117,9 @@ class AcceleratedLoader:
 def _steps_in_pass(it: Iterator[Any]) -> int | None:
     """Steps a pass of the lake loader delivers, or None when it does not say (no end).
 
-    A plain or mixture loader's pass iterator stops after ``num_steps`` (not documented yet);
-    an endless, packed or followed stream has no such count, and never ends an epoch here.
+    A plain or mixture loader's pass iterator stops after its ``num_steps`` (see
+    ``DataLoader.__iter__``); an endless, packed or followed stream has no such count, and
+    never ends an epoch here.
     """
     steps = getattr(it, "num_steps", None)
     return steps if isinstance(steps, int) else None

@@ -54,6 +54,10 @@ class EpochIterator:
         coordinator: Decides what a dead worker's work becomes.
         on_finish: Called once when the pass ends (or is closed).
         owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
+
+    Attributes:
+        num_steps: Batches this pass delivers in all, from where it starts (a framework
+            that must know the last batch without pulling ahead reads it).
     """
 
     def __init__(
