@@ -31,16 +31,23 @@ The plain loader, with no adapter (tested with Lightning 2.6.6, strategies ``ddp
    set_epoch()``. The callback restores the saved state there (a followed lake goes on from
    the increment it was in) and begins the pass again.
 3. A resume on another number of processes or batch size: Lightning's progress counters
-   (``batch_progress``, from which it decides where an epoch ends) count steps of the old
-   topology. The callback recounts the epoch's steps done in the new one, so that the epoch
-   ends on the loader's last batch, which Lightning knows as its last.
+   (``batch_progress``) count the epoch's steps of the old topology and ``len(loader)`` those of
+   the new. Every row still comes once, but Lightning's ``batch_idx`` is off, and the epoch
+   ends on a batch Lightning does not know as its last (the loader's ``StopIteration``): no
+   validation at that epoch's end, no epoch-interval scheduler step. The callback recounts
+   the steps done in the new topology (for a single training loader over a ``LakeDataset``).
 
 It uses Lightning's private ``Trainer.fit_loop._data_fetcher`` and ``._combined_loader``; a
-Lightning without them raises :class:`LightningVersionError`. Not handled: Lightning calls
-``loader.sampler.set_epoch(current_epoch)`` on a loader without ``len()`` too, whose epochs
-are not Lightning's (Lightning's epoch of a followed lake ends each time the loader catches
-up, and never for an endless one), so a resume whose state is past the loader's epoch
-``current_epoch`` starts that epoch again.
+Lightning without them raises :class:`LightningVersionError`.
+
+Not handled, as it needs the loader: Lightning calls ``loader.sampler.set_epoch(current_epoch)``
+on a loader without ``len()`` too, whose epochs are not Lightning's. An endless loader stays
+in Lightning's epoch 0, so a resume from a state in its epoch 1 or later fails
+(``RuntimeError: ... ended by set_epoch()``); so does a followed lake's from increment 1 or
+later. With ``Follow(timeout=...)`` Lightning's epoch ends each time the loader catches up,
+and the next one starts increment ``current_epoch`` again, delivering its rows twice: follow
+a lake within one Lightning epoch (``max_epochs=1``: the run ends when the loader has caught
+up; or ``Follow(timeout=None)`` and ``max_steps``).
 
 Example::
 
