@@ -90,6 +90,8 @@ class Model(pl.LightningModule):
         return train_loader(self.cfg)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.cfg.get("estimate"):  # sets the loaders up before the loops are restored
+            assert self.trainer.estimated_stepping_batches > 0
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
@@ -101,8 +103,9 @@ def main(cfg: dict[str, Any]) -> None:
     with ``reload_dataloaders_every_n_epochs=1``), ``every`` (a checkpoint every so many
     steps, ``OUT/ckpt/last.ckpt``; also one at every epoch's end in ``OUT/ckpt/epochs``),
     ``hold``, ``resume`` (a checkpoint path), ``callback``, ``max_epochs``, ``max_steps``,
-    ``follow``, ``endless``, ``val`` (a validation lake, ``restart_on_iter=True``),
-    ``val_batch``, ``limit_val``, ``sanity``.
+    ``follow`` (with ``timeout``), ``endless``, ``val`` (a validation lake,
+    ``restart_on_iter=True``), ``val_batch``, ``limit_val``, ``sanity``, ``estimate`` (read
+    ``trainer.estimated_stepping_batches`` in ``configure_optimizers``).
     """
     out = Path(cfg["out"])
     loader = train_loader(cfg) if cfg["setup"] == "fit" else None

@@ -386,6 +386,18 @@ def test_an_end_of_epoch_checkpoint_resumes_with_the_callback_only(
     assert all(r["le"] == r["e"] for r in steps)
 
 
+def test_loaders_set_up_before_lightning_restores_its_loops_are_restored_by_the_callback(
+    tmp_path: Path, lakes: tuple[Path, Path]
+) -> None:
+    """``estimated_stepping_batches`` in ``configure_optimizers`` sets the loaders up before
+    Lightning restores its loops, and it then loads no loader state (Lightning's issue
+    20550): without the callback the resume starts the epoch again (700 rows doubled)."""
+    cfg = {"setup": "fit", "lake": str(lakes[0]), "every": 7, "callback": True, "estimate": True}
+    a = _fit(tmp_path, tag="a", max_steps=7, **cfg)
+    _fit(tmp_path, tag="b", max_epochs=1, resume=str(a), **cfg)
+    assert _tally(_trained(tmp_path, [("a", a), ("b", None)])) == {0: (LAYOUT_ROWS, 0, 0)}
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,

@@ -15,10 +15,12 @@ The plain loader, with no adapter (tested with Lightning 2.6.6, strategies ``ddp
 - Validation: ``ll.DataLoader(val_ds, batch_size=..., restart_on_iter=True)``, so that every
   ``iter()`` (one per validation run) is a whole pass: the sanity check
   (``num_sanity_val_steps``) and ``limit_val_batches=k`` take the first batches and eat none
-  of the next validation's. Without ``restart_on_iter`` a new ``iter()`` continues the pass
-  under way: the first validation after a sanity check of 2 batches sees only the batches after
-  those 2, and with ``limit_val_batches=k`` each validation takes the ``k`` batches after the
-  last one's (rolling windows), moving to the next epoch's order when one is used up.
+  of the next validation's; under ``ddp`` each rank validates its share. Without
+  ``restart_on_iter`` a new ``iter()`` continues the pass under way, and Lightning's
+  ``set_epoch`` starts it again only when the training epoch changes: the validation after a
+  sanity check of 2 batches sees only the batches after those 2, and validations within one
+  training epoch (``val_check_interval`` < 1) with ``limit_val_batches=k`` take successive
+  windows of ``k`` batches, not the first ``k``.
 
 :class:`LakeloaderCallback` adds what the plain loader cannot know:
 
@@ -30,15 +32,19 @@ The plain loader, with no adapter (tested with Lightning 2.6.6, strategies ``ddp
    ``set_epoch`` ends it: ``RuntimeError: this iterator over epoch 0 was ended by
    set_epoch()``. The callback restores the saved state there (a followed lake goes on from
    the increment it was in) and begins the pass again.
-3. A resume on another number of processes or batch size: Lightning's progress counters
+3. ``self.trainer.estimated_stepping_batches`` in ``configure_optimizers`` sets the loaders
+   up before Lightning restores its loops, and it then restores no loader state (Lightning's
+   issue 20550): the resume would start the epoch again. The callback restores them.
+4. A resume on another number of processes or batch size: Lightning's progress counters
    (``batch_progress``) count the epoch's steps of the old topology and ``len(loader)`` those of
    the new. Every row still comes once, but Lightning's ``batch_idx`` is off, and the epoch
    ends on a batch Lightning does not know as its last (the loader's ``StopIteration``): no
    validation at that epoch's end, no epoch-interval scheduler step. The callback recounts
    the steps done in the new topology (for a single training loader over a ``LakeDataset``).
 
-It uses Lightning's private ``Trainer.fit_loop._data_fetcher`` and ``._combined_loader``; a
-Lightning without them raises :class:`LightningVersionError`.
+It uses Lightning's private ``Trainer.fit_loop._data_fetcher``, ``._combined_loader`` and
+``._combined_loader_states_to_load``; a Lightning without them raises
+:class:`LightningVersionError`.
 
 Not handled, as it needs the loader: Lightning calls ``loader.sampler.set_epoch(current_epoch)``
 on a loader without ``len()`` too, whose epochs are not Lightning's. An endless loader stays
@@ -193,39 +199,51 @@ class LakeloaderCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a mid-epoch checkpoint, count the epoch's steps done in this topology.
 
-        Lightning restored the loaders' states from a mid-epoch checkpoint; from an
-        end-of-epoch one it did not, and :meth:`on_train_epoch_start` does.
+        Lightning restored the loaders' states from a mid-epoch checkpoint, unless it set its
+        loaders up before it restored its loops (``estimated_stepping_batches`` in
+        ``configure_optimizers``, Lightning's issue 20550): the callback restores them then.
+        From an end-of-epoch checkpoint it restores none, and :meth:`on_train_epoch_start`
+        does.
         """
         if not trainer.fit_loop.restarting:
             return
-        self._saved = None
+        saved, self._saved = self._saved, None
+        fit = trainer.fit_loop
+        if saved is not None and _private(fit, "_combined_loader_states_to_load", "fit_loop"):
+            _restore(trainer, saved)  # Lightning left them
         loaders = train_loaders(trainer)
-        if _private(trainer.fit_loop, "restarted_mid_epoch", "Trainer.fit_loop") and (
+        if _private(fit, "restarted_mid_epoch", "Trainer.fit_loop") and (
             len(loaders) == 1 and isinstance(loaders[0], DataLoader)
         ):
             _recount(trainer, loaders[0])
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After an end-of-epoch checkpoint, restore the loaders' states and begin the pass.
-
-        Lightning began a pass on each loader as it was made (or made again, with
-        ``reload_dataloaders_every_n_epochs``) before its ``set_epoch`` ended it.
-        """
+        """After an end-of-epoch checkpoint, restore the loaders' states."""
         saved, self._saved = self._saved, None
-        loaders = train_loaders(trainer)
-        lakes = [i for i, loader in enumerate(loaders) if isinstance(loader, DataLoader)]
-        if saved is None or not lakes or len(saved) != len(loaders):
-            return
-        for i in lakes:
-            loaders[i].load_state_dict(saved[i])
-            if _sized(loaders[i]):
-                loaders[i].set_epoch(trainer.current_epoch)  # as Lightning has done
-        iter(_private(trainer.fit_loop, "_data_fetcher", "Trainer.fit_loop"))
-        logger.info("loader states of the end-of-epoch checkpoint restored")
+        if saved is not None:
+            _restore(trainer, saved)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Forget a checkpoint's states that no epoch took."""
         self._saved = None
+
+
+def _restore(trainer: pl.Trainer, saved: list[Any]) -> None:
+    """Load the lake loaders' states of a checkpoint, and begin Lightning's pass again.
+
+    Lightning began a pass on each loader as it stood before (as made, or made again by
+    ``reload_dataloaders_every_n_epochs``), which a load (or its ``set_epoch``) ended.
+    """
+    loaders = train_loaders(trainer)
+    lakes = [i for i, loader in enumerate(loaders) if isinstance(loader, DataLoader)]
+    if not lakes or len(saved) != len(loaders):
+        return
+    for i in lakes:
+        loaders[i].load_state_dict(saved[i])
+        if _sized(loaders[i]):
+            loaders[i].set_epoch(trainer.current_epoch)  # as Lightning has done or will do
+    iter(_private(trainer.fit_loop, "_data_fetcher", "Trainer.fit_loop"))
+    logger.info("the checkpoint's loader states restored, which Lightning did not restore")
 
 
 def _sized(loader: DataLoader) -> bool:
