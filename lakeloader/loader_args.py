@@ -53,7 +53,17 @@ class TorchNames:
 
     @property
     def sampler(self) -> EpochSampler:
-        """Where frameworks set the epoch: ``loader.sampler.set_epoch(n)`` is ``set_epoch(n)``."""
+        """Where frameworks set the epoch: ``loader.sampler.set_epoch(n)`` is ``set_epoch(n)``.
+
+        Only for a loader whose passes are epochs, those a framework counts by ``len()``; an
+        endless loader, a followed lake or a packed stream runs through its epochs by itself,
+        and a framework's count (Lightning's stays 0 for a loader without ``len()``) is not
+        theirs: it is ignored.
+        """
+        try:
+            len(self)  # type: ignore[arg-type]
+        except TypeError:
+            return EpochSampler(None)
         return EpochSampler(self.set_epoch)
 
     @property

@@ -61,15 +61,17 @@ class EpochSampler:
     meaning: the epoch under way keeps its position, another starts from its beginning.
 
     Args:
-        set_epoch: The loader's ``set_epoch``.
+        set_epoch: The loader's ``set_epoch``; None for a loader whose epochs are not the
+            framework's (no ``len()``), which ignores it.
     """
 
-    def __init__(self, set_epoch: Callable[[int], None]) -> None:
+    def __init__(self, set_epoch: Callable[[int], None] | None) -> None:
         self._set_epoch = set_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Make the loader's next pass run ``epoch`` (see ``DataLoader.set_epoch``)."""
-        self._set_epoch(epoch)
+        if self._set_epoch is not None:
+            self._set_epoch(epoch)
 
     def __repr__(self) -> str:
         return "EpochSampler(the loader plans its own order; set_epoch reaches the loader)"

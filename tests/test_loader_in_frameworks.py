@@ -123,6 +123,23 @@ def test_sampler_set_epoch_reaches_the_loader(dataset: ll.LakeDataset) -> None:
     del it
 
 
+def test_a_loader_without_len_keeps_its_own_epochs(dataset: ll.LakeDataset) -> None:
+    # Lightning counts epochs by len(); without one its count stays 0, and it calls
+    # loader.sampler.set_epoch(0) at every start: an endless loader must not go back
+    loader = ll.DataLoader(dataset, batch_size=BATCH, endless=True)
+    steps = len(ll.DataLoader(dataset, batch_size=BATCH))
+    it = iter(loader)
+    list(itertools.islice(it, 2 * steps + 3))
+    state = loader.state_dict()
+    loader.sampler.set_epoch(0)
+    assert loader.state_dict() == state
+    resumed = ll.DataLoader(dataset, batch_size=BATCH, endless=True)
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(0)
+    assert _ids(itertools.islice(iter(resumed), 2)) == _ids(itertools.islice(it, 2))
+    loader.close()
+
+
 def test_restart_on_iter_makes_every_iter_a_whole_pass(dataset: ll.LakeDataset) -> None:
     loader = ll.DataLoader(dataset, batch_size=BATCH, restart_on_iter=True)
     whole = _epoch(dataset, 0)
