@@ -2,13 +2,12 @@
 
 Each setup trains tests/lightning_child.py in real processes: on 2 processes (gloo) until a
 checkpoint is written, then SIGKILL to the run's process group mid-epoch; again on 2 processes
-from that checkpoint with Lightning's own resume (``fit(ckpt_path=...)``), killed again (not
-for ``ddp_spawn``, whose launches are the slowest); and on 1 process to the end, from the last
-checkpoint. Every rank logs the row ids of each step it trains; a run's steps from the global
-step of the checkpoint the next run resumed from were trained again and are dropped; every
-row of every epoch must be left exactly once. The numbers are printed (``pytest -s``) and in
-the assertion messages. Then, in this process on 1 device: loaders without ``len()``, an
-end-of-epoch checkpoint, and the example's demo.
+from that checkpoint with Lightning's own resume (``fit(ckpt_path=...)``), killed again; and
+on 1 process to the end, from the last checkpoint. Every rank logs the row ids of each step
+it trains; a run's steps from the global step of the checkpoint the next run resumed from
+were trained again and are dropped; every row of every epoch must be left exactly once. The
+numbers are printed (``pytest -s``) and in the assertion messages. Then, in this process on
+1 device: loaders without ``len()``, end-of-epoch checkpoints; and the example's demo.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ BATCH = 16  # rows per rank and step
 VAL_ROWS = 128
 VAL_BATCH = 16
 STEPS_1 = -(-LAYOUT_ROWS // BATCH)  # steps of an epoch on 1 process
-GROWTH = 200  # rows appended to the followed lake
+GROWTH = (200, 100)  # rows of the increments appended to the followed lake
 
 
 # ------------------------------------------------------------------------- running the child
@@ -160,7 +159,7 @@ def _tally(steps: list[dict[str, Any]], epoch_of: Callable[[int], int] | None = 
     for r in steps:
         for i in r["ids"]:
             seen[epoch_of(i) if epoch_of else r["e"]][i] += 1
-    every = range(LAYOUT_ROWS + GROWTH) if epoch_of else range(LAYOUT_ROWS)
+    every = range(LAYOUT_ROWS + sum(GROWTH)) if epoch_of else range(LAYOUT_ROWS)
     return {
         e: (
             sum(c.values()),
@@ -268,12 +267,12 @@ def test_a_loader_passed_to_fit_under_ddp_resumes_exactly_and_on_one_process(
 def test_a_loader_pickled_into_ddp_spawn_processes_resumes_exactly(
     tmp_path: Path, lakes: tuple[Path, Path]
 ) -> None:
-    """Row 2: the loader made in the launching process and pickled into the spawned ones
-    (resumed on 1 process only: a launch of ``ddp_spawn`` takes 13 s of the suite's time)."""
+    """Row 2: the loader made in the launching process and pickled into the spawned ones."""
     cfg = {"setup": "fit", "strategy": "ddp_spawn", "lake": str(lakes[0]), "max_epochs": 2}
-    a = _train(tmp_path, tag="a", hold=52, **cfg)  # 5 steps into epoch 1
-    _train(tmp_path, tag="c", resume=str(a), callback=True, **{**cfg, "devices": 1})
-    steps = _exactly_once("fit, ddp_spawn", [("a", a), ("c", None)], tmp_path, 2)
+    a = _train(tmp_path, tag="a", hold=12, **cfg)
+    b = _train(tmp_path, tag="b", hold=52, resume=str(a), **cfg)  # 5 steps into epoch 1
+    _train(tmp_path, tag="c", resume=str(b), callback=True, **{**cfg, "devices": 1})
+    steps = _exactly_once("fit, ddp_spawn", [("a", a), ("b", b), ("c", None)], tmp_path, 2)
     assert all(r["le"] == r["e"] for r in steps)
 
 
@@ -300,45 +299,48 @@ def test_a_loader_made_by_train_dataloader_every_epoch_resumes_from_an_epoch_end
     }
 
 
-def _append(lake: Path) -> None:
-    """``GROWTH`` rows with the next ids in a new file of the lake's schema (renamed into
-    place whole)."""
-    ids = np.arange(LAYOUT_ROWS, LAYOUT_ROWS + GROWTH, dtype=np.int64)
+def _append(lake: Path, increment: int) -> None:
+    """Increment ``increment`` (1 or 2): ``GROWTH[increment - 1]`` rows with the next ids in
+    a new file of the lake's schema (renamed into place whole)."""
+    first = LAYOUT_ROWS + sum(GROWTH[: increment - 1])
+    ids = np.arange(first, first + GROWTH[increment - 1], dtype=np.int64)
     table = pa.table(
         {
             "id": ids,
             "x": (ids * 0.5).astype(np.float32),
             "s": [f"row-{i}" for i in ids],
-            "label": np.zeros(GROWTH, np.int32),
+            "label": np.zeros(len(ids), np.int32),
         }
     )
     pq.write_table(table, lake / ".appended.tmp")
-    os.replace(lake / ".appended.tmp", lake / "appended.parquet")
+    os.replace(lake / ".appended.tmp", lake / f"appended-{increment}.parquet")
+
+
+def _increment(i: int) -> int:
+    """The increment of the followed lake that row ``i`` was appended in."""
+    return sum(i >= LAYOUT_ROWS + sum(GROWTH[:k]) for k in range(len(GROWTH) + 1))
 
 
 def test_a_growing_lake_resumes_before_the_batch_lightning_fetched_ahead(tmp_path: Path) -> None:
     """Row 4: ``follow=``, no ``len()``: Lightning prefetches a batch, which the callback's
-    state stands before; rows appended while the run on 1 process trains come once. The
-    runs are killed in increment 0: a resume in a later one fails (see the endless xfail)."""
+    state stands before. Increment 1 is appended while the first run trains, and the second
+    is killed in it (3 steps in); increment 2 while the run on 1 process trains."""
     lake = tmp_path / "lake"
     write_lake(lake, LAYOUT)
     cfg = {"setup": "fit", "strategy": "ddp", "lake": str(lake), "follow": True, "timeout": 1.5}
     cfg |= {"max_epochs": 1, "callback": True}  # Lightning's epoch ends when it has caught up
     out = tmp_path / "out"
     out.mkdir()
-    a = _train(out, tag="a", hold=12, **cfg)
-    b = _train(out, tag="b", hold=32, resume=str(a), **cfg)
-    _train(out, tag="c", resume=str(b), when_training=lambda: _append(lake), **cfg, devices=1)
-
-    def increment(i: int) -> int:
-        return int(i >= LAYOUT_ROWS)
-
+    a = _train(out, tag="a", hold=12, when_training=lambda: _append(lake, 1), **cfg)
+    b = _train(out, tag="b", hold=52, resume=str(a), **cfg)  # increment 0 has 47 steps
+    _train(out, tag="c", resume=str(b), when_training=lambda: _append(lake, 2), **cfg, devices=1)
     steps = _trained(out, [("a", a), ("b", b), ("c", None)])
-    tally = _tally(steps, increment)
+    tally = _tally(steps, _increment)
     message = _report(
         "follow=, ddp, callback", "after the resume on 1 process (by increment)", tally
     )
-    assert tally == {0: (LAYOUT_ROWS, 0, 0), 1: (GROWTH, 0, 0)}, message
+    assert tally == {0: (LAYOUT_ROWS, 0, 0), 1: (GROWTH[0], 0, 0), 2: (GROWTH[1], 0, 0)}, message
+    assert _global_step(b) == 50 and max(r["le"] for r in _records(out, "b")) == 1
 
 
 # ----------------------------------------------------------------- in this process, 1 device
@@ -386,6 +388,23 @@ def test_an_end_of_epoch_checkpoint_resumes_with_the_callback_only(
     assert all(r["le"] == r["e"] for r in steps)
 
 
+def test_a_followed_lake_caught_up_at_an_epoch_end_goes_on_with_what_was_appended(
+    tmp_path: Path,
+) -> None:
+    """An end-of-epoch checkpoint of a followed lake (Lightning's epoch ends when the loader
+    has caught up): without the callback the resume would read the lake from increment 0."""
+    lake = tmp_path / "lake"
+    write_lake(lake, LAYOUT)
+    cfg = {"setup": "fit", "lake": str(lake), "follow": True, "timeout": 0.3, "every": 1000}
+    cfg |= {"callback": True}
+    _fit(tmp_path, tag="a", max_epochs=1, **cfg)
+    _append(lake, 1)
+    end = tmp_path / "ckpt" / "epochs" / "epoch=0.ckpt"
+    _fit(tmp_path, tag="b", max_epochs=2, resume=str(end), **cfg)
+    tally = _tally(_trained(tmp_path, [("a", None), ("b", None)]), _increment)
+    assert tally == {0: (LAYOUT_ROWS, 0, 0), 1: (GROWTH[0], 0, 0)}
+
+
 def test_loaders_set_up_before_lightning_restores_its_loops_are_restored_by_the_callback(
     tmp_path: Path, lakes: tuple[Path, Path]
 ) -> None:
@@ -398,17 +417,13 @@ def test_loaders_set_up_before_lightning_restores_its_loops_are_restored_by_the_
     assert _tally(_trained(tmp_path, [("a", a), ("b", None)])) == {0: (LAYOUT_ROWS, 0, 0)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="Lightning calls loader.sampler.set_epoch(current_epoch), 0 for an endless loader, "
-    "which moves it back to epoch 0 (lakeloader/loader_args.py TorchNames.sampler)",
-)
 def test_an_endless_loader_resumes_past_its_first_epoch(
     tmp_path: Path, lakes: tuple[Path, Path]
 ) -> None:
+    """Lightning's ``set_epoch(0)`` at the start of the resumed run leaves the loader in its
+    epoch 1, where the checkpoint stands."""
     cfg = {"setup": "fit", "lake": str(lakes[0]), "endless": True, "every": 20, "callback": True}
-    a = _fit(tmp_path, tag="a", max_steps=20, **cfg)  # the loader's epoch 1
+    a = _fit(tmp_path, tag="a", max_steps=20, **cfg)  # 15 steps an epoch: 5 into epoch 1
     _fit(tmp_path, tag="b", max_steps=25, resume=str(a), **cfg)
     got = [r["ids"] for r in _trained(tmp_path, [("a", a), ("b", None)])]
     assert got == _endless(lakes[0], 25)

@@ -46,14 +46,10 @@ It uses Lightning's private ``Trainer.fit_loop._data_fetcher``, ``._combined_loa
 ``._combined_loader_states_to_load``; a Lightning without them raises
 :class:`LightningVersionError`.
 
-Not handled, as it needs the loader: Lightning calls ``loader.sampler.set_epoch(current_epoch)``
-on a loader without ``len()`` too, whose epochs are not Lightning's. An endless loader stays
-in Lightning's epoch 0, so a resume from a state in its epoch 1 or later fails
-(``RuntimeError: ... ended by set_epoch()``); so does a followed lake's from increment 1 or
-later. With ``Follow(timeout=...)`` Lightning's epoch ends each time the loader catches up,
-and the next one starts increment ``current_epoch`` again, delivering its rows twice: follow
-a lake within one Lightning epoch (``max_epochs=1``: the run ends when the loader has caught
-up; or ``Follow(timeout=None)`` and ``max_steps``).
+Lightning calls ``loader.sampler.set_epoch(current_epoch)`` on loaders without ``len()``
+too, which ignore it: their epochs are not Lightning's. An endless loader stays in Lightning's
+epoch 0 (stop the run with ``max_steps``); a followed lake's Lightning epoch ends each time
+the loader catches up (``Follow(timeout=...)``), and the next goes on with what was appended.
 
 Example::
 
