@@ -36,7 +36,7 @@ from lakeloader.options import (
     LoaderOptions,
 )
 from lakeloader.order.plan import steps_in_epoch
-from lakeloader.passes import Endless
+from lakeloader.passes import Deferred, Endless
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
@@ -243,14 +243,20 @@ class DataLoader(TorchNames, LakePosition):
     def __iter__(self) -> Iterator[Any]:
         """A pass over the epoch under way, or the next one (see the class docstring).
 
-        Rank and world size are resolved here: a pass runs on the topology of its start. The
-        iterator's ``num_steps`` is the number of batches the pass delivers from where it
-        starts (None, or no such attribute, where the end is not known: ``endless``, a
-        followed lake, a packed stream).
+        The pass begins at the first ``next()``: a ``set_epoch`` between ``iter()`` and it
+        (Lightning's order when it resumes) moves the pass it begins. Rank and world size are
+        resolved then: a pass runs on the topology of its start. The iterator's ``num_steps``
+        is the number of batches the pass delivers from where it starts (None, or no such
+        attribute, where the end is not known: ``endless``, a followed lake, a packed stream).
 
         Raises:
-            TopologyError: If the world size is above 1 but this process's rank is unknown.
+            TopologyError: At the first ``next()``, if the world size is above 1 but this
+                process's rank is unknown.
         """
+        return Deferred(self._begin)
+
+    def _begin(self) -> Iterator[Any]:
+        """Begin a pass (or, ``endless``, passes) on the topology of now."""
         self._placed(self._resolve_topology(strict=True))
         if self.options.restart_on_iter:
             self.set_epoch(self.epoch, restart=True)

@@ -53,6 +53,46 @@ class Endless:
         return next(self._pass)  # a third empty pass ends it (an empty lake, a spent stream)
 
 
+class Deferred:
+    """``iter(loader)``: the pass begins at the first ``next()``, not at ``iter()``.
+
+    Frameworks call ``iter()`` to test a loader (Lightning, at every set-up) and call
+    ``set_epoch`` after ``iter()`` (Lightning, at the first epoch of a run it resumes); so
+    ``iter()`` costs nothing and a ``set_epoch`` before the first batch moves the pass it will
+    begin. Other attributes (``num_steps``, ...) are the pass's, which asking for begins.
+
+    Args:
+        begin: Begins the pass (the loader's).
+
+    Example:
+        >>> begun = []
+        >>> it = Deferred(lambda: begun.append("pass") or iter([7, 8]))
+        >>> begun
+        []
+        >>> next(it), begun, list(it)
+        (7, ['pass'], [8])
+    """
+
+    def __init__(self, begin: Callable[[], Iterator[Any]]) -> None:
+        self._begin: Callable[[], Iterator[Any]] | None = begin
+        self._pass: Iterator[Any] | None = None
+
+    def _started(self) -> Iterator[Any]:
+        if self._pass is None:
+            assert self._begin is not None
+            self._pass, self._begin = self._begin(), None
+        return self._pass
+
+    def __iter__(self) -> Deferred:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._pass if self._pass is not None else self._started())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._started(), name)
+
+
 class EpochSampler:
     """``loader.sampler``: not a torch ``Sampler``, only where frameworks set the epoch.
 

@@ -11,7 +11,8 @@ The plain loader, with no adapter (tested with Lightning 2.6.6, strategies ``ddp
   (also for a loader made anew by ``reload_dataloaders_every_n_epochs``).
 - A mid-epoch checkpoint (``ModelCheckpoint(every_n_train_steps=k)``) resumes exactly on the
   same number of processes: Lightning saves ``loader.state_dict()`` in
-  ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]`` and loads it.
+  ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]`` and loads it. An
+  end-of-epoch checkpoint resumes at the next epoch (see 2. below).
 - Validation: ``ll.DataLoader(val_ds, batch_size=..., restart_on_iter=True)``, so that every
   ``iter()`` (one per validation run) is a whole pass: the sanity check
   (``num_sanity_val_steps``) and ``limit_val_batches=k`` take the first batches and eat none
@@ -28,10 +29,11 @@ The plain loader, with no adapter (tested with Lightning 2.6.6, strategies ``ddp
    (``follow=``, ``endless=True``): the state it saves counts a batch no step trained on, and
    a resume would skip it. The callback saves the state as it stood before that batch.
 2. An end-of-epoch checkpoint (``ModelCheckpoint``'s default) is resumed by Lightning without
-   the loader's state, and on a loader that had already begun a pass when Lightning's
-   ``set_epoch`` ends it: ``RuntimeError: this iterator over epoch 0 was ended by
-   set_epoch()``. The callback restores the saved state there (a followed lake goes on from
-   the increment it was in) and begins the pass again.
+   the loader's state. A loader with ``len()`` needs nothing: Lightning's ``set_epoch(e + 1)``
+   comes after its ``iter()`` but before the first batch, where the pass begins, so it runs
+   epoch ``e + 1``. A followed lake, whose epochs are not Lightning's, would read its first
+   increment again: the callback restores the saved state (it goes on from the increment it
+   was in).
 3. ``self.trainer.estimated_stepping_batches`` in ``configure_optimizers`` sets the loaders
    up before Lightning restores its loops, and it then restores no loader state (Lightning's
    issue 20550): the resume would start the epoch again. The callback restores them.
