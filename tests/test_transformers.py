@@ -118,7 +118,11 @@ def launch(work: Path, name: str, nproc: int, out: str, *options: str) -> Launch
             returncode = proc.wait(timeout=RUN_TIMEOUT)
         except subprocess.TimeoutExpired:
             proc.terminate()  # torchrun passes SIGTERM on to its ranks
-            returncode = proc.wait(timeout=30)
+            try:
+                returncode = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                returncode = proc.wait()
         finally:
             records = _records(work, name)
             _kill_leftovers([r["pid"] for r in records if r["type"] == "start"])

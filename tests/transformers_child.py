@@ -73,7 +73,7 @@ class Log(TrainerCallback):
             loader_epoch=loader.epoch,
             lr=kw["lr_scheduler"].get_last_lr()[0],
             ids=self.net.seen,
-            weights=[float(w) for w in self.net.parameters()],
+            weights=[float(w.detach()) for w in self.net.parameters()],
         )
         self.net.seen = []
         if state.global_step == self.kill_at and args.process_index == 0:
@@ -152,6 +152,12 @@ def main() -> None:
         )
         plain.train()
         log.write(type="torch", steps_per_epoch=plain.state.global_step)
+    # Leave without freeing the DDP model: its process group's destructor may deadlock with
+    # a gloo thread that needs the GIL, or abort (pytorch/pytorch#190489, PR #179291).
+    log.out.close()
+    if trainer.lake_loader is not None:
+        trainer.lake_loader.close()  # its decoded units (os._exit runs no finaliser)
+    os._exit(0)
 
 
 if __name__ == "__main__":
