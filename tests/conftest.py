@@ -50,7 +50,6 @@ SLOW_TESTS = frozenset(
         "test_preemption.py::test_a_loop_that_checks_stops_at_the_next_step_and_exits_zero",
         "test_faultproxy.py::test_the_restartable_store_keeps_its_objects",
         "test_faultproxy.py::test_a_fraction_of_503s_is_retried_through",
-        "test_cli.py::test_demo_end_to_end",
         "test_direct_reads.py::test_pooled_connections_survive_a_store_restart",
         "test_packing.py::test_resume_at_20_random_points_mid_document_and_under_other_shapes",
         "test_checkpoint.py::test_ranks_that_disagree_are_named",

@@ -1,10 +1,8 @@
-"""The ``lakeloader`` command: plan (table and JSON), errors, and the demo end to end."""
+"""The ``lakeloader`` command: plan (table and JSON) and its errors (the demo: test_demo.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -38,22 +36,3 @@ def test_plan_of_a_missing_lake_is_a_clear_error(
 ) -> None:
     assert main(["plan", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
-
-
-def test_demo_end_to_end(tmp_path: Path) -> None:
-    exe = shutil.which("lakeloader")
-    assert exe, "the lakeloader console script is installed"
-    result = subprocess.run(
-        [exe, "demo", "--dir", str(tmp_path), "--rows", "8000", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
-    assert report["ok"] is True
-    assert report["killed_at_step"] >= report["checkpoint_step"] > 0
-    for epoch in report["epochs"]:
-        assert epoch["exactly_once"] == epoch["rows"] == 8000
-        assert epoch["missing"] == epoch["duplicated"] == 0
