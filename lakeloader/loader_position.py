@@ -14,6 +14,7 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
+from lakeloader.topology import Topology
 
 
 class LakePosition:
@@ -34,6 +35,14 @@ class LakePosition:
         raise NotImplementedError
 
     def _follow_dataset(self, epoch: int) -> None:
+        raise NotImplementedError
+
+    def _placed(self, topology: Topology) -> None:
+        raise NotImplementedError
+
+    @property
+    def topology(self) -> Topology:
+        """The loader's topology now (``TorchNames.topology``)."""
         raise NotImplementedError
 
     def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
@@ -123,10 +132,24 @@ class LakePosition:
                 f"a {type(self).__name__} has no per-rank view: its position is its "
                 "state_dict() (per source or per partition)"
             )
+        self._placed(self.topology)  # the ranks of now, not those of the last pass
         # The dataset of the tracker's epoch (a loaded state's may start the next one); a
         # followed lake's next increment may not exist yet, so it keeps its own.
         ds = self.dataset if self._base.follow else self._base.for_epoch(tracker.epoch)
         return tracker.view(ds.plan(tracker.epoch), ds.snapshot)
+
+    def steps_left(self) -> int:
+        """Global steps left in the epoch under way, for the topology of now.
+
+        With ``len(loader)``, where a framework stands in the epoch: ``len(loader) -
+        steps_left()`` steps are done, whatever topology the position was saved under (0
+        left: the epoch is over, the next pass begins the next one).
+
+        Raises:
+            TypeError: For a loader whose passes have no end (followed, packed, endless).
+        """
+        len(self)  # type: ignore[arg-type]  # no end, no steps left to count
+        return self.view().steps_remaining
 
     @property
     def quarantine(self) -> list[QuarantineEntry]:

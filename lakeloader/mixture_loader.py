@@ -86,6 +86,12 @@ class MixtureLoader(DataLoader):
         """The pass over the mixture under way (or just finished)."""
         return self._state.epoch
 
+    def steps_left(self) -> int:
+        """Global steps left in the pass under way, for the topology of now."""
+        state = self._state
+        rows = state.epoch_rows - (state.slot - state.epoch_start)
+        return -(-max(rows, 0) // self.global_batch_size)
+
     def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
         """Accepted for the usual epoch loop: a mixture's stream goes on from where it is.
 

@@ -214,3 +214,26 @@ def test_a_stream_that_cannot_stand_back_says_so(tmp_path: Path, dataset: ll.Lak
     assert loader.state_dict(fetched_ahead=0)
     with pytest.raises(ValueError, match=r"fetched_ahead=1\) of a mixture"):
         loader.state_dict(fetched_ahead=1)
+
+
+def test_steps_left_count_in_the_topology_of_now(
+    dataset: ll.LakeDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = ll.DataLoader(dataset, batch_size=BATCH)
+    list(itertools.islice(iter(first), 5))
+    state = first.state_dict()
+    assert first.steps_left() == len(first) - 5
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    resumed = ll.DataLoader(dataset, batch_size=BATCH)  # made before the process group
+    resumed.load_state_dict(state)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # now 64 rows a step
+    assert resumed.steps_left() == -(-(LAYOUT_ROWS - 5 * BATCH) // (2 * BATCH))
+    assert len(resumed) - resumed.steps_left() == 2 + 1, "160 rows done: 2.5 steps of 64"
+    mixture = ll.Mixture({"a": dataset, "b": dataset}, weights={"a": 1, "b": 1}, seed=0)
+    mixed = ll.DataLoader(mixture, batch_size=BATCH, rank=0, world_size=1)
+    list(itertools.islice(iter(mixed), 3))
+    assert mixed.steps_left() == len(mixed) - 3
+    with pytest.raises(TypeError, match="endless"):
+        ll.DataLoader(dataset, batch_size=BATCH, endless=True).steps_left()

@@ -134,11 +134,11 @@ def steps_done(loader: DataLoader) -> int | None:
     """Steps of the loader's epoch done, in its topology now (None: it cannot tell).
 
     ``len(loader)`` less the steps left, so that a position saved under another number of
-    processes or batch size counts in this one's steps. A loader without ``len()``, or whose
-    position has no per-rank view (a mixture), cannot tell.
+    processes or batch size counts in this one's steps. A loader without ``len()`` cannot
+    tell.
     """
     try:
-        return len(loader) - loader.view().steps_remaining
+        return len(loader) - loader.steps_left()
     except TypeError:
         return None
 

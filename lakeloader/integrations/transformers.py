@@ -186,17 +186,10 @@ def epoch_and_steps_done(loader: DataLoader) -> tuple[int, int]:
     another number of processes or batch size counts in this one's steps. A position whose
     rows left make no step (``drop_last``) stands at the start of the next epoch.
     """
-    total = len(loader)
-    if isinstance(loader.dataset, Mixture):
-        state = loader.state_dict()
-        rows = state["epoch_rows"] - (state["slot"] - state["epoch_start"])
-        epoch, left = int(state["epoch"]), -(-max(rows, 0) // loader.global_batch_size)
-    else:
-        view = loader.view()
-        epoch, left = view.epoch, view.steps_remaining
+    left = loader.steps_left()
     if left == 0:
-        return epoch + 1, 0
-    return epoch, total - left
+        return loader.epoch + 1, 0
+    return loader.epoch, len(loader) - left
 
 
 class LakeTrainer(Trainer):
