@@ -157,6 +157,10 @@ def main() -> None:
     log.out.close()
     if trainer.lake_loader is not None:
         trainer.lake_loader.close()  # its decoded units (os._exit runs no finaliser)
+    if torch.distributed.is_initialized():
+        # no rank leaves while another still talks to it: a peer's socket closing under a
+        # gloo operation aborts the process ("terminate called without an active exception")
+        torch.distributed.barrier()
     os._exit(0)
 
 
