@@ -143,7 +143,7 @@ class DataLoader(TorchNames, LakePosition):
         restart_on_iter: bool = False,
         endless: bool = False,
     ) -> None:
-        check_unsupported(dataset, batch_size, shuffle, sampler, batch_sampler, generator)
+        check_unsupported(dataset, shuffle, sampler, batch_sampler, generator)
         if restart_on_iter and dataset.loader_kind != "lake":
             raise ValueError(
                 f"restart_on_iter=True needs a LakeDataset: a {dataset.loader_kind} stream "
@@ -162,9 +162,8 @@ class DataLoader(TorchNames, LakePosition):
                 stacklevel=2,
             )
             pin_memory = False
-        assert batch_size is not None
         self.options = LoaderOptions(
-            batch_size=int(batch_size),
+            batch_size=batch_size,  # type: ignore[arg-type]  # checked there
             num_workers=int(num_workers),
             collate_fn=collate_fn,
             pin_memory=bool(pin_memory),
@@ -299,7 +298,6 @@ class DataLoader(TorchNames, LakePosition):
             self.tracker,
             pool,
             unit_dir,
-            self._coordinator,
             functools.partial(res.pass_ended, self.options.persistent_workers),
             owner=self,
         )

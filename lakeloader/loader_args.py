@@ -109,7 +109,6 @@ class TorchNames:
 
 def check_unsupported(
     dataset: LakeDataset | Mixture,
-    batch_size: int | None,
     shuffle: bool | None,
     sampler: Any,
     batch_sampler: Any,
@@ -120,8 +119,6 @@ def check_unsupported(
         raise TypeError(
             f"dataset must be a lakeloader.LakeDataset or Mixture, got {type(dataset).__name__}"
         )
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if isinstance(dataset, Mixture):
         if shuffle is not None:
             raise ValueError("shuffle= belongs to each source's LakeDataset(...) in a Mixture")

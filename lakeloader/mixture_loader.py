@@ -128,9 +128,7 @@ class MixtureLoader(DataLoader):
             if sources is not None:
                 sources.close()
             unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
-            sources = SourcePasses(
-                self.mixture, self.options, self._readers, unit_dir, self._coordinator
-            )
+            sources = SourcePasses(self.mixture, self.options, self._readers, unit_dir)
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
             self.mixture,

@@ -68,7 +68,8 @@ class LoaderOptions:
     endless: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch_size, bool) or not self.batch_size or self.batch_size < 1:
+        size = self.batch_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
         if self.num_workers < 0 or self.timeout < 0:
             raise ValueError(

@@ -132,7 +132,6 @@ class PackedLoader(DataLoader):
             self.topology,
             self.options,
             unit_dir,
-            self._coordinator,
             self._delivered,
         )
         res.iterator = it

@@ -119,7 +119,6 @@ class PackedMixtureLoader(PackedLoader):
             self.topology,
             self.options,
             unit_dir,
-            self._coordinator,
             self._delivered,
             source_key=self.mixture.source_key,
         )

@@ -52,8 +52,6 @@ class Topology:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size}")
 
     @property
     def global_batch(self) -> int:

@@ -88,8 +88,6 @@ class FaultTolerantLoader:
             raise ValueError(
                 "FaultTolerantLoader takes a LakeDataset (not a Mixture, packed or followed lake)"
             )
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         for name in ("rank", "world_size"):
             if name in loader_kwargs:
                 raise ValueError(f"{name} comes from the manager's quorum; do not pass it")

@@ -31,7 +31,6 @@ from lakeloader.pipeline.collate import empty_like, gather_columns, python_value
 from lakeloader.pipeline.recipe import COLLATED, Payload, build_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
 from lakeloader.randomness import slot_seeds
-from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.workers.dispatch import BUILD, Dispatcher
 from lakeloader.workers.pool import WorkerPool
@@ -175,7 +174,6 @@ class WorkerBuilder:
         space: Its workspace (the loader's threads decode into its store).
         local: Screens steps (in this process, so that quarantine is decided in one place).
         pool: The workers.
-        coordinator: Decides what a dead worker's work becomes.
         planned: The step of a given index, once planned (None before).
     """
 
@@ -185,7 +183,6 @@ class WorkerBuilder:
         space: PassWorkspace,
         local: LocalBuilder,
         pool: WorkerPool,
-        coordinator: RecoveryCoordinator,
         planned: Callable[[int], BatchSpec | None],
     ) -> None:
         self._spec = spec
@@ -194,9 +191,7 @@ class WorkerBuilder:
         self._planned = planned
         self._generation = space.generation
         self._ahead = spec.options.num_workers * max(1, spec.options.prefetch_factor)
-        self._dispatcher = Dispatcher(
-            pool, BUILD, 1, spec.options.prefetch_factor, coordinator.reassign, self._describe
-        )
+        self._dispatcher = Dispatcher(pool, BUILD, 1, spec.options.prefetch_factor, self._describe)
         self._futures: dict[int, Future[Any]] = {}
         self._next = 0  # the next step to hand out
 

@@ -31,7 +31,6 @@ from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
-from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 from lakeloader.units import human_bytes
 from lakeloader.workers.pool import WorkerPool
@@ -51,7 +50,6 @@ class EpochIterator:
         tracker: Told of each batch as it is handed over.
         pool: The workers, or None (everything in this process).
         unit_dir: The loader's folder for decoded units.
-        coordinator: Decides what a dead worker's work becomes.
         on_finish: Called once when the pass ends (or is closed).
         owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
 
@@ -67,7 +65,6 @@ class EpochIterator:
         tracker: ReaderStateTracker,
         pool: WorkerPool | None,
         unit_dir: str,
-        coordinator: RecoveryCoordinator,
         on_finish: Callable[[], None],
         owner: object = None,
     ) -> None:
@@ -79,7 +76,7 @@ class EpochIterator:
         self.num_steps = steps_in_epoch(
             spec.start, spec.plan.num_rows, topo.global_batch, spec.options.drop_last
         )
-        self._space = PassWorkspace(spec, reader, pool, unit_dir, coordinator)
+        self._space = PassWorkspace(spec, reader, pool, unit_dir)
         schema: pa.Schema = reader.schema
         self._local = LocalBuilder(spec, self._space, schema)
         self._planned: deque[BatchSpec] = deque()
@@ -88,9 +85,7 @@ class EpochIterator:
         self._specs: dict[int, BatchSpec] = {}
         self._workers: WorkerBuilder | ThreadBuilder | None = None
         if pool is not None and not self._space.workers_decode:
-            self._workers = WorkerBuilder(
-                spec, self._space, self._local, pool, coordinator, self._specs.get
-            )
+            self._workers = WorkerBuilder(spec, self._space, self._local, pool, self._specs.get)
         elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._thread = self._workers if isinstance(self._workers, ThreadBuilder) else None

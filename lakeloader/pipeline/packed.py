@@ -34,7 +34,6 @@ from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe
 from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
-from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.packed_state import PartitionPosition
 from lakeloader.topology import Topology
 
@@ -55,7 +54,6 @@ class EpochReader:
         reader: Reads its units.
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
-        coordinator: The recovery coordinator.
     """
 
     def __init__(
@@ -65,7 +63,6 @@ class EpochReader:
         reader: UnitReader,
         options: LoaderOptions,
         unit_dir: str,
-        coordinator: RecoveryCoordinator,
     ) -> None:
         self.plan = dataset.plan(epoch)
         self.sizes = np.diff(self.plan.starts)
@@ -78,7 +75,7 @@ class EpochReader:
             layout=RowLayout.of(reader.schema),
             recipe=BatchRecipe(lists=dataset.list_format),
         )
-        self.space = PassWorkspace(spec, reader, None, unit_dir, coordinator)
+        self.space = PassWorkspace(spec, reader, None, unit_dir)
         self._builder = LocalBuilder(spec, self.space, reader.schema)
 
     def request(self, part: int, start: int, rows: int) -> BatchSpec:
@@ -304,7 +301,6 @@ class PackedIterator:
         topology: The loader's topology.
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
-        coordinator: The recovery coordinator.
         delivered: Told the cursor and every source's partitions after each batch handed over.
         source_key: The batch's key of each sample's source (an index into ``sources``), or
             None: no such key (a single dataset).
@@ -321,7 +317,6 @@ class PackedIterator:
         topology: Topology,
         options: LoaderOptions,
         unit_dir: str,
-        coordinator: RecoveryCoordinator,
         delivered: Callable[[MixCursor, list[dict[int, PartitionPosition]]], None],
         source_key: str | None = None,
     ) -> None:
@@ -339,9 +334,7 @@ class PackedIterator:
         def reader_of(source: int, epoch: int) -> EpochReader:
             if (source, epoch) not in self._readers:
                 ds, reader = sources[source].dataset, sources[source].reader
-                self._readers[(source, epoch)] = EpochReader(
-                    ds, epoch, reader, share, unit_dir, coordinator
-                )
+                self._readers[(source, epoch)] = EpochReader(ds, epoch, reader, share, unit_dir)
             return self._readers[(source, epoch)]
 
         C = sources[0].dataset.config.num_partitions

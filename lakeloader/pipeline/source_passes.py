@@ -28,7 +28,6 @@ from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, PassWorkspace
-from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.signals import main_thread_only
 from lakeloader.topology import Topology
 
@@ -45,7 +44,6 @@ class SourcePass:
         reader: Reads the source's units.
         options: The loader's options (the byte budget is shared among sources).
         unit_dir: The loader's folder for decoded units.
-        coordinator: The recovery coordinator.
         arena: The arena every source's units are packed into.
         layout: How the sources' rows are packed (the same for all: they read the same columns).
         decode_pool: The decoding threads, shared by the sources.
@@ -59,7 +57,6 @@ class SourcePass:
         reader: UnitReader,
         options: LoaderOptions,
         unit_dir: str,
-        coordinator: RecoveryCoordinator,
         arena: Arena | None,
         layout: RowLayout,
         decode_pool: ThreadPoolExecutor,
@@ -77,9 +74,7 @@ class SourcePass:
             layout=layout,
             recipe=BatchRecipe(lists=ds.list_format),
         )
-        self.space = PassWorkspace(
-            self.spec, reader, None, unit_dir, coordinator, arena, decode_pool
-        )
+        self.space = PassWorkspace(self.spec, reader, None, unit_dir, arena, decode_pool)
         #: Screens its parts of a step and gathers the columns not in the arena.
         self.builder = LocalBuilder(self.spec, self.space, reader.schema)
 
@@ -99,7 +94,6 @@ class SourcePasses:
         options: The loader's options.
         readers: One reader per source, in the order of the mixture's names.
         unit_dir: The loader's folder for decoded units.
-        coordinator: The recovery coordinator.
 
     Attributes:
         passes: ``{(source, epoch): pass}`` of the epochs open.
@@ -116,10 +110,9 @@ class SourcePasses:
         options: LoaderOptions,
         readers: list[UnitReader],
         unit_dir: str,
-        coordinator: RecoveryCoordinator,
     ) -> None:
         self._mixture, self._options, self._readers = mixture, options, readers
-        self._unit_dir, self._coordinator = unit_dir, coordinator
+        self._unit_dir = unit_dir
         self._rows = mixture.rows()
         self.passes: dict[tuple[int, int], SourcePass] = {}
         self.schema = readers[0].schema
@@ -152,7 +145,6 @@ class SourcePasses:
                 self._readers[source],
                 self._options,
                 self._unit_dir,
-                self._coordinator,
                 self.arena,
                 self.layout,
                 self._decode_pool,

@@ -28,7 +28,6 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import EpochPlan
 from lakeloader.pipeline.recipe import BatchRecipe
-from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.topology import Topology
 from lakeloader.workers.dispatch import DECODE, Dispatcher
 from lakeloader.workers.pool import WorkerPool
@@ -105,7 +104,6 @@ class PassWorkspace:
             with packed columns and no code of the user's); with a transform, a collate_fn or
             a batch_transform they build batches instead, and the loader's threads decode.
         unit_dir: The loader's folder for decoded units.
-        coordinator: Decides what a dead worker's work becomes.
         arena: An arena shared with other passes (a mixture's sources), which this one
             neither makes nor closes; None: its own, when it packs rows.
         decode_pool: Threads that decode in this process, shared with other passes (a
@@ -118,7 +116,6 @@ class PassWorkspace:
         reader: UnitReader,
         pool: WorkerPool | None,
         unit_dir: str,
-        coordinator: RecoveryCoordinator,
         arena: Arena | None = None,
         decode_pool: ThreadPoolExecutor | None = None,
     ) -> None:
@@ -141,7 +138,6 @@ class PassWorkspace:
                 DECODE,
                 opts.cache_bytes,
                 opts.prefetch_factor,
-                coordinator.reassign,
                 lambda key: (self.store.describe(np.array([key]))[0], ""),
                 reader.counters,
             )

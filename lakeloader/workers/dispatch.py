@@ -3,8 +3,8 @@
 A :class:`Dispatcher` serves one pass. ``submit`` returns a future; a thread of the loader's
 process sends queued work to its worker within a byte budget, completes the futures as answers
 arrive, and notices dead workers (the pool replaces them). What a dead worker owed goes back to
-the worker that takes its place, by the rule of the
-:class:`~lakeloader.recovery.coordinator.RecoveryCoordinator`.
+the worker that takes its place, by the one rule of :mod:`lakeloader.recovery.reassign`
+(which the :class:`~lakeloader.recovery.coordinator.RecoveryCoordinator` exposes).
 
 Work is dealt in a fixed order: the ``j``-th piece of work submitted in a pass goes to worker
 ``j mod W``. On the default tensor path the work is decoding units (in the order the rank first
@@ -28,7 +28,7 @@ from typing import Any, Final
 from lakeloader.errors import WorkerError
 from lakeloader.io.reader import ReadCounters
 from lakeloader.io.retry import describe
-from lakeloader.recovery.reassign import Reassign
+from lakeloader.recovery.reassign import reassign
 from lakeloader.signals import main_thread_only
 from lakeloader.workers.pool import Death, WorkerPool
 from lakeloader.workers.process import Result, Work
@@ -92,7 +92,6 @@ class Dispatcher:
         limit: Bytes held by the work sent and not answered, at most (one always runs).
         per_worker: Work handed to each worker ahead, at most (a worker that is slow holds
             back only its own work).
-        reassign: Decides what a dead worker's work becomes (the recovery coordinator's rule).
         describe: Names a piece of work by its key, for messages.
         counters: Where the workers' reads are counted (decodes), or None.
     """
@@ -103,7 +102,6 @@ class Dispatcher:
         kind: WorkKind,
         limit: int,
         per_worker: int,
-        reassign: Reassign,
         describe: Describe,
         counters: ReadCounters | None = None,
     ) -> None:
@@ -112,7 +110,6 @@ class Dispatcher:
         self._limit = max(1, limit)
         self._per_worker = max(1, per_worker)
         self._owed = [0] * pool.num_workers  # work sent to each worker and not answered
-        self._reassign = reassign
         self._describe = describe
         self._counters = counters
         self._lock = threading.Lock()
@@ -288,7 +285,7 @@ class Dispatcher:
     def _redo(self, death: Death) -> None:
         """Give a dead worker's work to its replacement, as the coordinator decides."""
         owed = [t.step for t in death.owed if t.step in self._sent]
-        decision = self._reassign(owed, death.building, self._attempts)
+        decision = reassign(owed, death.building, self._attempts)
         self._attempts = dict(decision.attempts)
         logger.warning(
             "DataLoader worker %d (pid %s) died with exit code %s; %s %d %s it held again "
