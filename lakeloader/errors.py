@@ -149,7 +149,7 @@ class CpuContentionWarning(LakeWarning):
 
 
 class WorkerWarning(LakeWarning):
-    """A DataLoader worker died and was replaced, or ``num_workers`` starts no process."""
+    """A DataLoader worker died and was replaced."""
 
 
 class StorageRetryWarning(LakeWarning):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -321,24 +321,49 @@ class DataLoader(TorchNames, LakePosition):
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
         if self._res.pool is None:
-            layout, ds = self._row_layout, self.dataset
-            decoder, recipe = None, self._recipe()
-            if layout is not None and not self.tracker.workers_build:  # they decode
-                decoder = UnitDecoder(self._reader, layout, ds.on_error, ds.validate)
-            setup = WorkerSetup(
-                schema=self._reader.schema,
-                layout=layout,
-                recipe=recipe,
-                worker_init_fn=self.options.worker_init_fn,
-                seed=ds.config.seed,
-                rank=self.rank,
-                num_workers=self.num_workers,
-                decoder=decoder,
-            )
             self._res.pool = WorkerPool(
-                setup, self.num_workers, self.options.multiprocessing_context
+                self._worker_setup(), self.num_workers, self.options.multiprocessing_context
             )
         return self._res.pool
+
+    def _worker_setup(self) -> WorkerSetup:
+        """What this loader's workers need: the lake's decoder, or what builds its batches."""
+        layout, ds = self._row_layout, self.dataset
+        decoders: tuple[UnitDecoder, ...] = ()
+        if layout is not None and not self.tracker.workers_build:  # they decode
+            decoders = (UnitDecoder(self._reader, layout, ds.on_error, ds.validate),)
+        return WorkerSetup(
+            schema=self._reader.schema,
+            layout=layout,
+            recipe=self._recipe(),
+            worker_init_fn=self.options.worker_init_fn,
+            seed=ds.config.seed,
+            rank=self.rank,
+            num_workers=self.num_workers,
+            decoders=decoders,
+        )
+
+    def _decoding_setup(
+        self, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout]], seed: int
+    ) -> WorkerSetup:
+        """Workers that decode the units of ``sources`` (a mixture's, a packed stream's).
+
+        A decode task names its source by its index in ``sources``; each is packed by its
+        layout (the one its unit store packs by).
+        """
+        return WorkerSetup(
+            schema=sources[0][1].schema,
+            layout=None,
+            recipe=BatchRecipe(),
+            worker_init_fn=self.options.worker_init_fn,
+            seed=seed,
+            rank=self.rank,
+            num_workers=self.num_workers,
+            decoders=tuple(
+                UnitDecoder(reader, layout, ds.on_error, ds.validate)
+                for ds, reader, layout in sources
+            ),
+        )
 
     def _use_reader(self, reader: UnitReader) -> None:
         """Read through ``reader``, and work out now how its rows are packed.

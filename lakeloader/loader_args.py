@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import CpuContentionWarning, PartitionWarning, WorkerWarning, warn_user
+from lakeloader.errors import CpuContentionWarning, PartitionWarning, warn_user
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.passes import EpochSampler
@@ -135,23 +135,13 @@ def check_unsupported(
 
 
 def check_stream_options(options: LoaderOptions, what: str) -> None:
-    """Check what a Mixture's or a packed loader takes of torch's arguments.
-
-    No ``collate_fn``; ``num_workers`` starts no process (it decodes in the loader's threads),
-    which a :class:`~lakeloader.errors.WorkerWarning` says.
+    """Check what a Mixture's or a packed loader takes of torch's arguments: no ``collate_fn``.
 
     Raises:
         ValueError: If a ``collate_fn`` is given.
     """
     if options.collate_fn is not None:
         raise ValueError(f"collate_fn is not supported over {what}: batches are columnar")
-    if options.num_workers:
-        warn_user(
-            f"{what} decodes in the loader's {options.io_threads} io_threads: "
-            f"num_workers={options.num_workers} starts no worker process for it (pass "
-            "num_workers=0, and io_threads= for more decoding threads)",
-            WorkerWarning,
-        )
 
 
 def refuse_fetched_ahead(fetched_ahead: int, what: str) -> None:

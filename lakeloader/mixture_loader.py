@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from lakeloader.cache.packed import RowLayout
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import LOADER_FOR, DataLoader
 from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
@@ -25,6 +26,7 @@ from lakeloader.pipeline.source_passes import SourcePasses
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.topology import Topology
+from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +35,11 @@ class MixtureLoader(DataLoader):
     """Streams batches of a :class:`~lakeloader.Mixture` (see the module docstring).
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
-    ``mixture.names``. Rows are decoded in this process's ``io_threads``; with
-    ``num_workers > 0`` no worker process is started for a mixture (a ``WorkerWarning`` says
-    so). A pass that ends at its last step leaves its sources' decoded row groups to the next pass,
-    which goes on with them (released by ``close()``, ``load_state_dict()``, or when the loader
-    is collected). A user ``collate_fn`` is not supported for a mixture.
+    ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
+    groups (else this process's ``io_threads`` do). A pass that ends at its last step leaves
+    its sources' decoded row groups to the next pass, which goes on with them (released by
+    ``close()``, ``load_state_dict()``, or when the loader is collected). A user
+    ``collate_fn`` is not supported for a mixture.
     """
 
     dataset: Any  # the Mixture (the single-lake loader's is a LakeDataset)
@@ -128,7 +130,8 @@ class MixtureLoader(DataLoader):
             if sources is not None:
                 sources.close()
             unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
-            sources = SourcePasses(self.mixture, self.options, self._readers, unit_dir)
+            pool = self._ensure_pool() if self.num_workers else None
+            sources = SourcePasses(self.mixture, self.options, self._readers, unit_dir, pool)
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
             self.mixture,
@@ -143,6 +146,14 @@ class MixtureLoader(DataLoader):
         )
         res.iterator = it
         return it
+
+    def _worker_setup(self) -> WorkerSetup:
+        """Workers that decode every source's units, packed as one arena's rows."""
+        layout = RowLayout.of(self._readers[0].schema)
+        named = zip(self.mixture.names, self._readers, strict=True)
+        return self._decoding_setup(
+            [(self.mixture.sources[n], r, layout) for n, r in named], self.mixture.seed
+        )
 
     def _delivered(self, cursor: MixCursor) -> None:
         """The only place the position moves: a batch was handed over."""

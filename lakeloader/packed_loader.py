@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError, TopologyError
@@ -31,6 +32,7 @@ from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.packed_state import PackedState, PartitionPosition
 from lakeloader.topology import Topology
+from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,8 @@ ONLY = "lake"
 class PackedLoader(DataLoader):
     """Streams packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
-    ``batch_size`` counts samples. Rows are decoded in this process's ``io_threads``; with
-    ``num_workers > 0`` no worker process is started (a ``WorkerWarning`` says so).
+    ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
+    rows (else this process's ``io_threads`` do); samples are cut in this process.
     """
 
     def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
@@ -132,10 +134,18 @@ class PackedLoader(DataLoader):
             self.topology,
             self.options,
             unit_dir,
+            self._ensure_pool() if self.num_workers else None,
             self._delivered,
         )
         res.iterator = it
         return it
+
+    def _worker_setup(self) -> WorkerSetup:
+        """Workers that decode the lake's units."""
+        layout = RowLayout.of(self._reader.schema)
+        return self._decoding_setup(
+            [(self.dataset, self._reader, layout)], self.dataset.config.seed
+        )
 
     def _delivered(self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]]) -> None:
         """The only place the position moves: a batch was handed over."""

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
@@ -34,6 +35,7 @@ from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState, PackedState, PartitionPosition
+from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,15 @@ class PackedMixtureLoader(PackedLoader):
     def _started(self) -> bool:
         return bool(self._mixed.mixture.slot)
 
+    def _worker_setup(self) -> WorkerSetup:
+        """Workers that decode every source's units (a task names its source by index)."""
+        sources = [self.mixture.sources[n] for n in self.mixture.names]
+        readers = [self._readers[n] for n in self.mixture.names]
+        return self._decoding_setup(
+            [(ds, r, RowLayout.of(r.schema)) for ds, r in zip(sources, readers, strict=True)],
+            self.mixture.seed,
+        )
+
     def _pass(self) -> Iterator[Any]:
         self._close_iterator("a newer iter(loader)")
         res = self._res
@@ -119,6 +130,7 @@ class PackedMixtureLoader(PackedLoader):
             self.topology,
             self.options,
             unit_dir,
+            self._ensure_pool() if self.num_workers else None,
             self._delivered,
             source_key=self.mixture.source_key,
         )

@@ -115,17 +115,6 @@ def test_cpu_contention_is_said_at_the_training_loop_when_cores_are_short(
         assert "1 intra-op threads beside 2 DataLoader workers on 2 cores" in str(hints[0].message)
 
 
-def test_workers_a_loader_does_not_start_are_warned_of(lake: Path) -> None:
-    ds = ll.LakeDataset(lake, seed=1)
-    mixture = ll.Mixture({"a": ds, "b": ll.LakeDataset(lake, seed=2)}, {"a": 1, "b": 1})
-    with pytest.warns(ll.WorkerWarning, match="num_workers=3 starts no worker process") as rec:
-        ll.DataLoader(mixture, batch_size=8, num_workers=3).close()
-    assert rec[0].filename == __file__
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ll.WorkerWarning)
-        ll.DataLoader(mixture, batch_size=8).close()
-
-
 def test_a_replaced_worker_is_warned_of_from_the_loaders_thread(dataset: ll.LakeDataset) -> None:
     loader = ll.DataLoader(dataset, batch_size=16, num_workers=2, prefetch_factor=4)
     it = iter(loader)

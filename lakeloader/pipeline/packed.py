@@ -2,7 +2,8 @@
 
 Each partition the rank owns (:mod:`lakeloader.order.packing`) is a :class:`PartitionStream`:
 it reads its rows in chunks, ahead, through an :class:`EpochReader` (the unit store and builder
-of one epoch, shared by the rank's partitions), and hands out tokens; at the end of its epoch
+of one epoch, shared by the rank's partitions; its units are decoded in the DataLoader's
+workers when it has them), and hands out tokens; at the end of its epoch
 it pads its last sample and goes on with the next epoch's rows. :class:`PackedIterator` takes
 ``k`` samples of every partition per step and lays them out partition-major.
 """
@@ -33,9 +34,10 @@ from lakeloader.packing import Packing
 from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe
-from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.pipeline.workspace import PassSpec, PassWorkspace, StoreDecodes, WorkerDecodes
 from lakeloader.state.packed_state import PartitionPosition
 from lakeloader.topology import Topology
+from lakeloader.workers.pool import WorkerPool
 
 #: Rows a partition reads at a time.
 CHUNK_ROWS: Final = 1024
@@ -54,6 +56,7 @@ class EpochReader:
         reader: Reads its units.
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
+        workers: The workers' decodes of this epoch's units, or None (this process's threads).
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class EpochReader:
         reader: UnitReader,
         options: LoaderOptions,
         unit_dir: str,
+        workers: StoreDecodes | None,
     ) -> None:
         self.plan = dataset.plan(epoch)
         self.sizes = np.diff(self.plan.starts)
@@ -75,7 +79,7 @@ class EpochReader:
             layout=RowLayout.of(reader.schema),
             recipe=BatchRecipe(lists=dataset.list_format),
         )
-        self.space = PassWorkspace(spec, reader, None, unit_dir)
+        self.space = PassWorkspace(spec, reader, None, unit_dir, workers=workers)
         self._builder = LocalBuilder(spec, self.space, reader.schema)
 
     def request(self, part: int, start: int, rows: int) -> BatchSpec:
@@ -301,6 +305,7 @@ class PackedIterator:
         topology: The loader's topology.
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
+        pool: The DataLoader's workers, which decode the rows; None: this process's threads.
         delivered: Told the cursor and every source's partitions after each batch handed over.
         source_key: The batch's key of each sample's source (an index into ``sources``), or
             None: no such key (a single dataset).
@@ -317,6 +322,7 @@ class PackedIterator:
         topology: Topology,
         options: LoaderOptions,
         unit_dir: str,
+        pool: WorkerPool | None,
         delivered: Callable[[MixCursor, list[dict[int, PartitionPosition]]], None],
         source_key: str | None = None,
     ) -> None:
@@ -325,8 +331,11 @@ class PackedIterator:
         self._k = rounds
         self._delivered = delivered
         self._readers: dict[tuple[int, int], EpochReader] = {}
+        self._workers = WorkerDecodes(pool, options) if pool is not None else None
         self._closed = False
-        self._finalizer = weakref.finalize(self, close_safely, _close_readers, self._readers)
+        self._finalizer = weakref.finalize(
+            self, close_safely, _close_readers, self._readers, self._workers
+        )
         share = dataclasses.replace(
             options, cache_bytes=max(options.cache_bytes // len(sources), 1)
         )
@@ -334,7 +343,10 @@ class PackedIterator:
         def reader_of(source: int, epoch: int) -> EpochReader:
             if (source, epoch) not in self._readers:
                 ds, reader = sources[source].dataset, sources[source].reader
-                self._readers[(source, epoch)] = EpochReader(ds, epoch, reader, share, unit_dir)
+                workers = self._workers.channel(source) if self._workers is not None else None
+                self._readers[(source, epoch)] = EpochReader(
+                    ds, epoch, reader, share, unit_dir, workers
+                )
             return self._readers[(source, epoch)]
 
         C = sources[0].dataset.config.num_partitions
@@ -407,10 +419,14 @@ class PackedIterator:
             return
         self._closed = True
         self._finalizer.detach()
-        _close_readers(self._readers, wait)
+        _close_readers(self._readers, self._workers, wait)
 
 
-def _close_readers(readers: dict[tuple[int, int], EpochReader], wait: bool = False) -> None:
+def _close_readers(
+    readers: dict[tuple[int, int], EpochReader], workers: WorkerDecodes | None, wait: bool = False
+) -> None:
     for reader in readers.values():
         reader.close(wait)
     readers.clear()
+    if workers is not None:
+        workers.close(wait)

@@ -2,11 +2,12 @@
 
 A mixture's pass over its sources (:mod:`lakeloader.pipeline.mixing`) reads each epoch of each
 source through a :class:`SourcePass` (a unit store and a builder over that epoch's order). All
-of them pack rows into one arena and decode on one pool of threads; :class:`SourcePasses` owns
-these and the passes. A mixture's passes are cuts of ``epoch_rows`` rows through streams that
-go on, so a pass that ends leaves its sources mid-epoch, with row groups half delivered and
-others decoded ahead: the loader keeps the :class:`SourcePasses` for the next pass, which
-continues where this one stopped instead of decoding them again (:attr:`SourcePasses.at`).
+of them pack rows into one arena and decode in the DataLoader's workers (one dispatcher for
+all) or on one pool of threads; :class:`SourcePasses` owns these and the passes. A mixture's
+passes are cuts of ``epoch_rows`` rows through streams that go on, so a pass that ends leaves
+its sources mid-epoch, with row groups half delivered and others decoded ahead: the loader
+keeps the :class:`SourcePasses` for the next pass, which continues where this one stopped
+instead of decoding them again (:attr:`SourcePasses.at`).
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.builders import LocalBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.recipe import BatchRecipe
-from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, PassWorkspace
+from lakeloader.pipeline.workspace import (
+    ARENA_START_ROWS,
+    PassSpec,
+    PassWorkspace,
+    WorkerDecodes,
+)
 from lakeloader.signals import main_thread_only
 from lakeloader.topology import Topology
+from lakeloader.workers.pool import WorkerPool
 
 
 class SourcePass:
     """One epoch of one source in a mixture: its unit store and a builder of its slot ranges.
 
-    Its units are decoded in this process's threads.
+    Its units are decoded in the workers, or in this process's threads.
 
     Args:
         mixture: The mixture.
@@ -47,6 +54,7 @@ class SourcePass:
         arena: The arena every source's units are packed into.
         layout: How the sources' rows are packed (the same for all: they read the same columns).
         decode_pool: The decoding threads, shared by the sources.
+        workers: The workers' decodes, shared by the sources, or None (the threads decode).
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class SourcePass:
         arena: Arena | None,
         layout: RowLayout,
         decode_pool: ThreadPoolExecutor,
+        workers: WorkerDecodes | None,
     ) -> None:
         ds = mixture.sources[mixture.names[source]]
         self.epoch = epoch
@@ -74,7 +83,8 @@ class SourcePass:
             layout=layout,
             recipe=BatchRecipe(lists=ds.list_format),
         )
-        self.space = PassWorkspace(self.spec, reader, None, unit_dir, arena, decode_pool)
+        channel = workers.channel(source) if workers is not None else None
+        self.space = PassWorkspace(self.spec, reader, None, unit_dir, arena, decode_pool, channel)
         #: Screens its parts of a step and gathers the columns not in the arena.
         self.builder = LocalBuilder(self.spec, self.space, reader.schema)
 
@@ -94,6 +104,8 @@ class SourcePasses:
         options: The loader's options.
         readers: One reader per source, in the order of the mixture's names.
         unit_dir: The loader's folder for decoded units.
+        pool: The DataLoader's workers, which decode every source's units; None: the
+            loader's ``io_threads`` do.
 
     Attributes:
         passes: ``{(source, epoch): pass}`` of the epochs open.
@@ -110,6 +122,7 @@ class SourcePasses:
         options: LoaderOptions,
         readers: list[UnitReader],
         unit_dir: str,
+        pool: WorkerPool | None,
     ) -> None:
         self._mixture, self._options, self._readers = mixture, options, readers
         self._unit_dir = unit_dir
@@ -129,9 +142,17 @@ class SourcePasses:
             thread_name_prefix="lakeloader-io",
             initializer=main_thread_only,
         )
+        self._workers = WorkerDecodes(pool, options) if pool is not None else None
         self._closed = False
         self._finalizer = weakref.finalize(
-            self, close_safely, _close_passes, self.passes, self.arena, self._dir, self._decode_pool
+            self,
+            close_safely,
+            _close_passes,
+            self.passes,
+            self.arena,
+            self._dir,
+            self._decode_pool,
+            self._workers,
         )
 
     def get(self, key: tuple[int, int]) -> SourcePass:
@@ -148,6 +169,7 @@ class SourcePasses:
                 self.arena,
                 self.layout,
                 self._decode_pool,
+                self._workers,
             )
         return self.passes[key]
 
@@ -182,7 +204,7 @@ class SourcePasses:
             return
         self._closed = True
         self._finalizer.detach()
-        _close_passes(self.passes, self.arena, self._dir, self._decode_pool, wait)
+        _close_passes(self.passes, self.arena, self._dir, self._decode_pool, self._workers, wait)
 
 
 def _close_passes(
@@ -190,12 +212,15 @@ def _close_passes(
     arena: Arena | None,
     folder: str,
     pool: ThreadPoolExecutor,
+    workers: WorkerDecodes | None,
     wait: bool = False,
 ) -> None:
-    """Close every source's pass, their threads and arena; delete the mixture's folder."""
+    """Close every source's pass, their decodes and arena; delete the mixture's folder."""
     for source_pass in passes.values():
         source_pass.close(wait)
     passes.clear()
+    if workers is not None:
+        workers.close(wait)
     pool.shutdown(wait=wait, cancel_futures=True)
     if arena is not None:
         arena.close()

@@ -2,9 +2,10 @@
 
 A :class:`PassWorkspace` is made as a pass starts and closed as it ends. Everything the pass
 shares with its workers lives in a folder of its own, deleted on close, so that decodes of an
-abandoned pass that a worker finishes late cannot touch the next pass's files. On the default
-tensor path with workers, the workers decode (:class:`WorkerDecodes`); otherwise the loader's
-own threads do (:class:`~lakeloader.cache.decode.LocalDecodes`).
+abandoned pass that a worker finishes late cannot touch the next pass's files. With workers,
+they decode (:class:`WorkerDecodes`, one dispatcher for every store a pass reads: a lake's
+epoch, a mixture's source epochs, a packed stream's epochs), except where they build a lake's
+batches; otherwise the loader's own threads do (:class:`~lakeloader.cache.decode.LocalDecodes`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Final
@@ -24,7 +27,7 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.cache.store import Screening, UnitStore
 from lakeloader.io.fetch import is_local
 from lakeloader.io.prefetch import Pending, Prefetcher
-from lakeloader.io.reader import UnitReader
+from lakeloader.io.reader import ReadCounters, UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import EpochPlan
 from lakeloader.pipeline.recipe import BatchRecipe
@@ -35,6 +38,8 @@ from lakeloader.workers.process import DecodeTask
 
 #: Rows an arena starts with at most (address space only; it grows if the budget needs more).
 ARENA_START_ROWS: Final = 1 << 24
+#: Keys of a pass's decode tasks per unit store: a key is ``store * STORE_KEYS + position``.
+STORE_KEYS: Final = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -62,28 +67,56 @@ class PassSpec:
 
 
 class WorkerDecodes:
-    """Decodes in the DataLoader's worker processes (the default tensor path).
+    """Decodes in the DataLoader's worker processes, for every unit store of a pass.
+
+    One dispatcher serves the pass, whatever the number of stores it reads (a lake's epoch, a
+    mixture's source epochs, a packed stream's epochs): a task's key is the store's number
+    times :data:`STORE_KEYS` plus the unit's position, so that the workers' answers, their
+    deaths and the messages name the right unit of the right store.
 
     Args:
-        dispatcher: Hands decode tasks to the workers.
-        generation: The pass's generation of the pool.
-        arena: The pass's arena.
+        pool: The workers (started).
+        options: The loader's options (the byte budget, work per worker ahead).
     """
 
-    def __init__(self, dispatcher: Dispatcher, generation: int, arena: Arena) -> None:
-        self._dispatcher = dispatcher
-        self._generation = generation
-        self._arena = arena
+    def __init__(self, pool: WorkerPool, options: LoaderOptions) -> None:
+        self.generation = pool.new_generation()
+        self._stores: list[tuple[UnitStore, ReadCounters]] = []
+        self._dispatcher = Dispatcher(
+            pool,
+            DECODE,
+            options.cache_bytes,
+            options.prefetch_factor,
+            self._describe,
+            self._count,
+        )
 
-    def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
-        """Queue ``job`` for the next worker in turn, sent once ``fetch`` (if any) is done."""
+    def _describe(self, key: int) -> tuple[str, str]:
+        store, position = divmod(key, STORE_KEYS)
+        return self._stores[store][0].describe(np.array([position]))[0], ""
 
-        def make() -> DecodeTask:  # the arena's handle as it is when the task is sent
-            task_job = job if fetch is None else dataclasses.replace(job, fetched=fetch.claim())
-            return DecodeTask(self._generation, job.position, task_job, self._arena.handle)
+    def _count(self, key: int, counts: tuple[int, int, int]) -> None:
+        self._stores[key // STORE_KEYS][1].add(*counts)
 
+    def channel(self, decoder: int) -> StoreDecodes:
+        """Decodes for a new store of the pass (which :meth:`StoreDecodes.bind` names).
+
+        Args:
+            decoder: The index of its decoder among the workers' (its source).
+        """
+        return StoreDecodes(self, decoder)
+
+    def register(self, store: UnitStore, counters: ReadCounters) -> int:
+        """Number a store of the pass: the first key of its units."""
+        self._stores.append((store, counters))
+        return (len(self._stores) - 1) * STORE_KEYS
+
+    def submit(
+        self, key: int, make: Callable[[], DecodeTask], nbytes: int, fetch: Pending | None
+    ) -> Future[Held]:
+        """Queue a decode task under ``key``, sent once ``fetch`` (if any) is done."""
         ready = fetch.future if fetch is not None else None
-        return self._dispatcher.submit(job.position, make, nbytes, ready)
+        return self._dispatcher.submit(key, make, nbytes, ready)
 
     def reap(self) -> None:
         """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
@@ -94,20 +127,75 @@ class WorkerDecodes:
         self._dispatcher.close(wait)
 
 
+class StoreDecodes:
+    """One unit store's decodes through the pass's :class:`WorkerDecodes`.
+
+    Args:
+        workers: The pass's worker decodes.
+        decoder: The index of the store's decoder among the workers'.
+    """
+
+    def __init__(self, workers: WorkerDecodes, decoder: int) -> None:
+        self._workers = workers
+        self._decoder = decoder
+        self._arena: Arena | None = None
+        self._base = -1
+        self._futures: weakref.WeakSet[Future[Held]] = weakref.WeakSet()
+
+    def bind(self, store: UnitStore, counters: ReadCounters, arena: Arena | None) -> None:
+        """Register the store (named in messages), where its reads are counted, its arena."""
+        self._base = self._workers.register(store, counters)
+        self._arena = arena
+
+    @property
+    def generation(self) -> int:
+        """The pass's generation of the pool."""
+        return self._workers.generation
+
+    def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
+        """Queue ``job`` for the next worker in turn, sent once ``fetch`` (if any) is done."""
+        key = self._base + job.position
+
+        def make() -> DecodeTask:  # the arena's handle as it is when the task is sent
+            task_job = job if fetch is None else dataclasses.replace(job, fetched=fetch.claim())
+            handle = self._arena.handle if self._arena is not None else None
+            return DecodeTask(self._workers.generation, key, task_job, handle, self._decoder)
+
+        future = self._workers.submit(key, make, nbytes, fetch)
+        self._futures.add(future)
+        return future
+
+    def reap(self) -> None:
+        """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
+        self._workers.reap()
+
+    def close(self, wait: bool) -> None:
+        """Drop this store's queued decodes.
+
+        A decode a worker has under way still answers; it writes only into rows and a folder
+        that the closed store keeps reserved until the pass's arena and folder go.
+        """
+        for future in list(self._futures):
+            future.cancel()
+
+
 class PassWorkspace:
     """The folder, arena, decodes and unit store of one pass.
 
     Args:
         spec: The pass.
         reader: Reads units (its counters are the loader's).
-        pool: The workers, or None. They decode only on the default tensor path (a layout
-            with packed columns and no code of the user's); with a transform, a collate_fn or
-            a batch_transform they build batches instead, and the loader's threads decode.
+        pool: The workers, or None. Of a pass of its own, they decode only on the default
+            tensor path (a layout with packed columns and no code of the user's); with a
+            transform, a collate_fn or a batch_transform they build batches instead, and the
+            loader's threads decode.
         unit_dir: The loader's folder for decoded units.
         arena: An arena shared with other passes (a mixture's sources), which this one
             neither makes nor closes; None: its own, when it packs rows.
         decode_pool: Threads that decode in this process, shared with other passes (a
             mixture's sources); None: ``io_threads`` of its own.
+        workers: The workers' decodes of the pass this store is one of (a mixture's sources,
+            a packed stream's epochs), or None: of its own ``pool`` as above.
     """
 
     def __init__(
@@ -118,6 +206,7 @@ class PassWorkspace:
         unit_dir: str,
         arena: Arena | None = None,
         decode_pool: ThreadPoolExecutor | None = None,
+        workers: StoreDecodes | None = None,
     ) -> None:
         opts, layout = spec.options, spec.layout
         packs = layout is not None and bool(layout.names)
@@ -129,31 +218,31 @@ class PassWorkspace:
             self.arena = Arena(
                 self.dir, layout.record, min(budget_rows, ARENA_START_ROWS), budget_rows
             )
-        self.generation = pool.new_generation() if pool is not None else 0
+        self._own: WorkerDecodes | None = None
+        if workers is None and pool is not None and packs and not spec.recipe.user_code:
+            self._own = WorkerDecodes(pool, opts)
+            workers = self._own.channel(0)
+        #: The workers' decodes of this store, or None (the loader's threads decode).
+        self.remote = workers
+        if workers is not None:
+            self.generation = workers.generation
+        else:
+            self.generation = pool.new_generation() if pool is not None else 0
         decodes: Decodes
-        self.remote: WorkerDecodes | None = None
-        if pool is not None and self.arena is not None and not spec.recipe.user_code:
-            dispatcher = Dispatcher(
-                pool,
-                DECODE,
-                opts.cache_bytes,
-                opts.prefetch_factor,
-                lambda key: (self.store.describe(np.array([key]))[0], ""),
-                reader.counters,
-            )
-            self.remote = decodes = WorkerDecodes(dispatcher, self.generation, self.arena)
+        if workers is not None:
+            decodes = workers
         else:
             decoder = UnitDecoder(reader, layout, spec.screening.on_error, spec.screening.validate)
             decodes = LocalDecodes(
                 decoder, opts.io_threads, opts.cache_bytes, self.records, decode_pool
             )
         #: Whether the workers decode (else, with a pool, they build batches).
-        self.workers_decode = self.remote is not None
+        self.workers_decode = workers is not None
         #: Fetches units ahead of their decode (None: a local lake, which pyarrow reads).
         self.prefetcher: Prefetcher | None = None
         if not is_local(reader.fs):
             self.prefetcher = Prefetcher(reader, self.dir if self.workers_decode else None)
-        shares_tables = self.remote is not None or pool is not None
+        shares_tables = workers is not None or pool is not None
         self.store = UnitStore(
             reader,
             spec.plan,
@@ -164,6 +253,8 @@ class PassWorkspace:
             decodes,
             self.prefetcher,
         )
+        if workers is not None:
+            workers.bind(self.store, reader.counters, self.arena)
 
     def records(self) -> np.ndarray | None:
         """The arena's rows now (it may have grown since the last call), or None."""
@@ -174,6 +265,8 @@ class PassWorkspace:
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.store.close(wait)
+        if self._own is not None:
+            self._own.close(wait)
         if self.arena is not None and self._owns_arena:
             self.arena.close()
         shutil.rmtree(self.dir, ignore_errors=True)

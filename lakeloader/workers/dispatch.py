@@ -26,7 +26,6 @@ from multiprocessing.connection import wait
 from typing import Any, Final
 
 from lakeloader.errors import WorkerError
-from lakeloader.io.reader import ReadCounters
 from lakeloader.io.retry import describe
 from lakeloader.recovery.reassign import reassign
 from lakeloader.signals import main_thread_only
@@ -93,7 +92,8 @@ class Dispatcher:
         per_worker: Work handed to each worker ahead, at most (a worker that is slow holds
             back only its own work).
         describe: Names a piece of work by its key, for messages.
-        counters: Where the workers' reads are counted (decodes), or None.
+        count: Takes what the worker's reader did for a piece of work, by its key (decodes),
+            or None.
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class Dispatcher:
         limit: int,
         per_worker: int,
         describe: Describe,
-        counters: ReadCounters | None = None,
+        count: Callable[[int, tuple[int, int, int]], None] | None = None,
     ) -> None:
         self._pool = pool
         self._kind = kind
@@ -111,7 +111,7 @@ class Dispatcher:
         self._per_worker = max(1, per_worker)
         self._owed = [0] * pool.num_workers  # work sent to each worker and not answered
         self._describe = describe
-        self._counters = counters
+        self._count = count
         self._lock = threading.Lock()
         self._queue: deque[_Job] = deque()
         self._sent: dict[int, _Job] = {}
@@ -264,8 +264,8 @@ class Dispatcher:
                 continue
             self._owed[item.worker] -= 1
             self._in_flight -= min(item.nbytes, self._limit)
-            if self._counters is not None:
-                self._counters.add(*result.counts)
+            if self._count is not None:
+                self._count(item.key, result.counts)
             raised = result.raised()
             if raised is not None:
                 item.future.set_exception(raised)

@@ -56,7 +56,9 @@ class WorkerSetup:
         rank: The loader's rank. Worker ``i`` seeds ``torch``, ``random`` and numpy's global
             generator from :func:`worker_seed` of ``(seed, rank, i)``.
         num_workers: Workers in the pool.
-        decoder: Decodes units (when workers decode for the loader), or None.
+        decoders: What decodes units when workers decode for the loader: one per source
+            read (a lake's one; a mixture's sources in order), which a :class:`DecodeTask`
+            names by index; empty when workers only build batches.
     """
 
     schema: pa.Schema
@@ -66,7 +68,7 @@ class WorkerSetup:
     seed: int
     rank: int
     num_workers: int
-    decoder: UnitDecoder | None = None
+    decoders: tuple[UnitDecoder, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,14 +141,16 @@ class Task:
 class DecodeTask:
     """Decode one unit into the loader's arena (the default tensor path).
 
-    ``step`` is the unit's position in the epoch's virtual sequence: a task's key, as a
-    batch's step is for a :class:`Task`.
+    ``step`` is the task's key in the pass (the unit store's number and the unit's position in
+    its epoch's virtual sequence), as a batch's step is for a :class:`Task`; ``decoder`` is
+    the index of the :attr:`WorkerSetup.decoders` entry that reads it.
     """
 
     generation: int
     step: int
     job: DecodeJob
     arena: ArenaHandle | None
+    decoder: int = 0
 
 
 #: Anything handed to a worker.
@@ -207,14 +211,14 @@ class _ForwardLogs(logging.Handler):
 
 
 class _Worker:
-    """A worker's state between tasks: its decoder and its maps of the shared files."""
+    """A worker's state between tasks: its decoders and its maps of the shared files."""
 
     def __init__(self, setup: WorkerSetup, worker_id: int, results: Connection) -> None:
         self._setup = setup
         self._id = worker_id
         self._results = results
         self._lock = threading.Lock()  # log records may come from pyarrow's threads too
-        self._decoder = setup.decoder.in_child() if setup.decoder is not None else None
+        self._decoders: dict[int, UnitDecoder] = {}  # made for this process on first use
         self._arena = FileMap(writable=True)
         self._opener = UnitOpener()
         forward = _ForwardLogs(results, self._lock)
@@ -242,16 +246,16 @@ class _Worker:
             cause = RuntimeError(describe(cause))
         return Result(task.generation, task.step, self._id, exception=exc, cause=cause)
 
-    def _records(self, arena: ArenaHandle | None) -> np.ndarray | None:
+    def _records(self, arena: ArenaHandle | None, layout: RowLayout | None) -> np.ndarray | None:
         """The arena's rows as the loader's process had them when it sent the task."""
-        layout = self._setup.layout
         if arena is None or layout is None:
             return None
         size = arena.capacity * layout.row_bytes
         return self._arena.bytes(arena.path, size).view(layout.record)
 
     def _build(self, task: Task) -> Result:
-        setup, records = self._setup, self._records(task.arena)
+        setup = self._setup
+        records = self._records(task.arena, setup.layout)
         ready: dict[str, np.ndarray] = {}
         if records is not None and task.rows is not None and setup.layout is not None:
             ready = gather_packed(records, task.rows, setup.layout, task.names)
@@ -261,9 +265,10 @@ class _Worker:
         return Result(task.generation, task.step, self._id, payload=payload)
 
     def _decode(self, task: DecodeTask) -> Result:
-        decoder = self._decoder
-        assert decoder is not None
-        records = self._records(task.arena)
+        decoder = self._decoders.get(task.decoder)
+        if decoder is None:
+            decoder = self._decoders[task.decoder] = self._setup.decoders[task.decoder].in_child()
+        records = self._records(task.arena, decoder.layout)
         before = decoder.reader.counters.totals()
         held = decoder.decode(task.job, records)
         after = decoder.reader.counters.totals()

@@ -1,0 +1,140 @@
+"""Worker processes decode for mixtures and packed streams, as for one lake.
+
+A mixture's sources and a packed stream's epochs are unit stores of one pass that share one
+dispatcher of decode tasks (keys name the store and the unit): the batches are the ones that
+no worker gives, a worker SIGKILLed mid-pass has its decodes done again by its replacement
+(the death is handled by the decode dispatcher, which is what shows the workers decode), and a
+row group that cannot be read fails in the loader's process naming its file and row group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import lakeloader as ll
+from tests.conftest import damage_row_group, wait_dead
+
+C, L, EOS = 4, 16, 999_999
+
+
+@pytest.fixture(scope="module")
+def lakes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two lakes with disjoint ids; every row has tokens unique across both."""
+    root = tmp_path_factory.mktemp("stream-workers")
+    for k, name in enumerate(("web", "code")):
+        for f in range(3):
+            ids = [k * 100_000 + f * 400 + i for i in range(400)]
+            tokens = [[i * 100 + j for j in range(i % 23)] for i in ids]
+            table = pa.table({"id": ids, "x": [float(i) for i in ids], "tokens": tokens})
+            (root / name).mkdir(exist_ok=True)
+            pq.write_table(table, root / name / f"part-{f}.parquet", row_group_size=50)
+    return root
+
+
+def mixture(lakes: Path) -> ll.Mixture:
+    sources = {
+        n: ll.LakeDataset(lakes / n, columns=["id", "x"], seed=3, num_partitions=C, window=64)
+        for n in ("web", "code")
+    }
+    return ll.Mixture(sources, {"web": 0.6, "code": 0.4}, seed=9)
+
+
+def packed(lakes: Path) -> ll.LakeDataset:
+    packing = ll.Packing("tokens", L, eos_id=EOS, pad_id=0)
+    return ll.LakeDataset(lakes / "web", seed=3, num_partitions=C, window=64, packing=packing)
+
+
+def ids_of(batch: dict[str, Any]) -> list[int]:
+    return [int(i) for i in batch["id"]] if "id" in batch else batch["input_ids"].ravel().tolist()
+
+
+def batches(dataset: Any, steps: int | None, kill_after: int | None = None, **kw: Any) -> list:
+    """The loader's batches (each as a list of ids or tokens), SIGKILLing a worker if asked."""
+    with ll.DataLoader(dataset, batch_size=32, **kw) as loader:
+        it = iter(loader)
+        out = []
+        for step, batch in enumerate(itertools.islice(it, steps)):
+            out.append(ids_of(batch))
+            if step == kill_after:
+                assert loader._pool is not None
+                victim = loader._pool.pids()[0]
+                assert victim is not None and victim != os.getpid()
+                os.kill(victim, signal.SIGKILL)
+                wait_dead(victim)
+        return out
+
+
+def killed_decoder(caplog: pytest.LogCaptureFixture) -> bool:
+    """Whether the log says a dead worker's decodes were handed to its replacement."""
+    return any(
+        re.search(r"died with exit code -9; decoding \d+ unit", r.getMessage())
+        for r in caplog.records
+    )
+
+
+def test_a_mixture_decodes_in_its_workers_with_the_same_batches(
+    lakes: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    alone = batches(mixture(lakes), None)
+    with pytest.warns(ll.WorkerWarning, match="exit code -9"):
+        killed = batches(mixture(lakes), None, kill_after=3, num_workers=2, prefetch_factor=4)
+    assert killed == alone
+    assert killed_decoder(caplog)
+
+
+def test_a_packed_stream_decodes_in_its_workers_with_the_same_samples(
+    lakes: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    alone = batches(packed(lakes), 40)
+    assert len(alone) == 40
+    with pytest.warns(ll.WorkerWarning, match="exit code -9"):
+        killed = batches(packed(lakes), 40, kill_after=5, num_workers=2, prefetch_factor=4)
+    assert killed == alone
+    assert killed_decoder(caplog)
+
+
+def test_a_packed_mixture_decodes_every_source_in_the_workers(lakes: Path) -> None:
+    def both() -> ll.Mixture:
+        sources = {
+            n: ll.LakeDataset(lakes / n, columns=["tokens"], seed=3, num_partitions=C, window=64)
+            for n in ("web", "code")
+        }
+        return ll.Mixture(
+            sources, {"web": 0.5, "code": 0.5}, seed=9, packing=ll.Packing("tokens", L, EOS)
+        )
+
+    alone = batches(both(), 30)
+    with ll.DataLoader(both(), batch_size=32, num_workers=2) as loader:
+        got = [ids_of(b) for b in itertools.islice(loader, 30)]
+        assert loader._pool is not None and all(p is not None for p in loader._pool.pids())
+        assert loader.stats()["units_decoded"] > 0
+    assert got == alone
+    tokens = np.concatenate([np.array(b) for b in got])
+    assert {int(t) // 100 // 100_000 for t in tokens if t not in (0, EOS)} == {0, 1}
+
+
+def test_a_row_group_a_worker_cannot_read_names_its_file(lakes: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "code"
+    broken.mkdir()
+    for f in (lakes / "code").iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    damage_row_group(broken / "part-1.parquet", 2)
+    sources = {
+        "web": ll.LakeDataset(lakes / "web", columns=["id", "x"], seed=3, num_partitions=C),
+        "code": ll.LakeDataset(broken, columns=["id", "x"], seed=3, num_partitions=C),
+    }
+    mix = ll.Mixture(sources, {"web": 0.5, "code": 0.5}, seed=9)
+    with ll.DataLoader(mix, batch_size=32, num_workers=2) as loader:
+        with pytest.raises(ll.LakeDataError, match=r"part-1\.parquet.*row group 2"):
+            for _ in loader:
+                pass
