@@ -134,7 +134,7 @@ def test_a_row_group_a_worker_cannot_read_names_its_file(lakes: Path, tmp_path: 
         "code": ll.LakeDataset(broken, columns=["id", "x"], seed=3, num_partitions=C),
     }
     mix = ll.Mixture(sources, {"web": 0.5, "code": 0.5}, seed=9)
-    with ll.DataLoader(mix, batch_size=32, num_workers=2) as loader:
-        with pytest.raises(ll.LakeDataError, match=r"part-1\.parquet.*row group 2"):
-            for _ in loader:
-                pass
+    loader = ll.DataLoader(mix, batch_size=32, num_workers=2)
+    with loader, pytest.raises(ll.LakeDataError, match=r"part-1\.parquet.*row group 2"):
+        for _ in loader:
+            pass
