@@ -5,16 +5,23 @@ so that no two share a GIL, a page cache warm-up or an allocator; the parent run
 once per repetition, in turn, and reports medians and, per repetition, each loader's ratio to
 the reference measured in that repetition (these 2-core machines are noisy: only ratios
 within a run mean much).
+
+A loader that asks for workers is only credited with a rate if worker processes ran: each child
+reports the CPU its descendants used (``worker_cpu_s``), and :func:`ratio_table` prints "no
+workers started" for a loader named in ``workers=`` whose children used none. A loader whose
+measurement cannot run on the lakeloader measured raises :class:`NotMeasured`, and its row
+says why instead of a rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +29,38 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks._common import emit_result, machine, markdown_table, run_child, write_results
+from benchmarks._common import (
+    emit_result,
+    machine,
+    markdown_table,
+    run_child,
+    tree_pids,
+    write_results,
+)
 
 #: Batches left out of the timing at the start (workers starting, first decodes).
 WARMUP_BATCHES = 3
+
+
+class NotMeasured(Exception):  # noqa: N818 (not an error: a row that says why it has no rate)
+    """Raised by a loader's run when the lakeloader measured cannot run it; the reason."""
+
+
+def worker_cpu_seconds() -> float:
+    """CPU seconds used so far by this process's descendants, the exited and the live.
+
+    The exited ones are those waited for (a pool's workers once it is shut down); the live ones
+    are read from ``/proc`` (a pool still running).
+    """
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = used.ru_utime + used.ru_stime
+    for pid in tree_pids(os.getpid())[1:]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def steady_rate(batches: Iterable[Any], rows_of: Callable[[Any], int]) -> dict[str, Any]:
@@ -47,10 +82,20 @@ def steady_rate(batches: Iterable[Any], rows_of: Callable[[Any], int]) -> dict[s
 
 
 def child_main(loaders: dict[str, Callable[[Any], Iterable[Any]]], args: Any, rows_of: Any) -> int:
-    """Run one loader in this process and hand its rate to the parent."""
+    """Run one loader in this process and hand its rate to the parent.
+
+    With it go the CPU seconds of this process's descendants (its workers, if any ran), and
+    ``args.note`` if the run set one (how it measured something other than its label says).
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = steady_rate(loaders[args.child](args), rows_of)
+    try:
+        result = steady_rate(loaders[args.child](args), rows_of)
+    except NotMeasured as why:
+        result = {"not_measured": str(why)}
     result["loader"] = args.child
+    result["worker_cpu_s"] = round(worker_cpu_seconds(), 3)
+    if getattr(args, "note", None):
+        result["note"] = args.note
     emit_result(result)
     return 0
 
@@ -73,21 +118,46 @@ def run_reps(
     return out
 
 
+def _unmeasured(runs: list[dict[str, Any]], needs_workers: bool) -> str | None:
+    """Why a loader's row has no rate though it ran, if it has none."""
+    for run in runs:
+        if "not_measured" in run:
+            return f"not measured: {run['not_measured']}"
+        if needs_workers and run.get("worker_cpu_s") == 0:
+            return f"no workers started (rep {run.get('rep')}: no child process used CPU)"
+    return None
+
+
 def ratio_table(
-    samples: dict[str, list[dict[str, Any]]], reference: str, labels: dict[str, str]
+    samples: dict[str, list[dict[str, Any]]],
+    reference: str,
+    labels: dict[str, str],
+    workers: Collection[str] = (),
 ) -> tuple[str, dict[str, Any]]:
-    """A markdown table of medians and per-repetition ratios to ``reference``, and its data."""
-    rows, data = [], {}
+    """A markdown table of medians and per-repetition ratios to ``reference``, and its data.
+
+    A loader in ``workers`` whose worker processes did not run, and one that raised
+    :class:`NotMeasured`, get a row that says so instead of a rate. A run's ``note`` is added to
+    its loader's label.
+    """
+    rows: list[list[Any]] = []
+    data = {}
     ref = [s.get("rows_per_s") for s in samples[reference]]
     for name, runs in samples.items():
-        rates = [r.get("rows_per_s") for r in runs]
-        if any(r is None for r in rates):
-            rows.append([labels[name], None, None, "failed: " + str(runs[0].get("error"))[-80:]])
+        note = next((r["note"] for r in runs if r.get("note")), None)
+        label = f"{labels[name]} ({note})" if note else labels[name]
+        why = _unmeasured(runs, name in workers)
+        if why is not None:
+            rows.append([label, None, None, why])
             continue
+        if any(r.get("rows_per_s") is None for r in runs):
+            rows.append([label, None, None, "failed: " + str(runs[0].get("error"))[-80:]])
+            continue
+        rates: list[float] = [r["rows_per_s"] for r in runs]
         ratios = [r / f for r, f in zip(rates, ref, strict=True) if f]
         med = statistics.median(ratios) if ratios else None
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
-        rows.append([labels[name], round(statistics.median(rates)), round(med or 0, 2), spread])
+        rows.append([label, round(statistics.median(rates)), round(med or 0, 2), spread])
         data[name] = {"rows_per_s": rates, "ratio": ratios, "median_ratio": med}
     table = markdown_table(
         ["loader", "rows/s (median)", f"x {labels[reference]} (median)", "x per rep (min-max)"],
@@ -97,23 +167,39 @@ def ratio_table(
 
 
 def write_lake(
-    root: Path, files: int, table_of: Callable[[np.random.Generator, int], pa.Table], group: int
+    root: Path,
+    files: int,
+    table_of: Callable[[np.random.Generator, int], pa.Table],
+    group: int,
+    compression: str = "snappy",
 ) -> None:
     """Write ``files`` files of ``table_of(rng, f)`` in row groups of ``group`` rows, once.
 
-    Kept as it is when ``root`` already has that many files (the lake is deterministic).
+    Kept as it is when ``root`` already has that many files (the lake is deterministic; give
+    a lake of another ``compression`` a folder of its own).
     """
     if len(list(root.glob("*.parquet"))) == files:
         return
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for f in range(files):
-        pq.write_table(table_of(rng, f), root / f"part-{f}.parquet", row_group_size=group)
+        path = root / f"part-{f}.parquet"
+        pq.write_table(table_of(rng, f), path, row_group_size=group, compression=compression)
 
 
-def parse(description: str, lake: str, argv: list[str] | None) -> argparse.Namespace:
-    """The arguments every such benchmark takes (``--smoke`` sets one repetition)."""
+def parse(
+    description: str,
+    lake: str,
+    argv: list[str] | None,
+    more: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> argparse.Namespace:
+    """The arguments every such benchmark takes (``--smoke`` sets one repetition).
+
+    ``more`` adds a script's own arguments to the parser.
+    """
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--lake", default=lake, help="where the lake is written (once)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny lake, one repetition")

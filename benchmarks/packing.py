@@ -2,10 +2,12 @@
 
 Run it::
 
-    python -m benchmarks.packing               # ~3 min; --smoke for a tiny run
+    python -m benchmarks.packing                     # ~3 min; --smoke for a tiny run
+    python -m benchmarks.packing --compression zstd  # results/packing-zstd.md
 
-The lake (written once under ``--lake``): 4 files x 20,000 rows in row groups of 5,000, snappy;
-``tokens`` ``list<int32>`` of 16 to 1,024 ids (uniform), about 42 M tokens.
+The lake (written once under ``--lake``, or ``--lake`` + ``-zstd``): 4 files x 20,000 rows in
+row groups of 5,000, snappy (``--compression``: or zstd); ``tokens`` ``list<int32>`` of 16 to
+1,024 ids (uniform), about 42 M tokens.
 
 - ``numpy``: the reference: ``ParquetFile.iter_batches(1024)`` file after file (no shuffle),
   each batch's token values with a separator after each row (``np.insert``), carried over
@@ -17,7 +19,10 @@ The lake (written once under ``--lake``): 4 files x 20,000 rows in row groups of
 
 Both run for as many batches as the lake's tokens fill (one epoch); tokens/s (separators
 and padding included) after the first 3 batches; the loaders run in turn, ``--reps`` times,
-and each ratio is to ``numpy`` in the same repetition.
+and each ratio is to ``numpy`` in the same repetition. A second table gives ``-w2`` against
+``-w0`` of the same repetition (the gain from workers). ``lakeloader-w2`` is given no rate when
+no worker process ran (its row says "no workers started"): the child reports the CPU its
+descendants used.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from benchmarks._common import machine, pinned_tree
 from benchmarks._steady import child_main, finish, parse, ratio_table, run_reps, write_lake
 
 SEQ, BATCH, EOS = 2048, 16, 0
+#: ``--compression``: the lake's codec (the first is the default).
+CODECS = ("snappy", "zstd")
 
 
 def _table(rows: int) -> Callable[[np.random.Generator, int], pa.Table]:
@@ -108,32 +115,47 @@ def _limited(run: Callable[[argparse.Namespace], Iterable[Any]]) -> Any:
     return limited
 
 
+def _codec(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compression", choices=CODECS, default=CODECS[0], help="the lake's")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Write the lake, run the loaders, write ``results/packing.{json,md}``."""
-    args = parse(__doc__.splitlines()[0], "/tmp/lakeloader-bench-packing", argv)
+    """Write the lake, run the loaders, write ``results/packing[-zstd].{json,md}``."""
+    args = parse(__doc__.splitlines()[0], "/tmp/lakeloader-bench-packing", argv, _codec)
     if args.child is not None:
         runs = {k: _limited(run) for k, (_, run) in LOADERS.items()}
         return child_main(runs, args, lambda b: b["input_ids"].numel())
+    codec = "" if args.compression == CODECS[0] else f"-{args.compression}"
+    lake = args.lake + codec
     files, rows, group = (2, 400, 100) if args.smoke else (4, 20_000, 5_000)
-    write_lake(Path(args.lake), files, _table(rows), group)
+    write_lake(Path(lake), files, _table(rows), group, args.compression)
     cwd, src = pinned_tree(args.src or ("worktree" if args.smoke else "HEAD"))
     before = machine()
-    samples = run_reps(
-        "benchmarks.packing", list(LOADERS), args.reps, ["--lake", args.lake], cwd, 900
-    )
-    table, ratios = ratio_table(samples, "numpy", {k: v[0] for k, v in LOADERS.items()})
+    samples = run_reps("benchmarks.packing", list(LOADERS), args.reps, ["--lake", lake], cwd, 900)
+    labels = {k: v[0] for k, v in LOADERS.items()}
+    table, ratios = ratio_table(samples, "numpy", labels, {"lakeloader-w2"})
+    lakeloader = {k: v for k, v in samples.items() if k != "numpy"}
+    workers, workers_ratios = ratio_table(lakeloader, "lakeloader-w0", labels, {"lakeloader-w2"})
     sections = [
-        f"{files} files x {rows:,} rows of 16-1,024 tokens; samples of {SEQ} tokens, {BATCH} a "
-        "batch. The rate column counts tokens (separators and padding included), not rows.",
+        f"{files} files x {rows:,} rows of 16-1,024 tokens, {args.compression}; samples of "
+        f"{SEQ} tokens, {BATCH} a batch. The rate column counts tokens (separators and padding "
+        "included), not rows.",
         "",
         "## Tokens/s (ratio to the numpy packing loop)",
         "",
         table,
+        "",
+        "## Workers: 2 against 0 (ratio to lakeloader Packing, 0 workers)",
+        "",
+        workers,
     ]
-    title = "Packed token streams against a numpy packing loop (`python -m benchmarks.packing`)"
-    return finish(
-        "packing", args, (title, src, before), sections, {"runs": samples, "ratios": ratios}
+    option = f" --compression {args.compression}" if codec else ""
+    title = (
+        "Packed token streams against a numpy packing loop "
+        f"(`python -m benchmarks.packing{option}`)"
     )
+    data = {"runs": samples, "ratios": ratios, "workers_ratios": workers_ratios}
+    return finish(f"packing{codec}", args, (title, src, before), sections, data)
 
 
 if __name__ == "__main__":

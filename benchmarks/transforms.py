@@ -53,7 +53,7 @@ def _table(rows: int) -> Callable[[np.random.Generator, int], pa.Table]:
 
     def table(rng: np.random.Generator, f: int) -> pa.Table:
         cols: dict[str, Any] = {"id": np.arange(f * rows, (f + 1) * rows)}
-        cols["text"] = [" ".join(WORDS[rng.integers(0, len(WORDS), 15)]) for _ in range(rows)]
+        cols["text"] = [sentence(rng, 15) for _ in range(rows)]
         for name in FLOATS:
             cols[name] = rng.random(rows).astype(np.float32)
         return pa.table(cols)
@@ -61,14 +61,23 @@ def _table(rows: int) -> Callable[[np.random.Generator, int], pa.Table]:
     return table
 
 
+def sentence(rng: np.random.Generator, words: int) -> str:
+    """``words`` random words of :data:`WORDS`, space-separated."""
+    return " ".join(WORDS[rng.integers(0, len(WORDS), words)])
+
+
+def byte_ids(text: str, length: int) -> list[int]:
+    """A byte-level tokeniser: the text's UTF-8 bytes as ids, cut or padded with 0 to ``length``."""
+    return list(text.encode()[:length].ljust(length, b"\0"))
+
+
 def transform(row: dict[str, Any]) -> dict[str, Any]:
     """The per-row transform of table 1."""
     import torch
 
-    tokens = list(row["text"].encode()[:32].ljust(32, b"\0"))
     return {
         "id": row["id"],
-        "tokens": torch.tensor(tokens, dtype=torch.int64),
+        "tokens": torch.tensor(byte_ids(row["text"], 32), dtype=torch.int64),
         "x": torch.tensor([row[f] for f in FLOATS], dtype=torch.float32),
     }
 
@@ -111,7 +120,7 @@ class _MapRows:
 def _torch_map(args: argparse.Namespace) -> Iterable[Any]:
     import torch
 
-    data = _MapRows(args.lake)
+    data: Any = _MapRows(args.lake)  # map-style by duck typing, as torch takes it
     yield from torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=2)
 
 

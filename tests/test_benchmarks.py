@@ -11,6 +11,7 @@ checks its own run's output.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -33,12 +34,14 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _on_lake(script: str, lake_flag: str | None = "--lake") -> Callable[[Path], list[str]]:
+def _on_lake(
+    script: str, lake_flag: str | None = "--lake", *options: str
+) -> Callable[[Path], list[str]]:
     """The smoke command of a benchmark that writes its lake and results in a folder."""
 
     def argv(folder: Path) -> list[str]:
         lake = [lake_flag, str(folder / "lake")] if lake_flag else []
-        return [f"benchmarks.{script}", "--smoke", *lake, "--out", str(folder)]
+        return [f"benchmarks.{script}", "--smoke", *lake, "--out", str(folder), *options]
 
     return argv
 
@@ -63,6 +66,8 @@ SMOKES: dict[str, tuple[Callable[[Path], list[str]], float]] = {
     "scale": (_on_lake("scale", None), 300),
     "cpu_split": (_on_lake("cpu_split"), 300),
     **{s: (_on_lake(s), 400) for s in ("transforms", "array_columns", "mixture", "packing")},
+    "mixture-text": (_on_lake("mixture", "--lake", "--workload", "text"), 300),
+    "packing-zstd": (_on_lake("packing", "--lake", "--compression", "zstd"), 300),
     "memory": (_on_lake("memory"), 300),
     "s3_vs_local": (_on_lake("s3_vs_local", "--lake-dir"), 300),
     "latency": (_on_lake("latency", "--lake-dir"), 400),
@@ -168,7 +173,9 @@ def test_cpu_split_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
         ("transforms", ("row_ratios", "batch_ratios")),
         ("array_columns", ("ratios",)),
         ("mixture", ("ratios",)),
-        ("packing", ("ratios",)),
+        ("packing", ("ratios", "workers_ratios")),
+        ("packing-zstd", ("ratios", "workers_ratios")),
+        ("mixture-text", ("ratios",)),
     ],
 )
 def test_issue13_benchmarks_smoke(
@@ -179,6 +186,85 @@ def test_issue13_benchmarks_smoke(
     for table in tables:  # every loader ran and was measured against the reference
         assert report[table] and all(r["rows_per_s"][0] > 0 for r in report[table].values())
     assert "failed" not in (tmp_path / f"{script}-smoke.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("script", "table", "w0", "w2"),
+    [
+        ("mixture-text", "ratios", "mixture-text-w0", "mixture-text-w2"),
+        ("packing-zstd", "workers_ratios", "lakeloader-w0", "lakeloader-w2"),
+        ("mixture", "ratios", "mixture-w0", "mixture-w2"),
+        ("mixture", "ratios", "single-w0", "single-w2"),  # a lake's workers: they run today
+    ],
+)
+def test_workers_row_has_a_rate_only_if_workers_ran(
+    smoke: Callable[[str], tuple[Any, Path]], script: str, table: str, w0: str, w2: str
+) -> None:
+    _, tmp_path = smoke(script)
+    report = json.loads((tmp_path / f"{script}-smoke.json").read_text())
+    markdown = (tmp_path / f"{script}-smoke.md").read_text()
+    zero, two = report["runs"][w0][0], report["runs"][w2][0]
+    assert zero["rows_per_s"] > 0 and zero["worker_cpu_s"] == 0
+    module = importlib.import_module(f"benchmarks.{script.split('-')[0]}")
+    label = module.LOADERS[w2][0]
+    row = next(line for line in markdown.splitlines() if line.startswith(f"| {label}"))
+    if "not_measured" in two:  # today's text mixture: the reference says how it tokenised
+        assert w2 not in report[table] and "not measured: " in row
+        assert "training loop" in zero["note"]
+    elif two["worker_cpu_s"] == 0:  # asked for workers, and none ran: no rate, and the row says so
+        assert w2 not in report[table] and "no workers started" in row
+    else:
+        assert report[table][w2]["ratio"][0] > 0 and "note" not in zero
+        assert "no workers" not in row and "not measured" not in row
+
+
+def test_steady_ratio_table_credits_workers_only_when_they_ran() -> None:
+    from benchmarks._steady import ratio_table
+
+    def run(rate: float, cpu: float, **more: Any) -> list[dict[str, Any]]:
+        return [{"rows_per_s": rate, "worker_cpu_s": cpu, "rep": 0, **more}]
+
+    samples = {
+        "w0": run(100.0, 0.0, note="in the loop"),
+        "w2": run(180.0, 1.5),
+        "idle": run(150.0, 0.0),
+        "off": [{"not_measured": "no such option", "worker_cpu_s": 0.0, "rep": 0}],
+    }
+    labels = {"w0": "zero", "w2": "two", "idle": "idle", "off": "off"}
+    table, data = ratio_table(samples, "w0", labels, {"w2", "idle", "off"})
+    assert set(data) == {"w0", "w2"} and data["w2"]["ratio"] == [1.8]
+    lines = table.splitlines()
+    assert lines[2].startswith("| zero (in the loop) | 100 | 1 |")
+    assert lines[3].startswith("| two | 180 | 1.8 |")
+    assert lines[4] == "| idle | - | - | no workers started (rep 0: no child process used CPU) |"
+    assert lines[5] == "| off | - | - | not measured: no such option |"
+
+
+#: Run alone in a process of its own (this one has the smoke runs for children): a child
+#: that burns 0.3 s of CPU is counted once exited, and another while it lives.
+_COUNT_CHILDREN = """
+import subprocess, sys, time
+from benchmarks._steady import worker_cpu_seconds
+burn = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass"
+assert worker_cpu_seconds() == 0
+subprocess.run([sys.executable, "-c", burn], check=True)
+exited = worker_cpu_seconds()
+assert exited >= 0.25, exited
+live = subprocess.Popen([sys.executable, "-c", burn + "\\ntime.sleep(30)"])
+deadline = time.monotonic() + 30
+while worker_cpu_seconds() - exited < 0.25:
+    assert time.monotonic() < deadline, "a live child's CPU was not counted"
+    time.sleep(0.05)
+live.kill()
+live.wait()
+"""
+
+
+def test_worker_cpu_seconds_counts_exited_and_live_children() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _COUNT_CHILDREN], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_memory_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
