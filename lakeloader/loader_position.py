@@ -2,16 +2,23 @@
 
 :class:`LakePosition` is the part of :class:`~lakeloader.DataLoader` that reads and sets the
 reader-state tracker's position: ``state_dict()`` and ``load_state_dict()`` (through the
-recovery coordinator, the one way a position is restored) and ``view()``.
+recovery coordinator, the one way a position is restored), ``view()``, and what the
+:class:`~lakeloader.CheckpointManager` calls on every kind of loader (``barrier_position()``,
+``checkpoint_state()``, ``checkpoint_datasets()``, ``restore_checkpoint()``,
+``observe_steps()``, ``workers_build``), which a Mixture's and a packed loader have too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import ROOT, Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
@@ -98,6 +105,43 @@ class LakePosition:
         resumption.state.check_matches(ds.fingerprint, ds.config.to_dict())
         self.tracker.restore(resumption.state)
 
+    # --------------------------------------------- what a CheckpointManager calls
+    def barrier_position(self) -> Position:
+        """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
+        ds = self.dataset
+        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
+
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
+        self.tracker.merge_quarantine(quarantine)
+        return self.state_dict()
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshot a checkpoint pins, by leaf path: the lake's, at the root."""
+        return {ROOT: self.dataset}
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``).
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+        """
+        self._resume(coordinator.resume(ckpt, self.dataset))
+
+    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+        """Tell ``observer`` of every step delivered (since the start or the last restore).
+
+        Returns:
+            True: a lake's loader records its steps (its tracker's journal).
+        """
+        self.tracker.attach(observer)
+        return True
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether workers build batches (a transform or collate_fn) rather than decode."""
+        return self.tracker.workers_build
+
     def view(self) -> ReaderView:
         """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
 
@@ -155,3 +199,34 @@ class LakePosition:
     def quarantine(self) -> list[QuarantineEntry]:
         """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
         return list(self.tracker.quarantine)
+
+
+class StatePosition:
+    """What a CheckpointManager calls on a loader whose position is its ``state_dict()``.
+
+    A Mixture's and a packed loader keep no tracker: a checkpoint restores them as
+    ``load_state_dict`` does, and their steps are not recorded for the audit.
+    """
+
+    load_state_dict: Callable[[dict[str, Any]], None]
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint's state, as ``load_state_dict`` does.
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+        """
+        self.load_state_dict(dict(ckpt.state_dict))
+
+    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+        """Nothing is told: this loader keeps no record of the steps it delivers (yet).
+
+        Returns:
+            False.
+        """
+        return False
+
+    @property
+    def workers_build(self) -> bool:
+        """False: no worker process builds this loader's batches."""
+        return False

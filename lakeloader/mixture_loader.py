@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import LOADER_FOR, DataLoader
 from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
+from lakeloader.loader_position import StatePosition
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.mixing import MixtureIterator
@@ -25,13 +26,14 @@ from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.pipeline.source_passes import SourcePasses
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
+from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
 
-class MixtureLoader(DataLoader):
+class MixtureLoader(StatePosition, DataLoader):
     """Streams batches of a :class:`~lakeloader.Mixture` (see the module docstring).
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
@@ -185,8 +187,8 @@ class MixtureLoader(DataLoader):
         """What the checkpoint barrier compares across ranks (the same on every rank)."""
         return self._state
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """The state a checkpoint holds (every rank's is the same)."""
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The state a checkpoint holds (every rank's is the same; no unit is quarantined)."""
         return self._state.to_dict()
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:

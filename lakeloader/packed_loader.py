@@ -12,7 +12,7 @@ partition: :mod:`lakeloader.order.packing`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from lakeloader.errors import StateMismatchError, TopologyError
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader import LOADER_FOR, DataLoader
 from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
+from lakeloader.loader_position import StatePosition
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import owned_partitions, samples_per_partition
@@ -31,6 +32,7 @@ from lakeloader.pipeline.packed import PackedIterator, PackedSource
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.packed_state import PackedState, PartitionPosition
+from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 ONLY = "lake"
 
 
-class PackedLoader(DataLoader):
+class PackedLoader(StatePosition, DataLoader):
     """Streams packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
@@ -190,7 +192,7 @@ class PackedLoader(DataLoader):
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
         return self._state
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
         """Every rank's partitions, merged: a collective under torch.distributed."""
         if not (dist.is_available() and dist.is_initialized()):
             return self.state_dict()

@@ -303,3 +303,36 @@ def test_a_torn_manifest_is_rewritten_and_detected(dataset: ll.LakeDataset, tmp_
     ll.CheckpointManager(str(tmp_path)).save(2, loader)  # a new manager checks and rewrites it
     assert manifest.read_bytes() == whole
     assert ll.CheckpointManager(str(tmp_path)).steps() == [1, 2]
+
+
+def test_a_mixture_is_saved_as_a_lake_is_and_its_unrecorded_steps_said(
+    lake: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One record for every loader (a manifest per leaf, COMMIT naming none but a lake's); a
+    loader that keeps no record of its steps is attached without a ledger, and the log says so
+    once (the audit then finds no ledger, and says why)."""
+    from lakeloader.checkpoint.layout import CommitRecord
+    from lakeloader.cli.audit import run_audit
+
+    sources = {"a": ll.LakeDataset(lake, seed=1), "b": ll.LakeDataset(lake, seed=2)}
+    mixed = ll.DataLoader(ll.Mixture(sources, {"a": 1, "b": 1}, seed=3), batch_size=8)
+    it = iter(mixed)
+    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
+    with caplog.at_level(logging.WARNING, logger="lakeloader.checkpoint.manager"):
+        for step in (1, 2):
+            next(it)
+            manager.save(step, mixed, extra=step)
+    assert [r.message.count("records no step of this MixtureLoader") for r in caplog.records] == [1]
+    assert not manager.attach(mixed) and not (tmp_path / "ckpt" / "ledger").exists()
+    ckpt = manager.read(2)
+    assert sorted(ckpt.manifests) == ["a", "b"] and ckpt.sources == {"a": str(lake), "b": str(lake)}
+    assert ckpt.lake is None and ckpt.context.topology == mixed.topology
+    with pytest.raises(ll.CheckpointError, match=r"pins no single lake: it holds a 'mixture'"):
+        ckpt.snapshot  # noqa: B018
+    commit = CommitRecord.from_bytes((Path(ckpt.path) / COMMIT_FILE).read_bytes())
+    assert (commit.manifest, commit.manifest_sha256) == ("", "")
+    with pytest.raises(ll.CheckpointError, match=r"a mixture or a packed loader"):
+        run_audit(str(tmp_path / "ckpt"), {})
+    single = ll.DataLoader(ll.LakeDataset(lake), batch_size=8)
+    assert manager.attach(single), "a lake's loader is recorded"
+    manager.close()

@@ -68,3 +68,14 @@ def test_corrupt_state_records_say_so() -> None:
         StateRecord.from_bytes(b"\xc1garbage")
     with pytest.raises(ll.CheckpointError, match="not a lakeloader state"):
         StateRecord.from_bytes(msgpack.packb({"loader": {"kind": "x"}, "context": {}, "extra": 0}))
+
+
+def test_a_record_of_an_unknown_version_is_refused(dataset: ll.LakeDataset, tmp_path: Path) -> None:
+    manager = _saved(dataset, tmp_path)
+    folder = tmp_path / step_dir_name(1)
+    raw = msgpack.unpackb((folder / "state.msgpack").read_bytes())
+    assert raw["record"] == 2 and list(raw["manifests"]) == [""]
+    assert raw["sources"] == {"": dataset.source.describe()}
+    with pytest.raises(ll.CheckpointError, match="record version 3; this lakeloader reads"):
+        StateRecord.from_bytes(msgpack.packb({**raw, "record": 3}))
+    manager.close()

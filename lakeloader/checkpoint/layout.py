@@ -3,7 +3,8 @@
 Layout under the root URL::
 
     manifests/<fingerprint>.msgpack   the pinned snapshot, written once and shared
-    step-000000001200/state.msgpack   a StateRecord: loader state, context, the caller's extras
+    step-000000001200/state.msgpack   a StateRecord: loader state, context, the caller's extras,
+                                      and the manifest of each lake it reads
     step-000000001200/COMMIT          a CommitRecord, written last: sizes and SHA-256 of the parts
 
 A checkpoint is visible only once its ``COMMIT`` exists, which works the same on a local disk
@@ -35,6 +36,13 @@ STEP_PREFIX: Final = "step-"
 STEP_DIR_RE: Final = re.compile(r"step-(\d{12})$")
 #: Version of the COMMIT record (and of the folder layout it describes).
 CHECKPOINT_FORMAT_VERSION: Final = 1
+#: Key of the version of ``state.msgpack``'s record, and the version this library writes.
+RECORD_KEY: Final = "record"
+RECORD_VERSION: Final = 2
+#: Key of a loader kind in the Mixture's or packed loader's record of version 1.
+OLD_KIND_KEY: Final = "kind"
+#: The leaf path of a loader over one lake.
+ROOT: Final = ""
 
 
 def sha256(data: bytes) -> str:
@@ -82,7 +90,8 @@ class CommitRecord:
         step: The training step.
         state_bytes: Size of ``state.msgpack``.
         state_sha256: Its SHA-256.
-        manifest: Path of the pinned snapshot's manifest, relative to the root.
+        manifest: Path of a single lake's manifest, relative to the root ("" for a loader
+            over several; the state record lists every manifest with its SHA-256).
         manifest_sha256: The manifest's SHA-256.
         version: The format version.
         parts: The step folder's other files (the training context, the weights' shards),
@@ -161,24 +170,19 @@ class CheckpointContext:
         step: The training step.
         library_version: The lakeloader that wrote it.
         created: When, ISO 8601 in UTC.
-        fingerprint: The snapshot's fingerprint.
-        config: The order configuration (plain types).
-        topology: The saving loader's topology (rank 0's).
+        topology: The saving loader's topology (rank 0's), or None in a Mixture's or a packed
+            loader's checkpoint written before record version 2 (which did not keep it).
         drop_last: Whether its short last batch is dropped.
         workers_build: Whether its workers build batches (a transform or collate_fn) rather
             than decode units.
-        source: The lake's source as given to the dataset (a URL or a list of them).
     """
 
     step: int
     library_version: str
     created: str
-    fingerprint: str
-    config: dict[str, Any]
-    topology: Topology
-    drop_last: bool
-    workers_build: bool
-    source: str | list[str]
+    topology: Topology | None
+    drop_last: bool = False
+    workers_build: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types."""
@@ -186,19 +190,18 @@ class CheckpointContext:
             "step": self.step,
             "library_version": self.library_version,
             "created": self.created,
-            "fingerprint": self.fingerprint,
-            "config": dict(self.config),
-            "topology": self.topology.to_dict(),
+            "topology": None if self.topology is None else self.topology.to_dict(),
             "drop_last": self.drop_last,
             "workers_build": self.workers_build,
-            "source": self.source,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckpointContext:
-        """Parse :meth:`to_dict`'s output, or a context of lakeloader 0.1.
+        """Parse :meth:`to_dict`'s output, or an older context (its other keys are ignored).
 
-        In 0.1 the topology held ``drop_last`` and no rank.
+        Before record version 2 the context also held the lake's fingerprint, order config
+        and source (the source is now the record's, by leaf); in lakeloader 0.1 the
+        topology held ``drop_last`` and no rank.
 
         Raises:
             KeyError: If a required key is missing.
@@ -208,44 +211,56 @@ class CheckpointContext:
             step=int(d["step"]),
             library_version=str(d.get("library_version", "")),
             created=str(d.get("created", "")),
-            fingerprint=str(d["fingerprint"]),
-            config=dict(d["config"]),
-            topology=Topology.from_dict(topo),
-            drop_last=bool(d.get("drop_last", topo.get("drop_last", False))),
+            topology=None if topo is None else Topology.from_dict(topo),
+            drop_last=bool(d.get("drop_last", (topo or {}).get("drop_last", False))),
             workers_build=bool(d.get("workers_build", False)),
-            source=d["source"],
         )
 
 
 @dataclass(frozen=True)
 class StateRecord:
-    """What ``state.msgpack`` holds.
+    """What ``state.msgpack`` holds, for every kind of loader.
+
+    Leaf paths name the lakes a loader reads: ``""`` for a loader over one lake, a source's
+    name in a Mixture, ``"lake"`` for a packed loader's lake.
 
     Attributes:
-        loader: The loader state.
+        state: The loader's state as plain data (``checkpoint_state()``: for a packed loader,
+            every rank's partitions merged).
         context: The context that produced it.
         extra: The caller's extras (plain, msgpack-able types).
+        manifests: ``{leaf path: (its snapshot's manifest, relative to the root; SHA-256)}``.
+        sources: ``{leaf path: what its dataset was given as source}``.
+
+    Example:
+        >>> ctx = CheckpointContext(3, "0.1", "now", Topology(1, 0, 0, 4))
+        >>> rec = StateRecord({"kind": "mixture"}, ctx, None, {"web": ("m", "ab")}, {"web": "/w"})
+        >>> StateRecord.from_bytes(rec.to_bytes()) == rec
+        True
     """
 
-    loader: LoaderState
+    state: Mapping[str, Any]
     context: CheckpointContext
     extra: Any
+    manifests: Mapping[str, tuple[str, str]]
+    sources: Mapping[str, Any]
 
     def to_bytes(self) -> bytes:
-        """The record's bytes (msgpack).
+        """The record's bytes (msgpack), of version :data:`RECORD_VERSION`.
 
         Raises:
             CheckpointError: If ``extra`` is not msgpack-serialisable.
         """
+        body = {
+            RECORD_KEY: RECORD_VERSION,
+            "state": dict(self.state),
+            "context": self.context.to_dict(),
+            "extra": self.extra,
+            "manifests": {leaf: list(pair) for leaf, pair in self.manifests.items()},
+            "sources": dict(self.sources),
+        }
         try:
-            packed: bytes = msgpack.packb(
-                {
-                    "loader": self.loader.to_dict(),
-                    "context": self.context.to_dict(),
-                    "extra": self.extra,
-                },
-                use_bin_type=True,
-            )
+            packed: bytes = msgpack.packb(body, use_bin_type=True)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(
                 f"extra for step {self.context.step} is not msgpack-serialisable ({exc}); pass "
@@ -254,48 +269,118 @@ class StateRecord:
         return packed
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> StateRecord:
-        """Parse a record.
+    def from_bytes(cls, data: bytes, root_manifest: tuple[str, str] = ("", "")) -> StateRecord:
+        """Parse a record: this version's, or either record written before it.
+
+        Those are a single lake's ``{loader, context, extra}``, whose manifest ``COMMIT``
+        names (``root_manifest``), and a Mixture's or a packed loader's ``{kind, version: 1,
+        state, step, library_version, created, manifests, sources, extra}``.
 
         Raises:
-            CheckpointError: If it is malformed, or its loader state has an unknown version.
+            CheckpointError: If it is malformed, of an unknown version, or a single lake's
+                record whose loader state is not one.
         """
         try:
             d = msgpack.unpackb(data, raw=False)
-            return cls(
-                LoaderState.from_dict(d["loader"]),
-                CheckpointContext.from_dict(d["context"]),
-                d["extra"],
-            )
+            if RECORD_KEY in d:
+                if d[RECORD_KEY] != RECORD_VERSION:
+                    raise CheckpointError(
+                        f"its {STATE_FILE} has record version {d[RECORD_KEY]!r}; this "
+                        f"lakeloader reads version {RECORD_VERSION} and the records before it"
+                    )
+                context = CheckpointContext.from_dict(d["context"])
+                manifests, sources = _pairs(d["manifests"]), dict(d["sources"])
+                return cls(dict(d["state"]), context, d["extra"], manifests, sources)
+            if OLD_KIND_KEY in d:
+                return _kind_record(d)
+            LoaderState.from_dict(d["loader"])  # a lake's record: its state checked now
+            context = CheckpointContext.from_dict(d["context"])
+            sources = {ROOT: d["context"]["source"]}
+            return cls(dict(d["loader"]), context, d["extra"], {ROOT: root_manifest}, sources)
+        except CheckpointError:
+            raise
         except StateFormatError as exc:
             raise CheckpointError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
             raise CheckpointError(f"its {STATE_FILE} is corrupt ({exc!r})") from exc
 
 
+def _pairs(manifests: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """``{leaf: [path, sha]}`` as read back, typed."""
+    return {str(leaf): (str(pair[0]), str(pair[1])) for leaf, pair in manifests.items()}
+
+
+def _kind_record(d: dict[str, Any]) -> StateRecord:
+    """A Mixture's or a packed loader's record of version 1 (before record version 2).
+
+    It kept no topology; its manifests' names (a mixture's sources; ``"lake"``) are the leaf
+    paths of today's records.
+    """
+    if d.get("version") != 1:
+        raise CheckpointError(
+            f"its {d[OLD_KIND_KEY]} record has version {d.get('version')!r}; this lakeloader "
+            "reads version 1"
+        )
+    context = CheckpointContext(int(d["step"]), str(d["library_version"]), str(d["created"]), None)
+    manifests, sources = _pairs(d["manifests"]), dict(d["sources"])
+    return StateRecord(dict(d["state"]), context, d["extra"], manifests, sources)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded, verified checkpoint.
+    """A loaded, verified checkpoint, of any kind of loader.
 
     Attributes:
         step: The training step it was saved at.
         path: Its folder.
-        state: The loader state.
+        state_dict: The loader's state as saved (what its ``load_state_dict`` takes).
         context: The context that produced it.
         extra: The caller's extras.
-        snapshot: The pinned snapshot from the manifest.
-        manifest: The manifest itself (plain dict).
+        manifests: Each leaf's manifest (plain dicts, by leaf path, see :class:`StateRecord`).
+        sources: What each leaf's dataset was given as source, by leaf path.
         nbytes: Size of ``state.msgpack``.
         training: Its training context (generators, versions, what the weights hold), or
             None for a checkpoint written before lakeloader saved one.
+        lake: The pinned snapshot of a loader over one lake (the root leaf ``""``), rebuilt
+            from its manifest; None for a Mixture's or a packed loader's.
     """
 
     step: int
     path: str
-    state: LoaderState
+    state_dict: dict[str, Any]
     context: CheckpointContext
     extra: Any
-    snapshot: Snapshot
-    manifest: dict[str, Any]
+    manifests: Mapping[str, dict[str, Any]]
+    sources: Mapping[str, Any]
     nbytes: int
     training: TrainingRecord | None = None
+    lake: Snapshot | None = None
+
+    @property
+    def state(self) -> LoaderState:
+        """The position of a loader over one lake.
+
+        Raises:
+            StateFormatError: If the checkpoint holds another kind of state (named).
+        """
+        return LoaderState.from_dict(self.state_dict)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The pinned snapshot of a loader over one lake.
+
+        Raises:
+            CheckpointError: If the checkpoint pins no single lake (a Mixture's or a packed
+                loader's: its leaves are named).
+        """
+        if self.lake is None:
+            raise CheckpointError(
+                f"{self.path} pins no single lake: it holds a {self.state_dict.get('kind')!r} "
+                f"state over {sorted(self.manifests)}"
+            )
+        return self.lake
+
+    @property
+    def source(self) -> Any:
+        """What the dataset of a loader over one lake was given as source."""
+        return self.sources[ROOT]

@@ -5,9 +5,12 @@ A checkpoint is the loader's position with, optionally, the model's and optimize
 and the records of each file are :mod:`lakeloader.checkpoint.layout`. A
 checkpoint is visible only once its ``COMMIT`` marker exists, which works the same on a local
 disk and on object stores that cannot rename; a save killed half-way leaves a folder without a
-marker, which ``load`` ignores and the next save removes. Loading hands the checkpoint to the
-:class:`~lakeloader.recovery.coordinator.RecoveryCoordinator`, which maps it onto the lake and
-topology of now.
+marker, which ``load`` ignores and the next save removes. Every kind of loader is saved and
+loaded alike, through the methods the manager calls on it (``barrier_position``,
+``checkpoint_state``, ``checkpoint_datasets``, ``restore_checkpoint``, ``observe_steps``); a
+loader over one lake restores through the
+:class:`~lakeloader.recovery.coordinator.RecoveryCoordinator`, which maps the checkpoint onto
+the lake and topology of now.
 """
 
 from __future__ import annotations
@@ -28,14 +31,13 @@ from lakeloader._version import __version__
 from lakeloader.audit.ledger import Ledger
 from lakeloader.checkpoint.barrier import confirm_same_position
 from lakeloader.checkpoint.folders import CheckpointFolders
-from lakeloader.checkpoint.kind_record import KindCheckpoint, check_same_kind, kind_record
-from lakeloader.checkpoint.layout import Checkpoint, CheckpointContext, StateRecord
+from lakeloader.checkpoint.layout import ROOT, Checkpoint, CheckpointContext, StateRecord
 from lakeloader.checkpoint.reading import agreed_checkpoint, newest_usable, read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.checkpoint.training import CodeVersion, code_version
 from lakeloader.checkpoint.whole import capture, restore
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import CheckpointError, StoreAccessError
+from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -43,9 +45,6 @@ from lakeloader.recovery.lake_changes import LakeChangePolicy
 from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
-
-#: Loader kinds whose checkpoints are a lake's state and manifest (a followed lake's too).
-LAKE_KINDS = ("lake", "follow")
 
 
 class CheckpointManager:
@@ -116,6 +115,7 @@ class CheckpointManager:
             max_workers=1, thread_name_prefix="lakeloader-ckpt", initializer=main_thread_only
         )
         self._pending: Future[Any] | None = None
+        self._unrecorded: set[str] = set()  # loader classes said to keep no record of steps
         self._async_group: dist.ProcessGroup | None = None
         self._closed = False
 
@@ -139,17 +139,33 @@ class CheckpointManager:
             return path  # a local path, user folder expanded
         return str(self.fs.unstrip_protocol(path))
 
-    def attach(self, loader: DataLoader) -> None:
-        """Record every step ``loader`` delivers in the audit ledger (rank 0 of a lake's loader).
+    def attach(self, loader: DataLoader) -> bool:
+        """Record every step ``loader`` delivers in the audit ledger (on rank 0).
 
         :meth:`save` and :meth:`load` attach their loader, so there is seldom a need to call
         this: the loader remembers the steps it delivered since it began (or was restored),
         and the ledger records them at attachment. Only steps delivered before a restore by
         ``load_state_dict`` (rather than :meth:`load`) stay unrecorded, which the audit
-        reports as unverified.
+        reports as unverified. A loader that keeps no record of its steps (a Mixture's or a
+        packed loader, for now) is not recorded, and the first attach says so in the log.
+
+        Returns:
+            Whether the ledger records ``loader``'s steps (only ever on rank 0).
         """
-        if self._keep_ledger and loader.rank == 0 and loader.dataset.loader_kind in LAKE_KINDS:
-            loader.tracker.attach(self.ledger.step)
+        if not (self._keep_ledger and loader.rank == 0):
+            return False
+        if loader.observe_steps(self.ledger.step):
+            return True
+        kind = type(loader).__name__
+        if kind not in self._unrecorded:
+            self._unrecorded.add(kind)
+            logger.warning(
+                "the audit ledger under %s records no step of this %s: it keeps no record "
+                "of the steps it delivers, so `lakeloader audit` cannot prove its run",
+                self.url,
+                kind,
+            )
+        return False
 
     # ------------------------------------------------------------------- saving
     def save(
@@ -167,8 +183,8 @@ class CheckpointManager:
         position (and that the previous background save succeeded) and the save fails on
         every rank, naming the ranks, if they do not. Each rank writes its shards of
         ``model`` and ``optimizer`` (plain, DDP or FSDP2 modules) and hands rank 0 its random
-        generators; rank 0 writes the loader's state, the context and ``extra`` (taken from
-        rank 0; plain msgpack-able types), then ``COMMIT``.
+        generators; rank 0 writes the loader's state, the manifest of each lake it reads, the
+        context and ``extra`` (taken from rank 0; plain msgpack-able types), then ``COMMIT``.
 
         Raises:
             CheckpointError: If ranks disagree, the write fails (sync), a previous background
@@ -177,23 +193,13 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed")
         previous = self._settle()
-        lake = loader.dataset.loader_kind in LAKE_KINDS
-        ds = loader.dataset
-        if lake:
-            state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
-            everyone = confirm_same_position(state, previous)
-        else:  # a Mixture's or a packed loader
-            kind_loader: Any = loader
-            everyone = confirm_same_position(kind_loader.barrier_position(), previous)
+        stand = loader.barrier_position()
+        everyone = confirm_same_position(stand, previous)
         if previous is not None:
             raise previous
-        if lake and everyone:
-            loader.tracker.merge_quarantine(everyone)
-            state = loader.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
-        kind_state = {} if lake else kind_loader.checkpoint_state()  # a collective if packed
-        position = (state.epoch, state.position) if lake else (0, 0)
-        if lake:
-            self.attach(loader)
+        state = loader.checkpoint_state(everyone or ())  # a collective for a packed loader
+        datasets = loader.checkpoint_datasets()  # as they are now: the loop goes on
+        recorded = self.attach(loader)
         folder = self.folders.step_folder(step)
         if _rank() == 0:
             self.folders.uncommit(step)  # invisible before any rank writes into the folder
@@ -214,23 +220,24 @@ class CheckpointManager:
                 self._pending = captured.pending  # the next save waits for this rank's shards
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        keep = lake and self._keep_ledger
+        context = _context(loader, step, created)
+        position = (stand.epoch, stand.position)
         # the steps in this checkpoint, taken now: the loop goes on during a background write
-        mark = self.ledger.mark(*position, captured.record.world_size) if keep else (0, 0)
+        mark = self.ledger.mark(*position, captured.record.world_size) if recorded else (0, 0)
 
         def record() -> tuple[bytes, tuple[str, str]]:
-            if not lake:
-                rec = kind_record(
-                    loader, kind_state, step, extra, created, __version__, self.folders.manifest
-                )
-                return rec.to_bytes(), ("", "")
-            payload = StateRecord(state, _context(loader, step, created), extra).to_bytes()
-            return payload, self.folders.manifest(ds.snapshot, ds.source.describe())
+            sources = {leaf: ds.source.describe() for leaf, ds in datasets.items()}
+            manifests = {
+                leaf: self.folders.manifest(ds.snapshot, sources[leaf])
+                for leaf, ds in datasets.items()
+            }
+            payload = StateRecord(state, context, extra, manifests, sources).to_bytes()
+            return payload, manifests.get(ROOT, ("", ""))
 
         def write() -> None:
             captured.wait()
             parts = captured.parts(self.store, folder)
-            if keep:  # before COMMIT: no committed step goes unrecorded
+            if recorded:  # before COMMIT: no committed step goes unrecorded
                 self.ledger.saved(step, mark, *position)
             self.folders.commit(step, *record(), parts)
 
@@ -278,7 +285,7 @@ class CheckpointManager:
             raise error
 
     # ------------------------------------------------------------------ loading
-    def read(self, step: int) -> Checkpoint | KindCheckpoint:
+    def read(self, step: int) -> Checkpoint:
         """Read and verify one checkpoint: its state, manifests and every part ``COMMIT`` lists.
 
         Raises:
@@ -286,7 +293,7 @@ class CheckpointManager:
         """
         return read_checkpoint(self.folders, step)
 
-    def load_checkpoint(self, step: int | None = None) -> Checkpoint | KindCheckpoint:
+    def load_checkpoint(self, step: int | None = None) -> Checkpoint:
         """The newest usable checkpoint (or the given step), falling back past corrupt ones.
 
         Raises:
@@ -317,19 +324,22 @@ class CheckpointManager:
         the world size that saved them. ``rng`` restores each rank's random generators as
         they were at the save (ranks the saving run did not have keep theirs).
 
-        The loader may have any world size, worker count or batch size. The
-        :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot with the
-        loader's dataset: files added since join at the next epoch boundary (the saved epoch
-        finishes on the pinned snapshot). For files gone or rewritten that the rest of the
-        saved epoch needs, ``on_lake_change="error"`` raises :class:`LakeChangedError` listing
-        them; ``"skip"`` finishes the epoch without their units (their rows are counted as
-        skipped); ``"restart_epoch"`` runs the saved epoch again from its start on the lake as
-        it is now (at least once, not exactly once, for that epoch).
+        The loader may have any world size, worker count or batch size. A Mixture's or a
+        packed loader takes the saved state as ``load_state_dict`` does. For a loader over one
+        lake the :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot
+        with the loader's dataset: files added since join at the next epoch boundary (the
+        saved epoch finishes on the pinned snapshot). For files gone or rewritten that the
+        rest of the saved epoch needs, ``on_lake_change="error"`` raises
+        :class:`LakeChangedError` listing them; ``"skip"`` finishes the epoch without their
+        units (their rows are counted as skipped); ``"restart_epoch"`` runs the saved epoch
+        again from its start on the lake as it is now (at least once, not exactly once, for
+        that epoch).
 
         Raises:
             CheckpointError: If no checkpoint is usable.
             LakeChangedError: If needed files changed and the policy is ``"error"``.
             StateMismatchError: If the order configuration differs.
+            StateFormatError: If the checkpoint holds another kind of loader's state.
             ValueError: For an unknown ``on_lake_change`` (whether or not the lake changed).
         """
         coordinator = RecoveryCoordinator(on_lake_change)
@@ -337,13 +347,14 @@ class CheckpointManager:
             ckpt = agreed_checkpoint(self.load_checkpoint, self.read, step)
         else:
             ckpt = self.load_checkpoint(step)
-        saved = ckpt.kind if isinstance(ckpt, KindCheckpoint) else "lake"
-        kind = loader.dataset.loader_kind
-        check_same_kind(ckpt.path, saved, "lake" if kind in LAKE_KINDS else kind)
-        if isinstance(ckpt, KindCheckpoint):
-            loader.load_state_dict(dict(ckpt.record.state))
-        else:
-            loader._resume(coordinator.resume(ckpt, loader.dataset))
+        try:
+            loader.restore_checkpoint(ckpt, coordinator)
+        except StateFormatError as exc:
+            raise StateFormatError(
+                f"{ckpt.path} holds a {ckpt.state_dict.get('kind')!r} state, which this "
+                f"{type(loader).__name__} does not take ({exc}): load it into a loader over "
+                "the same kind of dataset"
+            ) from exc
         restore(
             ckpt.training,
             self._url(ckpt.path),
@@ -382,15 +393,16 @@ class CheckpointManager:
                 (``transform``, ``retry``, ``on_error``, ``validate``, ``progress``).
 
         Raises:
-            CheckpointError: If no checkpoint is usable.
+            CheckpointError: If no checkpoint is usable, or it is not a loader's over one lake.
             LakeChangedError: If pinned files changed and the policy is ``"error"``.
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        if isinstance(ckpt, KindCheckpoint):
+        if ckpt.lake is None:
             raise CheckpointError(
-                f"{ckpt.path} is a {ckpt.kind} loader's checkpoint: build the dataset on its "
-                "lake(s) and load the checkpoint into a DataLoader over it"
+                f"{ckpt.path} holds a {ckpt.state_dict.get('kind')!r} state over the lakes "
+                f"{dict(ckpt.sources)}, not one lake's: build the datasets on them and load "
+                "the checkpoint into a DataLoader over those"
             )
         return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
 
@@ -428,15 +440,11 @@ def _rank() -> int:
 
 
 def _context(loader: DataLoader, step: int, created: str) -> CheckpointContext:
-    ds = loader.dataset
     return CheckpointContext(
         step=step,
         library_version=__version__,
         created=created,
-        fingerprint=ds.fingerprint,
-        config=ds.config.to_dict(),
         topology=loader.topology,
         drop_last=loader.drop_last,
-        workers_build=loader.tracker.workers_build,
-        source=loader.dataset.source.describe(),
+        workers_build=loader.workers_build,
     )

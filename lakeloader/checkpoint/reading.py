@@ -9,14 +9,9 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from lakeloader.checkpoint.folders import CheckpointFolders
-from lakeloader.checkpoint.kind_record import (
-    KindCheckpoint,
-    KindRecord,
-    record_kind,
-    verify_manifests,
-)
 from lakeloader.checkpoint.layout import (
     COMMIT_FILE,
+    ROOT,
     STATE_FILE,
     Checkpoint,
     CommitRecord,
@@ -27,12 +22,16 @@ from lakeloader.checkpoint.whole import check_parts, read_training
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.io.fetch import url_of
 from lakeloader.lake.manifest import from_manifest, unpack_manifest
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.state.loader_state import LoaderState
 
 C = TypeVar("C")
 
 
-def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindCheckpoint:
+def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
     """Read and verify one checkpoint: its state, manifests and every part ``COMMIT`` lists.
+
+    Records of every version read alike (see :meth:`StateRecord.from_bytes`).
 
     Raises:
         CheckpointError: If it is missing, incomplete, truncated or corrupt.
@@ -48,27 +47,12 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindC
                 f"..., its COMMIT says {marker.state_bytes} bytes, "
                 f"{marker.state_sha256[:12]}...: truncated or overwritten"
             )
-        if record_kind(payload) is not None:
-            kind = KindRecord.from_bytes(payload)
-            verify_manifests(kind, lambda rel: store.cat(folders.path(rel)))
-            check_parts(store, folder, marker.parts)
-            return KindCheckpoint(
-                step, folder, kind, len(payload), read_training(store, folder, marker.parts)
-            )
-        record = StateRecord.from_bytes(payload)
-        manifest_bytes = store.cat(folders.path(marker.manifest))
-        if sha256(manifest_bytes) != marker.manifest_sha256:
-            raise CheckpointError(
-                f"manifest {marker.manifest} does not match the SHA-256 its COMMIT "
-                "records: torn or overwritten"
-            )
-        manifest = unpack_manifest(manifest_bytes)
-        snapshot = from_manifest(manifest, record.loader.config.get("columns"))
-        if snapshot.fingerprint != record.loader.fingerprint:
-            raise CheckpointError(
-                f"its state refers to snapshot {record.loader.fingerprint} but its manifest "
-                f"{marker.manifest} describes {snapshot.fingerprint}"
-            )
+        record = StateRecord.from_bytes(payload, (marker.manifest, marker.manifest_sha256))
+        manifests = {
+            leaf: _manifest(folders, leaf, rel, digest)
+            for leaf, (rel, digest) in record.manifests.items()
+        }
+        lake = _lake(record, manifests)
         check_parts(store, folder, marker.parts)
         training = read_training(store, folder, marker.parts)
     except FileNotFoundError as exc:
@@ -79,14 +63,53 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint | KindC
     return Checkpoint(
         step,
         folder,
-        record.loader,
+        dict(record.state),
         record.context,
         record.extra,
-        snapshot,
-        manifest,
+        manifests,
+        record.sources,
         len(payload),
         training,
+        lake,
     )
+
+
+def _manifest(folders: CheckpointFolders, leaf: str, rel: str, digest: str) -> dict[str, Any]:
+    """A leaf's manifest, checked against the SHA-256 that the record holds.
+
+    Raises:
+        CheckpointError: Naming the manifest (and its leaf) that is missing or differs.
+    """
+    name = f"manifest {rel}" + (f" of {leaf!r}" if leaf else "")
+    try:
+        data = folders.store.cat(folders.path(rel))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{name} is missing") from exc
+    if sha256(data) != digest:
+        raise CheckpointError(
+            f"{name} does not match the SHA-256 its checkpoint records: torn or overwritten"
+        )
+    return unpack_manifest(data)
+
+
+def _lake(record: StateRecord, manifests: dict[str, dict[str, Any]]) -> Snapshot | None:
+    """The snapshot of a loader over one lake, which its state must refer to (else None).
+
+    Raises:
+        CheckpointError: If the state and the manifest describe different snapshots.
+        StateFormatError: If the state is not a lake's, or the manifest is malformed.
+    """
+    manifest = manifests.get(ROOT)
+    if manifest is None:
+        return None
+    state = LoaderState.from_dict(dict(record.state))
+    snapshot = from_manifest(manifest, state.config.get("columns"))
+    if snapshot.fingerprint != state.fingerprint:
+        raise CheckpointError(
+            f"its state refers to snapshot {state.fingerprint} but its manifest "
+            f"{record.manifests[ROOT][0]} describes {snapshot.fingerprint}"
+        )
+    return snapshot
 
 
 def newest_usable(read: Callable[[int], C], steps: list[int], url: str) -> tuple[C, list[str]]:
@@ -115,10 +138,10 @@ def newest_usable(read: Callable[[int], C], steps: list[int], url: str) -> tuple
 
 
 def agreed_checkpoint(
-    newest: Callable[[int | None], Checkpoint | KindCheckpoint],
-    read: Callable[[int], Checkpoint | KindCheckpoint],
+    newest: Callable[[int | None], Checkpoint],
+    read: Callable[[int], Checkpoint],
     step: int | None,
-) -> Checkpoint | KindCheckpoint:
+) -> Checkpoint:
     """Rank 0's choice of checkpoint, read on every rank.
 
     Rank 0 alone walks the checkpoints (``newest``); its choice, or its error, goes to every
@@ -130,7 +153,7 @@ def agreed_checkpoint(
     if not (dist.is_available() and dist.is_initialized()):
         return newest(step)
     chosen: list[Any] = [None]
-    mine: Checkpoint | KindCheckpoint | None = None
+    mine: Checkpoint | None = None
     if dist.get_rank() == 0:
         try:
             mine = newest(step)

@@ -16,7 +16,6 @@ import numpy as np
 
 from lakeloader.audit.history import AuditReport, Span, audit
 from lakeloader.audit.ledger import LEDGER_DIR, read_entries
-from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.checkpoints import find_checkpoint, open_manager
@@ -92,9 +91,7 @@ def _no_entries(manager: CheckpointManager, url: str, torn: list[str]) -> str:
     )
 
 
-def _plain(
-    report: AuditReport, torn: list[str], ckpt: Checkpoint | KindCheckpoint
-) -> dict[str, Any]:
+def _plain(report: AuditReport, torn: list[str], ckpt: Checkpoint) -> dict[str, Any]:
     epochs = []
     for e in report.epochs:
         d = dataclasses.asdict(e)
@@ -103,7 +100,7 @@ def _plain(
         d["ok"] = e.ok
         d["located"] = (
             _locate(ckpt, e.epoch, e.num_rows, e.missing + e.doubled)
-            if isinstance(ckpt, Checkpoint) and not e.ok
+            if ckpt.lake is not None and not e.ok
             else []
         )
         epochs.append(d)
@@ -126,9 +123,8 @@ def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]
 
     Only when the epoch ran on the checkpoint's snapshot (the same number of rows).
     """
-    state = dataclasses.replace(ckpt.state, epoch=epoch)
     try:
-        plan = rebuild_plan(dataclasses.replace(ckpt, state=state))
+        plan = rebuild_plan(ckpt, epoch)
     except CheckpointError:
         return []
     if plan.num_rows != num_rows:
@@ -143,7 +139,7 @@ def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]
         ):
             f = files[int(plan.units.file_index[unit])]
             rg = int(plan.units.row_group[unit])
-            where = lake_url(ckpt.context.source, f.path)
+            where = lake_url(ckpt.source, f.path)
             out.append(f"position {slot}: {where} row group {rg} row {offset}")
     return out
 

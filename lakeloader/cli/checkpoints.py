@@ -13,7 +13,6 @@ import dataclasses
 import posixpath
 from typing import Any
 
-from lakeloader.checkpoint.kind_record import KindCheckpoint
 from lakeloader.checkpoint.layout import STEP_DIR_RE, Checkpoint, split_checkpoint_path
 from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.checkpoint.reading import newest_usable
@@ -41,7 +40,7 @@ class Found:
         skipped: One line per newer checkpoint passed over as damaged.
     """
 
-    checkpoint: Checkpoint | KindCheckpoint
+    checkpoint: Checkpoint
     steps: list[int]
     skipped: list[str]
 

@@ -35,8 +35,8 @@ _CONSUMED, _REMAINING, _DROPPED = 0, 1, 2
 _CATEGORIES = ("consumed", "remaining", "dropped")
 
 
-def rebuild_plan(ckpt: Checkpoint) -> EpochPlan:
-    """The plan of the saved epoch, from the manifest and the saved configuration only.
+def rebuild_plan(ckpt: Checkpoint, epoch: int | None = None) -> EpochPlan:
+    """The plan of the saved epoch (or ``epoch``), from the manifest and the saved config only.
 
     Raises:
         CheckpointError: If the state does not belong to the pinned snapshot.
@@ -51,7 +51,7 @@ def rebuild_plan(ckpt: Checkpoint) -> EpochPlan:
     plan = plan_epoch(
         units,
         seed=int(cfg["seed"]),
-        epoch=state.epoch,
+        epoch=state.epoch if epoch is None else epoch,
         shuffle=bool(cfg["shuffle"]),
         num_partitions=int(cfg["num_partitions"]),
         window=int(cfg["window"]),
@@ -176,7 +176,8 @@ def inspect_checkpoint(
         CheckpointError: If the state and its manifest disagree.
     """
     state, ctx, plan = ckpt.state, ckpt.context, rebuild_plan(ckpt)
-    topo = topology or ctx.topology
+    saved = saved_topology(ckpt)
+    topo = topology or saved
     drop = ctx.drop_last if drop_last is None else drop_last
     tracker = ReaderStateTracker.standing_at(
         state, topo, drop_last=drop, workers_build=ctx.workers_build
@@ -192,7 +193,7 @@ def inspect_checkpoint(
         "steps_available": steps_available,
         "created": ctx.created or None,
         "library_version": ctx.library_version or None,
-        "source": ctx.source,
+        "source": ckpt.source,
         "state_bytes": ckpt.nbytes,
         "fingerprint": state.fingerprint,
         "config": state.config,
@@ -219,7 +220,7 @@ def inspect_checkpoint(
         "finished": view.steps_remaining == 0,
         "steps_remaining": view.steps_remaining,
         "step_in_epoch": g // topo.global_batch if g % topo.global_batch == 0 else None,
-        "topology_saved": _topology_dict(ctx.topology, ctx.drop_last),
+        "topology_saved": _topology_dict(saved, ctx.drop_last),
         "topology": _topology_dict(topo, drop),
         "workers_build": ctx.workers_build,
         "ranks": [{**rank_dict(r), "steps_remaining": view.steps_remaining} for r in view.ranks],
@@ -230,10 +231,22 @@ def inspect_checkpoint(
         info["ranges"] = row_ranges(plan, ckpt.snapshot, g, deliver_stop)
     for entry in [*info["ranks"], *info["workers"], *info.get("ranges", [])]:
         if entry["file"] is not None:
-            entry["file"] = lake_url(ctx.source, entry["file"])
+            entry["file"] = lake_url(ckpt.source, entry["file"])
     for entry in info["quarantine"]:
-        entry["path"] = lake_url(ctx.source, entry["path"])
+        entry["path"] = lake_url(ckpt.source, entry["path"])
     return info
+
+
+def saved_topology(ckpt: Checkpoint) -> Topology:
+    """The topology a checkpoint was saved under.
+
+    Raises:
+        CheckpointError: If it records none (a Mixture's or a packed loader's checkpoint
+            written before record version 2).
+    """
+    if ckpt.context.topology is None:
+        raise CheckpointError(f"{ckpt.path} records no topology (written by lakeloader < 0.2)")
+    return ckpt.context.topology
 
 
 def lake_url(source: str | list[str], path: str) -> str:

@@ -54,7 +54,7 @@ def _lag(
 ) -> dict[str, int]:
     """Files and rows appended after an increment (the increments that would follow it)."""
     source: Growing
-    where = ckpt.context.source
+    where = ckpt.source
     if ckpt.snapshot.table is not None and ckpt.snapshot.table.format == "delta":
         options = tuple(sorted(delta_options(storage_options).items()))
         source = DeltaSource(ckpt.snapshot.table.location, None, options)

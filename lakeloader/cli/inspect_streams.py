@@ -10,36 +10,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from lakeloader.checkpoint.kind_record import KindCheckpoint
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.order.mixture import MixWeights
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.packed_state import PackedMixtureState, PackedState
 
 
-def inspect_kind(ckpt: KindCheckpoint, steps_available: list[int]) -> dict[str, Any]:
-    """The report's data (what ``--json`` prints), by the loader's kind."""
+def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]:
+    """The report's data (what ``--json`` prints), by the kind of the saved state."""
+    kind, state = ckpt.state_dict.get("kind"), ckpt.state_dict
     head = {
-        "kind": ckpt.kind,
+        "kind": kind,
         "path": ckpt.path,
         "step": ckpt.step,
         "steps_available": steps_available,
-        "created": ckpt.record.created,
-        "library_version": ckpt.record.library_version,
+        "created": ckpt.context.created,
+        "library_version": ckpt.context.library_version,
         "state_bytes": ckpt.nbytes,
         "extra_type": type(ckpt.extra).__name__,
     }
-    if ckpt.kind == "packed":
-        return {**head, **_packed(PackedState.from_dict(ckpt.record.state), ckpt)}
-    if ckpt.kind == "packed-mixture":
-        both = PackedMixtureState.from_dict(ckpt.record.state)
+    if kind == "packed":
+        return {**head, **_packed(PackedState.from_dict(state), ckpt)}
+    if kind == "packed-mixture":
+        both = PackedMixtureState.from_dict(state)
         mixture = _mixture(both.mixture, ckpt)
         partitions = {n: _packed(s, ckpt) for n, s in both.sources.items()}
         return {**head, **mixture, "rounds": True, "packed": partitions}
-    return {**head, **_mixture(MixtureState.from_dict(ckpt.record.state), ckpt)}
+    return {**head, **_mixture(MixtureState.from_dict(state), ckpt)}
 
 
-def _packed(state: PackedState, ckpt: KindCheckpoint) -> dict[str, Any]:
+def _packed(state: PackedState, ckpt: Checkpoint) -> dict[str, Any]:
     partitions = [
         {
             "partition": p,
@@ -58,13 +59,12 @@ def _packed(state: PackedState, ckpt: KindCheckpoint) -> dict[str, Any]:
         "tokens": sum(x["tokens"] for x in partitions),
         "padding": sum(x["padding"] for x in partitions),
         "partitions": partitions,
-        "lake": ckpt.record.sources.get("lake"),
+        "lake": ckpt.sources.get("lake"),
     }
 
 
-def _mixture(state: MixtureState, ckpt: KindCheckpoint) -> dict[str, Any]:
+def _mixture(state: MixtureState, ckpt: Checkpoint) -> dict[str, Any]:
     """Realised shares are over the whole run (slots, or rounds, drawn from each source / all)."""
-    record = ckpt.record
     weights = MixWeights.of(state.history[-1].weights)
     shares = dict(zip(weights.names, weights.shares, strict=True))
     drawn = sum(state.counts.values())
@@ -85,7 +85,7 @@ def _mixture(state: MixtureState, ckpt: KindCheckpoint) -> dict[str, Any]:
                 "rows_consumed": consumed,
                 "rows_remaining": rows - consumed if rows and consumed is not None else None,
                 "fingerprint": state.sources[name].fingerprint if name in state.sources else None,
-                "url": record.sources.get(name),
+                "url": ckpt.sources.get(name),
             }
         )
     return {

@@ -184,9 +184,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from lakeloader.checkpoint.kind_record import KindCheckpoint
     from lakeloader.cli.checkpoints import open_checkpoint
-    from lakeloader.cli.inspect import inspect_checkpoint, render_text
+    from lakeloader.cli.inspect import inspect_checkpoint, render_text, saved_topology
     from lakeloader.cli.inspect_follow import lake_details, render_details
     from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
     from lakeloader.cli.inspect_training import render_training, training_details
@@ -201,7 +200,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     found = open_checkpoint(args.checkpoint, args.step, options, retry)
     ckpt, steps = found.checkpoint, found.steps
     _warn_skipped(args.command, found.skipped)
-    if isinstance(ckpt, KindCheckpoint):  # per source or partition: no topology to map onto
+    if ckpt.lake is None:  # per source or partition: no topology to map onto
         report = inspect_kind(ckpt, steps)
         report["training"] = training_details(ckpt.training)
         report["skipped_damaged"] = found.skipped
@@ -209,7 +208,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         _emit(to_json(report) if args.json else text)
         return 0
     given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
-    topology = dataclasses.replace(ckpt.context.topology, **given)
+    topology = dataclasses.replace(saved_topology(ckpt), **given)
     info = inspect_checkpoint(
         ckpt,
         topology=topology,

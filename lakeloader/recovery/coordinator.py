@@ -143,7 +143,7 @@ class RecoveryCoordinator:
                 "pyarrow expression as filter= (an expression is not stored, only its text)"
             )
         source, kwargs["storage_options"] = checkpoint_source(
-            ckpt.context.source, ckpt.snapshot.table, kwargs.get("storage_options")
+            ckpt.source, ckpt.snapshot.table, kwargs.get("storage_options")
         )
         pinned = LakeDataset(source, snapshot=ckpt.snapshot, **kwargs)
         diff = check_files(pinned.fs, pinned.snapshot.files)
