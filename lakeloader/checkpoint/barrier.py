@@ -20,7 +20,7 @@ from lakeloader.state.quarantine import QuarantineEntry
 
 
 class Position(Protocol):
-    """Where a loader stands: a single lake's ``LoaderState``, or a mixture's state."""
+    """Where a loader stands (its ``barrier_position()``: a lake's, a mixture's, a packed one's)."""
 
     @property
     def fingerprint(self) -> str:
