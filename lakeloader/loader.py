@@ -17,7 +17,6 @@ import torch
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
-from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import PartitionWarning as PartitionWarning  # its home before errors
 from lakeloader.io.reader import UnitReader
@@ -41,7 +40,7 @@ from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
-from lakeloader.pipeline.workspace import PassSpec
+from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.topology import Topology
@@ -282,22 +281,22 @@ class DataLoader(TorchNames, LakePosition):
             warn_cpu_contention(self.num_workers)
         res = self._res
         unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
-        ds = self.dataset
-        spec = PassSpec(
-            plan=ds.plan(self.tracker.epoch),
-            start=self.tracker.position,
-            options=self.options,
-            topology=self.topology,
-            screening=Screening(ds.on_error, ds.validate, self.tracker.quarantine + ds.lost),
-            layout=self._row_layout,
-            recipe=self._recipe(),
+        leaf = Leaf(self.dataset, self._reader, tuple(self.tracker.quarantine), self._recipe())
+        stores = Stores(
+            [leaf],
+            self.options,
+            self.topology,
+            unit_dir,
+            pool,
+            self._row_layout,
+            not self.tracker.workers_build,
         )
         it = EpochIterator(
-            spec,
-            self._reader,
+            stores,
+            self.tracker.epoch,
+            self.tracker.position,
             self.tracker,
             pool,
-            unit_dir,
             functools.partial(res.pass_ended, self.options.persistent_workers),
             owner=self,
         )

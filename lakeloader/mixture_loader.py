@@ -22,8 +22,9 @@ from lakeloader.loader_position import StatePosition
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.mixing import MixtureIterator
+from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
-from lakeloader.pipeline.source_passes import SourcePasses
+from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.quarantine import QuarantineEntry
@@ -128,12 +129,20 @@ class MixtureLoader(StatePosition, DataLoader):
         state, size = self._state, self.global_batch_size
         cursor = MixCursor(state.slot, state.counts)
         sources = res.take_carried()
-        if not isinstance(sources, SourcePasses) or sources.at != cursor:
+        if not isinstance(sources, Stores) or sources.at != cursor:
             if sources is not None:
                 sources.close()
             unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
             pool = self._ensure_pool() if self.num_workers else None
-            sources = SourcePasses(self.mixture, self.options, self._readers, unit_dir, pool)
+            sources = Stores(
+                self._leaves(),
+                self.options,
+                Topology(1, 0, 0, self.batch_size),
+                unit_dir,
+                pool,
+                RowLayout.of(self._readers[0].schema),
+                workers_decode=True,
+            )
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
             self.mixture,
@@ -148,6 +157,14 @@ class MixtureLoader(StatePosition, DataLoader):
         )
         res.iterator = it
         return it
+
+    def _leaves(self) -> list[Leaf]:
+        """Each source's lake and reader, in the order of the mixture's names."""
+        sources = [self.mixture.sources[n] for n in self.mixture.names]
+        return [
+            Leaf(ds, r, (), BatchRecipe(lists=ds.list_format))
+            for ds, r in zip(sources, self._readers, strict=True)
+        ]
 
     def _worker_setup(self) -> WorkerSetup:
         """Workers that decode every source's units, packed as one arena's rows."""

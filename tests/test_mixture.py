@@ -200,7 +200,7 @@ def test_the_next_pass_goes_on_with_the_row_groups_decoded_by_the_last(lakes: Pa
     for _ in range(6):
         ids += [i for batch in loader for i in batch["id"].tolist()]
     folder = Path(loader._res.unit_dir or "")
-    assert list(folder.glob("mixture-*")), "the open sources are kept between passes"
+    assert list(folder.glob("pass-*")), "the open sources are kept between passes"
     assert loader.stats()["cache_bytes"] > 0, "and what they hold is counted"
     touched = set()
     for name, drawn in per_source(ids).items():

@@ -16,20 +16,21 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.cache.arena import Arena
 from lakeloader.cache.decode import Held, UnitRef
 from lakeloader.cache.packed import gather_packed
 from lakeloader.cache.screening import Screened, screen
-from lakeloader.cache.store import UnitOpener
+from lakeloader.cache.store import UnitOpener, UnitStore
 from lakeloader.cache.views import views_array
 from lakeloader.order.batches import BatchSpec, share_slots
 from lakeloader.pipeline.collate import empty_like, gather_columns, python_values
 from lakeloader.pipeline.recipe import COLLATED, Payload, build_payload
-from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.randomness import slot_seeds
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.workers.dispatch import BUILD, Dispatcher
@@ -45,16 +46,27 @@ _NO_SEEDS: Final = np.zeros(0, dtype=np.uint64)
 Skipped = tuple[tuple[QuarantineEntry, ...], int]
 
 
+class Space(Protocol):
+    """Where a pass's units are: a :class:`~lakeloader.pipeline.stores.Store`."""
+
+    dir: str
+    store: UnitStore
+    arena: Arena | None
+
+    def records(self) -> np.ndarray | None:
+        """The arena's rows now, or None."""
+
+
 class LocalBuilder:
     """Builds batches in the loader's process.
 
     Args:
         spec: The pass.
-        space: Its workspace.
+        space: Its store.
         schema: The batch's columns.
     """
 
-    def __init__(self, spec: PassSpec, space: PassWorkspace, schema: pa.Schema) -> None:
+    def __init__(self, spec: PassSpec, space: Space, schema: pa.Schema) -> None:
         self._spec = spec
         self._space = space
         self._schema = schema
@@ -171,25 +183,27 @@ class WorkerBuilder:
 
     Args:
         spec: The pass.
-        space: Its workspace (the loader's threads decode into its store).
+        space: Its store (the loader's threads decode into it).
         local: Screens steps (in this process, so that quarantine is decided in one place).
         pool: The workers.
+        generation: The pass's generation of the pool.
         planned: The step of a given index, once planned (None before).
     """
 
     def __init__(
         self,
         spec: PassSpec,
-        space: PassWorkspace,
+        space: Space,
         local: LocalBuilder,
         pool: WorkerPool,
+        generation: int,
         planned: Callable[[int], BatchSpec | None],
     ) -> None:
         self._spec = spec
         self._space = space
         self._local = local
         self._planned = planned
-        self._generation = space.generation
+        self._generation = generation
         self._ahead = spec.options.num_workers * max(1, spec.options.prefetch_factor)
         self._dispatcher = Dispatcher(pool, BUILD, 1, spec.options.prefetch_factor, self._describe)
         self._futures: dict[int, Future[Any]] = {}

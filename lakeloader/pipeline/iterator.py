@@ -11,6 +11,7 @@ position move.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -19,10 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final
 
-import pyarrow as pa
-
 from lakeloader.errors import CacheBudgetWarning
-from lakeloader.io.reader import UnitReader
 from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
@@ -30,7 +28,7 @@ from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
-from lakeloader.pipeline.workspace import PassSpec, PassWorkspace
+from lakeloader.pipeline.stores import Stores
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 from lakeloader.units import human_bytes
 from lakeloader.workers.pool import WorkerPool
@@ -45,11 +43,11 @@ class EpochIterator:
     """Iterator over one rank's batches of one epoch (see the module docstring).
 
     Args:
-        spec: The pass.
-        reader: Reads units (its counters are the loader's).
+        stores: The pass's stores, of one leaf: the lake.
+        epoch: The epoch.
+        start: The global slot the pass starts at (the position G).
         tracker: Told of each batch as it is handed over.
         pool: The workers, or None (everything in this process).
-        unit_dir: The loader's folder for decoded units.
         on_finish: Called once when the pass ends (or is closed).
         owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
 
@@ -60,15 +58,17 @@ class EpochIterator:
 
     def __init__(
         self,
-        spec: PassSpec,
-        reader: UnitReader,
+        stores: Stores,
+        epoch: int,
+        start: int,
         tracker: ReaderStateTracker,
         pool: WorkerPool | None,
-        unit_dir: str,
         on_finish: Callable[[], None],
         owner: object = None,
     ) -> None:
-        self.spec = spec
+        self._stores = stores
+        self._space = space = stores.get(0, epoch)
+        self.spec = spec = dataclasses.replace(space.spec, start=start)
         self._owner = owner
         self._tracker = tracker
         self._on_finish = on_finish
@@ -76,16 +76,16 @@ class EpochIterator:
         self.num_steps = steps_in_epoch(
             spec.start, spec.plan.num_rows, topo.global_batch, spec.options.drop_last
         )
-        self._space = PassWorkspace(spec, reader, pool, unit_dir)
-        schema: pa.Schema = reader.schema
-        self._local = LocalBuilder(spec, self._space, schema)
+        self._local = LocalBuilder(spec, space, stores.schema)
         self._planned: deque[BatchSpec] = deque()
         #: The chunk of steps after ``_planned`` (its first step), planned in the build thread.
         self._chunk: tuple[int, Future[list[BatchSpec]]] | None = None
         self._specs: dict[int, BatchSpec] = {}
         self._workers: WorkerBuilder | ThreadBuilder | None = None
-        if pool is not None and not self._space.workers_decode:
-            self._workers = WorkerBuilder(spec, self._space, self._local, pool, self._specs.get)
+        if pool is not None and stores.workers is None:
+            self._workers = WorkerBuilder(
+                spec, space, self._local, pool, stores.generation, self._specs.get
+            )
         elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._thread = self._workers if isinstance(self._workers, ThreadBuilder) else None
@@ -95,7 +95,7 @@ class EpochIterator:
         # An iterator dropped without close() (with its loader) still stops its threads; its
         # loader's LoaderResources has started the closing thread (cleanup.prepare).
         self._finalizer = weakref.finalize(
-            self, close_safely, _close_pass, self._workers, self._space
+            self, close_safely, _close_pass, self._workers, self._stores
         )
         self._budget_warned = False
 
@@ -163,8 +163,7 @@ class EpochIterator:
             self.close()
             raise StopIteration
         index = self._next_deliver
-        if self._space.remote is not None:
-            self._space.remote.reap()
+        self._stores.reap()
         self._plan_ahead()
         step = self._specs[index]
         if self._workers is not None:
@@ -229,14 +228,14 @@ class EpochIterator:
             return
         self._closed = True
         self._finalizer.detach()
-        _close_pass(self._workers, self._space, wait)
+        _close_pass(self._workers, self._stores, wait)
         self._on_finish()
 
 
 def _close_pass(
-    workers: WorkerBuilder | ThreadBuilder | None, space: PassWorkspace, wait: bool = False
+    workers: WorkerBuilder | ThreadBuilder | None, stores: Stores, wait: bool = False
 ) -> None:
     """Stop a pass's builders and decodes and delete its files."""
     if workers is not None:
         workers.close(wait)
-    space.close(wait)
+    stores.close(wait)

@@ -3,8 +3,8 @@
 Each global batch is drawn by the mixture's cursor (:mod:`lakeloader.order.mixture`); the
 rank's share is cut into parts, one per source and epoch of that source
 (:func:`~lakeloader.order.mixture.rank_parts`), and each part is a slot range of that epoch's
-order, which a :class:`~lakeloader.pipeline.source_passes.SourcePass` (a unit store and a
-builder over one epoch of one source) reads and builds like a single lake's step. The parts'
+order, which a :class:`~lakeloader.pipeline.stores.Store` (a unit store and a builder over one
+epoch of one source) reads and builds like a single lake's step. The parts'
 columns are laid out in slot order (:mod:`lakeloader.pipeline.merge`) with the source of each
 row, and only then made tensors. Steps are planned ahead in chunks, so that every source
 decodes ahead in its plan order. A source's pass is closed once all ranks are past its epoch;
@@ -30,7 +30,7 @@ from lakeloader.order.plan import EpochPlan, batch_runs, expand_runs
 from lakeloader.pipeline.builders import timed_out
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
-from lakeloader.pipeline.source_passes import SourcePasses
+from lakeloader.pipeline.stores import Stores
 from lakeloader.topology import Topology
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
@@ -89,7 +89,7 @@ class MixtureIterator:
         num_steps: Steps in this pass.
         topology: The loader's topology.
         options: The loader's options.
-        sources: The sources' passes: new, or left by a pass that ended at ``cursor``.
+        sources: The sources' stores: new, or left by a pass that ended at ``cursor``.
         delivered: Told the cursor after each batch handed over.
         ended: Told the sources' passes when this pass ended at its last step (they can go on);
             a pass ended otherwise closes them.
@@ -103,9 +103,9 @@ class MixtureIterator:
         num_steps: int,
         topology: Topology,
         options: LoaderOptions,
-        sources: SourcePasses,
+        sources: Stores,
         delivered: Callable[[MixCursor], None],
-        ended: Callable[[SourcePasses], None],
+        ended: Callable[[Stores], None],
     ) -> None:
         self._mixture, self._weights, self._topology = mixture, weights, topology
         self._options, self._sources = options, sources
@@ -119,6 +119,7 @@ class MixtureIterator:
         self._next_plan = self._next_deliver = 0
         self._schema = sources.schema
         sources.at = None  # under way
+        assert sources.layout is not None  # a mixture packs what it can
         self._layout, self._arena = sources.layout, sources.arena
         #: Every column packed into the arena: a step is one gather of rows planned ahead.
         self._fast = self._arena is not None and len(self._layout.names) == len(self._schema)
@@ -162,8 +163,8 @@ class MixtureIterator:
         for key in np.unique(keys).tolist():
             idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order
             pair = (int(table.source[idx[0]]), int(table.epoch[idx[0]]))
-            source_pass = self._sources.get(pair)
-            plan, store = source_pass.spec.plan, source_pass.space.store
+            source_pass = self._sources.get(*pair)
+            plan, store = source_pass.spec.plan, source_pass.store
             starts, stops = table.start[idx], table.stop[idx]
             specs: list[BatchSpec] | list[None]
             if rows is None:  # specs of all the parts at once: the builder screens each
@@ -217,21 +218,29 @@ class MixtureIterator:
         batch = finish_payload((COLUMNS, columns), self._lists)
         self._next_deliver += 1
         self._delivered(step.cursor)
-        self._sources.release(step.cursor)
+        self._release(step.cursor)
         if self._next_deliver >= self.num_steps:  # the sources go on: the next pass may take them
             self._closed = True
             self._sources.at = step.cursor
             self._ended(self._sources)
         return batch
 
+    def _release(self, cursor: MixCursor) -> None:
+        """Evict what ``cursor`` is past in every source epoch open; close those it is done with."""
+        names, rows = self._mixture.names, self._rows
+        for source, epoch in list(self._sources.open):
+            count = cursor.counts.get(names[source], 0)
+            consumed = min(max(count - epoch * rows[source], 0), rows[source])
+            self._sources.release(source, epoch, consumed)
+
     def _build(self, step: _Step) -> dict[str, Any]:
         """The step's columns in slot order: one gather when every column is packed."""
         if step.rows is not None and self._arena is not None:
             timeout, full, held = self._options.timeout or None, self._layout.names, []
             for part in step.parts:
-                source_pass = self._sources.passes[part.pair]
+                source_pass = self._sources.open[part.pair]
                 try:
-                    held += source_pass.space.store.get(part.positions, timeout)
+                    held += source_pass.store.get(part.positions, timeout)
                 except FutureTimeout:
                     raise timed_out(source_pass.spec, self._next_deliver) from None
             if all(isinstance(h, UnitRef) and (h.packed is full or h.packed == full) for h in held):
@@ -244,8 +253,8 @@ class MixtureIterator:
         dests = [part.dest for part in step.parts]
         screens = []
         for part in step.parts:
-            builder = self._sources.passes[part.pair].builder
-            spec = part.spec or _spec_of(self._sources.passes[part.pair].spec.plan, part)
+            builder = self._sources.open[part.pair].builder
+            spec = part.spec or _spec_of(self._sources.open[part.pair].spec.plan, part)
             screens.append((builder, builder.screened(spec)))
         columns: dict[str, Any] = {}
         done: tuple[str, ...] = ()

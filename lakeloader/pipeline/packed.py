@@ -10,9 +10,7 @@ it pads its last sample and goes on with the next epoch's rows. :class:`PackedIt
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +21,6 @@ import torch
 
 from lakeloader.cache.arrays import Ragged
 from lakeloader.cache.packed import RowLayout
-from lakeloader.cache.store import Screening
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
@@ -31,10 +28,8 @@ from lakeloader.order.batches import BatchSpec, partition_specs
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Block, cut_tokens, owned_partitions
 from lakeloader.packing import Packing
-from lakeloader.pipeline.builders import LocalBuilder
-from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe
-from lakeloader.pipeline.workspace import PassSpec, PassWorkspace, StoreDecodes, WorkerDecodes
+from lakeloader.pipeline.stores import Leaf, Store, Stores
 from lakeloader.state.packed_state import PartitionPosition
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
@@ -48,46 +43,24 @@ CUT_AHEAD: Final = 32
 
 
 class EpochReader:
-    """One epoch's unit store and builder, shared by a rank's partitions.
+    """One epoch's store, read by a rank's partitions in chunks.
 
     Args:
-        dataset: The dataset.
-        epoch: The epoch.
-        reader: Reads its units.
-        options: The loader's options.
-        unit_dir: The loader's folder for decoded units.
-        workers: The workers' decodes of this epoch's units, or None (this process's threads).
+        store: The epoch's store (its units decoded in the workers, or in threads).
     """
 
-    def __init__(
-        self,
-        dataset: LakeDataset,
-        epoch: int,
-        reader: UnitReader,
-        options: LoaderOptions,
-        unit_dir: str,
-        workers: StoreDecodes | None,
-    ) -> None:
-        self.plan = dataset.plan(epoch)
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.plan = store.spec.plan
         self.sizes = np.diff(self.plan.starts)
-        spec = PassSpec(
-            plan=self.plan,
-            start=0,
-            options=options,
-            topology=Topology(1, 0, 0, options.batch_size),
-            screening=Screening(dataset.on_error, dataset.validate, dataset.lost),
-            layout=RowLayout.of(reader.schema),
-            recipe=BatchRecipe(lists=dataset.list_format),
-        )
-        self.space = PassWorkspace(spec, reader, None, unit_dir, workers=workers)
-        self._builder = LocalBuilder(spec, self.space, reader.schema)
+        self._builder = store.builder
 
     def request(self, part: int, start: int, rows: int) -> BatchSpec:
         """Ask for rows ``[start, start + rows)`` of a partition (decoded ahead)."""
         (spec,) = partition_specs(
             self.plan, np.zeros(1, np.int64), np.array([part]), np.array([start]), np.array([rows])
         )
-        self.space.store.request(spec.positions)
+        self._store.store.request(spec.positions)
         return spec
 
     def tokens(self, spec: BatchSpec, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -108,11 +81,7 @@ class EpochReader:
 
     def release(self, consumed: int) -> None:
         """Evict units every partition of this rank is past (``consumed``: fewest rows read)."""
-        self.space.store.release(consumed * self.plan.num_partitions)
-
-    def close(self, wait: bool = False) -> None:
-        """Stop decoding; delete the epoch's units."""
-        self.space.close(wait)
+        self._store.store.release(consumed * self.plan.num_partitions)
 
 
 class PartitionStream:
@@ -331,22 +300,23 @@ class PackedIterator:
         self._k = rounds
         self._delivered = delivered
         self._readers: dict[tuple[int, int], EpochReader] = {}
-        self._workers = WorkerDecodes(pool, options) if pool is not None else None
+        self._stores = Stores(
+            [
+                Leaf(s.dataset, s.reader, (), BatchRecipe(lists=s.dataset.list_format))
+                for s in sources
+            ],
+            options,
+            Topology(1, 0, 0, options.batch_size),
+            unit_dir,
+            pool,
+            RowLayout.of(sources[0].reader.schema),
+            workers_decode=True,
+        )
         self._closed = False
-        self._finalizer = weakref.finalize(
-            self, close_safely, _close_readers, self._readers, self._workers
-        )
-        share = dataclasses.replace(
-            options, cache_bytes=max(options.cache_bytes // len(sources), 1)
-        )
 
         def reader_of(source: int, epoch: int) -> EpochReader:
             if (source, epoch) not in self._readers:
-                ds, reader = sources[source].dataset, sources[source].reader
-                workers = self._workers.channel(source) if self._workers is not None else None
-                self._readers[(source, epoch)] = EpochReader(
-                    ds, epoch, reader, share, unit_dir, workers
-                )
+                self._readers[(source, epoch)] = EpochReader(self._stores.get(source, epoch))
             return self._readers[(source, epoch)]
 
         C = sources[0].dataset.config.num_partitions
@@ -401,32 +371,21 @@ class PackedIterator:
             ]
             behind = [r for r in rows if r is not None]
             if not behind:
-                self._readers.pop((source, epoch)).close()
+                del self._readers[(source, epoch)]
+                self._stores.drop(source, epoch)
             else:
                 self._readers[(source, epoch)].release(min(behind))
 
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""
-        return sum(r.space.store.nbytes for r in self._readers.values())
+        return self._stores.held_bytes()
 
     def cache_peak_bytes(self) -> int:
         """Most bytes held at once by an epoch's store."""
-        return max((r.space.store.peak_bytes for r in self._readers.values()), default=0)
+        return self._stores.peak_bytes()
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
         """Stop decoding; drop every epoch's units (idempotent)."""
-        if self._closed:
-            return
         self._closed = True
-        self._finalizer.detach()
-        _close_readers(self._readers, self._workers, wait)
-
-
-def _close_readers(
-    readers: dict[tuple[int, int], EpochReader], workers: WorkerDecodes | None, wait: bool = False
-) -> None:
-    for reader in readers.values():
-        reader.close(wait)
-    readers.clear()
-    if workers is not None:
-        workers.close(wait)
+        self._readers.clear()
+        self._stores.close(wait)

@@ -1,33 +1,27 @@
-"""What one pass holds: its folder, the arena, who decodes, and the unit store.
+"""What a pass is (:class:`PassSpec`), and its decodes in the DataLoader's workers.
 
-A :class:`PassWorkspace` is made as a pass starts and closed as it ends. Everything the pass
-shares with its workers lives in a folder of its own, deleted on close, so that decodes of an
-abandoned pass that a worker finishes late cannot touch the next pass's files. With workers,
-they decode (:class:`WorkerDecodes`, one dispatcher for every store a pass reads: a lake's
-epoch, a mixture's source epochs, a packed stream's epochs), except where they build a lake's
-batches; otherwise the loader's own threads do (:class:`~lakeloader.cache.decode.LocalDecodes`).
+:class:`WorkerDecodes` is one dispatcher of decode tasks for every unit store a pass reads (a
+lake's epoch, a mixture's source epochs, a packed stream's epochs; see
+:mod:`lakeloader.pipeline.stores`); :class:`StoreDecodes` is one store's share of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
 
 from lakeloader.cache.arena import Arena
-from lakeloader.cache.decode import DecodeJob, Decodes, Held, LocalDecodes, UnitDecoder
+from lakeloader.cache.decode import DecodeJob, Held
 from lakeloader.cache.packed import RowLayout
 from lakeloader.cache.store import Screening, UnitStore
-from lakeloader.io.fetch import is_local
-from lakeloader.io.prefetch import Pending, Prefetcher
-from lakeloader.io.reader import ReadCounters, UnitReader
+from lakeloader.io.prefetch import Pending
+from lakeloader.io.reader import ReadCounters
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import EpochPlan
 from lakeloader.pipeline.recipe import BatchRecipe
@@ -77,10 +71,11 @@ class WorkerDecodes:
     Args:
         pool: The workers (started).
         options: The loader's options (the byte budget, work per worker ahead).
+        generation: The pass's generation of the pool.
     """
 
-    def __init__(self, pool: WorkerPool, options: LoaderOptions) -> None:
-        self.generation = pool.new_generation()
+    def __init__(self, pool: WorkerPool, options: LoaderOptions, generation: int) -> None:
+        self.generation = generation
         self._stores: list[tuple[UnitStore, ReadCounters]] = []
         self._dispatcher = Dispatcher(
             pool,
@@ -177,96 +172,3 @@ class StoreDecodes:
         """
         for future in list(self._futures):
             future.cancel()
-
-
-class PassWorkspace:
-    """The folder, arena, decodes and unit store of one pass.
-
-    Args:
-        spec: The pass.
-        reader: Reads units (its counters are the loader's).
-        pool: The workers, or None. Of a pass of its own, they decode only on the default
-            tensor path (a layout with packed columns and no code of the user's); with a
-            transform, a collate_fn or a batch_transform they build batches instead, and the
-            loader's threads decode.
-        unit_dir: The loader's folder for decoded units.
-        arena: An arena shared with other passes (a mixture's sources), which this one
-            neither makes nor closes; None: its own, when it packs rows.
-        decode_pool: Threads that decode in this process, shared with other passes (a
-            mixture's sources); None: ``io_threads`` of its own.
-        workers: The workers' decodes of the pass this store is one of (a mixture's sources,
-            a packed stream's epochs), or None: of its own ``pool`` as above.
-    """
-
-    def __init__(
-        self,
-        spec: PassSpec,
-        reader: UnitReader,
-        pool: WorkerPool | None,
-        unit_dir: str,
-        arena: Arena | None = None,
-        decode_pool: ThreadPoolExecutor | None = None,
-        workers: StoreDecodes | None = None,
-    ) -> None:
-        opts, layout = spec.options, spec.layout
-        packs = layout is not None and bool(layout.names)
-        self.dir = tempfile.mkdtemp(prefix="pass-", dir=unit_dir)
-        self.arena: Arena | None = arena
-        self._owns_arena = arena is None
-        if packs and layout is not None and arena is None:
-            budget_rows = opts.cache_bytes // layout.row_bytes
-            self.arena = Arena(
-                self.dir, layout.record, min(budget_rows, ARENA_START_ROWS), budget_rows
-            )
-        self._own: WorkerDecodes | None = None
-        if workers is None and pool is not None and packs and not spec.recipe.user_code:
-            self._own = WorkerDecodes(pool, opts)
-            workers = self._own.channel(0)
-        #: The workers' decodes of this store, or None (the loader's threads decode).
-        self.remote = workers
-        if workers is not None:
-            self.generation = workers.generation
-        else:
-            self.generation = pool.new_generation() if pool is not None else 0
-        decodes: Decodes
-        if workers is not None:
-            decodes = workers
-        else:
-            decoder = UnitDecoder(reader, layout, spec.screening.on_error, spec.screening.validate)
-            decodes = LocalDecodes(
-                decoder, opts.io_threads, opts.cache_bytes, self.records, decode_pool
-            )
-        #: Whether the workers decode (else, with a pool, they build batches).
-        self.workers_decode = workers is not None
-        #: Fetches units ahead of their decode (None: a local lake, which pyarrow reads).
-        self.prefetcher: Prefetcher | None = None
-        if not is_local(reader.fs):
-            self.prefetcher = Prefetcher(reader, self.dir if self.workers_decode else None)
-        shares_tables = workers is not None or pool is not None
-        self.store = UnitStore(
-            reader,
-            spec.plan,
-            layout,
-            self.arena,
-            self.dir if shares_tables else None,
-            spec.screening.known,
-            decodes,
-            self.prefetcher,
-        )
-        if workers is not None:
-            workers.bind(self.store, reader.counters, self.arena)
-
-    def records(self) -> np.ndarray | None:
-        """The arena's rows now (it may have grown since the last call), or None."""
-        return self.arena.records if self.arena is not None else None
-
-    def close(self, wait: bool = True) -> None:
-        """Stop fetching and decoding, drop every unit and delete the pass's folder."""
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        self.store.close(wait)
-        if self._own is not None:
-            self._own.close(wait)
-        if self.arena is not None and self._owns_arena:
-            self.arena.close()
-        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,273 @@
+"""The unit stores of one pass: one per epoch of each lake it reads, and what they share.
+
+A pass reads epochs of one or more lakes (its *leaves*): a lake's pass reads one epoch of
+one lake; a mixture's pass reads each of its sources' epochs as the draw reaches them; a
+packed stream reads its partitions' epochs one after the other. Each epoch of a leaf is a
+:class:`Store` (a unit store over that epoch's plan, and a builder of its slot ranges), opened
+on first use. The stores of a pass share one folder (deleted on close, so that decodes of an
+abandoned pass that a worker finishes late cannot touch the next pass's files), one arena
+(the leaves read the same columns), one pool of decoding threads and, with workers, one
+dispatcher of decode tasks (:class:`~lakeloader.pipeline.workspace.WorkerDecodes`); the
+byte budget is split among the leaves. On the default tensor path the workers decode; with
+a transform, a collate_fn or a batch_transform over a lake they build batches instead, and the
+loader's threads decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.cache.arena import Arena
+from lakeloader.cache.decode import Decodes, LocalDecodes, UnitDecoder
+from lakeloader.cache.packed import RowLayout
+from lakeloader.cache.store import Screening, UnitStore
+from lakeloader.dataset import LakeDataset
+from lakeloader.io.fetch import is_local
+from lakeloader.io.prefetch import Prefetcher
+from lakeloader.io.reader import UnitReader
+from lakeloader.options import LoaderOptions
+from lakeloader.pipeline.builders import LocalBuilder
+from lakeloader.pipeline.cleanup import close_safely
+from lakeloader.pipeline.recipe import BatchRecipe
+from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, StoreDecodes, WorkerDecodes
+from lakeloader.signals import main_thread_only
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.topology import Topology
+from lakeloader.workers.pool import WorkerPool
+
+
+class Leaf(NamedTuple):
+    """A lake a pass reads.
+
+    Attributes:
+        dataset: The dataset (of the epochs the pass reads: a followed lake's increment).
+        reader: Reads its units (its counters are the loader's).
+        known: Units already quarantined (from the loaded state): skipped without reading.
+        recipe: How its rows become a batch.
+    """
+
+    dataset: LakeDataset
+    reader: UnitReader
+    known: tuple[QuarantineEntry, ...] = ()
+    recipe: BatchRecipe = BatchRecipe()
+
+
+class Store:
+    """One epoch of one leaf: its unit store, and a builder of its slot ranges.
+
+    Args:
+        spec: The epoch's pass.
+        reader: Reads its units.
+        folder: The pass's folder.
+        arena: The pass's arena (None when nothing is packed).
+        decodes: Who decodes its units: the workers' decodes of the pass, or threads.
+        shares_tables: Whether another process reads the columns that are not packed.
+    """
+
+    def __init__(
+        self,
+        spec: PassSpec,
+        reader: UnitReader,
+        folder: str,
+        arena: Arena | None,
+        decodes: Decodes,
+        shares_tables: bool,
+    ) -> None:
+        self.spec = spec
+        self.dir = tempfile.mkdtemp(prefix="epoch-", dir=folder)
+        self.arena = arena
+        #: The workers' decodes of this store, or None (the loader's threads decode).
+        self.remote = decodes if isinstance(decodes, StoreDecodes) else None
+        #: Fetches units ahead of their decode (None: a local lake, which pyarrow reads).
+        self.prefetcher: Prefetcher | None = None
+        if not is_local(reader.fs):
+            self.prefetcher = Prefetcher(reader, self.dir if self.remote is not None else None)
+        self.store = UnitStore(
+            reader,
+            spec.plan,
+            spec.layout,
+            arena,
+            self.dir if shares_tables else None,
+            spec.screening.known,
+            decodes,
+            self.prefetcher,
+        )
+        if self.remote is not None:
+            self.remote.bind(self.store, reader.counters, arena)
+        #: Screens its slot ranges and gathers the columns not in the arena.
+        self.builder = LocalBuilder(spec, self, reader.schema)
+
+    def records(self) -> np.ndarray | None:
+        """The arena's rows now (it may have grown since the last call), or None."""
+        return self.arena.records if self.arena is not None else None
+
+    def close(self, wait: bool = True) -> None:
+        """Stop fetching and decoding, drop every unit and delete the store's folder."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.store.close(wait)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Stores:
+    """The stores of one pass (see the module docstring).
+
+    Made by the loader for a pass; a mixture's pass that ends at its last step leaves them to
+    the next pass (:attr:`at`). Closed when the pass (or the loader) closes, or collected.
+
+    Args:
+        leaves: The lakes the pass reads.
+        options: The loader's options.
+        topology: The topology the stores' steps are cut for (a mixture's or a packed
+            stream's stores read slot ranges: one rank of one).
+        unit_dir: The loader's folder for decoded units.
+        pool: The DataLoader's workers, or None.
+        layout: How rows are packed into the arena (the same for every leaf), or None: rows
+            go to the user's code and nothing is packed.
+        workers_decode: Whether the workers decode (else, with a pool, they build batches).
+
+    Attributes:
+        generation: The pass's generation of the pool (answers of other passes are dropped).
+        arena: The arena (None when no column is packed).
+        at: Where a mixture stands when a pass ended at its last step with these stores: the
+            next pass may continue with them from there (None while a pass is under way).
+    """
+
+    def __init__(
+        self,
+        leaves: list[Leaf],
+        options: LoaderOptions,
+        topology: Topology,
+        unit_dir: str,
+        pool: WorkerPool | None,
+        layout: RowLayout | None,
+        workers_decode: bool,
+    ) -> None:
+        self.leaves, self.layout = leaves, layout
+        self._options, self._topology = options, topology
+        self.dir = tempfile.mkdtemp(prefix="pass-", dir=unit_dir)
+        self.arena: Arena | None = None
+        if layout is not None and layout.names:  # every leaf's packed rows in one arena
+            budget = max(options.cache_bytes // layout.row_bytes, 1)
+            self.arena = Arena(self.dir, layout.record, min(budget, ARENA_START_ROWS), budget)
+        self.workers: WorkerDecodes | None = None
+        self.generation = pool.new_generation() if pool is not None else 0
+        if pool is not None and workers_decode:
+            self.workers = WorkerDecodes(pool, options, self.generation)
+        self._shares_tables = pool is not None
+        self._threads = ThreadPoolExecutor(
+            max_workers=options.io_threads,
+            thread_name_prefix="lakeloader-io",
+            initializer=main_thread_only,
+        )
+        self.open: dict[tuple[int, int], Store] = {}
+        self.at: Any = None
+        self._closed = False
+        self._finalizer = weakref.finalize(
+            self, close_safely, _close, self.open, self.arena, self.dir, self._threads, self.workers
+        )
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The columns read (the same for every leaf)."""
+        return self.leaves[0].reader.schema
+
+    def get(self, leaf: int, epoch: int) -> Store:
+        """The store of ``epoch`` of ``leaf``, opened on first use."""
+        key = (leaf, epoch)
+        if key not in self.open:
+            ds, reader, known, recipe = self.leaves[leaf]
+            opts = self._options
+            budget = max(opts.cache_bytes // len(self.leaves), 1)
+            spec = PassSpec(
+                plan=ds.plan(epoch),
+                start=0,
+                options=dataclasses.replace(opts, cache_bytes=budget),
+                topology=self._topology,
+                screening=Screening(ds.on_error, ds.validate, known + ds.lost),
+                layout=self.layout,
+                recipe=recipe,
+            )
+            decodes: Decodes
+            if self.workers is not None:
+                decodes = self.workers.channel(leaf)
+            else:
+                decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
+                decodes = LocalDecodes(
+                    decoder, opts.io_threads, budget, self._records, self._threads
+                )
+            self.open[key] = Store(spec, reader, self.dir, self.arena, decodes, self._shares_tables)
+        return self.open[key]
+
+    def _records(self) -> np.ndarray | None:
+        return self.arena.records if self.arena is not None else None
+
+    def release(self, leaf: int, epoch: int, delivered: int) -> None:
+        """Evict what slot ``delivered`` of that epoch is past; close it once past its end."""
+        store = self.open.get((leaf, epoch))
+        if store is None:
+            return
+        if delivered >= store.spec.plan.num_rows:
+            self.drop(leaf, epoch)
+        else:
+            store.store.release(delivered)
+
+    def drop(self, leaf: int, epoch: int) -> None:
+        """Close the store of ``epoch`` of ``leaf`` (every partition of this rank is past it)."""
+        store = self.open.pop((leaf, epoch), None)
+        if store is not None:
+            store.close(wait=False)
+
+    def held_bytes(self) -> int:
+        """Bytes of decoded units held now."""
+        return sum(s.store.nbytes for s in self.open.values())
+
+    def peak_bytes(self) -> int:
+        """Most bytes held at once by one of the stores open."""
+        return max((s.store.peak_bytes for s in self.open.values()), default=0)
+
+    def reap(self) -> None:
+        """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
+        if self.workers is not None:
+            self.workers.reap()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def close(self, wait: bool = True) -> None:
+        """Stop decoding; drop every store's units; delete the folder (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        _close(self.open, self.arena, self.dir, self._threads, self.workers, wait)
+
+
+def _close(
+    stores: dict[tuple[int, int], Store],
+    arena: Arena | None,
+    folder: str,
+    threads: ThreadPoolExecutor,
+    workers: WorkerDecodes | None,
+    wait: bool = False,
+) -> None:
+    """Close every store, the decodes, threads and arena; delete the pass's folder."""
+    for store in stores.values():
+        store.close(wait)
+    stores.clear()
+    if workers is not None:
+        workers.close(wait)
+    threads.shutdown(wait=wait, cancel_futures=True)
+    if arena is not None:
+        arena.close()
+    shutil.rmtree(folder, ignore_errors=True)
