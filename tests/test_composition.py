@@ -1,0 +1,450 @@
+"""Issue 30's composition matrix: every pair of 17 features, exactly once and exact resume.
+
+A pair's scenario runs on the small lakes of ``tests/composition_cases.py``: ranks in lockstep
+for ``STEPS`` steps, a state (or a ``CheckpointManager`` checkpoint), a resume under another
+topology (world size and batch size; 0 -> 2 workers with ``workers``) on datasets made anew,
+then the rest of the epoch (a followed lake: until its appended files came; packing: every
+partition through epoch 0). Every expected row (every token, packed) must then have come
+once, quarantined rows not at all, and the sequence must be an uninterrupted one-rank run's
+(each partition's samples, packed), which must itself be exactly once. ``torchft`` is two
+replica groups of ``FaultTolerantLoader`` on a scripted quorum: a step of one participant, a
+step that does not commit, a group healing from its peer's state.
+
+The pairs that fail today carry the issue's words and the error they raise as a strict xfail:
+a change that fixes one must remove its entry from ``FAILING_TODAY``.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from contextlib import ExitStack, redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lakeloader as ll
+from lakeloader.cli.audit import run_audit
+from lakeloader.cli.main import main as cli
+from lakeloader.errors import CheckpointError
+from tests.composition_cases import (
+    EOS,
+    GLOBAL,
+    USER,
+    Collector,
+    Feats,
+    Lake,
+    Lakes,
+    Lighthouse,
+    Needs,
+    ScriptedQuorum,
+    allowed,
+    appended,
+    build_lake,
+    increments,
+    loader_kw,
+    logged_pids,
+    make_dataset,
+    partition_rows,
+    quarantined,
+    run_to_end,
+    sources,
+    tokens_of,
+)
+
+FEATURES = ("lake", "mixture", "packing", "follow", "filter", "delta", "workers", "transform",
+            "batch_transform", "collate_fn", "skip", "validate", "checkpoint_resize", "audit",
+            "torchft", "drop_last", "inspect")  # fmt: skip
+PAIRS = list(itertools.combinations(FEATURES, 2))
+
+_WORKERS = (
+    "no worker process starts (a log line says so); everything decodes in the training process"
+)
+_SKIP = 'refused (and `validate`\'s error then suggests `on_error="skip"`)'
+_AUDIT = "`attach` silently records nothing; `audit` then blames `ledger=False`"
+_FT_STATE = (
+    "not in the issue's table: the rows are right, but FaultTolerantLoader.state_dict() never "
+    "records the quarantine (always '[]'), so a group healing from it or a checkpoint of it "
+    "does not count the quarantined rows"
+)
+#: The pairs that fail today: issue 30's words and what they raise (AssertionError: a check
+#: of this file). A fixed pair leaves the dict.
+FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
+    **{
+        frozenset({shape, f}): (f"Mixture or Packing x {f}: {why}", error)
+        for shape in ("mixture", "packing")
+        for f, why, error in [
+            ("workers", _WORKERS, AssertionError),
+            ("transform", "refused", ValueError),
+            ("batch_transform", "refused", ValueError),
+            ("collate_fn", "refused", ValueError),
+            ("skip", _SKIP, ValueError),
+            ("validate", _SKIP, ValueError),
+            ("audit", _AUDIT, CheckpointError),
+            ("torchft", "refused", ValueError),
+        ]
+    },
+    frozenset({"mixture", "follow"}): (
+        "Mixture of `follow=` sources: follow silently ignored: appended rows never arrive, "
+        "increment 0 is replayed",
+        AssertionError,
+    ),
+    frozenset({"packing", "follow"}): ("Packing x `follow=`: refused", ValueError),
+    frozenset({"follow", "torchft"}): (
+        "Mixture, Packing or follow x `FaultTolerantLoader`: refused",
+        ValueError,
+    ),
+    **{
+        frozenset({"torchft", f}): (
+            "`FaultTolerantLoader` x `CheckpointManager.save`, `attach`, `inspect`: "
+            "`AttributeError`",
+            AttributeError,
+        )
+        for f in ("checkpoint_resize", "audit", "inspect")
+    },
+    frozenset({"torchft", "skip"}): (_FT_STATE, AssertionError),
+    frozenset({"torchft", "validate"}): (_FT_STATE, AssertionError),
+}
+#: Pairs measured at 3 s or more (``pytest --durations=0`` on 2 busy cores).
+SLOW: frozenset[frozenset[str]] = frozenset()
+
+STEPS = 5  # before the state is taken
+MANAGED = frozenset({"checkpoint_resize", "audit", "inspect"})
+#: What a reference run shares with a scenario: everything that decides the rows and order.
+ORDER = frozenset({"mixture", "packing", "delta", "filter", "skip", "validate", "follow",
+                   "drop_last"})  # fmt: skip
+#: torchft: who takes part in each step, and whether it commits; then both groups, the second
+#: healing from the first at the first of those steps.
+SCHEDULE = (("ab", True), ("ab", True), ("a", True), ("a", False))
+
+pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.errors.CpuContentionWarning")
+
+
+def _marks(a: str, b: str) -> list[pytest.MarkDecorator]:
+    pair = frozenset({a, b})
+    marks = [pytest.mark.slow] if pair in SLOW else []
+    if pair in FAILING_TODAY:
+        why, error = FAILING_TODAY[pair]
+        marks.append(pytest.mark.xfail(strict=True, raises=error, reason=f"issue 30: {why}"))
+    return marks
+
+
+@pytest.fixture(scope="module")
+def lakes(tmp_path_factory: pytest.TempPathFactory) -> Lakes:
+    root = tmp_path_factory.mktemp("composition")
+    return {
+        (name, table, damaged): build_lake(root / f"{name}-{table}-{damaged}", name, table, damaged)
+        for name in ("main", "code")
+        for table in ("folder", "delta")
+        for damaged in (False, True)
+    }
+
+
+# ------------------------------------------------------------------ running a scenario
+
+
+class Run:
+    """What a scenario gave, and what it ran on."""
+
+    def __init__(self, feats: Feats, srcs: dict[str, Lake]) -> None:
+        self.got = Collector(feats)
+        self.srcs = srcs  # the lakes, with their appended rows (follow)
+        self.states: list[dict[str, Any]] = []  # every state taken
+        self.verdict: str | None = None  # of lakeloader audit
+        self.log: str | None = None  # where the validator logs the pids that decoded
+        self.spans: list[int] = []  # torchft: global rows of each committed step
+
+
+def topologies(feats: Feats) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(world size, batch size) before and after: packed checkpoints saved in-process hold
+    rank 0's partitions only, so those are saved at one rank."""
+    if "packing" in feats and feats & MANAGED:
+        return (1, GLOBAL), (2, GLOBAL // 2)
+    return (2, GLOBAL // 2), (1, GLOBAL)
+
+
+def execute(feats: Feats, lakes: Lakes, tmp: Path) -> Run:
+    run = Run(feats, sources(feats, lakes, tmp))
+    got, root, (w1, b1), (w2, b2) = run.got, str(tmp / "ckpt"), *topologies(feats)
+    with ExitStack() as stack:
+        ds, kw = make_dataset(feats, run.srcs), loader_kw(feats, b1, False)
+        first = [ll.DataLoader(ds, rank=r, world_size=w1, **kw) for r in range(w1)]
+        its = [iter(stack.enter_context(x)) for x in first]
+        for step in range(STEPS):
+            got.add([next(it) for it in its])
+            if step == 1 and "follow" in feats:
+                run.srcs = appended(feats, run.srcs, 0)
+        run.states = [x.state_dict() for x in first]
+        if feats & MANAGED:
+            with ll.CheckpointManager(root) as ckpt:
+                ckpt.save(STEPS, first[0])
+            if "inspect" in feats:
+                check_inspect(root, run.states[0])
+        for x in first:
+            x.close()
+        if "follow" in feats:
+            run.srcs = appended(feats, run.srcs, 1)
+        got.pids.clear()
+        run.log = str(tmp / "decoded.log") if "workers" in feats else None
+        ds, kw = make_dataset(feats, run.srcs, run.log), loader_kw(feats, b2, run.log is not None)
+        second = [ll.DataLoader(ds, rank=r, world_size=w2, **kw) for r in range(w2)]
+        manager = stack.enter_context(ll.CheckpointManager(root)) if feats & MANAGED else None
+        state: Any = run.states if "packing" in feats else run.states[0]  # packed: every rank's
+        for x in second:
+            stack.enter_context(x)
+            if manager is not None:
+                manager.load(x)
+            else:
+                x.load_state_dict(state)
+        run_to_end([iter(x) for x in second], got, partition_rows(feats, lakes))
+        run.states += [x.state_dict() for x in second]
+        if manager is not None and "audit" in feats:
+            manager.save(len(got.batches), second[0])
+            manager.close()
+            run.verdict = run_audit(root, {})[0].verdict
+    return run
+
+
+def execute_ft(feats: Feats, lakes: Lakes, tmp: Path) -> Run:
+    run, light, root = Run(feats, sources(feats, lakes, tmp)), Lighthouse(), str(tmp / "ckpt")
+    run.log = str(tmp / "decoded.log") if "workers" in feats else None
+    ds, kw = make_dataset(feats, run.srcs, run.log), loader_kw(feats, 0, run.log is not None)
+    batch, _ = GLOBAL // 2, kw.pop("batch_size")
+    with ExitStack() as stack:
+
+        def group(step: int = 0) -> tuple[Any, ScriptedQuorum]:
+            quorum = ScriptedQuorum(light, step)
+            loader = ll.FaultTolerantLoader(ds, quorum, batch, **kw)  # type: ignore[arg-type]
+            stack.callback(loader.close)
+            return loader, quorum
+
+        groups, needs = {"a": group(), "b": group()}, partition_rows(feats, lakes)
+        for step in itertools.count():
+            if needs is not None and run.got.done(needs):  # packed streams are endless
+                break
+            who, commit = SCHEDULE[step] if step < len(SCHEDULE) else ("ab", True)
+            light.members = [groups[n][1] for n in who]
+            light.healing = {id(groups["b"][1])} if step == len(SCHEDULE) else set()
+            shares = [next(groups[n][0], None) for n in who]
+            if all(s is None for s in shares):
+                break
+            assert None not in shares, f"step {step}: the groups disagree on the epoch's end"
+            if commit:
+                run.got.add(shares)
+                run.spans.append(len(who) * batch)
+                for n in who:
+                    groups[n][1].step += 1
+            run.states += [groups[n][0].state_dict() for n in who]
+            if step == 2 and feats & MANAGED:  # a checkpoint, then every group starts anew
+                ckpt = stack.enter_context(ll.CheckpointManager(root))
+                ckpt.save(3, groups["a"][0])
+                if "inspect" in feats:
+                    check_inspect(root, groups["a"][0].state_dict())
+                groups = {n: group(3) for n in "ab"}
+                for loader, _ in groups.values():
+                    ckpt.load(loader)
+        if "audit" in feats:
+            ckpt.save(len(run.spans), groups["a"][0])
+            ckpt.close()
+            run.verdict = run_audit(root, {})[0].verdict
+    return run
+
+
+# ------------------------------------------------------------------ checks
+
+
+def walk(name: str, seq: list[int], epochs: list[frozenset[int]]) -> tuple[int, set[int]]:
+    """Cut one source's ids into its epochs, in order: each must be whole before the next
+    starts. Returns the epoch it ends in and that epoch's rows delivered."""
+    e, seen = 0, set[int]()
+    for n, i in enumerate(seq):
+        if i in seen or i not in epochs[e]:
+            missing = sorted(epochs[e] - seen)
+            assert not missing, (
+                f"{name}: row {i} ({n}th) {'again' if i in seen else 'is not'} in epoch {e}, "
+                f"which lacks {len(missing)} rows {missing[:6]}"
+            )
+            e, seen = e + 1, set()
+            assert e < len(epochs) and i in epochs[e], (
+                f"{name}: row {i} ({n}th) is of no epoch due; epoch {e - 1} was whole"
+                + (": increment 0 replayed" if e == 1 and len(epochs) == 2 else "")
+            )
+        seen.add(i)
+    return e, seen
+
+
+def check_rows(run: Run, feats: Feats) -> None:
+    """Every expected row once, epoch by epoch; quarantined rows and no other left out
+    (drop_last: less than a global batch, the rows dropped counted)."""
+    ids, short = run.got.ids, "drop_last" in feats
+    assert len(ids) == len(set(ids)) or "mixture" in feats, "a row came twice"
+    for name, lake in run.srcs.items():
+        epochs = increments(lake, name, feats)
+        e, seen = walk(name, [i for i in ids if (i >= 1000) == (name == "code")], epochs)
+        if "mixture" in feats:
+            continue  # a pass ends inside the sources' epochs
+        missing = epochs[-1] - seen
+        assert e == len(epochs) - 1 and (len(missing) < GLOBAL if short else not missing), (
+            f"epoch {e} of {len(epochs)} lacks {sorted(missing)}"
+        )
+        if short and not feats & {"follow", "torchft"}:  # followed: the tail is carried
+            slots = len([i for i in lake.ids if i % 3 or "filter" not in feats])
+            dropped = run.states[-1]["rows_dropped"]
+            assert dropped == slots % GLOBAL and len(missing) <= dropped, (dropped, missing)
+    if "mixture" in feats and not feats & {"skip", "validate", "torchft"}:
+        assert len(ids) == len(run.got.batches) * GLOBAL, "a mixture's batches are full"
+
+
+def check_packed(run: Run, feats: Feats, needs: Needs | None) -> None:
+    """Each (source, partition)'s first documents are its epoch-0 rows' tokens, in order;
+    every row's tokens once (a followed lake: the whole stream, which ended); padding and
+    eos aside."""
+    seen: list[int] = []
+    for key, samples in run.got.streams.items():
+        stream = np.stack(samples)
+        tokens = stream[:, 0][stream[:, 2] == 0]
+        cuts = np.flatnonzero(tokens == EOS)
+        docs = np.split(tokens, cuts + 1)
+        ids = [int(d[0] - 1) // 16 for d in docs[: len(cuts)]]
+        for i, d in zip(ids, docs, strict=False):
+            assert d[:-1].tolist() == tokens_of(i), f"{key}: row {i}'s document is {d.tolist()}"
+        want = needs[key] if needs is not None else ids
+        assert ids[: len(want)] == want, f"{key}: epoch 0's rows {ids[: len(want)]} != {want}"
+        assert needs is not None or len(docs[-1]) == 0, f"{key} ends inside a document"
+        seen += want
+    expected = set().union(*(allowed(lake, feats) for lake in run.srcs.values()))
+    assert Counter(seen) == Counter(expected), "not every row's tokens exactly once"
+
+
+def quarantine_found(state: Any) -> set[tuple[str, int]]:
+    """(file name, row group) of the quarantine entries anywhere in a state."""
+    if isinstance(state, list):
+        return set().union(set(), *(quarantine_found(x) for x in state))
+    if not isinstance(state, dict):
+        return set()
+    found = set()
+    for key, value in state.items():
+        if key == "quarantine":
+            entries = json.loads(value) if isinstance(value, str) else value
+            found |= {(Path(q["path"]).name, q["row_group"]) for q in entries}
+        else:
+            found |= quarantine_found(value)
+    return found
+
+
+def check_delivery(run: Run, feats: Feats, lakes: Lakes) -> None:
+    """Exactly once, and the quarantine in the states."""
+    if "packing" in feats:
+        check_packed(run, feats, partition_rows(feats, lakes))
+    else:
+        check_rows(run, feats)
+    if feats & {"skip", "validate"}:
+        want = set().union(*(quarantined(lake, feats) for lake in run.srcs.values()))
+        assert quarantine_found(run.states) == want, "the states' quarantine"
+
+
+def check_same_sequence(run: Run, ref: Collector, feats: Feats) -> None:
+    """The same ids in the same batches as the uninterrupted run (packing: each partition's
+    samples); under torchft, whose global batches change size, each committed step holds
+    its slots' rows (``ref`` then has a slot a step)."""
+    got = run.got
+    if "packing" in feats:  # torchft's steps change size: both are through epoch 0 by then
+        assert got.streams.keys() == ref.streams.keys()
+        for key, samples in got.streams.items():
+            mine, theirs = np.stack(samples), np.stack(ref.streams[key])
+            if "torchft" in feats:
+                mine, theirs = mine[: len(theirs)], theirs[: len(mine)]
+            assert np.array_equal(mine, theirs), key
+        return
+    if "torchft" in feats:
+        g = 0
+        for n, (span, ids) in enumerate(zip(run.spans, got.batches, strict=True)):
+            want = {i for slot in ref.batches[g : g + span] for i in slot}
+            assert set(ids) == want, f"committed step {n}, slots [{g}, {g + span}): {ids}"
+            g += span
+        return
+    first = next(
+        (n for n, (x, y) in enumerate(zip(got.ids, ref.ids, strict=False)) if x != y), None
+    )
+    assert got.ids == ref.ids, f"differs from the uninterrupted run at {first} of {len(ref.ids)}"
+
+
+def check_workers(run: Run, feats: Feats) -> None:
+    """Worker processes did the work: built the batches (user code), else decoded units."""
+    assert run.log is not None
+    pids = run.got.pids if any(f in feats for f in USER) else logged_pids(run.log)
+    assert pids and os.getpid() not in pids, (
+        f"decoded or built in the training process ({os.getpid()}): pids {sorted(pids)}"
+    )
+
+
+def check_inspect(root: str, state: dict[str, Any]) -> None:
+    """``lakeloader inspect``'s positions are the state's."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli(["inspect", root, "--json", "--no-lag"]) == 0
+    info = json.loads(out.getvalue())
+    if "partitions" in state:
+        fields = ("epoch", "row", "token_offset", "tokens", "padding")
+        rows = [[p[k] for k in fields] for p in info["partitions"]]
+        assert rows == [list(state["partitions"][k]) for k in sorted(state["partitions"], key=int)]
+    elif "slot" in state:
+        assert info["slot"] == state["slot"]
+        assert {s["source"]: s["drawn"] for s in info["sources"]} == state["counts"]
+    else:
+        got = (info["epoch"], info["position"], info["rows_dropped"])
+        assert got == (state["epoch"], state["position"], state["rows_dropped"])
+
+
+@pytest.fixture(scope="module")
+def references(
+    lakes: Lakes, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[Feats], tuple[Feats, Run]]:
+    """The uninterrupted run (one rank, 0 workers) of a scenario's order, once per order (a
+    torchft scenario's in batches of one row, slot by slot, unless packed)."""
+    cache: dict[Feats, Run] = {}
+    root = tmp_path_factory.mktemp("references")
+
+    def get(feats: Feats) -> tuple[Feats, Run]:
+        ft = "torchft" in feats and "packing" not in feats
+        key = (feats & (ORDER - {"drop_last"})) | {"torchft"} if ft else feats & ORDER
+        if key not in cache:
+            run = Run(key, sources(key, lakes, root / "-".join(sorted(key) or ["lake"])))
+            ds = make_dataset(key, run.srcs)
+            if "follow" in key:  # increment 0 is pinned: both appends make the next
+                run.srcs = appended(key, appended(key, run.srcs, 0), 1)
+            with ll.DataLoader(ds, **loader_kw(key, 1 if ft else GLOBAL, False)) as loader:
+                run_to_end([iter(loader)], run.got, partition_rows(key, lakes))
+                run.states = [loader.state_dict()]
+            cache[key] = run
+        return key, cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("a", "b"), [pytest.param(a, b, marks=_marks(a, b), id=f"{a}-{b}") for a, b in PAIRS]
+)
+def test_pair(
+    a: str,
+    b: str,
+    lakes: Lakes,
+    references: Callable[[Feats], tuple[Feats, Run]],
+    tmp_path: Path,
+) -> None:
+    feats = frozenset({a, b}) - {"lake"}
+    key, ref = references(feats)
+    check_delivery(ref, key, lakes)  # the uninterrupted run is exactly once too
+    run = (execute_ft if "torchft" in feats else execute)(feats, lakes, tmp_path)
+    check_delivery(run, feats, lakes)
+    check_same_sequence(run, ref.got, feats)
+    if "workers" in feats:
+        check_workers(run, feats)
+    if "audit" in feats:
+        assert run.verdict == "exactly once"
