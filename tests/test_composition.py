@@ -211,13 +211,14 @@ def execute(feats: Feats, lakes: Lakes, tmp: Path) -> Run:
 def execute_ft(feats: Feats, lakes: Lakes, tmp: Path) -> Run:
     run, light, root = Run(feats, sources(feats, lakes, tmp)), Lighthouse(), str(tmp / "ckpt")
     run.log = str(tmp / "decoded.log") if "workers" in feats else None
-    ds, kw = make_dataset(feats, run.srcs, run.log), loader_kw(feats, 0, run.log is not None)
-    batch, _ = GLOBAL // 2, kw.pop("batch_size")
+    ds: Any = make_dataset(feats, run.srcs, run.log)  # FaultTolerantLoader refuses a Mixture
+    kw = loader_kw(feats, GLOBAL // 2, run.log is not None)
+    batch = kw.pop("batch_size")  # a group's rows a step
     with ExitStack() as stack:
 
         def group(step: int = 0) -> tuple[Any, ScriptedQuorum]:
             quorum = ScriptedQuorum(light, step)
-            loader = ll.FaultTolerantLoader(ds, quorum, batch, **kw)  # type: ignore[arg-type]
+            loader = ll.FaultTolerantLoader(ds, quorum, batch, **kw)
             stack.callback(loader.close)
             return loader, quorum
 
