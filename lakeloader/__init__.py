@@ -38,15 +38,11 @@ from lakeloader.errors import (
     WorkerWarning,
 )
 from lakeloader.follow import Follow
-from lakeloader.follow_loader import FollowLoader
 from lakeloader.ft.loader import FaultTolerantLoader
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader
 from lakeloader.mixture import Mixture
-from lakeloader.mixture_loader import MixtureLoader
 from lakeloader.options import LoaderOptions
-from lakeloader.packed_loader import PackedLoader
-from lakeloader.packed_mixture_loader import PackedMixtureLoader
 from lakeloader.packing import Packing
 from lakeloader.preemption import Preemption
 from lakeloader.randomness import rng, row_rngs, row_seeds
@@ -61,7 +57,6 @@ __all__ = [
     "Checkpoint",
     "FaultTolerantLoader",
     "Follow",
-    "FollowLoader",
     "CheckpointError",
     "CheckpointManager",
     "ColumnNotFoundError",
@@ -77,10 +72,7 @@ __all__ = [
     "NullValuesError",
     "LoaderOptions",
     "Mixture",
-    "MixtureLoader",
     "Packing",
-    "PackedLoader",
-    "PackedMixtureLoader",
     "PartitionWarning",
     "ReaderStateTracker",
     "RecoveryCoordinator",

@@ -171,8 +171,8 @@ class LakeDataset:
     ) -> None:
         self.source: Source = as_source(source)
         columns = [columns] if isinstance(columns, str) else columns  # a name is one column
-        #: Token lists packed into fixed-length samples (``DataLoader`` is then a
-        #: ``PackedLoader``), or None.
+        #: Token lists packed into fixed-length samples (a ``DataLoader`` then hands out
+        #: samples: :mod:`lakeloader.nodes.packing`), or None.
         self.packing = packing
         self.storage_options = dict(storage_options or {})
         self.transform = transform

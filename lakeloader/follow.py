@@ -25,7 +25,7 @@ class Follow:
 
     With ``DataLoader(..., drop_last=True)`` an increment's rows that do not fill a last global
     batch are carried into the next increment, not dropped (see
-    :mod:`lakeloader.follow_loader`).
+    :mod:`lakeloader.nodes.lake`).
 
     Example:
         >>> Follow(poll_interval=0.5, timeout=60).on_rewrite

@@ -7,62 +7,47 @@ Each iteration is one epoch; ``state_dict()`` says how far the training loop got
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-from lakeloader.cache.decode import UnitDecoder
-from lakeloader.cache.packed import RowLayout
+from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import PartitionWarning as PartitionWarning  # its home before errors
-from lakeloader.io.reader import UnitReader
-from lakeloader.loader_args import (
-    TorchNames,
-    check_unsupported,
-    warn_cpu_contention,
-    warn_partitions,
-)
-from lakeloader.loader_position import LakePosition
+from lakeloader.loader_args import TorchNames, check_unsupported
 from lakeloader.mixture import Mixture
+from lakeloader.nodes import as_node
 from lakeloader.options import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_IO_THREADS,
     DEFAULT_PREFETCH_FACTOR,
     LoaderOptions,
 )
-from lakeloader.order.plan import steps_in_epoch
 from lakeloader.passes import Deferred, Endless
 from lakeloader.pipeline.collate import Collate
-from lakeloader.pipeline.iterator import EpochIterator
-from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
-from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.tracker import ReaderStateTracker
-from lakeloader.topology import Topology
+from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.workers.pool import WorkerPool
-from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
 
-#: The loader class of each other kind of dataset (its ``loader_kind``), registered by its
-#: module, which builds on this one: ``"mixture"`` (:mod:`lakeloader.mixture_loader`),
-#: ``"packed"`` (:mod:`lakeloader.packed_loader`).
-LOADER_FOR: dict[str, type[DataLoader]] = {}
 L = TypeVar("L", bound="DataLoader")
 
 
-class DataLoader(TorchNames, LakePosition):
+class DataLoader(TorchNames):
     """Streams batches of a :class:`LakeDataset`, deterministically and resumably.
 
     Args:
-        dataset: The lake, or a :class:`~lakeloader.Mixture` of lakes (the loader is then a
-            :class:`~lakeloader.mixture_loader.MixtureLoader`).
+        dataset: What to read: a :class:`LakeDataset` (followed or not, packed or not), or a
+            :class:`~lakeloader.Mixture` of lakes (see :mod:`lakeloader.nodes`).
         batch_size: Rows per batch on this rank (the global batch is ``world_size`` times it).
         shuffle: Must be None or equal the dataset's ``shuffle`` (the order is the dataset's).
         sampler: Not supported (the order is planned); must be None.
@@ -181,27 +166,27 @@ class DataLoader(TorchNames, LakePosition):
         )
         self._placement = (rank, world_size)
         self.topology  # noqa: B018  (explicit arguments are checked now)
-        self._coordinator = RecoveryCoordinator()
-        self._init_dataset(dataset)
-
-    def __new__(cls, dataset: LakeDataset | Mixture, *args: Any, **kwargs: Any) -> DataLoader:
-        """A loader over a :class:`~lakeloader.Mixture` is a ``MixtureLoader``."""
-        kind = getattr(dataset, "loader_kind", None)
-        variant = LOADER_FOR.get(kind) if cls is DataLoader and kind else None
-        return super().__new__(variant or cls)
-
-    def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
-        """Take the dataset in (options and topology are set)."""
-        assert isinstance(dataset, LakeDataset)
-        self._base = dataset
-        self.dataset = dataset
-        #: The reader-state tracker: the position, and where every rank and worker stands.
-        self.tracker = ReaderStateTracker(self.topology, drop_last=self.options.drop_last)
-        self._reader: UnitReader
-        self._row_layout: RowLayout | None
-        self._use_reader(dataset.reader())
         self._res = LoaderResources(self)
-        self._warned: Topology | None = None  # the topology a PartitionWarning was checked for
+        #: What it reads: a lake, a followed lake, a mixture or a packed stream.
+        self.root = as_node(self, dataset)
+
+    @property
+    def dataset(self) -> Any:
+        """What the loader reads: the dataset given (a followed lake's increment under way)."""
+        return self.root.dataset
+
+    @property
+    def tracker(self) -> ReaderStateTracker:
+        """The reader-state tracker: the position, and where every rank and worker stands.
+
+        Raises:
+            AttributeError: For a mixture or a packed stream (no tracker yet).
+        """
+        tracker = getattr(self.root, "tracker", None)
+        if tracker is None:
+            raise AttributeError(f"a {self.root.what}'s loader has no tracker")
+        assert isinstance(tracker, ReaderStateTracker)
+        return tracker
 
     def __len__(self) -> int:
         """Steps in a whole pass for this topology (as torch's ``len(loader)``).
@@ -212,17 +197,13 @@ class DataLoader(TorchNames, LakePosition):
         """
         if self.options.endless:
             raise TypeError("an endless loader (endless=True) has no len(): it never ends")
-        return self._pass_steps()
-
-    def _pass_steps(self) -> int:
-        """Steps in a whole epoch for this topology."""
-        return steps_in_epoch(0, len(self.dataset), self.global_batch_size, self.drop_last)
+        return self.root.pass_steps()
 
     # -------------------------------------------------------------------- epochs
     @property
     def epoch(self) -> int:
         """The epoch the loader is in (or has just finished)."""
-        return self.tracker.epoch
+        return self.root.epoch
 
     def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
         """Make the next iteration run ``epoch`` from its start.
@@ -233,10 +214,10 @@ class DataLoader(TorchNames, LakePosition):
         position in any case. An epoch ends when its rows are delivered, or by this method:
         a new ``iter(loader)`` on an unfinished epoch continues it (unlike torch's loaders,
         whose every ``iter()`` starts a new pass), and the iterator it replaces raises if it
-        is used again.
+        is used again. A mixture takes the pass under way or the next one; a packed stream
+        runs through its epochs by itself (TypeError).
         """
-        if self.tracker.set_epoch(epoch, restart=restart):
-            self._close_iterator("set_epoch()")
+        self.root.set_epoch(epoch, restart)
 
     def __iter__(self) -> Iterator[Any]:
         """A pass over the epoch under way, or the next one (see the class docstring).
@@ -255,137 +236,126 @@ class DataLoader(TorchNames, LakePosition):
 
     def _begin(self) -> Iterator[Any]:
         """Begin a pass (or, ``endless``, passes) on the topology of now."""
-        self._placed(self._resolve_topology(strict=True))
+        self.root.placed(self._resolve_topology(strict=True))
         if self.options.restart_on_iter:
             self.set_epoch(self.epoch, restart=True)
         if self.options.endless:
-            return Endless(self._pass)
-        return self._pass()
+            return Endless(self.root.begin)
+        return self.root.begin()
 
-    def _placed(self, topology: Topology) -> None:
-        """Take the topology a pass starts on (workers of another rank are stopped)."""
-        if topology != self.tracker.topology:
-            self._close_iterator("a pass on another topology")
-            self._shutdown_workers()
-            self.tracker.topology = topology
-        if topology != self._warned:  # once a topology
-            self._warned = topology
-            warn_partitions(self.dataset.config.num_partitions, topology)
+    # --------------------------------------------------------------------- state
+    def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
+        """The position of the training loop: plain types, small.
 
-    def _pass(self) -> Iterator[Any]:
-        self._close_iterator("a newer iter(loader)")
-        self._follow_dataset(self.tracker.start_pass())
-        self.tracker.settle_tail(len(self.dataset))
-        pool = self._ensure_pool() if self.num_workers else None
-        if pool is not None:
-            warn_cpu_contention(self.num_workers)
-        res = self._res
-        unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
-        leaf = Leaf(self.dataset, self._reader, tuple(self.tracker.quarantine), self._recipe())
-        stores = Stores(
-            [leaf],
-            self.options,
-            self.topology,
-            unit_dir,
-            pool,
-            self._row_layout,
-            not self.tracker.workers_build,
-        )
-        it = EpochIterator(
-            stores,
-            self.tracker.epoch,
-            self.tracker.position,
-            self.tracker,
-            pool,
-            functools.partial(res.pass_ended, self.options.persistent_workers),
-            owner=self,
-        )
-        res.iterator = it
-        return it
+        Args:
+            fetched_ahead: Batches delivered that the training loop has not trained on yet
+                (a framework that fetches ahead of its step, as Lightning does for a loader
+                without ``len()``): the state stands before them, so that a resume gives
+                them again. Up to the last 8 steps of the pass.
 
-    def _follow_dataset(self, epoch: int) -> None:
-        """Switch to the dataset that ``epoch`` runs on."""
-        current = self._base.for_epoch(epoch)
-        if current is not self.dataset:
-            logger.info(
-                "epoch %d runs on snapshot %s (was %s)",
-                epoch,
-                current.fingerprint,
-                self.dataset.fingerprint,
-            )
-            self._shutdown_workers()  # their schema may have widened
-            self.dataset = current
-            self._use_reader(current.reader())
+        Raises:
+            ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
+                position was set, or they cross into another epoch of a followed lake.
+        """
+        return self.root.state(fetched_ahead)
 
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Continue from a state taken under any world size, worker count or batch size.
+
+        A packed stream takes the states of every rank of the saved run (a list).
+
+        Raises:
+            StateFormatError: If it is not a state of this kind of loader, of a known version.
+            StateMismatchError: If it belongs to another lake snapshot or configuration.
+        """
+        self.root.restore(state_dict)
+
+    def view(self) -> ReaderView:
+        """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
+
+        Each rank's share of the next step, and what each worker of each rank builds or
+        decodes first: files, row groups and row offsets, derived from the position alone
+        (nothing is read, no worker is started).
+
+        Raises:
+            TypeError: For a mixture or a packed loader, whose position is its state_dict().
+
+        Example:
+            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> from lakeloader import DataLoader, LakeDataset
+            >>> tmp = tempfile.TemporaryDirectory(); path = f"{tmp.name}/a.parquet"
+            >>> pq.write_table(pa.table({"id": range(10)}), path, row_group_size=5)
+            >>> ds = LakeDataset(tmp.name, shuffle=False, max_unit_rows=5)
+            >>> loader = DataLoader(ds, batch_size=4, num_workers=2)
+            >>> next(iter(loader))["id"].tolist()
+            [0, 1, 2, 3]
+            >>> view = loader.view()
+            >>> view.epoch, view.position, view.steps_remaining, view.ranks[0].rows
+            (0, 4, 2, 4)
+            >>> at = view.ranks[0].at; at.file == path, at.row_group, at.row_offset
+            (True, 0, 4)
+            >>> [(w.worker, w.role, w.at.row_group, w.at.row_offset) for w in view.workers]
+            [(0, 'decode', 0, 0), (1, 'decode', 1, 0)]
+            >>> loader.close(); tmp.cleanup()
+        """
+        return self.root.view()
+
+    def steps_left(self) -> int:
+        """Global steps left in the epoch under way, for the topology of now.
+
+        With ``len(loader)``, where a framework stands in the epoch: ``len(loader) -
+        steps_left()`` steps are done, whatever topology the position was saved under (0
+        left: the epoch is over, the next pass begins the next one).
+
+        Raises:
+            TypeError: For a loader whose passes have no end (followed, packed, endless).
+        """
+        len(self)
+        return self.root.steps_left()
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
+        return self.root.quarantine
+
+    # --------------------------------------------- what a CheckpointManager calls
+    def barrier_position(self) -> Position:
+        """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
+        return self.root.barrier_position()
+
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
+        return self.root.checkpoint_state(quarantine)
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshots a checkpoint pins, by leaf path."""
+        return self.root.checkpoint_datasets()
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``).
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+        """
+        self.root.restore_checkpoint(ckpt, coordinator)
+
+    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+        """Tell ``observer`` of every step delivered; False where no record of them is kept."""
+        return self.root.observe_steps(observer)
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether workers build batches (a transform or collate_fn) rather than decode."""
+        return self.root.workers_build
+
+    # ------------------------------------------------------------------ resources
     def _ensure_pool(self) -> WorkerPool:
         """Start the workers (before any decoding thread exists, which keeps fork safe)."""
         if self._res.pool is None:
             self._res.pool = WorkerPool(
-                self._worker_setup(), self.num_workers, self.options.multiprocessing_context
+                self.root.worker_setup(), self.num_workers, self.options.multiprocessing_context
             )
         return self._res.pool
-
-    def _worker_setup(self) -> WorkerSetup:
-        """What this loader's workers need: the lake's decoder, or what builds its batches."""
-        layout, ds = self._row_layout, self.dataset
-        decoders: tuple[UnitDecoder, ...] = ()
-        if layout is not None and not self.tracker.workers_build:  # they decode
-            decoders = (UnitDecoder(self._reader, layout, ds.on_error, ds.validate),)
-        return WorkerSetup(
-            schema=self._reader.schema,
-            layout=layout,
-            recipe=self._recipe(),
-            worker_init_fn=self.options.worker_init_fn,
-            seed=ds.config.seed,
-            rank=self.rank,
-            num_workers=self.num_workers,
-            decoders=decoders,
-        )
-
-    def _decoding_setup(
-        self, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout]], seed: int
-    ) -> WorkerSetup:
-        """Workers that decode the units of ``sources`` (a mixture's, a packed stream's).
-
-        A decode task names its source by its index in ``sources``; each is packed by its
-        layout (the one its unit store packs by).
-        """
-        return WorkerSetup(
-            schema=sources[0][1].schema,
-            layout=None,
-            recipe=BatchRecipe(),
-            worker_init_fn=self.options.worker_init_fn,
-            seed=seed,
-            rank=self.rank,
-            num_workers=self.num_workers,
-            decoders=tuple(
-                UnitDecoder(reader, layout, ds.on_error, ds.validate)
-                for ds, reader, layout in sources
-            ),
-        )
-
-    def _use_reader(self, reader: UnitReader) -> None:
-        """Read through ``reader``, and work out now how its rows are packed.
-
-        Tensor-typed columns are packed unless rows go to a transform or a collate_fn. The
-        layout is computed here, not at ``iter()``, because it is pyarrow's first conversion
-        in the process: where pandas is installed, pyarrow imports it then, which belongs to
-        building the loader rather than to the wait for the first batch.
-        """
-        self._reader = reader
-        self._row_layout = None
-        recipe = self._recipe()
-        if not recipe.rows_path:
-            self._row_layout = RowLayout.of(reader.schema)
-        # Workers decode when columns are packed and no user code runs; else they build.
-        packs = self._row_layout is not None and bool(self._row_layout.names)
-        self.tracker.workers_build = not packs or recipe.user_code
-        self.tracker.lost = self.dataset.lost
-
-    def _recipe(self) -> BatchRecipe:
-        """How this loader's rows become batches (the dataset's transforms, our collate_fn)."""
-        ds = self.dataset
-        return BatchRecipe(ds.transform, self.collate_fn, ds.batch_transform, ds.list_format)
 
     @property
     def _pool(self) -> WorkerPool | None:
@@ -417,27 +387,24 @@ class DataLoader(TorchNames, LakePosition):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle and copy a loader as its configuration and position, never what it runs.
 
-        ``pickle`` and ``copy.deepcopy`` give a loader of the same class over an equal dataset
-        (its snapshot included: nothing is listed again), with the same arguments, standing
-        where this one stands (an equal ``state_dict()``); iterated, it continues from there.
-        Workers, threads, shared memory and a pass under way are not copied (the copy starts
-        its own when iterated), nor a checkpoint manager's hold on the position.
+        ``pickle`` and ``copy.deepcopy`` give a loader over an equal dataset (its snapshot
+        included: nothing is listed again), with the same arguments, standing where this one
+        stands (an equal ``state_dict()``); iterated, it continues from there. Workers,
+        threads, shared memory and a pass under way are not copied (the copy starts its own
+        when iterated), nor a checkpoint manager's hold on the position.
         """
         kept = {name: value for name, value in vars(self).items() if name != "_res"}
         return _rebuilt, (type(self), kept)
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks (cumulative over the loader's life)."""
-        it, pool = self._res.iterator, self._res.pool
+        it, pool, res = self._res.iterator, self._res.pool, self._res
         return {
-            "units_decoded": self._reader.counters.units_decoded,
-            "bytes_read": self._reader.counters.bytes_read,
-            "requests": self._reader.counters.requests,
-            "rows_delivered": self.tracker.rows_delivered,
-            "rows_skipped": self.tracker.rows_skipped,
-            "cache_bytes": it.cache_bytes() if it is not None else 0,
+            **self.root.stats(),
+            # Between passes, what the last one left (a mixture's stores) is held for the next.
+            "cache_bytes": it.cache_bytes() if it is not None else res.carried_bytes(),
             "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
-            "worker_restarts": self._res.worker_restarts + (pool.restarts if pool else 0),
+            "worker_restarts": res.worker_restarts + (pool.restarts if pool else 0),
         }
 
 
@@ -446,4 +413,5 @@ def _rebuilt(cls: type[DataLoader], kept: dict[str, Any]) -> DataLoader:
     loader = object.__new__(cls)
     loader.__dict__.update(kept)
     loader._res = LoaderResources(loader)
+    loader.root.host = loader
     return loader

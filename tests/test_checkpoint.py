@@ -322,7 +322,9 @@ def test_a_mixture_is_saved_as_a_lake_is_and_its_unrecorded_steps_said(
         for step in (1, 2):
             next(it)
             manager.save(step, mixed, extra=step)
-    assert [r.message.count("records no step of this MixtureLoader") for r in caplog.records] == [1]
+    assert [
+        r.message.count("records no step of this DataLoader over a mixture") for r in caplog.records
+    ] == [1]
     assert not manager.attach(mixed) and not (tmp_path / "ckpt" / "ledger").exists()
     ckpt = manager.read(2)
     assert sorted(ckpt.manifests) == ["a", "b"] and ckpt.sources == {"a": str(lake), "b": str(lake)}

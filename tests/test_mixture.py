@@ -285,12 +285,14 @@ def test_bad_mixtures_and_states_are_refused_with_both_sides(lakes: Path) -> Non
     ckpt = ll.CheckpointManager(str(lakes.parent / "mixed-kinds"))
     ckpt.save(1, loader)
     with pytest.raises(
-        ll.StateFormatError, match=r"holds a 'mixture' state, which this DataLoader does not"
+        ll.StateFormatError,
+        match=r"holds a 'mixture' state, which this DataLoader over a lake does not",
     ):
         ckpt.load(single)
     ckpt.save(2, single)
     with pytest.raises(
-        ll.StateFormatError, match=r"'lakeloader.loader_state' state, which this MixtureLoader"
+        ll.StateFormatError,
+        match=r"'lakeloader.loader_state' state, which this DataLoader over a mixture",
     ):
         ckpt.load(loader)
     with pytest.raises(ll.CheckpointError, match=r"holds a 'mixture' state over the lakes"):

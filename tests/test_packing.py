@@ -205,7 +205,9 @@ def test_checkpoints_and_inspect_of_a_packed_loader(
         ]
     assert main(["inspect", str(tmp_path / "ckpt")]) == 0
     assert "token offset" in capsys.readouterr().out
-    with pytest.raises(ll.StateFormatError, match=r"'packed' state, which this DataLoader does"):
+    with pytest.raises(
+        ll.StateFormatError, match=r"'packed' state, which this DataLoader over a lake does"
+    ):
         manager.load(ll.DataLoader(ll.LakeDataset(lake), batch_size=4))
 
 

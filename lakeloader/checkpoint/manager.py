@@ -156,7 +156,7 @@ class CheckpointManager:
             return False
         if loader.observe_steps(self.ledger.step):
             return True
-        kind = type(loader).__name__
+        kind = f"DataLoader over a {loader.root.what}"
         if kind not in self._unrecorded:
             self._unrecorded.add(kind)
             logger.warning(
@@ -352,8 +352,8 @@ class CheckpointManager:
         except StateFormatError as exc:
             raise StateFormatError(
                 f"{ckpt.path} holds a {ckpt.state_dict.get('kind')!r} state, which this "
-                f"{type(loader).__name__} does not take ({exc}): load it into a loader over "
-                "the same kind of dataset"
+                f"DataLoader over a {loader.root.what} does not take ({exc}): load it into a "
+                "loader over the same kind of dataset"
             ) from exc
         restore(
             ckpt.training,

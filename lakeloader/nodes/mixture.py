@@ -1,41 +1,39 @@
-"""``MixtureLoader``: what ``lakeloader.DataLoader(mixture, ...)`` is.
+"""A mixture of lakes as a source of batches.
 
-It takes torch's arguments like the single-lake loader. Each ``for batch in loader`` is one
-pass of ``mixture.epoch_rows`` rows (full global batches; the sources' own epochs run apart);
-``state_dict()`` is a :class:`~lakeloader.state.mixture_state.MixtureState`, O(sources), and
-``load_state_dict()`` continues under any world size, batch size or worker count, with the
-weights and sources of the mixture it is given (:mod:`lakeloader.recovery.mixture_resume`).
+Each ``for batch in loader`` is one pass of ``mixture.epoch_rows`` rows (full global batches;
+the sources' own epochs run apart); the state is a
+:class:`~lakeloader.state.mixture_state.MixtureState`, O(sources), and a restore continues
+under any world size, batch size or worker count, with the weights and sources of the mixture
+it is given (:mod:`lakeloader.recovery.mixture_resume`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
+from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
-from lakeloader.loader import LOADER_FOR, DataLoader
 from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
-from lakeloader.loader_position import StatePosition
 from lakeloader.mixture import Mixture
+from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
-from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
-from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
 
-class MixtureLoader(StatePosition, DataLoader):
-    """Streams batches of a :class:`~lakeloader.Mixture` (see the module docstring).
+class MixtureNode(Node):
+    """A :class:`~lakeloader.Mixture`'s batches (see the module docstring).
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
@@ -43,30 +41,36 @@ class MixtureLoader(StatePosition, DataLoader):
     its sources' decoded row groups to the next pass, which goes on with them (released by
     ``close()``, ``load_state_dict()``, or when the loader is collected). A user
     ``collate_fn`` is not supported for a mixture.
+
+    Args:
+        host: The loader.
+        mixture: The mixture.
     """
 
-    dataset: Any  # the Mixture (the single-lake loader's is a LakeDataset)
+    @property
+    def what(self) -> str:
+        """``"mixture"``."""
+        return "mixture"
 
-    def _init_dataset(self, dataset: LakeDataset | Mixture) -> None:
-        assert isinstance(dataset, Mixture)
-        check_stream_options(self.options, "a Mixture")
-        self.mixture = self.dataset = dataset
+    def __init__(self, host: Host, mixture: Mixture) -> None:
+        super().__init__(host)
+        check_stream_options(host.options, "a Mixture")
+        self.mixture = self.dataset = mixture
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
-        self._readers = [dataset.sources[n].reader() for n in dataset.names]
-        first = WeightChange(0, dict(dataset.raw_weights))
+        self._readers = [mixture.sources[n].reader() for n in mixture.names]
+        first = WeightChange(0, dict(mixture.raw_weights))
         self._state = MixtureState(
-            seed=dataset.seed,
+            seed=mixture.seed,
             slot=0,
-            counts={n: 0 for n in dataset.names},
+            counts={n: 0 for n in mixture.names},
             history=(first,),
             epoch=0,
             epoch_start=0,
-            epoch_rows=dataset.epoch_rows,
-            sources=records(dataset),
-            topology=self.topology.to_dict(),
+            epoch_rows=mixture.epoch_rows,
+            sources=records(mixture),
+            topology=host.topology.to_dict(),
         )
-        self._res = LoaderResources(self)
 
     @property
     def _state(self) -> MixtureState:
@@ -82,9 +86,9 @@ class MixtureLoader(StatePosition, DataLoader):
     def _state(self, state: MixtureState) -> None:
         self._stored, self._cursor = state, None
 
-    def _pass_steps(self) -> int:
+    def pass_steps(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
-        return -(-self._state.epoch_rows // self.global_batch_size)
+        return -(-self._state.epoch_rows // self.host.global_batch_size)
 
     @property
     def epoch(self) -> int:
@@ -95,9 +99,9 @@ class MixtureLoader(StatePosition, DataLoader):
         """Global steps left in the pass under way, for the topology of now."""
         state = self._state
         rows = state.epoch_rows - (state.slot - state.epoch_start)
-        return -(-max(rows, 0) // self.global_batch_size)
+        return -(-max(rows, 0) // self.host.global_batch_size)
 
-    def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
+    def set_epoch(self, epoch: int, restart: bool) -> None:
         """Accepted for the usual epoch loop: a mixture's stream goes on from where it is.
 
         Raises:
@@ -115,29 +119,30 @@ class MixtureLoader(StatePosition, DataLoader):
                 "pass %d left early: pass %d starts at slot %d", state.epoch, epoch, state.slot
             )
         if epoch != state.epoch:
-            self._close_iterator("set_epoch()")
+            self.host._close_iterator("set_epoch()")
             self._state = _next_pass(state)
 
-    def _placed(self, topology: Topology) -> None:
+    def placed(self, topology: Topology) -> None:
         """Nothing to do: a pass takes the topology when it starts."""
 
-    def _pass(self) -> Iterator[Any]:
-        self._close_iterator("a newer iter(loader)")
+    def begin(self) -> Iterator[Any]:
+        """One pass of ``epoch_rows`` rows, going on with the stores the last one left."""
+        self.host._close_iterator("a newer iter(loader)")
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
-        res = self._res
-        state, size = self._state, self.global_batch_size
+        res = self.host._res
+        state, size = self._state, self.host.global_batch_size
         cursor = MixCursor(state.slot, state.counts)
         sources = res.take_carried()
         if not isinstance(sources, Stores) or sources.at != cursor:
             if sources is not None:
                 sources.close()
-            unit_dir = res.unit_folder(self.options.cache_dir, self.options.cache_bytes)
-            pool = self._ensure_pool() if self.num_workers else None
+            unit_dir = res.unit_folder(self.host.options.cache_dir, self.host.options.cache_bytes)
+            pool = self.host._ensure_pool() if self.host.options.num_workers else None
             sources = Stores(
                 self._leaves(),
-                self.options,
-                Topology(1, 0, 0, self.batch_size),
+                self.host.options,
+                Topology(1, 0, 0, self.host.options.batch_size),
                 unit_dir,
                 pool,
                 RowLayout.of(self._readers[0].schema),
@@ -149,8 +154,8 @@ class MixtureLoader(StatePosition, DataLoader):
             self.mixture.weights,
             cursor,
             -(-left // size),
-            self.topology,
-            self.options,
+            self.host.topology,
+            self.host.options,
             sources,
             self._delivered,
             res.carry,
@@ -166,24 +171,24 @@ class MixtureLoader(StatePosition, DataLoader):
             for ds, r in zip(sources, self._readers, strict=True)
         ]
 
-    def _worker_setup(self) -> WorkerSetup:
+    def worker_setup(self) -> WorkerSetup:
         """Workers that decode every source's units, packed as one arena's rows."""
         layout = RowLayout.of(self._readers[0].schema)
         named = zip(self.mixture.names, self._readers, strict=True)
-        return self._decoding_setup(
-            [(self.mixture.sources[n], r, layout) for n, r in named], self.mixture.seed
+        return decoding_setup(
+            self.host, [(self.mixture.sources[n], r, layout) for n, r in named], self.mixture.seed
         )
 
     def _delivered(self, cursor: MixCursor) -> None:
         """The only place the position moves: a batch was handed over."""
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
 
-    def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
+    def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The mixture's position: plain types, O(sources)."""
         refuse_fetched_ahead(fetched_ahead, "a mixture")
         return self._state.to_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def restore(self, state_dict: dict[str, Any]) -> None:
         """Continue from a mixture state taken under any topology.
 
         The weights and sources are this mixture's: changes are recorded in the state and
@@ -193,47 +198,26 @@ class MixtureLoader(StatePosition, DataLoader):
             StateFormatError: If the dict is not a mixture state of a known version.
             StateMismatchError: If a source or the seed differs from the saved one.
         """
-        self._close_iterator("load_state_dict()")
-        self._res.drop_carried()
+        self.host._close_iterator("load_state_dict()")
+        self.host._res.drop_carried()
         resumed = resume_mixture(MixtureState.from_dict(state_dict), self.mixture)
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
-        self._state = dataclasses.replace(resumed.state, topology=self.topology.to_dict())
+        self._state = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
 
-    def barrier_position(self) -> MixtureState:
+    def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks (the same on every rank)."""
         return self._state
-
-    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """The state a checkpoint holds (every rank's is the same; no unit is quarantined)."""
-        return self._state.to_dict()
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source."""
         return dict(self.mixture.sources)
 
-    @property
-    def quarantine(self) -> list[Any]:
-        """Mixtures skip no unit (their sources read with ``on_error="raise"``)."""
-        return []
-
     def stats(self) -> dict[str, int]:
-        """Counters for tests and benchmarks (cumulative over the loader's life)."""
-        it = self._res.iterator
-        counters = [r.counters for r in self._readers]
-        return {
-            "units_decoded": sum(c.units_decoded for c in counters),
-            "bytes_read": sum(c.bytes_read for c in counters),
-            "requests": sum(c.requests for c in counters),
-            # Between passes, the sources the last one left hold what the next will use.
-            "cache_bytes": it.cache_bytes() if it is not None else self._res.carried_bytes(),
-            "cache_peak_bytes": it.cache_peak_bytes() if it is not None else 0,
-        }
+        """What the sources' readers did."""
+        return read_counts(self._readers)
 
 
 def _next_pass(state: MixtureState) -> MixtureState:
     """The state at the start of the next pass (where the last one ended)."""
     return dataclasses.replace(state, epoch=state.epoch + 1, epoch_start=state.slot)
-
-
-LOADER_FOR["mixture"] = MixtureLoader

@@ -1,0 +1,209 @@
+"""What a source of batches is to the one :class:`~lakeloader.DataLoader`: the node protocol.
+
+The loader owns torch's arguments, the topology, the passes' resources (workers, the unit
+folder) and the iteration protocol; everything that depends on what it reads is a node's: a
+lake (:class:`~lakeloader.nodes.lake.LakeNode`, followed or not), a mixture of sources
+(:class:`~lakeloader.nodes.mixture.MixtureNode`) or a packed stream of a lake or of a mixture
+(:class:`~lakeloader.nodes.packing.PackingNode`). A node's position is its state (plain types,
+a tree whose children are its sources' parts); it moves only when a batch is handed over, in
+the pass the node begins. The loader never asks which kind of node it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+from lakeloader.cache.decode import UnitDecoder
+from lakeloader.cache.packed import RowLayout
+from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import Checkpoint
+from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
+from lakeloader.options import LoaderOptions
+from lakeloader.pipeline.recipe import BatchRecipe
+from lakeloader.pipeline.resources import LoaderResources
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderView
+from lakeloader.topology import Topology
+from lakeloader.workers.pool import WorkerPool
+from lakeloader.workers.process import WorkerSetup
+
+
+class Host(Protocol):
+    """What a node uses of the :class:`~lakeloader.DataLoader` that holds it."""
+
+    options: LoaderOptions
+    _res: LoaderResources
+
+    @property
+    def topology(self) -> Topology:
+        """Rank, world size, workers and batch size as of now."""
+
+    @property
+    def global_batch_size(self) -> int:
+        """Rows all ranks together consume in one step."""
+
+    def _ensure_pool(self) -> WorkerPool:
+        """The loader's workers, started."""
+
+    def _close_iterator(self, ended_by: str) -> None:
+        """End the pass under way, if any."""
+
+    def _shutdown_workers(self) -> None:
+        """Stop the workers and release the unit folder."""
+
+
+class Node:
+    """A source of batches (see the module docstring); the defaults suit a stream.
+
+    Args:
+        host: The loader that holds it.
+    """
+
+    #: What it reads (a followed lake: the increment under way).
+    dataset: Any
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy keeps: all but the loader (the copy's own loader attaches itself)."""
+        return {name: value for name, value in vars(self).items() if name != "host"}
+
+    @property
+    def what(self) -> str:
+        """What it reads, as messages name it (``"lake"``, ``"mixture"``, ...)."""
+        return "stream"
+
+    # ------------------------------------------------------------------ passes
+    def pass_steps(self) -> int:
+        """Global steps in a whole pass for the topology of now (``len(loader)``).
+
+        Raises:
+            TypeError: For a stream with no end.
+        """
+        raise TypeError(f"a {self.what} is endless: it has no len()")
+
+    @property
+    def epoch(self) -> int:
+        """The epoch (or pass) the node is in."""
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int, restart: bool) -> None:
+        """Make the next pass run ``epoch`` (see ``DataLoader.set_epoch``)."""
+        raise NotImplementedError
+
+    def placed(self, topology: Topology) -> None:
+        """Take the topology a pass starts on."""
+
+    def begin(self) -> Iterator[Any]:
+        """A pass from where the node stands (its iterator; batches in step order)."""
+        raise NotImplementedError
+
+    def steps_left(self) -> int:
+        """Global steps left in the pass under way, for the topology of now.
+
+        Raises:
+            TypeError: For a stream with no end.
+        """
+        self.pass_steps()
+        raise NotImplementedError
+
+    def worker_setup(self) -> WorkerSetup:
+        """What the loader's workers need."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ state
+    def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
+        """The position: plain types (the loader's ``state_dict()``)."""
+        raise NotImplementedError
+
+    def restore(self, state: Any) -> None:
+        """Continue from a state (the loader's ``load_state_dict()``)."""
+        raise NotImplementedError
+
+    def view(self) -> ReaderView:
+        """Where the position leaves every rank and worker.
+
+        Raises:
+            TypeError: Where the position is a stream's (its ``state_dict()``).
+        """
+        raise TypeError(
+            f"a {self.what} has no per-rank view: its position is its state_dict() (per source "
+            "or per partition)"
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and benchmarks."""
+        raise NotImplementedError
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far."""
+        return []
+
+    # --------------------------------------------- what a CheckpointManager calls
+    def barrier_position(self) -> Position:
+        """What the checkpoint barrier compares across ranks."""
+        raise NotImplementedError
+
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The state a checkpoint holds (every rank's quarantine merged in)."""
+        return self.state()
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshots a checkpoint pins, by leaf path."""
+        raise NotImplementedError
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint's state, as ``restore`` does.
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+        """
+        self.restore(dict(ckpt.state_dict))
+
+    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+        """Tell ``observer`` of every step delivered; False: no record of them is kept."""
+        return False
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether workers build batches (a transform or collate_fn) rather than decode."""
+        return False
+
+
+def decoding_setup(
+    host: Host, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout]], seed: int
+) -> WorkerSetup:
+    """Workers that decode the units of ``sources`` (a mixture's, a packed stream's).
+
+    A decode task names its source by its index in ``sources``; each is packed by its
+    layout (the one its unit store packs by).
+    """
+    topo = host.topology
+    return WorkerSetup(
+        schema=sources[0][1].schema,
+        layout=None,
+        recipe=BatchRecipe(),
+        worker_init_fn=host.options.worker_init_fn,
+        seed=seed,
+        rank=topo.rank,
+        num_workers=topo.num_workers,
+        decoders=tuple(
+            UnitDecoder(reader, layout, ds.on_error, ds.validate) for ds, reader, layout in sources
+        ),
+    )
+
+
+def read_counts(readers: Iterable[UnitReader]) -> dict[str, int]:
+    """What ``readers`` did, summed: units decoded, bytes read, requests."""
+    counters = [r.counters for r in readers]
+    return {
+        "units_decoded": sum(c.units_decoded for c in counters),
+        "bytes_read": sum(c.bytes_read for c in counters),
+        "requests": sum(c.requests for c in counters),
+    }

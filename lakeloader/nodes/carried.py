@@ -1,0 +1,207 @@
+"""A followed lake's carried step: an increment's short tail opens the next increment.
+
+With ``drop_last=True`` no row of a followed lake is dropped: the rows of an increment that do
+not fill a last global batch (its *tail*, fewer than a global batch) are carried into the next
+one, whose first rows fill the batch they open (the next increments' first rows, when they are
+smaller than that). Every batch is then full and every appended row comes once; the rows of
+the tail when the run stops are still to come, not dropped: the state stands before them
+(``position`` inside the increment, ``rows_dropped`` 0), so a resume under any world size or
+batch size goes on from there, and cuts the stream into its own global batches.
+
+That carried step is read and built here, in this process, whatever ``num_workers`` is: each
+part (the tail, then the next increments' first rows) is a slot range of its increment's
+order (:func:`~lakeloader.order.batches.range_specs`), read and screened like any unit
+(quarantine, ``validate``); every rank reads the whole step and keeps its share of it, in the
+stream's order, so the batches are those of one rank with the global batch, whatever the
+topology. Its rows' seeds are their own slots' in their increments. The tracker records it as
+the end of one increment and the start of the next (two steps for the audit ledger).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from lakeloader.cache.decode import DecodeJob, Held, UnitDecoder, UnitRef
+from lakeloader.cache.packed import Packed
+from lakeloader.dataset import LakeDataset
+from lakeloader.nodes.base import Host
+from lakeloader.order.batches import range_specs
+from lakeloader.order.plan import EpochPlan, batch_slots, piece_span, rank_bounds
+from lakeloader.pipeline.collate import pin
+from lakeloader.pipeline.recipe import BatchRecipe, build_payload, finish_payload
+from lakeloader.randomness import slot_seeds
+from lakeloader.signals import main_thread_only
+from lakeloader.state.quarantine import QuarantineEntry, drop_pieces
+from lakeloader.state.tracker import Delivery, ReaderStateTracker
+
+logger = logging.getLogger(__name__)
+
+
+class Following(Protocol):
+    """What the carried step uses of a followed lake's node."""
+
+    host: Host
+    dataset: LakeDataset
+    _base: LakeDataset
+    tracker: ReaderStateTracker
+
+    def recipe(self) -> BatchRecipe:
+        """How rows become batches."""
+
+    def follow_dataset(self, epoch: int) -> None:
+        """Switch to the dataset that ``epoch`` runs on."""
+
+
+class _Part(NamedTuple):
+    """A slot range ``[start, stop)`` of one increment's order, in a carried step."""
+
+    dataset: LakeDataset
+    epoch: int
+    start: int
+    stop: int
+
+
+class _Read(NamedTuple):
+    """A part read: its units, and its rows that are not quarantined, in their order.
+
+    Attributes:
+        units: Its pieces that were read.
+        take: Its rows, as indices into the concatenation of ``units``.
+        kept: Where each of them stands in the part (its rows partition-major).
+        seeds: Each one's seed (its slot's in its increment).
+        skipped: Its pieces quarantined.
+    """
+
+    units: list[Packed]
+    take: np.ndarray
+    kept: np.ndarray
+    seeds: np.ndarray
+    skipped: tuple[QuarantineEntry, ...]
+
+
+def _places(parts: Sequence[_Part], reads: Sequence[_Read]) -> list[np.ndarray]:
+    """Where each part's rows stand in the carried step (the parts end to end)."""
+    sizes = [p.stop - p.start for p in parts]
+    firsts = np.cumsum([0, *sizes[:-1]])
+    return [read.kept + int(first) for read, first in zip(reads, firsts, strict=True)]
+
+
+def _decode(
+    decoder: UnitDecoder, plan: EpochPlan, position: int, known: Sequence[QuarantineEntry]
+) -> Held:
+    """A piece of ``plan`` read and screened, or quarantined already (``known``)."""
+    file_index, rg, row_start, rows = piece_span(plan, position)
+    path = decoder.reader.snapshot.files[file_index].path
+    for entry in known:
+        if entry.covers(path, rg, row_start, rows):
+            return QuarantineEntry(path, rg, row_start, rows, entry.reason)
+    return decoder.decode(DecodeJob(position, file_index, rg, row_start, rows, -1, None), None)
+
+
+def _packed(ref: UnitRef) -> Packed:
+    """A unit decoded without an arena, as a batch is built from it."""
+    assert isinstance(ref.table, pa.Table), "decoded in this process, without an IPC file"
+    return Packed(None, (), ref.table, ref.where)
+
+
+def _cast(unit: Packed, schema: pa.Schema) -> Packed:
+    """A unit of an earlier increment in the later one's (widened) types."""
+    return Packed(None, (), unit.table.cast(schema), unit.where)
+
+
+def carried_step(node: Following) -> Any:
+    """The step that opens the next increment with this one's tail (None: no tail).
+
+    Raises:
+        CaughtUpError: If too few rows come within the follow timeout (nothing moves).
+    """
+    start, rows, batch = node.tracker.position, len(node.dataset), node.host.global_batch_size
+    if not node.host.options.drop_last or not 0 < rows - start < batch:
+        return None
+    parts = [_Part(node.dataset, node.tracker.epoch, start, rows)]
+    need = batch - (rows - start)
+    logger.info(
+        "increment %d leaves %d rows, fewer than a global batch of %d: they open the next",
+        node.tracker.epoch,
+        rows - start,
+        batch,
+    )
+    while need:
+        epoch = parts[-1].epoch + 1
+        ds = node._base.for_epoch(epoch)  # waits for it
+        parts.append(_Part(ds, epoch, 0, min(need, len(ds))))
+        need -= parts[-1].stop
+    reads = [_read(node, part) for part in parts]
+    out = _assemble(node, parts, reads, parts[-1].dataset.reader().schema)
+    _advance(node, parts, reads)
+    return out
+
+
+def _read(node: Following, part: _Part) -> _Read:
+    """Read a part's pieces (in threads) and screen them as a pass does."""
+    ds, plan = part.dataset, part.dataset.plan(part.epoch)
+    if part.stop == part.start:  # an increment without rows
+        empty = np.zeros(0, dtype=np.int64)
+        return _Read([], empty, empty, empty.astype(np.uint64), ())
+    (spec,) = range_specs(
+        plan, np.zeros(1, np.int64), np.array([part.start]), np.array([part.stop])
+    )
+    decoder = UnitDecoder(ds.reader(), None, ds.on_error, ds.validate)
+    known = (*node.tracker.quarantine, *ds.lost)
+    threads = max(1, min(node.host.options.io_threads, len(spec.positions)))
+    with ThreadPoolExecutor(threads, initializer=main_thread_only) as pool:
+        held = list(pool.map(lambda p: _decode(decoder, plan, int(p), known), spec.positions))
+    bad = [isinstance(h, QuarantineEntry) for h in held]
+    take = drop_pieces(spec.take, plan.piece_rows(spec.positions).tolist(), bad)
+    kept = np.flatnonzero(~np.asarray(bad, dtype=bool)[spec.inverse])
+    slots = batch_slots(part.start, part.stop, plan.num_partitions)[kept]
+    units = [_packed(h) for h in held if isinstance(h, UnitRef)]
+    skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
+    return _Read(units, take, kept, slot_seeds(plan.seed, plan.epoch, slots), skipped)
+
+
+def _assemble(
+    node: Following, parts: Sequence[_Part], reads: Sequence[_Read], schema: pa.Schema
+) -> Any:
+    """This rank's share of the carried step, built by the loader's recipe."""
+    lo, hi = rank_bounds(
+        node.host.global_batch_size, node.host.topology.world_size, node.host.topology.rank
+    )
+    units: list[Packed] = []
+    takes, seeds = [], []
+    for read, place in zip(reads, _places(parts, reads), strict=True):
+        mine = (place >= lo) & (place < hi)
+        takes.append(read.take[mine] + sum(u.num_rows for u in units))
+        seeds.append(read.seeds[mine])
+        units += [u if u.table.schema.equals(schema) else _cast(u, schema) for u in read.units]
+    recipe = node.recipe()
+    take, seed = np.concatenate(takes), np.concatenate(seeds)
+    batch = finish_payload(build_payload(units, take, schema, recipe, {}, seed), recipe)
+    return pin(batch) if node.host.options.pin_memory else batch
+
+
+def _advance(node: Following, parts: Sequence[_Part], reads: Sequence[_Read]) -> None:
+    """Record the carried step: the end of one increment, the start of the next ones."""
+    lo, hi = rank_bounds(
+        node.host.global_batch_size, node.host.topology.world_size, node.host.topology.rank
+    )
+    at = 0
+    places = _places(parts, reads)
+    for i, (part, read, place) in enumerate(zip(parts, reads, places, strict=True)):
+        rows, size = len(part.dataset), part.stop - part.start
+        if i:
+            node.tracker.set_epoch(part.epoch, restart=True)
+            node.tracker.settle_tail(rows)
+        share = max(0, min(hi, at + size) - max(lo, at))
+        mine = int(((place >= lo) & (place < hi)).sum())
+        if size:
+            done = Delivery(part.stop, mine, part.stop == rows, read.skipped, share - mine)
+            node.tracker.delivered(done, rows)
+        at += size
+    node.follow_dataset(parts[-1].epoch)

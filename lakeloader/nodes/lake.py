@@ -1,0 +1,343 @@
+"""A lake as a source of batches: one epoch a pass, or a followed lake's increments.
+
+The position is the reader-state tracker's (``(epoch, G)`` and the quarantine): a pass is one
+epoch's steps (:class:`~lakeloader.pipeline.iterator.EpochIterator`), ``state_dict()`` a
+:class:`~lakeloader.state.loader_state.LoaderState` of plain types, and ``load_state_dict()``
+goes through the recovery coordinator, the one way a position is restored.
+
+A followed lake (``follow=``) is one stream of rows: its increments' orders end to end, each a
+pure function of its increment, cut into global batches. ``for batch in loader`` runs through
+increment after increment, waiting for the next one to be appended once it has caught up; it
+ends when none comes within ``Follow.timeout``, and a new ``iter(loader)`` then goes on from
+there. It never moves to the next epoch before that increment exists, so a state taken while
+it waits is the end of the last increment. Its state holds the increment it stands in (its
+marks: a few numbers), so that ``load_state_dict`` finds the increment's files again on a
+dataset made anew. With ``drop_last=True`` an increment's short tail is carried into the next
+one instead of dropped (:mod:`lakeloader.nodes.carried`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from lakeloader.cache.decode import UnitDecoder
+from lakeloader.cache.packed import RowLayout
+from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import ROOT, Checkpoint
+from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
+from lakeloader.lake.following import CaughtUpError, increment_at
+from lakeloader.lake.increments import Increment
+from lakeloader.loader_args import warn_cpu_contention, warn_partitions
+from lakeloader.nodes.base import Host, Node, read_counts
+from lakeloader.nodes.carried import carried_step
+from lakeloader.order.plan import steps_in_epoch
+from lakeloader.pipeline.iterator import EpochIterator
+from lakeloader.pipeline.recipe import BatchRecipe
+from lakeloader.pipeline.stores import Leaf, Stores
+from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
+from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.loader_state import LoaderState
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
+from lakeloader.topology import Topology
+from lakeloader.workers.process import WorkerSetup
+
+logger = logging.getLogger(__name__)
+
+#: The state key of the increment a followed lake's position is in.
+INCREMENT_KEY = "follow_increment"
+
+
+class LakeNode(Node):
+    """A lake, followed or not (see the module docstring).
+
+    Args:
+        host: The loader.
+        dataset: The lake.
+    """
+
+    def __init__(self, host: Host, dataset: LakeDataset) -> None:
+        super().__init__(host)
+        self._base = self.dataset = dataset
+        opts = host.options
+        #: The reader-state tracker: the position, and where every rank and worker stands.
+        self.tracker = ReaderStateTracker(host.topology, drop_last=opts.drop_last)
+        if dataset.follow:
+            self.tracker.drop_last = False  # a short tail is carried, never counted dropped
+        self.reader: UnitReader
+        self.layout: RowLayout | None
+        self._use_reader(dataset.reader())
+        self._warned: Topology | None = None  # the topology a PartitionWarning was checked for
+
+    @property
+    def what(self) -> str:
+        """What it reads: a lake, or a followed lake."""
+        return "followed lake" if self._base.follow else "lake"
+
+    # ------------------------------------------------------------------ passes
+    def pass_steps(self) -> int:
+        """Steps in a whole epoch for this topology.
+
+        Raises:
+            TypeError: For a followed lake (endless).
+        """
+        if self._base.follow:
+            raise TypeError("a followed lake is endless: it has no len(); see loader.dataset's")
+        opts = self.host.options
+        return steps_in_epoch(0, len(self.dataset), self.host.global_batch_size, opts.drop_last)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader is in (or has just finished)."""
+        return self.tracker.epoch
+
+    def set_epoch(self, epoch: int, restart: bool) -> None:
+        """Make the next pass run ``epoch`` from its start (see ``DataLoader.set_epoch``)."""
+        if self.tracker.set_epoch(epoch, restart=restart):
+            self.host._close_iterator("set_epoch()")
+
+    def placed(self, topology: Topology) -> None:
+        """Take the topology a pass starts on (workers of another rank are stopped)."""
+        if topology != self.tracker.topology:
+            self.host._close_iterator("a pass on another topology")
+            self.host._shutdown_workers()
+            self.tracker.topology = topology
+        if topology != self._warned:  # once a topology
+            self._warned = topology
+            warn_partitions(self.dataset.config.num_partitions, topology)
+
+    def begin(self) -> Iterator[Any]:
+        """One epoch's pass; a followed lake's increments one after the other."""
+        return self._increments() if self._base.follow else self._epoch_pass()
+
+    def _epoch_pass(self) -> EpochIterator:
+        host = self.host
+        host._close_iterator("a newer iter(loader)")
+        self.follow_dataset(self.tracker.start_pass())
+        self.tracker.settle_tail(len(self.dataset))
+        opts = host.options
+        pool = host._ensure_pool() if opts.num_workers else None
+        if pool is not None:
+            warn_cpu_contention(opts.num_workers)
+        res = host._res
+        unit_dir = res.unit_folder(opts.cache_dir, opts.cache_bytes)
+        leaf = Leaf(self.dataset, self.reader, tuple(self.tracker.quarantine), self.recipe())
+        layout, topology = self.layout, host.topology
+        stores = Stores(
+            [leaf], opts, topology, unit_dir, pool, layout, not self.tracker.workers_build
+        )
+        it = EpochIterator(
+            stores,
+            self.tracker.epoch,
+            self.tracker.position,
+            self.tracker,
+            pool,
+            functools.partial(res.pass_ended, opts.persistent_workers),
+            owner=host,
+        )
+        res.iterator = it
+        return it
+
+    def _increments(self) -> Iterator[Any]:
+        while True:
+            try:
+                self.follow_dataset(self.tracker.epoch)  # a state at an increment's end: next
+                if self.tracker.epoch_over(len(self.dataset)):
+                    # make sure the next increment exists before the epoch moves on
+                    self._base.for_epoch(self.tracker.epoch + 1)
+                    carried = None
+                else:
+                    carried = carried_step(self)
+            except CaughtUpError as caught:
+                logger.info("caught up with the lake: %s", caught)
+                return
+            if carried is None:
+                yield from self._epoch_pass()
+            else:
+                yield carried
+
+    def follow_dataset(self, epoch: int) -> None:
+        """Switch to the dataset that ``epoch`` runs on."""
+        current = self._base.for_epoch(epoch)
+        if current is not self.dataset:
+            logger.info(
+                "epoch %d runs on snapshot %s (was %s)",
+                epoch,
+                current.fingerprint,
+                self.dataset.fingerprint,
+            )
+            self.host._shutdown_workers()  # their schema may have widened
+            self.dataset = current
+            self._use_reader(current.reader())
+
+    def _use_reader(self, reader: UnitReader) -> None:
+        """Read through ``reader``, and work out now how its rows are packed.
+
+        Tensor-typed columns are packed unless rows go to a transform or a collate_fn. The
+        layout is computed here, not at ``iter()``, because it is pyarrow's first conversion
+        in the process: where pandas is installed, pyarrow imports it then, which belongs to
+        building the loader rather than to the wait for the first batch.
+        """
+        self.reader = reader
+        self.layout = None
+        recipe = self.recipe()
+        if not recipe.rows_path:
+            self.layout = RowLayout.of(reader.schema)
+        # Workers decode when columns are packed and no user code runs; else they build.
+        packs = self.layout is not None and bool(self.layout.names)
+        self.tracker.workers_build = not packs or recipe.user_code
+        self.tracker.lost = self.dataset.lost
+
+    def recipe(self) -> BatchRecipe:
+        """How rows become batches (the dataset's transforms, the loader's collate_fn)."""
+        ds = self.dataset
+        collate = self.host.options.collate_fn
+        return BatchRecipe(ds.transform, collate, ds.batch_transform, ds.list_format)
+
+    def worker_setup(self) -> WorkerSetup:
+        """What the workers need: the lake's decoder, or what builds its batches."""
+        layout, ds, topo = self.layout, self.dataset, self.host.topology
+        decoders: tuple[UnitDecoder, ...] = ()
+        if layout is not None and not self.tracker.workers_build:  # they decode
+            decoders = (UnitDecoder(self.reader, layout, ds.on_error, ds.validate),)
+        return WorkerSetup(
+            schema=self.reader.schema,
+            layout=layout,
+            recipe=self.recipe(),
+            worker_init_fn=self.host.options.worker_init_fn,
+            seed=ds.config.seed,
+            rank=topo.rank,
+            num_workers=topo.num_workers,
+            decoders=decoders,
+        )
+
+    def steps_left(self) -> int:
+        """Global steps left in the epoch under way, for the topology of now."""
+        self.pass_steps()  # no end, no steps left to count
+        return self.view().steps_remaining
+
+    # ------------------------------------------------------------------ state
+    def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
+        """The position of the training loop: plain types, O(1) in the size of the lake.
+
+        A followed lake's holds the increment it stands in.
+
+        Raises:
+            ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
+                position was set, or they cross into another epoch of a followed lake.
+        """
+        epoch = self.tracker.before(fetched_ahead)[0]
+        ds = self.dataset if epoch == self.tracker.epoch else self._epoch_dataset(epoch)
+        state = self.tracker.state(
+            ds.fingerprint, ds.config.to_dict(), len(ds), back=fetched_ahead
+        ).to_dict()
+        if self._base.follow:
+            increment = self.dataset.snapshot.increment
+            state[INCREMENT_KEY] = None if increment is None else increment.to_list()
+        return state
+
+    def _epoch_dataset(self, epoch: int) -> LakeDataset:
+        """The dataset an earlier epoch ran on (a followed lake's increments are not kept)."""
+        if self._base.follow:
+            raise ValueError(
+                f"cannot stand before batches of increment {epoch} of a followed lake from "
+                f"increment {self.tracker.epoch}: save states within an increment"
+            )
+        return self._base.for_epoch(epoch)
+
+    def restore(self, state: Any) -> None:
+        """Continue from a state taken under any world size, worker count or batch size.
+
+        Raises:
+            StateFormatError: If the dict is not a lakeloader state of a known version.
+            StateMismatchError: If it belongs to another lake snapshot or configuration, or
+                the lake no longer holds a followed state's increment.
+        """
+        saved = state.get(INCREMENT_KEY) if self._base.follow else None
+        if saved is None:
+            self.resume(RecoveryCoordinator().resume_state(state, self._base))
+            return
+        parsed = LoaderState.from_dict(state)
+        increment = Increment.from_list(saved)
+        base = self._base
+        if base.snapshot.increment != increment:
+            base = base.on_increment(
+                *increment_at(base.source, increment, base.increment_request())
+            )
+        parsed.check_matches(base.fingerprint, base.config.to_dict())
+        self.resume(Resumption(parsed, dataset=base))
+
+    def resume(self, resumption: Resumption) -> None:
+        """Apply what the recovery coordinator decided (the one way a position is restored)."""
+        self.host._close_iterator("load_state_dict() or CheckpointManager.load()")
+        if resumption.dataset is not None:
+            self.host._shutdown_workers()
+            self._base = self.dataset = resumption.dataset
+            self._use_reader(resumption.dataset.reader())
+        if resumption.state is None:
+            assert resumption.restart_epoch is not None
+            self.tracker.set_epoch(resumption.restart_epoch, restart=True)
+            return
+        self.follow_dataset(resumption.state.epoch)
+        ds = self.dataset  # the dataset that the saved epoch runs on here
+        resumption.state.check_matches(ds.fingerprint, ds.config.to_dict())
+        self.tracker.restore(resumption.state)
+
+    def view(self) -> ReaderView:
+        """Where the position leaves every rank and worker (see ``DataLoader.view``)."""
+        self.placed(self.host.topology)  # the ranks of now, not those of the last pass
+        # The dataset of the tracker's epoch (a loaded state's may start the next one); a
+        # followed lake's next increment may not exist yet, so it keeps its own.
+        tracker = self.tracker
+        ds = self.dataset if self._base.follow else self._base.for_epoch(tracker.epoch)
+        return tracker.view(ds.plan(tracker.epoch), ds.snapshot)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the lake's reads and of the rows delivered and skipped."""
+        return {
+            **read_counts([self.reader]),
+            "rows_delivered": self.tracker.rows_delivered,
+            "rows_skipped": self.tracker.rows_skipped,
+        }
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
+        return list(self.tracker.quarantine)
+
+    # --------------------------------------------- what a CheckpointManager calls
+    def barrier_position(self) -> Position:
+        """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
+        ds = self.dataset
+        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
+
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
+        self.tracker.merge_quarantine(quarantine)
+        return self.state()
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshot a checkpoint pins, by leaf path: the lake's, at the root."""
+        return {ROOT: self.dataset}
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``).
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+        """
+        self.resume(coordinator.resume(ckpt, self.dataset))
+
+    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+        """Tell ``observer`` of every step delivered (its tracker's journal); True."""
+        self.tracker.attach(observer)
+        return True
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether workers build batches (a transform or collate_fn) rather than decode."""
+        return self.tracker.workers_build
