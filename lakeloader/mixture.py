@@ -19,6 +19,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import ColumnNotFoundError, SchemaMismatchError
 from lakeloader.order.mixture import MixWeights
 from lakeloader.packing import Packing
+from lakeloader.pipeline.collate import BatchTransform
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,15 @@ class Mixture:
             partitions' token streams) and the mixture draws *rounds* of samples, a round one
             sample from every partition of one source, in the weights' proportions (see
             :mod:`lakeloader.order.packing`). The sources must have the same ``num_partitions``.
+        batch_transform: Called on each mixed batch (after the ``collate_fn``), as a
+            LakeDataset's is; None: the sources' own, when they all give the same one. Each
+            source's ``transform``, ``on_error`` and ``validate`` apply to its own rows.
 
     Raises:
         ColumnNotFoundError: If ``packing`` names a column the sources do not read.
         ValueError: If the names of ``sources`` and ``weights`` differ, a weight is not a
-            positive number, a source has no row, or ``source_key`` names a column.
+            positive number, a source has no row, ``source_key`` names a column, or the
+            sources give different batch_transforms.
         TypeError: If a source is not a LakeDataset.
         SchemaMismatchError: If the sources' columns differ (names both sides).
 
@@ -93,6 +98,7 @@ class Mixture:
         epoch_rows: int | None = None,
         source_key: str = DEFAULT_SOURCE_KEY,
         packing: Packing | None = None,
+        batch_transform: BatchTransform | None = None,
     ) -> None:
         if set(sources) != set(weights):
             raise ValueError(
@@ -135,12 +141,7 @@ class Mixture:
                     f"mixture source {name!r} has its own packing: give packing= to the "
                     "Mixture (every source is then packed alike), not to its sources"
                 )
-            if ds.transform is not None or ds.batch_transform is not None or ds.on_error != "raise":
-                raise ValueError(
-                    f"mixture source {name!r} has a transform, a batch_transform or "
-                    "on_error='skip', which mixtures do not support yet: build its LakeDataset "
-                    "without them"
-                )
+        self.batch_transform = _one_batch_transform(self.sources, batch_transform)
 
     @property
     def loader_kind(self) -> str:
@@ -165,6 +166,23 @@ class Mixture:
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={w:g}" for n, w in self.raw_weights.items())
         return f"Mixture({parts}, rows={self.epoch_rows}, seed={self.seed})"
+
+
+def _one_batch_transform(
+    sources: Mapping[str, LakeDataset], given: BatchTransform | None
+) -> BatchTransform | None:
+    """The batch_transform of the mixed batches: the one given, or the sources' common one."""
+    theirs = {name: ds.batch_transform for name, ds in sources.items() if ds.batch_transform}
+    if not theirs:
+        return given
+    first = next(iter(theirs.values()))
+    if given is None and len(theirs) == len(sources) and all(t is first for t in theirs.values()):
+        return first
+    raise ValueError(
+        f"mixture sources {sorted(theirs)} have their own batch_transform, of "
+        f"{len(sources)} sources: a batch mixes every source's rows, so give one "
+        "batch_transform to Mixture(batch_transform=...) and none to the sources"
+    )
 
 
 def _check_packing(sources: Mapping[str, LakeDataset], packing: Packing, schema: pa.Schema) -> None:

@@ -4,6 +4,7 @@ added at a resume, a small source upsampled."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Mapping
@@ -349,3 +350,40 @@ def test_inspect_shows_each_source_of_a_mixture_checkpoint(
     assert main(["inspect", str(tmp_path / "ckpt")]) == 0
     text = capsys.readouterr().out
     assert all(name in text for name in SIZES) and "remaining" in text
+
+
+def _double(batch: dict[str, Any]) -> dict[str, Any]:
+    return {**batch, "twice": batch["id"] * 2}
+
+
+def test_user_code_over_a_mixture_its_sources_own_rows_and_the_mixture_owns_batches(
+    lakes: Path,
+) -> None:
+    def tagged(row: dict[str, Any]) -> dict[str, Any]:
+        return {**row, "tag": f"{row['source']}:{row['id']}"}
+
+    sources = {
+        n: ll.LakeDataset(
+            lakes / n, seed=7, num_partitions=4, window=64, columns=["id"], transform=tagged
+        )
+        for n in WEIGHTS
+    }
+    mixture = Mixture(sources, WEIGHTS, seed=11, batch_transform=_double)
+    plain = make(lakes)
+    with (
+        ll.DataLoader(mixture, batch_size=16) as loader,
+        ll.DataLoader(plain, batch_size=16) as ref,
+    ):
+        for batch, want in itertools.islice(zip(loader, ref, strict=True), 30):
+            assert batch["id"].tolist() == want["id"].tolist()
+            assert batch["twice"].tolist() == [2 * i for i in want["id"].tolist()]
+            names = [plain.names[s] for s in want["source"].tolist()]
+            index = [plain.names.index(n) for n in names]
+            assert batch["tag"] == [
+                f"{s}:{i}" for s, i in zip(index, want["id"].tolist(), strict=True)
+            ]
+    same = {n: ll.LakeDataset(lakes / n, batch_transform=_double) for n in ("code", "web")}
+    assert Mixture(same, {"web": 1, "code": 1}).batch_transform is _double
+    apart = {"web": same["web"], "code": ll.LakeDataset(lakes / "code")}
+    with pytest.raises(ValueError, match=r"\['web'\] have their own batch_transform.*Mixture\("):
+        Mixture(apart, {"web": 1, "code": 1})

@@ -177,7 +177,7 @@ class Node:
 
 
 def decoding_setup(
-    host: Host, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout]], seed: int
+    host: Host, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout | None]], seed: int
 ) -> WorkerSetup:
     """Workers that decode the units of ``sources`` (a mixture's, a packed stream's).
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
-from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
+from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
 from lakeloader.order.mixture import MixCursor
@@ -26,6 +26,7 @@ from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.mixture_state import MixtureState, WeightChange
+from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
@@ -39,8 +40,11 @@ class MixtureNode(Node):
     ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
     groups (else this process's ``io_threads`` do). A pass that ends at its last step leaves
     its sources' decoded row groups to the next pass, which goes on with them (released by
-    ``close()``, ``load_state_dict()``, or when the loader is collected). A user
-    ``collate_fn`` is not supported for a mixture.
+    ``close()``, ``load_state_dict()``, or when the loader is collected. Each source's
+    ``transform``, ``on_error`` and ``validate`` apply to its rows; the loader's
+    ``collate_fn`` and the mixture's ``batch_transform`` to the mixed batch (rows meet the
+    transform with ``mixture.source_key`` set). A unit a source skips is in the state's
+    ``quarantine``, for every later pass and resume.
 
     Args:
         host: The loader.
@@ -54,7 +58,6 @@ class MixtureNode(Node):
 
     def __init__(self, host: Host, mixture: Mixture) -> None:
         super().__init__(host)
-        check_stream_options(host.options, "a Mixture")
         self.mixture = self.dataset = mixture
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
@@ -145,7 +148,7 @@ class MixtureNode(Node):
                 Topology(1, 0, 0, self.host.options.batch_size),
                 unit_dir,
                 pool,
-                RowLayout.of(self._readers[0].schema),
+                self._layout(),
                 workers_decode=True,
             )
         left = state.epoch_rows - (state.slot - state.epoch_start)
@@ -157,6 +160,7 @@ class MixtureNode(Node):
             self.host.topology,
             self.host.options,
             sources,
+            self._recipe(),
             self._delivered,
             res.carry,
         )
@@ -166,22 +170,45 @@ class MixtureNode(Node):
     def _leaves(self) -> list[Leaf]:
         """Each source's lake and reader, in the order of the mixture's names."""
         sources = [self.mixture.sources[n] for n in self.mixture.names]
+        known = self._state.quarantine
         return [
-            Leaf(ds, r, (), BatchRecipe(lists=ds.list_format))
+            Leaf(ds, r, known, BatchRecipe(ds.transform, lists=ds.list_format))
             for ds, r in zip(sources, self._readers, strict=True)
         ]
 
+    def _recipe(self) -> BatchRecipe:
+        """How the mixed rows become a batch: the loader's collate_fn, the batch_transform."""
+        lists = self.mixture.sources[self.mixture.names[0]].list_format
+        collate = self.host.options.collate_fn
+        return BatchRecipe(None, collate, self.mixture.batch_transform, lists)
+
+    def _layout(self) -> RowLayout | None:
+        """How rows are packed into the arena; None on the row path (a transform, a collate_fn)."""
+        rows_path = self.host.options.collate_fn is not None or any(
+            ds.transform is not None for ds in self.mixture.sources.values()
+        )
+        return None if rows_path else RowLayout.of(self._readers[0].schema)
+
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode every source's units, packed as one arena's rows."""
-        layout = RowLayout.of(self._readers[0].schema)
+        layout = self._layout()
         named = zip(self.mixture.names, self._readers, strict=True)
         return decoding_setup(
             self.host, [(self.mixture.sources[n], r, layout) for n, r in named], self.mixture.seed
         )
 
-    def _delivered(self, cursor: MixCursor) -> None:
+    def _delivered(
+        self, cursor: MixCursor, skipped: tuple[QuarantineEntry, ...], lost: int
+    ) -> None:
         """The only place the position moves: a batch was handed over."""
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
+        if skipped:
+            self._quarantine(skipped)
+
+    def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Add units skipped for good to the state (merged, sorted)."""
+        state = self._state
+        self._state = dataclasses.replace(state, quarantine=tuple(merge(state.quarantine, entries)))
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The mixture's position: plain types, O(sources)."""
@@ -208,6 +235,16 @@ class MixtureNode(Node):
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks (the same on every rank)."""
         return self._state
+
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
+        self._quarantine(quarantine)
+        return self.state()
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units the sources skipped so far, sorted; merged across ranks at saves."""
+        return list(self._state.quarantine)
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source."""

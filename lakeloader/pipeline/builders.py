@@ -30,6 +30,7 @@ from lakeloader.cache.views import views_array
 from lakeloader.order.batches import BatchSpec, share_slots
 from lakeloader.pipeline.collate import empty_like, gather_columns, python_values
 from lakeloader.pipeline.recipe import COLLATED, Payload, build_payload
+from lakeloader.pipeline.rows import gather_rows
 from lakeloader.pipeline.workspace import PassSpec
 from lakeloader.randomness import slot_seeds
 from lakeloader.state.quarantine import QuarantineEntry
@@ -137,6 +138,11 @@ class LocalBuilder:
         for name in names:
             typ = self._schema.field(name).type
             ready[name] = python_values(views_array(ready[name], typ, buffers))
+
+    def rows(self, screened: Screened) -> list[Any]:
+        """The step's rows as dicts, in its order (for the row path of a mixed batch)."""
+        units = self._opener.open(screened.refs, self._space.records()) if screened.refs else []
+        return gather_rows(units, screened.take, self._schema)
 
     def arrow_columns(self, screened: Screened, skip: tuple[str, ...]) -> dict[str, Any]:
         """The step's columns but ``skip`` (gathered elsewhere), through the Arrow path."""

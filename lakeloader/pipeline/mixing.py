@@ -22,6 +22,7 @@ import numpy as np
 
 from lakeloader.cache.decode import UnitRef
 from lakeloader.cache.packed import gather_packed
+from lakeloader.cache.screening import Screened
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_rows, range_specs
@@ -29,8 +30,18 @@ from lakeloader.order.mixture import MixCursor, MixWeights, draw_parts
 from lakeloader.order.plan import EpochPlan, batch_runs, expand_runs
 from lakeloader.pipeline.builders import timed_out
 from lakeloader.pipeline.merge import merge_columns
-from lakeloader.pipeline.recipe import COLUMNS, BatchRecipe, finish_payload
-from lakeloader.pipeline.stores import Stores
+from lakeloader.pipeline.recipe import (
+    COLUMNS,
+    BatchRecipe,
+    Payload,
+    columns_payload,
+    finish_payload,
+    rows_payload,
+)
+from lakeloader.pipeline.rows import transform_rows
+from lakeloader.pipeline.stores import Store, Stores
+from lakeloader.randomness import batch_seed, seed_globals
+from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
@@ -90,7 +101,10 @@ class MixtureIterator:
         topology: The loader's topology.
         options: The loader's options.
         sources: The sources' stores: new, or left by a pass that ended at ``cursor``.
-        delivered: Told the cursor after each batch handed over.
+        recipe: How the mixed rows become a batch (the loader's ``collate_fn``, the mixture's
+            ``batch_transform``); each source's ``transform`` is its store's.
+        delivered: Told the cursor after each batch handed over, with the units it found
+            quarantined and the rows of this rank they held.
         ended: Told the sources' passes when this pass ended at its last step (they can go on);
             a pass ended otherwise closes them.
     """
@@ -104,25 +118,28 @@ class MixtureIterator:
         topology: Topology,
         options: LoaderOptions,
         sources: Stores,
-        delivered: Callable[[MixCursor], None],
+        recipe: BatchRecipe,
+        delivered: Callable[[MixCursor, tuple[QuarantineEntry, ...], int], None],
         ended: Callable[[Stores], None],
     ) -> None:
         self._mixture, self._weights, self._topology = mixture, weights, topology
         self._options, self._sources = options, sources
         self._delivered, self._ended = delivered, ended
         self._rows = mixture.rows()
-        first = next(iter(mixture.sources.values()))
-        self._lists = BatchRecipe(lists=first.list_format)
+        self._recipe = recipe
+        #: Rows go one by one through a source's transform or the collate_fn.
+        self._rows_path = recipe.rows_path or any(leaf.recipe.transform for leaf in sources.leaves)
         self.num_steps = num_steps
         self._planned_cursor = cursor
         self._planned: deque[_Step] = deque()
         self._next_plan = self._next_deliver = 0
         self._schema = sources.schema
         sources.at = None  # under way
-        assert sources.layout is not None  # a mixture packs what it can
         self._layout, self._arena = sources.layout, sources.arena
-        #: Every column packed into the arena: a step is one gather of rows planned ahead.
-        self._fast = self._arena is not None and len(self._layout.names) == len(self._schema)
+        #: Every column packed into the arena and no user code: a step is one gather of rows
+        #: planned ahead.
+        packed = self._layout is not None and len(self._layout.names) == len(self._schema)
+        self._fast = self._arena is not None and packed and not recipe.user_code
         self._closed = False
 
     def _plan_ahead(self) -> None:
@@ -213,11 +230,9 @@ class MixtureIterator:
             raise StopIteration
         self._plan_ahead()
         step = self._planned.popleft()
-        columns = self._build(step)
-        columns[self._mixture.source_key] = step.sources.astype(np.int64)
-        batch = finish_payload((COLUMNS, columns), self._lists)
+        batch, skipped, lost = self._build(step)
         self._next_deliver += 1
-        self._delivered(step.cursor)
+        self._delivered(step.cursor, skipped, lost)
         self._release(step.cursor)
         if self._next_deliver >= self.num_steps:  # the sources go on: the next pass may take them
             self._closed = True
@@ -233,9 +248,10 @@ class MixtureIterator:
             consumed = min(max(count - epoch * rows[source], 0), rows[source])
             self._sources.release(source, epoch, consumed)
 
-    def _build(self, step: _Step) -> dict[str, Any]:
-        """The step's columns in slot order: one gather when every column is packed."""
-        if step.rows is not None and self._arena is not None:
+    def _build(self, step: _Step) -> tuple[Any, tuple[QuarantineEntry, ...], int]:
+        """The step's batch, the units it found quarantined and the rows they held."""
+        key, sources = self._mixture.source_key, step.sources.astype(np.int64)
+        if step.rows is not None and self._arena is not None and self._layout is not None:
             timeout, full, held = self._options.timeout or None, self._layout.names, []
             for part in step.parts:
                 source_pass = self._sources.open[part.pair]
@@ -244,39 +260,79 @@ class MixtureIterator:
                 except FutureTimeout:
                     raise timed_out(source_pass.spec, self._next_deliver) from None
             if all(isinstance(h, UnitRef) and (h.packed is full or h.packed == full) for h in held):
-                return gather_packed(self._arena.records, step.rows, self._layout, full)
-        return self._build_by_part(step)
+                columns = gather_packed(self._arena.records, step.rows, self._layout, full)
+                columns[key] = sources
+                return finish_payload((COLUMNS, columns), self._recipe), (), 0
+        screens = [self._screen(part) for part in step.parts]
+        kept = np.sort(np.concatenate([dest for _, _, _, dest in screens]))
+        places = [np.searchsorted(kept, dest) for _, _, _, dest in screens]
+        seeds = np.empty(len(kept), dtype=np.uint64)
+        for (store, spec, screened, _), place in zip(screens, places, strict=True):
+            seeds[place] = store.builder.seeds(spec, screened)
+        skipped = tuple(q for _, _, screened, _ in screens for q in screened.skipped)
+        lost = sum(screened.lost for _, _, screened, _ in screens)
+        payload: Payload
+        if self._rows_path:
+            rows: list[Any] = [None] * len(kept)
+            seed_globals(batch_seed(seeds))
+            parts = zip(step.parts, screens, places, strict=True)
+            for part, (store, _, screened, _), place in parts:
+                mine = store.builder.rows(screened)
+                for row in mine:
+                    row[key] = part.pair[0]
+                transform = store.spec.recipe.transform
+                if transform is not None:
+                    mine = transform_rows(mine, transform, seeds[place])
+                for at, row in zip(place.tolist(), mine, strict=True):
+                    rows[at] = row
+            payload = rows_payload(rows, self._recipe, seeds)
+        else:
+            columns = self._columns(screens, places, len(kept))
+            columns[key] = sources[kept]
+            payload = columns_payload(columns, self._recipe, seeds)
+        return finish_payload(payload, self._recipe), skipped, lost
 
-    def _build_by_part(self, step: _Step) -> dict[str, Any]:
-        """Each part screened; packed rows gathered at once, other columns part by part."""
-        size = len(step.sources)
-        dests = [part.dest for part in step.parts]
-        screens = []
-        for part in step.parts:
-            builder = self._sources.open[part.pair].builder
-            spec = part.spec or _spec_of(self._sources.open[part.pair].spec.plan, part)
-            screens.append((builder, builder.screened(spec)))
+    def _screen(self, part: _Part) -> tuple[Store, BatchSpec, Screened, np.ndarray]:
+        """A part's units without the quarantined ones, and where its rows left go."""
+        store = self._sources.open[part.pair]
+        spec = part.spec or _spec_of(store.spec.plan, part)
+        screened = store.builder.screened(spec)
+        dest = part.dest if screened.kept is None else part.dest[screened.kept]
+        return store, spec, screened, dest
+
+    def _columns(
+        self,
+        screens: list[tuple[Store, BatchSpec, Screened, np.ndarray]],
+        dests: list[np.ndarray],
+        size: int,
+    ) -> dict[str, Any]:
+        """The parts' columns in slot order: packed rows gathered at once, others by part."""
         columns: dict[str, Any] = {}
         done: tuple[str, ...] = ()
-        if self._arena is not None and all(s.rows is not None for _, s in screens):
-            packed = _common([s.names for _, s in screens])
-            views = _common([s.views for _, s in screens])
+        layout = self._layout
+        if (
+            self._arena is not None
+            and layout is not None
+            and all(s.rows is not None for _, _, s, _ in screens)
+        ):
+            packed = _common([s.names for _, _, s, _ in screens])
+            views = _common([s.views for _, _, s, _ in screens])
             rows = np.empty(size, dtype=np.int64)
-            for (_, screened), dest in zip(screens, dests, strict=True):
+            for (_, _, screened, _), dest in zip(screens, dests, strict=True):
                 assert screened.rows is not None
                 rows[dest] = screened.rows
-            gathered = gather_packed(self._arena.records, rows, self._layout, packed + views)
+            gathered = gather_packed(self._arena.records, rows, layout, packed + views)
             columns.update((name, gathered[name]) for name in packed)
             if views:  # each source's views point into its own buffers
                 resolved = []
-                for (builder, _), dest in zip(screens, dests, strict=True):
+                for (store, _, _, _), dest in zip(screens, dests, strict=True):
                     ready = {name: gathered[name][dest] for name in views}
-                    builder.resolve_views(ready, views)
+                    store.builder.resolve_views(ready, views)
                     resolved.append(ready)
                 columns.update(merge_columns(resolved, dests, size))
             done = packed + views
         if len(done) < len(self._schema):
-            parts = [builder.arrow_columns(screened, done) for builder, screened in screens]
+            parts = [store.builder.arrow_columns(s, done) for store, _, s, _ in screens]
             columns.update(merge_columns(parts, dests, size))
         return {name: columns[name] for name in self._schema.names}
 

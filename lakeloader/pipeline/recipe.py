@@ -95,18 +95,35 @@ def build_payload(
         ``(COLUMNS, dict of arrays or lists)`` on the default path, else ``(COLLATED, batch)``.
     """
     if not recipe.rows_path:
-        columns = gather_columns(units, take, schema, ready)
-        if recipe.batch_transform is None:
-            return COLUMNS, columns
-        batch = columns_to_tensors(columns, recipe.lists)
-    else:
-        rows = gather_rows(units, take, schema)
-        seed_globals(batch_seed(seeds))
-        if recipe.transform is not None:
-            rows = transform_rows(rows, recipe.transform, seeds)
-        batch = (recipe.collate_fn or default_collate)(rows)
-        if recipe.batch_transform is None:
-            return COLLATED, batch
+        return columns_payload(gather_columns(units, take, schema, ready), recipe, seeds)
+    rows = gather_rows(units, take, schema)
+    seed_globals(batch_seed(seeds))
+    if recipe.transform is not None:
+        rows = transform_rows(rows, recipe.transform, seeds)
+    return rows_payload(rows, recipe, seeds)
+
+
+def columns_payload(columns: dict[str, Any], recipe: BatchRecipe, seeds: np.ndarray) -> Payload:
+    """A batch's columns, through the recipe's ``batch_transform`` if it has one."""
+    if recipe.batch_transform is None:
+        return COLUMNS, columns
+    return _batch_transformed(columns_to_tensors(columns, recipe.lists), recipe, seeds)
+
+
+def rows_payload(rows: list[Any], recipe: BatchRecipe, seeds: np.ndarray) -> Payload:
+    """Transformed rows collated, then through the ``batch_transform`` if there is one.
+
+    ``default_collate`` without a ``collate_fn``; no row gives ``[]`` (torch never collates
+    none).
+    """
+    batch = (recipe.collate_fn or default_collate)(rows) if rows else []
+    if recipe.batch_transform is None:
+        return COLLATED, batch
+    return _batch_transformed(batch, recipe, seeds)
+
+
+def _batch_transformed(batch: Any, recipe: BatchRecipe, seeds: np.ndarray) -> Payload:
+    assert recipe.batch_transform is not None
     seed_globals(batch_seed(seeds))
     with drawing(seeds):
         return COLLATED, recipe.batch_transform(batch)

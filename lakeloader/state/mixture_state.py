@@ -8,6 +8,7 @@ snapshot's fingerprint, order configuration and rows), against which a resume is
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -65,6 +66,8 @@ class MixtureState:
         epoch_rows: Rows of a pass.
         sources: ``{name: SourceRecord}`` of the sources in the mixture now.
         topology: The topology of the loader that took the state (for reports).
+        quarantine: Units of the sources skipped for good (``on_error="skip"``, ``validate``),
+            merged and sorted (entries name their files, so one list serves every source).
     """
 
     seed: int
@@ -76,6 +79,7 @@ class MixtureState:
     epoch_rows: int
     sources: Mapping[str, SourceRecord]
     topology: Mapping[str, int] = field(default_factory=dict)
+    quarantine: tuple[QuarantineEntry, ...] = ()
 
     @property
     def fingerprint(self) -> str:
@@ -93,11 +97,6 @@ class MixtureState:
     def position(self) -> int:
         """The global slot reached (:attr:`slot`)."""
         return self.slot
-
-    @property
-    def quarantine(self) -> tuple[QuarantineEntry, ...]:
-        """Mixtures skip no unit (their sources read with ``on_error="raise"``)."""
-        return ()
 
     @property
     def epoch_done(self) -> bool:
@@ -134,6 +133,7 @@ class MixtureState:
                 for name, r in self.sources.items()
             },
             "topology": dict(self.topology),
+            "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
         }
 
     @classmethod
@@ -173,6 +173,9 @@ class MixtureState:
                 epoch_rows=int(data["epoch_rows"]),
                 sources=sources,
                 topology={str(k): int(v) for k, v in data.get("topology", {}).items()},
+                quarantine=tuple(
+                    QuarantineEntry.from_dict(q) for q in json.loads(data.get("quarantine", "[]"))
+                ),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed mixture state: {exc!r}") from exc
