@@ -138,3 +138,68 @@ def test_a_row_group_a_worker_cannot_read_names_its_file(lakes: Path, tmp_path: 
     with loader, pytest.raises(ll.LakeDataError, match=r"part-1\.parquet.*row group 2"):
         for _ in loader:
             pass
+
+
+def _pid_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {**row, "pid": os.getpid(), "twice": row["id"] * 2}
+
+
+def _summed(batch: dict[str, Any]) -> dict[str, Any]:
+    return {**batch, "total": int(batch["x"].sum())}
+
+
+@pytest.mark.parametrize("transform", [None, _pid_row])
+def test_a_mixture_with_user_code_is_built_by_its_workers(lakes: Path, transform: Any) -> None:
+    def both() -> ll.Mixture:
+        sources = {
+            n: ll.LakeDataset(
+                lakes / n,
+                columns=["id", "x"],
+                seed=3,
+                num_partitions=C,
+                window=64,
+                transform=transform,
+            )
+            for n in ("web", "code")
+        }
+        return ll.Mixture(sources, {"web": 0.6, "code": 0.4}, seed=9, batch_transform=_summed)
+
+    def run(**kw: Any) -> list[Any]:
+        with ll.DataLoader(both(), batch_size=32, **kw) as loader:
+            out = []
+            for batch in loader:
+                out.append(batch)
+                if len(out) == 3 and kw:
+                    assert loader._pool is not None
+                    victim = loader._pool.pids()[1]
+                    assert victim is not None
+                    os.kill(victim, signal.SIGKILL)
+                    wait_dead(victim)
+            return out
+
+    alone = run()
+    with pytest.warns(ll.WorkerWarning, match="exit code -9"):
+        built = run(num_workers=2, prefetch_factor=2)
+    assert [b["id"].tolist() for b in built] == [b["id"].tolist() for b in alone]
+    assert [b["source"].tolist() for b in built] == [b["source"].tolist() for b in alone]
+    assert [b["total"] for b in built] == [b["total"] for b in alone]
+    if transform is not None:
+        assert [b["twice"].tolist() for b in built] == [b["twice"].tolist() for b in alone]
+        pids = {int(p) for b in built for p in b["pid"].tolist()}
+        assert os.getpid() not in pids and len(pids) >= 2
+
+
+def test_passes_of_a_mixture_built_by_workers_go_on_one_after_the_other(lakes: Path) -> None:
+    sources = {
+        n: ll.LakeDataset(lakes / n, columns=["id", "x"], seed=3, num_partitions=C, window=64)
+        for n in ("web", "code")
+    }
+    mix = ll.Mixture(
+        sources, {"web": 1, "code": 1}, seed=9, epoch_rows=200, batch_transform=_summed
+    )
+    with (
+        ll.DataLoader(mix, batch_size=32) as alone,
+        ll.DataLoader(mix, batch_size=32, num_workers=2, persistent_workers=True) as built,
+    ):
+        for _ in range(3):  # three passes, each a new iter() over the stores the last one left
+            assert [b["id"].tolist() for b in built] == [b["id"].tolist() for b in alone]

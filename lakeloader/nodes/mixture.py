@@ -38,7 +38,8 @@ class MixtureNode(Node):
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
-    groups (else this process's ``io_threads`` do). A pass that ends at its last step leaves
+    groups (else this process's ``io_threads`` do); with the user's code (a source's
+    ``transform``, a ``collate_fn``, a ``batch_transform``) they build the batches instead. A pass that ends at its last step leaves
     its sources' decoded row groups to the next pass, which goes on with them (released by
     ``close()``, ``load_state_dict()``, or when the loader is collected. Each source's
     ``transform``, ``on_error`` and ``validate`` apply to its rows; the loader's
@@ -134,6 +135,7 @@ class MixtureNode(Node):
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
         res = self.host._res
+        pool = self.host._ensure_pool() if self.host.options.num_workers else None
         state, size = self._state, self.host.global_batch_size
         cursor = MixCursor(state.slot, state.counts)
         sources = res.take_carried()
@@ -141,7 +143,6 @@ class MixtureNode(Node):
             if sources is not None:
                 sources.close()
             unit_dir = res.unit_folder(self.host.options.cache_dir, self.host.options.cache_bytes)
-            pool = self.host._ensure_pool() if self.host.options.num_workers else None
             sources = Stores(
                 self._leaves(),
                 self.host.options,
@@ -149,7 +150,7 @@ class MixtureNode(Node):
                 unit_dir,
                 pool,
                 self._layout(),
-                workers_decode=True,
+                workers_decode=not self._workers_build,
             )
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
@@ -160,6 +161,7 @@ class MixtureNode(Node):
             self.host.topology,
             self.host.options,
             sources,
+            pool if self._workers_build else None,
             self._recipe(),
             self._delivered,
             res.carry,
@@ -182,15 +184,43 @@ class MixtureNode(Node):
         collate = self.host.options.collate_fn
         return BatchRecipe(None, collate, self.mixture.batch_transform, lists)
 
+    @property
+    def _workers_build(self) -> bool:
+        """Whether workers build the batches (the user's code runs), rather than decode."""
+        return bool(self.host.options.num_workers) and (
+            self._recipe().user_code
+            or any(ds.transform is not None for ds in self.mixture.sources.values())
+        )
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether workers build batches (a transform or collate_fn) rather than decode."""
+        return self._workers_build
+
     def _layout(self) -> RowLayout | None:
-        """How rows are packed into the arena; None on the row path (a transform, a collate_fn)."""
+        """How rows are packed into the arena, or None.
+
+        None on the row path (a transform, a collate_fn) and where workers build (they take
+        every column from the units' files).
+        """
         rows_path = self.host.options.collate_fn is not None or any(
             ds.transform is not None for ds in self.mixture.sources.values()
         )
-        return None if rows_path else RowLayout.of(self._readers[0].schema)
+        packs = not rows_path and not self._workers_build
+        return RowLayout.of(self._readers[0].schema) if packs else None
 
     def worker_setup(self) -> WorkerSetup:
-        """Workers that decode every source's units, packed as one arena's rows."""
+        """Workers that build the mixed batches, or decode every source's units."""
+        if self._workers_build:
+            return WorkerSetup(
+                schema=self._readers[0].schema,
+                layout=None,
+                recipe=self._recipe(),
+                worker_init_fn=self.host.options.worker_init_fn,
+                seed=self.mixture.seed,
+                rank=self.host.topology.rank,
+                num_workers=self.host.options.num_workers,
+            )
         layout = self._layout()
         named = zip(self.mixture.names, self._readers, strict=True)
         return decoding_setup(

@@ -4,10 +4,9 @@ Each global batch is drawn by the mixture's cursor (:mod:`lakeloader.order.mixtu
 rank's share is cut into parts, one per source and epoch of that source
 (:func:`~lakeloader.order.mixture.rank_parts`), and each part is a slot range of that epoch's
 order, which a :class:`~lakeloader.pipeline.stores.Store` (a unit store and a builder over one
-epoch of one source) reads and builds like a single lake's step. The parts'
-columns are laid out in slot order (:mod:`lakeloader.pipeline.merge`) with the source of each
-row, and only then made tensors. Steps are planned ahead in chunks, so that every source
-decodes ahead in its plan order. A source's pass is closed once all ranks are past its epoch;
+epoch of one source) reads; :mod:`lakeloader.pipeline.mixed_steps` builds the step's batch
+from them, with the source of each row. Steps are planned ahead in chunks, so that every
+source decodes ahead in its plan order. A source's pass is closed once all ranks are past its epoch;
 the others outlive a pass that ends at its last step, for the next one to go on with.
 """
 
@@ -15,79 +14,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import numpy as np
 
-from lakeloader.cache.decode import UnitRef
-from lakeloader.cache.packed import gather_packed
-from lakeloader.cache.screening import Screened
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_rows, range_specs
 from lakeloader.order.mixture import MixCursor, MixWeights, draw_parts
-from lakeloader.order.plan import EpochPlan, batch_runs, expand_runs
-from lakeloader.pipeline.builders import timed_out
-from lakeloader.pipeline.merge import merge_columns
-from lakeloader.pipeline.recipe import (
-    COLUMNS,
-    BatchRecipe,
-    Payload,
-    columns_payload,
-    finish_payload,
-    rows_payload,
-)
-from lakeloader.pipeline.rows import transform_rows
-from lakeloader.pipeline.stores import Store, Stores
-from lakeloader.randomness import batch_seed, seed_globals
+from lakeloader.order.plan import batch_runs, expand_runs
+from lakeloader.pipeline.mixed_steps import MixedBuilder, MixedStep, Part
+from lakeloader.pipeline.recipe import BatchRecipe
+from lakeloader.pipeline.stores import Stores
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
+from lakeloader.workers.pool import WorkerPool
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
 LOOKAHEAD_STEPS: Final = 512
 #: Steps planned by one call.
 PLAN_CHUNK: Final = 256
-
-
-class _Part(NamedTuple):
-    """A planned part of a step: one source epoch's positions ``[start, stop)``.
-
-    (Tuples, not frozen dataclasses: thousands are made per pass.)
-
-    Attributes:
-        pair: (source, epoch).
-        start: First position in that epoch's order.
-        stop: One past the last.
-        positions: The pieces it reads.
-        dest: Where each of its rows (partition-major in its range) goes in the share.
-        spec: Its range as a step of its source epoch, for the builder to screen and gather
-            (None where every column is packed: a step is then one gather of arena rows).
-    """
-
-    pair: tuple[int, int]
-    start: int
-    stop: int
-    positions: np.ndarray
-    dest: np.ndarray
-    spec: BatchSpec | None
-
-
-class _Step(NamedTuple):
-    """A planned step of the rank.
-
-    Attributes:
-        sources: The source of each row.
-        parts: Its parts.
-        cursor: The mixture's cursor after it.
-        rows: The arena row of each row, when every column of every piece is packed into the
-            arena (else None).
-    """
-
-    sources: np.ndarray
-    parts: tuple[_Part, ...]
-    cursor: MixCursor
-    rows: np.ndarray | None
 
 
 class MixtureIterator:
@@ -101,6 +47,8 @@ class MixtureIterator:
         topology: The loader's topology.
         options: The loader's options.
         sources: The sources' stores: new, or left by a pass that ended at ``cursor``.
+        pool: The DataLoader's workers when they build the batches (the user's code runs on
+            them: step ``k`` of the pass on worker ``k mod W``, a few steps ahead), or None.
         recipe: How the mixed rows become a batch (the loader's ``collate_fn``, the mixture's
             ``batch_transform``); each source's ``transform`` is its store's.
         delivered: Told the cursor after each batch handed over, with the units it found
@@ -118,6 +66,7 @@ class MixtureIterator:
         topology: Topology,
         options: LoaderOptions,
         sources: Stores,
+        pool: WorkerPool | None,
         recipe: BatchRecipe,
         delivered: Callable[[MixCursor, tuple[QuarantineEntry, ...], int], None],
         ended: Callable[[Stores], None],
@@ -126,20 +75,16 @@ class MixtureIterator:
         self._options, self._sources = options, sources
         self._delivered, self._ended = delivered, ended
         self._rows = mixture.rows()
-        self._recipe = recipe
-        #: Rows go one by one through a source's transform or the collate_fn.
-        self._rows_path = recipe.rows_path or any(leaf.recipe.transform for leaf in sources.leaves)
         self.num_steps = num_steps
         self._planned_cursor = cursor
-        self._planned: deque[_Step] = deque()
+        self._planned: deque[MixedStep] = deque()
         self._next_plan = self._next_deliver = 0
         self._schema = sources.schema
         sources.at = None  # under way
-        self._layout, self._arena = sources.layout, sources.arena
+        self._builder = MixedBuilder(mixture, sources, recipe, options, pool)
         #: Every column packed into the arena and no user code: a step is one gather of rows
         #: planned ahead.
-        packed = self._layout is not None and len(self._layout.names) == len(self._schema)
-        self._fast = self._arena is not None and packed and not recipe.user_code
+        self._fast = self._builder.fast
         self._closed = False
 
     def _plan_ahead(self) -> None:
@@ -176,7 +121,7 @@ class MixtureIterator:
         offsets = np.cumsum(lengths) - lengths  # of each part's rows in ``table.at``
         keys = table.source * (int(table.epoch.max()) + 1) + table.epoch
         rows = np.full((count, width), -1, dtype=np.int64) if self._fast else None
-        made: dict[int, _Part] = {}
+        made: dict[int, Part] = {}
         for key in np.unique(keys).tolist():
             idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order
             pair = (int(table.source[idx[0]]), int(table.epoch[idx[0]]))
@@ -204,7 +149,7 @@ class MixtureIterator:
                 idx.tolist(), starts.tolist(), stops.tolist(), ends, cuts, specs, strict=True
             )
             for i, start, stop, p1, r1, spec in columns:
-                made[i] = _Part(pair, start, stop, positions[p0:p1], where[r0:r1], spec)
+                made[i] = Part(pair, start, stop, positions[p0:p1], where[r0:r1], spec)
                 p0, r0 = p1, r1
         bounds = np.searchsorted(table.step, np.arange(count + 1)).tolist()
         whole: list[bool] = [False] * count
@@ -217,7 +162,7 @@ class MixtureIterator:
             cursor = MixCursor(before.slot + (k + 1) * size, counts)
             packed = rows[k] if rows is not None and whole[k] else None
             parts = tuple(ordered[bounds[k] : bounds[k + 1]])
-            self._planned.append(_Step(sources, parts, cursor, packed))
+            self._planned.append(MixedStep(sources, parts, cursor, packed))
         self._planned_cursor = after
         self._next_plan += count
 
@@ -230,11 +175,12 @@ class MixtureIterator:
             raise StopIteration
         self._plan_ahead()
         step = self._planned.popleft()
-        batch, skipped, lost = self._build(step)
+        batch, skipped, lost = self._builder.build(self._next_deliver, step, self._planned)
         self._next_deliver += 1
         self._delivered(step.cursor, skipped, lost)
         self._release(step.cursor)
         if self._next_deliver >= self.num_steps:  # the sources go on: the next pass may take them
+            self._builder.close(True)
             self._closed = True
             self._sources.at = step.cursor
             self._ended(self._sources)
@@ -248,94 +194,6 @@ class MixtureIterator:
             consumed = min(max(count - epoch * rows[source], 0), rows[source])
             self._sources.release(source, epoch, consumed)
 
-    def _build(self, step: _Step) -> tuple[Any, tuple[QuarantineEntry, ...], int]:
-        """The step's batch, the units it found quarantined and the rows they held."""
-        key, sources = self._mixture.source_key, step.sources.astype(np.int64)
-        if step.rows is not None and self._arena is not None and self._layout is not None:
-            timeout, full, held = self._options.timeout or None, self._layout.names, []
-            for part in step.parts:
-                source_pass = self._sources.open[part.pair]
-                try:
-                    held += source_pass.store.get(part.positions, timeout)
-                except FutureTimeout:
-                    raise timed_out(source_pass.spec, self._next_deliver) from None
-            if all(isinstance(h, UnitRef) and (h.packed is full or h.packed == full) for h in held):
-                columns = gather_packed(self._arena.records, step.rows, self._layout, full)
-                columns[key] = sources
-                return finish_payload((COLUMNS, columns), self._recipe), (), 0
-        screens = [self._screen(part) for part in step.parts]
-        kept = np.sort(np.concatenate([dest for _, _, _, dest in screens]))
-        places = [np.searchsorted(kept, dest) for _, _, _, dest in screens]
-        seeds = np.empty(len(kept), dtype=np.uint64)
-        for (store, spec, screened, _), place in zip(screens, places, strict=True):
-            seeds[place] = store.builder.seeds(spec, screened)
-        skipped = tuple(q for _, _, screened, _ in screens for q in screened.skipped)
-        lost = sum(screened.lost for _, _, screened, _ in screens)
-        payload: Payload
-        if self._rows_path:
-            rows: list[Any] = [None] * len(kept)
-            seed_globals(batch_seed(seeds))
-            parts = zip(step.parts, screens, places, strict=True)
-            for part, (store, _, screened, _), place in parts:
-                mine = store.builder.rows(screened)
-                for row in mine:
-                    row[key] = part.pair[0]
-                transform = store.spec.recipe.transform
-                if transform is not None:
-                    mine = transform_rows(mine, transform, seeds[place])
-                for at, row in zip(place.tolist(), mine, strict=True):
-                    rows[at] = row
-            payload = rows_payload(rows, self._recipe, seeds)
-        else:
-            columns = self._columns(screens, places, len(kept))
-            columns[key] = sources[kept]
-            payload = columns_payload(columns, self._recipe, seeds)
-        return finish_payload(payload, self._recipe), skipped, lost
-
-    def _screen(self, part: _Part) -> tuple[Store, BatchSpec, Screened, np.ndarray]:
-        """A part's units without the quarantined ones, and where its rows left go."""
-        store = self._sources.open[part.pair]
-        spec = part.spec or _spec_of(store.spec.plan, part)
-        screened = store.builder.screened(spec)
-        dest = part.dest if screened.kept is None else part.dest[screened.kept]
-        return store, spec, screened, dest
-
-    def _columns(
-        self,
-        screens: list[tuple[Store, BatchSpec, Screened, np.ndarray]],
-        dests: list[np.ndarray],
-        size: int,
-    ) -> dict[str, Any]:
-        """The parts' columns in slot order: packed rows gathered at once, others by part."""
-        columns: dict[str, Any] = {}
-        done: tuple[str, ...] = ()
-        layout = self._layout
-        if (
-            self._arena is not None
-            and layout is not None
-            and all(s.rows is not None for _, _, s, _ in screens)
-        ):
-            packed = _common([s.names for _, _, s, _ in screens])
-            views = _common([s.views for _, _, s, _ in screens])
-            rows = np.empty(size, dtype=np.int64)
-            for (_, _, screened, _), dest in zip(screens, dests, strict=True):
-                assert screened.rows is not None
-                rows[dest] = screened.rows
-            gathered = gather_packed(self._arena.records, rows, layout, packed + views)
-            columns.update((name, gathered[name]) for name in packed)
-            if views:  # each source's views point into its own buffers
-                resolved = []
-                for (store, _, _, _), dest in zip(screens, dests, strict=True):
-                    ready = {name: gathered[name][dest] for name in views}
-                    store.builder.resolve_views(ready, views)
-                    resolved.append(ready)
-                columns.update(merge_columns(resolved, dests, size))
-            done = packed + views
-        if len(done) < len(self._schema):
-            parts = [store.builder.arrow_columns(s, done) for store, _, s, _ in screens]
-            columns.update(merge_columns(parts, dests, size))
-        return {name: columns[name] for name in self._schema.names}
-
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""
         return self._sources.held_bytes()
@@ -345,7 +203,8 @@ class MixtureIterator:
         return self._sources.peak_bytes()
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
-        """Stop decoding; drop every source's units (idempotent)."""
+        """Stop decoding and building; drop every source's units (idempotent)."""
+        self._builder.close(wait)
         if self._closed:
             return
         self._closed = True
@@ -366,21 +225,3 @@ def _dests(
     base = np.cumsum(lengths) - lengths
     where: np.ndarray = at[slots - np.repeat(starts - base, lengths)]
     return where
-
-
-def _spec_of(plan: EpochPlan, part: _Part) -> BatchSpec:
-    """A part's range as a step of its source epoch.
-
-    For a step planned as one gather whose units came back without every column packed.
-    """
-    bounds = np.array([part.start]), np.array([part.stop])
-    (spec,) = range_specs(plan, np.zeros(1, np.int64), *bounds)
-    return spec
-
-
-def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
-    """The columns every part has (in the first part's order)."""
-    if all(n is names[0] for n in names):
-        return names[0]
-    shared = set(names[0]).intersection(*names[1:])
-    return tuple(n for n in names[0] if n in shared)

@@ -47,6 +47,19 @@ Payload = tuple[str, Any]
 
 
 @dataclass(frozen=True)
+class Sources:
+    """A mixed batch's rows' sources, each with its own row transform.
+
+    Attributes:
+        of: The index of each row's source, in batch order.
+        transforms: Each source's row transform, or None.
+    """
+
+    of: np.ndarray
+    transforms: tuple[Transform | None, ...]
+
+
+@dataclass(frozen=True)
 class BatchRecipe:
     """What turns a step's rows into its batch.
 
@@ -80,6 +93,8 @@ def build_payload(
     recipe: BatchRecipe,
     ready: Mapping[str, Any],
     seeds: np.ndarray,
+    extra: Mapping[str, np.ndarray] | None = None,
+    sources: Sources | None = None,
 ) -> Payload:
     """Build one batch from decoded units (in a worker, or in the loader's process).
 
@@ -90,16 +105,32 @@ def build_payload(
         recipe: How the batch is made.
         ready: Columns already gathered from the arena (columnar path only).
         seeds: Each row's seed (:func:`lakeloader.randomness.slot_seeds`), in batch order.
+        extra: Columns computed, in batch order (a mixture's source of each row): in the
+            batch, and in each row before its transform.
+        sources: A mixed batch's rows' sources and their transforms, which replace the
+            recipe's (None: one source).
 
     Returns:
         ``(COLUMNS, dict of arrays or lists)`` on the default path, else ``(COLLATED, batch)``.
     """
-    if not recipe.rows_path:
-        return columns_payload(gather_columns(units, take, schema, ready), recipe, seeds)
+    extra = extra or {}
+    transforms = sources.transforms if sources is not None else (recipe.transform,)
+    if not recipe.rows_path and not any(transforms):
+        columns = gather_columns(units, take, schema, ready)
+        columns.update(extra)
+        return columns_payload(columns, recipe, seeds)
     rows = gather_rows(units, take, schema)
+    for name, values in extra.items():
+        for row, value in zip(rows, values.tolist(), strict=True):
+            row[name] = value
     seed_globals(batch_seed(seeds))
-    if recipe.transform is not None:
-        rows = transform_rows(rows, recipe.transform, seeds)
+    of = sources.of if sources is not None else np.zeros(len(rows), dtype=np.int64)
+    for index, transform in enumerate(transforms):
+        if transform is not None:
+            mine = np.flatnonzero(of == index)
+            done = transform_rows([rows[i] for i in mine.tolist()], transform, seeds[mine])
+            for i, row in zip(mine.tolist(), done, strict=True):
+                rows[i] = row
     return rows_payload(rows, recipe, seeds)
 
 

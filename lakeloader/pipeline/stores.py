@@ -202,12 +202,13 @@ class Stores:
             else:
                 decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
                 decodes = LocalDecodes(
-                    decoder, opts.io_threads, budget, self._records, self._threads
+                    decoder, opts.io_threads, budget, self.records, self._threads
                 )
             self.open[key] = Store(spec, reader, self.dir, self.arena, decodes, self._shares_tables)
         return self.open[key]
 
-    def _records(self) -> np.ndarray | None:
+    def records(self) -> np.ndarray | None:
+        """The arena's rows now (it may have grown since the last call), or None."""
         return self.arena.records if self.arena is not None else None
 
     def release(self, leaf: int, epoch: int, delivered: int) -> None:

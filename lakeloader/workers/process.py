@@ -16,7 +16,7 @@ import random
 import signal
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeAlias
@@ -31,7 +31,7 @@ from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import UnitOpener
 from lakeloader.errors import LakeError
 from lakeloader.io.retry import describe
-from lakeloader.pipeline.recipe import BatchRecipe, build_payload
+from lakeloader.pipeline.recipe import BatchRecipe, Sources, build_payload
 from lakeloader.signals import process_receives
 from lakeloader.workers.shipping import ship
 
@@ -124,6 +124,8 @@ class Task:
         rows: Arena row of each batch row, or None (nothing packed).
         names: The packed columns to gather from those rows.
         arena: The arena's handle as it was when the task was sent, or None.
+        extra: Columns computed, in batch order (a mixture's source of each row), or None.
+        sources: A mixed batch's rows' sources and their transforms, or None.
     """
 
     generation: int
@@ -135,6 +137,8 @@ class Task:
     rows: np.ndarray | None = None
     names: tuple[str, ...] = ()
     arena: ArenaHandle | None = None
+    extra: Mapping[str, np.ndarray] | None = None
+    sources: Sources | None = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +264,16 @@ class _Worker:
         if records is not None and task.rows is not None and setup.layout is not None:
             ready = gather_packed(records, task.rows, setup.layout, task.names)
         units = self._opener.open(task.refs, records)
-        kind, batch = build_payload(units, task.take, setup.schema, setup.recipe, ready, task.seeds)
+        kind, batch = build_payload(
+            units,
+            task.take,
+            setup.schema,
+            setup.recipe,
+            ready,
+            task.seeds,
+            task.extra,
+            task.sources,
+        )
         payload = kind, ship(batch, task.outbox)
         return Result(task.generation, task.step, self._id, payload=payload)
 

@@ -1,0 +1,343 @@
+"""Building a mixture's batches from their parts: in the loader's process, or in the workers.
+
+A step of a mixture's pass (:class:`MixedStep`, planned by :mod:`lakeloader.pipeline.mixing`)
+is parts, each a slot range of one source epoch's order, read from that epoch's
+:class:`~lakeloader.pipeline.stores.Store`. Where every column is packed and no code of the
+user's runs, the step is one gather of arena rows planned ahead. Otherwise each part is
+screened by its store (a source's quarantine); on the default path the columns are gathered
+part by part and laid out in slot order; on the row path (a source's ``transform``, the
+``collate_fn``) the parts' units are laid end to end and built as one batch
+(:func:`~lakeloader.pipeline.recipe.build_payload`, each row through its own source's
+transform). With workers and the user's code, the workers build the batches: step ``k`` of the
+pass on worker ``k mod W``, a few steps ahead, as for a lake.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lakeloader.cache.decode import UnitRef
+from lakeloader.cache.packed import gather_packed
+from lakeloader.cache.screening import Screened
+from lakeloader.cache.store import UnitOpener
+from lakeloader.mixture import Mixture
+from lakeloader.options import LoaderOptions
+from lakeloader.order.batches import BatchSpec, range_specs
+from lakeloader.order.mixture import MixCursor
+from lakeloader.order.plan import EpochPlan
+from lakeloader.pipeline.builders import timed_out
+from lakeloader.pipeline.merge import merge_columns
+from lakeloader.pipeline.recipe import (
+    COLUMNS,
+    BatchRecipe,
+    Sources,
+    build_payload,
+    columns_payload,
+    finish_payload,
+)
+from lakeloader.pipeline.stores import Store, Stores
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.workers.dispatch import BUILD, Dispatcher
+from lakeloader.workers.pool import WorkerPool
+from lakeloader.workers.process import Task
+from lakeloader.workers.shipping import Shipped, receive
+
+
+class Part(NamedTuple):
+    """A planned part of a step: one source epoch's positions ``[start, stop)``.
+
+    (Tuples, not frozen dataclasses: thousands are made per pass.)
+
+    Attributes:
+        pair: (source, epoch).
+        start: First position in that epoch's order.
+        stop: One past the last.
+        positions: The pieces it reads.
+        dest: Where each of its rows (partition-major in its range) goes in the share.
+        spec: Its range as a step of its source epoch, for the builder to screen and gather
+            (None where every column is packed: a step is then one gather of arena rows).
+    """
+
+    pair: tuple[int, int]
+    start: int
+    stop: int
+    positions: np.ndarray
+    dest: np.ndarray
+    spec: BatchSpec | None
+
+
+class _Mixed(NamedTuple):
+    """A step's parts laid end to end, as one batch is built from them.
+
+    Attributes:
+        refs: The units, part after part.
+        take: Each row's index into their concatenation, in batch order.
+        seeds: Each row's seed, in batch order.
+        extra: The source of each row (as a column), and the sources' row transforms.
+        skipped: The units found quarantined.
+        lost: This rank's rows they held.
+    """
+
+    refs: list[UnitRef]
+    take: np.ndarray
+    seeds: np.ndarray
+    extra: tuple[dict[str, np.ndarray], Sources]
+    skipped: tuple[QuarantineEntry, ...]
+    lost: int
+
+
+class MixedStep(NamedTuple):
+    """A planned step of the rank.
+
+    Attributes:
+        sources: The source of each row.
+        parts: Its parts.
+        cursor: The mixture's cursor after it.
+        rows: The arena row of each row, when every column of every piece is packed into the
+            arena (else None).
+    """
+
+    sources: np.ndarray
+    parts: tuple[Part, ...]
+    cursor: MixCursor
+    rows: np.ndarray | None
+
+
+class MixedBuilder:
+    """Builds a mixture's batches (see the module docstring).
+
+    Args:
+        mixture: The mixture.
+        sources: The sources' stores.
+        recipe: How the mixed rows become a batch (the loader's ``collate_fn``, the mixture's
+            ``batch_transform``); each source's ``transform`` is its store's.
+        options: The loader's options.
+        pool: The DataLoader's workers when they build the batches, or None.
+    """
+
+    def __init__(
+        self,
+        mixture: Mixture,
+        sources: Stores,
+        recipe: BatchRecipe,
+        options: LoaderOptions,
+        pool: WorkerPool | None,
+    ) -> None:
+        self._mixture, self._sources, self._recipe, self._options = (
+            mixture,
+            sources,
+            recipe,
+            options,
+        )
+        self._schema = sources.schema
+        self._layout, self._arena = sources.layout, sources.arena
+        #: Rows go one by one through a source's transform or the collate_fn.
+        self._rows_path = recipe.rows_path or any(leaf.recipe.transform for leaf in sources.leaves)
+        packed = self._layout is not None and len(self._layout.names) == len(self._schema)
+        #: Every column packed into the arena and no user code: a step is one gather.
+        self.fast = self._arena is not None and packed and not recipe.user_code
+        self._opener = UnitOpener()
+        self._builds: Dispatcher | None = None
+        #: Steps handed to the workers (by index in the pass): the build, what it skipped.
+        self._sent: dict[int, tuple[Future[Any], tuple[QuarantineEntry, ...], int]] = {}
+        self._ahead = 0
+        if pool is not None:
+            self._builds = Dispatcher(pool, BUILD, 1, options.prefetch_factor, self._describe)
+            self._ahead = options.num_workers * max(1, options.prefetch_factor)
+
+    def build(
+        self, index: int, step: MixedStep, upcoming: Sequence[MixedStep]
+    ) -> tuple[Any, tuple[QuarantineEntry, ...], int]:
+        """Step ``index``'s batch, the units it found quarantined and the rows they held.
+
+        ``upcoming``: the steps planned after it, which the workers may build ahead.
+        """
+        key, sources = self._mixture.source_key, step.sources.astype(np.int64)
+        if step.rows is not None and self._arena is not None and self._layout is not None:
+            timeout, full, held = self._options.timeout or None, self._layout.names, []
+            for part in step.parts:
+                source_pass = self._sources.open[part.pair]
+                try:
+                    held += source_pass.store.get(part.positions, timeout)
+                except FutureTimeout:
+                    raise timed_out(source_pass.spec, index) from None
+            if all(isinstance(h, UnitRef) and (h.packed is full or h.packed == full) for h in held):
+                columns = gather_packed(self._arena.records, step.rows, self._layout, full)
+                columns[key] = sources
+                return finish_payload((COLUMNS, columns), self._recipe), (), 0
+        if self._builds is not None:
+            return self._built(index, step, upcoming)
+        if self._rows_path:
+            mixed = self._mixed(step, views=True)
+            units = self._opener.open(mixed.refs, self._sources.records())
+            payload = build_payload(
+                units, mixed.take, self._schema, self._recipe, {}, mixed.seeds, *mixed.extra
+            )
+            return finish_payload(payload, self._recipe), mixed.skipped, mixed.lost
+        screens = [self._screen(part) for part in step.parts]
+        kept = np.sort(np.concatenate([dest for _, _, _, dest in screens]))
+        places = [np.searchsorted(kept, dest) for _, _, _, dest in screens]
+        seeds = np.empty(len(kept), dtype=np.uint64)
+        for (store, spec, screened, _), place in zip(screens, places, strict=True):
+            seeds[place] = store.builder.seeds(spec, screened)
+        skipped = tuple(q for _, _, screened, _ in screens for q in screened.skipped)
+        lost = sum(screened.lost for _, _, screened, _ in screens)
+        columns = self._columns(screens, places, len(kept))
+        columns[key] = sources[kept]
+        payload = columns_payload(columns, self._recipe, seeds)
+        return finish_payload(payload, self._recipe), skipped, lost
+
+    def _mixed(self, step: MixedStep, views: bool, deadline: float | None = None) -> _Mixed:
+        """The step's parts screened and laid end to end: one batch's units, rows and seeds."""
+        screens = [self._screen(part, views, deadline) for part in step.parts]
+        kept = np.sort(np.concatenate([dest for _, _, _, dest in screens]))
+        take = np.empty(len(kept), dtype=np.int64)
+        seeds = np.empty(len(kept), dtype=np.uint64)
+        of = np.empty(len(kept), dtype=np.int64)
+        refs: list[UnitRef] = []
+        for part, (store, spec, screened, dest) in zip(step.parts, screens, strict=True):
+            place = np.searchsorted(kept, dest)
+            take[place] = screened.take + sum(r.num_rows for r in refs)
+            seeds[place] = store.builder.seeds(spec, screened)
+            of[place] = part.pair[0]
+            refs += screened.refs
+        transforms = tuple(leaf.recipe.transform for leaf in self._sources.leaves)
+        extra = {self._mixture.source_key: step.sources.astype(np.int64)[kept]}
+        skipped = tuple(q for _, _, screened, _ in screens for q in screened.skipped)
+        lost = sum(screened.lost for _, _, screened, _ in screens)
+        return _Mixed(refs, take, seeds, (extra, Sources(of, transforms)), skipped, lost)
+
+    def _built(
+        self, index: int, step: MixedStep, upcoming: Sequence[MixedStep]
+    ) -> tuple[Any, tuple[QuarantineEntry, ...], int]:
+        """The step's batch, built by its worker (handed out ahead where its units are in)."""
+        timeout = self._options.timeout
+        deadline = time.monotonic() + timeout if timeout else None
+        assert self._builds is not None
+        self._builds.reap()
+        self._top_up(index, upcoming)
+        if index not in self._sent:
+            self._submit(index, step, deadline)  # waits for its units (and raises their error)
+        future, skipped, lost = self._sent.pop(index)
+        try:
+            kind, value = future.result(max(0.0, deadline - time.monotonic()) if deadline else None)
+        except FutureTimeout:
+            raise RuntimeError(
+                f"DataLoader timed out after {timeout} seconds waiting for step {index} of pass "
+                f"{self._mixture!r} from its worker"
+            ) from None
+        payload = kind, receive(value) if isinstance(value, Shipped) else value
+        return finish_payload(payload, self._recipe), skipped, lost
+
+    def _top_up(self, under_way: int, upcoming: Sequence[MixedStep]) -> None:
+        """Hand the steps after the one under way whose units are decoded to the workers."""
+        for offset, step in enumerate(upcoming, start=1):
+            index = under_way + offset
+            if offset > self._ahead:
+                return
+            if index in self._sent:
+                continue
+            held = [(self._sources.open[p.pair].store, p.positions) for p in step.parts]
+            if not all(store.ready(positions) for store, positions in held):
+                return
+            if any(store.failed(positions) for store, positions in held):
+                return  # its error is raised once every earlier batch has been delivered
+            self._submit(index, step)
+
+    def _submit(self, index: int, step: MixedStep, deadline: float | None = None) -> None:
+        mixed = self._mixed(step, views=False, deadline=deadline)
+        stores = self._sources
+        extra, sources = mixed.extra
+
+        def make() -> Task:
+            return Task(
+                stores.generation,
+                index,
+                mixed.refs,
+                mixed.take,
+                mixed.seeds,
+                stores.dir,
+                extra=extra,
+                sources=sources,
+            )
+
+        assert self._builds is not None
+        self._sent[index] = (self._builds.submit(index, make), mixed.skipped, mixed.lost)
+
+    def _describe(self, index: int) -> tuple[str, str]:
+        return f"step {index} of a pass over {self._mixture!r}", ""
+
+    def _screen(
+        self, part: Part, views: bool = True, deadline: float | None = None
+    ) -> tuple[Store, BatchSpec, Screened, np.ndarray]:
+        """A part's units without the quarantined ones, and where its rows left go."""
+        store = self._sources.open[part.pair]
+        spec = part.spec or _spec_of(store.spec.plan, part)
+        screened = store.builder.screened(spec, deadline, views)
+        dest = part.dest if screened.kept is None else part.dest[screened.kept]
+        return store, spec, screened, dest
+
+    def _columns(
+        self,
+        screens: list[tuple[Store, BatchSpec, Screened, np.ndarray]],
+        dests: list[np.ndarray],
+        size: int,
+    ) -> dict[str, Any]:
+        """The parts' columns in slot order: packed rows gathered at once, others by part."""
+        columns: dict[str, Any] = {}
+        done: tuple[str, ...] = ()
+        layout = self._layout
+        if (
+            self._arena is not None
+            and layout is not None
+            and all(s.rows is not None for _, _, s, _ in screens)
+        ):
+            packed = _common([s.names for _, _, s, _ in screens])
+            views = _common([s.views for _, _, s, _ in screens])
+            rows = np.empty(size, dtype=np.int64)
+            for (_, _, screened, _), dest in zip(screens, dests, strict=True):
+                assert screened.rows is not None
+                rows[dest] = screened.rows
+            gathered = gather_packed(self._arena.records, rows, layout, packed + views)
+            columns.update((name, gathered[name]) for name in packed)
+            if views:  # each source's views point into its own buffers
+                resolved = []
+                for (store, _, _, _), dest in zip(screens, dests, strict=True):
+                    ready = {name: gathered[name][dest] for name in views}
+                    store.builder.resolve_views(ready, views)
+                    resolved.append(ready)
+                columns.update(merge_columns(resolved, dests, size))
+            done = packed + views
+        if len(done) < len(self._schema):
+            parts = [store.builder.arrow_columns(s, done) for store, _, s, _ in screens]
+            columns.update(merge_columns(parts, dests, size))
+        return {name: columns[name] for name in self._schema.names}
+
+    def close(self, wait: bool) -> None:
+        """Stop handing steps to the workers; cancel those queued."""
+        if self._builds is not None:
+            self._builds.close(wait)
+
+
+def _spec_of(plan: EpochPlan, part: Part) -> BatchSpec:
+    """A part's range as a step of its source epoch.
+
+    For a step planned as one gather whose units came back without every column packed.
+    """
+    bounds = np.array([part.start]), np.array([part.stop])
+    (spec,) = range_specs(plan, np.zeros(1, np.int64), *bounds)
+    return spec
+
+
+def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The columns every part has (in the first part's order)."""
+    if all(n is names[0] for n in names):
+        return names[0]
+    shared = set(names[0]).intersection(*names[1:])
+    return tuple(n for n in names[0] if n in shared)
