@@ -39,9 +39,10 @@ class MixtureNode(Node):
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
     groups (else this process's ``io_threads`` do); with the user's code (a source's
-    ``transform``, a ``collate_fn``, a ``batch_transform``) they build the batches instead. A pass that ends at its last step leaves
-    its sources' decoded row groups to the next pass, which goes on with them (released by
-    ``close()``, ``load_state_dict()``, or when the loader is collected. Each source's
+    ``transform``, a ``collate_fn``, a ``batch_transform``) they build the batches instead.
+    A pass that ends at its last step leaves its sources' decoded row groups to the next pass,
+    which goes on with them (released by ``close()``, ``load_state_dict()``, or when the
+    loader is collected). Each source's
     ``transform``, ``on_error`` and ``validate`` apply to its rows; the loader's
     ``collate_fn`` and the mixture's ``batch_transform`` to the mixed batch (rows meet the
     transform with ``mixture.source_key`` set). A unit a source skips is in the state's
