@@ -236,8 +236,8 @@ def make_dataset(
         return source_dataset(feats, srcs["main"], log)
     ds = {n: source_dataset(feats, lake, log) for n, lake in srcs.items()}
     epoch_rows = None  # followed: past every source's first increment, within its second
-    if "follow" in feats:
-        epoch_rows = sum(len(d) for d in ds.values()) + APPENDS[0] * len(ds)
+    if "follow" in feats:  # from the layouts: a dataset made after the appends holds them
+        epoch_rows = sum(sum(map(sum, LAYOUTS[n])) for n in ds) + APPENDS[0] * len(ds)
     packing = PACKING if "packing" in feats else None
     return ll.Mixture(ds, WEIGHTS, seed=SEED, epoch_rows=epoch_rows, packing=packing)
 

@@ -72,8 +72,8 @@ _FT_STATE = (
 )
 #: The pairs that fail today: issue 30's words and what they raise (AssertionError: a check
 #: of this file). A fixed pair leaves the dict; so far mixture x workers and packing x
-#: workers ("no worker process starts", fixed by 335b015, stage 3) and mixture x transform,
-#: batch_transform, collate_fn, skip and validate.
+#: workers ("no worker process starts", fixed by 335b015, stage 3), mixture x transform,
+#: batch_transform, collate_fn, skip and validate, and mixture x follow.
 FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
     **{
         frozenset({"packing", f}): (f"Mixture or Packing x {f}: {why}", error)
@@ -93,11 +93,6 @@ FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
             ("torchft", "refused", ValueError),
         ]
     },
-    frozenset({"mixture", "follow"}): (
-        "Mixture of `follow=` sources: follow silently ignored: appended rows never arrive, "
-        "increment 0 is replayed",
-        AssertionError,
-    ),
     frozenset({"packing", "follow"}): ("Packing x `follow=`: refused", ValueError),
     frozenset({"follow", "torchft"}): (
         "Mixture, Packing or follow x `FaultTolerantLoader`: refused",

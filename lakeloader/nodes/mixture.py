@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
@@ -20,7 +20,8 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
-from lakeloader.order.mixture import MixCursor
+from lakeloader.nodes.streams import SourceStream
+from lakeloader.order.mixture import MixCursor, Spans
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
@@ -64,6 +65,9 @@ class MixtureNode(Node):
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
         self._readers = [mixture.sources[n].reader() for n in mixture.names]
+        #: Each source's stream of rows (a followed lake's increments), in the names' order.
+        self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
+        self.follows = any(stream.follows for stream in self._streams)
         first = WeightChange(0, dict(mixture.raw_weights))
         self._state = MixtureState(
             seed=mixture.seed,
@@ -79,17 +83,44 @@ class MixtureNode(Node):
 
     @property
     def _state(self) -> MixtureState:
-        """The position: the last state set, moved to the cursor of the last batch delivered."""
+        """The position: the last state set, moved to the cursor of the last batch delivered.
+
+        A followed source's record is of the increment its count stands in.
+        """
         if self._cursor is not None:
             cursor, self._cursor = self._cursor, None
+            counts = dict(cursor.counts)
+            sources = dict(self._stored.sources)
+            if self.follows:
+                for name, stream in zip(self.mixture.names, self._streams, strict=True):
+                    stream.forget_before(counts.get(name, 0))
+                    sources[name] = stream.record(counts.get(name, 0))
             self._stored = dataclasses.replace(
-                self._stored, slot=cursor.slot, counts=dict(cursor.counts)
+                self._stored, slot=cursor.slot, counts=counts, sources=sources
             )
         return self._stored
 
     @_state.setter
     def _state(self, state: MixtureState) -> None:
         self._stored, self._cursor = state, None
+
+    def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
+        """Each source's spans, reaching past ``counts``.
+
+        A followed source asks its lake for its next increment only when ``wait`` (the step
+        to be delivered next needs it), as a followed lake does at its epoch's end: the
+        increments are the same whatever the lookahead. None: they do not reach, and
+        ``wait`` is False.
+
+        Raises:
+            CaughtUpError: If a followed source's lake gives no more rows in time.
+        """
+        pairs = list(zip(self._streams, counts, strict=True))
+        if not wait and not all(stream.covers(int(count) - 1) for stream, count in pairs):
+            return None
+        for stream, count in pairs:
+            stream.cover(int(count) - 1)
+        return [stream.spans() for stream in self._streams]
 
     def pass_steps(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
@@ -151,7 +182,8 @@ class MixtureNode(Node):
                 unit_dir,
                 pool,
                 self._layout(),
-                workers_decode=not self._workers_build,
+                # a followed source's increments have readers of their own: decoded here
+                workers_decode=not self._workers_build and not self.follows,
             )
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
@@ -166,17 +198,19 @@ class MixtureNode(Node):
             self._recipe(),
             self._delivered,
             res.carry,
+            self,
         )
         res.iterator = it
         return it
 
     def _leaves(self) -> list[Leaf]:
         """Each source's lake and reader, in the order of the mixture's names."""
-        sources = [self.mixture.sources[n] for n in self.mixture.names]
         known = self._state.quarantine
         return [
-            Leaf(ds, r, known, BatchRecipe(ds.transform, lists=ds.list_format))
-            for ds, r in zip(sources, self._readers, strict=True)
+            Leaf(stream.known[0][2], r, known, BatchRecipe(ds.transform, lists=ds.list_format))
+            for stream, r, ds in zip(
+                self._streams, self._readers, self.mixture.sources.values(), strict=True
+            )
         ]
 
     def _recipe(self) -> BatchRecipe:
@@ -258,7 +292,20 @@ class MixtureNode(Node):
         """
         self.host._close_iterator("load_state_dict()")
         self.host._res.drop_carried()
-        resumed = resume_mixture(MixtureState.from_dict(state_dict), self.mixture)
+        saved = MixtureState.from_dict(state_dict)
+        streams = [
+            SourceStream.resumed(self.mixture.sources[n], saved.sources[n])
+            if n in saved.sources
+            else SourceStream(self.mixture.sources[n])
+            for n in self.mixture.names
+        ]
+        now = {
+            n: stream.record(stream.known[0][1])
+            for n, stream in zip(self.mixture.names, streams, strict=True)
+        }
+        resumed = resume_mixture(saved, self.mixture, now)
+        self._streams = streams
+        self._readers = [stream.known[0][2].reader() for stream in streams]
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
         self._state = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())

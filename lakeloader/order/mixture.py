@@ -201,6 +201,42 @@ class MixDraw:
         return self.offsets // sizes, self.offsets % sizes
 
 
+#: Where a source's epochs start in its stream: ``n`` rows each (a lake), or ``(e0, starts)``
+#: (a followed lake): epoch ``e0 + i`` starts at offset ``starts[i]``, the last entry the end
+#: of the increments known.
+Spans = int | tuple[int, np.ndarray]
+
+
+def _epoch_of(rows: Sequence[Spans], sources: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The epoch of each offset of its source's stream.
+
+    >>> _epoch_of([4, (2, np.array([10, 13, 13, 20]))], np.array([0, 1, 1]), np.array([9, 12, 13]))
+    array([2, 2, 4])
+    """
+    out = np.empty(len(offsets), dtype=np.int64)
+    for source in np.unique(sources).tolist():
+        mine, spans = sources == source, rows[source]
+        if isinstance(spans, tuple):
+            e0, starts = spans
+            out[mine] = e0 + np.searchsorted(starts, offsets[mine], side="right") - 1
+        else:
+            out[mine] = offsets[mine] // spans
+    return out
+
+
+def epoch_first(rows: Sequence[Spans], sources: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+    """The first offset of each epoch of its source's stream (its end, one past the last)."""
+    out = np.empty(len(epochs), dtype=np.int64)
+    for source in np.unique(sources).tolist():
+        mine, spans = sources == source, rows[source]
+        if isinstance(spans, tuple):
+            e0, starts = spans
+            out[mine] = starts[np.minimum(epochs[mine] - e0, len(starts) - 1)]
+        else:
+            out[mine] = epochs[mine] * spans
+    return out
+
+
 def _small(keys: np.ndarray, bound: int) -> np.ndarray:
     """``keys`` (all below ``bound``) in the smallest unsigned type that holds them.
 
@@ -383,7 +419,7 @@ def draw_parts(
     seed: int,
     steps: int,
     size: int,
-    rows: Sequence[int],
+    rows: Sequence[Spans],
     world_size: int,
     rank: int,
 ) -> tuple[PartTable, MixCursor, np.ndarray]:
@@ -393,6 +429,9 @@ def draw_parts(
     slot's offset and epoch: a part's range comes from its source's count before it (in
     earlier steps, and in the step's slots before the rank's), and its rows, in slot order,
     from one stable sort of the share's slots by (step, source).
+
+    ``rows`` says where each source's epochs start in its stream (:data:`Spans`): ``n`` rows
+    each, or a followed lake's increments (which must reach past the draws).
 
     Returns:
         The parts; the cursor after the batches; and, after each step, each source's count
@@ -412,24 +451,26 @@ def draw_parts(
     first = after_step - full + ahead  # each (step, source)'s first offset in the share
     k, s = np.nonzero(mine)  # (step, source) pairs with rows, step-major as the sort below
     start, count = first[k, s], mine[k, s]
-    n = np.asarray(rows, dtype=np.int64)[s]
-    if (n <= 0).any():
-        raise ValueError(f"mixture source(s) {sorted({names[i] for i in s[n <= 0]})} have no rows")
-    e0, e1 = start // n, (start + count - 1) // n
+    empty = [names[i] for i in sorted(set(s.tolist())) if rows[i] == 0]
+    if empty:
+        raise ValueError(f"mixture source(s) {empty} have no rows")
+    e0, e1 = _epoch_of(rows, s, start), _epoch_of(rows, s, start + count - 1)
     runs = e1 - e0 + 1  # epochs each (step, source) spans: one, or more at an epoch's end
     part = np.repeat(np.arange(len(k)), runs)
     epoch = expand_runs(e0, runs, 1)
-    lo_off = np.maximum(start[part], epoch * n[part])
-    hi_off = np.minimum((start + count)[part], (epoch + 1) * n[part])
+    base, end = epoch_first(rows, s[part], epoch), epoch_first(rows, s[part], epoch + 1)
+    lo_off = np.maximum(start[part], base)
+    hi_off = np.minimum((start + count)[part], end)
+    kept = hi_off > lo_off  # a followed lake's empty increments hold no part
     keys = _small((step_of + share).ravel(), steps * S)
     order = np.argsort(keys, kind="stable")
     table = PartTable(
         shares=share,
-        step=k[part],
-        source=s[part],
-        epoch=epoch,
-        start=lo_off - epoch * n[part],
-        stop=hi_off - epoch * n[part],
+        step=k[part][kept],
+        source=s[part][kept],
+        epoch=epoch[kept],
+        start=(lo_off - base)[kept],
+        stop=(hi_off - base)[kept],
         at=order % max(width, 1),
     )
     counts = dict(cursor.counts)

@@ -12,16 +12,25 @@ the others outlive a pass that ends at its last step, for the next one to go on 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
 
 import numpy as np
 
+from lakeloader.lake.following import CaughtUpError
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_rows, range_specs
-from lakeloader.order.mixture import MixCursor, MixWeights, draw_parts
+from lakeloader.order.mixture import (
+    MixCursor,
+    MixWeights,
+    Spans,
+    draw_parts,
+    epoch_first,
+    slot_sources,
+)
 from lakeloader.order.plan import batch_runs, expand_runs
 from lakeloader.pipeline.mixed_steps import MixedBuilder, MixedStep, Part
 from lakeloader.pipeline.recipe import BatchRecipe
@@ -29,6 +38,25 @@ from lakeloader.pipeline.stores import Stores
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
+
+
+class Streams(Protocol):
+    """Where a mixture's sources' epochs start (see ``MixtureIterator``'s ``streams``)."""
+
+    follows: bool
+
+    def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
+        """Each source's spans, holding its rows below ``counts`` (in the order of the names).
+
+        None: they do not, and ``wait`` is False (a followed lake asks its lake for more rows
+        only for the step to be delivered next).
+
+        Raises:
+            CaughtUpError: If a followed source's lake gives no more rows in time.
+        """
+
+
+logger = logging.getLogger(__name__)
 
 #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
 LOOKAHEAD_STEPS: Final = 512
@@ -55,6 +83,9 @@ class MixtureIterator:
             quarantined and the rows of this rank they held.
         ended: Told the sources' passes when this pass ended at its last step (they can go on);
             a pass ended otherwise closes them.
+        streams: Where each source's epochs start in its stream, covering the draws to come
+            (a followed lake waits for its next increments; when none comes, the pass ends
+            after the steps planned, and the next ``iter()`` goes on).
     """
 
     def __init__(
@@ -70,11 +101,14 @@ class MixtureIterator:
         recipe: BatchRecipe,
         delivered: Callable[[MixCursor, tuple[QuarantineEntry, ...], int], None],
         ended: Callable[[Stores], None],
+        streams: Streams,
     ) -> None:
         self._mixture, self._weights, self._topology = mixture, weights, topology
         self._options, self._sources = options, sources
         self._delivered, self._ended = delivered, ended
-        self._rows = mixture.rows()
+        self._streams = streams
+        self._spans: list[Spans] = []
+        self._caught_up = False
         self.num_steps = num_steps
         self._planned_cursor = cursor
         self._planned: deque[MixedStep] = deque()
@@ -96,9 +130,16 @@ class MixtureIterator:
                 or self._sources.held_bytes() < self._options.cache_bytes
             )
         ):
-            self._plan_chunk(min(PLAN_CHUNK, self.num_steps - self._next_plan))
+            chunk = 1 if self._streams.follows else PLAN_CHUNK  # wait for no more than a step
+            try:
+                if not self._plan_chunk(min(chunk, self.num_steps - self._next_plan)):
+                    return  # the increments known end before: planned once they are needed
+            except CaughtUpError as caught:
+                logger.info("a followed source of the mixture caught up with its lake: %s", caught)
+                self._caught_up = True
+                return
 
-    def _plan_chunk(self, count: int) -> None:
+    def _plan_chunk(self, count: int) -> bool:
         """Plan ``count`` steps: draw them, cut the rank's shares, ask each source for its parts.
 
         Where every column is packed, each row's arena row is worked out here, for all the
@@ -106,13 +147,20 @@ class MixtureIterator:
         """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
+        drawn = slot_sources(self._weights, self._mixture.seed, before.slot, count * size)
+        ahead = np.bincount(drawn, minlength=len(names))
+        need = [before.counts.get(n, 0) + ahead[i] for i, n in enumerate(names)]
+        spans = self._streams.cover(need, wait=self._next_plan == self._next_deliver)
+        if spans is None:
+            return False
+        self._spans = spans
         table, after, totals = draw_parts(
             before,
             self._weights,
             self._mixture.seed,
             count,
             size,
-            self._rows,
+            self._spans,
             topo.world_size,
             topo.rank,
         )
@@ -165,6 +213,7 @@ class MixtureIterator:
             self._planned.append(MixedStep(sources, parts, cursor, packed))
         self._planned_cursor = after
         self._next_plan += count
+        return True
 
     def __iter__(self) -> MixtureIterator:
         return self
@@ -174,6 +223,9 @@ class MixtureIterator:
             self.close()
             raise StopIteration
         self._plan_ahead()
+        if not self._planned and self._caught_up:  # a followed source has no row for it yet
+            self.close()
+            raise StopIteration
         step = self._planned.popleft()
         batch, skipped, lost = self._builder.build(self._next_deliver, step, self._planned)
         self._next_deliver += 1
@@ -188,11 +240,12 @@ class MixtureIterator:
 
     def _release(self, cursor: MixCursor) -> None:
         """Evict what ``cursor`` is past in every source epoch open; close those it is done with."""
-        names, rows = self._mixture.names, self._rows
+        names, spans = self._mixture.names, self._spans
         for source, epoch in list(self._sources.open):
+            one = np.array([source]), np.array([epoch, epoch + 1])
+            first, end = epoch_first(spans, np.repeat(one[0], 2), one[1]).tolist()
             count = cursor.counts.get(names[source], 0)
-            consumed = min(max(count - epoch * rows[source], 0), rows[source])
-            self._sources.release(source, epoch, consumed)
+            self._sources.release(source, epoch, min(max(count - first, 0), end - first))
 
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""

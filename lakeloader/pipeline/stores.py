@@ -48,7 +48,8 @@ class Leaf(NamedTuple):
     """A lake a pass reads.
 
     Attributes:
-        dataset: The dataset (of the epochs the pass reads: a followed lake's increment).
+        dataset: The dataset (a followed lake's: its first increment the pass reads; a later
+            epoch is read from its successor, ``dataset.for_epoch(epoch)``).
         reader: Reads its units (its counters are the loader's).
         known: Units already quarantined (from the loaded state): skipped without reading.
         recipe: How its rows become a batch.
@@ -184,7 +185,10 @@ class Stores:
         """The store of ``epoch`` of ``leaf``, opened on first use."""
         key = (leaf, epoch)
         if key not in self.open:
-            ds, reader, known, recipe = self.leaves[leaf]
+            first, reader, known, recipe = self.leaves[leaf]
+            ds = first.for_epoch(epoch)  # a followed lake's increment
+            if ds is not first:
+                reader = ds.reader()
             opts = self._options
             budget = max(opts.cache_bytes // len(self.leaves), 1)
             spec = PassSpec(

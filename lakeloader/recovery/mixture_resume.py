@@ -39,8 +39,13 @@ def records(mixture: Mixture) -> dict[str, SourceRecord]:
     }
 
 
-def resume_mixture(saved: MixtureState, mixture: Mixture) -> MixtureResumption:
+def resume_mixture(
+    saved: MixtureState, mixture: Mixture, now: dict[str, SourceRecord] | None = None
+) -> MixtureResumption:
     """Map ``saved`` onto ``mixture``.
+
+    ``now``: what each source is as the state would record it (a followed lake's: the
+    increment the saved record names, found again); None: :func:`records` of ``mixture``.
 
     Raises:
         StateMismatchError: If the mixture's seed differs, or a source present in both reads
@@ -51,7 +56,7 @@ def resume_mixture(saved: MixtureState, mixture: Mixture) -> MixtureResumption:
             f"the state's mixture seed is {saved.seed}, this Mixture's is {mixture.seed}: the "
             f"interleaving would change. Build the Mixture with seed={saved.seed}"
         )
-    now = records(mixture)
+    now = records(mixture) if now is None else now
     for name in sorted(set(now) & set(saved.sources)):
         was, cur = saved.sources[name], now[name]
         if was != cur:

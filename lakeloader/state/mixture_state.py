@@ -44,11 +44,16 @@ class SourceRecord:
         fingerprint: Its snapshot's fingerprint.
         config: The hash of its order configuration.
         rows: Rows in one of its epochs.
+        increment: A followed lake's: the marks of the increment its count stands in (the
+            record is that increment's), or None.
+        start: A followed lake's: the offset of that increment's first row in its stream.
     """
 
     fingerprint: str
     config: str
     rows: int
+    increment: list[Any] | None = None
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,9 @@ class MixtureState:
                     "fingerprint": r.fingerprint,
                     "config": r.config,
                     "rows": r.rows,
+                    **({} if r.increment is None else {"increment": r.increment, "start": r.start}),
                     # Derived from the count, for people reading a state: where it stands.
-                    "epoch": self.counts.get(name, 0) // r.rows,
-                    "position": self.counts.get(name, 0) % r.rows,
+                    **_where(self.counts.get(name, 0), r),
                 }
                 for name, r in self.sources.items()
             },
@@ -160,7 +165,13 @@ class MixtureState:
                 for c in data["history"]
             )
             sources = {
-                str(name): SourceRecord(str(r["fingerprint"]), str(r["config"]), int(r["rows"]))
+                str(name): SourceRecord(
+                    str(r["fingerprint"]),
+                    str(r["config"]),
+                    int(r["rows"]),
+                    r.get("increment"),
+                    int(r.get("start", 0)),
+                )
                 for name, r in data["sources"].items()
             }
             return cls(
@@ -179,3 +190,10 @@ class MixtureState:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed mixture state: {exc!r}") from exc
+
+
+def _where(count: int, record: SourceRecord) -> dict[str, int]:
+    """The epoch a source's count stands in, and the position in it (for readers of a state)."""
+    if record.increment is not None:
+        return {"epoch": int(record.increment[0]), "position": count - record.start}
+    return {"epoch": count // max(record.rows, 1), "position": count % max(record.rows, 1)}

@@ -1,0 +1,109 @@
+"""A mixture source's stream of rows: its epochs end to end, a followed lake's increments.
+
+A mixture counts the rows it has drawn from each source: offset ``j`` of a source's stream is
+a row of one of its epochs. A lake's epochs all hold ``len(dataset)`` rows, so offset ``j`` is
+position ``j % n`` of epoch ``j // n``. A followed lake's epochs are its increments, of any
+size, appended while the run goes on: :class:`SourceStream` knows the increments from the one
+its state names on, each with the offset it starts at, and waits for the next one when a draw
+reaches past the last (``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). Its
+:meth:`SourceStream.spans` are what :func:`lakeloader.order.mixture.draw_parts` cuts the
+draws with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from lakeloader.dataset import LakeDataset
+from lakeloader.lake.following import increment_at
+from lakeloader.lake.increments import Increment
+from lakeloader.order.mixture import Spans
+from lakeloader.state.mixture_state import SourceRecord
+
+
+class SourceStream:
+    """One source's rows, epoch after epoch (see the module docstring).
+
+    Args:
+        dataset: The source (for a followed lake: the increment the stream is known from).
+        start: The stream's offset of that increment's first row.
+    """
+
+    def __init__(self, dataset: LakeDataset, start: int = 0) -> None:
+        self.follows = dataset.follow is not None
+        increment = dataset.snapshot.increment
+        first = increment.index if self.follows and increment is not None else 0
+        #: ``(epoch, first offset, dataset)`` of each increment known, in order.
+        self.known: list[tuple[int, int, LakeDataset]] = [(first, start, dataset)]
+
+    @classmethod
+    def resumed(cls, dataset: LakeDataset, record: SourceRecord) -> SourceStream:
+        """The stream of ``dataset`` from the increment a saved record names (if any)."""
+        if record.increment is None or dataset.follow is None:
+            return cls(dataset)
+        increment = Increment.from_list(record.increment)
+        if dataset.snapshot.increment != increment:
+            found = increment_at(dataset.source, increment, dataset.increment_request())
+            dataset = dataset.on_increment(*found)
+        return cls(dataset, record.start)
+
+    def spans(self) -> Spans:
+        """Where its epochs start: ``n`` rows each, or the increments' first offsets."""
+        if not self.follows:
+            return len(self.known[0][2])
+        ends = [start for _, start, _ in self.known] + [self._end()]
+        return self.known[0][0], np.asarray(ends, dtype=np.int64)
+
+    def _end(self) -> int:
+        _, start, ds = self.known[-1]
+        return start + len(ds)
+
+    def covers(self, offset: int) -> bool:
+        """Whether the increments known hold ``offset`` (a lake's epochs always do)."""
+        return not self.follows or offset < self._end()
+
+    def cover(self, offset: int) -> None:
+        """Know the increments up to the one holding ``offset`` (waiting for them).
+
+        Raises:
+            CaughtUpError: If the lake gives no more rows within the follow timeout.
+        """
+        while not self.covers(offset):
+            epoch, _, ds = self.known[-1]
+            self.known.append((epoch + 1, self._end(), ds.for_epoch(epoch + 1)))
+
+    def dataset(self, epoch: int) -> LakeDataset:
+        """The dataset of ``epoch`` (an increment known, or the lake's own)."""
+        for known, _, ds in self.known:
+            if known == epoch:
+                return ds
+        return self.known[0][2].for_epoch(epoch)
+
+    def record(self, count: int) -> SourceRecord:
+        """What the state records of the source, standing at offset ``count`` of its stream.
+
+        A followed lake's record is of the increment that holds ``count`` (or starts there):
+        its marks and first offset find its files again at a resume; the increments before
+        it are done with.
+        """
+        _, start, ds = self.known[0]
+        for _, first, dataset in self.known:
+            if first <= count:
+                start, ds = first, dataset
+        if not self.follows:
+            return SourceRecord(ds.fingerprint, ds.config_hash, len(ds))
+        increment = ds.snapshot.increment
+        marks = None if increment is None else increment.to_list()
+        return SourceRecord(ds.fingerprint, ds.config_hash, len(ds), marks, start)
+
+    def forget_before(self, count: int) -> None:
+        """Drop the increments wholly before offset ``count`` (every rank is past them)."""
+        while len(self.known) > 1 and self.known[1][1] <= count:
+            self.known.pop(0)
+
+
+def spans_of(streams: Sequence[SourceStream]) -> list[Spans]:
+    """Every source's :meth:`SourceStream.spans`, in order."""
+    return [stream.spans() for stream in streams]
