@@ -12,8 +12,6 @@ draws with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from lakeloader.dataset import LakeDataset
@@ -102,8 +100,3 @@ class SourceStream:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""
         while len(self.known) > 1 and self.known[1][1] <= count:
             self.known.pop(0)
-
-
-def spans_of(streams: Sequence[SourceStream]) -> list[Spans]:
-    """Every source's :meth:`SourceStream.spans`, in order."""
-    return [stream.spans() for stream in streams]
