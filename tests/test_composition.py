@@ -32,7 +32,7 @@ import pytest
 import lakeloader as ll
 from lakeloader.cli.audit import run_audit
 from lakeloader.cli.main import main as cli
-from lakeloader.errors import CheckpointError
+from lakeloader.errors import CheckpointError, StateMismatchError
 from tests.composition_cases import (
     EOS,
     GLOBAL,
@@ -65,15 +65,12 @@ PAIRS = list(itertools.combinations(FEATURES, 2))
 
 _SKIP = 'refused (and `validate`\'s error then suggests `on_error="skip"`)'
 _AUDIT = "`attach` silently records nothing; `audit` then blames `ledger=False`"
-_FT_STATE = (
-    "not in the issue's table: the rows are right, but FaultTolerantLoader.state_dict() never "
-    "records the quarantine (always '[]'), so a group healing from it or a checkpoint of it "
-    "does not count the quarantined rows"
-)
 #: The pairs that fail today: issue 30's words and what they raise (AssertionError: a check
 #: of this file). A fixed pair leaves the dict; so far mixture x workers and packing x
 #: workers ("no worker process starts", fixed by 335b015, stage 3), mixture x transform,
-#: batch_transform, collate_fn, skip and validate, and mixture x follow.
+#: batch_transform, collate_fn, skip and validate, mixture x follow, and torchft x skip,
+#: validate, checkpoint_resize, audit and inspect. torchft x mixture and x follow work (see
+#: tests/test_ft_composition.py) but fail this file's torchft scenario, as said below.
 FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
     **{
         frozenset({"packing", f}): (f"Mixture or Packing x {f}: {why}", error)
@@ -90,24 +87,23 @@ FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
         for shape in ("mixture", "packing")
         for f, why, error in [
             ("audit", _AUDIT, CheckpointError),
-            ("torchft", "refused", ValueError),
         ]
     },
+    frozenset({"packing", "torchft"}): (
+        "Mixture, Packing or follow x `FaultTolerantLoader`: a packed stream's state holds "
+        "only its own group's partitions (issue 31), so a step of fewer groups is refused",
+        StateMismatchError,
+    ),
+    frozenset({"mixture", "torchft"}): (
+        "this file's torchft reference is one pass of slots, but a mixture's pass ends in a "
+        "full global batch past epoch_rows: the FT run's last step takes a slot of the next",
+        AssertionError,
+    ),
     frozenset({"packing", "follow"}): ("Packing x `follow=`: refused", ValueError),
     frozenset({"follow", "torchft"}): (
-        "Mixture, Packing or follow x `FaultTolerantLoader`: refused",
-        ValueError,
+        "execute_ft appends no file to the followed lake, so its second increment never comes",
+        AssertionError,
     ),
-    **{
-        frozenset({"torchft", f}): (
-            "`FaultTolerantLoader` x `CheckpointManager.save`, `attach`, `inspect`: "
-            "`AttributeError`",
-            AttributeError,
-        )
-        for f in ("checkpoint_resize", "audit", "inspect")
-    },
-    frozenset({"torchft", "skip"}): (_FT_STATE, AssertionError),
-    frozenset({"torchft", "validate"}): (_FT_STATE, AssertionError),
 }
 #: Pairs measured at 3 s or more (``pytest --durations=0`` on 2 busy cores).
 SLOW: frozenset[frozenset[str]] = frozenset()

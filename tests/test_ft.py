@@ -18,12 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-import lakeloader as ll
-from lakeloader.ft.steps import epoch_over, step_stop
-from tests.conftest import ROOT, layout_dataset
+from tests.conftest import ROOT
 
 SCRIPT = ROOT / "examples" / "train_ft.py"
 ROWS = 6000
@@ -119,42 +115,3 @@ def test_a_group_killed_and_one_joining_leave_every_row_exactly_once(
         f"({summary['replacement_launch_to_taking_part_seconds']} s after its launch); "
         f"{ROWS} rows exactly once"
     )
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    participants=st.lists(st.integers(1, 4), min_size=1, max_size=60),
-    batch=st.integers(1, 40),
-    drop_last=st.booleans(),
-)
-def test_committed_steps_tile_the_epoch_whatever_the_participants(
-    participants: list[int], batch: int, drop_last: bool
-) -> None:
-    num_rows, position, covered = 1000, 0, 0
-    for p in participants:
-        if epoch_over(position, num_rows, p, batch, drop_last):
-            break
-        stop = step_stop(position, num_rows, p, batch)
-        assert stop > position and (stop - position == p * batch or stop == num_rows)
-        covered += stop - position
-        position = stop
-    assert covered == position <= num_rows
-
-
-def test_step_stop_is_where_a_loader_of_that_many_ranks_stands(own_lake: Path) -> None:
-    ds = layout_dataset(own_lake)
-    position = 0
-    for participants in (3, 2, 2, 3, 1):
-        loaders = [
-            ll.DataLoader(ds, batch_size=16, rank=r, world_size=participants)
-            for r in range(participants)
-        ]
-        state = {**loaders[0].state_dict(), "position": position}
-        for loader in loaders:
-            loader.load_state_dict(state)
-            next(iter(loader))
-        expected = step_stop(position, len(ds), participants, 16)
-        assert {loader.state_dict()["position"] for loader in loaders} == {expected}
-        position = expected
-        for loader in loaders:
-            loader.close()

@@ -1,4 +1,4 @@
 """Fault-tolerant training with torchft (extra ``ft``): a loader exact as replica groups change.
 
-``steps`` is the pure arithmetic of committed steps; ``loader`` the :class:`FaultTolerantLoader`.
+``loader`` is the :class:`FaultTolerantLoader`: one DataLoader re-sliced per quorum.
 """

@@ -2,32 +2,60 @@
 
 torchft trains with replica groups that may die and join between steps without restarting the
 job; each step, its ``Manager`` forms a quorum of the groups taking part and commits the step
-only if all of them finished it (``should_commit()``). :class:`FaultTolerantLoader` hands each
-replica group its share of the global step that starts at the committed position: the step's
-participants split ``participants x batch_size`` rows, in the lake's topology-independent
-order. The position moves only when the step commits (the manager's committed-step count moves
-past it); a step that does not commit is handed out again, re-sliced for whoever takes part
-next. A group that joins receives the position from a healthy peer with the model (the loader
-registers its state with the manager), so every committed row of an epoch is trained on exactly
-once, with no process restarted.
+only if all of them finished it (``should_commit()``). :class:`FaultTolerantLoader` is one
+:class:`~lakeloader.DataLoader` re-sliced per quorum: each step it hands this replica group its
+share of the global step for the step's participants (``DataLoader(rank=r, world_size=P)``),
+starting from the *committed state*, the loader's ``state_dict()`` after the last step that
+committed. So it takes whatever a DataLoader takes: a lake, a followed lake, a Mixture, a packed
+stream, with any of the DataLoader's arguments.
+
+The committed state moves only when a step commits (the manager's committed-step count moves
+past it); a step that does not commit is rolled back (``load_state_dict`` of the committed
+state) and handed out again, re-sliced for whoever takes part next. Re-slicing restores the
+committed state into a loader of the new rank and world size. A group that joins receives the
+committed state from a healthy peer (the loader registers it with the manager). Every source
+whose state resumes under any world size is therefore exact: every committed row of a lake's
+epoch, of a followed lake's increment or of a mixture's pass is trained on exactly once, with
+no process restarted. A checkpoint (``CheckpointManager.save``) holds the committed state; the
+audit ledger records each step once, from the group that is participant 0 of its quorum, with
+whether it committed.
+
+Limits:
+    - A packed stream's state holds only the partitions of the rank that took it. It is
+      re-sliced only where that state covers the new rank's partitions (a group keeping its
+      place, or a group count growing from the state of one group); otherwise the step raises
+      :class:`~lakeloader.errors.StateMismatchError` rather than lose or repeat a token.
+    - A followed lake's groups each list the lake when their position reaches an increment's
+      end; they must see the same new files (files appearing whole, as listed, between steps):
+      nothing makes groups that listed different files agree.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
-from lakeloader.ft.steps import Issued, epoch_over, step_stop
 from lakeloader.loader import DataLoader
+from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.journal import DeliveredRun, DeliveryJournal
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderStateTracker
+from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 #: Key of the loader's state among the manager's state dicts (what a joining group receives).
 STATE_KEY = "lakeloader"
+#: Keys the loader adds to the DataLoader's state: the committed-step count it stands at, and
+#: whether the pass (a lake's epoch, a mixture's pass) is over at it.
+STEP_KEY, OVER_KEY = "ft_step", "ft_pass_over"
 
 
 class QuorumManager(Protocol):
@@ -52,77 +80,96 @@ class QuorumManager(Protocol):
         """Register state that a joining group receives from a healthy peer."""
 
 
+@dataclass(frozen=True)
+class _Issued:
+    """A step handed to the training loop, not yet known to have committed.
+
+    Attributes:
+        at_step: The committed-step count when it was handed out; it committed once the
+            count is past it.
+        after: The DataLoader's state after it (the committed state if it commits).
+        over: Whether the pass is over after it.
+        runs: Its global spans, for the ledger (none unless this group was participant 0).
+    """
+
+    at_step: int
+    after: dict[str, Any]
+    over: bool
+    runs: tuple[DeliveredRun, ...]
+
+
 class FaultTolerantLoader:
-    """Steps of a lake for torchft replica groups: the position moves only on commit.
+    """Steps of any DataLoader source for torchft replica groups: state moves only on commit.
 
     Args:
-        dataset: The lake (a :class:`LakeDataset`; mixtures, packing and followed lakes are
-            not supported here).
+        dataset: What to read, as :class:`~lakeloader.DataLoader` takes it (a lake, a
+            followed lake, a :class:`~lakeloader.Mixture`, a packed dataset; see the module
+            docstring for packing's and following's limits).
         manager: The replica group's ``torchft.Manager``. Use ``use_async_quorum=False``: an
             asynchronous quorum can count a healing group among a step's participants while
             zeroing its gradients, which would drop its rows (the loader refuses that step).
-        batch_size: Rows per replica group per step.
+        batch_size: Rows (packed: samples) per replica group per step.
         start_quorum: Start the step's quorum in ``next()`` (then call the inner optimizer's
             ``zero_grad`` and ``manager.should_commit()`` yourself). With torchft's
             ``Optimizer`` wrapper, whose ``zero_grad`` starts the quorum, pass False and call
             ``zero_grad`` before ``next()``.
-        drop_last: Drop a short last step of an epoch.
-        **loader_kwargs: Other :class:`~lakeloader.DataLoader` arguments (``num_workers``,
-            ``collate_fn``, ...).
+        **loader_kwargs: Other :class:`~lakeloader.DataLoader` arguments (``drop_last``,
+            ``num_workers``, ``collate_fn``, ...); ``rank`` and ``world_size`` come from
+            each step's quorum.
 
-    A group's share of a step it does not take part in (a group still healing) is rank 0's:
-    its gradients are zeroed by torchft, so it trains on nothing.
+    Raises:
+        ValueError: If ``rank`` or ``world_size`` is passed.
+
+    ``next()`` raises StopIteration at the end of a pass that has one (a lake's epoch, a
+    mixture's pass) until :meth:`set_epoch` moves on; at the end of a followed lake's rows (no
+    increment came in time) once, the next ``next()`` trying again. A group's share of a step
+    it does not take part in (a group still healing) is rank 0's: its gradients are zeroed by
+    torchft, so it trains on nothing.
     """
 
     def __init__(
         self,
-        dataset: LakeDataset,
+        dataset: Any,
         manager: QuorumManager,
         batch_size: int,
         *,
         start_quorum: bool = True,
-        drop_last: bool = False,
         **loader_kwargs: Any,
     ) -> None:
-        if getattr(dataset, "loader_kind", None) != "lake":
-            raise ValueError(
-                "FaultTolerantLoader takes a LakeDataset (not a Mixture, packed or followed lake)"
-            )
         for name in ("rank", "world_size"):
             if name in loader_kwargs:
                 raise ValueError(f"{name} comes from the manager's quorum; do not pass it")
-        self.dataset = dataset
         self.manager = manager
         self.batch_size = batch_size
-        self.drop_last = drop_last
         self._start_quorum = start_quorum
-        self._kwargs = dict(loader_kwargs, drop_last=drop_last, batch_size=batch_size)
-        template = DataLoader(dataset, rank=0, world_size=1, **self._kwargs)
-        self._template = template.state_dict()
-        template.close()
-        self.num_rows = len(dataset)
-        self.epoch = 0
-        #: The committed position of the epoch (global rows).
-        self.position = 0
-        self._issued: Issued | None = None
-        self._inner: DataLoader | None = None
-        self._inner_key: tuple[int, int, int] | None = None
-        self._inner_iter: Iterator[Any] | None = None
+        self._kwargs = dict(loader_kwargs, batch_size=batch_size)
         self._lock = threading.Lock()  # torchft asks for the state from its quorum thread
+        self._runs: list[DeliveredRun] = []  # the global spans of the step being taken
+        self._records = False  # whether the DataLoader keeps a record of its steps
+        self._inner = self._loader(dataset, 0, 1)
+        #: The DataLoader's state after the last committed step, and the state it stands at.
+        self._committed: dict[str, Any] = self._inner.state_dict()
+        self._at: dict[str, Any] | None = self._committed
+        self._it: Iterator[Any] | None = None
+        self._taken = 0  # steps taken from ``_it``
+        self._over = False  # the pass is over at the committed state
+        self._issued: _Issued | None = None
+        self._observer: Callable[..., None] | None = None  # the ledger's Ledger.step
+        self._journal = DeliveryJournal()  # steps committed before an observer came
         #: The last step's participants, this group's rank among them (None: not taking
-        #: part), and the step's global rows.
+        #: part), and the step's global rows (samples, packed).
         self.participants = 0
         self.participating_rank: int | None = None
         self.step_rows = 0
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
 
-    # -------------------------------------------------------------------- epochs
-    def set_epoch(self, epoch: int) -> None:
-        """Run ``epoch`` from its start, unless the position is inside that epoch already."""
-        with self._lock:
-            if epoch != self.epoch:
-                self.epoch, self.position, self._issued = int(epoch), 0, None
+    def _loader(self, dataset: Any, rank: int, world_size: int) -> DataLoader:
+        """A DataLoader of this rank and world size, telling this loader of its steps."""
+        loader = DataLoader(dataset, rank=rank, world_size=world_size, **self._kwargs)
+        self._records = loader.observe_steps(self._runs.append)
+        return loader
 
+    # -------------------------------------------------------------------- steps
     def __iter__(self) -> FaultTolerantLoader:
         return self
 
@@ -130,12 +177,14 @@ class FaultTolerantLoader:
         """Settle the last step, then hand out this group's share of the next one.
 
         Raises:
-            StopIteration: When the epoch's rows are all in committed steps.
+            StopIteration: When the pass is over at the committed state.
             RuntimeError: If torchft counts this group in a step whose gradients it zeroes.
+            StateMismatchError: If the committed state (a peer's) is not of this dataset, or
+                does not cover this rank's part of a packed stream.
         """
         with self._lock:
-            self._settle(self.manager.current_step())
-            if self.position >= self.num_rows:
+            self._settle(rollback=True)
+            if self._over:
                 raise StopIteration
         if self._start_quorum:
             self.manager.start_quorum()
@@ -149,109 +198,250 @@ class FaultTolerantLoader:
                 "Construct the torchft Manager with use_async_quorum=False"
             )
         with self._lock:
-            if epoch_over(
-                self.position, self.num_rows, participants, self.batch_size, self.drop_last
-            ):
-                self.position = self.num_rows
+            if self._over:  # a peer's state, received at the quorum, ends the pass
                 raise StopIteration
-            batch = self._take(participants, 0 if rank is None else rank)
-            self._issued = Issued(
-                self.manager.current_step(), participants, self.epoch, self.position
-            )
+            it = self._placed(participants, 0 if rank is None else rank)
+            self._runs.clear()
+            try:
+                batch = next(it)
+            except StopIteration:
+                self._it = None
+                self._over = self._has_end()
+                raise
+            self._taken += 1
+            self._at = self._inner.state_dict()
+            steps = getattr(it, "num_steps", None)  # None: a pass whose end is not known
+            over = steps is not None and self._taken >= steps
+            runs = tuple(self._runs) if rank == 0 else ()  # the ledger's: once per step
+            self._issued = _Issued(self.manager.current_step(), self._at, over, runs)
             self.participants, self.participating_rank = participants, rank
-            stop = step_stop(self.position, self.num_rows, participants, self.batch_size)
-            self.step_rows = stop - self.position
+            spans = sum(r.stop - r.start for r in self._runs)
+            self.step_rows = spans if self._records else participants * self.batch_size
         return batch
 
-    def _settle(self, step: int) -> None:
-        """Move the position past the issued step if it committed (the count moved past it)."""
+    def _placed(self, participants: int, rank: int) -> Iterator[Any]:
+        """The DataLoader of this slice, standing at the committed state, and its iterator."""
+        inner = self._inner
+        if (inner.rank, inner.world_size) != (rank, participants):
+            was = (inner.rank, inner.world_size)
+            logger.info("re-sliced: rank %d of %d groups (was %d of %d)", rank, participants, *was)
+            dataset = inner.dataset  # a resumed checkpoint's pinned snapshot, if any
+            inner.close()
+            self._inner, self._at = self._loader(dataset, rank, participants), None
+            self._restore(self._committed, f"rank {rank} of {participants} groups")
+        else:
+            self._at_committed()
+        if self._it is None:
+            self._it, self._taken = iter(self._inner), 0
+        return self._it
+
+    def _at_committed(self) -> None:
+        """Make the DataLoader stand at the committed state (rolling a step back)."""
+        if self._at is not self._committed:
+            self._restore(self._committed, "the rolled back step's slice")
+
+    def _restore(self, state: dict[str, Any], where: str) -> None:
+        try:
+            self._inner.load_state_dict(state)
+        except StateMismatchError as exc:
+            raise StateMismatchError(
+                f"the committed state cannot be restored at {where}: {exc}. Every replica "
+                "group must read the same dataset with the same settings; a packed stream's "
+                "state holds only its own group's partitions, which FaultTolerantLoader cannot "
+                "hand to another rank or group count yet"
+            ) from exc
+        self._at, self._it = state, None
+
+    def _has_end(self) -> bool:
+        """Whether the DataLoader's passes end (a lake's epoch, a mixture's pass)."""
+        try:
+            len(self._inner)
+        except TypeError:
+            return False
+        return True
+
+    def _settle(self, *, rollback: bool) -> None:
+        """Commit the issued step if the count moved past it; else (``rollback``) drop it."""
         issued = self._issued
-        if issued is not None and step > issued.at_step:
-            if step > issued.at_step + 1:
-                raise RuntimeError(
-                    f"the manager committed {step - issued.at_step} steps since this loader "
-                    f"handed one out (at step {issued.at_step}): take one batch per step"
-                )
-            self.position = step_stop(
-                issued.start, self.num_rows, issued.participants, self.batch_size
+        if issued is None:
+            return
+        step = self.manager.current_step()
+        if step > issued.at_step + 1:
+            raise RuntimeError(
+                f"the manager committed {step - issued.at_step} steps since this loader "
+                f"handed one out (at step {issued.at_step}): take one batch per step"
             )
+        if step > issued.at_step:
+            self._committed, self._over = issued.after, issued.over
+        elif not rollback:
+            return  # it may commit yet
+        self._record(issued.runs, committed=step > issued.at_step)
         self._issued = None
 
-    def _take(self, participants: int, rank: int) -> Any:
-        """This group's share of the step at the position, for ``participants`` groups."""
-        key = (self.epoch, participants, rank)
-        inner = self._inner
-        if inner is None or key != self._inner_key or inner.tracker.position != self.position:
-            if inner is not None:
-                logger.info(
-                    "step at epoch %d position %d: %d participant(s), this group rank %d "
-                    "(was %s): re-sliced from the committed position",
-                    self.epoch,
-                    self.position,
-                    participants,
-                    rank,
-                    self._inner_key,
-                )
-                inner.close()
-            inner = DataLoader(self.dataset, rank=rank, world_size=participants, **self._kwargs)
-            inner.load_state_dict(self._state(self.epoch, self.position))
-            self._inner, self._inner_key, self._inner_iter = inner, key, iter(inner)
-        assert self._inner_iter is not None
-        return next(self._inner_iter)
+    def _record(self, runs: Iterable[DeliveredRun], *, committed: bool) -> None:
+        """Tell the observer of a settled step, or keep it (if committed) until one comes."""
+        for run in runs:
+            if self._observer is not None:
+                self._observer(run, committed=committed)
+            elif committed:
+                self._journal.record(run.epoch, run.start, run.stop, run.num_rows, run.topology)
+
+    # -------------------------------------------------------------------- epochs
+    @property
+    def epoch(self) -> int:
+        """The epoch (a mixture's pass, a followed lake's increment) of the committed state."""
+        epoch = self._committed.get("epoch")
+        return self._inner.epoch if epoch is None else int(epoch)
+
+    @property
+    def position(self) -> int | None:
+        """The committed state's ``position`` (a lake's global rows of its epoch), or None."""
+        position = self._committed.get("position")
+        return None if position is None else int(position)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Run ``epoch`` from its start, unless the committed state is in that epoch already.
+
+        Raises:
+            TypeError: For a packed stream (its partitions run through their epochs).
+        """
+        with self._lock:
+            self._settle(rollback=True)
+            if epoch == self.epoch:
+                return
+            self._at_committed()
+            self._inner.set_epoch(epoch)
+            self._committed = self._at = self._inner.state_dict()
+            self._it, self._over = None, False
 
     # --------------------------------------------------------------------- state
-    def _state(self, epoch: int, position: int) -> dict[str, Any]:
-        return {
-            **self._template,
-            "epoch": epoch,
-            "position": position,
-            "rows_dropped": 0,
-        }
-
     def state_dict(self) -> dict[str, Any]:
-        """The committed position (a lakeloader state) and the committed-step count it is at.
+        """The committed state, with the committed-step count it stands at (``ft_step``).
 
         Safe to call from torchft's quorum thread: a step handed out and committed since is
         counted in.
         """
         with self._lock:
             step = self.manager.current_step()
-            position = self.position
+            state, over = self._committed, self._over
             issued = self._issued
             if issued is not None and step > issued.at_step:
-                position = step_stop(
-                    issued.start, self.num_rows, issued.participants, self.batch_size
-                )
-            return {**self._state(self.epoch, position), "ft_step": step}
+                state, over = issued.after, issued.over
+            return {**state, STEP_KEY: step, OVER_KEY: over}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a peer's committed position (a joining group heals with it).
+        """Take a peer's committed state (a joining group heals with it).
+
+        A step handed out before it is dropped, as not committed. The state is restored into
+        the DataLoader at the next step, which raises if it is not of this dataset (see
+        :meth:`__next__`).
+        """
+        state = dict(state)
+        step, over = state.pop(STEP_KEY, None), bool(state.pop(OVER_KEY, False))
+        with self._lock:
+            if self._issued is not None:
+                self._record(self._issued.runs, committed=False)
+                self._issued = None
+            self._committed, self._over = state, over
+        logger.info("loader state from a peer, at step %s (pass over: %s)", step, over)
+
+    # --------------------------------------------- what a CheckpointManager calls
+    def barrier_position(self) -> Position:
+        """The committed position, as the checkpoint barrier compares it across ranks."""
+        with self._lock:
+            self._settle(rollback=False)
+            self._at_committed()
+            return self._inner.barrier_position()
+
+    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
+        """The committed state as a checkpoint holds it (a DataLoader's), quarantine merged."""
+        with self._lock:
+            self._settle(rollback=False)
+            self._at_committed()
+            self._committed = self._at = self._inner.checkpoint_state(quarantine)
+            return self._committed
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshots a checkpoint of the committed state pins, by leaf path."""
+        with self._lock:
+            self._at_committed()
+            return self._inner.checkpoint_datasets()
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Make a checkpoint's state the committed one (see ``DataLoader.restore_checkpoint``).
 
         Raises:
-            StateMismatchError: If the state belongs to another lake snapshot or order.
+            StateFormatError: If it holds another kind of loader's state.
         """
-        for key in ("fingerprint", "config_hash", "num_rows"):
-            if state.get(key) != self._template.get(key):
-                raise StateMismatchError(
-                    f"the peer's loader state has {key} {state.get(key)!r}, this loader "
-                    f"{self._template.get(key)!r}: every replica group must read the same lake "
-                    "with the same order configuration"
-                )
         with self._lock:
-            self.epoch, self.position = int(state["epoch"]), int(state["position"])
-            at_step = int(state["ft_step"])
-            issued = self._issued
-            if issued is not None:  # handed out before the state arrived: count it from there
-                self._issued = Issued(at_step, issued.participants, self.epoch, self.position)
-        logger.info(
-            "loader state from a peer: epoch %d, position %d, at step %d",
-            self.epoch,
-            self.position,
-            at_step,
-        )
+            self._inner.restore_checkpoint(ckpt, coordinator)
+            self._committed = self._at = self._inner.state_dict()
+            self._it, self._issued, self._over = None, None, False
+            self._journal.take()  # what came before is not this attempt's history
+
+    def observe_steps(self, observer: Callable[..., None]) -> bool:
+        """Tell ``observer`` of every step once it is settled: ``observer(run, committed=)``.
+
+        A step is told once, by the group that was participant 0 of its quorum (its global
+        span is the same for every group); the steps committed before are told first.
+
+        Returns:
+            Whether the DataLoader keeps a record of its steps (a mixture's or a packed
+            stream's keeps none yet).
+        """
+        with self._lock:
+            self._observer = observer
+            for run in self._journal.take():
+                observer(run)
+        return self._records
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether the DataLoader's workers build batches rather than decode."""
+        return self._inner.workers_build
+
+    # ------------------------------------------- the DataLoader of the last slice
+    @property
+    def dataset(self) -> Any:
+        """What the DataLoader reads (a followed lake's increment under way)."""
+        return self._inner.dataset
+
+    @property
+    def root(self) -> Any:
+        """The DataLoader's root node (see :mod:`lakeloader.nodes`)."""
+        return self._inner.root
+
+    @property
+    def tracker(self) -> ReaderStateTracker:
+        """The DataLoader's tracker (where the last step left it, committed or not).
+
+        Raises:
+            AttributeError: Where the DataLoader has none (a mixture, a packed stream).
+        """
+        return self._inner.tracker
+
+    @property
+    def topology(self) -> Topology:
+        """The last step's slice: this group's rank among its participants, and their count."""
+        return self._inner.topology
+
+    @property
+    def rank(self) -> int:
+        """This group's rank in the last step's slice (0 before the first)."""
+        return self._inner.rank
+
+    @property
+    def world_size(self) -> int:
+        """The last step's participants (1 before the first)."""
+        return self._inner.world_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether a step too short for its participants ends the pass."""
+        return self._inner.drop_last
 
     def close(self) -> None:
-        """Stop the current step's loader (its workers)."""
-        if self._inner is not None:
+        """Stop the DataLoader's workers and threads."""
+        with self._lock:
             self._inner.close()
-            self._inner = self._inner_iter = None
+            self._it = None
