@@ -437,7 +437,7 @@ class FaultTolerantLoader:
 
     @property
     def drop_last(self) -> bool:
-        """Whether a step too short for its participants ends the pass."""
+        """The DataLoader's ``drop_last`` (a short last step of a pass is not taken)."""
         return self._inner.drop_last
 
     def close(self) -> None:
