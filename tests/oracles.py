@@ -7,9 +7,13 @@ compared with them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from lakeloader.order.batches import BatchSpec
+from lakeloader.order.mixture import MixDraw, PartTable, _small
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
@@ -89,4 +93,121 @@ def first_need_units(
         rows = int(plan.offsets[p + 1] - plan.offsets[p])
         start = int(plan.units.row_start[unit] + plan.piece_start[p])
         out.append((int(plan.units.file_index[unit]), int(plan.units.row_group[unit]), start, rows))
+    return out
+
+
+# ------------------------------------------------- a mixture's parts, step by step
+
+
+@dataclass(frozen=True)
+class MixPart:
+    """The rows of one epoch of one source in a rank's share of a global batch.
+
+    A source's rows in a share are consecutive in its stream (its draws are counted in slot
+    order), so within one of its epochs they are the positions ``[start, stop)`` of that
+    epoch's order (:mod:`lakeloader.order.plan`'s slots).
+
+    Attributes:
+        source: The source (an index into the mixture's names).
+        epoch: The source's epoch.
+        start: First position in that epoch's order.
+        stop: One past the last.
+        at: Where each of these rows stands in the rank's share (slot order), position by
+            position.
+    """
+
+    source: int
+    epoch: int
+    start: int
+    stop: int
+    at: np.ndarray
+
+
+def rank_parts(
+    draw: MixDraw, rows: Sequence[int], world_size: int, rank: int
+) -> tuple[np.ndarray, list[MixPart]]:
+    """A rank's share of a global batch (``draw``): each row's source, and the parts to read.
+
+    The rank takes the slots :func:`~lakeloader.order.plan.rank_bounds` gives it, in slot order,
+    so the ranks' shares laid end to end are the global batch whatever the world size.
+
+    Args:
+        draw: The global batch's slots.
+        rows: Rows of one epoch of each source, in the order of ``draw.names``.
+        world_size: Ranks sharing the batch.
+        rank: This rank.
+
+    Returns:
+        The source of each row of the share, and its parts, by source then epoch.
+
+    >>> w = MixWeights.of({"a": 1, "b": 1})
+    >>> draw, _ = MixCursor(0, {"a": 3}).take(w, seed=0, count=8)
+    >>> draw.sources.tolist(), draw.offsets.tolist()
+    ([1, 0, 0, 1, 0, 1, 1, 0], [0, 3, 4, 1, 5, 2, 3, 6])
+    >>> sources, parts = rank_parts(draw, [4, 10], world_size=2, rank=0)
+    >>> [(p.source, p.epoch, p.start, p.stop, p.at.tolist()) for p in parts]
+    [(0, 0, 3, 4, [1]), (0, 1, 0, 1, [2]), (1, 0, 0, 2, [0, 3])]
+    """
+    ((sources, parts),) = rank_parts_many(draw, rows, 1, world_size, rank)
+    return sources, parts
+
+
+def part_table(
+    draw: MixDraw, rows: Sequence[int], steps: int, world_size: int, rank: int
+) -> PartTable:
+    """A rank's parts of ``steps`` consecutive global batches of equal size.
+
+    The batches lie end to end in ``draw``; the work is a few array operations for all the
+    steps, not a loop over them.
+    """
+    size = len(draw.sources) // steps
+    lo, hi = rank_bounds(size, world_size, rank)
+    sources = draw.sources.reshape(steps, size)[:, lo:hi]
+    share = MixDraw(
+        draw.first, draw.names, sources.ravel(), draw.offsets.reshape(steps, size)[:, lo:hi].ravel()
+    )
+    epoch, position = share.epochs(rows)
+    width = hi - lo
+    step = np.repeat(np.arange(steps, dtype=np.int64), width)
+    # One key per (step, source, epoch): a stable sort groups the parts, each in slot order.
+    low = int(epoch.min()) if len(epoch) else 0
+    span = int(epoch.max()) - low + 1 if len(epoch) else 1
+    combined = (step * len(draw.names) + share.sources) * span + (epoch - low)
+    order = np.argsort(_small(combined, steps * len(draw.names) * span), kind="stable")
+    ordered = combined[order]
+    first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    last = np.concatenate([first[1:], [len(order)]]) - 1
+    head, tail = order[first], order[last]
+    return PartTable(
+        shares=sources,
+        step=step[head],
+        source=share.sources[head],
+        epoch=epoch[head],
+        start=position[head],
+        stop=position[tail] + 1,
+        at=order % max(width, 1),
+    )
+
+
+def rank_parts_many(
+    draw: MixDraw, rows: Sequence[int], steps: int, world_size: int, rank: int
+) -> list[tuple[np.ndarray, list[MixPart]]]:
+    """:func:`rank_parts` of ``steps`` consecutive global batches of equal size, at once.
+
+    :func:`part_table`'s parts as values.
+    """
+    table = part_table(draw, rows, steps, world_size, rank)
+    out: list[tuple[np.ndarray, list[MixPart]]] = [(row, []) for row in table.shares]
+    cuts = np.cumsum(table.stop - table.start)[:-1]
+    columns = zip(
+        table.step.tolist(),
+        table.source.tolist(),
+        table.epoch.tolist(),
+        table.start.tolist(),
+        table.stop.tolist(),
+        np.split(table.at, cuts),
+        strict=True,
+    )
+    for k, source, epoch, start, stop, where in columns:
+        out[k][1].append(MixPart(source, epoch, start, stop, where))
     return out

@@ -16,12 +16,10 @@ from lakeloader.order.mixture import (
     MixWeights,
     cursor_at,
     draw_parts,
-    part_table,
-    rank_parts,
-    rank_parts_many,
     slot_sources,
 )
 from tests.conftest import FAST
+from tests.oracles import part_table, rank_parts, rank_parts_many
 
 weight_maps = st.dictionaries(
     st.sampled_from(["web", "code", "books", "math", "chat", "wiki"]),

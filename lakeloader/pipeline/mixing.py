@@ -2,7 +2,7 @@
 
 Each global batch is drawn by the mixture's cursor (:mod:`lakeloader.order.mixture`); the
 rank's share is cut into parts, one per source and epoch of that source
-(:func:`~lakeloader.order.mixture.rank_parts`), and each part is a slot range of that epoch's
+(:func:`~lakeloader.order.mixture.draw_parts`), and each part is a slot range of that epoch's
 order, which a :class:`~lakeloader.pipeline.stores.Store` (a unit store and a builder over one
 epoch of one source) reads; :mod:`lakeloader.pipeline.mixed_steps` builds the step's batch
 from them, with the source of each row. Steps are planned ahead in chunks, so that every
