@@ -73,6 +73,27 @@ def test_added_files_join_at_the_next_epoch_boundary(
         loader.close()
 
 
+def test_a_state_of_the_next_epoch_before_its_pass_names_the_lake_of_now(
+    own_lake: Path, tmp_path: Path
+) -> None:
+    """After a checkpoint's epoch on its pinned snapshot, ``set_epoch(e + 1)`` then
+    ``state_dict()`` (no pass begun yet) is a state of the lake of now: a loader made on it
+    takes the state and runs epoch 1 with the added file."""
+    _run_some(own_lake, tmp_path / "ckpt", 3)
+    _add_file(own_lake)
+    loader = ll.DataLoader(layout_dataset(own_lake), batch_size=BATCH)
+    ll.CheckpointManager(str(tmp_path / "ckpt")).load(loader)
+    loader.set_epoch(1)
+    state = loader.state_dict()
+    loader.close()
+    live = layout_dataset(own_lake)
+    assert (state["epoch"], state["fingerprint"]) == (1, live.fingerprint)
+    with ll.DataLoader(live, batch_size=BATCH) as fresh:
+        fresh.load_state_dict(state)
+        epoch1 = [i for b in fresh for i in b["id"].tolist()]
+    assert sorted(epoch1) == sorted(set(range(LAYOUT_ROWS)) | NEW_IDS)
+
+
 def _remove_and_rewrite(root: Path) -> tuple[Path, Path]:
     removed = root / "file-0003.parquet"
     removed.unlink()

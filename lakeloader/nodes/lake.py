@@ -231,7 +231,7 @@ class LakeNode(Node):
                 position was set, or they cross into another epoch of a followed lake.
         """
         epoch = self.tracker.before(fetched_ahead)[0]
-        ds = self.dataset if epoch == self.tracker.epoch else self._epoch_dataset(epoch)
+        ds = self._epoch_dataset(epoch)
         state = self.tracker.state(
             ds.fingerprint, ds.config.to_dict(), len(ds), back=fetched_ahead
         ).to_dict()
@@ -241,7 +241,13 @@ class LakeNode(Node):
         return state
 
     def _epoch_dataset(self, epoch: int) -> LakeDataset:
-        """The dataset an earlier epoch ran on (a followed lake's increments are not kept)."""
+        """The dataset ``epoch`` runs on, also before a pass of it began.
+
+        A checkpoint's pinned snapshot for its epoch, then the lake of now; a followed lake's
+        earlier increments are not kept.
+        """
+        if self._base.follow and epoch == self.tracker.epoch:
+            return self.dataset
         if self._base.follow:
             raise ValueError(
                 f"cannot stand before batches of increment {epoch} of a followed lake from "
@@ -312,7 +318,7 @@ class LakeNode(Node):
     # --------------------------------------------- what a CheckpointManager calls
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
-        ds = self.dataset
+        ds = self._epoch_dataset(self.tracker.epoch)
         return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
