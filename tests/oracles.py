@@ -140,6 +140,7 @@ def rank_parts(
     Returns:
         The source of each row of the share, and its parts, by source then epoch.
 
+    >>> from lakeloader.order.mixture import MixCursor, MixWeights
     >>> w = MixWeights.of({"a": 1, "b": 1})
     >>> draw, _ = MixCursor(0, {"a": 3}).take(w, seed=0, count=8)
     >>> draw.sources.tolist(), draw.offsets.tolist()

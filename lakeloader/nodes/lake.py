@@ -60,6 +60,8 @@ class LakeNode(Node):
         dataset: The lake.
     """
 
+    dataset: LakeDataset  # the epoch under way's (a followed lake's increment)
+
     def __init__(self, host: Host, dataset: LakeDataset) -> None:
         super().__init__(host)
         self._base = self.dataset = dataset
