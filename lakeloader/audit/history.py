@@ -14,6 +14,13 @@ Where the history begins past the start of epoch 0 (a loader restored with
 ledger, a start entry lost), the positions before it were not recorded: the audit proves the
 rest and calls the run *unverified* before that point, a verdict of its own, never a row
 missing.
+
+A run moves one or more position streams (``lakeloader.state.journal.stream_name``): a single
+lake's global rows (``""``), each source of a mixture, each partition of a packed stream. The
+committed history is one, found once; then each stream's committed steps are proven on their
+own, epoch by epoch (a mixture's source epoch tiles ``[0, N_source)``, a packed partition's
+epoch its sample indices ``[0, S)``), from where that stream stood at the start and save
+entries. The run is exactly once only if every stream is.
 """
 
 from __future__ import annotations
@@ -22,7 +29,27 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry
+from lakeloader.audit.records import Entry, SaveEntry, Stands, StartEntry, StepEntry
+
+
+def epoch_name(stream: str, epoch: int) -> str:
+    """How reports name an epoch of a stream.
+
+    >>> epoch_name("", 2), epoch_name("web/p3", 2)
+    ('epoch 2', 'stream web/p3, epoch 2')
+    """
+    return f"stream {stream}, epoch {epoch}" if stream else f"epoch {epoch}"
+
+
+def _at(stands: Stands) -> str:
+    """Where streams stood, in words.
+
+    >>> _at({"": (1, 40)}), _at({"web": (0, 4), "code": (1, 0)})
+    ('epoch 1, position 40', 'web: epoch 0, position 4; code: epoch 1, position 0')
+    """
+    return "; ".join(
+        (f"{s}: " if s else "") + f"epoch {e}, position {p}" for s, (e, p) in stands.items()
+    )
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,7 @@ class EpochVerdict:
         replayed: Positions delivered outside the committed history and again inside it.
         uncommitted: Positions delivered after the head checkpoint.
         topologies: ``(world size, batch size)`` of its committed steps, in order of use.
+        stream: The stream whose epoch it is (``""``: a single lake's).
     """
 
     epoch: int
@@ -68,6 +96,7 @@ class EpochVerdict:
     replayed: tuple[Span, ...]
     uncommitted: tuple[Span, ...]
     topologies: tuple[tuple[int, int], ...]
+    stream: str = ""
 
     @property
     def ok(self) -> bool:
@@ -102,7 +131,7 @@ class AuditReport:
         head_step: The newest committed checkpoint's step.
         head_attempt: The attempt that saved it.
         chain: The attempts of the committed history, oldest first.
-        epochs: Each epoch's verdict.
+        epochs: Each epoch's verdict, stream by stream (in order of their names).
         problems: What contradicts exactly-once besides the epochs' missing and doubled
             positions (a history that loops, an epoch restarted on a changed lake, ...).
         unverified: What was not recorded, so neither proven nor refuted (the history
@@ -149,22 +178,27 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         >>> report.ok, report.epochs[0].trained, report.epochs[0].replayed
         (True, 12, (Span(epoch=0, start=4, stop=12),))
     """
-    steps: dict[str, dict[int, StepEntry]] = defaultdict(dict)
+    steps: dict[str, list[StepEntry]] = defaultdict(list)
     saves: dict[tuple[str, int], SaveEntry] = {}
     starts: dict[str, list[StartEntry]] = defaultdict(list)
     for e in entries:
         if isinstance(e, StepEntry):
-            steps[e.attempt][e.seq] = e
+            steps[e.attempt].append(e)
         elif isinstance(e, SaveEntry):
             saves[(e.attempt, e.step)] = e
         else:
             starts[e.attempt].append(e)
+    every = [s for mine in steps.values() for s in mine]
+    head = saves.get((head_attempt, head_step))
+    streams = _streams(every, head)
     problems: list[str] = []
     unverified: list[str] = []
     committed: list[StepEntry] = []
     chain: list[AttemptLink] = []
-    origin: tuple[int, int] | None = (0, 0)  # where the recorded history begins
-    resumed_at: tuple[int, int] | None = None  # where the attempt after this one began
+    # where the recorded history begins (None: nowhere known), and where the attempt after
+    # this one began
+    origin: Stands | None = dict.fromkeys(streams, (0, 0))
+    resumed_at: Stands | None = None
     attempt, step, seen = head_attempt, head_step, set()
     while True:
         save = saves.get((attempt, step))
@@ -173,7 +207,7 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
             break
         if save is None:
             origin = resumed_at
-            where = f" (epoch {origin[0]}, position {origin[1]})" if origin else ""
+            where = f" ({_at(origin)})" if origin else ""
             unverified.append(
                 f"unverified before step {step}{where}: the ledger has no entry of its "
                 f"checkpoint, saved by attempt {attempt or '(unknown)'} (with ledger=False, "
@@ -183,76 +217,138 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         seen.add((attempt, step))
         start = next((s for s in starts[attempt] if s.index == save.start), None)
         low = start.seq if start is not None else 0
-        mine = [s for q, s in steps[attempt].items() if low < q <= save.seq and s.committed]
+        mine = [s for s in steps[attempt] if low < s.seq <= save.seq and s.committed]
         committed += mine
-        recorded = sum(s.steps for s in mine)
+        recorded = _count(mine)
         chain.append(
             AttemptLink(
                 attempt,
                 recorded,
-                sum(s.steps for s in steps[attempt].values()) - recorded,
+                _count(steps[attempt]) - recorded,
                 start.resumed_step if start is not None else -1,
                 tuple(sorted({s.world_size for s in mine})),
             )
         )
         if start is None:
-            first = min(mine, key=lambda s: (s.epoch, s.start), default=None)
-            origin = (first.epoch, first.start) if first else (save.epoch, save.position)
+            origin = dict(save.streams)
+            for s in sorted(mine, key=lambda s: (s.epoch, s.start), reverse=True):
+                origin[s.stream] = (s.epoch, s.start)  # each stream's first step
             unverified.append(
-                f"unverified before epoch {origin[0]}, position {origin[1]}: attempt {attempt} "
-                "has no start entry (its first ledger segment is lost), so where it began is "
-                "unknown"
+                f"unverified before {_at(origin)}: attempt {attempt} has no start entry (its "
+                "first ledger segment is lost), so where it began is unknown"
             )
             break
         if start.resumed_step < 0:
-            if (start.epoch, start.position) != (0, 0):
-                origin = (start.epoch, start.position)
+            origin = dict(start.streams)
+            if any(stand != (0, 0) for stand in origin.values()):
                 first_step = save.step - recorded
                 when = f"step {first_step} " if first_step >= 0 else ""
                 unverified.append(
-                    f"unverified before {when}(epoch {start.epoch}, position {start.position}):"
-                    f" the ledger was attached late: attempt {attempt} began there without "
-                    "CheckpointManager.load (a load_state_dict?), so the steps before are not "
-                    "recorded; resume with CheckpointManager.load to keep the history whole"
+                    f"unverified before {when}({_at(origin)}): the ledger was attached late: "
+                    f"attempt {attempt} began there without CheckpointManager.load (a "
+                    "load_state_dict?), so the steps before are not recorded; resume with "
+                    "CheckpointManager.load to keep the history whole"
                 )
             break
-        resumed_at = (start.epoch, start.position)
+        resumed_at = dict(start.streams)
         attempt, step = start.resumed_attempt, start.resumed_step
-    ids = {(s.attempt, s.seq) for s in committed}
-    others = [s for a in steps.values() for s in a.values() if (s.attempt, s.seq) not in ids]
-    head = saves.get((head_attempt, head_step))
-    epochs = _verdicts(committed, others, (head.epoch, head.position) if head else None, origin)
+    ids = {id(s) for s in committed}
+    others = [s for s in every if id(s) not in ids]
+    epochs: list[EpochVerdict] = []
+    for stream in streams:
+        mine = [s for s in committed if s.stream == stream]
+        began = _began(stream, origin, mine, unverified)
+        stand = head.streams.get(stream) if head is not None else None
+        verdicts = _verdicts(stream, mine, [s for s in others if s.stream == stream], stand, began)
+        problems += _problems(stream, mine, verdicts, stand, began)
+        epochs += verdicts
+    return AuditReport(
+        head_step,
+        head_attempt,
+        tuple(reversed(chain)),
+        tuple(epochs),
+        tuple(problems),
+        tuple(unverified),
+    )
+
+
+def _streams(steps: list[StepEntry], head: SaveEntry | None) -> list[str]:
+    """The streams to prove: those of the steps and of the head checkpoint.
+
+    A single lake's stream (``""``, every entry's default) is left out where the ledger
+    names other streams but has no step of it.
+    """
+    found = {s.stream for s in steps} | (set(head.streams) if head is not None else set())
+    if "" in found and len(found) > 1 and not any(s.stream == "" for s in steps):
+        found.discard("")
+    return sorted(found)
+
+
+def _count(steps: list[StepEntry]) -> int:
+    """The steps that entries stand for (the runs of one step share its ``seq``)."""
+    per: dict[int, int] = {}
+    for s in steps:
+        per[s.seq] = max(per.get(s.seq, 0), s.steps)
+    return sum(per.values())
+
+
+def _began(
+    stream: str, origin: Stands | None, committed: list[StepEntry], unverified: list[str]
+) -> tuple[int, int] | None:
+    """Where the recorded history of ``stream`` begins (epoch, position), or None.
+
+    A stream the start (or save) entry where the history begins does not name begins at
+    its first committed step; where that is not the start of epoch 0, the positions before
+    are unverified.
+    """
+    if origin is None or stream in origin:
+        return None if origin is None else origin[stream]
+    first = min(((s.epoch, s.start) for s in committed), default=None)
+    if first is not None and first != (0, 0):
+        unverified.append(
+            f"unverified before {_at({stream: first})}: the ledger does not say where stream "
+            f"{stream!r} stood when the recorded history began"
+        )
+    return first
+
+
+def _problems(
+    stream: str,
+    committed: list[StepEntry],
+    epochs: list[EpochVerdict],
+    head: tuple[int, int] | None,
+    origin: tuple[int, int] | None,
+) -> list[str]:
+    """What contradicts exactly-once in a stream besides missing and doubled positions."""
+    problems = []
     sizes: dict[int, set[int]] = defaultdict(set)
     for s in committed:
         sizes[s.epoch].add(s.num_rows)
     for epoch, rows in sorted(sizes.items()):
         if len(rows) > 1:
             problems.append(
-                f"epoch {epoch}: its committed steps disagree on its rows ({sorted(rows)}): "
-                "the epoch was restarted on a changed lake (on_lake_change='restart_epoch')"
+                f"{epoch_name(stream, epoch)}: its committed steps disagree on its rows "
+                f"({sorted(rows)}): the epoch was restarted on a changed lake "
+                "(on_lake_change='restart_epoch')"
             )
     if head is not None and origin is not None:
         present = {e.epoch for e in epochs}
-        for epoch in range(origin[0], head.epoch + (1 if head.position else 0)):
+        for epoch in range(origin[0], head[0] + (1 if head[1] else 0)):
             if epoch not in present:
-                problems.append(f"epoch {epoch}: no committed step, yet the head is past it")
-    return AuditReport(
-        head_step,
-        head_attempt,
-        tuple(reversed(chain)),
-        epochs,
-        tuple(problems),
-        tuple(unverified),
-    )
+                problems.append(
+                    f"{epoch_name(stream, epoch)}: no committed step, yet the head is past it"
+                )
+    return problems
 
 
 def _verdicts(
+    stream: str,
     committed: list[StepEntry],
     others: list[StepEntry],
     head: tuple[int, int] | None,
     origin: tuple[int, int] | None,
-) -> tuple[EpochVerdict, ...]:
-    """Each epoch's verdict from its committed steps and the steps outside the history.
+) -> list[EpochVerdict]:
+    """Each epoch's verdict from a stream's committed steps and its steps outside the history.
 
     ``head`` is where the head checkpoint stands (epoch, position): epochs before its epoch
     must be complete, and its epoch must reach exactly its position. ``origin`` is where the
@@ -304,9 +400,10 @@ def _verdicts(
                 replayed,
                 uncommitted,
                 topologies,
+                stream,
             )
         )
-    return tuple(out)
+    return out
 
 
 def _split(outside: list[Span], covered: list[Span]) -> tuple[tuple[Span, ...], tuple[Span, ...]]:

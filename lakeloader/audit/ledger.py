@@ -10,6 +10,11 @@ writes a segment), so the audit's committed history is whole; only its count of 
 misses them.
 
 Only rank 0 writes: the loader's position is global, the same on every rank.
+
+A step that moves several position streams (a mixture's sources, a packed stream's partitions)
+is recorded as its runs (``DeliveredRun.stream``), which share its ``seq``; each save entry
+says where every stream the attempt moved stands, as the ledger saw them move (or as the
+caller of :meth:`Ledger.mark` says).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import posixpath
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
 from lakeloader.audit.records import (
     Entry,
     SaveEntry,
+    Stands,
     StartEntry,
     StepEntry,
     dump_entry,
@@ -35,7 +42,7 @@ from lakeloader.audit.records import (
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.io.fetch import url_of
 from lakeloader.signals import main_thread_only
-from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.journal import DeliveredRun, Runs
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,8 @@ class Ledger:
         self._starts = 0  # start entries written: the index of the next one
         self._closed = False
         self._buffer: list[Entry] = []
+        self._stands: Stands = {}  # where each stream stands after the steps recorded
+        self._marks: dict[tuple[int, int], Stands] = {}  # each pending save's streams
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._writer = ThreadPoolExecutor(
@@ -93,8 +102,9 @@ class Ledger:
         """The attempt resumes from the checkpoint of ``step``, saved by ``attempt``."""
         self._resumed = (step, attempt)
         self._started = False  # a load starts the attempt's history again from there
+        self._stands = {}
 
-    def _start(self, epoch: int, position: int, world_size: int) -> None:
+    def _start(self, epoch: int, position: int, world_size: int, streams: Stands) -> None:
         if self._started:
             return
         self._started = True
@@ -112,50 +122,80 @@ class Ledger:
                 position,
                 self.seq,
                 self._starts,
+                streams,
             )
         )
         self._starts += 1
 
-    def step(self, run: DeliveredRun, *, committed: bool = True) -> None:
+    def step(self, run: Runs, *, committed: bool = True) -> None:
         """Record delivered steps (the tracker's observer; nothing once closed).
 
         Args:
-            run: One step, or consecutive steps the loader delivered before the ledger was
-                attached to it (its journal).
+            run: One step of one stream, or consecutive steps the loader delivered before
+                the ledger was attached to it (its journal); or the runs of such steps on
+                several streams (a mixture's sources, a packed stream's partitions), one
+                step number for them all. A run that covers no position (a stream the step
+                did not move) is not written; it tells where its stream stands.
             committed: False for steps that were discarded.
         """
-        if self._closed:
+        runs = (run,) if isinstance(run, DeliveredRun) else tuple(run)
+        if self._closed or not runs:
             return
-        t = run.topology
+        t = runs[0].topology
         with self._lock:
-            self._start(run.epoch, run.start, t.world_size)
+            first: Stands = {}
+            for r in runs:
+                first.setdefault(r.stream, (r.epoch, r.start))
+            self._start(runs[0].epoch, runs[0].start, t.world_size, _named(first))
             self.seq += 1
-            self._buffer.append(
-                StepEntry(
-                    self.attempt,
-                    self.seq,
-                    run.epoch,
-                    run.start,
-                    run.stop,
-                    run.num_rows,
-                    t.world_size,
-                    t.batch_size,
-                    committed,
-                    run.steps,
+            for r in runs:
+                self._stands[r.stream] = (r.epoch, r.stop)
+                if r.stop == r.start and len(runs) > 1:
+                    continue
+                self._buffer.append(
+                    StepEntry(
+                        self.attempt,
+                        self.seq,
+                        r.epoch,
+                        r.start,
+                        r.stop,
+                        r.num_rows,
+                        t.world_size,
+                        t.batch_size,
+                        committed,
+                        r.steps,
+                        r.stream,
+                    )
                 )
-            )
         if time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
-    def mark(self, epoch: int, position: int, world_size: int) -> tuple[int, int]:
+    def mark(
+        self,
+        epoch: int,
+        position: int,
+        world_size: int,
+        streams: Mapping[str, tuple[int, int]] | None = None,
+    ) -> tuple[int, int]:
         """Where a checkpoint taken now stands: (steps delivered, index of the attempt's start).
 
         Taken when ``save`` is called, in the training loop's thread: a background write
         finishes while later steps are delivered.
+
+        Args:
+            epoch: The loader's epoch.
+            position: The loader's position.
+            world_size: Its ranks.
+            streams: Where each stream stands (default: where the steps recorded since the
+                attempt began or resumed left them, or ``epoch`` and ``position`` for a
+                single lake's).
         """
         with self._lock:
-            self._start(epoch, position, world_size)
-            return self.seq, self._starts - 1
+            stands = dict(streams) if streams is not None else _named(self._stands)
+            self._start(epoch, position, world_size, stands)
+            mark = (self.seq, self._starts - 1)
+            self._marks[mark] = stands
+            return mark
 
     def saved(self, step: int, mark: tuple[int, int], epoch: int, position: int) -> None:
         """Record a checkpoint and write the segment at once (before its ``COMMIT``)."""
@@ -163,7 +203,9 @@ class Ledger:
             return
         seq, start = mark
         with self._lock:
-            self._buffer.append(SaveEntry(self.attempt, step, seq, epoch, position, start))
+            streams = self._marks.pop(mark, {})
+            entry = SaveEntry(self.attempt, step, seq, epoch, position, start, streams)
+            self._buffer.append(entry)
         self.flush(wait=True)
 
     def flush(self, *, wait: bool = False) -> None:
@@ -198,6 +240,11 @@ class Ledger:
         finally:
             self._closed = True
             self._writer.shutdown(wait=True)
+
+
+def _named(stands: Stands) -> Stands:
+    """``stands`` if it names a stream; none if only a single lake's (the caller's are used)."""
+    return dict(stands) if any(stands) else {}
 
 
 def _first_seq(entries: list[Entry]) -> int:

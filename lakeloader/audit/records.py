@@ -9,18 +9,35 @@ Three kinds, each with the attempt (one run of the training program) that wrote 
   step was committed (``False`` only where a fault-tolerant step was discarded);
 - :class:`SaveEntry`: a checkpoint of a step was committed: the steps of its attempt up to
   ``seq`` are in it.
+
+Positions are counted per *stream* (``lakeloader.state.journal.stream_name``): ``""`` is a
+loader over one lake, whose global rows are its only stream; a mixture moves one stream per
+source, a packed stream one per partition. A step entry covers one stream (the runs of one
+step share its ``seq``); start and save entries say where every stream stood (``streams``,
+``{"": (epoch, position)}`` for a single lake). Entries of a single lake are written as
+version 1, as before streams were recorded, so that an older lakeloader still audits them;
+entries naming a stream are version 2.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from typing import Any, Final
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final, TypeAlias
 
 from lakeloader.errors import CheckpointError
 
-#: Version of the ledger's entries.
-LEDGER_VERSION: Final = 1
+#: Version of the ledger's entries that name streams (1: a single lake's, as before).
+LEDGER_VERSION: Final = 2
+
+#: Where each stream stands: ``{stream: (epoch, position)}``.
+Stands: TypeAlias = dict[str, tuple[int, int]]
+
+
+def _stands(entry: Any) -> None:
+    """Fill in a start or save entry's ``streams`` (a single lake's by default), as tuples."""
+    streams = {str(k): (int(v[0]), int(v[1])) for k, v in entry.streams.items()}
+    object.__setattr__(entry, "streams", streams or {"": (entry.epoch, entry.position)})
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,8 @@ class StartEntry:
         position: The position it resumed at.
         seq: Steps the attempt had delivered before (a second load within an attempt).
         index: Its place among the attempt's start entries (0, 1, ...).
+        streams: Where each stream stood (default: ``{"": (epoch, position)}``); a stream it
+            does not name began where its first step in the history begins.
     """
 
     attempt: str
@@ -50,6 +69,10 @@ class StartEntry:
     position: int
     seq: int = 0
     index: int = 0
+    streams: Stands = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _stands(self)
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,7 @@ class StepEntry:
         steps: Consecutive steps the entry stands for (more than one where the loader
             delivered them before the ledger was attached to it, each of ``world_size x
             batch_size`` rows but an epoch's last).
+        stream: The stream whose positions it covers (``""``: a single lake's).
     """
 
     attempt: str
@@ -82,6 +106,7 @@ class StepEntry:
     batch_size: int
     committed: bool = True
     steps: int = 1
+    stream: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,7 @@ class SaveEntry:
         epoch: The loader's epoch.
         position: The loader's position.
         start: The index of the attempt's start entry its history begins at.
+        streams: Where each stream stood (default: ``{"": (epoch, position)}``).
     """
 
     attempt: str
@@ -103,6 +129,10 @@ class SaveEntry:
     epoch: int
     position: int
     start: int = 0
+    streams: Stands = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _stands(self)
 
 
 Entry = StartEntry | StepEntry | SaveEntry
@@ -116,11 +146,20 @@ def dump_entry(entry: Entry) -> str:
     >>> print(dump_entry(SaveEntry("a1", 10, 10, 0, 160)))  # doctest: +NORMALIZE_WHITESPACE
     {"v": 1, "type": "save", "attempt": "a1", "step": 10, "seq": 10, "epoch": 0,
      "position": 160, "start": 0}
+    >>> print(dump_entry(SaveEntry("a1", 10, 10, 0, 160, streams={"web": (1, 4)})))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {"v": 2, "type": "save", "attempt": "a1", "step": 10, "seq": 10, "epoch": 0,
+     "position": 160, "start": 0, "streams": {"web": [1, 4]}}
     """
     d = asdict(entry)
     if d.get("steps") == 1:
         del d["steps"]  # a single step, as every step entry was before runs were recorded
-    return json.dumps({"v": LEDGER_VERSION, "type": _NAMES[type(entry)], **d})
+    if d.get("stream") == "":
+        del d["stream"]
+    if "streams" in d and d["streams"] == {"": (d["epoch"], d["position"])}:
+        del d["streams"]
+    version = LEDGER_VERSION if "stream" in d or "streams" in d else 1
+    return json.dumps({"v": version, "type": _NAMES[type(entry)], **d})
 
 
 def parse_entry(line: str, where: str) -> Entry:
@@ -133,10 +172,10 @@ def parse_entry(line: str, where: str) -> Entry:
     try:
         d = json.loads(line)
         version = d.pop("v")
-        if version != LEDGER_VERSION:
+        if version not in (1, LEDGER_VERSION):
             raise CheckpointError(
                 f"{where}: ledger entry of version {version!r}; this lakeloader reads "
-                f"version {LEDGER_VERSION}: audit it with the lakeloader that wrote it"
+                f"versions 1 to {LEDGER_VERSION}: audit it with the lakeloader that wrote it"
             )
         cls = _KINDS[d.pop("type")]
         entry: Entry = cls(**d)

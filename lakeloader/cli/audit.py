@@ -3,7 +3,9 @@
 The verdict is the command's exit status: 0 when every row of the committed history was trained
 on exactly once, 1 when NOT (a row missing or doubled, located in the lake), 3 when the proof
 is unverified (part of the history was not recorded: the ledger was attached late); 2 is any
-error (no checkpoint, no ledger, a ledger whose segments are cut short or empty).
+error (no checkpoint, no ledger, a ledger whose segments are cut short or empty). A run that
+moved several position streams (a mixture's sources, a packed stream's partitions) is proven
+stream by stream, and its table has a stream column.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from lakeloader.audit.history import AuditReport, Span, audit
+from lakeloader.audit.history import AuditReport, Span, audit, epoch_name
 from lakeloader.audit.ledger import LEDGER_DIR, read_entries
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
@@ -59,7 +61,7 @@ def run_audit(
             )
         entries, torn = read_entries(manager.store, manager.root)
         if not entries:
-            raise CheckpointError(_no_entries(manager, url, torn))
+            raise CheckpointError(_no_entries(manager, url, torn, ckpt))
     finally:
         manager.close()
     report = audit(entries, ckpt.step, ckpt.training.attempt)
@@ -68,7 +70,7 @@ def run_audit(
     return report, info
 
 
-def _no_entries(manager: CheckpointManager, url: str, torn: list[str]) -> str:
+def _no_entries(manager: CheckpointManager, url: str, torn: list[str], ckpt: Checkpoint) -> str:
     """Why a ledger gave no entry: there is none, or its segments are cut short or empty."""
     folder = posixpath.join(manager.root, LEDGER_DIR)
     where = url_of(manager.fs, folder)
@@ -84,10 +86,13 @@ def _no_entries(manager: CheckpointManager, url: str, torn: list[str]) -> str:
             f"the audit ledger {where} holds no entry: its segment(s) "
             f"{', '.join(url_of(manager.fs, p) for p in segments)} are empty"
         )
+    leaves = sorted(ckpt.manifests)
+    over = "one lake" if leaves == [""] else f"the sources {', '.join(map(repr, leaves))}"
     return (
         f"no audit ledger under {url} (no {LEDGER_DIR}/ folder): the run was saved with "
-        "CheckpointManager(ledger=False), or by a loader that keeps none (a mixture or a "
-        "packed loader)"
+        f"CheckpointManager(ledger=False), or its loader (over {over}, as {ckpt.path} "
+        "says) kept no record of the steps it delivered (the manager then logs a warning "
+        "naming it at the first save)"
     )
 
 
@@ -100,7 +105,7 @@ def _plain(report: AuditReport, torn: list[str], ckpt: Checkpoint) -> dict[str, 
         d["ok"] = e.ok
         d["located"] = (
             _locate(ckpt, e.epoch, e.num_rows, e.missing + e.doubled)
-            if ckpt.lake is not None and not e.ok
+            if ckpt.lake is not None and not e.ok and not e.stream
             else []
         )
         epochs.append(d)
@@ -157,6 +162,7 @@ def render_audit_text(info: dict[str, Any]) -> str:
             ("attempts", chain or "-"),
         ]
     )
+    streams = any(e["stream"] for e in info["epochs"])
     rows = []
     for e in info["epochs"]:
         status = "complete" if e["complete"] else "in progress"
@@ -165,7 +171,8 @@ def render_audit_text(info: dict[str, Any]) -> str:
         elif e["unrecorded"]:
             status = "unverified"
         rows.append(
-            [
+            [e["stream"]] * streams
+            + [
                 e["epoch"],
                 f"{e['num_rows']:,}",
                 f"{e['trained']:,}",
@@ -177,7 +184,8 @@ def render_audit_text(info: dict[str, Any]) -> str:
             ]
         )
     table = format_table(
-        [
+        ["stream"] * streams
+        + [
             "epoch",
             "rows",
             "trained",
@@ -193,7 +201,8 @@ def render_audit_text(info: dict[str, Any]) -> str:
     for e in info["epochs"]:
         for key, word in (("missing", "never trained on"), ("doubled", "trained on twice")):
             for start, stop in e[key]:
-                lines.append(f"ERROR epoch {e['epoch']}: positions [{start}, {stop}) {word}")
+                name = epoch_name(e["stream"], e["epoch"])
+                lines.append(f"ERROR {name}: positions [{start}, {stop}) {word}")
         lines += [f"  {where}" for where in e["located"]]
     lines += [f"ERROR {p}" for p in info["problems"]]
     lines += [f"UNVERIFIED {u}" for u in info["unverified"]]

@@ -7,18 +7,40 @@ keeps those runs (a handful per epoch, whatever the number of steps) until an ob
 checkpoint manager's audit ledger, is attached; the ledger then records them as they were
 delivered, so that a training loop that never calls ``CheckpointManager.attach`` is audited
 from its first step.
+
+A step may move several position streams (:func:`stream_name`): a mixture's step moves each
+source it draws from, a packed step each partition's samples. Its runs, one per stream it
+moved (two on a stream whose epoch ends within the step), are one delivery: the journal merges
+consecutive steps whose runs continue each other stream by stream.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
 from lakeloader.topology import Topology
 
 
+def stream_name(source: str = "", partition: int | None = None) -> str:
+    """The name of a position stream: the path of what it counts in the loader's tree.
+
+    ``source`` is a leaf path as in ``checkpoint_datasets()``: ``""`` for a loader over one
+    lake (its global rows), a mixture's source name (that source's rows, epoch by epoch),
+    ``"lake"`` for a packed lake. A packed stream counts each partition's samples on its own
+    stream, under its source: ``"<source>/p<partition>"``.
+
+    >>> stream_name(), stream_name("web"), stream_name("web", 3), stream_name("", 3)
+    ('', 'web', 'web/p3', 'p3')
+    """
+    part = "" if partition is None else f"p{partition}"
+    return "/".join(x for x in (source, part) if x)
+
+
 @dataclass(frozen=True)
 class DeliveredRun:
-    """Consecutive steps of one epoch under one topology.
+    """Consecutive steps of one epoch of one stream under one topology.
 
     Attributes:
         epoch: The epoch.
@@ -27,6 +49,8 @@ class DeliveredRun:
         num_rows: Rows in the epoch.
         topology: The loader's topology.
         steps: Steps in the run.
+        stream: The position stream it moves (:func:`stream_name`; ``""``: a loader over
+            one lake).
     """
 
     epoch: int
@@ -35,17 +59,31 @@ class DeliveredRun:
     num_rows: int
     topology: Topology
     steps: int = 1
+    stream: str = ""
 
     def same_run(self, epoch: int, num_rows: int, topology: Topology) -> bool:
         """Whether a step of ``epoch`` may extend this run (its start is checked apart)."""
         return epoch == self.epoch and num_rows == self.num_rows and topology == self.topology
 
+    def continued_by(self, stop: int, run: DeliveredRun) -> bool:
+        """Whether ``run`` extends this run, which has reached ``stop``."""
+        return (
+            run.start == stop
+            and run.stream == self.stream
+            and self.same_run(run.epoch, run.num_rows, run.topology)
+        )
+
+
+#: What a ledger records as one delivery: one run, or the runs of one step (or of consecutive
+#: steps, from the journal), one or two per stream it moved.
+Runs: TypeAlias = DeliveredRun | Sequence[DeliveredRun]
+
 
 class DeliveryJournal:
     """The runs of steps delivered since the loader began or was restored.
 
-    The open run is kept as plain fields, so that a step costs a comparison and two
-    additions (it is recorded in every ``next()``).
+    The open delivery is its first step's runs and their stops, so that a step of a lake
+    costs a few comparisons and two additions (it is recorded in every ``next()``).
 
     Example:
         >>> from lakeloader.topology import Topology
@@ -56,33 +94,70 @@ class DeliveryJournal:
         >>> j.record(0, 24, 30, 30, t); j.record(1, 0, 8, 30, t)
         >>> [(r.epoch, r.start, r.stop, r.steps) for r in j.take()]
         [(0, 0, 30, 4), (1, 0, 8, 1)]
-        >>> j.take()
-        []
+        >>> for a, b in ((0, 5), (5, 9)):   # two steps of a mixture of web and code
+        ...     j.record_step([DeliveredRun(0, a, b, 20, t, stream="web"),
+        ...                    DeliveredRun(0, 2 * a, 2 * b, 40, t, stream="code")])
+        >>> [[(r.stream, r.start, r.stop, r.steps) for r in runs] for runs in j.take_steps()]
+        [[('web', 0, 9, 2), ('code', 0, 18, 2)]]
     """
 
     def __init__(self) -> None:
-        self._runs: list[DeliveredRun] = []
-        self._open: DeliveredRun | None = None  # epoch, start, num_rows, topology of the run
-        self._stop = 0
+        self._steps_runs: list[tuple[DeliveredRun, ...]] = []
+        self._open: tuple[DeliveredRun, ...] = ()  # the open delivery's first step
+        self._stops: list[int] = []
         self._steps = 0
 
-    def record(self, epoch: int, start: int, stop: int, num_rows: int, topology: Topology) -> None:
+    def record(
+        self,
+        epoch: int,
+        start: int,
+        stop: int,
+        num_rows: int,
+        topology: Topology,
+        stream: str = "",
+    ) -> None:
         """A step of ``epoch`` covering global positions ``[start, stop)`` was delivered."""
-        run = self._open
-        if run is None or start != self._stop or not run.same_run(epoch, num_rows, topology):
+        runs = self._open
+        if (
+            len(runs) != 1
+            or start != self._stops[0]
+            or runs[0].stream != stream
+            or not runs[0].same_run(epoch, num_rows, topology)
+        ):
             self._close()
-            self._open = DeliveredRun(epoch, start, stop, num_rows, topology)
-            self._steps = 0
-        self._stop = stop
+            self._open = (DeliveredRun(epoch, start, stop, num_rows, topology, stream=stream),)
+            self._stops = [stop]
+        else:
+            self._stops[0] = stop
+        self._steps += 1
+
+    def record_step(self, runs: Sequence[DeliveredRun]) -> None:
+        """A step that moved several streams was delivered: its runs (one step each)."""
+        opened = self._open
+        if len(runs) != len(opened) or not all(
+            a.continued_by(stop, b) for a, stop, b in zip(opened, self._stops, runs, strict=True)
+        ):
+            self._close()
+            self._open = tuple(runs)
+        self._stops = [r.stop for r in runs]
         self._steps += 1
 
     def _close(self) -> None:
-        if self._open is not None:
-            self._runs.append(replace(self._open, stop=self._stop, steps=self._steps))
-            self._open = None
+        if self._open:
+            self._steps_runs.append(
+                tuple(
+                    replace(r, stop=stop, steps=self._steps)
+                    for r, stop in zip(self._open, self._stops, strict=True)
+                )
+            )
+        self._open, self._stops, self._steps = (), [], 0
+
+    def take_steps(self) -> list[tuple[DeliveredRun, ...]]:
+        """The deliveries recorded so far, each the runs of its steps; empty afterwards."""
+        self._close()
+        taken, self._steps_runs = self._steps_runs, []
+        return taken
 
     def take(self) -> list[DeliveredRun]:
-        """The runs recorded so far; the journal is empty afterwards."""
-        self._close()
-        runs, self._runs = self._runs, []
-        return runs
+        """The runs recorded so far, one after the other; the journal is empty afterwards."""
+        return [run for runs in self.take_steps() for run in runs]
