@@ -243,7 +243,7 @@ class Ledger:
 
 
 def _named(stands: Stands) -> Stands:
-    """``stands`` if it names a stream; none if only a single lake's (the caller's are used)."""
+    """``stands`` if they name a stream, else none: a single lake's entry takes the loader's."""
     return dict(stands) if any(stands) else {}
 
 
