@@ -31,7 +31,7 @@ from lakeloader.passes import Deferred, Endless
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.journal import Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.workers.pool import WorkerPool
@@ -339,7 +339,7 @@ class DataLoader(TorchNames):
         """
         self.root.restore_checkpoint(ckpt, coordinator)
 
-    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
         """Tell ``observer`` of every step delivered; False where no record of them is kept."""
         return self.root.observe_steps(observer)
 

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -305,12 +306,13 @@ def test_a_torn_manifest_is_rewritten_and_detected(dataset: ll.LakeDataset, tmp_
     assert ll.CheckpointManager(str(tmp_path)).steps() == [1, 2]
 
 
-def test_a_mixture_is_saved_as_a_lake_is_and_its_unrecorded_steps_said(
+def test_a_mixture_is_saved_as_a_lake_is_and_its_steps_recorded(
     lake: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """One record for every loader (a manifest per leaf, COMMIT naming none but a lake's); a
-    loader that keeps no record of its steps is attached without a ledger, and the log says so
-    once (the audit then finds no ledger, and says why)."""
+    mixture's steps are in the ledger, source by source, and the audit proves them; a loader
+    that keeps no record of its steps (a packed stream, for now) is attached without a
+    ledger, and the log says so once."""
     from lakeloader.checkpoint.layout import CommitRecord
     from lakeloader.cli.audit import run_audit
 
@@ -322,10 +324,8 @@ def test_a_mixture_is_saved_as_a_lake_is_and_its_unrecorded_steps_said(
         for step in (1, 2):
             next(it)
             manager.save(step, mixed, extra=step)
-    assert [
-        r.message.count("records no step of this DataLoader over a mixture") for r in caplog.records
-    ] == [1]
-    assert not manager.attach(mixed) and not (tmp_path / "ckpt" / "ledger").exists()
+    assert not [r for r in caplog.records if "records no step" in r.message]
+    assert manager.attach(mixed) and (tmp_path / "ckpt" / "ledger").exists()
     ckpt = manager.read(2)
     assert sorted(ckpt.manifests) == ["a", "b"] and ckpt.sources == {"a": str(lake), "b": str(lake)}
     assert ckpt.lake is None and ckpt.context.topology == mixed.topology
@@ -333,8 +333,18 @@ def test_a_mixture_is_saved_as_a_lake_is_and_its_unrecorded_steps_said(
         ckpt.snapshot  # noqa: B018
     commit = CommitRecord.from_bytes((Path(ckpt.path) / COMMIT_FILE).read_bytes())
     assert (commit.manifest, commit.manifest_sha256) == ("", "")
-    with pytest.raises(ll.CheckpointError, match=r"a mixture or a packed loader"):
-        run_audit(str(tmp_path / "ckpt"), {})
-    single = ll.DataLoader(ll.LakeDataset(lake), batch_size=8)
-    assert manager.attach(single), "a lake's loader is recorded"
+    report = run_audit(str(tmp_path / "ckpt"), {})[0]
+    assert report.verdict == "exactly once" and {e.stream for e in report.epochs} == {"a", "b"}
+    pq.write_table(pa.table({"t": [[1, 2]] * 40}), tmp_path / "tokens.parquet")
+    packing = ll.Packing("t", 4, eos_id=0)
+    packed = ll.DataLoader(
+        ll.LakeDataset(tmp_path / "tokens.parquet", packing=packing), batch_size=16
+    )
+    with caplog.at_level(logging.WARNING, logger="lakeloader.checkpoint.manager"):
+        assert not manager.attach(packed) and not manager.attach(packed)
+    assert [
+        r.message.count("records no step of this DataLoader over a packed stream")
+        for r in caplog.records
+        if "records no step" in r.message
+    ] == [1]
     manager.close()

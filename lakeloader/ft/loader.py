@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,7 +44,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.journal import DeliveredRun, DeliveryJournal
+from lakeloader.state.journal import DeliveredRun, DeliveryJournal, Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.topology import Topology
@@ -166,7 +166,7 @@ class FaultTolerantLoader:
     def _loader(self, dataset: Any, rank: int, world_size: int) -> DataLoader:
         """A DataLoader of this rank and world size, telling this loader of its steps."""
         loader = DataLoader(dataset, rank=rank, world_size=world_size, **self._kwargs)
-        self._records = loader.observe_steps(self._runs.append)
+        self._records = loader.observe_steps(self._collect)
         return loader
 
     # -------------------------------------------------------------------- steps
@@ -278,13 +278,18 @@ class FaultTolerantLoader:
         self._record(issued.runs, committed=step > issued.at_step)
         self._issued = None
 
-    def _record(self, runs: Iterable[DeliveredRun], *, committed: bool) -> None:
+    def _collect(self, runs: Runs) -> None:
+        """The inner DataLoader's step: its run (a lake's), or its runs (one per stream)."""
+        self._runs.extend([runs] if isinstance(runs, DeliveredRun) else runs)
+
+    def _record(self, runs: Sequence[DeliveredRun], *, committed: bool) -> None:
         """Tell the observer of a settled step, or keep it (if committed) until one comes."""
-        for run in runs:
-            if self._observer is not None:
-                self._observer(run, committed=committed)
-            elif committed:
-                self._journal.record(run.epoch, run.start, run.stop, run.num_rows, run.topology)
+        if not runs:
+            return
+        if self._observer is not None:
+            self._observer(tuple(runs), committed=committed)
+        elif committed:
+            self._journal.record_step(runs)
 
     # -------------------------------------------------------------------- epochs
     @property
@@ -391,8 +396,8 @@ class FaultTolerantLoader:
         """
         with self._lock:
             self._observer = observer
-            for run in self._journal.take():
-                observer(run)
+            for runs in self._journal.take_steps():
+                observer(runs)
         return self._records
 
     @property

@@ -24,7 +24,7 @@ from lakeloader.options import LoaderOptions
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.journal import DeliveredRun, DeliveryJournal, Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderView
 from lakeloader.topology import Topology
@@ -166,7 +166,7 @@ class Node:
         """
         self.restore(dict(ckpt.state_dict))
 
-    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
         """Tell ``observer`` of every step delivered; False: no record of them is kept."""
         return False
 
@@ -174,6 +174,42 @@ class Node:
     def workers_build(self) -> bool:
         """Whether workers build batches (a transform or collate_fn) rather than decode."""
         return False
+
+
+class StepRecord:
+    """The runs of the steps a stream node delivered: journaled until an observer attaches.
+
+    A mixture's step moves each source's stream, a packed step each partition's: its runs go
+    to the observer (the audit ledger) as one delivery, or wait in the journal until one is
+    attached (:class:`~lakeloader.state.journal.DeliveryJournal`), so that a run is audited
+    from its first step. A copy of the loader keeps neither.
+    """
+
+    def __init__(self) -> None:
+        self.observer: Callable[[Runs], None] | None = None
+        self.journal = DeliveryJournal()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"observer": None, "journal": DeliveryJournal()}
+
+    def step(self, runs: Sequence[DeliveredRun]) -> None:
+        """A step was handed over, moving these runs."""
+        if self.observer is not None:
+            self.observer(tuple(runs))
+        else:
+            self.journal.record_step(runs)
+
+    def attach(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step from now on, and first of those journaled."""
+        if self.observer == observer:  # the same bound method
+            return
+        for runs in self.journal.take_steps():
+            observer(runs)
+        self.observer = observer
+
+    def restored(self) -> None:
+        """The position was set: what was delivered before is not this attempt's history."""
+        self.journal.take_steps()
 
 
 def decoding_setup(

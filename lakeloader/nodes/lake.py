@@ -39,7 +39,7 @@ from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
-from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.journal import Runs
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
@@ -340,7 +340,7 @@ class LakeNode(Node):
         """
         self.resume(coordinator.resume(ckpt, self.dataset))
 
-    def observe_steps(self, observer: Callable[[DeliveredRun], None]) -> bool:
+    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
         """Tell ``observer`` of every step delivered (its tracker's journal); True."""
         self.tracker.attach(observer)
         return True

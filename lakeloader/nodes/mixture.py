@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
@@ -19,13 +19,14 @@ from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
-from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
+from lakeloader.nodes.base import Host, Node, StepRecord, decoding_setup, read_counts
 from lakeloader.nodes.streams import SourceStream
 from lakeloader.order.mixture import MixCursor, Spans
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
+from lakeloader.state.journal import Runs
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
@@ -68,6 +69,10 @@ class MixtureNode(Node):
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
         self.follows = any(stream.follows for stream in self._streams)
+        #: The runs of the steps delivered, for the audit ledger.
+        self.record = StepRecord()
+        #: Each source's rows delivered (the counts of the last step handed over).
+        self._counts: dict[str, int] = {n: 0 for n in mixture.names}
         first = WeightChange(0, dict(mixture.raw_weights))
         self._state = MixtureState(
             seed=mixture.seed,
@@ -267,6 +272,13 @@ class MixtureNode(Node):
     ) -> None:
         """The only place the position moves: a batch was handed over."""
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
+        topology, runs = self.host.topology, []
+        named = zip(self.mixture.names, self._streams, strict=True)
+        for name, stream in named:
+            first, stop = self._counts.get(name, 0), cursor.counts.get(name, 0)
+            runs += stream.runs(first, stop, name, topology)
+        self._counts = dict(cursor.counts)
+        self.record.step(runs)
         if skipped:
             self._quarantine(skipped)
 
@@ -304,6 +316,8 @@ class MixtureNode(Node):
             for n, stream in zip(self.mixture.names, streams, strict=True)
         }
         resumed = resume_mixture(saved, self.mixture, now)
+        self.record.restored()
+        self._counts = dict(resumed.state.counts)
         self._streams = streams
         self._readers = [stream.known[0][2].reader() for stream in streams]
         for change in resumed.changes:
@@ -323,6 +337,11 @@ class MixtureNode(Node):
     def quarantine(self) -> list[QuarantineEntry]:
         """Units the sources skipped so far, sorted; merged across ranks at saves."""
         return list(self._state.quarantine)
+
+    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
+        """Tell ``observer`` of every step delivered (each source's runs); True."""
+        self.record.attach(observer)
+        return True
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source."""

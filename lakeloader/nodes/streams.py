@@ -18,7 +18,9 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.lake.following import increment_at
 from lakeloader.lake.increments import Increment
 from lakeloader.order.mixture import Spans
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import SourceRecord
+from lakeloader.topology import Topology
 
 
 class SourceStream:
@@ -95,6 +97,26 @@ class SourceStream:
         increment = ds.snapshot.increment
         marks = None if increment is None else increment.to_list()
         return SourceRecord(ds.fingerprint, ds.config_hash, len(ds), marks, start)
+
+    def runs(self, first: int, stop: int, name: str, topology: Topology) -> list[DeliveredRun]:
+        """What offsets ``[first, stop)`` of the stream are, epoch by epoch, as audit runs."""
+        out = []
+        while first < stop:
+            epoch, start, rows = self._epoch_at(first)
+            end = min(stop, start + rows)
+            out.append(DeliveredRun(epoch, first - start, end - start, rows, topology, stream=name))
+            first = end
+        return out
+
+    def _epoch_at(self, offset: int) -> tuple[int, int, int]:
+        """The epoch holding ``offset``: its number, first offset and rows."""
+        if not self.follows:
+            rows = len(self.known[0][2])
+            return offset // rows, offset // rows * rows, rows
+        for epoch, start, ds in self.known:
+            if start <= offset < start + len(ds):
+                return epoch, start, len(ds)
+        raise ValueError(f"offset {offset} is past the increments known of {self.known[0][2]!r}")
 
     def forget_before(self, count: int) -> None:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""
