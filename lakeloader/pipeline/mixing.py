@@ -147,13 +147,14 @@ class MixtureIterator:
         """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
-        drawn = slot_sources(self._weights, self._mixture.seed, before.slot, count * size)
-        ahead = np.bincount(drawn, minlength=len(names))
-        need = [before.counts.get(n, 0) + ahead[i] for i, n in enumerate(names)]
-        spans = self._streams.cover(need, wait=self._next_plan == self._next_deliver)
-        if spans is None:
-            return False
-        self._spans = spans
+        if self._streams.follows or not self._spans:  # a lake's epochs: n rows each, always
+            drawn = slot_sources(self._weights, self._mixture.seed, before.slot, count * size)
+            ahead = np.bincount(drawn, minlength=len(names))
+            need = [before.counts.get(n, 0) + ahead[i] for i, n in enumerate(names)]
+            spans = self._streams.cover(need, wait=self._next_plan == self._next_deliver)
+            if spans is None:
+                return False
+            self._spans = spans
         table, after, totals = draw_parts(
             before,
             self._weights,
@@ -242,8 +243,14 @@ class MixtureIterator:
         """Evict what ``cursor`` is past in every source epoch open; close those it is done with."""
         names, spans = self._mixture.names, self._spans
         for source, epoch in list(self._sources.open):
-            one = np.array([source]), np.array([epoch, epoch + 1])
-            first, end = epoch_first(spans, np.repeat(one[0], 2), one[1]).tolist()
+            rows = spans[source]
+            if isinstance(rows, int):  # a lake's epochs: n rows each
+                first, end = epoch * rows, (epoch + 1) * rows
+            else:
+                bounds = epoch_first(
+                    spans, np.array([source, source]), np.array([epoch, epoch + 1])
+                )
+                first, end = bounds.tolist()
             count = cursor.counts.get(names[source], 0)
             self._sources.release(source, epoch, min(max(count - first, 0), end - first))
 
