@@ -134,16 +134,6 @@ def check_unsupported(
         raise ValueError("generator is not supported: the order comes from LakeDataset(seed=...)")
 
 
-def check_stream_options(options: LoaderOptions, what: str) -> None:
-    """Check what a Mixture's or a packed loader takes of torch's arguments: no ``collate_fn``.
-
-    Raises:
-        ValueError: If a ``collate_fn`` is given.
-    """
-    if options.collate_fn is not None:
-        raise ValueError(f"collate_fn is not supported over {what}: batches are columnar")
-
-
 def refuse_fetched_ahead(fetched_ahead: int, what: str) -> None:
     """Raise for a state asked to stand before batches fetched ahead, where it cannot.
 

@@ -54,7 +54,8 @@ class Mixture:
             source's ``transform``, ``on_error`` and ``validate`` apply to its own rows.
 
     Raises:
-        ColumnNotFoundError: If ``packing`` names a column the sources do not read.
+        ColumnNotFoundError: If ``packing`` names a column the sources do not read, unless
+            every source has a transform (the column is then read from the transformed rows).
         ValueError: If the names of ``sources`` and ``weights`` differ, a weight is not a
             positive number, a source has no row, ``source_key`` names a column, or the
             sources give different batch_transforms.
@@ -187,7 +188,8 @@ def _one_batch_transform(
 
 def _check_packing(sources: Mapping[str, LakeDataset], packing: Packing, schema: pa.Schema) -> None:
     """Refuse a packing the sources cannot share (a missing column, different C)."""
-    if packing.column not in schema.names:
+    made = all(ds.transform is not None for ds in sources.values())  # e.g. by a tokenizer
+    if packing.column not in schema.names and not made:
         raise ColumnNotFoundError(
             f"Packing column {packing.column!r} is not among the sources' columns "
             f"{schema.names}: pass Packing(column=...) one of them"

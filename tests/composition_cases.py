@@ -282,16 +282,21 @@ def row_transform(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def batch_transform(batch: dict[str, Any]) -> dict[str, Any]:
-    """Adds ``b = 3 id`` and the pid that built the batch."""
-    ids = torch.as_tensor(batch["id"])
+    """Adds ``b = 3 id`` (packed: ``3 input_ids``) and the pid that built the batch."""
+    ids = torch.as_tensor(batch["id"] if "id" in batch else batch["input_ids"])
     return {**batch, "b": ids * 3, "pid": torch.full_like(ids, os.getpid())}
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Every (scalar) field as a tensor, plus ``c = 5 id`` and the pid that collated."""
-    out = {k: torch.tensor([int(r[k]) for r in rows], dtype=torch.int64) for k in rows[0]}
-    out["c"] = out["id"] * 5
-    out["pid"] = torch.full_like(out["id"], os.getpid())
+    """Every (scalar) field as a tensor (packed samples: each field stacked), plus
+    ``c = 5 id`` (packed: ``5 input_ids``) and the pid that collated."""
+    if "input_ids" in rows[0]:
+        out = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        out["c"] = out["input_ids"] * 5
+    else:
+        out = {k: torch.tensor([int(r[k]) for r in rows], dtype=torch.int64) for k in rows[0]}
+        out["c"] = out["id"] * 5
+    out["pid"] = torch.full_like(out["c"], os.getpid())
     return out
 
 
@@ -332,6 +337,9 @@ class Collector:
 
     def _samples(self, shares: Sequence[Any]) -> None:
         keys = ("input_ids", "position_ids", "pad_mask")
+        for share in shares:  # a batch_transform's or collate_fn's field: of input_ids
+            for key, times in (ADDED[f] for f in USER[1:] if f in self.feats):
+                assert torch.equal(share[key], share["input_ids"] * times), f"{key} != {times} x"
         whole = np.concatenate([np.stack([np.asarray(s[k]) for k in keys], 1) for s in shares])
         src = np.concatenate([np.asarray(s.get("source", [0] * len(s[keys[0]]))) for s in shares])
         k = len(whole) // C  # partition-major: k samples of every partition

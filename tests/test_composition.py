@@ -63,26 +63,15 @@ FEATURES = ("lake", "mixture", "packing", "follow", "filter", "delta", "workers"
             "torchft", "drop_last", "inspect")  # fmt: skip
 PAIRS = list(itertools.combinations(FEATURES, 2))
 
-_SKIP = 'refused (and `validate`\'s error then suggests `on_error="skip"`)'
 _AUDIT = "`attach` silently records nothing; `audit` then blames `ledger=False`"
 #: The pairs that fail today: issue 30's words and what they raise (AssertionError: a check
 #: of this file). A fixed pair leaves the dict; so far mixture x workers and packing x
 #: workers ("no worker process starts", fixed by 335b015, stage 3), mixture x transform,
-#: batch_transform, collate_fn, skip and validate, mixture x follow and x audit, torchft x mixture,
-#: follow, skip, validate, checkpoint_resize, audit and inspect (the torchft scenario's
-#: reference holds two passes of a mixture, a followed lake gets its files appended before
-#: increment 0 ends, and a committed step spans the loader's step_rows).
+#: batch_transform, collate_fn, skip and validate, packing x the same five, mixture x follow and
+#: x audit, torchft x mixture, follow, skip, validate, checkpoint_resize, audit and inspect (the
+#: torchft scenario's reference holds two passes of a mixture, a followed lake gets its files
+#: appended before increment 0 ends, and a committed step spans the loader's step_rows).
 FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
-    **{
-        frozenset({"packing", f}): (f"Mixture or Packing x {f}: {why}", error)
-        for f, why, error in [
-            ("transform", "refused", ValueError),
-            ("batch_transform", "refused", ValueError),
-            ("collate_fn", "refused", ValueError),
-            ("skip", _SKIP, ValueError),
-            ("validate", _SKIP, ValueError),
-        ]
-    },
     frozenset({"packing", "audit"}): (f"Mixture or Packing x audit: {_AUDIT}", CheckpointError),
     frozenset({"packing", "torchft"}): (
         "Mixture, Packing or follow x `FaultTolerantLoader`: a packed stream's state holds "

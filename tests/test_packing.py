@@ -222,15 +222,20 @@ def test_a_block_hands_out_what_cutting_take_by_take_gives(
     lengths: list[int], offset: int, count: int, most: int, eos: bool
 ) -> None:
     """Takes from one Block equal cut_tokens take after take: tokens, positions, and the
-    (rows finished, offset) each take leaves."""
-    from lakeloader.order.packing import Block, cut_tokens
+    (rows finished, offset) each take leaves; rows of length 0 (skipped rows, which get no
+    separator) among them."""
+    from lakeloader.order.packing import Block, cut_tokens, separated
 
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    values = np.arange(1, int(offsets[-1]) + 1, dtype=np.int64)
-    eos_id = 0 if eos else None
-    total = int(offsets[-1]) + (len(lengths) if eos else 0)
-    offset = min(offset, max(lengths[0] + eos - 1, 0))
-    block = Block.cut(values, offsets, offset, count, most, eos_id)
+    raw = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ended = np.array([n % 3 != 0 for n in lengths])  # a row of 0, 3, ... tokens is skipped
+    values, offsets = separated(
+        np.arange(1, int(raw[-1]) + 1, dtype=np.int64), raw, 0 if eos else None, ended
+    )
+    sizes = np.diff(offsets)
+    assert sizes.tolist() == [n + (eos and e) for n, e in zip(lengths, ended, strict=True)]
+    total = int(offsets[-1])
+    offset = min(offset, max(int(sizes[0]) - 1, 0))
+    block = Block.cut(values, offsets, offset, count, most)
     if total - offset < count:
         assert block is None
         return
@@ -239,7 +244,7 @@ def test_a_block_hands_out_what_cutting_take_by_take_gives(
     assert takes == min((total - offset) // count, most) and len(block.tokens) == takes * count
     rows, at = 0, offset
     for k in range(takes):
-        cut = cut_tokens(values[offsets[rows] :], offsets[rows:] - offsets[rows], at, count, eos_id)
+        cut = cut_tokens(values[offsets[rows] :], offsets[rows:] - offsets[rows], at, count)
         got = slice(k * count, (k + 1) * count)
         assert block.tokens[got].tolist() == cut.tokens.tolist()
         assert block.positions[got].tolist() == cut.positions.tolist()

@@ -17,6 +17,13 @@ the mixture's row sequence interleaves every partition of every source, so packi
 make every rank read every row. Rounds keep each rank on its partitions, every rank's batch the
 same size, and the state O(sources x C). Its batches hold ``mixture.source_key`` too: each
 sample's source.
+
+User code and quarantine (:mod:`lakeloader.pipeline.packed`): a source's ``transform`` makes
+the packing column of each row; the ``collate_fn`` gets the samples, the ``batch_transform`` (a
+LakeDataset's, or ``Mixture(batch_transform=...)``) the packed batch; both in this process. A
+unit skipped (``on_error="skip"``, ``validate``) adds no token, the row positions counting its
+rows; it is in the state's ``quarantine`` (a packed mixture's rounds' cursor's), merged across
+ranks at a save, known to later passes and resumes.
 """
 
 from __future__ import annotations
@@ -28,22 +35,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError, TopologyError
 from lakeloader.io.reader import UnitReader
-from lakeloader.loader_args import check_stream_options, refuse_fetched_ahead
+from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import owned_partitions, samples_per_partition
-from lakeloader.pipeline.packed import PackedIterator, PackedSource
+from lakeloader.pipeline.collate import BatchTransform
+from lakeloader.pipeline.packed import PackedIterator, PackedSource, Skips, arena_layout
+from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState, PackedState, PartitionPosition
-from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
@@ -57,7 +65,8 @@ class PackingNode(Node):
     """Packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
-    rows (else this process's ``io_threads`` do); samples are cut in this process.
+    rows (else this process's ``io_threads`` do); samples are cut, and the user's code run,
+    in this process.
 
     Args:
         host: The loader.
@@ -78,18 +87,11 @@ class PackingNode(Node):
     def _init(self, dataset: Any) -> None:
         """Take the dataset in, on the loader's topology of now."""
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
-        check_stream_options(self.host.options, "a packed dataset")
-        if dataset.transform or dataset.batch_transform:
-            raise ValueError("a packed dataset takes no transform or batch_transform")
-        if dataset.on_error != "raise":
-            raise ValueError(
-                "a packed dataset reads with on_error='raise' (skipping is not supported)"
-            )
         column = dataset.packing.column
-        if column not in dataset.config.columns:
+        if dataset.transform is None and column not in dataset.config.columns:
             raise KeyError(
                 f"Packing column {column!r} is not among the dataset's columns "
-                f"{list(dataset.config.columns)}"
+                f"{list(dataset.config.columns)}: read it, or give a transform that makes it"
             )
         C = dataset.config.num_partitions
         self._per_partition = samples_per_partition(
@@ -147,39 +149,55 @@ class PackingNode(Node):
 
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where every partition of this rank stands."""
-        self.host._close_iterator("a newer iter(loader)")
-        res = self.host._res
-        unit_dir = res.unit_folder(self.host.options.cache_dir, self.host.options.cache_bytes)
-        assert self.dataset.packing is not None
-        samples = self._state.samples  # one round gives each partition one sample
+        state, samples = self._state, self._state.samples  # a round: a sample of each partition
+        source = PackedSource(self.dataset, self._reader, dict(state.partitions), state.quarantine)
+        cursor, weights = MixCursor(samples, {ONLY: samples}), MixWeights.of({ONLY: 1.0})
+        return self._begin([source], cursor, weights, 0, self.dataset.batch_transform)
+
+    def _begin(
+        self,
+        sources: list[PackedSource],
+        cursor: MixCursor,
+        weights: MixWeights,
+        seed: int,
+        batch_transform: BatchTransform | None,
+        source_key: str | None = None,
+    ) -> Iterator[Any]:
+        """A pass over ``sources``: the :class:`PackedIterator` of this rank's partitions."""
+        host, res, packing = self.host, self.host._res, self.dataset.packing
+        host._close_iterator("a newer iter(loader)")
+        assert packing is not None
         it = PackedIterator(
-            [PackedSource(self.dataset, self._reader, dict(self._state.partitions))],
-            self.dataset.packing,
-            MixCursor(samples, {ONLY: samples}),
-            MixWeights.of({ONLY: 1.0}),
-            0,
+            sources,
+            packing,
+            cursor,
+            weights,
+            seed,
             self._per_partition,
-            self.host.topology,
-            self.host.options,
-            unit_dir,
-            self.host._ensure_pool() if self.host.options.num_workers else None,
+            host.topology,
+            host.options,
+            res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
+            host._ensure_pool() if host.options.num_workers else None,
             self._delivered,
+            BatchRecipe(None, host.options.collate_fn, batch_transform),
+            source_key,
         )
         res.iterator = it
         return it
 
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode the lake's units."""
-        layout = RowLayout.of(self._reader.schema)
+        layout = arena_layout([self.dataset], self._reader)
         seed = self.dataset.config.seed
         return decoding_setup(self.host, [(self.dataset, self._reader, layout)], seed)
 
-    def _delivered(self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]]) -> None:
+    def _delivered(
+        self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]], skipped: Skips
+    ) -> None:
         """The only place the position moves: a batch was handed over."""
-        state = self._state
-        self._state = PackedState(
-            state.fingerprint, state.config, state.num_partitions, cursor.slot, positions[0]
-        )
+        self._state = dataclasses.replace(
+            self._state, samples=cursor.slot, partitions=positions[0]
+        ).with_quarantine(skipped[0])
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """This rank's partitions' positions: plain types, O(C / world size)."""
@@ -209,21 +227,32 @@ class PackingNode(Node):
                 "pass the states of every rank of the saved run, as a list"
             )
         mine = {p: merged.partitions[p] for p in self._owned}
-        self._state = PackedState(
-            merged.fingerprint, merged.config, merged.num_partitions, merged.samples, mine
-        )
+        self._state = dataclasses.replace(merged, partitions=mine)
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
         return self._state
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """Every rank's partitions, merged: a collective under torch.distributed."""
+        """Every rank's partitions and quarantine, merged: a collective under torch.distributed.
+
+        ``quarantine`` (every rank's, from the barrier) is merged into this rank's first.
+        """
+        self._quarantine(quarantine)
         if not (dist.is_available() and dist.is_initialized()):
             return self.state()
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.state())
         return self._merged(gathered).to_dict()
+
+    def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Add units skipped for good to the state."""
+        self._state = self._state.with_quarantine(entries)
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far, sorted; merged across ranks at saves."""
+        return list(self.barrier_position().quarantine)
 
     def _merged(self, states: Sequence[Mapping[str, Any]]) -> PackedState:
         """The states of several ranks as one."""
@@ -266,10 +295,9 @@ class PackedMixtureNode(PackingNode):
     def _init(self, dataset: Any) -> None:
         """Take the mixture in, on the loader's topology of now."""
         assert isinstance(dataset, Mixture) and dataset.packing is not None
-        check_stream_options(self.host.options, "a packed Mixture")
         self.mixture = self.dataset = dataset
         C = next(iter(dataset.sources.values())).config.num_partitions
-        self._rounds = samples_per_partition(
+        self._per_partition = samples_per_partition(
             self.host.global_batch_size, C, self.host.topology.world_size
         )
         self._owned = owned_partitions(C, self.host.topology.world_size, self.host.topology.rank)
@@ -317,44 +345,26 @@ class PackedMixtureNode(PackingNode):
         """Workers that decode every source's units (a task names its source by index)."""
         sources = [self.mixture.sources[n] for n in self.mixture.names]
         readers = [self._readers[n] for n in self.mixture.names]
+        layout = arena_layout(sources, readers[0])
         return decoding_setup(
             self.host,
-            [(ds, r, RowLayout.of(r.schema)) for ds, r in zip(sources, readers, strict=True)],
+            [(ds, r, layout) for ds, r in zip(sources, readers, strict=True)],
             self.mixture.seed,
         )
 
     def begin(self) -> Iterator[Any]:
         """The endless stream of rounds from where every source's partitions stand."""
-        self.host._close_iterator("a newer iter(loader)")
-        res = self.host._res
-        unit_dir = res.unit_folder(self.host.options.cache_dir, self.host.options.cache_bytes)
-        names = self.mixture.names
+        mix, at, known = self.mixture, self._mixed, self._mixed.mixture.quarantine
         sources = [
-            PackedSource(
-                self.mixture.sources[n], self._readers[n], dict(self._mixed.sources[n].partitions)
-            )
-            for n in names
+            PackedSource(mix.sources[n], self._readers[n], dict(at.sources[n].partitions), known)
+            for n in mix.names
         ]
-        state, packing = self._mixed.mixture, self.mixture.packing
-        assert packing is not None
-        it = PackedIterator(
-            sources,
-            packing,
-            MixCursor(state.slot, state.counts),
-            self.mixture.weights,
-            self.mixture.seed,
-            self._rounds,
-            self.host.topology,
-            self.host.options,
-            unit_dir,
-            self.host._ensure_pool() if self.host.options.num_workers else None,
-            self._delivered,
-            source_key=self.mixture.source_key,
-        )
-        res.iterator = it
-        return it
+        cursor, transform = MixCursor(at.mixture.slot, at.mixture.counts), mix.batch_transform
+        return self._begin(sources, cursor, mix.weights, mix.seed, transform, mix.source_key)
 
-    def _delivered(self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]]) -> None:
+    def _delivered(
+        self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]], skipped: Skips
+    ) -> None:
         """The only place the position moves: a batch was handed over."""
         mixture = dataclasses.replace(
             self._mixed.mixture, slot=cursor.slot, counts=dict(cursor.counts)
@@ -366,6 +376,14 @@ class PackedMixtureNode(PackingNode):
             for name, mine in zip(self.mixture.names, positions, strict=True)
         }
         self._mixed = PackedMixtureState(mixture, {**self._mixed.sources, **sources})
+        self._quarantine(q for found in skipped for q in found)
+
+    def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Add units skipped for good to the rounds' cursor (entries name their files)."""
+        mixture = self._mixed.mixture
+        merged = tuple(merge(mixture.quarantine, entries))
+        mixture = dataclasses.replace(mixture, quarantine=merged)
+        self._mixed = dataclasses.replace(self._mixed, mixture=mixture)
 
     def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue from the states of every rank of a run (a list; one state with one rank).

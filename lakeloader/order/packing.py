@@ -74,42 +74,59 @@ class Cut:
     offset: int
 
 
-def cut_tokens(
-    values: np.ndarray, offsets: np.ndarray, offset: int, count: int, eos_id: int | None
-) -> Cut:
+def separated(
+    values: np.ndarray, offsets: np.ndarray, eos_id: int | None, ended: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows laid end to end with ``eos_id`` after each row that ``ended`` marks (all: None).
+
+    A row left unmarked gets no separator: a skipped row comes as a row of no token, which
+    moves a partition's row position but adds nothing to its stream.
+
+    >>> v, o = separated(np.array([1, 2, 3]), np.array([0, 2, 2, 3]), 9, np.array([1, 0, 1], bool))
+    >>> v.tolist(), o.tolist()
+    ([1, 2, 9, 3, 9], [0, 3, 3, 5])
+    """
+    values = values[offsets[0] : offsets[-1]].astype(np.int64, copy=False)
+    offsets = offsets - offsets[0]
+    if eos_id is None:
+        return values, offsets
+    marks = np.ones(len(offsets) - 1, np.int64) if ended is None else ended.astype(np.int64)
+    ends = offsets[1:] + np.cumsum(marks)  # where each row's separator (if any) ends
+    out = np.full(int(ends[-1]) if len(ends) else 0, eos_id, dtype=np.int64)
+    body = np.ones(len(out), dtype=bool)
+    body[(ends - 1)[marks.astype(bool)]] = False
+    out[body] = values
+    return out, np.concatenate([[0], ends]).astype(np.int64)
+
+
+def cut_tokens(values: np.ndarray, offsets: np.ndarray, offset: int, count: int) -> Cut:
     """Take up to ``count`` tokens from rows laid end to end, ``offset`` tokens into the first.
 
     Args:
-        values: The rows' tokens end to end.
+        values: The rows' tokens end to end (separators in: :func:`separated`).
         offsets: ``rows + 1`` offsets into ``values``.
-        offset: Tokens of the first row already taken (separator counted last).
+        offset: Tokens of the first row already taken.
         count: Tokens wanted; fewer come back when the rows run out.
-        eos_id: A separator after each row, or None.
 
-    >>> c = cut_tokens(np.array([1, 2, 3, 4, 5]), np.array([0, 3, 5]), 1, 4, eos_id=9)
+    A row of no token (a skipped one) right after the last token taken counts as finished.
+
+    >>> c = cut_tokens(np.array([1, 2, 3, 9, 4, 5, 9]), np.array([0, 4, 7]), 1, 4)
     >>> c.tokens.tolist(), c.positions.tolist(), c.rows, c.offset
     ([2, 3, 9, 4], [1, 2, 3, 0], 1, 1)
     """
-    lengths = np.diff(offsets) + (eos_id is not None)
-    ends = np.cumsum(lengths)
-    first = offset
-    stop = min(first + count, int(ends[-1]) if len(ends) else 0)
-    if stop <= first:
+    lengths = np.diff(offsets)
+    ends = offsets[1:] - offsets[0]
+    stop = min(offset + count, int(ends[-1]) if len(ends) else 0)
+    if stop <= offset:
         return Cut(values[:0].astype(np.int64), np.zeros(0, np.int64), 0, offset)
     last = int(np.searchsorted(ends, stop - 1, side="right"))  # row of the last token taken
     rows = lengths[: last + 1]
     starts = ends[: last + 1] - rows
-    if eos_id is None:
-        stream = values[offsets[0] : offsets[last + 1]].astype(np.int64)
-    else:
-        stream = np.full(int(ends[last]), eos_id, dtype=np.int64)
-        body = np.ones(len(stream), dtype=bool)
-        body[ends[: last + 1] - 1] = False
-        stream[body] = values[offsets[0] : offsets[last + 1]]
-    positions = np.arange(len(stream), dtype=np.int64) - np.repeat(starts, rows)
+    stream = values[offsets[0] + offset : offsets[0] + stop].astype(np.int64)
+    positions = np.arange(offset, stop, dtype=np.int64) - np.repeat(starts, rows)[offset:stop]
     done = int(np.searchsorted(ends, stop, side="right"))  # rows whose last token was taken
     left = stop - int(ends[done - 1]) if done else stop
-    return Cut(stream[first:stop], positions[first:stop], done, left)
+    return Cut(stream, positions, done, left)
 
 
 @dataclass(frozen=True)
@@ -133,30 +150,24 @@ class Block:
 
     @classmethod
     def cut(
-        cls,
-        values: np.ndarray,
-        offsets: np.ndarray,
-        offset: int,
-        count: int,
-        most: int,
-        eos_id: int | None,
+        cls, values: np.ndarray, offsets: np.ndarray, offset: int, count: int, most: int
     ) -> Block | None:
         """Cut as many takes of ``count`` tokens as the rows hold, ``most`` at most.
 
         None when the rows hold fewer than ``count`` tokens past ``offset`` (the caller reads
         more rows, or ends the epoch).
 
-        >>> b = Block.cut(np.arange(1, 8), np.array([0, 3, 7]), 1, 2, 8, eos_id=0)
+        >>> b = Block.cut(np.arange(1, 8), np.array([0, 3, 7]), 1, 2, 8)
         >>> b.tokens.tolist(), b.positions.tolist()
-        ([2, 3, 0, 4, 5, 6, 7, 0], [1, 2, 3, 0, 1, 2, 3, 4])
-        >>> b.after(2), b.after(6), b.after(8)
-        ((0, 3), (1, 3), (2, 0))
+        ([2, 3, 4, 5, 6, 7], [1, 2, 0, 1, 2, 3])
+        >>> b.after(2), b.after(6)
+        ((1, 0), (2, 0))
         """
-        ends = np.cumsum(np.diff(offsets) + (eos_id is not None))
+        ends = offsets[1:] - offsets[0]
         takes = min((int(ends[-1]) - offset) // count if len(ends) else 0, most)
         if takes < 1:
             return None
-        cut = cut_tokens(values, offsets, offset, takes * count, eos_id)
+        cut = cut_tokens(values, offsets, offset, takes * count)
         return cls(cut.tokens, cut.positions, ends, offset)
 
     def after(self, used: int) -> tuple[int, int]:

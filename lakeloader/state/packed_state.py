@@ -2,18 +2,21 @@
 
 Each rank reads whole partitions (:mod:`lakeloader.order.packing`), so each rank knows the
 position of its own partitions only: ``state_dict()`` holds those, and a resume under another
-world size loads the states of every rank (a list), merged here.
+world size loads the states of every rank (a list), merged here. A state also names the units
+skipped so far (``on_error="skip"``, ``validate``): its ``quarantine``, the union of the
+ranks' at a merge. A state written before it had one loads with none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError, StateMismatchError
 from lakeloader.state.mixture_state import MixtureState
-from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.quarantine import QuarantineEntry, merge
 
 #: The ``kind`` of a packed state.
 PACKED_KIND: Final = "packed"
@@ -50,6 +53,8 @@ class PackedState:
         num_partitions: C.
         samples: Samples delivered by each partition (all advance together).
         partitions: ``{partition: PartitionPosition}`` of the partitions this state covers.
+        quarantine: Units skipped for good, sorted (their rows counted by the positions as
+            rows of no token).
     """
 
     fingerprint: str
@@ -57,6 +62,7 @@ class PackedState:
     num_partitions: int
     samples: int
     partitions: Mapping[int, PartitionPosition]
+    quarantine: tuple[QuarantineEntry, ...] = ()
 
     @property
     def config_hash(self) -> str:
@@ -73,15 +79,15 @@ class PackedState:
         """Samples delivered by each partition (the same on every rank)."""
         return self.samples
 
-    @property
-    def quarantine(self) -> tuple[QuarantineEntry, ...]:
-        """Packed datasets skip no unit."""
-        return ()
+    def with_quarantine(self, entries: Iterable[QuarantineEntry]) -> PackedState:
+        """This state with ``entries`` added to its quarantine (merged, sorted)."""
+        return replace(self, quarantine=tuple(merge(self.quarantine, entries)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types.
 
         >>> s = PackedState("f", "c", 2, 3, {0: PartitionPosition(0, 5, 2, 24, 0)})
+        >>> s = s.with_quarantine([QuarantineEntry("a.parquet", 1, 0, 8, "bad page")])
         >>> PackedState.from_dict(s.to_dict()) == s
         True
         """
@@ -96,6 +102,7 @@ class PackedState:
                 str(p): [x.epoch, x.row, x.offset, x.tokens, x.padding]
                 for p, x in sorted(self.partitions.items())
             },
+            "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
         }
 
     @classmethod
@@ -125,6 +132,9 @@ class PackedState:
                     int(p): PartitionPosition(*(int(v) for v in x))
                     for p, x in data["partitions"].items()
                 },
+                quarantine=tuple(
+                    QuarantineEntry.from_dict(q) for q in json.loads(data.get("quarantine", "[]"))
+                ),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed packed state: {exc!r}") from exc
@@ -132,6 +142,8 @@ class PackedState:
     @classmethod
     def merge(cls, states: Sequence[PackedState]) -> PackedState:
         """One state from the states of several ranks (each holding its own partitions).
+
+        Their quarantines are merged.
 
         Raises:
             StateMismatchError: If they belong to different snapshots, configurations or
@@ -153,7 +165,10 @@ class PackedState:
                         f"two states hold partition {p} at different positions: "
                         f"{merged[p]} and {position}"
                     )
-        return cls(first.fingerprint, first.config, first.num_partitions, first.samples, merged)
+        quarantine = tuple(merge(*(s.quarantine for s in states)))
+        return cls(
+            first.fingerprint, first.config, first.num_partitions, first.samples, merged, quarantine
+        )
 
 
 #: The ``kind`` of a packed mixture's state.
@@ -166,7 +181,9 @@ class PackedMixtureState:
 
     A round takes one sample from every partition of one source (:mod:`lakeloader.order.packing`),
     so the mixture's cursor counts rounds: ``mixture.slot`` rounds drawn, ``mixture.counts``
-    from each source, which is also the samples each partition of that source delivered.
+    from each source, which is also the samples each partition of that source delivered. The
+    units the sources skipped are the cursor's ``quarantine`` (as a mixture's: entries name
+    their files), the sources' own states holding none.
 
     Attributes:
         mixture: The rounds' cursor, weights history and sources (a mixture's state).
@@ -212,6 +229,8 @@ class PackedMixtureState:
     def merge(cls, states: Sequence[PackedMixtureState]) -> PackedMixtureState:
         """One state from the states of several ranks.
 
+        Their quarantines are merged.
+
         Raises:
             StateMismatchError: If their cursors differ, or a source's partitions conflict.
         """
@@ -226,4 +245,5 @@ class PackedMixtureState:
         sources = {
             n: PackedState.merge([s.sources[n] for s in states if n in s.sources]) for n in names
         }
-        return cls(first, sources)
+        quarantine = tuple(merge(*(s.mixture.quarantine for s in states)))
+        return cls(replace(first, quarantine=quarantine), sources)
