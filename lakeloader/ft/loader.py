@@ -284,11 +284,9 @@ class FaultTolerantLoader:
 
     def _record(self, runs: Sequence[DeliveredRun], *, committed: bool) -> None:
         """Tell the observer of a settled step, or keep it (if committed) until one comes."""
-        if not runs:
-            return
-        if self._observer is not None:
+        if runs and self._observer is not None:
             self._observer(tuple(runs), committed=committed)
-        elif committed:
+        elif runs and committed:
             self._journal.record_step(runs)
 
     # -------------------------------------------------------------------- epochs
