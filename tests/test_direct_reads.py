@@ -8,6 +8,7 @@ connections), and s3fs itself where the URL would lose part of the request (a pr
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,23 @@ def test_pooled_connections_survive_a_store_restart(
     assert reader is not None
     assert bytes(reader.read(path, version, 0, 100)) == data[:100]
     store.restart()  # the pooled connection is dead now
+    _serving(store, path)
     assert bytes(reader.read(path, version, 100, 5000)) == data[100:5000]
+
+
+def _serving(store: RestartableStore, path: str, seconds: float = 30.0) -> None:
+    """Wait until a restarted store serves ``path`` again through a fresh client: its S3
+    gateway answers 500 InternalError for a moment after the port opens, which is the
+    store's readiness, not what a pooled connection must survive."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            store.filesystem(fresh=True).cat_file(path, start=0, end=1)
+            return
+        except Exception:  # s3fs raises what botocore gives: anything until it serves
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def test_a_proxy_in_the_environment_leaves_reads_to_s3fs(

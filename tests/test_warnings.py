@@ -56,8 +56,9 @@ ds = ll.LakeDataset(sys.argv[1], seed=1)
 loader = ll.DataLoader(ds, batch_size=100, num_workers=4)
 next(iter(loader))
 loader.close()
-mixture = ll.Mixture({"a": ds, "b": ll.LakeDataset(sys.argv[1], seed=2)}, {"a": 1, "b": 1})
-ll.DataLoader(mixture, batch_size=8, num_workers=2).close()
+ranked = ll.DataLoader(ds, batch_size=3, rank=0, world_size=2)
+next(iter(ranked))
+ranked.close()
 port = int(sys.argv[2])
 def listen_later():
     time.sleep(0.5)
@@ -89,7 +90,7 @@ def test_warnings_reach_stderr_without_any_logging_set_up(lake: Path) -> None:
     assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr
     err = run.stderr
     assert "CpuContentionWarning: torch runs" in err and "DataLoader workers on 2 cores" in err
-    assert "WorkerWarning: a Mixture decodes in the loader's 4 io_threads" in err
+    assert "PartitionWarning: C=" in err and "do not divide the global batch of 6" in err
     assert err.count("StorageRetryWarning: transient storage error on tcp://127.0.0.1") == 1
     assert "ConnectionRefusedError" in err
 
