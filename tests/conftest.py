@@ -67,6 +67,10 @@ SLOW_TESTS = frozenset(
         "test_audit_unattached.py::test_a_readme_loop_without_attach_passes_after_a_crash_and_a_"
         "resize",
         "test_warnings.py::test_warnings_reach_stderr_without_any_logging_set_up",
+        "test_loader_in_frameworks.py::test_a_loader_made_before_the_process_group_takes_its_"
+        "rank_in_each_process",
+        "test_streaming_read.py::test_any_row_range_streams_like_the_row_group_read_whole",
+        "test_worker_kills.py::test_a_replacement_worker_ends_on_sigterm",
     }
 )
 
