@@ -344,14 +344,14 @@ class LakeDataset:
         return self.snapshot.fingerprint
 
     def _plan(self, epoch: int) -> EpochPlan:
-        c = self.config
-        return plan_epoch(
+        c, packed = self.config, self.packing is not None
+        return plan_epoch(  # a packed lake's rows: units in order (lakeloader.order.packing)
             self.units,
             seed=c.seed,
             epoch=epoch,
             shuffle=c.shuffle,
-            num_partitions=c.num_partitions,
-            window=c.window,
+            num_partitions=1 if packed else c.num_partitions,
+            window=1 if packed else c.window,
         )
 
     def plan(self, epoch: int) -> EpochPlan:

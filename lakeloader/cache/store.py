@@ -314,7 +314,15 @@ class UnitStore:
         with self._lock:
             while self._releases and self._releases[0][0] <= delivered:
                 _, pos = heapq.heappop(self._releases)
-                entries.append(self._pop(pos))
+                if pos in self._entries:  # not dropped already
+                    entries.append(self._pop(pos))
+        for entry in entries:
+            self._discard(entry)
+
+    def drop(self, positions: np.ndarray) -> None:
+        """Evict the units at these positions now (a reader that knows its own last uses)."""
+        with self._lock:
+            entries = [self._pop(int(p)) for p in positions if int(p) in self._entries]
         for entry in entries:
             self._discard(entry)
 

@@ -1,29 +1,22 @@
-"""Packed token streams as a source of batches: of a lake, or rounds of a mixture's sources.
+"""Packed token streams as a source of batches: of a lake, or of a mixture's sources.
 
 Each batch is ``batch_size`` samples of ``seq_len`` tokens: ``input_ids``, ``position_ids``
-(the token's position in its document) and ``pad_mask`` (True on padding, at the end of a
-partition's epoch). The stream is endless: iterate for as many steps as you train. The state
-holds this rank's partitions (O(C)); a restore takes the states of every rank (a list; one
-state is enough with one rank) and continues under any world size that divides ``C`` and any
-batch size that ``C`` divides. How rows become samples, and why per partition:
-:mod:`lakeloader.order.packing`.
+(the token's position in its document) and ``pad_mask`` (True on padding: the end of a stream's
+epoch, or a skipped unit's tokens). The stream is endless: iterate for as many steps as you
+train. Samples are placed by arithmetic over the units' token counts
+(:mod:`lakeloader.order.packing`), so the state is the samples delivered, the same on every
+rank: any one rank's ``state_dict()`` resumes every rank, under any world size and any global
+batch, and the global batches are the same under every world size and worker count.
 
-A packed mixture packs each source on its own, one token stream per partition; a step is
-``global batch / C`` rounds, each round one sample from every partition of one source, the
-source of each round drawn in the weights' proportions by the mixture's cursor (over rounds).
-Why rounds of sources and not the mixture's row sequence packed: a sample's start depends on
-the lengths of every row before it in its stream, and a rank reads only its partitions' rows;
-the mixture's row sequence interleaves every partition of every source, so packing it would
-make every rank read every row. Rounds keep each rank on its partitions, every rank's batch the
-same size, and the state O(sources x C). Its batches hold ``mixture.source_key`` too: each
-sample's source.
+A packed mixture draws each sample's source in the weights' proportions (the mixture's cursor,
+counting samples); each source packs its own stream. Its batches hold ``mixture.source_key``
+too: each sample's source.
 
 User code and quarantine (:mod:`lakeloader.pipeline.packed`): a source's ``transform`` makes
 the packing column of each row; the ``collate_fn`` gets the samples, the ``batch_transform`` (a
 LakeDataset's, or ``Mixture(batch_transform=...)``) the packed batch; both in this process. A
-unit skipped (``on_error="skip"``, ``validate``) adds no token, the row positions counting its
-rows; it is in the state's ``quarantine`` (a packed mixture's rounds' cursor's), merged across
-ranks at a save, known to later passes and resumes.
+unit skipped (``on_error="skip"``, ``validate``) gives padding in the place of its tokens; it is
+in the state's ``quarantine``, merged across ranks at a save, known to later passes and resumes.
 """
 
 from __future__ import annotations
@@ -33,31 +26,31 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
+import numpy as np
 
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import StateMismatchError, TopologyError
+from lakeloader.errors import StateMismatchError
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
 from lakeloader.order.mixture import MixCursor, MixWeights
-from lakeloader.order.packing import owned_partitions, samples_per_partition
 from lakeloader.pipeline.collate import BatchTransform
-from lakeloader.pipeline.packed import PackedIterator, PackedSource, Skips, arena_layout
+from lakeloader.pipeline.packed import PackedIterator, PackedSource, arena_layout, epoch_samples
 from lakeloader.pipeline.recipe import BatchRecipe
+from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, WeightChange
-from lakeloader.state.packed_state import PackedMixtureState, PackedState, PartitionPosition
+from lakeloader.state.packed_state import PackedMixtureState, PackedState
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
-#: The name of a single dataset's only source, in the rounds' cursor.
+#: The name of a single dataset's only source, in the samples' cursor.
 ONLY = "lake"
 
 
@@ -65,7 +58,7 @@ class PackingNode(Node):
     """Packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
-    rows (else this process's ``io_threads`` do); samples are cut, and the user's code run,
+    units (else this process's ``io_threads`` do); samples are cut, and the user's code run,
     in this process.
 
     Args:
@@ -82,75 +75,65 @@ class PackingNode(Node):
 
     def __init__(self, host: Host, dataset: Any) -> None:
         super().__init__(host)
+        self._counts: dict[str, np.ndarray] = {}
+        self._tokens = self._padding = 0
         self._init(dataset)
 
     def _init(self, dataset: Any) -> None:
-        """Take the dataset in, on the loader's topology of now."""
+        """Take the dataset in."""
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
-        column = dataset.packing.column
+        self._check_column(dataset)
+        self._base = self.dataset = dataset
+        self._reader = dataset.reader()
+        self._config = self._packing_hash(dataset)
+        self._state = PackedState(dataset.fingerprint, self._config, 0)
+
+    def _check_column(self, dataset: LakeDataset) -> None:
+        column = dataset.packing.column if dataset.packing is not None else ""
         if dataset.transform is None and column not in dataset.config.columns:
             raise KeyError(
                 f"Packing column {column!r} is not among the dataset's columns "
                 f"{list(dataset.config.columns)}: read it, or give a transform that makes it"
             )
-        C = dataset.config.num_partitions
-        self._per_partition = samples_per_partition(
-            self.host.global_batch_size, C, self.host.topology.world_size
-        )
-        self._base = self.dataset = dataset
-        self._reader = dataset.reader()
-        order = {**dataset.config.to_dict(), "packing": dataset.packing.to_dict()}
-        self._config = config_hash(order)
-        start = PartitionPosition(0, 0, 0)
-        self._owned = owned_partitions(C, self.host.topology.world_size, self.host.topology.rank)
-        self._placed_at = (self.host.topology.rank, self.host.topology.world_size)
-        self._state = PackedState(
-            dataset.fingerprint, self._config, C, 0, {p: start for p in self._owned}
-        )
+
+    def _packing_hash(self, ds: LakeDataset) -> str:
+        packing = self.dataset.packing if ds.packing is None else ds.packing
+        return config_hash({**ds.config.to_dict(), "packing": packing.to_dict()})
+
+    def _source(self, name: str, ds: LakeDataset, reader: UnitReader) -> PackedSource:
+        """A source with its units' token counts (counted once per loader)."""
+        if name not in self._counts:
+            self._counts[name] = token_counts(ds)
+        return PackedSource(ds, reader, self._counts[name], tuple(self.quarantine))
+
+    def _per_epoch(self, name: str, ds: LakeDataset, reader: UnitReader) -> int:
+        packing = self.dataset.packing
+        assert packing is not None
+        return epoch_samples(self._source(name, ds, reader), packing)
 
     def placed(self, topology: Topology) -> None:
-        """Take this rank's partitions of the topology a pass starts on.
-
-        Raises:
-            TopologyError: If samples were delivered under another rank or world size (the
-                state holds the partitions of the rank it was made for).
-        """
-        placed = (topology.rank, topology.world_size)
-        if placed == self._placed_at:
-            return
-        if self._started():
-            raise TopologyError(
-                f"this packed loader delivered samples as rank {self._placed_at[0]} of "
-                f"{self._placed_at[1]} and is now rank {placed[0]} of {placed[1]}: make it "
-                "after the process group is initialised, or pass rank= and world_size="
-            )
-        self.host._close_iterator("a pass on another topology")
-        self._init(self.dataset)
-
-    def _started(self) -> bool:
-        """Whether a sample was delivered or a state loaded."""
-        return bool(self._state.samples)
+        """Nothing to do: the state is the same under every topology."""
 
     @property
     def epoch(self) -> int:
-        """The earliest epoch any of this rank's partitions is in."""
-        return min(x.epoch for x in self._state.partitions.values())
+        """The epoch of the next sample."""
+        return self._state.samples // self._per_epoch(ONLY, self.dataset, self._reader)
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
-        """Not supported: each partition runs through its epochs by itself.
+        """Not supported: a packed stream runs through its epochs by itself.
 
         Raises:
             TypeError: Always.
         """
         raise TypeError(
-            "a packed stream is endless, its partitions running through their epochs by "
-            "themselves: iterate it for as many steps as you train, without set_epoch()"
+            "a packed stream is endless, running through its epochs by itself: iterate it for "
+            "as many steps as you train, without set_epoch()"
         )
 
     def begin(self) -> Iterator[Any]:
-        """The endless stream of samples from where every partition of this rank stands."""
-        state, samples = self._state, self._state.samples  # a round: a sample of each partition
-        source = PackedSource(self.dataset, self._reader, dict(state.partitions), state.quarantine)
+        """The endless stream of samples from where the state stands."""
+        samples = self._state.samples
+        source = self._source(ONLY, self.dataset, self._reader)
         cursor, weights = MixCursor(samples, {ONLY: samples}), MixWeights.of({ONLY: 1.0})
         return self._begin([source], cursor, weights, 0, self.dataset.batch_transform)
 
@@ -163,7 +146,7 @@ class PackingNode(Node):
         batch_transform: BatchTransform | None,
         source_key: str | None = None,
     ) -> Iterator[Any]:
-        """A pass over ``sources``: the :class:`PackedIterator` of this rank's partitions."""
+        """A pass over ``sources``: this rank's :class:`PackedIterator`."""
         host, res, packing = self.host, self.host._res, self.dataset.packing
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
@@ -173,7 +156,6 @@ class PackingNode(Node):
             cursor,
             weights,
             seed,
-            self._per_partition,
             host.topology,
             host.options,
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
@@ -192,58 +174,60 @@ class PackingNode(Node):
         return decoding_setup(self.host, [(self.dataset, self._reader, layout)], seed)
 
     def _delivered(
-        self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]], skipped: Skips
+        self, cursor: MixCursor, skipped: list[tuple[QuarantineEntry, ...]], tokens: int, pads: int
     ) -> None:
         """The only place the position moves: a batch was handed over."""
-        self._state = dataclasses.replace(
-            self._state, samples=cursor.slot, partitions=positions[0]
-        ).with_quarantine(skipped[0])
+        self._tokens, self._padding = self._tokens + tokens, self._padding + pads
+        self._moved(cursor, [q for found in skipped for q in found])
+
+    def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
+        self._state = dataclasses.replace(self._state, samples=cursor.slot)
+        self._quarantine(skipped)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
-        """This rank's partitions' positions: plain types, O(C / world size)."""
-        refuse_fetched_ahead(fetched_ahead, "a packed stream")
+        """The samples delivered, less ``fetched_ahead`` global batches: the same on every rank.
+
+        Raises:
+            ValueError: If ``fetched_ahead`` steps were not delivered.
+        """
+        if fetched_ahead:
+            back = fetched_ahead * self.host.global_batch_size
+            if not 0 <= back <= self._state.samples:
+                raise ValueError(
+                    f"state_dict(fetched_ahead={fetched_ahead}): only "
+                    f"{self._state.samples // self.host.global_batch_size} steps were delivered"
+                )
+            return dataclasses.replace(self._state, samples=self._state.samples - back).to_dict()
         return self._state.to_dict()
 
     def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from the states of every rank of a run (a list, or one state of one rank).
+        """Continue from a state (any rank's; a list of every rank's is taken too).
 
         Raises:
-            StateFormatError: If a state is not a packed state of a known version.
-            StateMismatchError: If they belong to another snapshot, configuration or step, or
-                do not cover this rank's partitions (the missing ones named).
+            StateFormatError: If it is not a packed state of a known version.
+            StateMismatchError: If it belongs to another snapshot or configuration.
         """
         self.host._close_iterator("load_state_dict()")
-        merged = self._merged([state_dict] if isinstance(state_dict, Mapping) else state_dict)
-        if (merged.fingerprint, merged.config) != (self._state.fingerprint, self._config):
+        given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
+        per_epoch = self._per_epoch(ONLY, self.dataset, self._reader)
+        states = [PackedState.from_dict(s, per_epoch) for s in given]
+        saved = states[0].with_quarantine(q for s in states for q in s.quarantine)
+        if (saved.fingerprint, saved.config) != (self._state.fingerprint, self._config):
             raise StateMismatchError(
-                f"the packed state is of snapshot {merged.fingerprint} with configuration "
-                f"{merged.config}; this loader reads {self._state.fingerprint} with "
+                f"the packed state is of snapshot {saved.fingerprint} with configuration "
+                f"{saved.config}; this loader reads {self._state.fingerprint} with "
                 f"{self._config}: resume with the same lake snapshot, order settings and packing"
             )
-        missing = [p for p in self._owned if p not in merged.partitions]
-        if missing:
-            raise StateMismatchError(
-                f"the state(s) given hold no position for partition(s) {missing} of this rank: "
-                "pass the states of every rank of the saved run, as a list"
-            )
-        mine = {p: merged.partitions[p] for p in self._owned}
-        self._state = dataclasses.replace(merged, partitions=mine)
+        self._state = saved
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
         return self._state
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """Every rank's partitions and quarantine, merged: a collective under torch.distributed.
-
-        ``quarantine`` (every rank's, from the barrier) is merged into this rank's first.
-        """
+        """The state, every rank's quarantine (from the barrier) merged in: no collective."""
         self._quarantine(quarantine)
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.state()
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.state())
-        return self._merged(gathered).to_dict()
+        return self.state()
 
     def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the state."""
@@ -254,37 +238,28 @@ class PackingNode(Node):
         """Units skipped so far, sorted; merged across ranks at saves."""
         return list(self.barrier_position().quarantine)
 
-    def _merged(self, states: Sequence[Mapping[str, Any]]) -> PackedState:
-        """The states of several ranks as one."""
-        return PackedState.merge([PackedState.from_dict(s) for s in states])
-
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshot a checkpoint pins."""
         return {"lake": self.dataset}
-
-    def _positions(self) -> list[PartitionPosition]:
-        """Where this rank's partitions stand."""
-        return list(self._state.partitions.values())
 
     def _readers_used(self) -> list[UnitReader]:
         return [self._reader]
 
     def stats(self) -> dict[str, int]:
-        """What the readers did, and the tokens and padding handed out by this rank."""
-        positions = self._positions()
+        """What the readers did, and the tokens and padding this rank handed out."""
         return {
             **read_counts(self._readers_used()),
-            "tokens": sum(x.tokens for x in positions),
-            "padding": sum(x.padding for x in positions),
+            "tokens": self._tokens,
+            "padding": self._padding,
         }
 
 
 class PackedMixtureNode(PackingNode):
-    """Packed samples of a Mixture with a packing: rounds of its sources' packed streams.
+    """Packed samples of a Mixture with a packing: each sample's source drawn by weight.
 
-    ``batch_size`` counts samples. ``state_dict()`` holds this rank's partitions of every
-    source; ``load_state_dict`` takes the states of every rank (a list) and continues under any
-    world size dividing ``C``, any batch size that ``C`` divides, and new weights or sources.
+    ``batch_size`` counts samples. ``state_dict()`` is the samples' cursor (a mixture's state,
+    the same on every rank); ``load_state_dict`` continues under any world size and batch,
+    and new weights or sources.
     """
 
     @property
@@ -293,15 +268,11 @@ class PackedMixtureNode(PackingNode):
         return "packed mixture"
 
     def _init(self, dataset: Any) -> None:
-        """Take the mixture in, on the loader's topology of now."""
+        """Take the mixture in."""
         assert isinstance(dataset, Mixture) and dataset.packing is not None
         self.mixture = self.dataset = dataset
-        C = next(iter(dataset.sources.values())).config.num_partitions
-        self._per_partition = samples_per_partition(
-            self.host.global_batch_size, C, self.host.topology.world_size
-        )
-        self._owned = owned_partitions(C, self.host.topology.world_size, self.host.topology.rank)
-        self._placed_at = (self.host.topology.rank, self.host.topology.world_size)
+        for ds in dataset.sources.values():
+            self._check_column(ds)
         self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
         cursor = MixtureState(
             seed=dataset.seed,
@@ -311,35 +282,25 @@ class PackedMixtureNode(PackingNode):
             epoch=0,
             epoch_start=0,
             epoch_rows=dataset.epoch_rows,
-            sources=records(dataset),
+            sources=self._records(),
             topology=self.host.topology.to_dict(),
         )
-        self._mixed = PackedMixtureState(cursor, {n: self._fresh(n) for n in dataset.names})
+        self._mixed = PackedMixtureState(cursor)
 
-    def _fresh(self, name: str) -> PackedState:
-        """A source's partitions of this rank at their start."""
-        ds = self.mixture.sources[name]
-        start = PartitionPosition(0, 0, 0)
-        return PackedState(
-            ds.fingerprint,
-            self._packing_hash(name),
-            ds.config.num_partitions,
-            0,
-            {p: start for p in self._owned},
-        )
-
-    def _packing_hash(self, name: str) -> str:
-        ds, packing = self.mixture.sources[name], self.mixture.packing
-        assert packing is not None
-        return config_hash({**ds.config.to_dict(), "packing": packing.to_dict()})
+    def _records(self) -> dict[str, Any]:
+        """Each source's snapshot, packing and samples per epoch, as the state records them."""
+        out = records(self.mixture)
+        for name, ds in self.mixture.sources.items():
+            per_epoch = self._per_epoch(name, ds, self._readers[name])
+            out[name] = dataclasses.replace(
+                out[name], config=self._packing_hash(ds), rows=per_epoch
+            )
+        return out
 
     @property
     def epoch(self) -> int:
-        """0: each source's partitions run through their own epochs (see ``state_dict()``)."""
+        """0: each source runs through its own epochs (see ``state_dict()``)."""
         return 0
-
-    def _started(self) -> bool:
-        return bool(self._mixed.mixture.slot)
 
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode every source's units (a task names its source by index)."""
@@ -353,71 +314,46 @@ class PackedMixtureNode(PackingNode):
         )
 
     def begin(self) -> Iterator[Any]:
-        """The endless stream of rounds from where every source's partitions stand."""
-        mix, at, known = self.mixture, self._mixed, self._mixed.mixture.quarantine
-        sources = [
-            PackedSource(mix.sources[n], self._readers[n], dict(at.sources[n].partitions), known)
-            for n in mix.names
-        ]
-        cursor, transform = MixCursor(at.mixture.slot, at.mixture.counts), mix.batch_transform
+        """The endless stream of samples from where the cursor stands."""
+        mix, at = self.mixture, self._mixed.mixture
+        sources = [self._source(n, mix.sources[n], self._readers[n]) for n in mix.names]
+        cursor, transform = MixCursor(at.slot, at.counts), mix.batch_transform
         return self._begin(sources, cursor, mix.weights, mix.seed, transform, mix.source_key)
 
-    def _delivered(
-        self, cursor: MixCursor, positions: list[dict[int, PartitionPosition]], skipped: Skips
-    ) -> None:
-        """The only place the position moves: a batch was handed over."""
+    def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         mixture = dataclasses.replace(
             self._mixed.mixture, slot=cursor.slot, counts=dict(cursor.counts)
         )
-        sources = {
-            name: dataclasses.replace(
-                self._mixed.sources[name], samples=cursor.counts.get(name, 0), partitions=mine
-            )
-            for name, mine in zip(self.mixture.names, positions, strict=True)
-        }
-        self._mixed = PackedMixtureState(mixture, {**self._mixed.sources, **sources})
-        self._quarantine(q for found in skipped for q in found)
+        self._mixed = PackedMixtureState(mixture)
+        self._quarantine(skipped)
 
     def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
-        """Add units skipped for good to the rounds' cursor (entries name their files)."""
+        """Add units skipped for good to the cursor (entries name their files)."""
         mixture = self._mixed.mixture
         merged = tuple(merge(mixture.quarantine, entries))
-        mixture = dataclasses.replace(mixture, quarantine=merged)
-        self._mixed = dataclasses.replace(self._mixed, mixture=mixture)
+        self._mixed = PackedMixtureState(dataclasses.replace(mixture, quarantine=merged))
 
     def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from the states of every rank of a run (a list; one state with one rank).
+        """Continue from a state (any rank's; a list of every rank's is taken too).
 
         Raises:
-            StateFormatError: If a state is not a packed mixture's state of a known version.
-            StateMismatchError: If a source or the seed differs from the saved one, or the
-                states do not cover this rank's partitions of a source (named).
+            StateFormatError: If it is not a packed mixture's state of a known version.
+            StateMismatchError: If a source or the seed differs from the saved one.
         """
         self.host._close_iterator("load_state_dict()")
-        merged = self._merged([state_dict] if isinstance(state_dict, Mapping) else state_dict)
-        resumed = resume_mixture(merged.mixture, self.mixture)
+        given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
+        states = [PackedMixtureState.from_dict(s).mixture for s in given]
+        saved = dataclasses.replace(
+            states[0], quarantine=tuple(merge(*(s.quarantine for s in states)))
+        )
+        resumed = resume_mixture(saved, self.mixture, self._records())
         for change in resumed.changes:
-            logger.info("packed mixture resumed at round %d: %s", resumed.state.slot, change)
-        sources = dict(merged.sources)
-        for name in self.mixture.names:
-            if name not in sources:  # added: from its start
-                sources[name] = self._fresh(name)
-                continue
-            saved = sources[name]
-            missing = [p for p in self._owned if p not in saved.partitions]
-            if missing or saved.config != self._packing_hash(name):
-                raise StateMismatchError(
-                    f"the state(s) of source {name!r} hold no position for partition(s) {missing} "
-                    "of this rank, or another packing: pass the states of every rank of the "
-                    "saved run, as a list, with the same packing"
-                )
-            mine = {p: saved.partitions[p] for p in self._owned}
-            sources[name] = dataclasses.replace(saved, partitions=mine)
+            logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
         mixture = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
-        self._mixed = PackedMixtureState(mixture, sources)
+        self._mixed = PackedMixtureState(mixture)
 
     def barrier_position(self) -> Position:
-        """What the checkpoint barrier compares across ranks: the rounds' cursor."""
+        """What the checkpoint barrier compares across ranks: the samples' cursor."""
         return self._mixed.mixture
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
@@ -425,15 +361,9 @@ class PackedMixtureNode(PackingNode):
         return dict(self.mixture.sources)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
-        """The rounds' cursor and this rank's partitions of every source: plain types."""
+        """The samples' cursor: plain types, the same on every rank."""
         refuse_fetched_ahead(fetched_ahead, "a packed mixture")
         return self._mixed.to_dict()
-
-    def _merged(self, states: Sequence[Mapping[str, Any]]) -> PackedMixtureState:  # type: ignore[override]
-        return PackedMixtureState.merge([PackedMixtureState.from_dict(s) for s in states])
-
-    def _positions(self) -> list[PartitionPosition]:
-        return [x for s in self._mixed.sources.values() for x in s.partitions.values()]
 
     def _readers_used(self) -> list[UnitReader]:
         return list(self._readers.values())

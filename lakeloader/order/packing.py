@@ -1,16 +1,25 @@
-"""Packed token streams: which rows each rank reads, and how tokens become samples (pure).
+"""Packed token streams: which tokens make each sample, under any world size and batch (pure).
 
-Packing cuts samples of ``seq_len`` tokens from the concatenated token lists of rows, so where
-a sample starts depends on the lengths of every row before it. A rank cannot know the lengths
-of rows it does not read, so the stream is not the epoch's whole row sequence but one stream per
-canonical partition (:mod:`lakeloader.order.plan`): partition ``p``'s rows, in their shuffled
-order, epoch after epoch, each epoch's last partial sample padded (and the padding counted).
-Step ``t`` takes samples ``[t * k, (t + 1) * k)`` of every partition (``k = global batch / C``),
-laid out partition-major, and rank ``r`` reads whole partitions,
-``[r * C / W, (r + 1) * C / W)``: no row is read by two ranks, and the ranks' shares laid end to
-end are the same global batch under any world size that divides ``C``. A partition's position
-is three integers (epoch, row, token offset inside the row), so the state is O(C) however long
-the run, and a resume in the middle of a document continues at its next token.
+An epoch of a packed lake is one token stream: its units (whole row groups) in the epoch's
+order (:func:`lakeloader.order.plan.unit_order`), each unit's rows in file order, each row's
+tokens followed by ``eos_id`` when there is one. Where each unit's tokens start is known
+before any unit is read, from the units' token counts
+(:mod:`lakeloader.lake.token_counts`: the footers' value counts, or counted once). The
+epoch's ``T`` tokens are cut into ``C`` contiguous *streams* (stream ``c`` holds tokens
+``[c T // C, (c + 1) T // C)``; ``C`` is the dataset's ``num_partitions``), each stream into
+samples of ``L`` tokens, its last one padded (the padding counted and marked). Sample ``j`` of
+the epoch is sample ``j // C`` of stream ``j % C`` while every stream has one, then the last
+samples of the longer streams in stream order, so the samples of a global batch come from
+``C`` places spread over the epoch.
+
+A sample is thus a token range found by arithmetic, and where a packed source stands is one
+number: the samples it has delivered, its epochs one after the other. Step ``t`` takes the
+next ``B`` samples of the global batch (drawn from the sources by a mixture's cursor, or all
+from the one lake), sorted by source, epoch, stream and sample so that a rank's share reads
+few units, and rank ``r`` takes its share of that list (:func:`~lakeloader.order.plan.rank_bounds`):
+any world size, any global batch (one that changes at a resume too), and the same global
+batches under every world size and worker count. No rank reads a unit that none of its
+samples touches; a unit that two ranks' samples share is read by both.
 """
 
 from __future__ import annotations
@@ -19,159 +28,147 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-def samples_per_partition(global_batch: int, num_partitions: int, world_size: int) -> int:
-    """Samples each partition gives each step (``k``), checking that the shapes fit.
-
-    >>> samples_per_partition(16, 4, 2)
-    4
-
-    Raises:
-        ValueError: If the world size does not divide ``C``, or ``C`` the global batch (with
-            the sizes that would).
-    """
-    C, W = num_partitions, world_size
-    if C % W:
-        fits = [d for d in range(1, C + 1) if C % d == 0]
-        raise ValueError(
-            f"packing reads whole partitions per rank: world size {W} must divide "
-            f"num_partitions={C} (world sizes that do: {fits}); build the LakeDataset with "
-            f"num_partitions a multiple of {W}"
-        )
-    if global_batch % C:
-        raise ValueError(
-            f"packing takes the same number of samples from each of the C={C} partitions per "
-            f"step: the global batch of {global_batch} samples must be a multiple of {C} "
-            f"(batch_size a multiple of {C // W} with {W} rank(s))"
-        )
-    return global_batch // C
-
-
-def owned_partitions(num_partitions: int, world_size: int, rank: int) -> range:
-    """The partitions a rank reads: a contiguous block.
-
-    >>> owned_partitions(8, 2, 1)
-    range(4, 8)
-    """
-    per = num_partitions // world_size
-    return range(rank * per, (rank + 1) * per)
+from lakeloader.order.plan import rank_bounds
 
 
 @dataclass(frozen=True)
-class Cut:
-    """Tokens taken from consecutive rows.
+class TokenStream:
+    """One epoch of a packed source: where its units' tokens end, and its streams' bounds.
 
     Attributes:
-        tokens: The tokens, separators included.
-        positions: Each token's position in its document.
-        rows: Rows finished (their last token, or separator, taken).
-        offset: Tokens taken from the row after them.
+        ends: Token end of each unit, in the epoch's unit order (its counts summed up).
+        bounds: First token of each stream, plus ``T``.
+        seq_len: Tokens per sample (``L``).
+
+    >>> s = TokenStream.of(np.array([5, 4, 6]), streams=2, seq_len=4)
+    >>> s.bounds.tolist(), s.sizes.tolist(), s.num_samples
+    ([0, 7, 15], [2, 2], 4)
+    >>> [x.tolist() for x in s.spans(*s.locate(np.arange(4)))]
+    [[0, 7, 4, 11], [4, 11, 7, 15]]
     """
 
-    tokens: np.ndarray
-    positions: np.ndarray
-    rows: int
-    offset: int
+    ends: np.ndarray
+    bounds: np.ndarray
+    seq_len: int
+
+    @classmethod
+    def of(cls, counts: np.ndarray, streams: int, seq_len: int) -> TokenStream:
+        """The stream of units of these token counts (in the epoch's order)."""
+        ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+        total = int(ends[-1]) if len(ends) else 0
+        bounds = np.arange(streams + 1, dtype=np.int64) * total // streams
+        return cls(ends, bounds, seq_len)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Samples in each stream (its last one padded when the tokens do not fill it)."""
+        return np.asarray(-(-np.diff(self.bounds) // self.seq_len), dtype=np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the epoch."""
+        return int(self.sizes.sum())
+
+    def locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stream of each of the epoch's ``samples``, and its index in that stream."""
+        sizes = self.sizes
+        C, fewest = len(sizes), int(sizes.min())
+        longer = np.flatnonzero(sizes > fewest)  # each has one more: sizes differ by <= 1
+        j = np.asarray(samples, dtype=np.int64)
+        early = j < fewest * C
+        late = longer[np.clip(j - fewest * C, 0, max(len(longer) - 1, 0))] if len(longer) else 0
+        stream = np.where(early, j % C, late)
+        return stream.astype(np.int64), np.where(early, j // C, fewest).astype(np.int64)
+
+    def spans(self, stream: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The token range ``[start, stop)`` of samples (shorter than ``L``: padded)."""
+        start = self.bounds[stream] + index * self.seq_len
+        return start, np.minimum(start + self.seq_len, self.bounds[stream + 1])
+
+    def units(self, start: int, stop: int) -> range:
+        """The positions of the units that tokens ``[start, stop)`` lie in."""
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        return range(first, int(np.searchsorted(self.ends, stop - 1, side="right")) + 1)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A rank's samples of a step, in batch order.
+
+    Attributes:
+        source: Each sample's source (an index).
+        offset: Its index in its source's endless stream of samples (its seed's key).
+        epoch: Its source's epoch.
+        start: Its first token in that epoch's stream.
+        stop: Its end (``stop - start < L``: the rest is padding).
+    """
+
+    source: np.ndarray
+    offset: np.ndarray
+    epoch: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+def step_share(
+    sources: np.ndarray,
+    offsets: np.ndarray,
+    stream_of: dict[tuple[int, int], TokenStream],
+    per_epoch: list[int],
+    world_size: int,
+    rank: int,
+) -> Share:
+    """A rank's samples of one global step (see the module docstring).
+
+    Args:
+        sources: The source of each of the step's samples, as drawn.
+        offsets: Each sample's index in its source's endless stream.
+        stream_of: The :class:`TokenStream` of each ``(source, epoch)`` the step reaches.
+        per_epoch: Samples in an epoch of each source.
+        world_size: Ranks.
+        rank: This rank.
+
+    >>> s = TokenStream.of(np.array([8, 8]), streams=2, seq_len=4)
+    >>> share = step_share(np.zeros(4, int), np.arange(4), {(0, 0): s}, [4], 2, 1)
+    >>> share.start.tolist(), share.stop.tolist()
+    [[8, 12], [12, 16]]
+    """
+    epochs = offsets // np.asarray(per_epoch, dtype=np.int64)[sources]
+    stream = np.empty(len(sources), dtype=np.int64)
+    index = np.empty(len(sources), dtype=np.int64)
+    start = np.empty(len(sources), dtype=np.int64)
+    stop = np.empty(len(sources), dtype=np.int64)
+    for source, epoch in {(int(s), int(e)) for s, e in zip(sources, epochs, strict=True)}:
+        mine = (sources == source) & (epochs == epoch)
+        tokens = stream_of[(source, epoch)]
+        stream[mine], index[mine] = tokens.locate(offsets[mine] % per_epoch[source])
+        start[mine], stop[mine] = tokens.spans(stream[mine], index[mine])
+    order = np.lexsort((index, stream, epochs, sources))
+    a, b = rank_bounds(len(order), world_size, rank)
+    mine_ = order[a:b]
+    return Share(sources[mine_], offsets[mine_], epochs[mine_], start[mine_], stop[mine_])
 
 
 def separated(
-    values: np.ndarray, offsets: np.ndarray, eos_id: int | None, ended: np.ndarray | None = None
+    values: np.ndarray, offsets: np.ndarray, eos_id: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Rows laid end to end with ``eos_id`` after each row that ``ended`` marks (all: None).
+    """Rows laid end to end with ``eos_id`` after each row; each token's position in its row.
 
-    A row left unmarked gets no separator: a skipped row comes as a row of no token, which
-    moves a partition's row position but adds nothing to its stream.
-
-    >>> v, o = separated(np.array([1, 2, 3]), np.array([0, 2, 2, 3]), 9, np.array([1, 0, 1], bool))
-    >>> v.tolist(), o.tolist()
-    ([1, 2, 9, 3, 9], [0, 3, 3, 5])
+    >>> t, p = separated(np.array([1, 2, 3]), np.array([0, 2, 2, 3]), 9)
+    >>> t.tolist(), p.tolist()
+    ([1, 2, 9, 9, 3, 9], [0, 1, 2, 0, 0, 1])
     """
     values = values[offsets[0] : offsets[-1]].astype(np.int64, copy=False)
-    offsets = offsets - offsets[0]
-    if eos_id is None:
-        return values, offsets
-    marks = np.ones(len(offsets) - 1, np.int64) if ended is None else ended.astype(np.int64)
-    ends = offsets[1:] + np.cumsum(marks)  # where each row's separator (if any) ends
-    out = np.full(int(ends[-1]) if len(ends) else 0, eos_id, dtype=np.int64)
-    body = np.ones(len(out), dtype=bool)
-    body[(ends - 1)[marks.astype(bool)]] = False
-    out[body] = values
-    return out, np.concatenate([[0], ends]).astype(np.int64)
-
-
-def cut_tokens(values: np.ndarray, offsets: np.ndarray, offset: int, count: int) -> Cut:
-    """Take up to ``count`` tokens from rows laid end to end, ``offset`` tokens into the first.
-
-    Args:
-        values: The rows' tokens end to end (separators in: :func:`separated`).
-        offsets: ``rows + 1`` offsets into ``values``.
-        offset: Tokens of the first row already taken.
-        count: Tokens wanted; fewer come back when the rows run out.
-
-    A row of no token (a skipped one) right after the last token taken counts as finished.
-
-    >>> c = cut_tokens(np.array([1, 2, 3, 9, 4, 5, 9]), np.array([0, 4, 7]), 1, 4)
-    >>> c.tokens.tolist(), c.positions.tolist(), c.rows, c.offset
-    ([2, 3, 9, 4], [1, 2, 3, 0], 1, 1)
-    """
-    lengths = np.diff(offsets)
-    ends = offsets[1:] - offsets[0]
-    stop = min(offset + count, int(ends[-1]) if len(ends) else 0)
-    if stop <= offset:
-        return Cut(values[:0].astype(np.int64), np.zeros(0, np.int64), 0, offset)
-    last = int(np.searchsorted(ends, stop - 1, side="right"))  # row of the last token taken
-    rows = lengths[: last + 1]
-    starts = ends[: last + 1] - rows
-    stream = values[offsets[0] + offset : offsets[0] + stop].astype(np.int64)
-    positions = np.arange(offset, stop, dtype=np.int64) - np.repeat(starts, rows)[offset:stop]
-    done = int(np.searchsorted(ends, stop, side="right"))  # rows whose last token was taken
-    left = stop - int(ends[done - 1]) if done else stop
-    return Cut(stream, positions, done, left)
-
-
-@dataclass(frozen=True)
-class Block:
-    """Samples cut at once from a partition's buffered rows, handed out one take at a time.
-
-    One :func:`cut_tokens` of many samples costs about what one of a single sample does (a
-    few array operations); a take is then two slices and a binary search for where it ends.
-
-    Attributes:
-        tokens: The block's tokens, separators included.
-        positions: Each token's position in its document.
-        ends: Where each buffered row ends, in tokens from the buffer's first row.
-        first: Where the block starts, in the same tokens.
-    """
-
-    tokens: np.ndarray
-    positions: np.ndarray
-    ends: np.ndarray
-    first: int
-
-    @classmethod
-    def cut(
-        cls, values: np.ndarray, offsets: np.ndarray, offset: int, count: int, most: int
-    ) -> Block | None:
-        """Cut as many takes of ``count`` tokens as the rows hold, ``most`` at most.
-
-        None when the rows hold fewer than ``count`` tokens past ``offset`` (the caller reads
-        more rows, or ends the epoch).
-
-        >>> b = Block.cut(np.arange(1, 8), np.array([0, 3, 7]), 1, 2, 8)
-        >>> b.tokens.tolist(), b.positions.tolist()
-        ([2, 3, 4, 5, 6, 7], [1, 2, 0, 1, 2, 3])
-        >>> b.after(2), b.after(6)
-        ((1, 0), (2, 0))
-        """
-        ends = offsets[1:] - offsets[0]
-        takes = min((int(ends[-1]) - offset) // count if len(ends) else 0, most)
-        if takes < 1:
-            return None
-        cut = cut_tokens(values, offsets, offset, takes * count)
-        return cls(cut.tokens, cut.positions, ends, offset)
-
-    def after(self, used: int) -> tuple[int, int]:
-        """Rows finished and tokens into the next row once ``used`` of the block's are taken."""
-        stop = self.first + used
-        done = int(np.searchsorted(self.ends, stop, side="right"))
-        return done, stop - (int(self.ends[done - 1]) if done else 0)
+    lengths = np.diff(offsets) + (eos_id is not None)
+    ends = np.cumsum(lengths)
+    out = values
+    if eos_id is not None:
+        out = np.full(int(ends[-1]) if len(ends) else 0, eos_id, dtype=np.int64)
+        body = np.ones(len(out), dtype=bool)
+        body[ends - 1] = False
+        out[body] = values
+    positions = np.arange(len(out), dtype=np.int64) - np.repeat(ends - lengths, lengths)
+    return out, positions

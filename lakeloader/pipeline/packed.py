@@ -1,33 +1,32 @@
-"""A packed stream for one rank: its partitions' rows read in order, cut into samples.
+"""A packed stream for one rank: its samples of each step, cut from the units they lie in.
 
-Each partition the rank owns (:mod:`lakeloader.order.packing`) is a
-:class:`~lakeloader.pipeline.partition_stream.PartitionStream` reading through the epochs' unit
-stores (their units decoded in the DataLoader's workers when it has them).
-:class:`PackedIterator` takes ``k`` samples of every partition per step and lays them out
-partition-major.
+:mod:`lakeloader.order.packing` places every sample (a token range of an epoch of a source)
+before any unit is read; :class:`PackedIterator` draws each step's samples (the mixture's
+cursor, or the one lake's), takes this rank's share, requests the units they lie in a few steps
+ahead (:class:`~lakeloader.pipeline.unit_tokens.EpochTokens`, decoded in the DataLoader's
+workers when it has them) and copies each sample's tokens out of them. A unit is let go once
+no step planned needs it.
 
-The user's code: a source's row ``transform`` runs on each row before packing (the packing
-column is read from the transformed row: a list, array or tensor of integers; see
-:mod:`~lakeloader.pipeline.partition_stream`). The loader's ``collate_fn`` gets the
-list of a rank's samples (each a dict of its 1-D tensors, a 0-d one for a mixture's source)
-instead of the default stacking; the ``batch_transform`` gets the batch dict. Their seeds are
-the samples': sample ``n`` of partition ``p`` of source ``name`` has
-``slot_seeds(its dataset's seed, crc32(name), n * C + p)`` (``name`` is ``"lake"`` for one
-lake), the same under any world size. Transforms run in the loader's process (workers decode).
+The user's code: a source's row ``transform`` runs on each row before packing (see
+:mod:`~lakeloader.pipeline.unit_tokens`). The loader's ``collate_fn`` gets the list of a
+rank's samples (each a dict of its 1-D tensors, a 0-d one for a mixture's source) instead of
+the default stacking; the ``batch_transform`` gets the batch dict. Their seeds are the
+samples': sample ``n`` of source ``name`` (its place in the source's endless stream) has
+``slot_seeds(its dataset's seed, crc32(name), n)`` (``name`` is ``"lake"`` for one lake), the
+same under any world size. Both run in the loader's process.
 
-Quarantine (``on_error="skip"``, ``validate``): a skipped unit's rows add no token, but the
-partitions' row positions count them. The units skipped are reported with the batch whose
-reads found them, and are known from then on to the epochs the stream opens (and, through
-the state, to later passes and resumes): screened without reading.
+Quarantine (``on_error="skip"``, ``validate``): a skipped unit's tokens come as padding (its
+rows counted, never delivered), so no other sample moves. The units skipped are reported with
+the batch that found them, and are known from then on to the epochs the stream opens (and,
+through the state, to later passes and resumes): screened without reading.
 """
 
 from __future__ import annotations
 
-import functools
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import torch
@@ -36,10 +35,9 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
-from lakeloader.order.mixture import MixCursor, MixDraw, MixWeights
-from lakeloader.order.packing import owned_partitions
+from lakeloader.order.mixture import MixCursor, MixWeights
+from lakeloader.order.packing import Share, TokenStream, step_share
 from lakeloader.packing import Packing
-from lakeloader.pipeline.partition_stream import EpochReader, PartitionStream
 from lakeloader.pipeline.recipe import (
     COLUMNS,
     BatchRecipe,
@@ -49,32 +47,45 @@ from lakeloader.pipeline.recipe import (
     rows_payload,
 )
 from lakeloader.pipeline.stores import Leaf, Stores
+from lakeloader.pipeline.token_counts import check_count
+from lakeloader.pipeline.unit_tokens import EpochTokens
 from lakeloader.randomness import slot_seeds
-from lakeloader.state.packed_state import PartitionPosition
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
+
+#: Steps whose units are requested ahead of the one delivered.
+AHEAD_STEPS: Final = 4
 
 #: The units each source found skipped in a step: one tuple per source.
 Skips = list[tuple[QuarantineEntry, ...]]
 
 
-@dataclass(frozen=True)
-class PackedSource:
-    """A packed stream's source: a dataset, its reader, where this rank's partitions stand.
+class PackedSource(NamedTuple):
+    """A packed stream's source.
 
     Attributes:
         dataset: The dataset (its ``transform``, ``on_error`` and ``validate`` apply to its
             rows).
         reader: Reads its units.
-        positions: ``{partition: position}`` of the partitions this rank owns.
+        counts: Tokens of each of its units, in path order
+            (:mod:`~lakeloader.pipeline.token_counts`).
         known: Units already quarantined (from the state): screened without reading.
     """
 
     dataset: LakeDataset
     reader: UnitReader
-    positions: dict[int, PartitionPosition]
+    counts: np.ndarray
     known: tuple[QuarantineEntry, ...] = ()
+
+
+def epoch_samples(source: PackedSource, packing: Packing) -> int:
+    """Samples in each epoch of a source.
+
+    The same every epoch: the units' order moves, the streams' bounds do not.
+    """
+    streams = source.dataset.config.num_partitions
+    return TokenStream.of(source.counts, streams, packing.seq_len).num_samples
 
 
 def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayout | None:
@@ -87,24 +98,18 @@ def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayo
 class PackedIterator:
     """Endless iterator over one rank's packed batches, from one source or a mixture's.
 
-    A step is ``k = global batch / C`` rounds; a round takes one sample from every partition of
-    one source, the source of each round drawn by the mixture's cursor (always the only source
-    of a single dataset). A rank's batch is, for each partition it owns, its samples of the
-    step's rounds in order: partition-major, whatever the world size.
-
     Args:
         sources: The sources, in the order the cursor's weights name them.
         packing: How samples are cut (the same for every source).
-        cursor: Rounds drawn so far (in all, and from each source).
-        weights: The weights of the sources' rounds.
-        seed: The seed of the rounds' interleaving.
-        rounds: Rounds per step (``k``).
-        topology: The loader's topology.
+        cursor: Samples drawn so far (in all, and from each source).
+        weights: The weights of the sources' samples.
+        seed: The seed of the samples' interleaving.
+        topology: The loader's topology (its ``batch_size`` counts samples).
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
         pool: The DataLoader's workers, which decode the rows; None: this process's threads.
-        delivered: Told the cursor, every source's partitions and the units each source found
-            skipped, after each batch handed over.
+        delivered: Told the cursor, the units each source found skipped, and the tokens and
+            padding handed out, after each batch handed over.
         recipe: The loader's ``collate_fn`` and the ``batch_transform`` (see the module
             docstring); a row transform is its source's.
         source_key: The batch's key of each sample's source (an index into ``sources``), or
@@ -118,20 +123,24 @@ class PackedIterator:
         cursor: MixCursor,
         weights: MixWeights,
         seed: int,
-        rounds: int,
         topology: Topology,
         options: LoaderOptions,
         unit_dir: str,
         pool: WorkerPool | None,
-        delivered: Callable[[MixCursor, list[dict[int, PartitionPosition]], Skips], None],
+        delivered: Callable[[MixCursor, Skips, int, int], None],
         recipe: BatchRecipe,
         source_key: str | None = None,
     ) -> None:
-        self._source_key, self._recipe = source_key, recipe
-        self._packing, self._cursor, self._weights, self._seed = packing, cursor, weights, seed
-        self._k = rounds
+        self._sources, self._packing, self._weights, self._seed = sources, packing, weights, seed
+        self._topology, self._recipe, self._source_key = topology, recipe, source_key
         self._delivered = delivered
-        self._readers: dict[tuple[int, int], EpochReader] = {}
+        self._per_epoch = [epoch_samples(s, packing) for s in sources]
+        empty = [w for w, n in zip(weights.names, self._per_epoch, strict=True) if not n]
+        if empty:
+            raise ValueError(
+                f"packing found no {packing.column!r} token in source(s) {empty} (every row "
+                "empty): give sources with tokens"
+            )
         self._stores = Stores(
             [
                 Leaf(s.dataset, s.reader, s.known, BatchRecipe(lists=s.dataset.list_format))
@@ -144,29 +153,64 @@ class PackedIterator:
             arena_layout([s.dataset for s in sources], sources[0].reader),
             workers_decode=True,
         )
-        self._closed = False
-
-        def reader_of(source: int, epoch: int) -> EpochReader:
-            if (source, epoch) not in self._readers:
-                transform = sources[source].dataset.transform
-                store = self._stores.get(source, epoch)
-                self._readers[(source, epoch)] = EpochReader(store, transform)
-            return self._readers[(source, epoch)]
-
-        self._C = C = sources[0].dataset.config.num_partitions
-        self._owned = list(owned_partitions(C, topology.world_size, topology.rank))
-        #: Each source's seeds of its samples (see the module docstring).
+        self._epochs: dict[tuple[int, int], EpochTokens] = {}
+        self._streams: dict[tuple[int, int], TokenStream] = {}
+        #: The last step (by count of steps planned) that needs each unit held.
+        self._last_use: dict[tuple[int, int, int], int] = {}
+        self._planned: deque[tuple[MixCursor, Share]] = deque()
+        self._plan_cursor, self._steps_planned, self._steps_done = cursor, 0, 0
         self._sample_keys = [
             (s.dataset.config.seed, zlib.crc32(name.encode()))
             for s, name in zip(sources, weights.names, strict=True)
         ]
-        self._streams = [
-            [
-                PartitionStream(p, src.positions[p], packing, functools.partial(reader_of, i))
-                for p in self._owned
-            ]
-            for i, src in enumerate(sources)
-        ]
+        self._closed = False
+
+    def _stream(self, source: int, epoch: int) -> TokenStream:
+        """Where the tokens of ``epoch`` of ``source`` lie (the last few kept)."""
+        key = (source, epoch)
+        if key not in self._streams:
+            ds = self._sources[source].dataset.for_epoch(epoch)
+            counts = self._sources[source].counts[ds.plan(epoch).order]
+            self._streams[key] = TokenStream.of(
+                counts, ds.config.num_partitions, self._packing.seq_len
+            )
+            while len(self._streams) > 4 * len(self._sources):
+                del self._streams[next(iter(self._streams))]
+        return self._streams[key]
+
+    def _epoch(self, source: int, epoch: int) -> EpochTokens:
+        """The units of ``epoch`` of ``source``, opened on first use."""
+        key = (source, epoch)
+        if key not in self._epochs:
+            ds = self._sources[source].dataset
+
+            def check(unit: int, got: int, expected: int, epoch: int) -> None:
+                check_count(ds, unit, got, expected, epoch)
+
+            store, stream = self._stores.get(source, epoch), self._stream(source, epoch)
+            self._epochs[key] = EpochTokens(store, stream, self._packing, ds.transform, check)
+        return self._epochs[key]
+
+    def _plan(self) -> None:
+        """Plan steps (and request their units) until :data:`AHEAD_STEPS` are ahead."""
+        topo = self._topology
+        while len(self._planned) <= AHEAD_STEPS:
+            draw, after = self._plan_cursor.take(self._weights, self._seed, topo.global_batch)
+            epochs = draw.offsets // np.asarray(self._per_epoch, dtype=np.int64)[draw.sources]
+            pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
+            streams = {key: self._stream(*key) for key in pairs}
+            share = step_share(
+                draw.sources, draw.offsets, streams, self._per_epoch, topo.world_size, topo.rank
+            )
+            step = self._steps_planned
+            for s, e, a, b in zip(share.source, share.epoch, share.start, share.stop, strict=True):
+                tokens = self._epoch(int(s), int(e))
+                units = tokens.stream.units(int(a), int(b))
+                tokens.request(units)
+                for pos in units:
+                    self._last_use[(int(s), int(e), pos)] = step
+            self._planned.append((after, share))
+            self._plan_cursor, self._steps_planned = after, step + 1
 
     def __iter__(self) -> PackedIterator:
         return self
@@ -174,82 +218,79 @@ class PackedIterator:
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
-        L, k = self._packing.seq_len, self._k
-        draw, cursor = self._cursor.take(self._weights, self._seed, k)
-        rounds = draw.sources
-        parts = len(self._owned)
-        tokens = np.empty((parts, k, L), dtype=np.int64)
-        positions = np.empty((parts, k, L), dtype=np.int64)
-        pads = np.empty((parts, k, L), dtype=bool)
-        for source, streams in enumerate(self._streams):
-            mine = rounds == source
-            count = int(mine.sum())
-            for j, stream in enumerate(streams):
-                if count:
-                    t, q, m = stream.take(count * L)
-                    tokens[j, mine], positions[j, mine] = t.reshape(count, L), q.reshape(count, L)
-                    pads[j, mine] = m.reshape(count, L)
-        columns = {
-            "input_ids": tokens.reshape(-1, L),
-            "position_ids": positions.reshape(-1, L),
-            "pad_mask": pads.reshape(-1, L),
-        }
+        self._plan()
+        cursor, share = self._planned.popleft()
+        L, n = self._packing.seq_len, len(share)
+        tokens = np.full((n, L), self._packing.pad_id, dtype=np.int64)
+        positions = np.zeros((n, L), dtype=np.int64)
+        pads = np.ones((n, L), dtype=bool)
+        for i, (s, e, start, stop) in enumerate(
+            zip(share.source, share.epoch, share.start, share.stop, strict=True)
+        ):
+            epoch = self._epoch(int(s), int(e))
+            ends = epoch.stream.ends
+            for pos in epoch.stream.units(int(start), int(stop)):
+                unit = epoch.unit(pos)
+                first = int(ends[pos]) - len(unit.tokens)
+                a, b = max(int(start), first), min(int(stop), int(ends[pos]))
+                at = slice(a - int(start), b - int(start))
+                tokens[i, at] = unit.tokens[a - first : b - first]
+                positions[i, at] = unit.positions[a - first : b - first]
+                pads[i, at] = unit.padding
+        columns = {"input_ids": tokens, "position_ids": positions, "pad_mask": pads}
         if self._source_key is not None:
-            columns[self._source_key] = np.tile(rounds, parts)
-        batch = finish_payload(self._payload(columns, draw), self._recipe)
-        self._cursor = cursor
-        skips = [self._skipped(source) for source in range(len(self._streams))]
-        self._delivered(
-            cursor, [{s.part: s.at for s in streams} for streams in self._streams], skips
-        )
+            columns[self._source_key] = share.source.copy()
+        batch = finish_payload(self._payload(columns, share), self._recipe)
+        self._steps_done += 1
+        skips = self._skipped()
+        padding = int(pads.sum())
+        self._delivered(cursor, skips, n * L - padding, padding)
         self._release()
         return batch
 
-    def _payload(self, columns: dict[str, np.ndarray], draw: MixDraw) -> Payload:
+    def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
         """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""
         recipe = self._recipe
         if not recipe.user_code:
             return COLUMNS, columns
-        C, parts = self._C, len(self._owned)
-        slots = draw.offsets[None, :] * C + np.asarray(self._owned)[:, None]  # partition-major
-        of = np.broadcast_to(draw.sources, slots.shape)
-        seeds = np.empty(slots.shape, dtype=np.uint64)
+        seeds = np.empty(len(share), dtype=np.uint64)
         for source, (seed, key) in enumerate(self._sample_keys):
-            mine = of == source
-            seeds[mine] = slot_seeds(seed, key, slots[mine])
-        seeds = seeds.reshape(-1)
+            mine = share.source == source
+            seeds[mine] = slot_seeds(seed, key, share.offset[mine])
         if recipe.collate_fn is None:
             return columns_payload(columns, recipe, seeds)
         tensors = {name: torch.from_numpy(value) for name, value in columns.items()}
-        samples = [{n: t[i] for n, t in tensors.items()} for i in range(parts * len(draw.sources))]
+        samples = [{n: t[i] for n, t in tensors.items()} for i in range(len(share))]
         return rows_payload(samples, recipe, seeds)
 
-    def _skipped(self, source: int) -> tuple[QuarantineEntry, ...]:
-        """The units a source's partitions found skipped since the last step.
+    def _skipped(self) -> Skips:
+        """The units each source found skipped since the last step.
 
         They are known from now on to the epochs the source opens (screened without reading).
         """
-        found = tuple(q for s in self._streams[source] for q in s.skipped)
-        for stream in self._streams[source]:
-            stream.skipped.clear()
-        if found:
-            leaf = self._stores.leaves[source]
-            self._stores.leaves[source] = leaf._replace(known=leaf.known + found)
-        return found
+        found: list[list[QuarantineEntry]] = [[] for _ in self._sources]
+        for (source, _), epoch in self._epochs.items():
+            found[source] += epoch.skipped
+            epoch.skipped.clear()
+        for source, entries in enumerate(found):
+            if entries:
+                leaf = self._stores.leaves[source]
+                self._stores.leaves[source] = leaf._replace(known=leaf.known + tuple(entries))
+        return [tuple(f) for f in found]
 
     def _release(self) -> None:
-        """Evict what every partition of this rank is past; close epochs all have left."""
-        for source, epoch in list(self._readers):
-            rows = [
-                s.at.row if s.at.epoch == epoch else (0 if s.at.epoch < epoch else None)
-                for s in self._streams[source]
-            ]
-            behind = [r for r in rows if r is not None]
-            if not behind:
-                del self._readers[(source, epoch)]
-                self._stores.drop(source, epoch)
-            else:
-                self._readers[(source, epoch)].release(min(behind))
+        """Let go of the units no step planned needs; close epochs that hold none."""
+        done = self._steps_done - 1
+        gone = [key for key, step in self._last_use.items() if step <= done]
+        by_epoch: dict[tuple[int, int], list[int]] = {}
+        for source, epoch, pos in gone:
+            del self._last_use[(source, epoch, pos)]
+            by_epoch.setdefault((source, epoch), []).append(pos)
+        for key, positions in by_epoch.items():
+            self._epochs[key].drop(positions)
+        for key in [k for k, e in self._epochs.items() if not e.held]:
+            del self._epochs[key]
+            self._stores.drop(*key)
 
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""
@@ -262,5 +303,5 @@ class PackedIterator:
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
         """Stop decoding; drop every epoch's units (idempotent)."""
         self._closed = True
-        self._readers.clear()
+        self._epochs.clear()
         self._stores.close(wait)

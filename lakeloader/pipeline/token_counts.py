@@ -1,0 +1,166 @@
+"""How many tokens each unit of a packed lake holds: from the footers, or counted once.
+
+Packing (:mod:`lakeloader.order.packing`) places every sample before any unit is read, from
+the units' token counts (separators included). A list column's Parquet footer has them: a
+column chunk's value count less its null count is its number of list items (an empty or null
+list is one null level), so the counts come from there when every unit is a whole row group,
+no row is filtered out or deleted, no row transform makes the column, and the footers record
+null counts. Otherwise each unit is read once to be counted (with the source's transform, the
+row seeds of epoch 0), behind a progress bar: a pass over the column, before the first batch.
+Either way, a unit read later is checked against its count
+(:class:`~lakeloader.errors.LakeDataError` naming the file, row group and both counts).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm.auto import tqdm
+
+from lakeloader.errors import LakeDataError
+from lakeloader.io.fetch import read_footer, url_of
+from lakeloader.lake.snapshot import PROGRESS_MIN_FILES
+from lakeloader.pipeline.rows import to_rows, transform_rows
+from lakeloader.pipeline.unit_tokens import row_lists
+from lakeloader.randomness import slot_seeds
+from lakeloader.signals import main_thread_only
+
+if TYPE_CHECKING:
+    from lakeloader.dataset import LakeDataset
+
+logger = logging.getLogger(__name__)
+
+#: Threads that read footers or count units.
+COUNT_THREADS = 16
+
+
+def token_counts(ds: LakeDataset) -> np.ndarray:
+    """Tokens (separators included) of each unit of ``ds``, in the units' path order."""
+    footers = None if ds.transform is not None or ds.row_filter is not None else _footers(ds)
+    if footers is not None:
+        return footers
+    logger.info("counting the tokens of %d units of %s (a pass over the column)", len(ds.units), ds)
+    return _counted(ds)
+
+
+def _footers(ds: LakeDataset) -> np.ndarray | None:
+    """The counts from the footers, or None where they cannot say."""
+    assert ds.packing is not None
+    units, files, column = ds.units, ds.snapshot.files, ds.packing.column
+    whole = units.row_start == 0
+    for i in np.flatnonzero(whole):
+        whole[i] = (
+            units.num_rows[i] == files[units.file_index[i]].row_group_rows[units.row_group[i]]
+        )
+    if not whole.all() or any(f.deleted for f in files):
+        return None
+
+    def per_file(index: int) -> list[int] | None:
+        info = files[index]
+        if not info.row_group_rows:
+            return []
+        meta = read_footer(ds.fs, info.path, info.size, ds.retry, version=info.version)
+        name = info.physical_name(column)
+        leaves = [
+            i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] == name
+        ]
+        if len(leaves) != 1:
+            return None  # a partition column, or a nested type: counted
+        out = []
+        for rg in range(meta.num_row_groups):
+            chunk = meta.row_group(rg).column(leaves[0])
+            stats = chunk.statistics
+            if stats is None or not stats.has_null_count:
+                return None
+            out.append(chunk.num_values - stats.null_count)
+        return out
+
+    with ThreadPoolExecutor(COUNT_THREADS, initializer=main_thread_only) as pool:
+        found = list(pool.map(per_file, range(len(files))))
+    if any(f is None for f in found):
+        return None
+    by_group = {(i, rg): n for i, counts in enumerate(found) for rg, n in enumerate(counts or ())}
+    values = np.fromiter(
+        (
+            by_group[(int(f), int(g))]
+            for f, g in zip(units.file_index, units.row_group, strict=True)
+        ),
+        dtype=np.int64,
+        count=len(units),
+    )
+    out: np.ndarray = values + units.num_rows * (ds.packing.eos_id is not None)
+    return out
+
+
+def _counted(ds: LakeDataset) -> np.ndarray:
+    """The counts, each unit read once (its transform run on its rows)."""
+    assert ds.packing is not None
+    units, reader, packing = ds.units, ds.reader(), ds.packing
+    plan = ds.plan(0)
+    starts = np.empty(len(units), dtype=np.int64)
+    starts[plan.order] = plan.offsets[: len(units)]  # a packed plan: one piece per unit
+
+    def count(u: int) -> int:
+        rows = int(units.num_rows[u])
+        try:
+            table = reader.read(
+                int(units.file_index[u]), int(units.row_group[u]), int(units.row_start[u]), rows
+            )
+        except LakeDataError:
+            if ds.on_error == "skip":
+                return 0  # skipped again when read: no token
+            raise
+        if ds.transform is not None:
+            seeds = slot_seeds(ds.config.seed, 0, starts[u] + np.arange(len(table), dtype=np.int64))
+            lists = transform_rows(to_rows(table), ds.transform, seeds)
+            _, offsets = row_lists(lists, packing.column)
+            tokens = int(offsets[-1])
+        else:
+            tokens = _list_tokens(table.column(packing.column), packing.column)
+        return tokens + len(table) * (packing.eos_id is not None)
+
+    show = len(units) >= PROGRESS_MIN_FILES
+    with ThreadPoolExecutor(COUNT_THREADS, initializer=main_thread_only) as pool:
+        counted = list(
+            tqdm(
+                pool.map(count, range(len(units))),
+                total=len(units),
+                desc="counting tokens",
+                unit="unit",
+                disable=not show,
+            )
+        )
+    return np.asarray(counted, dtype=np.int64)
+
+
+def _list_tokens(col: Any, column: str) -> int:
+    """Items in a list column (a null list holds none)."""
+    typ = col.type
+    if pa.types.is_fixed_size_list(typ):
+        return int(typ.list_size) * (len(col) - int(col.null_count))
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
+    raise TypeError(f"packing needs a list column of integers; {column!r} is {typ}")
+
+
+def check_count(ds: LakeDataset, unit: int, got: int, expected: int, epoch: int) -> None:
+    """Refuse a unit whose tokens differ from its count (see the module docstring).
+
+    Raises:
+        LakeDataError: Naming the file, the row group, both counts and what to do.
+    """
+    if got == expected:
+        return
+    units = ds.units
+    info = ds.snapshot.files[int(units.file_index[unit])]
+    raise LakeDataError(
+        f"{url_of(ds.fs, info.path)} row group {int(units.row_group[unit])} (rows from "
+        f"{int(units.row_start[unit])}) gave {got} tokens in epoch {epoch} where its count said "
+        f"{expected}: packing places samples by these counts, so a row transform must give the "
+        "same tokens every epoch (whatever lakeloader.rng draws) and the file must not change"
+    )

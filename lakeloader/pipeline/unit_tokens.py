@@ -1,0 +1,178 @@
+"""One epoch of a packed source, read unit by unit: each unit's tokens and positions.
+
+An :class:`EpochTokens` requests units from the epoch's unit store (decoded ahead by the
+DataLoader's workers when it has them, else by the loader's threads) and turns each into its
+rows' tokens laid end to end, a separator after each row
+(:func:`~lakeloader.order.packing.separated`), with each token's position in its document: from the packing column, or from the row the
+source's ``transform`` made of it (in this process, :func:`lakeloader.rng` drawing from the
+row's seed: the row's place in the epoch's row sequence). A unit skipped (``on_error="skip"``,
+``validate``) gives padding in the place of its tokens, so every later sample keeps its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lakeloader.cache.arrays import Ragged
+from lakeloader.errors import ColumnNotFoundError
+from lakeloader.order.batches import BatchSpec, partition_specs
+from lakeloader.order.packing import TokenStream, separated
+from lakeloader.packing import Packing
+from lakeloader.pipeline.collate import Transform
+from lakeloader.pipeline.recipe import COLUMNS
+from lakeloader.pipeline.rows import transform_rows
+from lakeloader.pipeline.stores import Store
+from lakeloader.randomness import slot_seeds
+from lakeloader.state.quarantine import QuarantineEntry
+
+
+class UnitTokens(NamedTuple):
+    """A unit's tokens (separators in), and each one's position in its document.
+
+    ``padding``: the unit was skipped, its tokens are padding.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    padding: bool
+
+
+class EpochTokens:
+    """One epoch of one packed source, read unit by unit (see the module docstring).
+
+    Args:
+        store: The epoch's unit store (a packed source's plan: one partition, one piece per
+            unit, rows in file order).
+        stream: Where the epoch's units' tokens lie.
+        packing: How samples are cut.
+        transform: The source's row transform, or None.
+        check: Called with each unit read: (unit, tokens got, tokens counted, epoch).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        stream: TokenStream,
+        packing: Packing,
+        transform: Transform | None,
+        check: Any,
+    ) -> None:
+        self._store, self.stream, self._packing = store, stream, packing
+        self._transform, self._check = transform, check
+        self.plan = store.spec.plan
+        self._specs: dict[int, BatchSpec] = {}
+        self._units: dict[int, UnitTokens] = {}
+        #: Units found skipped since the caller last took them.
+        self.skipped: list[QuarantineEntry] = []
+
+    def request(self, positions: Iterable[int]) -> None:
+        """Start decoding the units at these positions of the epoch (if not yet)."""
+        offsets = self.plan.offsets
+        for pos in positions:
+            if pos not in self._specs:
+                start, rows = int(offsets[pos]), int(offsets[pos + 1] - offsets[pos])
+                (spec,) = partition_specs(
+                    self.plan,
+                    np.zeros(1, np.int64),
+                    np.zeros(1),
+                    np.array([start]),
+                    np.array([rows]),
+                )
+                self._store.store.request(spec.positions)
+                self._specs[pos] = spec
+
+    def unit(self, pos: int) -> UnitTokens:
+        """The tokens of the unit at ``pos`` (requested first if it was not)."""
+        held = self._units.get(pos)
+        if held is None:
+            self.request((pos,))
+            held = self._units[pos] = self._read(self._specs[pos], pos)
+        return held
+
+    def drop(self, positions: Iterable[int]) -> None:
+        """Let go of the units at these positions (decoded again if requested again)."""
+        gone = [p for p in positions if p in self._specs]
+        for pos in gone:
+            self._units.pop(pos, None)
+        self._store.store.drop(
+            np.concatenate([self._specs.pop(p).positions for p in gone] or [np.zeros(0, np.int64)])
+        )
+
+    @property
+    def held(self) -> list[int]:
+        """The positions requested and not dropped."""
+        return list(self._specs)
+
+    def _read(self, spec: BatchSpec, pos: int) -> UnitTokens:
+        builder, packing = self._store.builder, self._packing
+        ends = self.stream.ends
+        expected = int(ends[pos] - (ends[pos - 1] if pos else 0))
+        if self._transform is None:
+            kind, columns = builder.build(spec)
+            assert kind == COLUMNS
+            values, offsets = _column_lists(columns[packing.column], packing.column)
+            skipped, _ = builder.skipped.pop(spec.step)
+        else:
+            screened = builder.screened(spec)
+            skipped = screened.skipped
+            builder.skipped.pop(spec.step)
+            if not skipped:
+                slots = spec.slot_start + np.arange(spec.num_rows, dtype=np.int64)
+                seeds = slot_seeds(self.plan.seed, self.plan.epoch, slots)
+                rows = transform_rows(builder.rows(screened), self._transform, seeds)
+                values, offsets = row_lists(rows, packing.column)
+        if skipped:
+            self.skipped += skipped
+            pads = np.full(expected, packing.pad_id, dtype=np.int64)
+            return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True)
+        tokens, positions = separated(values, offsets, packing.eos_id)
+        self._check(int(self.plan.order[pos]), len(tokens), expected, self.plan.epoch)
+        return UnitTokens(tokens, positions, False)
+
+
+def _column_lists(value: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's list column of integers: values end to end, and offsets."""
+    if isinstance(value, Ragged):
+        return value.values.reshape(len(value.values)), value.offsets
+    if isinstance(value, np.ndarray) and value.ndim == 2:  # a fixed-size list
+        width = value.shape[1]
+        return value.reshape(-1), np.arange(len(value) + 1, dtype=np.int64) * width
+    raise TypeError(
+        f"packing needs a list column of integers; {column!r} is {type(value).__name__} in "
+        "the batch"
+    )
+
+
+def row_lists(rows: Sequence[Any], column: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each transformed row's ``column`` (integers): values end to end, and offsets.
+
+    Raises:
+        ColumnNotFoundError: If a transformed row has no ``column``.
+        TypeError: If it is not a 1-D list, array or tensor of integers.
+    """
+    lists = []
+    for row in rows:
+        try:
+            value = row[column]
+        except (KeyError, TypeError, IndexError):
+            raise ColumnNotFoundError(
+                f"the transform's row has no packing column {column!r} (it gave "
+                f"{type(row).__name__} {list(row) if isinstance(row, dict) else ''}): return "
+                "a dict holding the row's token ids under it"
+            ) from None
+        array = np.asarray(value)
+        if array.size == 0:
+            array = array.astype(np.int64).reshape(0)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(
+                f"packing needs the transform's {column!r} to be a 1-D list, array or tensor "
+                f"of integers; it gave {type(value).__name__} of dtype {array.dtype} and shape "
+                f"{array.shape}"
+            )
+        lists.append(array)
+    lengths = np.fromiter((len(a) for a in lists), dtype=np.int64, count=len(lists))
+    values = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
+    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
