@@ -5,8 +5,9 @@ DataLoader's workers when it has them, else by the loader's threads) and turns e
 rows' tokens laid end to end, a separator after each row
 (:func:`~lakeloader.order.packing.separated`), with each token's position in its document:
 from the packing column, or from the row the source's ``transform`` made of it (in this
-process, :func:`lakeloader.rng` drawing from the row's seed: the row's place in the epoch's row sequence). A unit skipped (``on_error="skip"``,
-``validate``) gives padding in the place of its tokens, so every later sample keeps its tokens.
+process, :func:`lakeloader.rng` drawing from the row's seed: the row's place in the epoch's
+row sequence). A unit skipped (``on_error="skip"``, ``validate``) gives padding in the place
+of its tokens, so every later sample keeps its tokens.
 """
 
 from __future__ import annotations
