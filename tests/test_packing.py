@@ -1,24 +1,31 @@
-"""Packed token streams: every token of every row exactly once per epoch, in each partition's
-order, the same under any world size that divides C, exact resume (mid-document too) under
-other world sizes and batch sizes, padding counted."""
+"""Packed token streams without shape rules: every token of every row exactly once per epoch,
+padding counted; the same global batches under any world size (3, 5 and 8 too) at a global
+batch that ``C`` does not divide; exact resume (mid-document too) from rank 0's state alone,
+under other world sizes and global batches."""
 
 from __future__ import annotations
 
 import json
 import random
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import lakeloader as ll
+from lakeloader.order.packing import TokenStream
+from lakeloader.pipeline.token_counts import token_counts
 
-ROWS, C, L, EOS = 1200, 4, 16, 999_999
+ROWS, L, EOS = 1200, 16, 999_999
+#: (world size, batch per rank): global batches of 24, 10 and 40, none a multiple of C=16.
+SHAPES = [(1, 24), (3, 8), (8, 3), (2, 12), (1, 10), (2, 5), (5, 2), (5, 8), (8, 5), (2, 20)]
 
 
 def tokens_of(i: int) -> list[int]:
@@ -32,13 +39,62 @@ def lake(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in range(3):
         ids = list(range(f * ROWS // 3, (f + 1) * ROWS // 3))
         table = pa.table({"id": ids, "tokens": [tokens_of(i) for i in ids]})
-        pq.write_table(table, root / f"part-{f}.parquet", row_group_size=100)
+        pq.write_table(table, root / f"part-{f}.parquet", row_group_size=30 + 10 * f)
     return root
 
 
-def dataset(lake: Path, eos: int | None = EOS) -> ll.LakeDataset:
+def dataset(lake: Path, eos: int | None = EOS, **kw: Any) -> ll.LakeDataset:
     packing = ll.Packing("tokens", L, eos_id=eos, pad_id=0)
-    return ll.LakeDataset(lake, seed=3, num_partitions=C, window=64, packing=packing)
+    return ll.LakeDataset(lake, seed=3, packing=packing, **kw)
+
+
+@cache
+def oracle_epoch(
+    lake: Path, epoch: int, eos: int | None = EOS
+) -> list[tuple[int, int, np.ndarray]]:
+    """An epoch's samples as the design says, from the files: ``(stream, index, sample)`` in
+    the epoch's order, each sample ``[3, L]`` (tokens, positions, pad mask)."""
+    ds = dataset(lake, eos)
+    units, files = ds.units, ds.snapshot.files
+    tokens: list[int] = []
+    positions: list[int] = []
+    for u in ds.plan(epoch).order.tolist():  # units in the epoch's order, rows in file order
+        path = files[int(units.file_index[u])].path
+        ids = pq.ParquetFile(path).read_row_group(int(units.row_group[u]), columns=["id"])
+        start = int(units.row_start[u])
+        for i in ids["id"].to_pylist()[start : start + int(units.num_rows[u])]:
+            doc = tokens_of(i) + ([] if eos is None else [eos])
+            tokens += doc
+            positions += range(len(doc))
+    C, T = ds.config.num_partitions, len(tokens)
+    streams = []
+    for c in range(C):
+        a, b = c * T // C, (c + 1) * T // C
+        pad = -(b - a) % L
+        rows = np.array(
+            [tokens[a:b] + [0] * pad, positions[a:b] + [0] * pad, [0] * (b - a) + [1] * pad]
+        )
+        streams.append(rows.reshape(3, -1, L).transpose(1, 0, 2))
+    out = []
+    for k in range(max(len(s) for s in streams)):  # round robin over the streams
+        out += [(c, k, s[k]) for c, s in enumerate(streams) if k < len(s)]
+    return out
+
+
+def oracle_steps(
+    lake: Path, first: int, batch: int, steps: int, eos: int | None = EOS
+) -> np.ndarray:
+    """Global steps from sample ``first`` on: each step's samples sorted by (epoch, stream,
+    index), stacked: ``[steps * batch, 3, L]``."""
+    per_epoch = len(oracle_epoch(lake, 0, eos))
+    out = []
+    for t in range(steps):
+        keyed = []
+        for g in range(first + t * batch, first + (t + 1) * batch):
+            c, k, sample = oracle_epoch(lake, g // per_epoch, eos)[g % per_epoch]
+            keyed.append(((g // per_epoch, c, k), sample))
+        out += [s for _, s in sorted(keyed, key=lambda x: x[0])]
+    return np.stack(out)
 
 
 def run(
@@ -46,207 +102,156 @@ def run(
     world: int,
     batch: int,
     steps: int,
-    states: list[dict[str, Any]] | None = None,
+    state: dict[str, Any] | None = None,
     workers: int = 0,
     eos: int | None = EOS,
-) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-    """Every rank in lockstep for ``steps`` steps: each partition's samples (tokens,
-    positions, pad mask stacked on axis 1), and the ranks' states after."""
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """Every rank in lockstep: the global steps' samples ``[steps * world * batch, 3, L]``
+    (ranks in order), and each rank's state after."""
     loaders = [
         ll.DataLoader(
             dataset(lake, eos), batch_size=batch, rank=r, world_size=world, num_workers=workers
         )
         for r in range(world)
     ]
-    if states is not None:
+    if state is not None:
         for loader in loaders:
-            loader.load_state_dict(states)
+            loader.load_state_dict(state)
     iters = [iter(loader) for loader in loaders]
-    k = world * batch // C
-    per_part: list[list[np.ndarray]] = [[] for _ in range(C)]
+    out = []
     for _ in range(steps):
-        batches = [next(it) for it in iters]
-        both = [
-            np.stack([b["input_ids"], b["position_ids"], b["pad_mask"]], axis=1) for b in batches
-        ]
-        whole = np.concatenate(both)  # partition-major: k samples of each partition
-        assert whole.shape == (world * batch, 3, L)
-        for p in range(C):
-            per_part[p].append(whole[p * k : (p + 1) * k])
-    states_after = [loader.state_dict() for loader in loaders]
+        for it in iters:
+            b = next(it)
+            out.append(np.stack([b["input_ids"], b["position_ids"], b["pad_mask"]], axis=1))
+    states = [loader.state_dict() for loader in loaders]
     for loader in loaders:
         loader.close()
-    return [np.concatenate(x) for x in per_part], states_after
+    return np.concatenate(out), states
 
 
-def expected_stream(lake: Path, partition: int, epochs: int, eos: int | None = EOS) -> np.ndarray:
-    """A partition's samples as the unpacked loader's row order says they must be."""
-    out = []
-    for epoch in range(epochs):
-        plain = ll.LakeDataset(lake, seed=3, num_partitions=C, window=64, columns=["id"])
-        loader = ll.DataLoader(plain, batch_size=ROWS)
-        loader.set_epoch(epoch)
-        # One batch of every slot comes partition-major: each partition's rows in its order.
-        ids = next(iter(loader))["id"].numpy().reshape(C, ROWS // C)
-        tokens, positions = [], []
-        for i in ids[partition].tolist():
-            doc = tokens_of(i) + ([] if eos is None else [eos])
-            tokens += doc
-            positions += list(range(len(doc)))
-        pad = -len(tokens) % L
-        mask = [False] * len(tokens) + [True] * pad
-        tokens, positions = tokens + [0] * pad, positions + [0] * pad
-        out.append(np.stack([tokens, positions, mask]).reshape(3, -1, L).transpose(1, 0, 2))
-    return np.concatenate(out)
+def test_every_token_once_per_epoch_padding_counted(lake: Path) -> None:
+    per_epoch = len(oracle_epoch(lake, 0))
+    steps = per_epoch * 5 // 2 // 24  # two and a half epochs
+    got, states = run(lake, 1, 24, steps)
+    assert (got == oracle_steps(lake, 0, 24, steps)).all()
+    assert states[0]["samples"] == steps * 24
+    want = sorted(t for i in range(ROWS) for t in tokens_of(i))
+    for epoch in range(2):
+        samples = np.stack([s for _, _, s in oracle_epoch(lake, epoch)])
+        tokens = samples[:, 0][samples[:, 2] == 0]
+        assert sorted(tokens[tokens != EOS].tolist()) == want, f"epoch {epoch}"
+        assert (tokens == EOS).sum() == ROWS
+        assert samples[:, 2].sum() < 16 * L, "at most one padded sample per stream"
+    loader = ll.DataLoader(dataset(lake), batch_size=24)
+    it = iter(loader)
+    batches = [next(it) for _ in range(steps)]
+    stats = loader.stats()
+    assert stats["padding"] == sum(int(b["pad_mask"].sum()) for b in batches)
+    assert stats["tokens"] + stats["padding"] == steps * 24 * L
+    loader.close()
 
 
-@pytest.fixture(scope="module")
-def reference(lake: Path) -> list[np.ndarray]:
-    streams, _ = run(lake, 1, 8, 260)  # k = 2: two and a half epochs of every partition
-    return streams
+@pytest.mark.parametrize(("world", "batch"), SHAPES[1:])
+def test_the_same_global_batches_under_any_world_size(lake: Path, world: int, batch: int) -> None:
+    steps = 700 // (world * batch)
+    got, states = run(lake, world, batch, steps)
+    assert (got == oracle_steps(lake, 0, world * batch, steps)).all()
+    assert all(s == states[0] for s in states), "the same state on every rank"
+    assert len(json.dumps(states[0])) < 300
 
 
-def test_each_partition_is_its_rows_tokens_once_per_epoch_padding_counted(
-    lake: Path, reference: list[np.ndarray]
-) -> None:
-    for p in range(C):
-        want = expected_stream(lake, p, 3)
-        got = reference[p]
-        assert len(want) > len(got) > len(want) * 2 // 3, "two epochs and more were read"
-        assert (got == want[: len(got)]).all(), f"partition {p}"
-    _, states = run(lake, 1, 8, 260)
-    for p, (epoch, row, offset, tokens, padding) in states[0]["partitions"].items():
-        stream = reference[int(p)]
-        assert padding == int(stream[:, 2].sum()) and tokens + padding == stream[:, 0].size
-        assert epoch == 2 and 0 <= row <= ROWS // C and offset >= 0
+def test_workers_give_the_same_batches(lake: Path) -> None:
+    got, _ = run(lake, 3, 8, 40, workers=2)
+    assert (got == oracle_steps(lake, 0, 24, 40)).all()
 
 
-@pytest.mark.parametrize(("world", "workers"), [(2, 0), (4, 2)])
-def test_the_same_streams_under_any_world_size_dividing_c(
-    lake: Path, reference: list[np.ndarray], world: int, workers: int
-) -> None:
-    streams, _ = run(lake, world, 8 // world, 260, workers=workers)
-    for p in range(C):
-        assert (streams[p] == reference[p]).all()
-
-
-def test_resume_at_20_random_points_mid_document_and_under_other_shapes(
-    lake: Path, reference: list[np.ndarray]
-) -> None:
+def test_resume_from_rank_0_state_at_20_random_points_under_other_shapes(lake: Path) -> None:
     rng = random.Random(11)
-    shapes = [(1, 8), (2, 4), (4, 2), (1, 16), (2, 8), (4, 4), (4, 1)]  # (world, batch)
+    per_epoch = len(oracle_epoch(lake, 0))
     mid_document = 0
     for _ in range(20):
-        (w1, b1), (w2, b2) = rng.sample(shapes, 2)
-        k1, k2 = w1 * b1 // C, w2 * b2 // C
-        steps = rng.randrange(1, 400 // k1)
+        (w1, b1), (w2, b2) = rng.sample(SHAPES, 2)
+        steps = rng.randrange(1, 2 * per_epoch // (w1 * b1))
         before, states = run(lake, w1, b1, steps)
-        mid_document += any(x[2] > 0 for s in states for x in s["partitions"].values())
-        after, _ = run(
-            lake, w2, b2, (520 - steps * k1) // k2, states=rng.sample(states, len(states))
-        )
-        for p in range(C):
-            got = np.concatenate([before[p], after[p]])
-            assert (got == reference[p][: len(got)]).all(), (w1, b1, steps, w2, b2, p)
+        first = steps * w1 * b1
+        assert states[0]["samples"] == first
+        g = first % per_epoch
+        mid_document += oracle_epoch(lake, first // per_epoch)[g][2][1, 0] > 0
+        more = 3
+        after, _ = run(lake, w2, b2, more, state=states[0])
+        assert (before == oracle_steps(lake, 0, w1 * b1, steps)).all()
+        assert (after == oracle_steps(lake, first, w2 * b2, more)).all(), (w1, b1, steps, w2, b2)
     assert mid_document >= 10, "resumes in the middle of a document"
 
 
 def test_without_a_separator_documents_run_end_to_end(lake: Path) -> None:
-    streams, _ = run(lake, 2, 4, 60, eos=None)
-    for p in range(C):
-        assert (streams[p] == expected_stream(lake, p, 1, eos=None)[: len(streams[p])]).all()
+    got, _ = run(lake, 2, 5, 30, eos=None)
+    assert (got == oracle_steps(lake, 0, 10, 30, eos=None)).all()
 
 
-def test_bad_shapes_and_states_are_refused(lake: Path) -> None:
-    with pytest.raises(ValueError, match=r"world size 3 must divide num_partitions=4"):
-        ll.DataLoader(dataset(lake), batch_size=4, rank=0, world_size=3)
-    with pytest.raises(ValueError, match=r"global batch of 6 samples must be a multiple of 4"):
-        ll.DataLoader(dataset(lake), batch_size=3, rank=0, world_size=2)
-    _, states = run(lake, 2, 4, 3)
-    loader = ll.DataLoader(dataset(lake), batch_size=2, rank=0, world_size=4)
-    loader.load_state_dict(states[0])  # rank 0 of 4 owns partition 0: rank 0 of 2 had it
-    other = ll.DataLoader(dataset(lake), batch_size=2, rank=3, world_size=4)
-    with pytest.raises(ll.StateMismatchError, match=r"no position for partition\(s\) \[3\]"):
-        other.load_state_dict([states[0]])
+def test_bad_states_are_refused(lake: Path, tmp_path: Path) -> None:
+    loader = ll.DataLoader(dataset(lake), batch_size=4, rank=0, world_size=3)
     with pytest.raises(ll.StateFormatError, match="not a packed state"):
-        other.load_state_dict(ll.DataLoader(ll.LakeDataset(lake), batch_size=4).state_dict())
+        loader.load_state_dict(ll.DataLoader(ll.LakeDataset(lake), batch_size=4).state_dict())
+    other = tmp_path / "other"
+    other.mkdir()
+    pq.write_table(pa.table({"tokens": [[1, 2, 3]] * 10}), other / "a.parquet")
+    theirs = ll.DataLoader(dataset(other), batch_size=2)
+    next(iter(theirs))
+    with pytest.raises(ll.StateMismatchError, match="the packed state is of snapshot"):
+        loader.load_state_dict(theirs.state_dict())
     with pytest.raises(TypeError, match="is endless"):
-        len(other)
+        len(loader)
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
         ll.Packing("tokens", 0)
+    theirs.close()
+    loader.close()
 
 
-def test_checkpoints_and_inspect_of_a_packed_loader(
-    lake: Path, reference: list[np.ndarray], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """CheckpointManager saves every partition's position (here one rank holds them all) and a
-    run of two ranks continues from it; inspect shows each partition's tokens and offset."""
-    from lakeloader.cli.main import main
-
-    before, states = run(lake, 1, 8, 37)
-    loader = ll.DataLoader(dataset(lake), batch_size=8)
-    loader.load_state_dict(states)
-    manager = ll.CheckpointManager(str(tmp_path / "ckpt"))
-    manager.save(37, loader, extra={"step": 37})
-    fresh = [ll.DataLoader(dataset(lake), batch_size=4, rank=r, world_size=2) for r in range(2)]
-    for r in fresh:
-        assert manager.load(r) == {"step": 37}
-    after, _ = run(lake, 2, 4, 100, states=[r.state_dict() for r in fresh])
-    for p in range(C):
-        got = np.concatenate([before[p], after[p]])
-        assert (got == reference[p][: len(got)]).all()
-    assert main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["kind"] == "packed" and info["samples_per_partition"] == 37 * 2
-    saved = states[0]["partitions"]
-    for x in info["partitions"]:
-        assert [x["epoch"], x["row"], x["token_offset"], x["tokens"], x["padding"]] == saved[
-            str(x["partition"])
-        ]
-    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
-    assert "token offset" in capsys.readouterr().out
-    with pytest.raises(
-        ll.StateFormatError, match=r"'packed' state, which this DataLoader over a lake does"
-    ):
-        manager.load(ll.DataLoader(ll.LakeDataset(lake), batch_size=4))
+def test_counts_from_footers_equal_counts_read_and_a_filter_counts_by_reading(lake: Path) -> None:
+    ds = dataset(lake)
+    truth = []
+    for u in range(len(ds.units)):
+        path = ds.snapshot.files[int(ds.units.file_index[u])].path
+        ids = pq.ParquetFile(path).read_row_group(int(ds.units.row_group[u]))["id"].to_pylist()
+        truth.append(sum(len(tokens_of(i)) + 1 for i in ids))
+    assert token_counts(ds).tolist() == truth
+    kept = dataset(lake, filter=pads.field("id") < 500)  # counted by reading: 500 rows
+    loader = ll.DataLoader(kept, batch_size=5)
+    it = iter(loader)
+    got = [next(it) for _ in range(200)]
+    loader.close()
+    tokens = np.concatenate([b["input_ids"][~b["pad_mask"]].numpy() for b in got])
+    want = sorted(t for i in range(500) for t in tokens_of(i))
+    per_epoch = sum(len(tokens_of(i)) + 1 for i in range(500))
+    assert len(tokens) > per_epoch, "more than an epoch"
+    first = tokens[:per_epoch]
+    assert sorted(first[first != EOS].tolist()) == want
 
 
 @given(
-    st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=30),
-    st.integers(min_value=0, max_value=20),
-    st.integers(min_value=1, max_value=50),
-    st.integers(min_value=1, max_value=8),
-    st.booleans(),
+    st.lists(st.integers(min_value=0, max_value=60), min_size=1, max_size=40),
+    st.integers(min_value=1, max_value=20),
+    st.integers(min_value=1, max_value=17),
 )
-def test_a_block_hands_out_what_cutting_take_by_take_gives(
-    lengths: list[int], offset: int, count: int, most: int, eos: bool
+def test_samples_tile_each_epochs_tokens_exactly_once(
+    counts: list[int], streams: int, seq_len: int
 ) -> None:
-    """Takes from one Block equal cut_tokens take after take: tokens, positions, and the
-    (rows finished, offset) each take leaves; rows of length 0 (skipped rows, which get no
-    separator) among them."""
-    from lakeloader.order.packing import Block, cut_tokens, separated
-
-    raw = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    ended = np.array([n % 3 != 0 for n in lengths])  # a row of 0, 3, ... tokens is skipped
-    values, offsets = separated(
-        np.arange(1, int(raw[-1]) + 1, dtype=np.int64), raw, 0 if eos else None, ended
-    )
-    sizes = np.diff(offsets)
-    assert sizes.tolist() == [n + (eos and e) for n, e in zip(lengths, ended, strict=True)]
-    total = int(offsets[-1])
-    offset = min(offset, max(int(sizes[0]) - 1, 0))
-    block = Block.cut(values, offsets, offset, count, most)
-    if total - offset < count:
-        assert block is None
-        return
-    assert block is not None
-    takes = len(block.tokens) // count
-    assert takes == min((total - offset) // count, most) and len(block.tokens) == takes * count
-    rows, at = 0, offset
-    for k in range(takes):
-        cut = cut_tokens(values[offsets[rows] :], offsets[rows:] - offsets[rows], at, count)
-        got = slice(k * count, (k + 1) * count)
-        assert block.tokens[got].tolist() == cut.tokens.tolist()
-        assert block.positions[got].tolist() == cut.positions.tolist()
-        rows, at = rows + cut.rows, cut.offset
-        assert block.after((k + 1) * count) == (rows, at)
+    """Every token of an epoch lies in exactly one sample; samples of a stream are contiguous
+    and only its last one is short; streams differ by at most one sample."""
+    s = TokenStream.of(np.array(counts), streams, seq_len)
+    total = sum(counts)
+    stream, index = s.locate(np.arange(s.num_samples))
+    assert sorted(zip(stream.tolist(), index.tolist(), strict=True)) == [
+        (c, k) for c in range(streams) for k in range(int(s.sizes[c]))
+    ]
+    start, stop = s.spans(stream, index)
+    covered = np.zeros(total, dtype=int)
+    for a, b in zip(start.tolist(), stop.tolist(), strict=True):
+        assert 0 < b - a <= seq_len
+        covered[a:b] += 1
+    assert (covered == 1).all()
+    assert s.sizes.max() - s.sizes.min() <= 1
+    for a, b in zip(start.tolist(), stop.tolist(), strict=True):
+        units = s.units(a, b)
+        assert s.ends[units[0]] > a and (units[-1] == 0 or s.ends[units[-1] - 1] < b)
