@@ -312,6 +312,13 @@ class LakeDataset:
     def __len__(self) -> int:
         return self.snapshot.num_rows
 
+    def packed(self, packing: Packing) -> LakeDataset:
+        """A twin of this dataset packed by ``packing`` (a packed Mixture's source)."""
+        twin = copy.copy(self)
+        twin.packing = packing
+        twin._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(twin._plan)
+        return twin
+
     @property
     def loader_kind(self) -> str:
         """Which loader streams it: ``"packed"``, ``"follow"`` (endless) or ``"lake"``."""

@@ -45,10 +45,9 @@ class Mixture:
             pass delivers up to ``global_batch - 1`` rows more than ``epoch_rows``.
         source_key: The batch's key of the source index of each row (an int64 tensor indexing
             :attr:`names`).
-        packing: A :class:`~lakeloader.Packing`: each source is packed on its own (its
-            partitions' token streams) and the mixture draws *rounds* of samples, a round one
-            sample from every partition of one source, in the weights' proportions (see
-            :mod:`lakeloader.order.packing`). The sources must have the same ``num_partitions``.
+        packing: A :class:`~lakeloader.Packing`: each source is packed on its own and the
+            mixture draws each sample's source in the weights' proportions (see
+            :mod:`lakeloader.order.packing`); ``batch_size`` then counts samples.
         batch_transform: Called on each mixed batch (after the ``collate_fn``), as a
             LakeDataset's is; None: the sources' own, when they all give the same one. Each
             source's ``transform``, ``on_error`` and ``validate`` apply to its own rows.
@@ -134,14 +133,15 @@ class Mixture:
             )
         self.source_key = source_key
         self.packing = packing
-        if packing is not None:
-            _check_packing(self.sources, packing, self.schema)
         for name, ds in self.sources.items():
             if ds.packing is not None:
                 raise ValueError(
                     f"mixture source {name!r} has its own packing: give packing= to the "
                     "Mixture (every source is then packed alike), not to its sources"
                 )
+        if packing is not None:
+            _check_packing(self.sources, packing, self.schema)
+            self.sources = {n: ds.packed(packing) for n, ds in self.sources.items()}
         self.batch_transform = _one_batch_transform(self.sources, batch_transform)
 
     @property
@@ -187,18 +187,12 @@ def _one_batch_transform(
 
 
 def _check_packing(sources: Mapping[str, LakeDataset], packing: Packing, schema: pa.Schema) -> None:
-    """Refuse a packing the sources cannot share (a missing column, different C)."""
+    """Refuse a packing column the sources do not read (nor make)."""
     made = all(ds.transform is not None for ds in sources.values())  # e.g. by a tokenizer
     if packing.column not in schema.names and not made:
         raise ColumnNotFoundError(
             f"Packing column {packing.column!r} is not among the sources' columns "
             f"{schema.names}: pass Packing(column=...) one of them"
-        )
-    parts = {name: ds.config.num_partitions for name, ds in sources.items()}
-    if len(set(parts.values())) > 1:
-        raise ValueError(
-            f"a packed mixture takes rounds of one sample per partition of a source: its sources "
-            f"need the same num_partitions, got {parts}"
         )
 
 

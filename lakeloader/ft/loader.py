@@ -21,10 +21,6 @@ audit ledger records each step once, from the group that is participant 0 of its
 whether it committed.
 
 Limits:
-    - A packed stream's state holds only the partitions of the rank that took it. It is
-      re-sliced only where that state covers the new rank's partitions (a group keeping its
-      place, or a group count growing from the state of one group); otherwise the step raises
-      :class:`~lakeloader.errors.StateMismatchError` rather than lose or repeat a token.
     - A followed lake's groups each list the lake when their position reaches an increment's
       end; they must see the same new files (files appearing whole, as listed, between steps):
       nothing makes groups that listed different files agree.
@@ -179,8 +175,7 @@ class FaultTolerantLoader:
         Raises:
             StopIteration: When the pass is over at the committed state.
             RuntimeError: If torchft counts this group in a step whose gradients it zeroes.
-            StateMismatchError: If the committed state (a peer's) is not of this dataset, or
-                does not cover this rank's part of a packed stream.
+            StateMismatchError: If the committed state (a peer's) is not of this dataset.
         """
         with self._lock:
             self._settle(rollback=True)
@@ -246,9 +241,7 @@ class FaultTolerantLoader:
         except StateMismatchError as exc:
             raise StateMismatchError(
                 f"the committed state cannot be restored at {where}: {exc}. Every replica "
-                "group must read the same dataset with the same settings; a packed stream's "
-                "state holds only its own group's partitions, which FaultTolerantLoader cannot "
-                "hand to another rank or group count yet"
+                "group must read the same dataset with the same settings"
             ) from exc
         self._at, self._it = state, None
 
@@ -306,7 +299,7 @@ class FaultTolerantLoader:
         """Run ``epoch`` from its start, unless the committed state is in that epoch already.
 
         Raises:
-            TypeError: For a packed stream (its partitions run through their epochs).
+            TypeError: For a packed stream (it runs through its epochs by itself).
         """
         with self._lock:
             self._settle(rollback=True)

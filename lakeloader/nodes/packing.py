@@ -82,14 +82,14 @@ class PackingNode(Node):
     def _init(self, dataset: Any) -> None:
         """Take the dataset in."""
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
-        self._check_column(dataset)
         self._base = self.dataset = dataset
+        self._check_column(dataset)
         self._reader = dataset.reader()
         self._config = self._packing_hash(dataset)
         self._state = PackedState(dataset.fingerprint, self._config, 0)
 
     def _check_column(self, dataset: LakeDataset) -> None:
-        column = dataset.packing.column if dataset.packing is not None else ""
+        column = self.dataset.packing.column
         if dataset.transform is None and column not in dataset.config.columns:
             raise KeyError(
                 f"Packing column {column!r} is not among the dataset's columns "
@@ -101,15 +101,19 @@ class PackingNode(Node):
         return config_hash({**ds.config.to_dict(), "packing": packing.to_dict()})
 
     def _source(self, name: str, ds: LakeDataset, reader: UnitReader) -> PackedSource:
-        """A source with its units' token counts (counted once per loader)."""
+        """A source with its units' token counts and the quarantine so far."""
+        return PackedSource(ds, reader, self._counts_of(name, ds), tuple(self.quarantine))
+
+    def _counts_of(self, name: str, ds: LakeDataset) -> np.ndarray:
+        """A source's units' token counts (counted once per loader)."""
         if name not in self._counts:
             self._counts[name] = token_counts(ds)
-        return PackedSource(ds, reader, self._counts[name], tuple(self.quarantine))
+        return self._counts[name]
 
-    def _per_epoch(self, name: str, ds: LakeDataset, reader: UnitReader) -> int:
+    def _per_epoch(self, name: str, ds: LakeDataset) -> int:
         packing = self.dataset.packing
         assert packing is not None
-        return epoch_samples(self._source(name, ds, reader), packing)
+        return epoch_samples(ds, self._counts_of(name, ds), packing)
 
     def placed(self, topology: Topology) -> None:
         """Nothing to do: the state is the same under every topology."""
@@ -117,7 +121,7 @@ class PackingNode(Node):
     @property
     def epoch(self) -> int:
         """The epoch of the next sample."""
-        return self._state.samples // self._per_epoch(ONLY, self.dataset, self._reader)
+        return self._state.samples // self._per_epoch(ONLY, self.dataset)
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Not supported: a packed stream runs through its epochs by itself.
@@ -209,7 +213,7 @@ class PackingNode(Node):
         """
         self.host._close_iterator("load_state_dict()")
         given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
-        per_epoch = self._per_epoch(ONLY, self.dataset, self._reader)
+        per_epoch = self._per_epoch(ONLY, self.dataset)
         states = [PackedState.from_dict(s, per_epoch) for s in given]
         saved = states[0].with_quarantine(q for s in states for q in s.quarantine)
         if (saved.fingerprint, saved.config) != (self._state.fingerprint, self._config):
@@ -291,7 +295,7 @@ class PackedMixtureNode(PackingNode):
         """Each source's snapshot, packing and samples per epoch, as the state records them."""
         out = records(self.mixture)
         for name, ds in self.mixture.sources.items():
-            per_epoch = self._per_epoch(name, ds, self._readers[name])
+            per_epoch = self._per_epoch(name, ds)
             out[name] = dataclasses.replace(
                 out[name], config=self._packing_hash(ds), rows=per_epoch
             )

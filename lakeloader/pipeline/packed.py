@@ -79,13 +79,13 @@ class PackedSource(NamedTuple):
     known: tuple[QuarantineEntry, ...] = ()
 
 
-def epoch_samples(source: PackedSource, packing: Packing) -> int:
-    """Samples in each epoch of a source.
+def epoch_samples(dataset: LakeDataset, counts: np.ndarray, packing: Packing) -> int:
+    """Samples in each epoch of a source whose units hold ``counts`` tokens.
 
     The same every epoch: the units' order moves, the streams' bounds do not.
     """
-    streams = source.dataset.config.num_partitions
-    return TokenStream.of(source.counts, streams, packing.seq_len).num_samples
+    streams = dataset.config.num_partitions
+    return TokenStream.of(counts, streams, packing.seq_len).num_samples
 
 
 def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayout | None:
@@ -134,7 +134,7 @@ class PackedIterator:
         self._sources, self._packing, self._weights, self._seed = sources, packing, weights, seed
         self._topology, self._recipe, self._source_key = topology, recipe, source_key
         self._delivered = delivered
-        self._per_epoch = [epoch_samples(s, packing) for s in sources]
+        self._per_epoch = [epoch_samples(s.dataset, s.counts, packing) for s in sources]
         empty = [w for w, n in zip(weights.names, self._per_epoch, strict=True) if not n]
         if empty:
             raise ValueError(
