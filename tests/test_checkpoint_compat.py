@@ -6,8 +6,10 @@ saving each loader of ``tests/fixtures/make_states.KINDS`` after 3 steps, over l
 to ``tests/fixtures/states``' but at the folders ``manifest.json`` records, with the ids of the
 next 2 batches. Reading a folder touches no lake, so it reads in any checkout; the resume
 takes the read state with the recorded folders' fingerprints mapped to the committed lakes'
-(as tests/test_state_compat.py does). ``CheckpointManager.load`` of the old records is shown
-on records written here in the old writers' exact shapes.
+(as tests/test_state_compat.py does). The packed ones hold states of per-partition packing
+(version 1) taken mid-epoch: they read, but a loader and ``lakeloader inspect`` refuse them with
+what to do. ``CheckpointManager.load`` of the old records is shown on records written here in the
+old writers' exact shapes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,12 @@ import pytest
 
 import lakeloader as ll
 from lakeloader.checkpoint.folders import CheckpointFolders
-from lakeloader.checkpoint.layout import CommitRecord, sha256
+from lakeloader.checkpoint.layout import Checkpoint, CommitRecord, sha256
 from lakeloader.cli.audit import run_audit
+from lakeloader.cli.main import main
 from lakeloader.lake.snapshot import fingerprint
 from tests.fixtures import make_states as ms
+from tests.test_state_compat import REFUSED
 
 HERE = Path(__file__).resolve().parent / "fixtures"
 FROZEN: dict[str, Any] = json.loads((HERE / "checkpoints" / "manifest.json").read_text())
@@ -58,25 +63,47 @@ def translated(state: dict[str, Any], lake: str) -> dict[str, Any]:
     return loaded
 
 
-@pytest.mark.parametrize("name", list(LEAVES))
-def test_a_frozen_checkpoint_reads_and_resumes_where_it_stood(name: str, tmp_path: Path) -> None:
+def read_frozen(name: str, tmp_path: Path) -> Checkpoint:
+    """The frozen checkpoint ``name`` (a copy), its record checked."""
     shutil.copytree(HERE / "checkpoints" / name, tmp_path / name)
     with ll.CheckpointManager(str(tmp_path / name), ledger=False) as manager:
         ckpt = manager.load_checkpoint()
     assert ckpt.step == FROZEN["step"] and ckpt.extra == {"lr": 0.5, "name": name}
     assert sorted(ckpt.manifests) == LEAVES[name] and ckpt.training is not None
-    lake = LAKE_OF.get(name, "lake")
-    assert set(ckpt.sources.values()) == {FROZEN["lakes"][lake]}
+    assert set(ckpt.sources.values()) == {FROZEN["lakes"][LAKE_OF.get(name, "lake")]}
     assert (ckpt.lake is not None) == (LEAVES[name] == [""])
     if ckpt.lake is not None:
         assert ckpt.lake.fingerprint == ckpt.state.fingerprint
         assert ckpt.context.topology == ll.Topology(1, 0, 0, ms.BATCH)
+    return ckpt
+
+
+@pytest.mark.parametrize("name", [n for n in LEAVES if n not in REFUSED])
+def test_a_frozen_checkpoint_reads_and_resumes_where_it_stood(name: str, tmp_path: Path) -> None:
+    ckpt = read_frozen(name, tmp_path)
     loader = ms.KINDS[name](HERE / "states")
     try:
-        loader.load_state_dict(translated(ckpt.state_dict, lake))
+        loader.load_state_dict(translated(ckpt.state_dict, LAKE_OF.get(name, "lake")))
         assert ms.next_ids(loader) == FROZEN["next_ids"][name]
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_frozen_packed_checkpoint_reads_and_is_refused_with_what_to_do(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = read_frozen(name, tmp_path)
+    loader = ms.KINDS[name](HERE / "states")
+    try:
+        with pytest.raises(ll.StateFormatError, match=REFUSED[name]):
+            loader.load_state_dict(translated(ckpt.state_dict, LAKE_OF[name]))
+    finally:
+        loader.close()
+    assert main(["inspect", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lakeloader inspect: error: {ckpt.path}: ")
+    assert re.search(REFUSED[name], err), err
 
 
 def test_a_frozen_lake_checkpoint_audits(tmp_path: Path) -> None:

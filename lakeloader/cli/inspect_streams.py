@@ -1,9 +1,12 @@
 """``lakeloader inspect`` of a Mixture's or a packed loader's checkpoint.
 
 A mixture, per source: its epoch, the rows of that epoch consumed and remaining, and its
-realised share against its weight; then the weights' history. A packed loader, per partition:
-its epoch, next row, token offset inside that row, tokens and padding delivered. Everything
-comes from the checkpoint's state (O(sources), O(C)): no lake is read.
+realised share against its weight; then the weights' history. A packed mixture: the same table
+in samples (each source's epoch counts samples, its record keeps how many one holds). A packed
+loader: the samples delivered (the same on every rank), which is all its state says of where it
+stands: how many samples an epoch holds follows from the lake's token counts and the packing,
+which the checkpoint does not keep. Every kind: the units quarantined. Everything comes from
+the checkpoint's state (O(sources)): no lake is read.
 """
 
 from __future__ import annotations
@@ -11,14 +14,23 @@ from __future__ import annotations
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
+from lakeloader.cli.inspect import lake_url
 from lakeloader.cli.tables import format_pairs, format_table
+from lakeloader.errors import StateFormatError
 from lakeloader.order.mixture import MixWeights
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.packed_state import PackedMixtureState, PackedState
+from lakeloader.state.quarantine import QuarantineEntry
 
 
 def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]:
-    """The report's data (what ``--json`` prints), by the kind of the saved state."""
+    """The report's data (what ``--json`` prints), by the kind of the saved state.
+
+    Raises:
+        StateFormatError: If the state is not one this lakeloader reads (a packed mixture's of
+            version 1, a packed state of version 1 taken in the middle of an epoch), naming
+            the checkpoint.
+    """
     kind, state = ckpt.state_dict.get("kind"), ckpt.state_dict
     head = {
         "kind": kind,
@@ -30,49 +42,63 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
         "state_bytes": ckpt.nbytes,
         "extra_type": type(ckpt.extra).__name__,
     }
-    if kind == "packed":
-        return {**head, **_packed(PackedState.from_dict(state), ckpt)}
-    if kind == "packed-mixture":
-        both = PackedMixtureState.from_dict(state)
-        mixture = _mixture(both.mixture, ckpt)
-        partitions = {n: _packed(s, ckpt) for n, s in both.sources.items()}
-        return {**head, **mixture, "rounds": True, "packed": partitions}
-    return {**head, **_mixture(MixtureState.from_dict(state), ckpt)}
+    try:
+        if kind == "packed":
+            return {**head, **_packed(state, ckpt)}
+        if kind == "packed-mixture":
+            mixture = _mixture(PackedMixtureState.from_dict(state).mixture, ckpt, "samples")
+            for name in ("pass", "pass_rows", "pass_rows_done"):  # an endless stream: no pass
+                del mixture[name]
+            return {**head, **mixture}
+        return {**head, **_mixture(MixtureState.from_dict(state), ckpt, "rows")}
+    except StateFormatError as exc:
+        raise StateFormatError(f"{ckpt.path}: {exc}") from exc
 
 
-def _packed(state: PackedState, ckpt: Checkpoint) -> dict[str, Any]:
-    partitions = [
-        {
-            "partition": p,
-            "epoch": x.epoch,
-            "row": x.row,
-            "token_offset": x.offset,
-            "tokens": x.tokens,
-            "padding": x.padding,
-        }
-        for p, x in sorted(state.partitions.items())
-    ]
+def _packed(state: dict[str, Any], ckpt: Checkpoint) -> dict[str, Any]:
+    """A packed state's samples; a version 1 state's epoch instead (read at its start only)."""
+    if state.get("version") == 1:
+        read = PackedState.from_dict(state, per_epoch=1)  # samples: the epoch it starts
+        samples, epoch = None, read.samples
+    else:
+        read = PackedState.from_dict(state, per_epoch=0)  # per_epoch reads version 1 only
+        samples, epoch = read.samples, None
     return {
-        "fingerprint": state.fingerprint,
-        "samples_per_partition": state.samples,
-        "num_partitions": state.num_partitions,
-        "tokens": sum(x["tokens"] for x in partitions),
-        "padding": sum(x["padding"] for x in partitions),
-        "partitions": partitions,
+        "version": state.get("version"),
+        "fingerprint": read.fingerprint,
+        "config_hash": read.config,
+        "samples": samples,
+        "epoch": epoch,
+        "quarantine": _quarantine(read.quarantine, ckpt),
         "lake": ckpt.sources.get("lake"),
     }
 
 
-def _mixture(state: MixtureState, ckpt: Checkpoint) -> dict[str, Any]:
-    """Realised shares are over the whole run (slots, or rounds, drawn from each source / all)."""
+def _quarantine(entries: tuple[QuarantineEntry, ...], ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """The entries as plain data, each file's path as the URL of the lake it is in."""
+    urls = [
+        url
+        for source in ckpt.sources.values()
+        for url in ([source] if isinstance(source, str) else list(source or []))
+    ]
+    out = []
+    for entry in entries:
+        found = (lake_url(u, entry.path) for u in urls)
+        path = next((p for p, u in zip(found, urls, strict=True) if p.startswith(u)), entry.path)
+        out.append({**entry.to_dict(), "path": path})
+    return out
+
+
+def _mixture(state: MixtureState, ckpt: Checkpoint, unit: str) -> dict[str, Any]:
+    """Realised shares are over the whole run (``unit``: rows, or a packed mixture's samples)."""
     weights = MixWeights.of(state.history[-1].weights)
     shares = dict(zip(weights.names, weights.shares, strict=True))
     drawn = sum(state.counts.values())
     sources = []
     for name in sorted(set(state.counts) | set(state.sources)):
         count = state.counts.get(name, 0)
-        rows = state.sources[name].rows if name in state.sources else None
-        epoch, consumed = divmod(count, rows) if rows else (None, None)
+        per_epoch = state.sources[name].rows if name in state.sources else None
+        epoch, consumed = divmod(count, per_epoch) if per_epoch else (None, None)
         sources.append(
             {
                 "source": name,
@@ -81,14 +107,17 @@ def _mixture(state: MixtureState, ckpt: Checkpoint) -> dict[str, Any]:
                 "realised_share": count / drawn if drawn else 0.0,
                 "drawn": count,
                 "epoch": epoch,
-                "rows_per_epoch": rows,
-                "rows_consumed": consumed,
-                "rows_remaining": rows - consumed if rows and consumed is not None else None,
+                f"{unit}_per_epoch": per_epoch,
+                f"{unit}_consumed": consumed,
+                f"{unit}_remaining": (
+                    per_epoch - consumed if per_epoch and consumed is not None else None
+                ),
                 "fingerprint": state.sources[name].fingerprint if name in state.sources else None,
                 "url": ckpt.sources.get(name),
             }
         )
     return {
+        "unit": unit,
         "seed": state.seed,
         "slot": state.slot,
         "pass": state.epoch,
@@ -97,11 +126,12 @@ def _mixture(state: MixtureState, ckpt: Checkpoint) -> dict[str, Any]:
         "topology_saved": dict(state.topology),
         "history": [{"start": c.start, "weights": dict(c.weights)} for c in state.history],
         "sources": sources,
+        "quarantine": _quarantine(state.quarantine, ckpt),
     }
 
 
 def render_kind_text(info: dict[str, Any]) -> str:
-    """The readable report of a dict from :func:`inspect_kind`."""
+    """The readable report of a dict from :func:`inspect_kind` (ending in a blank line)."""
     steps = info["steps_available"]
     saved = f" (saved: {', '.join(map(str, steps))})" if steps else ""
     common = [
@@ -112,30 +142,28 @@ def render_kind_text(info: dict[str, Any]) -> str:
         ("state size", f"{info['state_bytes']:,} bytes"),
     ]
     if info["kind"] == "packed":
-        return _packed_text(info, common)
-    if info["kind"] == "packed-mixture":
-        tables = [_packed_text(packed, []) for packed in info["packed"].values()]
-        names = list(info["packed"])
-        parts = [f"source {n}\n\n{t}" for n, t in zip(names, tables, strict=True)]
-        mixture = render_kind_text({**info, "kind": "mixture"})
-        return "\n\n".join([mixture, "(a packed mixture: drawn counts rounds)", *parts])
-    head = format_pairs(
-        [
-            *common,
-            ("mixture", f"{len(info['sources'])} sources, seed {info['seed']}"),
+        return _packed_text(info, common) + "\n"
+    unit, packed = info["unit"], info["kind"] == "packed-mixture"
+    pairs = [*common, ("mixture", f"{len(info['sources'])} sources, seed {info['seed']}")]
+    if packed:
+        pairs += [("samples drawn", info["slot"])]
+    else:
+        done, of = info["pass_rows_done"], info["pass_rows"]
+        pairs += [
             ("slots drawn", info["slot"]),
-            ("pass", f"{info['pass']} ({info['pass_rows_done']:,} of {info['pass_rows']:,} rows)"),
+            ("pass", f"{info['pass']} ({done:,} of {of:,} rows)"),
         ]
-    )
+    head = format_pairs(pairs)
     rows = [
         [
             s["source"] + ("" if s["in_mixture"] else " (removed)"),
             f"{s['weight']:.3f}",
             f"{s['realised_share']:.3f}",
             s["drawn"],
-            "-" if s["epoch"] is None else s["epoch"],
-            "-" if s["rows_consumed"] is None else s["rows_consumed"],
-            "-" if s["rows_remaining"] is None else s["rows_remaining"],
+            *[
+                "-" if s[k] is None else s[k]
+                for k in ("epoch", f"{unit}_consumed", f"{unit}_remaining")
+            ],
             s["url"] or "-",
         ]
         for s in info["sources"]
@@ -144,37 +172,63 @@ def render_kind_text(info: dict[str, Any]) -> str:
         ["source", "weight", "share", "drawn", "epoch", "consumed", "remaining", "lake"], rows
     )
     history = format_table(
-        ["from slot", "weights"],
+        [f"from {'sample' if packed else 'slot'}", "weights"],
         [
             [c["start"], ", ".join(f"{k}={v:g}" for k, v in sorted(c["weights"].items()))]
             for c in info["history"]
         ],
     )
-    return "\n\n".join(
-        [
-            head,
-            "sources (epoch: the source's own; consumed and remaining: rows "
-            "of that epoch; share: of all slots drawn)",
-            table,
-            "weights",
-            history,
-        ]
+    return (
+        "\n\n".join(
+            [
+                head,
+                f"sources (epoch: the source's own; consumed and remaining: {unit} of that epoch; "
+                f"share: of all {'samples' if packed else 'slots'} drawn)",
+                table,
+                "weights",
+                history,
+                *_quarantine_text(info["quarantine"]),
+            ]
+        )
+        + "\n"
     )
 
 
 def _packed_text(info: dict[str, Any], common: list[tuple[str, Any]]) -> str:
+    if info["samples"] is None:
+        where = f"the start of epoch {info['epoch']} (a version 1 state)"
+    else:
+        where = (
+            f"{info['samples']:,} delivered (the same on every rank; its epoch follows from the "
+            "lake's token counts and the packing, which the checkpoint does not keep)"
+        )
     head = format_pairs(
         [
             *common,
             ("lake", info["lake"] or "-"),
             ("fingerprint", info["fingerprint"]),
-            ("samples", f"{info['samples_per_partition']:,} per partition"),
-            ("tokens", f"{info['tokens']:,} delivered, {info['padding']:,} of padding"),
+            ("config hash", info["config_hash"]),
+            ("samples", where),
         ]
     )
+    return "\n\n".join([head, *_quarantine_text(info["quarantine"])])
+
+
+def _quarantine_text(quarantine: list[dict[str, Any]]) -> list[str]:
+    """The quarantine's paragraphs: a line, and the table of its units when there are some."""
+    if not quarantine:
+        return ["quarantine: none"]
     rows = [
-        [x["partition"], x["epoch"], x["row"], x["token_offset"], x["tokens"], x["padding"]]
-        for x in info["partitions"]
+        [
+            q["path"],
+            q["row_group"],
+            f"[{q['row_start']:,}, {q['row_start'] + q['num_rows']:,})",
+            q["num_rows"],
+            q["reason"],
+        ]
+        for q in quarantine
     ]
-    headers = ["partition", "epoch", "next row", "token offset", "tokens", "padding"]
-    return "\n\n".join([head, format_table(headers, rows)])
+    return [
+        "quarantine (units skipped for good, on every rank and after every resume):",
+        format_table(["file", "row group", "rows", "count", "reason"], rows),
+    ]
