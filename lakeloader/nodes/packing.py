@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,13 +34,14 @@ from lakeloader.errors import StateMismatchError
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
-from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts
+from lakeloader.nodes.base import Host, Node, StepRecord, decoding_setup, read_counts
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.collate import BatchTransform
 from lakeloader.pipeline.packed import PackedIterator, PackedSource, arena_layout, epoch_samples
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.mixture_resume import records, resume_mixture
+from lakeloader.state.journal import Runs, epoch_runs
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState, PackedState
@@ -77,6 +78,7 @@ class PackingNode(Node):
         super().__init__(host)
         self._counts: dict[str, np.ndarray] = {}
         self._tokens = self._padding = 0
+        self.record = StepRecord()
         self._init(dataset)
 
     def _init(self, dataset: Any) -> None:
@@ -182,7 +184,26 @@ class PackingNode(Node):
     ) -> None:
         """The only place the position moves: a batch was handed over."""
         self._tokens, self._padding = self._tokens + tokens, self._padding + pads
+        runs = []
+        for name, ds in self._sources().items():
+            first, stop = self._counted().get(name, 0), cursor.counts.get(name, 0)
+            per_epoch = self._per_epoch(name, ds)
+            runs += epoch_runs(first, stop, per_epoch, name, self.host.topology)
+        self.record.step(runs)
         self._moved(cursor, [q for found in skipped for q in found])
+
+    def _sources(self) -> dict[str, LakeDataset]:
+        """The sources by the names their streams have (the audit's)."""
+        return {ONLY: self.dataset}
+
+    def _counted(self) -> Mapping[str, int]:
+        """Samples each source delivered so far."""
+        return {ONLY: self._state.samples}
+
+    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
+        """Tell ``observer`` of every step delivered (each source's samples); True."""
+        self.record.attach(observer)
+        return True
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         self._state = dataclasses.replace(self._state, samples=cursor.slot)
@@ -223,6 +244,7 @@ class PackingNode(Node):
                 f"{self._config}: resume with the same lake snapshot, order settings and packing"
             )
         self._state = saved
+        self.record.restored()
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
@@ -355,6 +377,13 @@ class PackedMixtureNode(PackingNode):
             logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
         mixture = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
         self._mixed = PackedMixtureState(mixture)
+        self.record.restored()
+
+    def _sources(self) -> dict[str, LakeDataset]:
+        return dict(self.mixture.sources)
+
+    def _counted(self) -> Mapping[str, int]:
+        return self._mixed.mixture.counts
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: the samples' cursor."""

@@ -18,7 +18,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.lake.following import increment_at
 from lakeloader.lake.increments import Increment
 from lakeloader.order.mixture import Spans
-from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.journal import DeliveredRun, epoch_runs
 from lakeloader.state.mixture_state import SourceRecord
 from lakeloader.topology import Topology
 
@@ -100,6 +100,8 @@ class SourceStream:
 
     def runs(self, first: int, stop: int, name: str, topology: Topology) -> list[DeliveredRun]:
         """What offsets ``[first, stop)`` of the stream are, epoch by epoch, as audit runs."""
+        if not self.follows:
+            return epoch_runs(first, stop, len(self.known[0][2]), name, topology)
         out = []
         while first < stop:
             epoch, start, rows = self._epoch_at(first)
@@ -110,9 +112,6 @@ class SourceStream:
 
     def _epoch_at(self, offset: int) -> tuple[int, int, int]:
         """The epoch holding ``offset``: its number, first offset and rows."""
-        if not self.follows:
-            rows = len(self.known[0][2])
-            return offset // rows, offset // rows * rows, rows
         for epoch, start, ds in self.known:
             if start <= offset < start + len(ds):
                 return epoch, start, len(ds)

@@ -38,6 +38,27 @@ def stream_name(source: str = "", partition: int | None = None) -> str:
     return "/".join(x for x in (source, part) if x)
 
 
+def epoch_runs(
+    first: int, stop: int, rows: int, stream: str, topology: Topology
+) -> list[DeliveredRun]:
+    """Offsets ``[first, stop)`` of a stream of epochs of ``rows`` each, as runs epoch by epoch.
+
+    >>> [(r.epoch, r.start, r.stop) for r in epoch_runs(3, 9, 4, "lake", Topology(1, 0, 0, 2))]
+    [(0, 3, 4), (1, 0, 4), (2, 0, 1)]
+    """
+    out = []
+    while first < stop:
+        epoch = first // rows
+        end = min(stop, (epoch + 1) * rows)
+        out.append(
+            DeliveredRun(
+                epoch, first - epoch * rows, end - epoch * rows, rows, topology, stream=stream
+            )
+        )
+        first = end
+    return out
+
+
 @dataclass(frozen=True)
 class DeliveredRun:
     """Consecutive steps of one epoch of one stream under one topology.
