@@ -7,11 +7,12 @@ and pad). The lakes are written once per module: ``main`` (91 rows, 2 files of 2
 and ``code`` (56 rows, ids from 1000), each as a folder and as a Delta table (the same row
 groups), each once more with a row group damaged; a followed pair appends two files of new
 ids to copies of them. What a scenario must deliver is worked out here from the files, never
-from a loader (packing's partitions aside: see :func:`partition_rows`).
+from a loader (a packed epoch's samples too: see :func:`stream_sizes`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
@@ -34,7 +35,8 @@ from tests.conftest import damage_row_group
 Feats = frozenset[str]
 
 C, WINDOW, SEED, GLOBAL, EOS = 4, 8, 5, 8, 0
-PACKING = ll.Packing("tokens", seq_len=8, eos_id=EOS, pad_id=0)
+#: seq_len 9: an epoch of code (362 tokens) has streams of 10 and 11 samples
+PACKING = ll.Packing("tokens", seq_len=9, eos_id=EOS, pad_id=0)
 FOLLOW = ll.Follow(poll_interval=0.01, timeout=0.3)
 WEIGHTS = {"main": 115.0, "code": 80.0}  # about each source's rows with its appended ones
 USER = ("transform", "batch_transform", "collate_fn")
@@ -306,20 +308,24 @@ ADDED = {"transform": ("t", 2), "batch_transform": ("b", 3), "collate_fn": ("c",
 
 # ------------------------------------------------------------------ what the loop was given
 
-Needs = dict[tuple[int, int], list[int]]
+#: Packing: the samples of each stream of an epoch of each source (by its index), worked out
+#: from the files (see :func:`stream_sizes`).
+Needs = dict[int, list[int]]
 
 
 class Collector:
-    """Row ids in global order and by step, or each (source, partition)'s samples (packing);
-    the pids that built batches; each added field checked on the way."""
+    """Row ids in global order and by step, or the packed samples in global order (each step's
+    shares, rank after rank: the step's samples as the loader sorted them) with their sources,
+    ``batches`` then holding each step's indices into ``samples``; the pids that built
+    batches; each added field checked on the way."""
 
     def __init__(self, feats: Feats) -> None:
         self.feats = feats
         self.ids: list[int] = []
         self.batches: list[list[int]] = []
         self.pids: set[int] = set()
-        self.streams: dict[tuple[int, int], list[np.ndarray]] = {}
-        self.docs: Counter[tuple[int, int]] = Counter()
+        self.samples: list[np.ndarray] = []  # (input_ids, position_ids, pad_mask) x L
+        self.sources: list[int] = []
 
     def add(self, shares: Sequence[Any]) -> None:
         self.batches.append([])
@@ -340,48 +346,69 @@ class Collector:
         for share in shares:  # a batch_transform's or collate_fn's field: of input_ids
             for key, times in (ADDED[f] for f in USER[1:] if f in self.feats):
                 assert torch.equal(share[key], share["input_ids"] * times), f"{key} != {times} x"
+            if "pid" in share:
+                self.pids.update(torch.as_tensor(share["pid"]).flatten().tolist())
         whole = np.concatenate([np.stack([np.asarray(s[k]) for k in keys], 1) for s in shares])
         src = np.concatenate([np.asarray(s.get("source", [0] * len(s[keys[0]]))) for s in shares])
-        k = len(whole) // C  # partition-major: k samples of every partition
-        for i, sample in enumerate(whole):
-            key = (int(src[i]), i // k)
-            self.streams.setdefault(key, []).append(sample)
-            self.docs[key] += int(((sample[0] == EOS) & (sample[2] == 0)).sum())
+        self.batches[-1] = list(range(len(self.samples), len(self.samples) + len(whole)))
+        self.samples += list(whole.astype(np.int64))
+        self.sources += [int(x) for x in src]
 
     def done(self, needs: Needs) -> bool:
-        return all(self.docs[key] >= len(rows) for key, rows in needs.items())
+        """Every source's epoch 0 delivered (its samples drawn: offsets count up by source)."""
+        counts = Counter(self.sources)
+        return all(counts[s] >= sum(sizes) for s, sizes in needs.items())
 
 
-def run_to_end(its: Sequence[Iterator[Any]], got: Collector, needs: Needs | None) -> None:
-    """Ranks in lockstep to the end of the pass, or (``needs``) until every partition's
-    epoch-0 documents came."""
+def run_to_end(
+    its: Sequence[Iterator[Any]], got: Collector, needs: Needs | None, extra: int = 0
+) -> None:
+    """Ranks in lockstep to the end of the pass, or (``needs``) until every source's epoch 0
+    came, then ``extra`` steps more."""
     if needs is None:
         for shares in zip(*its, strict=True):
             got.add(shares)
         return
-    for _ in range(200):
+    for _ in range(300):
         if got.done(needs):
+            for _ in range(extra):
+                got.add([next(it) for it in its])
             return
         got.add([next(it) for it in its])
-    raise AssertionError(f"200 steps and the partitions' epoch 0 is not through: {got.docs}")
+    raise AssertionError(f"300 steps and epoch 0 is not through: {Counter(got.sources)}")
 
 
-def partition_rows(feats: Feats, lakes: Lakes) -> Needs | None:
-    """Packing: each (source, partition)'s rows of epoch 0 in order, less quarantined ones:
-    one batch of every slot of the unpacked order is partition-major, cut at the plan's
-    partition starts. None for a followed lake, whose stream ends by itself."""
+def row_tokens(i: int) -> int:
+    """Row ``i``'s tokens in a packed stream: its own and its eos."""
+    return len(tokens_of(i)) + 1
+
+
+def stream_sizes(feats: Feats, lakes: Lakes) -> Needs | None:
+    """Packing: the samples of each of the ``C`` streams of an epoch of each source, from the
+    files: its ``T`` tokens (every row the filter keeps, a quarantined unit's too: they come as
+    padding), stream ``c`` tokens ``[c T // C, (c + 1) T // C)``, cut into samples of ``L``.
+    None for a followed lake, whose stream ends by itself."""
     if "packing" not in feats or "follow" in feats:
         return None
     out = {}
     for s, name in enumerate(names(feats)):
-        plain = source_dataset(feats, lakes[name, table_of(feats), False], None, plain=True)
-        keep = allowed(lakes[name, table_of(feats), "skip" in feats], feats)
-        with ll.DataLoader(plain, batch_size=len(plain)) as loader:
-            ids = next(iter(loader))["id"].tolist()
-        starts = plain.plan(0).starts
-        for p in range(C):
-            out[s, p] = [i for i in ids[starts[p] : starts[p + 1]] if i in keep]
+        lake = lakes[name, table_of(feats), "skip" in feats]
+        total = sum(row_tokens(i) for i in lake.ids if i % 3 or "filter" not in feats)
+        bounds = [c * total // C for c in range(C + 1)]
+        out[s] = [-(-(b - a) // PACKING.seq_len) for a, b in itertools.pairwise(bounds)]
     return out
+
+
+def sample_key(sizes: list[int], offset: int) -> tuple[int, int, int]:
+    """(epoch, stream, index in it) of a source's ``offset``-th sample: sample ``j`` of an
+    epoch is sample ``j // C`` of stream ``j % C`` while every stream has one, then the last
+    samples of the longer streams in stream order."""
+    epoch, j = divmod(offset, sum(sizes))
+    fewest = min(sizes)
+    if j < fewest * C:
+        return epoch, j % C, j // C
+    longer = [c for c, n in enumerate(sizes) if n > fewest]
+    return epoch, longer[j - fewest * C], fewest
 
 
 # ------------------------------------------------------------------ torchft, scripted

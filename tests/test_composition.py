@@ -4,9 +4,11 @@ A pair's scenario runs on the small lakes of ``tests/composition_cases.py``: ran
 for ``STEPS`` steps, a state (or a ``CheckpointManager`` checkpoint), a resume under another
 topology (world size and batch size; 0 -> 2 workers with ``workers``) on datasets made anew,
 then the rest of the epoch (a followed lake: until its appended files came; packing: every
-partition through epoch 0). Every expected row (every token, packed) must then have come
-once, quarantined rows not at all, and the sequence must be an uninterrupted one-rank run's
-(each partition's samples, packed), which must itself be exactly once. ``torchft`` is two
+source through epoch 0, its samples counted from the files). Every expected row (packed:
+every source's epoch 0 holds every row's tokens) must then have come once, quarantined rows
+not at all, and the sequence must be an uninterrupted one-rank run's (packed: a run of one
+sample a step, each step's samples sorted as the loader sorts them), which must itself be
+exactly once. ``torchft`` is two
 replica groups of ``FaultTolerantLoader`` on a scripted quorum: a step of one participant, a
 step that does not commit, a group healing from its peer's state.
 
@@ -32,10 +34,10 @@ import pytest
 import lakeloader as ll
 from lakeloader.cli.audit import run_audit
 from lakeloader.cli.main import main as cli
-from lakeloader.errors import CheckpointError, StateMismatchError
 from tests.composition_cases import (
     EOS,
     GLOBAL,
+    PACKING,
     USER,
     Collector,
     Feats,
@@ -51,10 +53,12 @@ from tests.composition_cases import (
     loader_kw,
     logged_pids,
     make_dataset,
-    partition_rows,
     quarantined,
+    row_tokens,
     run_to_end,
+    sample_key,
     sources,
+    stream_sizes,
     tokens_of,
 )
 
@@ -63,21 +67,17 @@ FEATURES = ("lake", "mixture", "packing", "follow", "filter", "delta", "workers"
             "torchft", "drop_last", "inspect")  # fmt: skip
 PAIRS = list(itertools.combinations(FEATURES, 2))
 
-_AUDIT = "`attach` silently records nothing; `audit` then blames `ledger=False`"
 #: The pairs that fail today: issue 30's words and what they raise (AssertionError: a check
 #: of this file). A fixed pair leaves the dict; so far mixture x workers and packing x
 #: workers ("no worker process starts", fixed by 335b015, stage 3), mixture x transform,
 #: batch_transform, collate_fn, skip and validate, packing x the same five, mixture x follow and
 #: x audit, torchft x mixture, follow, skip, validate, checkpoint_resize, audit and inspect (the
 #: torchft scenario's reference holds two passes of a mixture, a followed lake gets its files
-#: appended before increment 0 ends, and a committed step spans the loader's step_rows).
+#: appended before increment 0 ends, and a committed step spans the loader's step_rows), and
+#: packing x torchft (packing's samples placed by arithmetic: any one group's state resumes
+#: every group) and packing x audit (a packed loader's steps recorded for the ledger). Packing
+#: x follow still raises: `follow=` with `packing=` is refused.
 FAILING_TODAY: dict[frozenset[str], tuple[str, type[Exception]]] = {
-    frozenset({"packing", "audit"}): (f"Mixture or Packing x audit: {_AUDIT}", CheckpointError),
-    frozenset({"packing", "torchft"}): (
-        "Mixture, Packing or follow x `FaultTolerantLoader`: a packed stream's state holds "
-        "only its own group's partitions (issue 31), so a step of fewer groups is refused",
-        StateMismatchError,
-    ),
     frozenset({"packing", "follow"}): ("Packing x `follow=`: refused", ValueError),
 }
 #: Pairs measured at 3 s or more (``pytest --durations=0`` on 2 busy cores).
@@ -131,10 +131,10 @@ class Run:
 
 
 def topologies(feats: Feats) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(world size, batch size) before and after: packed checkpoints saved in-process hold
-    rank 0's partitions only, so those are saved at one rank."""
-    if "packing" in feats and feats & MANAGED:
-        return (1, GLOBAL), (2, GLOBAL // 2)
+    """(world size, batch size) before and after: packed, a world size that divides no
+    stream count and a global batch of 12 samples after 8."""
+    if "packing" in feats:
+        return (2, GLOBAL // 2), (3, GLOBAL // 2)
     return (2, GLOBAL // 2), (1, GLOBAL)
 
 
@@ -164,14 +164,14 @@ def execute(feats: Feats, lakes: Lakes, tmp: Path) -> Run:
         ds, kw = make_dataset(feats, run.srcs, run.log), loader_kw(feats, b2, run.log is not None)
         second = [ll.DataLoader(ds, rank=r, world_size=w2, **kw) for r in range(w2)]
         manager = stack.enter_context(ll.CheckpointManager(root)) if feats & MANAGED else None
-        state: Any = run.states if "packing" in feats else run.states[0]  # packed: every rank's
+        state = run.states[-1 if "packing" in feats else 0]  # packed: any one rank's resumes all
         for x in second:
             stack.enter_context(x)
             if manager is not None:
                 manager.load(x)
             else:
                 x.load_state_dict(state)
-        run_to_end([iter(x) for x in second], got, partition_rows(feats, lakes))
+        run_to_end([iter(x) for x in second], got, stream_sizes(feats, lakes))
         run.states += [x.state_dict() for x in second]
         if manager is not None and "audit" in feats:
             manager.save(len(got.batches), second[0])
@@ -194,7 +194,7 @@ def execute_ft(feats: Feats, lakes: Lakes, tmp: Path) -> Run:
             stack.callback(loader.close)
             return loader, quorum
 
-        groups, needs = {"a": group(), "b": group()}, partition_rows(feats, lakes)
+        groups, needs = {"a": group(), "b": group()}, stream_sizes(feats, lakes)
         for step in itertools.count():
             if needs is not None and run.got.done(needs):  # packed streams are endless
                 break
@@ -274,24 +274,42 @@ def check_rows(run: Run, feats: Feats) -> None:
 
 
 def check_packed(run: Run, feats: Feats, needs: Needs | None) -> None:
-    """Each (source, partition)'s first documents are its epoch-0 rows' tokens, in order;
-    every row's tokens once (a followed lake: the whole stream, which ended); padding and
-    eos aside."""
-    seen: list[int] = []
-    for key, samples in run.got.streams.items():
-        stream = np.stack(samples)
-        tokens = stream[:, 0][stream[:, 2] == 0]
-        cuts = np.flatnonzero(tokens == EOS)
-        docs = np.split(tokens, cuts + 1)
-        ids = [int(d[0] - 1) // 16 for d in docs[: len(cuts)]]
-        for i, d in zip(ids, docs, strict=False):
-            assert d[:-1].tolist() == tokens_of(i), f"{key}: row {i}'s document is {d.tolist()}"
-        want = needs[key] if needs is not None else ids
-        assert ids[: len(want)] == want, f"{key}: epoch 0's rows {ids[: len(want)]} != {want}"
-        assert needs is not None or len(docs[-1]) == 0, f"{key} ends inside a document"
-        seen += want
-    expected = set().union(*(allowed(lake, feats) for lake in run.srcs.values()))
-    assert Counter(seen) == Counter(expected), "not every row's tokens exactly once"
+    """Per source, its epoch 0 (its first samples, as many as the files make: ``needs``; a
+    followed lake: all it gave) holds every row's tokens once, each at its place in its row,
+    rows whole and ended by an eos where a sample holds them side by side, and the rest of the
+    samples padding; a quarantined row's tokens come nowhere."""
+    samples, srcs = np.stack(run.got.samples), np.asarray(run.got.sources)
+    for s, (name, lake) in enumerate(run.srcs.items()):  # a Mixture's indices: names' order
+        mine = samples[srcs == s]
+        if needs is not None:
+            assert len(mine) >= sum(needs[s]), f"{name}: {len(mine)} of {sum(needs[s])} samples"
+            mine = mine[: sum(needs[s])]
+        keep, real = allowed(lake, feats), mine[:, 2] == 0
+        tokens, positions = mine[:, 0][real], mine[:, 1][real]
+        body = tokens != EOS
+        got, want = Counter(tokens[body].tolist()), Counter(t for i in keep for t in tokens_of(i))
+        assert got == want, (
+            f"{name}: tokens twice {sorted(t for t, n in got.items() if n > 1)[:6]}, missing "
+            f"{sorted(want - got)[:6]}, not due {sorted(got - want)[:6]}"
+        )
+        assert np.array_equal(positions[body], (tokens[body] - 1) % 16), f"{name}: positions"
+        eos = int((~body).sum())
+        assert eos == len(keep), f"{name}: {eos} eos, {len(keep)} rows"
+        padding = len(mine) * PACKING.seq_len - sum(row_tokens(i) for i in keep)
+        assert int((~real).sum()) == padding, f"{name}: {int((~real).sum())} padding, {padding} due"
+        for sample in mine:  # neighbours: a row's next token, or its eos, or the next row
+            for (t0, p0, pad0), (t1, p1, pad1) in itertools.pairwise(sample.T.tolist()):
+                if pad0 or pad1:
+                    continue
+                if t1 == EOS:
+                    ok = t0 != EOS and p1 == p0 + 1 == len(tokens_of((t0 - 1) // 16))
+                else:
+                    ok = (t0 == EOS and p1 == 0) or (t0 == t1 - 1 and p1 == p0 + 1)
+                assert ok, f"{name}: ({t0} at {p0}) then ({t1} at {p1}) in {sample.tolist()}"
+    # quarantined or filtered out: nowhere in the run
+    banned = {t for lake in run.srcs.values() for i in lake.ids - allowed(lake, feats)
+              for t in tokens_of(i)}  # fmt: skip
+    assert not banned & set(samples[:, 0][samples[:, 2] == 0].tolist()), "a row not due came"
 
 
 def quarantine_found(state: Any) -> set[tuple[str, int]]:
@@ -313,7 +331,7 @@ def quarantine_found(state: Any) -> set[tuple[str, int]]:
 def check_delivery(run: Run, feats: Feats, lakes: Lakes) -> None:
     """Exactly once, and the quarantine in the states."""
     if "packing" in feats:
-        check_packed(run, feats, partition_rows(feats, lakes))
+        check_packed(run, feats, stream_sizes(feats, lakes))
     else:
         check_rows(run, feats)
     if feats & {"skip", "validate"}:
@@ -321,18 +339,36 @@ def check_delivery(run: Run, feats: Feats, lakes: Lakes) -> None:
         assert quarantine_found(run.states) == want, "the states' quarantine"
 
 
-def check_same_sequence(run: Run, ref: Collector, feats: Feats) -> None:
-    """The same ids in the same batches as the uninterrupted run (packing: each partition's
-    samples); under torchft, whose global batches change size, each committed step holds
-    its slots' rows (``ref`` then has a slot a step)."""
+def packed_order(ref: Collector, spans: list[int], needs: Needs) -> list[int]:
+    """The reference's samples (one a step) in steps of ``spans`` samples, each step's sorted
+    by source, epoch, stream and index in it (a source's samples are its offsets in order)."""
+    drawn: Counter[int] = Counter()
+    keys = []
+    for s in ref.sources:
+        keys.append((s, *sample_key(needs[s], drawn[s])))
+        drawn[s] += 1
+    order: list[int] = []
+    for span in spans:
+        assert len(order) + span <= len(keys), f"the reference ends at {len(keys)} samples"
+        order += sorted(range(len(order), len(order) + span), key=keys.__getitem__)
+    return order
+
+
+def check_same_sequence(run: Run, ref: Collector, feats: Feats, lakes: Lakes) -> None:
+    """The same ids in the same batches as the uninterrupted run (packing: the same global
+    samples, its one a step cut into this run's steps); under torchft, whose global batches
+    change size, each committed step holds its slots' rows (``ref`` then has a slot a step)."""
     got = run.got
-    if "packing" in feats:  # torchft's steps change size: both are through epoch 0 by then
-        assert got.streams.keys() == ref.streams.keys()
-        for key, samples in got.streams.items():
-            mine, theirs = np.stack(samples), np.stack(ref.streams[key])
-            if "torchft" in feats:
-                mine, theirs = mine[: len(theirs)], theirs[: len(mine)]
-            assert np.array_equal(mine, theirs), key
+    if "packing" in feats:
+        needs = stream_sizes(feats, lakes)
+        assert needs is not None, "packing x follow: no reference order"
+        spans = [len(b) for b in got.batches]
+        if "torchft" in feats:
+            assert spans == run.spans, f"committed steps' samples {spans}, step_rows {run.spans}"
+        order = packed_order(ref, spans, needs)
+        assert got.sources == [ref.sources[i] for i in order], "the samples' sources"
+        for n, (mine, i) in enumerate(zip(got.samples, order, strict=True)):
+            assert np.array_equal(mine, ref.samples[i]), f"sample {n}: {mine} != {ref.samples[i]}"
         return
     if "torchft" in feats:
         g = 0
@@ -362,10 +398,8 @@ def check_inspect(root: str, state: dict[str, Any]) -> None:
     with redirect_stdout(out):
         assert cli(["inspect", root, "--json", "--no-lag"]) == 0
     info = json.loads(out.getvalue())
-    if "partitions" in state:
-        fields = ("epoch", "row", "token_offset", "tokens", "padding")
-        rows = [[p[k] for k in fields] for p in info["partitions"]]
-        assert rows == [list(state["partitions"][k]) for k in sorted(state["partitions"], key=int)]
+    if state.get("kind") == "packed":  # the samples delivered: STEPS global batches
+        assert info["samples"] == state["samples"] == STEPS * GLOBAL, (info, state)
     elif "slot" in state:
         assert info["slot"] == state["slot"]
         assert {s["source"]: s["drawn"] for s in info["sources"]} == state["counts"]
@@ -379,23 +413,25 @@ def references(
     lakes: Lakes, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[Feats], tuple[Feats, Run]]:
     """The uninterrupted run (one rank, 0 workers) of a scenario's order, once per order (a
-    torchft scenario's in batches of one row, slot by slot, unless packed)."""
+    torchft scenario's in batches of one row, slot by slot; a packed one's in batches of one
+    sample, through every source's epoch 0 and two global batches more)."""
     cache: dict[Feats, Run] = {}
     root = tmp_path_factory.mktemp("references")
 
     def get(feats: Feats) -> tuple[Feats, Run]:
-        ft = "torchft" in feats and "packing" not in feats
+        packed, ft = "packing" in feats, "torchft" in feats and "packing" not in feats
         key = (feats & (ORDER - {"drop_last"})) | {"torchft"} if ft else feats & ORDER
         if key not in cache:
             run = Run(key, sources(key, lakes, root / "-".join(sorted(key) or ["lake"])))
             ds = make_dataset(key, run.srcs)
             if "follow" in key:  # increment 0 is pinned: both appends make the next
                 run.srcs = appended(key, appended(key, run.srcs, 0), 1)
-            with ll.DataLoader(ds, **loader_kw(key, 1 if ft else GLOBAL, False)) as loader:
+            extra, batch = 2 * GLOBAL if packed else 0, 1 if ft or packed else GLOBAL
+            with ll.DataLoader(ds, **loader_kw(key, batch, False)) as loader:
                 # torchft's last step of a mixture's pass is a whole global batch past
                 # epoch_rows: its slots are the next pass's
                 for _ in range(2 if ft and "mixture" in key else 1):
-                    run_to_end([iter(loader)], run.got, partition_rows(key, lakes))
+                    run_to_end([iter(loader)], run.got, stream_sizes(key, lakes), extra)
                 run.states = [loader.state_dict()]
             cache[key] = run
         return key, cache[key]
@@ -418,7 +454,7 @@ def test_pair(
     check_delivery(ref, key, lakes)  # the uninterrupted run is exactly once too
     run = (execute_ft if "torchft" in feats else execute)(feats, lakes, tmp_path)
     check_delivery(run, feats, lakes)
-    check_same_sequence(run, ref.got, feats)
+    check_same_sequence(run, ref.got, feats, lakes)
     if "workers" in feats:
         check_workers(run, feats)
     if "audit" in feats:
