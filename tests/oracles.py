@@ -7,7 +7,7 @@ compared with them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -212,3 +212,89 @@ def rank_parts_many(
     for k, source, epoch, start, stop, where in columns:
         out[k][1].append(MixPart(source, epoch, start, stop, where))
     return out
+
+
+# ------------------------------------------------- packed token streams, token by token
+
+#: A sample of a packed epoch: its stream, its index in that stream, and ``[3, L]`` int64
+#: rows: its tokens, each token's position in its document, and its pad mask (1: padding).
+PackedSample = tuple[int, int, np.ndarray]
+
+
+def packed_epoch(
+    units: Sequence[Sequence[Sequence[int]] | int],
+    streams: int,
+    seq_len: int,
+    eos_id: int | None,
+    pad_id: int = 0,
+) -> list[PackedSample]:
+    """An epoch's samples in the epoch's order, token by token, as :mod:`lakeloader.order.packing`
+    says.
+
+    ``units`` are the epoch's units in its order, each its rows' token lists in file order (a
+    row is its tokens then ``eos_id``), or a skipped unit's count of tokens: padding in their
+    place (position 0). The ``T`` tokens are cut into ``streams`` contiguous streams (stream
+    ``c`` holds ``[c T // C, (c + 1) T // C)``), each into samples of ``seq_len`` (its last one
+    padded); the samples are dealt round robin over the streams, a stream with none left passed
+    over.
+
+    >>> [(c, k, s[0].tolist()) for c, k, s in packed_epoch([[[5, 6]], 2, [[7]]], 2, 2, 9)]
+    [(0, 0, [5, 6]), (1, 0, [0, 0]), (0, 1, [9, 0]), (1, 1, [7, 9])]
+    """
+    tokens: list[int] = []
+    positions: list[int] = []
+    pads: list[int] = []
+    for unit in units:
+        if isinstance(unit, int):
+            tokens += [pad_id] * unit
+            positions += [0] * unit
+            pads += [1] * unit
+            continue
+        for row in unit:
+            doc = [*row] + ([] if eos_id is None else [eos_id])
+            tokens += doc
+            positions += range(len(doc))
+            pads += [0] * len(doc)
+    total = len(tokens)
+    cut = []
+    for c in range(streams):
+        a, b = c * total // streams, (c + 1) * total // streams
+        fill = -(b - a) % seq_len
+        rows = np.array(
+            [tokens[a:b] + [pad_id] * fill, positions[a:b] + [0] * fill, pads[a:b] + [1] * fill],
+            dtype=np.int64,
+        )
+        cut.append(rows.reshape(3, -1, seq_len).transpose(1, 0, 2))
+    out: list[PackedSample] = []
+    for k in range(max(len(s) for s in cut)):
+        out += [(c, k, s[k]) for c, s in enumerate(cut) if k < len(s)]
+    return out
+
+
+def packed_steps(
+    epoch: Callable[[str, int], Sequence[PackedSample]],
+    drawn: Sequence[str],
+    counts: Mapping[str, int],
+    batch: int,
+) -> list[list[tuple[str, int, np.ndarray]]]:
+    """Global steps of packed samples, one sample at a time.
+
+    ``drawn`` names the source of each global slot from where the sources stood (``counts``:
+    each one's samples delivered so far, its epochs one after the other; a source not in it is
+    at 0); ``epoch(name, e)`` is that source's epoch ``e`` (:func:`packed_epoch`). Each step is
+    the next ``batch`` slots, each slot its source's next sample, sorted by (source name,
+    epoch, stream, index): a list of (source name, the sample's index in its source's stream,
+    the sample).
+    """
+    at = dict(counts)
+    steps = []
+    for t in range(len(drawn) // batch):
+        keyed = []
+        for name in drawn[t * batch : (t + 1) * batch]:
+            n = at.get(name, 0)
+            at[name] = n + 1
+            per_epoch = len(epoch(name, 0))
+            stream, index, sample = epoch(name, n // per_epoch)[n % per_epoch]
+            keyed.append(((name, n // per_epoch, stream, index), (name, n, sample)))
+        steps.append([x for _, x in sorted(keyed, key=lambda kv: kv[0])])
+    return steps

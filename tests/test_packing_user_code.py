@@ -1,13 +1,15 @@
 """Packed streams with the user's code and quarantine: a row transform that makes the tokens
 (from a text column, with a token drawn from the row's seed), a batch_transform and a
-collate_fn, ``on_error="skip"`` over a damaged row group and a ``validate`` that rejects a
-row group; on a packed lake and on a packed mixture. Every partition's samples are its rows'
-tokens exactly once per epoch, in the unpacked order (the quarantined rows' tokens never), and
-a resume in the middle of a document under another world size and batch size, from the states
-of every rank, continues the uninterrupted run exactly."""
+collate_fn (each sample's seed: ``slot_seeds(seed, crc32(name), n)``), ``on_error="skip"`` over
+a damaged row group and a ``validate`` that rejects one; on a packed lake and on a packed
+mixture. The batches are an oracle's, built from the files (a skipped unit's counted tokens are
+padding, every other token comes once per epoch); a resume from rank 0's state alone (or every
+rank's) under another world size and batch, with workers too, continues them exactly, the
+skipped units in the state's quarantine and not read again."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import zlib
 from collections.abc import Callable
@@ -23,18 +25,23 @@ import pytest
 import torch
 
 import lakeloader as ll
+from lakeloader.order.mixture import MixWeights, slot_sources
 from lakeloader.randomness import slot_seeds
-from lakeloader.state.packed_state import PackedMixtureState, PackedState, PartitionPosition
+from lakeloader.state.packed_state import PackedMixtureState, PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 from tests.conftest import damage_row_group
+from tests.oracles import PackedSample, packed_epoch, packed_steps
 
-C, L, EOS, SEED, MIX_SEED = 4, 16, 0, 7, 13
+L, EOS, SEED, MIX_SEED = 16, 99_000_000, 7, 13
+#: Each source's streams.
+C = {"web": 4, "code": 3}
 #: Files of each lake, row groups per file, rows per row group; the first id of each lake.
 LAKES = {"web": (3, 2, 60), "code": (2, 2, 50)}
 FIRST = {"web": 0, "code": 100_000}
+WEIGHTS = {"web": 0.6, "code": 0.4}
 #: The transform appends one token drawn from the row's seed, from ``DRAWN`` up.
 DRAWN = 90_000_000
-#: Rejected by ``validate``: every row of row group 1 of each lake's file 1.
+#: Rejected by ``validate``: row group 1 of each lake's file 1.
 REJECT_GROUP = ("part-1.parquet", 1)
 #: Damaged in each lake's damaged twin: row group 0 of file 1.
 DAMAGED_GROUP = ("part-1.parquet", 0)
@@ -139,14 +146,33 @@ class Scenario:
     validate: bool = False
 
     def names(self) -> tuple[str, ...]:
-        return ("code", "web") if self.mixture else ("web",)
+        """The sources, sorted (their index in a batch), or the one lake's ``"lake"``."""
+        return ("code", "web") if self.mixture else ("lake",)
+
+    def bad(self) -> set[tuple[str, int]]:
+        """The (file, row group) skipped in each source."""
+        return {g for g, on in ((DAMAGED_GROUP, self.skip), (REJECT_GROUP, self.validate)) if on}
+
+    def lakes(self) -> tuple[str, ...]:
+        """The folder of each source's lake."""
+        names = ("code", "web") if self.mixture else ("web",)
+        return tuple(f"{n}-damaged" if self.skip else n for n in names)
+
+    def quarantined(self) -> set[tuple[str, str, int]]:
+        """The (lake, file, row group) of every unit skipped."""
+        return {(lake, *g) for lake in self.lakes() for g in self.bad()}
+
+    def rejected(self) -> set[tuple[str, str, int]]:
+        """The (lake, file, row group) of every unit ``validate`` rejects."""
+        return {(lake, *REJECT_GROUP) for lake in self.lakes()} if self.validate else set()
 
 
-def source(s: Scenario, lakes: Lakes, name: str, log: str, plain: bool = False) -> ll.LakeDataset:
-    """A source (``plain``: its unpacked order over the undamaged lake, ids only)."""
-    kw: dict[str, Any] = {"seed": SEED, "num_partitions": C, "window": 32}
-    if plain:
-        return ll.LakeDataset(lakes.uri(name), columns=["id"], **kw)
+def packing() -> ll.Packing:
+    return ll.Packing("tokens", L, eos_id=EOS, pad_id=0)
+
+
+def source(s: Scenario, lakes: Lakes, name: str, log: str) -> ll.LakeDataset:
+    kw: dict[str, Any] = {"seed": SEED, "num_partitions": C[name], "window": 32}
     if s.transform:
         kw["transform"], kw["columns"] = tokenize, ["id", "text"]
     else:
@@ -158,26 +184,40 @@ def source(s: Scenario, lakes: Lakes, name: str, log: str, plain: bool = False) 
     if s.batch_code and not s.mixture:
         kw["batch_transform"] = add_fields
     if not s.mixture:
-        kw["packing"] = ll.Packing("tokens", L, eos_id=EOS, pad_id=0)
+        kw["packing"] = packing()
     return ll.LakeDataset(lakes.uri(name, s.skip), **kw)
 
 
 def dataset(s: Scenario, lakes: Lakes, log: str) -> ll.LakeDataset | ll.Mixture:
     if not s.mixture:
         return source(s, lakes, "web", log)
-    sources = {n: source(s, lakes, n, log) for n in s.names()}
     return ll.Mixture(
-        sources,
-        {"web": 0.6, "code": 0.4},
+        {n: source(s, lakes, n, log) for n in WEIGHTS},
+        WEIGHTS,
         seed=MIX_SEED,
-        packing=ll.Packing("tokens", L, eos_id=EOS, pad_id=0),
+        packing=packing(),
         batch_transform=add_fields if s.batch_code else None,
     )
 
 
-#: Each (source, partition)'s samples: tokens, positions, pad mask, and each sample's seed
-#: (0 without a batch_transform).
-Streams = dict[tuple[int, int], list[np.ndarray]]
+@dataclass
+class Got:
+    """Global batches laid end to end: each sample's source (index), ``[N, 3, L]`` (tokens,
+    positions, pad mask) and seed (0 without a batch_transform)."""
+
+    sources: np.ndarray
+    samples: np.ndarray
+    seeds: np.ndarray
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Got) and all(
+            np.array_equal(a, b)
+            for a, b in zip(
+                (self.sources, self.samples, self.seeds),
+                (other.sources, other.samples, other.seeds),
+                strict=True,
+            )
+        )
 
 
 def run(
@@ -187,109 +227,135 @@ def run(
     world: int,
     batch: int,
     steps: int,
-    states: list[dict[str, Any]] | None = None,
+    state: dict[str, Any] | list[dict[str, Any]] | None = None,
     workers: int = 0,
-) -> tuple[Streams, list[dict[str, Any]]]:
-    """Every rank in lockstep for ``steps`` steps: each (source, partition)'s samples, and the
-    ranks' states after."""
+) -> tuple[Got, list[dict[str, Any]]]:
+    """Every rank in lockstep for ``steps`` steps (ranks in order in each), and each rank's
+    state after."""
     kw: dict[str, Any] = {"batch_size": batch, "world_size": world, "num_workers": workers}
     if s.batch_code:
         kw["collate_fn"] = stack
     loaders = [ll.DataLoader(dataset(s, lakes, log), rank=r, **kw) for r in range(world)]
-    for loader in loaders:
-        if states is not None:
-            loader.load_state_dict(states)
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
     its = [iter(x) for x in loaders]
-    streams: Streams = {}
+    sources, samples, seeds = [], [], []
     for _ in range(steps):
-        shares = [next(it) for it in its]
-        if s.batch_code:
-            for share in shares:
+        for it in its:
+            share = next(it)
+            if s.batch_code:
                 assert torch.equal(share["b"], share["input_ids"] * 3)  # the batch_transform's
                 assert torch.equal(share["c"], share["input_ids"] * 5)  # the collate_fn's
                 assert share["n"].tolist() == [batch] * batch  # one call with the rank's samples
-        whole = np.concatenate(
-            [np.stack([x[k] for k in ("input_ids", "position_ids", "pad_mask")], 1) for x in shares]
-        )
-        src = np.concatenate(
-            [x.get("source", torch.zeros(batch, dtype=torch.int64)) for x in shares]
-        )
-        seeds = np.concatenate(
-            [x.get("seed", torch.zeros(batch, dtype=torch.int64)) for x in shares]
-        )
-        k = len(whole) // C  # partition-major: k samples of every partition
-        for i, sample in enumerate(whole):
-            key = (int(src[i]), i // k)
-            row = np.concatenate([sample.reshape(-1), [seeds[i]]])
-            streams.setdefault(key, []).append(row)
+            fields = ("input_ids", "position_ids", "pad_mask")
+            samples.append(np.stack([share[k] for k in fields], 1).astype(np.int64))
+            sources.append(share.get("source", torch.zeros(batch, dtype=torch.int64)).numpy())
+            seeds.append(share.get("seed", torch.zeros(batch, dtype=torch.int64)).numpy())
     out = [x.state_dict() for x in loaders]
     for x in loaders:
         x.close()
-    return streams, out
-
-
-def stacked(streams: Streams) -> dict[tuple[int, int], np.ndarray]:
-    return {key: np.stack(rows) for key, rows in streams.items()}
+    return Got(np.concatenate(sources), np.concatenate(samples), np.concatenate(seeds)), out
 
 
 # ------------------------------------------------------------------ what must come
 
 
-def quarantined(s: Scenario, lakes: Lakes, name: str) -> set[int]:
-    bad: set[int] = set()
-    if s.skip:
-        bad |= set(lakes.groups[name][DAMAGED_GROUP])
-    if s.validate:
-        bad |= set(lakes.groups[name][REJECT_GROUP])
-    return bad
+class Oracle:
+    """A scenario's epochs from the files: units in the epoch's order, rows in file order, a
+    transform's drawn token from the row's seed (its place in the epoch's rows), a skipped
+    unit's counted tokens as padding."""
 
+    def __init__(self, s: Scenario, lakes: Lakes) -> None:
+        self.s, self.lakes = s, lakes
+        made = dataset(s, lakes, "")  # packed as the loader packs them
+        self.sources = made.sources if isinstance(made, ll.Mixture) else {"lake": made}
+        self._epochs: dict[tuple[str, int], list[PackedSample]] = {}
 
-def documents(s: Scenario, lakes: Lakes, name: str, part: int, epoch: int) -> list[list[int]]:
-    """A partition's documents of an epoch, in order, quarantined rows left out: the row's
-    tokens (then its drawn token, from its slot's seed) and the separator."""
-    plain = source(s, lakes, name, "", plain=True)
-    with ll.DataLoader(plain, batch_size=len(plain)) as loader:
-        loader.set_epoch(epoch)
-        ids = next(iter(loader))["id"].tolist()  # one batch of every slot: partition-major
-    starts, bad = plain.plan(epoch).starts, quarantined(s, lakes, name)
-    out = []
-    for i, row in enumerate(ids[starts[part] : starts[part + 1]]):
-        if row in bad:
-            continue
-        doc = tokens_of(row)
-        if s.transform:  # the row's slot is p + i C
-            seed = int(slot_seeds(SEED, epoch, np.array([part + i * C]))[0])
-            doc.append(DRAWN + int(np.random.Generator(np.random.PCG64(seed)).integers(1000)))
-        out.append([*doc, EOS])
-    return out
+    def lake(self, name: str) -> str:
+        return "web" if name == "lake" else name
 
+    def epoch(self, name: str, e: int) -> list[PackedSample]:
+        if (name, e) in self._epochs:
+            return self._epochs[name, e]
+        ds, groups = self.sources[name], self.lakes.groups[self.lake(name)]
+        units = ds.units
+        out: list[list[list[int]] | int] = []
+        slot = 0  # the row's place in the epoch's rows: its seed's key
+        for u in ds.plan(e).order.tolist():
+            group = (
+                Path(ds.snapshot.files[int(units.file_index[u])].path).name,
+                int(units.row_group[u]),
+            )
+            ids = groups[group]
+            assert (int(units.row_start[u]), int(units.num_rows[u])) == (0, len(ids))
+            docs = []
+            for j, i in enumerate(ids):
+                doc = tokens_of(i)
+                if self.s.transform:
+                    seed = int(slot_seeds(SEED, e, np.array([slot + j]))[0])
+                    doc.append(
+                        DRAWN + int(np.random.Generator(np.random.PCG64(seed)).integers(1000))
+                    )
+                docs.append(doc)
+            slot += len(ids)
+            out.append(self.padding(group, docs) if group in self.s.bad() else docs)
+        self._epochs[name, e] = packed_epoch(out, C[self.lake(name)], L, EOS)
+        return self._epochs[name, e]
 
-def check_exactly_once(s: Scenario, lakes: Lakes, got: dict[tuple[int, int], np.ndarray]) -> None:
-    """Each (source, partition)'s samples are its epochs' documents in order, every epoch's
-    last sample padded, its sample seeds the documented ones; at least two epochs through."""
-    for (src, part), samples in got.items():
-        name = s.names()[src]
-        tokens, positions = samples[:, :L], samples[:, L : 2 * L]
-        pads, seeds = samples[:, 2 * L : 3 * L].astype(bool), samples[:, 3 * L]
-        want_t: list[int] = []
-        want_p: list[int] = []
-        epoch = 0
-        while len(want_t) < tokens.size:
-            for doc in documents(s, lakes, name, part, epoch):
-                want_t += doc
-                want_p += range(len(doc))
-            pad = -len(want_t) % L
-            want_t, want_p = want_t + [0] * pad, want_p + [0] * pad
-            epoch += 1
-        assert epoch >= 2, f"{name} partition {part}: {epoch} epochs"
-        n = tokens.size
-        assert tokens.ravel().tolist() == want_t[:n], f"{name} partition {part}: tokens"
-        assert positions.ravel().tolist() == want_p[:n], f"{name} partition {part}: positions"
-        assert (tokens[pads] == 0).all() and int(pads.sum()) > 0
-        if s.batch_code:  # sample j of partition p: slot_seeds(seed, crc32(name), j C + p)
-            key = zlib.crc32((name if s.mixture else "lake").encode())
-            want = slot_seeds(SEED, key, np.arange(len(seeds)) * C + part).view(np.int64)
-            assert seeds.tolist() == want.tolist(), f"{name} partition {part}: sample seeds"
+    def padding(self, group: tuple[str, int], docs: list[list[int]]) -> int:
+        """A skipped unit's padding: its counted tokens. Counted from the footers; by reading
+        with a transform, where a damaged unit counts none."""
+        return 0 if group == DAMAGED_GROUP and self.s.transform else sum(len(d) + 1 for d in docs)
+
+    def steps(self, batch: int, steps: int, state: dict[str, Any] | None = None) -> Got:
+        """Global steps from where ``state`` stands (None: the start)."""
+        names = self.s.names()
+        if not self.s.mixture:
+            first = 0 if state is None else int(state["samples"])
+            drawn, counts = ["lake"] * (batch * steps), {"lake": first}
+        else:
+            at = None if state is None else state["mixture"]
+            slot, counts = (0, {}) if at is None else (int(at["slot"]), dict(at["counts"]))
+            w = MixWeights.of(WEIGHTS)
+            drawn = [w.names[k] for k in slot_sources(w, MIX_SEED, slot, batch * steps).tolist()]
+        out = [x for step in packed_steps(self.epoch, drawn, counts, batch) for x in step]
+        seeds = np.zeros(len(out), dtype=np.int64)
+        if self.s.batch_code:
+            seeds = np.array(
+                [slot_seeds(SEED, zlib.crc32(n.encode()), np.array([k]))[0] for n, k, _ in out]
+            ).view(np.int64)
+        return Got(
+            np.array([names.index(n) for n, _, _ in out]),
+            np.stack([x for _, _, x in out]),
+            seeds,
+        )
+
+    def check_each_token_once(self, got: Got) -> None:
+        """Each source's samples as delivered are its epochs one after the other: every token
+        of every row not skipped once an epoch (then one drawn token with a transform, and a
+        separator), a skipped unit's tokens as padding; at least two epochs through."""
+        for k, name in enumerate(self.s.names()):
+            mine = got.samples[got.sources == k]
+            per_epoch = len(self.epoch(name, 0))
+            assert len(mine) >= 2 * per_epoch, name
+            groups = self.lakes.groups[self.lake(name)]
+            kept = [i for g, ids in groups.items() if g not in self.s.bad() for i in ids]
+            lost_tokens = sum(
+                self.padding(g, [[0] * (len(tokens_of(i)) + self.s.transform) for i in groups[g]])
+                for g in self.s.bad()
+            )
+            for e in range(len(mine) // per_epoch):
+                epoch = mine[e * per_epoch : (e + 1) * per_epoch]
+                tokens, pads = epoch[:, 0], epoch[:, 2].astype(bool)
+                real = tokens[~pads]
+                drawn = (real >= DRAWN) & (real < DRAWN + 1000)
+                own = real[(real != EOS) & ~drawn]
+                assert sorted(own.tolist()) == sorted(t for i in kept for t in tokens_of(i))
+                assert (real == EOS).sum() == len(kept), (name, e)
+                assert drawn.sum() == len(kept) * self.s.transform, (name, e)
+                assert lost_tokens <= pads.sum() < lost_tokens + C[self.lake(name)] * L
+                assert (tokens[pads] == 0).all()
 
 
 SCENARIOS = {
@@ -299,82 +365,102 @@ SCENARIOS = {
     "mixture-user-code": Scenario(True, transform=True, batch_code=True),
     "mixture-skip": Scenario(True, skip=True, batch_code=True),
     "mixture-validate": Scenario(True, transform=True, validate=True),
+    # A transform's tokens are counted by reading each unit, and a damaged one counts none:
+    # it leaves no padding, and no other token moves.
+    "lake-skip-transform": Scenario(False, transform=True, skip=True),
 }
-#: (world size, batch size) before and after the resume, and steps before it.
-RESUMES = [((1, 8), (2, 4), 23), ((2, 4), (4, 1), 17), ((4, 2), (1, 4), 31)]
-STEPS = 80  # global batches of 8 samples: every partition through three epochs and more
+#: (world size, batch per rank) before and after a resume.
+SHAPES = [(1, 8), (2, 4), (3, 3), (1, 5), (2, 5), (3, 2)]
+STEPS = 80  # global batches of 8: every source through two epochs and more
 
 
 @pytest.fixture(scope="module")
-def references(lakes: Lakes, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
-    """The uninterrupted run of a scenario (one rank, batches of 8), checked, once."""
-    cache: dict[str, dict[tuple[int, int], np.ndarray]] = {}
-    log = str(tmp_path_factory.mktemp("reference-log") / "rejected.log")
+def oracles(lakes: Lakes) -> Callable[[str], Oracle]:
+    cache: dict[str, Oracle] = {}
 
-    def get(name: str) -> dict[tuple[int, int], np.ndarray]:
+    def get(name: str) -> Oracle:
         if name not in cache:
-            s = SCENARIOS[name]
-            streams, _ = run(s, lakes, log, 1, 8, STEPS)
-            cache[name] = stacked(streams)
-            if not s.mixture:
-                check_exactly_once(s, lakes, cache[name])
+            cache[name] = Oracle(SCENARIOS[name], lakes)
         return cache[name]
 
     return get
 
 
+def quarantine(state: dict[str, Any]) -> set[tuple[str, str, int]]:
+    """The (lake, file, row group) of each unit in a state's quarantine."""
+    entries: tuple[QuarantineEntry, ...]
+    if state["kind"] == "packed":
+        entries = PackedState.from_dict(state, per_epoch=1).quarantine
+    else:
+        entries = PackedMixtureState.from_dict(state).mixture.quarantine
+    return {(Path(q.path).parent.name, Path(q.path).name, q.row_group) for q in entries}
+
+
+def rejections(log: str) -> int:
+    return Path(log).read_text().count("\n") if Path(log).exists() else 0
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_every_token_once_and_exact_resume_mid_document_under_other_shapes(
-    name: str, lakes: Lakes, references: Callable[[str], Any], tmp_path: Path
+def test_every_token_once_per_epoch_padding_counted(
+    name: str, lakes: Lakes, oracles: Callable[[str], Oracle], tmp_path: Path
 ) -> None:
-    s, ref = SCENARIOS[name], references(name)
-    if s.mixture:  # each source's partitions: its documents, whatever the rounds drawn
-        check_exactly_once(s, lakes, ref)
+    s, oracle = SCENARIOS[name], oracles(name)
+    got, states = run(s, lakes, str(tmp_path / "rejected.log"), 1, 8, STEPS)
+    assert got == oracle.steps(8, STEPS)
+    oracle.check_each_token_once(got)
+    assert quarantine(states[0]) == s.quarantined(), "the skipped units in the state's quarantine"
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_exact_resume_from_rank_0_state_under_other_shapes(
+    name: str, lakes: Lakes, oracles: Callable[[str], Oracle], tmp_path: Path
+) -> None:
+    """Three resumes at random points under other world sizes and batches: rank 0's state
+    alone (or every rank's, their quarantines merged), one of them with two workers."""
+    s, oracle, rng = SCENARIOS[name], oracles(name), random.Random(name)
     log = str(tmp_path / "rejected.log")
-    want = {g for g, on in ((DAMAGED_GROUP, s.skip), (REJECT_GROUP, s.validate)) if on}
-    mid_document, found_all = 0, set()
-    for (w1, b1), (w2, b2), steps in RESUMES:
+    mid_document = screened = 0
+    for k in range(3):
+        (w1, b1), (w2, b2) = rng.sample(SHAPES, 2)
+        steps = rng.randrange(1, 2 * STEPS * 8 // (w1 * b1))
         before, states = run(s, lakes, log, w1, b1, steps)
-        mid_document += any(x[2] > 0 for st in states for x in _partitions(st))
-        found = {(Path(q.path).name, q.row_group) for st in states for q in _quarantine(st)}
-        assert found <= want, found
-        found_all |= found
-        rejected = Path(log).read_text().count("\n") if Path(log).exists() else 0
-        left = (STEPS * 8 - steps * w1 * b1) // (w2 * b2)  # the reference's samples, no more
-        workers = 2 if w2 == 1 else 0
-        after, _ = run(s, lakes, log, w2, b2, left, states=states[::-1], workers=workers)
-        for key, samples in ref.items():
-            got = np.stack(before.get(key, []) + after.get(key, []))
-            assert np.array_equal(got, samples[: len(got)]), (name, w1, b1, steps, w2, b2, key)
-        if found == want and s.validate:  # known from the states: screened without reading
-            now = Path(log).read_text().count("\n")
-            assert now == rejected, f"{now - rejected} units rejected again after the resume"
-    assert found_all == want, "the states' quarantine"
+        assert before == oracle.steps(w1 * b1, steps), (w1, b1, steps)
+        given = states[0] if k != 1 else states[::-1]
+        known = set.union(*map(quarantine, states)) if k == 1 else quarantine(states[0])
+        assert known <= s.quarantined()
+        rejected = rejections(log)
+        workers = 2 if k == 2 else 0
+        after, later = run(s, lakes, log, w2, b2, 6, state=given, workers=workers)
+        assert after == oracle.steps(w2 * b2, 6, states[0]), (w1, b1, steps, w2, b2, workers)
+        mid_document += int((after.samples[:, 1, 0] > 0).any())
+        if s.validate and s.rejected() <= known:  # known from the state: not read again
+            assert rejections(log) == rejected, "a rejected unit read again after the resume"
+            screened += 1
+        assert known <= quarantine(later[0]) <= s.quarantined()
     assert mid_document, "a resume in the middle of a document"
+    assert screened or not s.validate, "a resume that knew the rejected units"
 
 
-def _partitions(state: dict[str, Any]) -> list[list[int]]:
-    if state["kind"] == "packed":
-        return list(state["partitions"].values())
-    return [x for src in state["sources"].values() for x in src["partitions"].values()]
-
-
-def _quarantine(state: dict[str, Any]) -> tuple[QuarantineEntry, ...]:
-    if state["kind"] == "packed":
-        return PackedState.from_dict(state).quarantine
-    return PackedMixtureState.from_dict(state).mixture.quarantine
+@pytest.mark.parametrize("name", ["lake-user-code", "mixture-skip"])
+def test_workers_give_the_same_batches(
+    name: str, lakes: Lakes, oracles: Callable[[str], Oracle], tmp_path: Path
+) -> None:
+    s = SCENARIOS[name]
+    got, _ = run(s, lakes, str(tmp_path / "rejected.log"), 1, 8, 40, workers=2)
+    assert got == oracles(name).steps(8, 40)
 
 
 def test_a_checkpoint_holds_the_quarantine_and_resumes_without_reading_it(
-    lakes: Lakes, references: Callable[[str], Any], tmp_path: Path
+    lakes: Lakes, oracles: Callable[[str], Oracle], tmp_path: Path
 ) -> None:
-    """CheckpointManager saves a packed stream's quarantine with its partitions; two ranks
-    loading it know the rejected units (screened without reading) and continue exactly."""
-    s, ref, log = SCENARIOS["lake-validate"], references("lake-validate"), str(tmp_path / "r.log")
-    before, states = run(s, lakes, log, 1, 8, 30)
+    """CheckpointManager saves a packed stream's quarantine with its samples; two ranks
+    loading it know the rejected unit (screened without reading) and continue exactly."""
+    s, oracle, log = SCENARIOS["lake-validate"], oracles("lake-validate"), str(tmp_path / "r.log")
+    _, states = run(s, lakes, log, 1, 8, 30)
+    assert quarantine(states[0]) == s.rejected()
     with ll.CheckpointManager(str(tmp_path / "ckpt")) as manager:
         with ll.DataLoader(dataset(s, lakes, log), batch_size=8) as saver:
-            saver.load_state_dict(states)
+            saver.load_state_dict(states[0])
             manager.save(30, saver)
         loaders = [
             ll.DataLoader(dataset(s, lakes, log), batch_size=4, rank=r, world_size=2)
@@ -383,46 +469,35 @@ def test_a_checkpoint_holds_the_quarantine_and_resumes_without_reading_it(
         for loader in loaders:
             manager.load(loader)
             assert {(Path(q.path).name, q.row_group) for q in loader.quarantine} == {REJECT_GROUP}
-    rejected = Path(log).read_text().count("\n")
-    after, _ = run(s, lakes, log, 2, 4, 50, states=[x.state_dict() for x in loaders])
-    for loader in loaders:
-        loader.close()
-    assert Path(log).read_text().count("\n") == rejected, "rejected units read again"
-    for key, samples in ref.items():
-        got = np.stack(before[key] + after[key])
-        assert np.array_equal(got, samples[: len(got)]), key
+        loaded = loaders[0].state_dict()
+        for loader in loaders:
+            loader.close()
+    assert loaded == states[0]
+    rejected = rejections(log)
+    after, _ = run(s, lakes, log, 2, 4, 50, state=loaded)
+    assert rejections(log) == rejected, "the rejected unit read again"
+    assert after == oracle.steps(8, 50, loaded)
 
 
-def test_states_merge_their_quarantines_and_old_states_have_none() -> None:
+def test_states_keep_their_quarantine_and_old_states_have_none() -> None:
     a = QuarantineEntry("a.parquet", 0, 0, 10, "bad page")
     b = QuarantineEntry("b.parquet", 2, 5, 5, "rejected")
-    at = PartitionPosition(1, 4, 2, 40, 3)
-    one = PackedState("f", "c", 2, 7, {0: at}).with_quarantine([a])
-    two = PackedState("f", "c", 2, 7, {1: at}).with_quarantine([b, a])
-    assert PackedState.merge([one, two]).quarantine == (a, b)
+    one = PackedState("f", "c", 24).with_quarantine([b, a]).with_quarantine([a])
+    assert one.quarantine == (a, b)
+    assert PackedState.from_dict(one.to_dict(), per_epoch=10) == one
     old = one.to_dict()
     del old["quarantine"]  # as lakeloader wrote it before packed streams skipped units
-    assert PackedState.from_dict(old) == PackedState("f", "c", 2, 7, {0: at})
+    assert PackedState.from_dict(old, per_epoch=10) == PackedState("f", "c", 24)
 
 
-def test_a_partition_with_no_token_left_is_refused_not_read_forever(
-    lakes: Lakes, tmp_path: Path
-) -> None:
-    """Every unit rejected: each partition's epochs are empty; after EMPTY_EPOCHS of them in a
-    row the stream says so instead of reading epochs forever."""
-    from lakeloader.pipeline.partition_stream import EMPTY_EPOCHS
-
-    every = frozenset(i for ids in lakes.groups["web"].values() for i in ids)
-    ds = ll.LakeDataset(
-        lakes.uri("web"),
-        columns=["id", "tokens"],
-        num_partitions=C,
-        on_error="skip",
-        validate=Reject(every, str(tmp_path / "r.log")),
-        packing=ll.Packing("tokens", L, eos_id=EOS),
+def test_a_lake_with_no_token_is_refused(tmp_path: Path) -> None:
+    """Every row empty and no separator: no sample to make, said before reading forever."""
+    pq.write_table(
+        pa.table({"tokens": pa.array([[]] * 20, pa.list_(pa.int64()))}), tmp_path / "a.parquet"
     )
-    match = f"no 'tokens' token in {EMPTY_EPOCHS} epochs in a row"
-    with ll.DataLoader(ds, batch_size=4) as loader, pytest.raises(ValueError, match=match):
+    ds = ll.LakeDataset(tmp_path, num_partitions=C["web"], packing=ll.Packing("tokens", L))
+    match = "packing found no 'tokens' token in source"
+    with pytest.raises(ValueError, match=match), ll.DataLoader(ds, batch_size=4) as loader:
         next(iter(loader))
 
 
@@ -440,11 +515,11 @@ def test_a_transform_that_makes_no_token_list_is_named(
     ds = ll.LakeDataset(
         lakes.uri("web"),
         columns=["id", "text"],
-        num_partitions=C,
+        num_partitions=C["web"],
         transform=Const(made),
         packing=ll.Packing("tokens", L),
     )
-    with ll.DataLoader(ds, batch_size=4) as loader, pytest.raises(error, match=match):
+    with pytest.raises(error, match=match), ll.DataLoader(ds, batch_size=4) as loader:
         next(iter(loader))
 
 
