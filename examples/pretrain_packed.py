@@ -6,14 +6,14 @@ Run it::
     torchrun --standalone --nproc-per-node=4 --max-restarts=1 examples/pretrain_packed.py \\
         --lake /tmp/tokens --ckpt /tmp/ckpt --log-dir /tmp/logs --steps 40 --resume
 
-Every rank reads its partitions' packed samples (``LakeDataset(..., packing=Packing(...))``:
-``num_partitions=4``, so 1, 2 or 4 ranks) through ``lakeloader.DataLoader``; the global batch
-is 8 samples of 16 tokens whatever the world size. Every ``--save-every`` steps, and at the
-end, every rank calls ``CheckpointManager.save`` (a collective: the ranks' positions are
-compared and their partitions gathered; each rank writes its shards of the model and the
-optimizer through ``torch.distributed.checkpoint``, rank 0 the loader's state). With
-``--resume`` the newest checkpoint restores the loader (each rank takes its partitions, under
-any world size dividing 4), the model and the optimizer.
+Every rank reads its share of each step's packed samples
+(``LakeDataset(..., packing=Packing(...))``)
+through ``lakeloader.DataLoader``; the global batch is 24 samples of 16 tokens whatever the
+world size (1, 2, 3, 4, 6 or 8 ranks). Every ``--save-every`` steps, and at the end, every rank
+calls ``CheckpointManager.save`` (a collective: the ranks' positions are compared; each rank
+writes its shards of the model and the optimizer through ``torch.distributed.checkpoint``, rank
+0 the loader's state: the samples delivered, the same on every rank). With ``--resume`` the
+newest checkpoint restores the loader (under any world size), the model and the optimizer.
 
 Logs: JSON lines in ``{log_dir}/rank{RANK}-attempt{N}.jsonl`` (``start``, ``resume``,
 ``step`` with the ``input_ids`` this rank trained on, ``kill``, ``end``), as in
@@ -40,7 +40,7 @@ from train_ddp import Log, base_parser, init_distributed
 
 import lakeloader as ll
 
-SEQ, GLOBAL_SAMPLES, PARTITIONS, VOCAB, EOS = 16, 8, 4, 997, 0
+SEQ, GLOBAL_SAMPLES, PARTITIONS, VOCAB, EOS = 16, 24, 4, 997, 0
 
 
 def tokens_of(i: int) -> list[int]:

@@ -319,13 +319,6 @@ class LakeDataset:
         twin._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(twin._plan)
         return twin
 
-    @property
-    def loader_kind(self) -> str:
-        """Which loader streams it: ``"packed"``, ``"follow"`` (endless) or ``"lake"``."""
-        if self.packing is not None:
-            return "packed"
-        return "follow" if self.follow is not None else "lake"
-
     def __getitem__(self, index: object) -> None:
         """Refuse indexing: torch's own DataLoader would sample rows one by one.
 

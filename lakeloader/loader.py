@@ -128,11 +128,6 @@ class DataLoader(TorchNames):
         endless: bool = False,
     ) -> None:
         check_unsupported(dataset, shuffle, sampler, batch_sampler, generator)
-        if restart_on_iter and dataset.loader_kind != "lake":
-            raise ValueError(
-                f"restart_on_iter=True needs a LakeDataset: a {dataset.loader_kind} stream "
-                "cannot be rewound to its start at every iter()"
-            )
         if not in_order:
             raise ValueError("in_order=False is not supported: batches come in step order")
         if num_workers == 0 and (prefetch_factor is not None or persistent_workers):
@@ -169,6 +164,11 @@ class DataLoader(TorchNames):
         self._res = LoaderResources(self)
         #: What it reads: a lake, a followed lake, a mixture or a packed stream.
         self.root = as_node(self, dataset)
+        if restart_on_iter and self.root.what != "lake":
+            raise ValueError(
+                f"restart_on_iter=True needs a LakeDataset: a {self.root.what} cannot be "
+                "rewound to its start at every iter()"
+            )
 
     @property
     def dataset(self) -> Any:

@@ -144,11 +144,6 @@ class Mixture:
             self.sources = {n: ds.packed(packing) for n, ds in self.sources.items()}
         self.batch_transform = _one_batch_transform(self.sources, batch_transform)
 
-    @property
-    def loader_kind(self) -> str:
-        """Which loader streams it: ``"packed-mixture"`` with a packing, else ``"mixture"``."""
-        return "packed-mixture" if self.packing is not None else "mixture"
-
     def __len__(self) -> int:
         """Rows in one pass over the mixture (``epoch_rows``)."""
         return self.epoch_rows

@@ -120,7 +120,8 @@ def write_old(root: Path, step: int, loader: ll.DataLoader, extra: Any) -> None:
     """
     folders = CheckpointFolders(ll.CheckpointManager(str(root), ledger=False).store, str(root), 3)
     created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    state, kind = loader.state_dict(), loader.dataset.loader_kind
+    kinds = {"lake": "lake", "mixture": "mixture", "packed stream": "packed"}
+    state, kind = loader.state_dict(), kinds.get(loader.root.what, "packed-mixture")
     if kind == "lake":
         ds = loader.dataset
         manifest = folders.manifest(ds.snapshot, ds.source.describe())

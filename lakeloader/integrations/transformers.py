@@ -227,9 +227,10 @@ class LakeTrainer(Trainer):
     def _lake_loader(
         self, dataset: LakeDataset | Mixture, batch_size: int, **kw: Any
     ) -> DataLoader:
-        if dataset.loader_kind not in ("lake", "mixture"):
+        endless = "follow" if getattr(dataset, "follow", None) else "packed"
+        if endless == "follow" or dataset.packing is not None:
             raise LakeTrainerError(
-                f"LakeTrainer cannot train on a {dataset.loader_kind} dataset (an endless "
+                f"LakeTrainer cannot train on a {endless} dataset (an endless "
                 "stream has no epochs for the Trainer to count): pass a LakeDataset without "
                 "follow= or packing=, or a Mixture without packing"
             )

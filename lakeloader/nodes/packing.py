@@ -309,9 +309,13 @@ class PackedMixtureNode(PackingNode):
             epoch_start=0,
             epoch_rows=dataset.epoch_rows,
             sources=self._records(),
-            topology=self.host.topology.to_dict(),
+            topology=self._topology(),
         )
         self._mixed = PackedMixtureState(cursor)
+
+    def _topology(self) -> dict[str, int]:
+        """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
+        return {**self.host.topology.to_dict(), "rank": 0}
 
     def _records(self) -> dict[str, Any]:
         """Each source's snapshot, packing and samples per epoch, as the state records them."""
@@ -375,7 +379,7 @@ class PackedMixtureNode(PackingNode):
         resumed = resume_mixture(saved, self.mixture, self._records())
         for change in resumed.changes:
             logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
-        mixture = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
+        mixture = dataclasses.replace(resumed.state, topology=self._topology())
         self._mixed = PackedMixtureState(mixture)
         self.record.restored()
 

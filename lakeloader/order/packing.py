@@ -134,7 +134,7 @@ def step_share(
     >>> s = TokenStream.of(np.array([8, 8]), streams=2, seq_len=4)
     >>> share = step_share(np.zeros(4, int), np.arange(4), {(0, 0): s}, [4], 2, 1)
     >>> share.start.tolist(), share.stop.tolist()
-    [[8, 12], [12, 16]]
+    ([8, 12], [12, 16])
     """
     epochs = offsets // np.asarray(per_epoch, dtype=np.int64)[sources]
     stream = np.empty(len(sources), dtype=np.int64)
