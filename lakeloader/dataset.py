@@ -185,8 +185,6 @@ class LakeDataset:
         self.validate = validate
         #: Follow mode's settings, or None.
         self.follow = Follow.of(follow)
-        if self.follow is not None and packing is not None:
-            raise ValueError("follow= and packing= do not go together yet: pick one")
         if snapshot is None:
             request = SourceRequest(
                 self.storage_options,

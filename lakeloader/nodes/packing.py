@@ -35,15 +35,16 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import Host, Node, StepRecord, decoding_setup, read_counts
+from lakeloader.nodes.streams import SourceStream
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.collate import BatchTransform
 from lakeloader.pipeline.packed import PackedIterator, PackedSource, arena_layout, epoch_samples
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
-from lakeloader.recovery.mixture_resume import records, resume_mixture
-from lakeloader.state.journal import Runs, epoch_runs
+from lakeloader.recovery.mixture_resume import resume_mixture
+from lakeloader.state.journal import Runs
 from lakeloader.state.loader_state import config_hash
-from lakeloader.state.mixture_state import MixtureState, WeightChange
+from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState, PackedState
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
@@ -76,7 +77,7 @@ class PackingNode(Node):
 
     def __init__(self, host: Host, dataset: Any) -> None:
         super().__init__(host)
-        self._counts: dict[str, np.ndarray] = {}
+        self._counts: dict[str, np.ndarray] = {}  # by the fingerprint of an epoch's dataset
         self._tokens = self._padding = 0
         self.record = StepRecord()
         self._init(dataset)
@@ -88,6 +89,7 @@ class PackingNode(Node):
         self._check_column(dataset)
         self._reader = dataset.reader()
         self._config = self._packing_hash(dataset)
+        self._streams = {ONLY: SourceStream(dataset, size=self._samples_of)}
         self._state = PackedState(dataset.fingerprint, self._config, 0)
 
     def _check_column(self, dataset: LakeDataset) -> None:
@@ -103,27 +105,31 @@ class PackingNode(Node):
         return config_hash({**ds.config.to_dict(), "packing": packing.to_dict()})
 
     def _source(self, name: str, ds: LakeDataset, reader: UnitReader) -> PackedSource:
-        """A source with its units' token counts and the quarantine so far."""
-        return PackedSource(ds, reader, self._counts_of(name, ds), tuple(self.quarantine))
+        """A source with its stream, its units' token counts and the quarantine so far."""
+        stream = self._streams[name]
+        return PackedSource(ds, reader, stream, self._counts_of, tuple(self.quarantine))
 
-    def _counts_of(self, name: str, ds: LakeDataset) -> np.ndarray:
-        """A source's units' token counts (counted once per loader)."""
-        if name not in self._counts:
-            self._counts[name] = token_counts(ds)
-        return self._counts[name]
+    def _counts_of(self, ds: LakeDataset) -> np.ndarray:
+        """The token counts of an epoch's dataset's units (counted once per loader)."""
+        if ds.fingerprint not in self._counts:
+            self._counts[ds.fingerprint] = token_counts(ds)
+        return self._counts[ds.fingerprint]
 
-    def _per_epoch(self, name: str, ds: LakeDataset) -> int:
+    def _samples_of(self, ds: LakeDataset) -> int:
+        """Samples in an epoch of ``ds`` (a followed lake's: of the increment it is)."""
         packing = self.dataset.packing
         assert packing is not None
-        return epoch_samples(ds, self._counts_of(name, ds), packing)
+        return epoch_samples(ds, self._counts_of(ds), packing)
 
     def placed(self, topology: Topology) -> None:
         """Nothing to do: the state is the same under every topology."""
 
     @property
     def epoch(self) -> int:
-        """The epoch of the next sample."""
-        return self._state.samples // self._per_epoch(ONLY, self.dataset)
+        """The epoch of the next sample (a followed lake's: of the last one, until known)."""
+        stream, samples = self._streams[ONLY], self._state.samples
+        at = samples if stream.covers(samples) else samples - 1
+        return int(stream.locate(np.array([max(at, 0)]))[0][0])
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Not supported: a packed stream runs through its epochs by itself.
@@ -185,16 +191,11 @@ class PackingNode(Node):
         """The only place the position moves: a batch was handed over."""
         self._tokens, self._padding = self._tokens + tokens, self._padding + pads
         runs = []
-        for name, ds in self._sources().items():
+        for name, stream in self._streams.items():
             first, stop = self._counted().get(name, 0), cursor.counts.get(name, 0)
-            per_epoch = self._per_epoch(name, ds)
-            runs += epoch_runs(first, stop, per_epoch, name, self.host.topology)
+            runs += stream.runs(first, stop, name, self.host.topology)
         self.record.step(runs)
         self._moved(cursor, [q for found in skipped for q in found])
-
-    def _sources(self) -> dict[str, LakeDataset]:
-        """The sources by the names their streams have (the audit's)."""
-        return {ONLY: self.dataset}
 
     def _counted(self) -> Mapping[str, int]:
         """Samples each source delivered so far."""
@@ -206,7 +207,13 @@ class PackingNode(Node):
         return True
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
-        self._state = dataclasses.replace(self._state, samples=cursor.slot)
+        stream = self._streams[ONLY]
+        stream.forget_before(cursor.slot)
+        at = stream.record(cursor.slot)  # a followed lake's: the increment it stands in
+        self._state = dataclasses.replace(
+            self._state, samples=cursor.slot, fingerprint=at.fingerprint, increment=at.increment,
+            start=at.start,
+        )  # fmt: skip
         self._quarantine(skipped)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
@@ -234,16 +241,19 @@ class PackingNode(Node):
         """
         self.host._close_iterator("load_state_dict()")
         given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
-        per_epoch = self._per_epoch(ONLY, self.dataset)
+        per_epoch = self._samples_of(self.dataset)
         states = [PackedState.from_dict(s, per_epoch) for s in given]
         saved = states[0].with_quarantine(q for s in states for q in s.quarantine)
-        if (saved.fingerprint, saved.config) != (self._state.fingerprint, self._config):
+        record = SourceRecord(saved.fingerprint, "", 0, saved.increment, saved.start)
+        stream = SourceStream.resumed(self.dataset, record, self._samples_of)
+        now = stream.record(saved.samples).fingerprint
+        if (saved.fingerprint, saved.config) != (now, self._config):
             raise StateMismatchError(
                 f"the packed state is of snapshot {saved.fingerprint} with configuration "
-                f"{saved.config}; this loader reads {self._state.fingerprint} with "
-                f"{self._config}: resume with the same lake snapshot, order settings and packing"
+                f"{saved.config}; this loader reads {now} with {self._config}: resume with "
+                "the same lake snapshot, order settings and packing"
             )
-        self._state = saved
+        self._streams, self._state = {ONLY: stream}, saved
         self.record.restored()
 
     def barrier_position(self) -> Position:
@@ -300,6 +310,9 @@ class PackedMixtureNode(PackingNode):
         for ds in dataset.sources.values():
             self._check_column(ds)
         self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
+        self._streams = {
+            n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
+        }
         cursor = MixtureState(
             seed=dataset.seed,
             slot=0,
@@ -308,7 +321,7 @@ class PackedMixtureNode(PackingNode):
             epoch=0,
             epoch_start=0,
             epoch_rows=dataset.epoch_rows,
-            sources=self._records(),
+            sources=self._records({}),
             topology=self._topology(),
         )
         self._mixed = PackedMixtureState(cursor)
@@ -317,14 +330,15 @@ class PackedMixtureNode(PackingNode):
         """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
         return {**self.host.topology.to_dict(), "rank": 0}
 
-    def _records(self) -> dict[str, Any]:
-        """Each source's snapshot, packing and samples per epoch, as the state records them."""
-        out = records(self.mixture)
-        for name, ds in self.mixture.sources.items():
-            per_epoch = self._per_epoch(name, ds)
-            out[name] = dataclasses.replace(
-                out[name], config=self._packing_hash(ds), rows=per_epoch
-            )
+    def _records(self, counts: Mapping[str, int]) -> dict[str, SourceRecord]:
+        """Each source's record at these counts ({}: where its stream is known from).
+
+        Its snapshot (a followed lake's increment), packing and samples per epoch.
+        """
+        out = {}
+        for name, stream in self._streams.items():
+            at = stream.record(counts.get(name, stream.known[0][1]))
+            out[name] = dataclasses.replace(at, config=self._packing_hash(stream.known[0][2]))
         return out
 
     @property
@@ -351,8 +365,13 @@ class PackedMixtureNode(PackingNode):
         return self._begin(sources, cursor, mix.weights, mix.seed, transform, mix.source_key)
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
+        for name, stream in self._streams.items():
+            stream.forget_before(cursor.counts.get(name, 0))
         mixture = dataclasses.replace(
-            self._mixed.mixture, slot=cursor.slot, counts=dict(cursor.counts)
+            self._mixed.mixture,
+            slot=cursor.slot,
+            counts=dict(cursor.counts),
+            sources={**self._mixed.mixture.sources, **self._records(cursor.counts)},
         )
         self._mixed = PackedMixtureState(mixture)
         self._quarantine(skipped)
@@ -376,15 +395,18 @@ class PackedMixtureNode(PackingNode):
         saved = dataclasses.replace(
             states[0], quarantine=tuple(merge(*(s.quarantine for s in states)))
         )
-        resumed = resume_mixture(saved, self.mixture, self._records())
+        self._streams = {
+            n: SourceStream.resumed(ds, saved.sources[n], self._samples_of)
+            if n in saved.sources
+            else SourceStream(ds, size=self._samples_of)
+            for n, ds in self.mixture.sources.items()
+        }
+        resumed = resume_mixture(saved, self.mixture, self._records({}))
         for change in resumed.changes:
             logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
         mixture = dataclasses.replace(resumed.state, topology=self._topology())
         self._mixed = PackedMixtureState(mixture)
         self.record.restored()
-
-    def _sources(self) -> dict[str, LakeDataset]:
-        return dict(self.mixture.sources)
 
     def _counted(self) -> Mapping[str, int]:
         return self._mixed.mixture.counts

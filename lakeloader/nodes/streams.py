@@ -1,16 +1,19 @@
-"""A mixture source's stream of rows: its epochs end to end, a followed lake's increments.
+"""A source's stream: its epochs end to end, a followed lake's increments.
 
-A mixture counts the rows it has drawn from each source: offset ``j`` of a source's stream is
-a row of one of its epochs. A lake's epochs all hold ``len(dataset)`` rows, so offset ``j`` is
-position ``j % n`` of epoch ``j // n``. A followed lake's epochs are its increments, of any
-size, appended while the run goes on: :class:`SourceStream` knows the increments from the one
-its state names on, each with the offset it starts at, and waits for the next one when a draw
-reaches past the last (``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). Its
-:meth:`SourceStream.spans` are what :func:`lakeloader.order.mixture.draw_parts` cuts the
-draws with.
+A mixture counts the rows it has drawn from each source: offset ``j`` of a source's stream is a
+row of one of its epochs (a packed source's stream counts samples: its ``size`` of an epoch is
+the samples the epoch's tokens fill, :mod:`lakeloader.order.packing`). A lake's epochs all hold
+``len(dataset)`` rows, so offset ``j`` is position ``j % n`` of epoch ``j // n``. A followed
+lake's epochs are its increments, of any size, appended while the run goes on:
+:class:`SourceStream` knows the increments from the one its state names on, each with the
+offset it starts at, and waits for the next one when a draw reaches past the last
+(``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). Its :meth:`SourceStream.spans`
+are what :func:`lakeloader.order.mixture.draw_parts` cuts the draws with.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,9 +32,13 @@ class SourceStream:
     Args:
         dataset: The source (for a followed lake: the increment the stream is known from).
         start: The stream's offset of that increment's first row.
+        size: The offsets an epoch's dataset holds (its rows: ``len``).
     """
 
-    def __init__(self, dataset: LakeDataset, start: int = 0) -> None:
+    def __init__(
+        self, dataset: LakeDataset, start: int = 0, size: Callable[[LakeDataset], int] = len
+    ) -> None:
+        self.size = size
         self.follows = dataset.follow is not None
         increment = dataset.snapshot.increment
         first = increment.index if self.follows and increment is not None else 0
@@ -39,26 +46,28 @@ class SourceStream:
         self.known: list[tuple[int, int, LakeDataset]] = [(first, start, dataset)]
 
     @classmethod
-    def resumed(cls, dataset: LakeDataset, record: SourceRecord) -> SourceStream:
+    def resumed(
+        cls, dataset: LakeDataset, record: SourceRecord, size: Callable[[LakeDataset], int] = len
+    ) -> SourceStream:
         """The stream of ``dataset`` from the increment a saved record names (if any)."""
         if record.increment is None or dataset.follow is None:
-            return cls(dataset)
+            return cls(dataset, size=size)
         increment = Increment.from_list(record.increment)
         if dataset.snapshot.increment != increment:
             found = increment_at(dataset.source, increment, dataset.increment_request())
             dataset = dataset.on_increment(*found)
-        return cls(dataset, record.start)
+        return cls(dataset, record.start, size)
 
     def spans(self) -> Spans:
         """Where its epochs start: ``n`` rows each, or the increments' first offsets."""
         if not self.follows:
-            return len(self.known[0][2])
+            return self.size(self.known[0][2])
         ends = [start for _, start, _ in self.known] + [self._end()]
         return self.known[0][0], np.asarray(ends, dtype=np.int64)
 
     def _end(self) -> int:
         _, start, ds = self.known[-1]
-        return start + len(ds)
+        return start + self.size(ds)
 
     def covers(self, offset: int) -> bool:
         """Whether the increments known hold ``offset`` (a lake's epochs always do)."""
@@ -93,15 +102,15 @@ class SourceStream:
             if first <= count:
                 start, ds = first, dataset
         if not self.follows:
-            return SourceRecord(ds.fingerprint, ds.config_hash, len(ds))
+            return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds))
         increment = ds.snapshot.increment
         marks = None if increment is None else increment.to_list()
-        return SourceRecord(ds.fingerprint, ds.config_hash, len(ds), marks, start)
+        return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds), marks, start)
 
     def runs(self, first: int, stop: int, name: str, topology: Topology) -> list[DeliveredRun]:
         """What offsets ``[first, stop)`` of the stream are, epoch by epoch, as audit runs."""
         if not self.follows:
-            return epoch_runs(first, stop, len(self.known[0][2]), name, topology)
+            return epoch_runs(first, stop, self.size(self.known[0][2]), name, topology)
         out = []
         while first < stop:
             epoch, start, rows = self._epoch_at(first)
@@ -113,9 +122,18 @@ class SourceStream:
     def _epoch_at(self, offset: int) -> tuple[int, int, int]:
         """The epoch holding ``offset``: its number, first offset and rows."""
         for epoch, start, ds in self.known:
-            if start <= offset < start + len(ds):
-                return epoch, start, len(ds)
+            if start <= offset < start + self.size(ds):
+                return epoch, start, self.size(ds)
         raise ValueError(f"offset {offset} is past the increments known of {self.known[0][2]!r}")
+
+    def locate(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch of each offset (known: :meth:`cover` first), and its place in it."""
+        spans = self.spans()
+        if isinstance(spans, int):
+            return offsets // spans, offsets % spans
+        first, starts = spans
+        index = np.searchsorted(starts, offsets, side="right") - 1
+        return first + index, offsets - starts[index]
 
     def forget_before(self, count: int) -> None:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""

@@ -116,8 +116,9 @@ class Share:
 def step_share(
     sources: np.ndarray,
     offsets: np.ndarray,
+    epochs: np.ndarray,
+    places: np.ndarray,
     stream_of: dict[tuple[int, int], TokenStream],
-    per_epoch: list[int],
     world_size: int,
     rank: int,
 ) -> Share:
@@ -126,17 +127,17 @@ def step_share(
     Args:
         sources: The source of each of the step's samples, as drawn.
         offsets: Each sample's index in its source's endless stream.
+        epochs: Each sample's epoch of its source.
+        places: Its index among that epoch's samples.
         stream_of: The :class:`TokenStream` of each ``(source, epoch)`` the step reaches.
-        per_epoch: Samples in an epoch of each source.
         world_size: Ranks.
         rank: This rank.
 
     >>> s = TokenStream.of(np.array([8, 8]), streams=2, seq_len=4)
-    >>> share = step_share(np.zeros(4, int), np.arange(4), {(0, 0): s}, [4], 2, 1)
+    >>> share = step_share(*[np.zeros(4, int), np.arange(4)] * 2, {(0, 0): s}, 2, 1)
     >>> share.start.tolist(), share.stop.tolist()
     ([8, 12], [12, 16])
     """
-    epochs = offsets // np.asarray(per_epoch, dtype=np.int64)[sources]
     stream = np.empty(len(sources), dtype=np.int64)
     index = np.empty(len(sources), dtype=np.int64)
     start = np.empty(len(sources), dtype=np.int64)
@@ -144,7 +145,7 @@ def step_share(
     for source, epoch in {(int(s), int(e)) for s, e in zip(sources, epochs, strict=True)}:
         mine = (sources == source) & (epochs == epoch)
         tokens = stream_of[(source, epoch)]
-        stream[mine], index[mine] = tokens.locate(offsets[mine] % per_epoch[source])
+        stream[mine], index[mine] = tokens.locate(places[mine])
         start[mine], stop[mine] = tokens.spans(stream[mine], index[mine])
     order = np.lexsort((index, stream, epochs, sources))
     a, b = rank_bounds(len(order), world_size, rank)

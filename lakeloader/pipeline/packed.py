@@ -23,10 +23,11 @@ through the state, to later passes and resumes): screened without reading.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ import torch
 from lakeloader.cache.packed import RowLayout
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
+from lakeloader.lake.following import CaughtUpError
 from lakeloader.options import LoaderOptions
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_share
@@ -54,6 +56,11 @@ from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 
+if TYPE_CHECKING:
+    from lakeloader.nodes.streams import SourceStream
+
+logger = logging.getLogger(__name__)
+
 #: Steps whose units are requested ahead of the one delivered.
 AHEAD_STEPS: Final = 4
 
@@ -68,14 +75,16 @@ class PackedSource(NamedTuple):
         dataset: The dataset (its ``transform``, ``on_error`` and ``validate`` apply to its
             rows).
         reader: Reads its units.
-        counts: Tokens of each of its units, in path order
+        stream: Its epochs (a followed lake's increments) and the samples each holds.
+        counts_of: Tokens of each unit of an epoch's dataset, in path order
             (:mod:`~lakeloader.pipeline.token_counts`).
         known: Units already quarantined (from the state): screened without reading.
     """
 
     dataset: LakeDataset
     reader: UnitReader
-    counts: np.ndarray
+    stream: SourceStream
+    counts_of: Callable[[LakeDataset], np.ndarray]
     known: tuple[QuarantineEntry, ...] = ()
 
 
@@ -134,8 +143,7 @@ class PackedIterator:
         self._sources, self._packing, self._weights, self._seed = sources, packing, weights, seed
         self._topology, self._recipe, self._source_key = topology, recipe, source_key
         self._delivered = delivered
-        self._per_epoch = [epoch_samples(s.dataset, s.counts, packing) for s in sources]
-        empty = [w for w, n in zip(weights.names, self._per_epoch, strict=True) if not n]
+        empty = [w for w, s in zip(weights.names, sources, strict=True) if s.stream.spans() == 0]
         if empty:
             raise ValueError(
                 f"packing found no {packing.column!r} token in source(s) {empty} (every row "
@@ -143,8 +151,11 @@ class PackedIterator:
             )
         self._stores = Stores(
             [
-                Leaf(s.dataset, s.reader, s.known, BatchRecipe(lists=s.dataset.list_format))
+                Leaf(first, s.reader if first is s.dataset else first.reader(), s.known, recipe)
                 for s in sources
+                for first, recipe in [
+                    (s.stream.known[0][2], BatchRecipe(lists=s.dataset.list_format))
+                ]
             ],
             options,
             Topology(1, 0, 0, options.batch_size),
@@ -169,8 +180,9 @@ class PackedIterator:
         """Where the tokens of ``epoch`` of ``source`` lie (the last few kept)."""
         key = (source, epoch)
         if key not in self._streams:
-            ds = self._sources[source].dataset.for_epoch(epoch)
-            counts = self._sources[source].counts[ds.plan(epoch).order]
+            src = self._sources[source]
+            ds = src.stream.dataset(epoch)
+            counts = src.counts_of(ds)[ds.plan(epoch).order]
             self._streams[key] = TokenStream.of(
                 counts, ds.config.num_partitions, self._packing.seq_len
             )
@@ -182,7 +194,7 @@ class PackedIterator:
         """The units of ``epoch`` of ``source``, opened on first use."""
         key = (source, epoch)
         if key not in self._epochs:
-            ds = self._sources[source].dataset
+            ds = self._sources[source].stream.dataset(epoch)
 
             def check(unit: int, got: int, expected: int, epoch: int) -> None:
                 check_count(ds, unit, got, expected, epoch)
@@ -196,11 +208,20 @@ class PackedIterator:
         topo = self._topology
         while len(self._planned) <= AHEAD_STEPS:
             draw, after = self._plan_cursor.take(self._weights, self._seed, topo.global_batch)
-            epochs = draw.offsets // np.asarray(self._per_epoch, dtype=np.int64)[draw.sources]
+            epochs, places = np.empty_like(draw.offsets), np.empty_like(draw.offsets)
+            for i, source in enumerate(self._sources):
+                mine = draw.sources == i
+                if mine.any():
+                    try:  # a followed lake: waits for the increments the step reaches
+                        source.stream.cover(int(draw.offsets[mine].max()))
+                    except CaughtUpError as caught:
+                        logger.info("a packed stream caught up with its lake: %s", caught)
+                        return  # the pass ends after the steps planned
+                    epochs[mine], places[mine] = source.stream.locate(draw.offsets[mine])
             pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
             streams = {key: self._stream(*key) for key in pairs}
             share = step_share(
-                draw.sources, draw.offsets, streams, self._per_epoch, topo.world_size, topo.rank
+                draw.sources, draw.offsets, epochs, places, streams, topo.world_size, topo.rank
             )
             step = self._steps_planned
             for s, e, a, b in zip(share.source, share.epoch, share.start, share.stop, strict=True):
@@ -219,6 +240,8 @@ class PackedIterator:
         if self._closed:
             raise StopIteration
         self._plan()
+        if not self._planned:  # caught up with a followed lake
+            raise StopIteration
         cursor, share = self._planned.popleft()
         L, n = self._packing.seq_len, len(share)
         tokens = np.full((n, L), self._packing.pad_id, dtype=np.int64)

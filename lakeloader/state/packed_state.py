@@ -41,12 +41,17 @@ class PackedState:
         config: Hash of the order configuration and the packing.
         samples: Samples delivered, its epochs one after the other.
         quarantine: Units skipped for good, sorted (their tokens delivered as padding).
+        increment: A followed lake's: the marks of the increment ``samples`` stands in (its
+            ``fingerprint`` is that increment's), or None.
+        start: The samples before that increment.
     """
 
     fingerprint: str
     config: str
     samples: int
     quarantine: tuple[QuarantineEntry, ...] = ()
+    increment: list[Any] | None = None
+    start: int = 0
 
     @property
     def config_hash(self) -> str:
@@ -81,6 +86,9 @@ class PackedState:
             "config": self.config,
             "samples": self.samples,
             "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
+            **(
+                {} if self.increment is None else {"increment": self.increment, "start": self.start}
+            ),
         }
 
     @classmethod
@@ -110,7 +118,15 @@ class PackedState:
                     f"packed state version {version!r}; this lakeloader reads versions 1 and "
                     f"{PACKED_STATE_VERSION}"
                 )
-            return cls(str(data["fingerprint"]), str(data["config"]), samples, quarantine)
+            increment = data.get("increment")
+            return cls(
+                str(data["fingerprint"]),
+                str(data["config"]),
+                samples,
+                quarantine,
+                None if increment is None else list(increment),
+                int(data.get("start", 0)),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed packed state: {exc!r}") from exc
 
