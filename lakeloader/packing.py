@@ -3,8 +3,8 @@
 ``LakeDataset(..., packing=Packing("tokens", 2048, eos_id=2))`` makes the loader deliver
 samples of ``seq_len`` tokens cut from the concatenated token lists of the rows (a document may
 span two samples), with per-token position ids that restart at each document and, with
-``eos_id``, a separator after each document. How rows become streams, and why per partition, is
-in :mod:`lakeloader.order.packing`.
+``eos_id``, a separator after each document. How rows become samples, under any world size,
+is in :mod:`lakeloader.order.packing`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class Packing:
         seq_len: Tokens per sample.
         eos_id: A token appended after each document (row), or None: documents are laid end
             to end without one.
-        pad_id: What fills the rest of the last sample of a partition's epoch (counted, and
-            marked in the batch's ``pad_mask``).
+        pad_id: What fills the rest of the last sample of a stream's epoch, and a skipped
+            unit's tokens (counted, and marked in the batch's ``pad_mask``).
 
     Raises:
         ValueError: If ``seq_len`` is not a positive integer or a token id is negative.

@@ -1,10 +1,10 @@
-"""The audit per position stream: a mixture per source epoch, packing per partition (issue 30).
+"""The audit per position stream: a mixture per source epoch, a ledger of per-partition packing.
 
 Ledgers are written through the public writer (``Ledger.step`` with the runs of each step,
 ``mark``/``saved``/``resumed``, ``DeliveryJournal``) by a simulated loader that moves named
 streams the way a mixture (one stream per source, sources of different sizes crossing their
-epochs apart) and a packed stream (one stream per partition, all moving ``G / C`` samples a
-step) move them, through crashes and resumes under other topologies. Old single-lake ledgers
+epochs apart) and a packed stream of lakeloader's former per-partition packing (one stream per
+partition, all moving ``G / C`` samples a step: ledgers it wrote still audit) move them, through crashes and resumes under other topologies. Old single-lake ledgers
 (version 1 lines, as lakeloader wrote them before streams) audit as before.
 """
 

@@ -132,8 +132,7 @@ class Node:
             TypeError: Where the position is a stream's (its ``state_dict()``).
         """
         raise TypeError(
-            f"a {self.what} has no per-rank view: its position is its state_dict() (per source "
-            "or per partition)"
+            f"a {self.what} has no per-rank view: its position is its state_dict() (per source)"
         )
 
     def stats(self) -> dict[str, int]:
@@ -179,7 +178,7 @@ class Node:
 class StepRecord:
     """The runs of the steps a stream node delivered: journaled until an observer attaches.
 
-    A mixture's step moves each source's stream, a packed step each partition's: its runs go
+    A mixture's step moves each source's stream, a packed step each source's samples: its runs go
     to the observer (the audit ledger) as one delivery, or wait in the journal until one is
     attached (:class:`~lakeloader.state.journal.DeliveryJournal`), so that a run is audited
     from its first step. A copy of the loader keeps neither.

@@ -4,7 +4,7 @@ An epoch of a packed lake is one token stream: its units (whole row groups) in t
 order (:func:`lakeloader.order.plan.unit_order`), each unit's rows in file order, each row's
 tokens followed by ``eos_id`` when there is one. Where each unit's tokens start is known
 before any unit is read, from the units' token counts
-(:mod:`lakeloader.lake.token_counts`: the footers' value counts, or counted once). The
+(:mod:`lakeloader.pipeline.token_counts`: the footers' value counts, or counted once). The
 epoch's ``T`` tokens are cut into ``C`` contiguous *streams* (stream ``c`` holds tokens
 ``[c T // C, (c + 1) T // C)``; ``C`` is the dataset's ``num_partitions``), each stream into
 samples of ``L`` tokens, its last one padded (the padding counted and marked). Sample ``j`` of

@@ -2,7 +2,7 @@
 
 A pass reads epochs of one or more lakes (its *leaves*): a lake's pass reads one epoch of
 one lake; a mixture's pass reads each of its sources' epochs as the draw reaches them; a
-packed stream reads its partitions' epochs one after the other. Each epoch of a leaf is a
+packed stream reads the epochs its samples lie in. Each epoch of a leaf is a
 :class:`Store` (a unit store over that epoch's plan, and a builder of its slot ranges), opened
 on first use. The stores of a pass share one folder (deleted on close, so that decodes of an
 abandoned pass that a worker finishes late cannot touch the next pass's files), one arena

@@ -9,7 +9,7 @@ delivered, so that a training loop that never calls ``CheckpointManager.attach``
 from its first step.
 
 A step may move several position streams (:func:`stream_name`): a mixture's step moves each
-source it draws from, a packed step each partition's samples. Its runs, one per stream it
+source it draws from, a packed step each source's samples. Its runs, one per stream it
 moved (two on a stream whose epoch ends within the step), are one delivery: the journal merges
 consecutive steps whose runs continue each other stream by stream.
 """
@@ -28,8 +28,9 @@ def stream_name(source: str = "", partition: int | None = None) -> str:
 
     ``source`` is a leaf path as in ``checkpoint_datasets()``: ``""`` for a loader over one
     lake (its global rows), a mixture's source name (that source's rows, epoch by epoch),
-    ``"lake"`` for a packed lake. A packed stream counts each partition's samples on its own
-    stream, under its source: ``"<source>/p<partition>"``.
+    ``"lake"`` for a packed lake (its samples). Ledgers written by the per-partition packing
+    of lakeloader before counted each partition's samples on its own stream, under its
+    source: ``"<source>/p<partition>"``.
 
     >>> stream_name(), stream_name("web"), stream_name("web", 3), stream_name("", 3)
     ('', 'web', 'web/p3', 'p3')
