@@ -4,8 +4,9 @@ Ledgers are written through the public writer (``Ledger.step`` with the runs of 
 ``mark``/``saved``/``resumed``, ``DeliveryJournal``) by a simulated loader that moves named
 streams the way a mixture (one stream per source, sources of different sizes crossing their
 epochs apart) and a packed stream of lakeloader's former per-partition packing (one stream per
-partition, all moving ``G / C`` samples a step: ledgers it wrote still audit) move them, through crashes and resumes under other topologies. Old single-lake ledgers
-(version 1 lines, as lakeloader wrote them before streams) audit as before.
+partition, all moving ``G / C`` samples a step: ledgers it wrote still audit) move them,
+through crashes and resumes under other topologies. Old single-lake ledgers (version 1 lines,
+as lakeloader wrote them before streams) audit as before.
 """
 
 from __future__ import annotations
