@@ -29,6 +29,7 @@ from lakeloader.lake.increments import SourceRequest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
 from lakeloader.lake.tables.sources import delta_source, iceberg_source
+from lakeloader.order.packing import packed_plan
 from lakeloader.order.plan import (
     DEFAULT_MAX_UNIT_ROWS,
     DEFAULT_NUM_PARTITIONS,
@@ -342,14 +343,16 @@ class LakeDataset:
         return self.snapshot.fingerprint
 
     def _plan(self, epoch: int) -> EpochPlan:
-        c, packed = self.config, self.packing is not None
-        return plan_epoch(  # a packed lake's rows: units in order (lakeloader.order.packing)
+        c = self.config
+        if self.packing is not None:  # units permuted, rows in file order
+            return packed_plan(self.units, c.seed, epoch, c.shuffle)
+        return plan_epoch(
             self.units,
             seed=c.seed,
             epoch=epoch,
             shuffle=c.shuffle,
-            num_partitions=1 if packed else c.num_partitions,
-            window=1 if packed else c.window,
+            num_partitions=c.num_partitions,
+            window=c.window,
         )
 
     def plan(self, epoch: int) -> EpochPlan:

@@ -24,11 +24,31 @@ samples touches; a unit that two ranks' samples share is read by both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lakeloader.order.plan import rank_bounds
+from lakeloader.order.plan import EpochPlan, Units, plan_epoch, rank_bounds
+
+#: Rows of a packed plan's windows: they are not shuffled, so any size orders alike; this one
+#: keeps a unit's rows in few windows and the identity permutation of one small.
+PACKED_WINDOW = 65_536
+
+
+def packed_plan(units: Units, seed: int, epoch: int, shuffle: bool) -> EpochPlan:
+    """A packed lake's plan of an epoch: one partition, its units permuted (when shuffling).
+
+    Each unit's rows stay in file order (see the module docstring).
+
+    >>> from lakeloader.order.plan import make_units
+    >>> p = packed_plan(make_units([[3, 2]], 8), seed=0, epoch=0, shuffle=True)
+    >>> p.num_partitions, p.shuffle, sorted(p.order.tolist())
+    (1, False, [0, 1])
+    """
+    plan = plan_epoch(
+        units, seed=seed, epoch=epoch, shuffle=shuffle, num_partitions=1, window=PACKED_WINDOW
+    )
+    return replace(plan, shuffle=False)
 
 
 @dataclass(frozen=True)
@@ -163,13 +183,11 @@ def separated(
     ([1, 2, 9, 9, 3, 9], [0, 1, 2, 0, 0, 1])
     """
     values = values[offsets[0] : offsets[-1]].astype(np.int64, copy=False)
-    lengths = np.diff(offsets) + (eos_id is not None)
-    ends = np.cumsum(lengths)
+    lengths = np.diff(offsets)
     out = values
-    if eos_id is not None:
-        out = np.full(int(ends[-1]) if len(ends) else 0, eos_id, dtype=np.int64)
-        body = np.ones(len(out), dtype=bool)
-        body[ends - 1] = False
-        out[body] = values
-    positions = np.arange(len(out), dtype=np.int64) - np.repeat(ends - lengths, lengths)
+    if eos_id is not None:  # one separator after each row's last token
+        out = np.insert(values, offsets[1:] - offsets[0], eos_id)
+        lengths = lengths + 1
+    starts = np.cumsum(lengths) - lengths
+    positions = np.arange(len(out), dtype=np.int64) - np.repeat(starts, lengths)
     return out, positions
