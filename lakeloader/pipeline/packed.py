@@ -168,6 +168,8 @@ class PackedIterator:
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: The last step (by count of steps planned) that needs each unit held.
         self._last_use: dict[tuple[int, int, int], int] = {}
+        #: Each stream's first token that no step planned has reached, by (source, epoch).
+        self._front: dict[tuple[int, int], np.ndarray] = {}
         self._planned: deque[tuple[MixCursor, Share]] = deque()
         self._plan_cursor, self._steps_planned, self._steps_done = cursor, 0, 0
         self._sample_keys = [
@@ -220,6 +222,10 @@ class PackedIterator:
                     epochs[mine], places[mine] = source.stream.locate(draw.offsets[mine])
             pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
             streams = {key: self._stream(*key) for key in pairs}
+            for (s, e), at in streams.items():  # where every rank's samples have reached
+                c, k = at.locate(places[(draw.sources == s) & (epochs == e)])
+                front = self._front.setdefault((s, e), at.bounds[:-1].copy())
+                np.maximum.at(front, c, at.spans(c, k)[1])
             share = step_share(
                 draw.sources, draw.offsets, epochs, places, streams, topo.world_size, topo.rank
             )
@@ -302,9 +308,13 @@ class PackedIterator:
         return [tuple(f) for f in found]
 
     def _release(self) -> None:
-        """Let go of the units no step planned needs; close epochs that hold none."""
+        """Let go of the units that no step planned needs and whose streams have passed them.
+
+        A later step of this rank may take another sample of a stream whose samples went to
+        other ranks for a while. Epochs that hold no unit are closed.
+        """
         done = self._steps_done - 1
-        gone = [key for key, step in self._last_use.items() if step <= done]
+        gone = [key for key, step in self._last_use.items() if step <= done and self._passed(*key)]
         by_epoch: dict[tuple[int, int], list[int]] = {}
         for source, epoch, pos in gone:
             del self._last_use[(source, epoch, pos)]
@@ -312,8 +322,19 @@ class PackedIterator:
         for key, positions in by_epoch.items():
             self._epochs[key].drop(positions)
         for key in [k for k, e in self._epochs.items() if not e.held]:
+            if (self._front[key] >= self._epochs[key].stream.bounds[1:]).all():
+                del self._front[key]  # every sample of the epoch planned
             del self._epochs[key]
             self._stores.drop(*key)
+
+    def _passed(self, source: int, epoch: int, pos: int) -> bool:
+        """Whether every stream that the unit at ``pos`` lies in has passed its last token."""
+        tokens, front = self._epochs[(source, epoch)].stream, self._front[(source, epoch)]
+        end = int(tokens.ends[pos])
+        start = end - int(tokens.ends[pos] - (tokens.ends[pos - 1] if pos else 0))
+        first = int(np.searchsorted(tokens.bounds, start, side="right")) - 1
+        last = int(np.searchsorted(tokens.bounds, end - 1, side="right")) - 1
+        return bool((front[max(first, 0) : last + 1] >= end).all())
 
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""
