@@ -158,12 +158,3 @@ def load_weights(
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-
-
-def weights_url(folder_url: str) -> str:
-    """The weights folder of a step's folder URL.
-
-    >>> weights_url("s3://b/ckpt/step-000000000010")
-    's3://b/ckpt/step-000000000010/weights'
-    """
-    return posixpath.join(folder_url, WEIGHTS_DIR)

@@ -14,7 +14,7 @@ where independent draws would be off by ``sqrt(n)``. The arithmetic is in 64-bit
 (wrapping integer multiplication), so it is exact, vectorised, and the same on every machine
 for every slot index.
 
-Weights that change at a resume apply from a slot on (:class:`MixSegment`): the sequence of
+Weights that change at a resume apply from a slot on: the sequence of
 ``frac(i * g + theta)`` goes on, only the shares change, and each source continues from its own
 count (:class:`MixCursor`), so no row of any source is lost or repeated.
 """
@@ -33,8 +33,6 @@ from lakeloader.order.plan import _rng, expand_runs, rank_bounds
 #: ``2**64`` divided by the golden ratio, odd: the step of the sequence in fixed point.
 GOLDEN_STEP: Final = np.uint64(0x9E3779B97F4A7C15)
 _ONE: Final = float(2**64)
-#: Slots drawn at once when a cursor is recounted from slot 0.
-RECOUNT_CHUNK: Final = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -115,19 +113,6 @@ def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.n
     for threshold in thresholds.tolist():  # a few comparisons beat a binary search
         sources += x >= np.uint64(threshold)
     return sources
-
-
-@dataclass(frozen=True)
-class MixSegment:
-    """Weights in force from a global slot on (a resume may change them).
-
-    Attributes:
-        start: The first global slot they apply to.
-        weights: The weights.
-    """
-
-    start: int
-    weights: MixWeights
 
 
 @dataclass(frozen=True)
@@ -249,29 +234,6 @@ def _small(keys: np.ndarray, bound: int) -> np.ndarray:
         if bound <= np.iinfo(dtype).max + 1:
             return keys.astype(dtype)
     return keys
-
-
-def cursor_at(segments: Sequence[MixSegment], seed: int, slot: int) -> MixCursor:
-    """The cursor after ``slot`` slots under a history of weights (recounted from slot 0).
-
-    What a checkpoint stores is the cursor itself; this recounts it, to audit a stored one.
-
-    >>> seg = [MixSegment(0, MixWeights.of({"a": 1, "b": 1}))]
-    >>> cursor_at(seg, 0, 10).counts == MixCursor(0, {}).take(seg[0].weights, 0, 10)[1].counts
-    True
-    """
-    cursor = MixCursor(0, {})
-    bounds = [s.start for s in segments[1:]] + [slot]
-    for segment, stop in zip(segments, bounds, strict=True):
-        if segment.start > slot:
-            break
-        stop = min(stop, slot)
-        while True:  # in chunks: memory stays flat however far the run got
-            count = min(stop - cursor.slot, RECOUNT_CHUNK)
-            cursor = cursor.take(segment.weights, seed, count)[1]  # names its sources
-            if cursor.slot >= stop:
-                break
-    return cursor
 
 
 @dataclass(frozen=True)

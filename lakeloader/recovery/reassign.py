@@ -13,9 +13,9 @@ is given up, with an error that names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Final
 
 #: Times one piece of work may kill its worker before the loader gives up on it.
 MAX_ATTEMPTS: Final = 3
@@ -34,10 +34,6 @@ class Reassignment:
     resend: tuple[int, ...]
     given_up: tuple[tuple[int, int], ...]
     attempts: Mapping[int, int]
-
-
-#: The signature of :func:`reassign`, as the dispatcher receives it.
-Reassign: TypeAlias = Callable[[Sequence[int], int | None, Mapping[int, int]], Reassignment]
 
 
 def reassign(
