@@ -77,7 +77,7 @@ class PackingNode(Node):
 
     def __init__(self, host: Host, dataset: Any) -> None:
         super().__init__(host)
-        self._counts: dict[str, np.ndarray] = {}  # by the fingerprint of an epoch's dataset
+        self._counts: dict[Any, np.ndarray] = {}  # by the fingerprint of an epoch's dataset
         self._tokens = self._padding = 0
         self.record = StepRecord()
         self._init(dataset)
@@ -117,9 +117,11 @@ class PackingNode(Node):
 
     def _samples_of(self, ds: LakeDataset) -> int:
         """Samples in an epoch of ``ds`` (a followed lake's: of the increment it is)."""
-        packing = self.dataset.packing
+        packing, key = self.dataset.packing, ("samples", ds.fingerprint)
         assert packing is not None
-        return epoch_samples(ds, self._counts_of(ds), packing)
+        if key not in self._counts:
+            self._counts[key] = np.array(epoch_samples(ds, self._counts_of(ds), packing))
+        return int(self._counts[key])
 
     def placed(self, topology: Topology) -> None:
         """Nothing to do: the state is the same under every topology."""

@@ -230,12 +230,11 @@ class PackedIterator:
                 draw.sources, draw.offsets, epochs, places, streams, topo.world_size, topo.rank
             )
             step = self._steps_planned
-            for s, e, a, b in zip(share.source, share.epoch, share.start, share.stop, strict=True):
-                tokens = self._epoch(int(s), int(e))
-                units = tokens.stream.units(int(a), int(b))
+            for (s, e), (_, units) in self._by_epoch(share).items():
+                tokens = self._epoch(s, e)
                 tokens.request(units)
                 for pos in units:
-                    self._last_use[(int(s), int(e), pos)] = step
+                    self._last_use[(s, e, pos)] = step
             self._planned.append((after, share))
             self._plan_cursor, self._steps_planned = after, step + 1
 
@@ -253,19 +252,22 @@ class PackedIterator:
         tokens = np.full((n, L), self._packing.pad_id, dtype=np.int64)
         positions = np.zeros((n, L), dtype=np.int64)
         pads = np.ones((n, L), dtype=bool)
-        for i, (s, e, start, stop) in enumerate(
-            zip(share.source, share.epoch, share.start, share.stop, strict=True)
-        ):
-            epoch = self._epoch(int(s), int(e))
+        ramp = np.arange(L, dtype=np.int64)
+        for (s, e), (mine, _) in self._by_epoch(share).items():
+            epoch = self._epoch(s, e)
             ends = epoch.stream.ends
-            for pos in epoch.stream.units(int(start), int(stop)):
+            start, stop = share.start[mine], share.stop[mine]
+            first = np.searchsorted(ends, start, side="right")
+            whole = (stop - start == L) & (ends[first] >= stop)  # L tokens of one unit
+            for pos in np.unique(first[whole]).tolist():  # gathered at once, unit by unit
+                at = whole & (first == pos)
                 unit = epoch.unit(pos)
-                first = int(ends[pos]) - len(unit.tokens)
-                a, b = max(int(start), first), min(int(stop), int(ends[pos]))
-                at = slice(a - int(start), b - int(start))
-                tokens[i, at] = unit.tokens[a - first : b - first]
-                positions[i, at] = unit.positions[a - first : b - first]
-                pads[i, at] = unit.padding
+                take = (start[at] - (int(ends[pos]) - len(unit.tokens)))[:, None] + ramp
+                rows = mine[at]
+                tokens[rows], positions[rows] = unit.tokens[take], unit.positions[take]
+                pads[rows] = unit.padding
+            for i, a0, b0 in zip(mine[~whole], start[~whole], stop[~whole], strict=True):
+                self._cut(epoch, i, int(a0), int(b0), (tokens, positions, pads))
         columns = {"input_ids": tokens, "position_ids": positions, "pad_mask": pads}
         if self._source_key is not None:
             columns[self._source_key] = share.source.copy()
@@ -276,6 +278,36 @@ class PackedIterator:
         self._delivered(cursor, skips, n * L - padding, padding)
         self._release()
         return batch
+
+    def _by_epoch(self, share: Share) -> dict[tuple[int, int], tuple[np.ndarray, list[int]]]:
+        """The share's samples by (source, epoch): their indices, and the units they lie in."""
+        out = {}
+        keys = share.source * (1 << 32) + share.epoch
+        for key in np.unique(keys).tolist():
+            mine = np.flatnonzero(keys == key)
+            s, e = divmod(key, 1 << 32)
+            ends = self._stream(s, e).ends
+            first = np.searchsorted(ends, share.start[mine], side="right")
+            last = np.searchsorted(ends, share.stop[mine] - 1, side="right")
+            span = [
+                range(a, b + 1)
+                for a, b in zip(first[last > first], last[last > first], strict=True)
+            ]
+            units = sorted(set(first.tolist()).union(*span))
+            out[(s, e)] = (mine, units)
+        return out
+
+    def _cut(self, epoch: EpochTokens, i: int, start: int, stop: int, out: tuple[Any, ...]) -> None:
+        """Copy sample ``i``'s tokens ``[start, stop)``, from the units they lie in."""
+        ends = epoch.stream.ends
+        for pos in epoch.stream.units(start, stop):
+            unit = epoch.unit(pos)
+            first = int(ends[pos]) - len(unit.tokens)
+            a, b = max(start, first), min(stop, int(ends[pos]))
+            at = slice(a - start, b - start)
+            out[0][i, at] = unit.tokens[a - first : b - first]
+            out[1][i, at] = unit.positions[a - first : b - first]
+            out[2][i, at] = unit.padding
 
     def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
         """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""
