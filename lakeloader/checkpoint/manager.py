@@ -35,7 +35,7 @@ from lakeloader.checkpoint.layout import ROOT, Checkpoint, CheckpointContext, St
 from lakeloader.checkpoint.reading import agreed_checkpoint, newest_usable, read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.checkpoint.training import CodeVersion, code_version
-from lakeloader.checkpoint.whole import capture, restore
+from lakeloader.checkpoint.whole import capture, process_rank, restore
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
 from lakeloader.io.retry import RetryPolicy
@@ -201,7 +201,7 @@ class CheckpointManager:
         datasets = loader.checkpoint_datasets()  # as they are now: the loop goes on
         recorded = self.attach(loader)
         folder = self.folders.step_folder(step)
-        if _rank() == 0:
+        if process_rank() == 0:
             self.folders.uncommit(step)  # invisible before any rank writes into the folder
         captured = capture(
             step,
@@ -215,7 +215,7 @@ class CheckpointManager:
             asynchronous=self.async_save,
             async_group=self._group() if self.async_save and model is not None else None,
         )
-        if _rank() != 0:
+        if process_rank() != 0:
             if captured.pending is not None:
                 self._pending = captured.pending  # the next save waits for this rank's shards
             return
@@ -433,10 +433,6 @@ class CheckpointManager:
                     self.url,
                     exc,
                 )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _context(loader: DataLoader, step: int, created: str) -> CheckpointContext:

@@ -41,7 +41,8 @@ from lakeloader.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 
-def _rank() -> int:
+def process_rank() -> int:
+    """This process's rank under torch.distributed (0 without a process group)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -191,4 +192,4 @@ def restore(
             posixpath.join(url, WEIGHTS_DIR), model, optimizer, storage_options, saved=saved
         )
     if rng and record is not None:
-        restore_rng(record, _rank())
+        restore_rng(record, process_rank())
