@@ -197,7 +197,7 @@ class CheckpointManager:
         everyone = confirm_same_position(stand, previous)
         if previous is not None:
             raise previous
-        state = loader.checkpoint_state(everyone or ())  # a collective for a packed loader
+        state = loader.checkpoint_state(everyone or ())  # every rank's quarantine merged in
         datasets = loader.checkpoint_datasets()  # as they are now: the loop goes on
         recorded = self.attach(loader)
         folder = self.folders.step_folder(step)

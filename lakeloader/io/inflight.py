@@ -5,7 +5,7 @@ one fetch is under way: ``in flight = demand (units/s) x fetch time (s)``. Both 
 the pass runs: each fetch's duration (an exponential average: the store's first-byte latency
 plus the transfer) and the rate at which decoders take fetched units (over the last
 ``RATE_WINDOW`` takes). The limit is that product times ``HEADROOM``, plus one, within
-``[floor, ceiling]``.
+``[FLOOR, CEILING]``.
 
 When the decoders are starved, the rate they take units at is the fetch rate itself
 (``limit / latency``), so the next limit is about ``HEADROOM`` times the last: it grows
@@ -36,11 +36,6 @@ LATENCY_WEIGHT: Final = 0.2
 class InFlight:
     """The number of fetches to keep in flight (see the module docstring); thread-safe.
 
-    Args:
-        start: The limit until the first fetch and a few takes are measured.
-        floor: Fewest in flight.
-        ceiling: Most in flight.
-
     Example:
         >>> sizer = InFlight()
         >>> for i in range(10):
@@ -50,12 +45,7 @@ class InFlight:
         17
     """
 
-    def __init__(self, start: int = START, floor: int = FLOOR, ceiling: int = CEILING) -> None:
-        if not 1 <= floor <= start <= ceiling:
-            raise ValueError(
-                f"need 1 <= floor <= start <= ceiling, got {floor}, {start}, {ceiling}"
-            )
-        self._start, self._floor, self._ceiling = start, floor, ceiling
+    def __init__(self) -> None:
         self._latency: float | None = None
         self._takes: deque[float] = deque(maxlen=RATE_WINDOW)
         self._lock = threading.Lock()
@@ -77,8 +67,8 @@ class InFlight:
         """Fetches to keep in flight now."""
         with self._lock:
             if self._latency is None or len(self._takes) < 4:
-                return self._start
+                return START
             span = self._takes[-1] - self._takes[0]
             rate = (len(self._takes) - 1) / span if span > 0 else math.inf
-            want = min(HEADROOM * rate * self._latency + 1, float(self._ceiling))
-        return max(self._floor, math.ceil(want - 1e-9))  # 17.000000000000004 is 17
+            want = min(HEADROOM * rate * self._latency + 1, float(CEILING))
+        return max(FLOOR, math.ceil(want - 1e-9))  # 17.000000000000004 is 17

@@ -66,15 +66,12 @@ class Prefetcher:
         reader: Reads the footers and ranges (its counters count the requests).
         spill_dir: Folder to write each unit's bytes to, for worker processes to map; None:
             keep them in memory (the loader's own threads decode).
-        sizer: Decides how many fetches run at once (default: a fresh :class:`InFlight`).
     """
 
-    def __init__(
-        self, reader: UnitReader, spill_dir: str | None, sizer: InFlight | None = None
-    ) -> None:
+    def __init__(self, reader: UnitReader, spill_dir: str | None) -> None:
         self._reader = reader
         self._spill = spill_dir
-        self.sizer = sizer or InFlight()
+        self.sizer = InFlight()  # how many fetches run at once
         self._queue: deque[_Request] = deque()
         self._active = 0
         self._closed = False
