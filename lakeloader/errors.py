@@ -48,7 +48,6 @@ class ColumnNotFoundError(LakeError, KeyError):
         missing: Sequence[str],
         available: Sequence[str],
         lake: object,
-        remedy: str = "Pass columns= names among them (None reads every column)",
     ) -> ColumnNotFoundError:
         """The error for ``missing`` columns of ``lake``, whose columns are ``available``."""
 
@@ -65,7 +64,7 @@ class ColumnNotFoundError(LakeError, KeyError):
         subject = f"column {what} is" if len(missing) == 1 else f"columns {what} are"
         return cls(
             f"{subject} not in the lake {lake}{guess}; its columns, closest first: {shown}. "
-            f"{remedy}"
+            "Pass columns= names among them (None reads every column)"
         )
 
     def __str__(self) -> str:

@@ -57,13 +57,13 @@ class CodeVersion:
         return f"{self.commit[:12]}{' (modified)' if self.dirty else ''} in {self.root}"
 
 
-def code_version(path: str | None = None) -> CodeVersion:
-    """The git commit of the repository holding ``path`` (default: the running script).
+def code_version() -> CodeVersion:
+    """The git commit of the repository holding the running script.
 
     The script is ``sys.argv[0]`` (the training program), falling back to the working folder
     when there is none (an interactive session).
     """
-    where = path or (os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv[0] else os.getcwd())
+    where = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv[0] else os.getcwd()
     if not os.path.isdir(where):
         where = os.getcwd()
 

@@ -78,9 +78,7 @@ def write_demo_lake(root: Path, rows: int, seed: int = 0) -> int:
     return rows
 
 
-def train(
-    lake: Path, ckpt: Path, log: Path, topo: Topology, *, epochs: int = EPOCHS
-) -> dict[str, Any]:
+def train(lake: Path, ckpt: Path, log: Path, topo: Topology) -> dict[str, Any]:
     """Train a linear classifier on simulated ranks; log row ids per step; checkpoint.
 
     It resumes from the newest checkpoint under ``ckpt`` if there is one, as a training
@@ -110,7 +108,7 @@ def train(
         for loader in loaders[1:]:
             manager.load(loader)
     with log.open("ab") as out:
-        for _ in range(epochs):
+        for _ in range(EPOCHS):
             for shares in zip(*loaders, strict=True):
                 x = torch.cat([torch.stack([s[f] for f in FEATURES], 1) for s in shares])
                 y = torch.cat([s["label"] for s in shares])
@@ -127,7 +125,7 @@ def train(
                     manager.save(
                         step, loaders[0], model=model, optimizer=optim, extra={"step": step}
                     )
-            if loaders[0].epoch >= epochs - 1:
+            if loaders[0].epoch >= EPOCHS - 1:
                 break
     state_bytes = len(msgpack.packb(loaders[0].state_dict()))
     manager.close()

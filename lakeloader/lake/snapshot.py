@@ -32,10 +32,12 @@ from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
 
-#: From this many files on, footer reading shows a progress bar (on stderr, terminal or not).
 #: Version of the snapshot description (affects the fingerprint).
 SNAPSHOT_FORMAT_VERSION = 1
+#: From this many files on, footer reading shows a progress bar (on stderr, terminal or not).
 PROGRESS_MIN_FILES = 64
+#: Footers read at once (I/O bound, so more than the core count).
+FOOTER_THREADS = 32
 _INT_RE = re.compile(r"-?[0-9]+")
 
 
@@ -195,7 +197,6 @@ def build_snapshot(
     fs: fsspec.AbstractFileSystem,
     found: Sequence[DiscoveredFile],
     *,
-    max_threads: int = 32,
     progress: bool | None = None,
     columns: Sequence[str] | None = None,
     retry: RetryPolicy | None = None,
@@ -206,7 +207,6 @@ def build_snapshot(
     Args:
         fs: The lake's filesystem.
         found: The discovered data files, sorted by path.
-        max_threads: Footers read at once (I/O bound, so more than the core count).
         progress: Show a progress bar; None shows one from ``PROGRESS_MIN_FILES`` files on
             (on stderr, whether or not it is a terminal).
         columns: Only these columns must have compatible types across files (None: all).
@@ -218,14 +218,13 @@ def build_snapshot(
         LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
         SchemaMismatchError: If the schemas cannot be unified.
     """
-    infos = read_file_infos(fs, found, max_threads, progress, retry, skip_unreadable)
+    infos = read_file_infos(fs, found, progress, retry, skip_unreadable)
     return assemble_snapshot([i for i in infos if i is not None], columns)
 
 
 def read_file_infos(
     fs: fsspec.AbstractFileSystem,
     found: Sequence[DiscoveredFile],
-    max_threads: int = 32,
     progress: bool | None = None,
     retry: RetryPolicy | None = None,
     skip_unreadable: bool = False,
@@ -246,7 +245,7 @@ def read_file_infos(
             return None
 
     show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
-    threads = max(1, min(max_threads, len(found)))
+    threads = max(1, min(FOOTER_THREADS, len(found)))
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
         return list(
             tqdm(
