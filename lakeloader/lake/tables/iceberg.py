@@ -99,6 +99,18 @@ class IcebergSource:
                 f"{known or 'no snapshots: nothing was written'})"
             )
         fs = self.filesystem(request.storage_options)
+        files = _files(fs, table, snap.snapshot_id, self.location)
+        return fs, self._table_snapshot(fs, table, snap, files, request)
+
+    def _table_snapshot(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        table: Any,
+        snap: Any,
+        files: list[TableFile],
+        request: SourceRequest,
+    ) -> Snapshot:
+        """The snapshot of ``files``, read with the columns and version of ``snap``."""
         version = TableVersion(
             "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
         )
@@ -106,14 +118,7 @@ class IcebergSource:
         names = TableColumns(
             tuple(f.name for f in schema.fields), {f.field_id: f.name for f in schema.fields}
         )
-        snapshot = table_snapshot(
-            fs,
-            _files(fs, table, snap.snapshot_id, self.location),
-            names,
-            version,
-            request,
-        )
-        return fs, snapshot
+        return table_snapshot(fs, files, names, version, request)
 
     def increment(
         self, after: Increment | None, request: SourceRequest
@@ -142,14 +147,7 @@ class IcebergSource:
         if found is None:
             return None
         snap, files = found
-        schema = table.schemas()[snap.schema_id]
-        names = TableColumns(
-            tuple(f.name for f in schema.fields), {f.field_id: f.name for f in schema.fields}
-        )
-        version = TableVersion(
-            "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
-        )
-        snapshot = table_snapshot(fs, files, names, version, request)
+        snapshot = self._table_snapshot(fs, table, snap, files, request)
         taken = Increment(after.index + 1, _mark(snap), after.upto)
         return fs, dataclasses.replace(snapshot, increment=taken)
 
