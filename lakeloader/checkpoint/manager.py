@@ -146,8 +146,8 @@ class CheckpointManager:
         this: the loader remembers the steps it delivered since it began (or was restored),
         and the ledger records them at attachment. Only steps delivered before a restore by
         ``load_state_dict`` (rather than :meth:`load`) stay unrecorded, which the audit
-        reports as unverified. A mixture's steps are recorded source by source; a packed
-        stream keeps no record of its steps yet: the first attach says so in the log.
+        reports as unverified. A mixture's steps are recorded source by source, a packed
+        stream's by each source's samples.
 
         Returns:
             Whether the ledger records ``loader``'s steps (only ever on rank 0).

@@ -382,8 +382,7 @@ class FaultTolerantLoader:
         span is the same for every group); the steps committed before are told first.
 
         Returns:
-            Whether the DataLoader keeps a record of its steps (a mixture's or a packed
-            stream's keeps none yet).
+            Whether the DataLoader keeps a record of its steps.
         """
         with self._lock:
             self._observer = observer
