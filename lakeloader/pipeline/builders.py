@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from lakeloader.cache.arena import Arena
 from lakeloader.cache.decode import Held, UnitRef
-from lakeloader.cache.packed import gather_packed
+from lakeloader.cache.packed import Packed, gather_packed
 from lakeloader.cache.screening import Screened, screen
 from lakeloader.cache.store import UnitOpener, UnitStore
 from lakeloader.cache.views import views_array
@@ -139,10 +139,13 @@ class LocalBuilder:
             typ = self._schema.field(name).type
             ready[name] = python_values(views_array(ready[name], typ, buffers))
 
+    def units(self, screened: Screened) -> list[Packed]:
+        """The step's decoded units (not quarantined), opened."""
+        return self._opener.open(screened.refs, self._space.records()) if screened.refs else []
+
     def rows(self, screened: Screened) -> list[Any]:
         """The step's rows as dicts, in its order (for the row path of a mixed batch)."""
-        units = self._opener.open(screened.refs, self._space.records()) if screened.refs else []
-        return gather_rows(units, screened.take, self._schema)
+        return gather_rows(self.units(screened), screened.take, self._schema)
 
     def arrow_columns(self, screened: Screened, skip: tuple[str, ...]) -> dict[str, Any]:
         """The step's columns but ``skip`` (gathered elsewhere), through the Arrow path."""

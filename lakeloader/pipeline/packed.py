@@ -27,6 +27,7 @@ import logging
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
@@ -52,6 +53,7 @@ from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.pipeline.token_counts import check_count
 from lakeloader.pipeline.unit_tokens import EpochTokens
 from lakeloader.randomness import slot_seeds
+from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: Steps whose units are requested ahead of the one delivered.
 AHEAD_STEPS: Final = 4
+#: Threads that make decoded units into tokens.
+TOKEN_THREADS: Final = 2
 
 #: The units each source found skipped in a step: one tuple per source.
 Skips = list[tuple[QuarantineEntry, ...]]
@@ -165,6 +169,10 @@ class PackedIterator:
             workers_decode=True,
         )
         self._epochs: dict[tuple[int, int], EpochTokens] = {}
+        #: Make decoded units into tokens ahead of their use (numpy lets go of the GIL).
+        self._threads = ThreadPoolExecutor(
+            TOKEN_THREADS, thread_name_prefix="lakeloader-tokens", initializer=main_thread_only
+        )
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: The last step (by count of steps planned) that needs each unit held.
         self._last_use: dict[tuple[int, int, int], int] = {}
@@ -202,7 +210,9 @@ class PackedIterator:
                 check_count(ds, unit, got, expected, epoch)
 
             store, stream = self._stores.get(source, epoch), self._stream(source, epoch)
-            self._epochs[key] = EpochTokens(store, stream, self._packing, ds.transform, check)
+            self._epochs[key] = EpochTokens(
+                store, stream, self._packing, ds.transform, check, self._threads
+            )
         return self._epochs[key]
 
     def _plan(self) -> None:
@@ -380,4 +390,5 @@ class PackedIterator:
         """Stop decoding; drop every epoch's units (idempotent)."""
         self._closed = True
         self._epochs.clear()
+        self._threads.shutdown(wait=wait, cancel_futures=True)
         self._stores.close(wait)

@@ -13,9 +13,11 @@ of its tokens, so every later sample keeps its tokens.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from lakeloader.cache.arrays import Ragged
 from lakeloader.errors import ColumnNotFoundError
@@ -51,6 +53,8 @@ class EpochTokens:
         packing: How samples are cut.
         transform: The source's row transform, or None.
         check: Called with each unit read: (unit, tokens got, tokens counted, epoch).
+        threads: Where a unit requested is made into tokens once it is decoded (ahead of its
+            use, beside the loader's thread); the row ``transform`` runs in the caller's.
     """
 
     def __init__(
@@ -60,12 +64,14 @@ class EpochTokens:
         packing: Packing,
         transform: Transform | None,
         check: Any,
+        threads: ThreadPoolExecutor,
     ) -> None:
         self._store, self.stream, self._packing = store, stream, packing
-        self._transform, self._check = transform, check
+        self._transform, self._check, self._threads = transform, check, threads
         self.plan = store.spec.plan
         self._specs: dict[int, BatchSpec] = {}
         self._units: dict[int, UnitTokens] = {}
+        self._made: dict[int, Future[tuple[UnitTokens, tuple[QuarantineEntry, ...]]]] = {}
         #: Units found skipped since the caller last took them.
         self.skipped: list[QuarantineEntry] = []
 
@@ -75,22 +81,27 @@ class EpochTokens:
         for pos in positions:
             if pos not in self._specs:
                 start, rows = int(offsets[pos]), int(offsets[pos + 1] - offsets[pos])
-                (spec,) = partition_specs(
+                (spec,) = partition_specs(  # labelled by the position: one screening each
                     self.plan,
-                    np.zeros(1, np.int64),
+                    np.array([pos]),
                     np.zeros(1),
                     np.array([start]),
                     np.array([rows]),
                 )
                 self._store.store.request(spec.positions)
                 self._specs[pos] = spec
+                if self._transform is None:
+                    self._made[pos] = self._threads.submit(self._read, spec, pos)
 
     def unit(self, pos: int) -> UnitTokens:
         """The tokens of the unit at ``pos`` (requested first if it was not)."""
         held = self._units.get(pos)
         if held is None:
             self.request((pos,))
-            held = self._units[pos] = self._read(self._specs[pos], pos)
+            made = self._made.pop(pos, None)
+            held, skipped = made.result() if made else self._read(self._specs[pos], pos)
+            self._units[pos] = held
+            self.skipped += skipped
         return held
 
     def drop(self, positions: Iterable[int]) -> None:
@@ -98,6 +109,9 @@ class EpochTokens:
         gone = [p for p in positions if p in self._specs]
         for pos in gone:
             self._units.pop(pos, None)
+            made = self._made.pop(pos, None)
+            if made is not None:
+                made.cancel()
         self._store.store.drop(
             np.concatenate([self._specs.pop(p).positions for p in gone] or [np.zeros(0, np.int64)])
         )
@@ -107,15 +121,24 @@ class EpochTokens:
         """The positions requested and not dropped."""
         return list(self._specs)
 
-    def _read(self, spec: BatchSpec, pos: int) -> UnitTokens:
+    def _read(self, spec: BatchSpec, pos: int) -> tuple[UnitTokens, tuple[QuarantineEntry, ...]]:
+        """A unit's tokens, and the units found skipped (it, or none)."""
         builder, packing = self._store.builder, self._packing
         ends = self.stream.ends
         expected = int(ends[pos] - (ends[pos - 1] if pos else 0))
         if self._transform is None:
-            kind, columns = builder.build(spec)
-            assert kind == COLUMNS
-            values, offsets = _column_lists(columns[packing.column], packing.column)
-            skipped, _ = builder.skipped.pop(spec.step)
+            screened = builder.screened(spec)
+            skipped = screened.skipped
+            builder.skipped.pop(spec.step)
+            units = [] if skipped else builder.units(screened)
+            if units and packing.column in units[0].table.column_names:
+                # the unit's rows in file order: its Arrow column as it is
+                values, offsets = _arrow_lists(units[0].table[packing.column], packing.column)
+            elif not skipped:  # a fixed-size list packed into the arena
+                kind, columns = builder.build(spec)
+                assert kind == COLUMNS
+                values, offsets = _column_lists(columns[packing.column], packing.column)
+                builder.skipped.pop(spec.step)
         else:
             screened = builder.screened(spec)
             skipped = screened.skipped
@@ -126,12 +149,23 @@ class EpochTokens:
                 rows = transform_rows(builder.rows(screened), self._transform, seeds)
                 values, offsets = row_lists(rows, packing.column)
         if skipped:
-            self.skipped += skipped
             pads = np.full(expected, packing.pad_id, dtype=np.int64)
-            return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True)
+            return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True), tuple(skipped)
         tokens, positions = separated(values, offsets, packing.eos_id)
         self._check(int(self.plan.order[pos]), len(tokens), expected, self.plan.epoch)
-        return UnitTokens(tokens, positions, False)
+        return UnitTokens(tokens, positions, False), ()
+
+
+def _arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """A unit's list column of integers, without a copy: values end to end, and offsets."""
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_fixed_size_list(arr.type):
+        width = arr.type.list_size
+        values = arr.values.to_numpy(zero_copy_only=False)[arr.offset * width :]
+        return values, np.arange(len(arr) + 1, dtype=np.int64) * width
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        raise TypeError(f"packing needs a list column of integers; {column!r} is {arr.type}")
+    return arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy()
 
 
 def _column_lists(value: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
