@@ -27,7 +27,7 @@ import logging
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.pool import ThreadPool
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
@@ -169,10 +169,9 @@ class PackedIterator:
             workers_decode=True,
         )
         self._epochs: dict[tuple[int, int], EpochTokens] = {}
-        #: Make decoded units into tokens ahead of their use (numpy lets go of the GIL).
-        self._threads = ThreadPoolExecutor(
-            TOKEN_THREADS, thread_name_prefix="lakeloader-tokens", initializer=main_thread_only
-        )
+        #: Make decoded units into tokens ahead of their use (numpy lets go of the GIL); daemon
+        #: threads, so that a loader left open does not hold up the interpreter's exit.
+        self._threads = ThreadPool(TOKEN_THREADS, initializer=main_thread_only)
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: The last step (by count of steps planned) that needs each unit held.
         self._last_use: dict[tuple[int, int, int], int] = {}
@@ -390,5 +389,5 @@ class PackedIterator:
         """Stop decoding; drop every epoch's units (idempotent)."""
         self._closed = True
         self._epochs.clear()
-        self._threads.shutdown(wait=wait, cancel_futures=True)
+        self._threads.terminate()
         self._stores.close(wait)

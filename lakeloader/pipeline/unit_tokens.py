@@ -13,7 +13,7 @@ of its tokens, so every later sample keeps its tokens.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.pool import AsyncResult, ThreadPool
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -54,7 +54,8 @@ class EpochTokens:
         transform: The source's row transform, or None.
         check: Called with each unit read: (unit, tokens got, tokens counted, epoch).
         threads: Where a unit requested is made into tokens once it is decoded (ahead of its
-            use, beside the loader's thread); the row ``transform`` runs in the caller's.
+            use, beside the loader's thread): daemon threads, which an exit does not wait for;
+            the row ``transform`` runs in the caller's.
     """
 
     def __init__(
@@ -64,14 +65,14 @@ class EpochTokens:
         packing: Packing,
         transform: Transform | None,
         check: Any,
-        threads: ThreadPoolExecutor,
+        threads: ThreadPool,
     ) -> None:
         self._store, self.stream, self._packing = store, stream, packing
         self._transform, self._check, self._threads = transform, check, threads
         self.plan = store.spec.plan
         self._specs: dict[int, BatchSpec] = {}
         self._units: dict[int, UnitTokens] = {}
-        self._made: dict[int, Future[tuple[UnitTokens, tuple[QuarantineEntry, ...]]]] = {}
+        self._made: dict[int, AsyncResult[tuple[UnitTokens, tuple[QuarantineEntry, ...]]]] = {}
         #: Units found skipped since the caller last took them.
         self.skipped: list[QuarantineEntry] = []
 
@@ -91,7 +92,7 @@ class EpochTokens:
                 self._store.store.request(spec.positions)
                 self._specs[pos] = spec
                 if self._transform is None:
-                    self._made[pos] = self._threads.submit(self._read, spec, pos)
+                    self._made[pos] = self._threads.apply_async(self._read, (spec, pos))
 
     def unit(self, pos: int) -> UnitTokens:
         """The tokens of the unit at ``pos`` (requested first if it was not)."""
@@ -99,7 +100,7 @@ class EpochTokens:
         if held is None:
             self.request((pos,))
             made = self._made.pop(pos, None)
-            held, skipped = made.result() if made else self._read(self._specs[pos], pos)
+            held, skipped = made.get() if made else self._read(self._specs[pos], pos)
             self._units[pos] = held
             self.skipped += skipped
         return held
@@ -111,7 +112,7 @@ class EpochTokens:
             self._units.pop(pos, None)
             made = self._made.pop(pos, None)
             if made is not None:
-                made.cancel()
+                made.wait()  # its unit must stay in the store until it is made (or failed)
         self._store.store.drop(
             np.concatenate([self._specs.pop(p).positions for p in gone] or [np.zeros(0, np.int64)])
         )
