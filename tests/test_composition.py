@@ -90,7 +90,11 @@ ORDER = frozenset({"mixture", "packing", "delta", "filter", "skip", "validate", 
 #: healing from the first at the first of those steps.
 SCHEDULE = (("ab", True), ("ab", True), ("a", True), ("a", False))
 
-pytestmark = pytest.mark.filterwarnings("ignore::lakeloader.errors.CpuContentionWarning")
+#: The whole matrix runs in CI (about 20 s on 2 cores): it is not in the quick tier.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::lakeloader.errors.CpuContentionWarning"),
+]
 
 
 def _marks(a: str, b: str) -> list[pytest.MarkDecorator]:
