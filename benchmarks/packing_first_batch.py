@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks._common import (
@@ -57,22 +56,13 @@ from benchmarks._common import (
     warm_page_cache,
 )
 from benchmarks._steady import finish, parse, write_lake
+from benchmarks.packing import _table
 
 SEQ, BATCH, EOS = 2048, 16, 0
 FILES, GROUPS, GROUP_ROWS = 1_000, 2, 50
 #: Threads for (a): lakeloader's snapshot reads ``min(32, files)`` footers at once.
 FOOTER_THREADS = 32
 CHILDREN = ("footers", "index", "first-w0", "first-w2")
-
-
-def _table(rows: int) -> Any:
-    def table(rng: np.random.Generator, f: int) -> pa.Table:
-        lengths = rng.integers(16, 1025, rows)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        values = rng.integers(1, 50_000, int(offsets[-1]), dtype=np.int32)
-        return pa.table({"tokens": pa.ListArray.from_arrays(offsets, values)})
-
-    return table
 
 
 def _paths(lake: str) -> list[str]:

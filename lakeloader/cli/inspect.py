@@ -375,18 +375,7 @@ def render_text(info: dict[str, Any]) -> str:
             ]
             out.append(format_table(["rank", "worker", "file", "row group", "rows"], rows))
     if quarantine:
-        out += ["", "quarantine (units skipped for good, on every rank and after every resume):"]
-        rows = [
-            [
-                q["path"],
-                q["row_group"],
-                f"[{q['row_start']:,}, {q['row_start'] + q['num_rows']:,})",
-                q["num_rows"],
-                q["reason"],
-            ]
-            for q in quarantine
-        ]
-        out.append(format_table(["file", "row group", "rows", "count", "reason"], rows))
+        out += ["", *quarantine_text(quarantine)]
     if "ranges" in info:
         rows = [
             [r["file"], r["row_group"], r["rows"]] + [_ranges_text(r[c]) for c in _CATEGORIES]
@@ -395,3 +384,23 @@ def render_text(info: dict[str, Any]) -> str:
         out += ["", "row ranges this epoch ([start, end) inside each row group; --json lists all):"]
         out.append(format_table(["file", "row group", "rows", *_CATEGORIES], rows))
     return "\n".join(out)
+
+
+def quarantine_text(quarantine: list[dict[str, Any]]) -> list[str]:
+    """The quarantine's paragraphs: a line, and the table of its units when there are some."""
+    if not quarantine:
+        return ["quarantine: none"]
+    rows = [
+        [
+            q["path"],
+            q["row_group"],
+            f"[{q['row_start']:,}, {q['row_start'] + q['num_rows']:,})",
+            q["num_rows"],
+            q["reason"],
+        ]
+        for q in quarantine
+    ]
+    return [
+        "quarantine (units skipped for good, on every rank and after every resume):",
+        format_table(["file", "row group", "rows", "count", "reason"], rows),
+    ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
-from lakeloader.cli.inspect import lake_url
+from lakeloader.cli.inspect import lake_url, quarantine_text
 from lakeloader.cli.tables import format_pairs, format_table
 from lakeloader.errors import StateFormatError
 from lakeloader.order.mixture import MixWeights
@@ -187,7 +187,7 @@ def render_kind_text(info: dict[str, Any]) -> str:
                 table,
                 "weights",
                 history,
-                *_quarantine_text(info["quarantine"]),
+                *quarantine_text(info["quarantine"]),
             ]
         )
         + "\n"
@@ -211,24 +211,4 @@ def _packed_text(info: dict[str, Any], common: list[tuple[str, Any]]) -> str:
             ("samples", where),
         ]
     )
-    return "\n\n".join([head, *_quarantine_text(info["quarantine"])])
-
-
-def _quarantine_text(quarantine: list[dict[str, Any]]) -> list[str]:
-    """The quarantine's paragraphs: a line, and the table of its units when there are some."""
-    if not quarantine:
-        return ["quarantine: none"]
-    rows = [
-        [
-            q["path"],
-            q["row_group"],
-            f"[{q['row_start']:,}, {q['row_start'] + q['num_rows']:,})",
-            q["num_rows"],
-            q["reason"],
-        ]
-        for q in quarantine
-    ]
-    return [
-        "quarantine (units skipped for good, on every rank and after every resume):",
-        format_table(["file", "row group", "rows", "count", "reason"], rows),
-    ]
+    return "\n\n".join([head, *quarantine_text(info["quarantine"])])
