@@ -38,7 +38,8 @@ from lakeloader.nodes.base import Host, Node, StepRecord, decoding_setup, read_c
 from lakeloader.nodes.streams import SourceStream
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.collate import BatchTransform
-from lakeloader.pipeline.packed import PackedIterator, PackedSource, arena_layout, epoch_samples
+from lakeloader.pipeline.packed import PackedIterator
+from lakeloader.pipeline.packed_parts import PackedSource, arena_layout, epoch_samples
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.mixture_resume import resume_mixture

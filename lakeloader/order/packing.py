@@ -133,28 +133,30 @@ class Share:
         return len(self.source)
 
 
-def step_share(
+def step_shares(
     sources: np.ndarray,
     offsets: np.ndarray,
     epochs: np.ndarray,
     places: np.ndarray,
     stream_of: dict[tuple[int, int], TokenStream],
+    global_batch: int,
     world_size: int,
     rank: int,
-) -> Share:
-    """A rank's samples of one global step (see the module docstring).
+) -> list[Share]:
+    """A rank's samples of consecutive global steps (see the module docstring).
 
     Args:
-        sources: The source of each of the step's samples, as drawn.
+        sources: The source of each of the steps' samples, as drawn: ``global_batch`` a step.
         offsets: Each sample's index in its source's endless stream.
         epochs: Each sample's epoch of its source.
         places: Its index among that epoch's samples.
-        stream_of: The :class:`TokenStream` of each ``(source, epoch)`` the step reaches.
+        stream_of: The :class:`TokenStream` of each ``(source, epoch)`` the steps reach.
+        global_batch: Samples of a step.
         world_size: Ranks.
         rank: This rank.
 
     >>> s = TokenStream.of(np.array([8, 8]), streams=2, seq_len=4)
-    >>> share = step_share(*[np.zeros(4, int), np.arange(4)] * 2, {(0, 0): s}, 2, 1)
+    >>> (share,) = step_shares(*[np.zeros(4, int), np.arange(4)] * 2, {(0, 0): s}, 4, 2, 1)
     >>> share.start.tolist(), share.stop.tolist()
     ([8, 12], [12, 16])
     """
@@ -167,10 +169,16 @@ def step_share(
         tokens = stream_of[(source, epoch)]
         stream[mine], index[mine] = tokens.locate(places[mine])
         start[mine], stop[mine] = tokens.spans(stream[mine], index[mine])
-    order = np.lexsort((index, stream, epochs, sources))
-    a, b = rank_bounds(len(order), world_size, rank)
-    mine_ = order[a:b]
-    return Share(sources[mine_], offsets[mine_], epochs[mine_], start[mine_], stop[mine_])
+    step = np.arange(len(sources), dtype=np.int64) // global_batch
+    order = np.lexsort((index, stream, epochs, sources, step))  # each step's block stays its own
+    a, b = rank_bounds(global_batch, world_size, rank)
+    shares = []
+    for first in range(0, len(order), global_batch):
+        mine_ = order[first + a : first + b]
+        shares.append(
+            Share(sources[mine_], offsets[mine_], epochs[mine_], start[mine_], stop[mine_])
+        )
+    return shares
 
 
 def separated(
@@ -178,16 +186,27 @@ def separated(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows laid end to end with ``eos_id`` after each row; each token's position in its row.
 
+    Tokens keep a 4-byte integer type when the ids and ``eos_id`` fit one (else 8 bytes), and
+    positions are 4-byte too: a unit's tokens are held until every stream has passed it, and
+    each byte held per token is memory the kernel has to zero first.
+
     >>> t, p = separated(np.array([1, 2, 3]), np.array([0, 2, 2, 3]), 9)
     >>> t.tolist(), p.tolist()
     ([1, 2, 9, 9, 3, 9], [0, 1, 2, 0, 0, 1])
     """
-    values = values[offsets[0] : offsets[-1]].astype(np.int64, copy=False)
+    values = values[offsets[0] : offsets[-1]]
+    small = values.dtype.itemsize <= 4 and values.dtype != np.uint32
+    fits = eos_id is None or -(2**31) <= eos_id < 2**31
+    values = values.astype(np.int32 if small and fits else np.int64, copy=False)
     lengths = np.diff(offsets)
     out = values
     if eos_id is not None:  # one separator after each row's last token
         out = np.insert(values, offsets[1:] - offsets[0], eos_id)
         lengths = lengths + 1
-    starts = np.cumsum(lengths) - lengths
-    positions = np.arange(len(out), dtype=np.int64) - np.repeat(starts, lengths)
+    lengths = lengths[lengths > 0]
+    positions = np.ones(len(out), dtype=np.int32 if len(out) < 2**31 else np.int64)
+    if len(out):  # each row's first token restarts the count: a running sum of ones
+        positions[0] = 0
+        positions[np.cumsum(lengths[:-1])] = 1 - lengths[:-1]
+        np.cumsum(positions, out=positions)
     return out, positions

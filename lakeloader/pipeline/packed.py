@@ -2,10 +2,11 @@
 
 :mod:`lakeloader.order.packing` places every sample (a token range of an epoch of a source)
 before any unit is read; :class:`PackedIterator` draws each step's samples (the mixture's
-cursor, or the one lake's), takes this rank's share, requests the units they lie in a few steps
-ahead (:class:`~lakeloader.pipeline.unit_tokens.EpochTokens`, decoded in the DataLoader's
-workers when it has them) and copies each sample's tokens out of them. A unit is let go once
-no step planned needs it.
+cursor, or the one lake's), takes this rank's share, requests the units they lie in ahead of
+use (:class:`~lakeloader.pipeline.unit_tokens.EpochTokens`, decoded in the DataLoader's
+workers when it has them; how far ahead: ``PackedIterator._plan``) and copies each sample's
+tokens out of them. A unit is let go once no step planned needs it and every stream it lies in
+has passed it.
 
 The user's code: a source's row ``transform`` runs on each row before packing (see
 :mod:`~lakeloader.pipeline.unit_tokens`). The loader's ``collate_fn`` gets the list of a
@@ -23,24 +24,23 @@ through the state, to later passes and resumes): screened without reading.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from multiprocessing.pool import ThreadPool
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import torch
 
-from lakeloader.cache.packed import RowLayout
-from lakeloader.dataset import LakeDataset
-from lakeloader.io.reader import UnitReader
 from lakeloader.lake.following import CaughtUpError
 from lakeloader.options import LoaderOptions
 from lakeloader.order.mixture import MixCursor, MixWeights
-from lakeloader.order.packing import Share, TokenStream, step_share
+from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
+from lakeloader.pipeline.packed_parts import PackedSource, PlannedStep, arena_layout
 from lakeloader.pipeline.recipe import (
     COLUMNS,
     BatchRecipe,
@@ -59,53 +59,21 @@ from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 
 if TYPE_CHECKING:
-    from lakeloader.nodes.streams import SourceStream
+    pass
 
 logger = logging.getLogger(__name__)
 
-#: Steps whose units are requested ahead of the one delivered.
+#: Steps whose units are requested ahead of the one delivered, at least.
 AHEAD_STEPS: Final = 4
+#: Steps planned at once (see ``PackedIterator._plan``).
+PLAN_STEPS: Final = 16
+#: Bytes a unit requested holds per token, about: decoded, and made into tokens and positions.
+UNIT_BYTES_PER_TOKEN: Final = 12
 #: Threads that make decoded units into tokens.
 TOKEN_THREADS: Final = 2
 
 #: The units each source found skipped in a step: one tuple per source.
 Skips = list[tuple[QuarantineEntry, ...]]
-
-
-class PackedSource(NamedTuple):
-    """A packed stream's source.
-
-    Attributes:
-        dataset: The dataset (its ``transform``, ``on_error`` and ``validate`` apply to its
-            rows).
-        reader: Reads its units.
-        stream: Its epochs (a followed lake's increments) and the samples each holds.
-        counts_of: Tokens of each unit of an epoch's dataset, in path order
-            (:mod:`~lakeloader.pipeline.token_counts`).
-        known: Units already quarantined (from the state): screened without reading.
-    """
-
-    dataset: LakeDataset
-    reader: UnitReader
-    stream: SourceStream
-    counts_of: Callable[[LakeDataset], np.ndarray]
-    known: tuple[QuarantineEntry, ...] = ()
-
-
-def epoch_samples(dataset: LakeDataset, counts: np.ndarray, packing: Packing) -> int:
-    """Samples in each epoch of a source whose units hold ``counts`` tokens.
-
-    The same every epoch: the units' order moves, the streams' bounds do not.
-    """
-    streams = dataset.config.num_partitions
-    return TokenStream.of(counts, streams, packing.seq_len).num_samples
-
-
-def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayout | None:
-    """How rows are packed into the arena: None when a row transform takes rows one by one."""
-    if any(ds.transform is not None for ds in datasets):
-        return None
-    return RowLayout.of(reader.schema)
 
 
 class PackedIterator:
@@ -177,8 +145,11 @@ class PackedIterator:
         self._last_use: dict[tuple[int, int, int], int] = {}
         #: Each stream's first token that no step planned has reached, by (source, epoch).
         self._front: dict[tuple[int, int], np.ndarray] = {}
-        self._planned: deque[tuple[MixCursor, Share]] = deque()
+        self._planned: deque[PlannedStep] = deque()
         self._plan_cursor, self._steps_planned, self._steps_done = cursor, 0, 0
+        self._options = options
+        #: Bytes the units requested and not let go hold, about (see ``_plan``).
+        self._held_bytes = 0
         self._sample_keys = [
             (s.dataset.config.seed, zlib.crc32(name.encode()))
             for s, name in zip(sources, weights.names, strict=True)
@@ -215,37 +186,88 @@ class PackedIterator:
         return self._epochs[key]
 
     def _plan(self) -> None:
-        """Plan steps (and request their units) until :data:`AHEAD_STEPS` are ahead."""
-        topo = self._topology
+        """Plan steps and request their units: :data:`AHEAD_STEPS` at least, then more.
+
+        Steps are planned :data:`PLAN_STEPS` at a time (one at a time from a followed lake,
+        whose later steps may wait for rows). Past :data:`AHEAD_STEPS`, more are planned while
+        the units requested and not let go hold less than twice what the next
+        :data:`AHEAD_STEPS` steps' units hold (and less than ``cache_bytes``; as tokens:
+        :data:`UNIT_BYTES_PER_TOKEN`), and while a followed lake already holds their samples:
+        so the next unit of each stream this rank reads is decoded while it reads the one
+        before, and the units an epoch's first steps need (which start every stream at once)
+        while the epoch before is delivered.
+        """
+        chunk = 1 if any(s.stream.follows for s in self._sources) else PLAN_STEPS
         while len(self._planned) <= AHEAD_STEPS:
-            draw, after = self._plan_cursor.take(self._weights, self._seed, topo.global_batch)
-            epochs, places = np.empty_like(draw.offsets), np.empty_like(draw.offsets)
-            for i, source in enumerate(self._sources):
-                mine = draw.sources == i
-                if mine.any():
-                    try:  # a followed lake: waits for the increments the step reaches
-                        source.stream.cover(int(draw.offsets[mine].max()))
-                    except CaughtUpError as caught:
-                        logger.info("a packed stream caught up with its lake: %s", caught)
-                        return  # the pass ends after the steps planned
-                    epochs[mine], places[mine] = source.stream.locate(draw.offsets[mine])
-            pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
-            streams = {key: self._stream(*key) for key in pairs}
-            for (s, e), at in streams.items():  # where every rank's samples have reached
-                c, k = at.locate(places[(draw.sources == s) & (epochs == e)])
-                front = self._front.setdefault((s, e), at.bounds[:-1].copy())
-                np.maximum.at(front, c, at.spans(c, k)[1])
-            share = step_share(
-                draw.sources, draw.offsets, epochs, places, streams, topo.world_size, topo.rank
+            if not self._plan_steps(chunk, may_wait=True):
+                return
+        near = itertools.islice(self._planned, AHEAD_STEPS + 1)
+        keys = {key for step in near for key in step.units}
+        budget = min(self._options.cache_bytes, 2 * sum(self._unit_bytes(*k) for k in keys))
+        if self._held_bytes < budget:
+            self._plan_steps(PLAN_STEPS, may_wait=False)
+
+    def _plan_steps(self, count: int, may_wait: bool) -> bool:
+        """Plan the next ``count`` steps and request their units; False if none was planned.
+
+        ``may_wait``: wait for a followed lake's rows (else plan nothing when they are not in).
+        """
+        topo, cursor = self._topology, self._plan_cursor
+        draw, _ = cursor.take(self._weights, self._seed, count * topo.global_batch)
+        epochs, places = np.empty_like(draw.offsets), np.empty_like(draw.offsets)
+        for i, source in enumerate(self._sources):
+            mine = draw.sources == i
+            if mine.any():
+                last = int(draw.offsets[mine].max())
+                if not may_wait and not source.stream.covers(last):
+                    return False
+                try:  # a followed lake: waits for the increments the step reaches
+                    source.stream.cover(last)
+                except CaughtUpError as caught:
+                    logger.info("a packed stream caught up with its lake: %s", caught)
+                    return False  # the pass ends after the steps planned
+                epochs[mine], places[mine] = source.stream.locate(draw.offsets[mine])
+        pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
+        streams = {key: self._stream(*key) for key in pairs}
+        for (s, e), at in streams.items():  # where every rank's samples have reached
+            c, k = at.locate(places[(draw.sources == s) & (epochs == e)])
+            front = self._front.setdefault((s, e), at.bounds[:-1].copy())
+            np.maximum.at(front, c, at.spans(c, k)[1])
+        shares = step_shares(
+            draw.sources,
+            draw.offsets,
+            epochs,
+            places,
+            streams,
+            topo.global_batch,
+            topo.world_size,
+            topo.rank,
+        )
+        for step, share in enumerate(shares):
+            slot = (step + 1) * topo.global_batch
+            drawn = np.bincount(draw.sources[:slot], minlength=len(self._weights.names))
+            counts = dict(cursor.counts)
+            counts.update(
+                (n, cursor.counts.get(n, 0) + int(d))
+                for n, d in zip(self._weights.names, drawn, strict=True)
             )
-            step = self._steps_planned
-            for (s, e), (_, units) in self._by_epoch(share).items():
-                tokens = self._epoch(s, e)
-                tokens.request(units)
-                for pos in units:
-                    self._last_use[(s, e, pos)] = step
-            self._planned.append((after, share))
-            self._plan_cursor, self._steps_planned = after, step + 1
+            by_epoch = self._by_epoch(share)
+            units = [(s, e, pos) for (s, e), (_, held) in by_epoch.items() for pos in held]
+            for key in units:
+                if key not in self._last_use:
+                    self._epoch(*key[:2]).request((key[2],))
+                    self._held_bytes += self._unit_bytes(*key)
+                self._last_use[key] = self._steps_planned
+            after = MixCursor(cursor.slot + slot, counts)
+            self._planned.append(PlannedStep(after, share, by_epoch, units))
+            self._steps_planned += 1
+        self._plan_cursor = self._planned[-1].after
+        return True
+
+    def _unit_bytes(self, source: int, epoch: int, pos: int) -> int:
+        """Bytes the unit at ``pos`` of an epoch holds once requested, about."""
+        ends = self._stream(source, epoch).ends
+        return int(ends[pos] - (ends[pos - 1] if pos else 0)) * UNIT_BYTES_PER_TOKEN
 
     def __iter__(self) -> PackedIterator:
         return self
@@ -256,13 +278,13 @@ class PackedIterator:
         self._plan()
         if not self._planned:  # caught up with a followed lake
             raise StopIteration
-        cursor, share = self._planned.popleft()
+        cursor, share, by_epoch, _ = self._planned.popleft()
         L, n = self._packing.seq_len, len(share)
         tokens = np.full((n, L), self._packing.pad_id, dtype=np.int64)
         positions = np.zeros((n, L), dtype=np.int64)
         pads = np.ones((n, L), dtype=bool)
         ramp = np.arange(L, dtype=np.int64)
-        for (s, e), (mine, _) in self._by_epoch(share).items():
+        for (s, e), (mine, _) in by_epoch.items():
             epoch = self._epoch(s, e)
             ends = epoch.stream.ends
             start, stop = share.start[mine], share.stop[mine]
@@ -360,6 +382,7 @@ class PackedIterator:
         for source, epoch, pos in gone:
             del self._last_use[(source, epoch, pos)]
             by_epoch.setdefault((source, epoch), []).append(pos)
+            self._held_bytes -= self._unit_bytes(source, epoch, pos)
         for key, positions in by_epoch.items():
             self._epochs[key].drop(positions)
         for key in [k for k, e in self._epochs.items() if not e.held]:
@@ -375,7 +398,9 @@ class PackedIterator:
         start = end - int(tokens.ends[pos] - (tokens.ends[pos - 1] if pos else 0))
         first = int(np.searchsorted(tokens.bounds, start, side="right")) - 1
         last = int(np.searchsorted(tokens.bounds, end - 1, side="right")) - 1
-        return bool((front[max(first, 0) : last + 1] >= end).all())
+        first = max(first, 0)  # a stream that ends inside the unit has passed it at its end
+        until = np.minimum(end, tokens.bounds[first + 1 : last + 2])
+        return bool((front[first : last + 1] >= until).all())
 
     def cache_bytes(self) -> int:
         """Bytes of decoded units held now."""

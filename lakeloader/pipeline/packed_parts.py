@@ -1,0 +1,68 @@
+"""A packed stream's parts: its sources, the steps it plans, and how its epochs are shaped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from lakeloader.cache.packed import RowLayout
+from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
+from lakeloader.order.mixture import MixCursor
+from lakeloader.order.packing import Share, TokenStream
+from lakeloader.packing import Packing
+from lakeloader.state.quarantine import QuarantineEntry
+
+if TYPE_CHECKING:
+    from lakeloader.nodes.streams import SourceStream
+
+
+class PackedSource(NamedTuple):
+    """A packed stream's source.
+
+    Attributes:
+        dataset: The dataset (its ``transform``, ``on_error`` and ``validate`` apply to its
+            rows).
+        reader: Reads its units.
+        stream: Its epochs (a followed lake's increments) and the samples each holds.
+        counts_of: Tokens of each unit of an epoch's dataset, in path order
+            (:mod:`~lakeloader.pipeline.token_counts`).
+        known: Units already quarantined (from the state): screened without reading.
+    """
+
+    dataset: LakeDataset
+    reader: UnitReader
+    stream: SourceStream
+    counts_of: Callable[[LakeDataset], np.ndarray]
+    known: tuple[QuarantineEntry, ...] = ()
+
+
+class PlannedStep(NamedTuple):
+    """A step planned: the cursor after it, this rank's share, and the units the share needs.
+
+    ``by_epoch``: the share's samples by (source, epoch), and the units they lie in;
+    ``units``: the same units as (source, epoch, position).
+    """
+
+    after: MixCursor
+    share: Share
+    by_epoch: dict[tuple[int, int], tuple[np.ndarray, list[int]]]
+    units: list[tuple[int, int, int]]
+
+
+def epoch_samples(dataset: LakeDataset, counts: np.ndarray, packing: Packing) -> int:
+    """Samples in each epoch of a source whose units hold ``counts`` tokens.
+
+    The same every epoch: the units' order moves, the streams' bounds do not.
+    """
+    streams = dataset.config.num_partitions
+    return TokenStream.of(counts, streams, packing.seq_len).num_samples
+
+
+def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayout | None:
+    """How rows are packed into the arena: None when a row transform takes rows one by one."""
+    if any(ds.transform is not None for ds in datasets):
+        return None
+    return RowLayout.of(reader.schema)
