@@ -283,22 +283,20 @@ class PackedIterator:
         tokens = np.full((n, L), self._packing.pad_id, dtype=np.int64)
         positions = np.zeros((n, L), dtype=np.int64)
         pads = np.ones((n, L), dtype=bool)
-        ramp = np.arange(L, dtype=np.int64)
+        flat = (tokens.reshape(-1), positions.reshape(-1), pads.reshape(-1))
         for (s, e), (mine, _) in by_epoch.items():
             epoch = self._epoch(s, e)
-            ends = epoch.stream.ends
             start, stop = share.start[mine], share.stop[mine]
-            first = np.searchsorted(ends, start, side="right")
-            whole = (stop - start == L) & (ends[first] >= stop)  # L tokens of one unit
-            for pos in np.unique(first[whole]).tolist():  # gathered at once, unit by unit
-                at = whole & (first == pos)
-                unit = epoch.unit(pos)
-                take = (start[at] - (int(ends[pos]) - len(unit.tokens)))[:, None] + ramp
-                rows = mine[at]
-                tokens[rows], positions[rows] = unit.tokens[take], unit.positions[take]
-                pads[rows] = unit.padding
-            for i, a0, b0 in zip(mine[~whole], start[~whole], stop[~whole], strict=True):
-                self._cut(epoch, i, int(a0), int(b0), (tokens, positions, pads))
+            # Runs of samples whose tokens follow each other in the epoch and in the batch
+            # (a stream's next samples; a short one, padded, ends its run): one copy each.
+            cut = (
+                (start[1:] != stop[:-1])
+                | (mine[1:] != mine[:-1] + 1)
+                | (stop[:-1] - start[:-1] != L)
+            )
+            firsts = [0, *(np.flatnonzero(cut) + 1).tolist()]
+            for i, j in zip(firsts, [*firsts[1:], len(mine)], strict=True):
+                self._copy(epoch, int(start[i]), int(stop[j - 1]), int(mine[i]) * L, flat)
         columns = {"input_ids": tokens, "position_ids": positions, "pad_mask": pads}
         if self._source_key is not None:
             columns[self._source_key] = share.source.copy()
@@ -328,17 +326,19 @@ class PackedIterator:
             out[(s, e)] = (mine, units)
         return out
 
-    def _cut(self, epoch: EpochTokens, i: int, start: int, stop: int, out: tuple[Any, ...]) -> None:
-        """Copy sample ``i``'s tokens ``[start, stop)``, from the units they lie in."""
+    def _copy(
+        self, epoch: EpochTokens, start: int, stop: int, at: int, out: tuple[Any, ...]
+    ) -> None:
+        """Copy tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch, unit by unit."""
         ends = epoch.stream.ends
         for pos in epoch.stream.units(start, stop):
             unit = epoch.unit(pos)
             first = int(ends[pos]) - len(unit.tokens)
             a, b = max(start, first), min(stop, int(ends[pos]))
-            at = slice(a - start, b - start)
-            out[0][i, at] = unit.tokens[a - first : b - first]
-            out[1][i, at] = unit.positions[a - first : b - first]
-            out[2][i, at] = unit.padding
+            to = slice(at + a - start, at + b - start)
+            out[0][to] = unit.tokens[a - first : b - first]
+            out[1][to] = unit.positions[a - first : b - first]
+            out[2][to] = unit.padding
 
     def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
         """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""
