@@ -63,15 +63,20 @@ def worker_cpu_seconds() -> float:
     return total
 
 
-def steady_rate(batches: Iterable[Any], rows_of: Callable[[Any], int]) -> dict[str, Any]:
-    """Rows/s over the batches after the first ``WARMUP_BATCHES``, and the whole run's rows."""
+def steady_rate(
+    batches: Iterable[Any], rows_of: Callable[[Any], int], warmup: int = WARMUP_BATCHES
+) -> dict[str, Any]:
+    """Rows/s over the batches after the first ``warmup``, and the whole run's rows.
+
+    ``warmup=0``: over every batch, from the first one asked for.
+    """
     t0 = time.perf_counter()
     rows = timed = 0
-    start = None
+    start = t0 if warmup == 0 else None
     for i, batch in enumerate(batches):
         n = rows_of(batch)
         rows += n
-        if i == WARMUP_BATCHES - 1:
+        if i == warmup - 1:
             start = time.perf_counter()
         elif start is not None:
             timed += n
@@ -81,15 +86,21 @@ def steady_rate(batches: Iterable[Any], rows_of: Callable[[Any], int]) -> dict[s
     return {"rows": rows, "rows_per_s": rate, "seconds": end - t0}
 
 
-def child_main(loaders: dict[str, Callable[[Any], Iterable[Any]]], args: Any, rows_of: Any) -> int:
+def child_main(
+    loaders: dict[str, Callable[[Any], Iterable[Any]]],
+    args: Any,
+    rows_of: Any,
+    warmup: int = WARMUP_BATCHES,
+) -> int:
     """Run one loader in this process and hand its rate to the parent.
 
     With it go the CPU seconds of this process's descendants (its workers, if any ran), and
     ``args.note`` if the run set one (how it measured something other than its label says).
+    ``warmup``: batches left out of the rate (see :func:`steady_rate`).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        result = steady_rate(loaders[args.child](args), rows_of)
+        result = steady_rate(loaders[args.child](args), rows_of, warmup)
     except NotMeasured as why:
         result = {"not_measured": str(why)}
     result["loader"] = args.child
