@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 AHEAD_STEPS: Final = 4
 #: Steps planned at once (see ``PackedIterator._plan``).
 PLAN_STEPS: Final = 16
+#: Chunks of :data:`PLAN_STEPS` planned ahead at most while the next step waits for its units.
+MAX_CHUNKS: Final = 256
 #: Bytes a unit requested holds per token, about: decoded, and made into tokens and positions.
 UNIT_BYTES_PER_TOKEN: Final = 12
 #: Threads that make decoded units into tokens.
@@ -82,8 +84,7 @@ def decode_threads(io_threads: int) -> int:
     """Threads that decode a packed stream's units: ``io_threads``, at most the cores less one.
 
     A unit of a packed stream is one column chunk, which pyarrow decodes in one thread; the
-    loader's thread and the token threads need the other core. On 2 cores, 1 decoding thread
-    gave rank 0 of 1 82 M tokens/s against 46 M with 4 (the packing benchmark's lake).
+    loader's thread and the token threads need the rest (on 2 cores, 4 took twice the CPU).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(io_threads, (cores or 2) - 1))
@@ -202,7 +203,9 @@ class PackedIterator:
         """Plan steps and request their units: :data:`AHEAD_STEPS` at least, then more.
 
         Steps are planned :data:`PLAN_STEPS` at a time (one at a time from a followed lake,
-        whose later steps may wait for rows). Past :data:`AHEAD_STEPS`, more are planned while
+        whose later steps may wait for rows). Past :data:`AHEAD_STEPS`, more are planned (one
+        chunk a batch; up to :data:`MAX_CHUNKS` while the next step's units are not ready, as
+        the loader would wait for them anyway) while
         the units requested and not let go hold less than twice what the next
         :data:`AHEAD_STEPS` steps' units hold (and less than ``cache_bytes``; as tokens:
         :data:`UNIT_BYTES_PER_TOKEN`), and while a followed lake already holds their samples:
@@ -217,8 +220,15 @@ class PackedIterator:
         near = itertools.islice(self._planned, AHEAD_STEPS + 1)
         keys = {key for step in near for key in step.units}
         budget = min(self._options.cache_bytes, 2 * sum(self._unit_bytes(*k) for k in keys))
-        if self._held_bytes < budget:
-            self._plan_steps(PLAN_STEPS, may_wait=False)
+        chunks = 0  # more while the next step would wait for its units anyway
+        while self._held_bytes < budget and (chunks == 0 or not self._ready(self._planned[0])):
+            if not self._plan_steps(PLAN_STEPS, may_wait=False) or chunks > MAX_CHUNKS:
+                return
+            chunks += 1
+
+    def _ready(self, step: PlannedStep) -> bool:
+        """Whether the units of a step planned are made into tokens."""
+        return all(self._epochs[s, e].ready(pos) for s, e, pos in step.units)
 
     def _plan_steps(self, count: int, may_wait: bool) -> bool:
         """Plan the next ``count`` steps and request their units; False if none was planned.
@@ -307,13 +317,14 @@ class PackedIterator:
                 | (mine[1:] != mine[:-1] + 1)
                 | (stop[:-1] - start[:-1] != L)
             )
-            firsts = [0, *(np.flatnonzero(cut) + 1).tolist()]
-            for i, j in zip(firsts, [*firsts[1:], len(mine)], strict=True):
-                self._copy(epoch, int(start[i]), int(stop[j - 1]), int(mine[i]) * L, flat)
-            for row, size in zip(mine, stop - start, strict=True):
-                if size < L:  # a stream's last sample: padded
-                    tokens[row, size:], positions[row, size:] = self._packing.pad_id, 0
-                    pads[row, size:] = True
+            firsts = np.concatenate([[0], np.flatnonzero(cut) + 1])
+            lasts = np.concatenate([firsts[1:], [len(mine)]]) - 1
+            runs = zip(start[firsts], stop[lasts], mine[firsts] * L, strict=True)
+            self._copy(epoch, np.array(list(runs)).reshape(-1, 3), flat)
+            for row in mine[stop - start < L].tolist():  # a stream's last sample: padded
+                size = int(share.stop[row] - share.start[row])
+                tokens[row, size:], positions[row, size:] = self._packing.pad_id, 0
+                pads[row, size:] = True
         columns = {"input_ids": tokens, "position_ids": positions, "pad_mask": pads}
         if self._source_key is not None:
             columns[self._source_key] = share.source.copy()
@@ -343,19 +354,23 @@ class PackedIterator:
             out[(s, e)] = (mine, units)
         return out
 
-    def _copy(
-        self, epoch: EpochTokens, start: int, stop: int, at: int, out: tuple[Any, ...]
-    ) -> None:
-        """Copy tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch, unit by unit."""
+    def _copy(self, epoch: EpochTokens, runs: np.ndarray, out: tuple[Any, ...]) -> None:
+        """Copy each run's tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch.
+
+        ``runs``: one ``(start, stop, at)`` a row; each run is copied unit by unit.
+        """
         ends = epoch.stream.ends
-        for pos in epoch.stream.units(start, stop):
-            unit = epoch.unit(pos)
-            first = int(ends[pos]) - len(unit.tokens)
-            a, b = max(start, first), min(stop, int(ends[pos]))
-            to = slice(at + a - start, at + b - start)
-            out[0][to] = unit.tokens[a - first : b - first]
-            out[1][to] = unit.positions[a - first : b - first]
-            out[2][to] = unit.padding
+        units = np.searchsorted(ends, runs[:, :2] - [0, 1], side="right")
+        for (start, stop, at), (u0, u1) in zip(runs.tolist(), units.tolist(), strict=True):
+            for pos in range(u0, u1 + 1):
+                unit = epoch.unit(pos)
+                end = int(ends[pos])
+                first = end - len(unit.tokens)
+                a, b = max(start, first), min(stop, end)
+                to = slice(at + a - start, at + b - start)
+                out[0][to] = unit.tokens[a - first : b - first]
+                out[1][to] = unit.positions[a - first : b - first]
+                out[2][to] = unit.padding
 
     def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
         """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""

@@ -105,6 +105,11 @@ class EpochTokens:
             self.skipped += skipped
         return held
 
+    def ready(self, pos: int) -> bool:
+        """Whether the unit at ``pos`` is made into tokens (or failed), so ``unit`` won't wait."""
+        made = self._made.get(pos)
+        return pos in self._units or (made is not None and made.ready())
+
     def drop(self, positions: Iterable[int]) -> None:
         """Let go of the units at these positions (decoded again if requested again)."""
         gone = [p for p in positions if p in self._specs]
