@@ -71,8 +71,8 @@ AHEAD_STEPS: Final = 4
 PLAN_STEPS: Final = 16
 #: Chunks of :data:`PLAN_STEPS` planned ahead at most while the next step waits for its units.
 MAX_CHUNKS: Final = 256
-#: Bytes a unit requested holds per token, about: decoded, and made into tokens and positions.
-UNIT_BYTES_PER_TOKEN: Final = 12
+#: Bytes a unit requested holds per token, about: decoded, then made into tokens and positions.
+UNIT_BYTES_PER_TOKEN: Final = 8
 #: Threads that make decoded units into tokens.
 TOKEN_THREADS: Final = 2
 
@@ -435,8 +435,8 @@ class PackedIterator:
         return bool((front[first : last + 1] >= until).all())
 
     def cache_bytes(self) -> int:
-        """Bytes of decoded units held now."""
-        return self._stores.held_bytes()
+        """Bytes of decoded units held now, and of the tokens made of them."""
+        return self._stores.held_bytes() + sum(e.nbytes for e in list(self._epochs.values()))
 
     def cache_peak_bytes(self) -> int:
         """Most bytes held at once by an epoch's store."""

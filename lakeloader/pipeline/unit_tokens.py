@@ -123,6 +123,11 @@ class EpochTokens:
         )
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the units' tokens and positions held."""
+        return sum(u.tokens.nbytes + u.positions.nbytes for u in list(self._units.values()))
+
+    @property
     def held(self) -> list[int]:
         """The positions requested and not dropped."""
         return list(self._specs)
@@ -159,6 +164,7 @@ class EpochTokens:
             return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True), tuple(skipped)
         tokens, positions = separated(values, offsets, packing.eos_id)
         self._check(int(self.plan.order[pos]), len(tokens), expected, self.plan.epoch)
+        self._store.store.drop(spec.positions)  # its tokens are all it is needed for now
         return UnitTokens(tokens, positions, False), ()
 
 
