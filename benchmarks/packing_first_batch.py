@@ -10,9 +10,9 @@ disk; ``tokens`` ``list<int32>`` of 16 to 1,024 ids (2,000 units, about 52 M tok
 figure comes from a fresh process (the imports are done before any clock starts; the page
 cache holds the lake: it is read once before the first repetition):
 
-- ``footers``: (a) ``pyarrow.parquet.read_metadata`` of every file on 32 threads (what
-  lakeloader's snapshot uses: ``min(32, files)``), then (a') once more on one thread (on 2
-  cores and a warm page cache, one thread is the faster: the ratios to (a') are given too);
+- ``footers``: ``pyarrow.parquet.read_metadata`` of every file on 32 threads (what lakeloader's
+  snapshot uses on a store), then once more on one thread; (a), the reference, is the faster
+  of the two in each repetition (on 2 cores and a warm page cache, one thread);
 - ``index``: (b) ``LakeDataset(lake, columns=["tokens"], packing=Packing("tokens", 2048,
   eos_id=0))``, which lists the lake and reads every footer; (c) the token-count index,
   ``lakeloader.pipeline.token_counts.token_counts(ds)``: *warm*, right after (b), with the
@@ -226,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         raise SystemExit(f"children failed: {failed}")
     per_rep: dict[str, list[float]] = {}
-    for ref in ("a", "a_serial"):
+    for r in runs["footers"]:
+        r["a_best_s"] = min(r["a_s"], r["a_serial_s"])
+    for ref in ("a_best", "a"):
         a = [r[f"{ref}_s"] for r in runs["footers"]]
         for what, name, key in (
             ("c_cold", "index", "c_cold_s"),
@@ -246,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
 
     idx = runs["index"][0]
     lines = [
-        ["(a) footers: read_metadata of every file, 32 threads", *fig("footers", "a_s")],
-        ["(a') footers: the same on one thread (context)", *fig("footers", "a_serial_s")],
+        ["(a) footers: read_metadata of every file, the faster way", *fig("footers", "a_best_s")],
+        ["footers on one thread", *fig("footers", "a_serial_s")],
+        ["(a') footers on 32 threads", *fig("footers", "a_s")],
         ["(b) LakeDataset(lake, packing=...)", *fig("index", "b_s")],
         ["(c) token_counts(ds), cold footer cache", *fig("index", "c_cold_s")],
         ["(c) token_counts(ds), warm footer cache (after (b))", *fig("index", "c_warm_s")],
@@ -262,13 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             [f"{w} workers: LakeDataset(...) to the first batch", *fig(name, "first_batch_s")],
         ]
     ratios = [
-        ["(c) cold / (a)", *ratio("c_cold/a")],
-        ["(c) warm / (a)", *ratio("c_warm/a")],
-        ["((b) + (c) + first batch) / (a), 0 workers", *ratio("first_w0/a")],
-        ["((b) + (c) + first batch) / (a), 2 workers", *ratio("first_w2/a")],
-        ["(c) cold / (a'), the footers on one thread", *ratio("c_cold/a_serial")],
-        ["((b) + (c) + first batch) / (a'), 0 workers", *ratio("first_w0/a_serial")],
-        ["((b) + (c) + first batch) / (a'), 2 workers", *ratio("first_w2/a_serial")],
+        ["(c) cold / (a)", *ratio("c_cold/a_best")],
+        ["(c) warm / (a)", *ratio("c_warm/a_best")],
+        ["((b) + (c) + first batch) / (a), 0 workers", *ratio("first_w0/a_best")],
+        ["((b) + (c) + first batch) / (a), 2 workers", *ratio("first_w2/a_best")],
+        ["(c) cold / (a'), the footers on 32 threads", *ratio("c_cold/a")],
+        ["((b) + (c) + first batch) / (a'), 0 workers", *ratio("first_w0/a")],
+        ["((b) + (c) + first batch) / (a'), 2 workers", *ratio("first_w2/a")],
     ]
     sections = [
         f"{files:,} files x {GROUPS} row groups of {group} rows of 16-1,024 tokens "

@@ -7,11 +7,20 @@ field.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
 from lakeloader.pipeline.collate import Collate
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
 
 #: Default byte budget of the decoded-unit cache of one rank.
 DEFAULT_CACHE_BYTES: Final = 2 << 30

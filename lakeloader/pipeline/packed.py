@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from lakeloader.lake.following import CaughtUpError
-from lakeloader.options import LoaderOptions
+from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
@@ -86,8 +85,7 @@ def decode_threads(io_threads: int) -> int:
     A unit of a packed stream is one column chunk, which pyarrow decodes in one thread; the
     loader's thread and the token threads need the rest (on 2 cores, 4 took twice the CPU).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(io_threads, (cores or 2) - 1))
+    return max(1, min(io_threads, cores() - 1))
 
 
 class PackedIterator:
