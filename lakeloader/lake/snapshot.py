@@ -12,7 +12,6 @@ import hashlib
 import logging
 import re
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +21,13 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from lakeloader.errors import LakeDataError, SchemaMismatchError
-from lakeloader.io.fetch import is_local, read_footer, url_of
+from lakeloader.io.fetch import read_footer, url_of
+from lakeloader.io.per_file import per_file
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.increments import Increment
 from lakeloader.lake.schema import unify_schemas, without_views
-from lakeloader.options import cores
-from lakeloader.signals import main_thread_only
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +35,6 @@ logger = logging.getLogger(__name__)
 SNAPSHOT_FORMAT_VERSION = 1
 #: From this many files on, footer reading shows a progress bar (on stderr, terminal or not).
 PROGRESS_MIN_FILES = 64
-#: Footers read at once from a store (I/O bound, so more than the core count); a local lake's
-#: are read on a thread a core, :data:`LOCAL_FOOTERS_PER_TASK` at a time.
-FOOTER_THREADS = 32
-#: Footers of a local lake a thread reads before it hands them over (1,000 files on 2 cores:
-#: 0.48 s on 32 threads a file at a time, 0.2 s on 2 threads, the footers alone 0.064 s).
-LOCAL_FOOTERS_PER_TASK = 64
 _INT_RE = re.compile(r"-?[0-9]+")
 
 
@@ -236,6 +228,8 @@ def read_file_infos(
 ) -> list[FileInfo | None]:
     """:func:`read_file_info` of every file, in parallel (None: left out, unreadable).
 
+    The threads: :func:`~lakeloader.io.per_file.per_file`'s.
+
     Raises:
         LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
     """
@@ -249,24 +243,9 @@ def read_file_infos(
             logger.warning("left out of the snapshot (on_error='skip'): %s", exc)
             return None
 
-    def read_all(files: Sequence[DiscoveredFile]) -> list[FileInfo | None]:
-        return [read(d) for d in files]
-
     show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
-    threads, per_task = max(1, min(FOOTER_THREADS, len(found))), 1
-    if is_local(fs):  # CPU bound: a thread a core, and few hand-overs between threads
-        threads = max(1, min(cores(), len(found)))
-        per_task = max(1, min(LOCAL_FOOTERS_PER_TASK, len(found) // threads))
-    tasks = [found[i : i + per_task] for i in range(0, len(found), per_task)]
-    out: list[FileInfo | None] = []
-    with (
-        ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool,
-        tqdm(total=len(found), desc="reading footers", unit="file", disable=not show) as bar,
-    ):
-        for infos in pool.map(read_all, tasks):
-            out += infos
-            bar.update(len(infos))
-    return out
+    with tqdm(total=len(found), desc="reading footers", unit="file", disable=not show) as bar:
+        return per_file(fs, read, found, bar.update)
 
 
 def assemble_snapshot(

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import read_footer, url_of
+from lakeloader.io.per_file import per_file
 from lakeloader.lake.snapshot import PROGRESS_MIN_FILES
 from lakeloader.pipeline.rows import to_rows, transform_rows
 from lakeloader.pipeline.unit_tokens import row_lists
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Threads that read footers or count units.
+#: Threads that count units by reading them.
 COUNT_THREADS = 16
 
 
@@ -60,7 +61,7 @@ def _footers(ds: LakeDataset) -> np.ndarray | None:
     if not whole.all() or any(f.deleted for f in files):
         return None
 
-    def per_file(index: int) -> list[int] | None:
+    def of_file(index: int) -> list[int] | None:
         info = files[index]
         if not info.row_group_rows:
             return []
@@ -80,8 +81,7 @@ def _footers(ds: LakeDataset) -> np.ndarray | None:
             out.append(chunk.num_values - stats.null_count)
         return out
 
-    with ThreadPoolExecutor(COUNT_THREADS, initializer=main_thread_only) as pool:
-        found = list(pool.map(per_file, range(len(files))))
+    found = per_file(ds.fs, of_file, range(len(files)))
     if any(f is None for f in found):
         return None
     by_group = {(i, rg): n for i, counts in enumerate(found) for rg, n in enumerate(counts or ())}
