@@ -271,3 +271,15 @@ def test_units_are_let_go_once_every_stream_has_passed_them(lake: Path) -> None:
             held.append(loader.stats()["cache_bytes"])
     assert held[-1] > 0
     assert max(held[3:]) <= 1.2 * max(held[:3]), held  # a leak: 1.5x by the 6th epoch
+
+
+def test_a_lake_whose_every_unit_is_quarantined_is_an_error_not_endless_padding(
+    lake: Path,
+) -> None:
+    ds = dataset(lake, on_error="skip", validate=lambda table: "every unit is bad")
+    loader = ll.DataLoader(ds, batch_size=8)
+    with loader, pytest.raises(ll.LakeDataError, match=r"every unit of .* is quarantined") as err:
+        batches = iter(loader)
+        for _ in range(10_000):
+            next(batches)
+    assert "every unit is bad" in str(err.value) and "\n" not in str(err.value)

@@ -37,11 +37,17 @@ import numpy as np
 import torch
 
 from lakeloader.lake.following import CaughtUpError
-from lakeloader.options import LoaderOptions, cores
+from lakeloader.options import LoaderOptions
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
-from lakeloader.pipeline.packed_parts import PackedSource, PlannedStep, arena_layout
+from lakeloader.pipeline.packed_parts import (
+    PackedSource,
+    PlannedStep,
+    arena_layout,
+    check_some_unit_left,
+    decode_threads,
+)
 from lakeloader.pipeline.recipe import (
     COLUMNS,
     BatchRecipe,
@@ -77,15 +83,6 @@ TOKEN_THREADS: Final = 2
 
 #: The units each source found skipped in a step: one tuple per source.
 Skips = list[tuple[QuarantineEntry, ...]]
-
-
-def decode_threads(io_threads: int) -> int:
-    """Threads that decode a packed stream's units: ``io_threads``, at most the cores less one.
-
-    A unit of a packed stream is one column chunk, which pyarrow decodes in one thread; the
-    loader's thread and the token threads need the rest (on 2 cores, 4 took twice the CPU).
-    """
-    return max(1, min(io_threads, cores() - 1))
 
 
 class PackedIterator:
@@ -398,6 +395,7 @@ class PackedIterator:
             if entries:
                 leaf = self._stores.leaves[source]
                 self._stores.leaves[source] = leaf._replace(known=leaf.known + tuple(entries))
+                check_some_unit_left(self._sources[source].dataset, leaf.known + tuple(entries))
         return [tuple(f) for f in found]
 
     def _release(self) -> None:

@@ -9,7 +9,9 @@ import numpy as np
 
 from lakeloader.cache.packed import RowLayout
 from lakeloader.dataset import LakeDataset
+from lakeloader.errors import LakeDataError
 from lakeloader.io.reader import UnitReader
+from lakeloader.options import cores
 from lakeloader.order.mixture import MixCursor
 from lakeloader.order.packing import Share, TokenStream
 from lakeloader.packing import Packing
@@ -66,3 +68,34 @@ def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayo
     if any(ds.transform is not None for ds in datasets):
         return None
     return RowLayout.of(reader.schema)
+
+
+def check_some_unit_left(dataset: LakeDataset, known: tuple[QuarantineEntry, ...]) -> None:
+    """Refuse a packed source whose every unit is quarantined: it would give padding forever.
+
+    Raises:
+        LakeDataError: If ``known`` covers every unit of ``dataset``.
+    """
+    units, files = dataset.units, dataset.snapshot.files
+    if len(known) < len(units) or not len(units):  # a unit has one entry: some are left
+        return
+    for f, rg, start, rows in zip(
+        units.file_index, units.row_group, units.row_start, units.num_rows, strict=True
+    ):
+        path = files[int(f)].path
+        if not any(k.covers(path, int(rg), int(start), int(rows)) for k in known):
+            return
+    raise LakeDataError(
+        f"every unit of {dataset} is quarantined ({len(units)} units; the first: "
+        f"{known[0].path}, row group {known[0].row_group}: {known[0].reason}), so packing has "
+        "no token left to give: fix the data or the validate function, or leave the source out"
+    )
+
+
+def decode_threads(io_threads: int) -> int:
+    """Threads that decode a packed stream's units: ``io_threads``, at most the cores less one.
+
+    A unit of a packed stream is one column chunk, which pyarrow decodes in one thread; the
+    loader's thread and the token threads need the rest (on 2 cores, 4 took twice the CPU).
+    """
+    return max(1, min(io_threads, cores() - 1))
