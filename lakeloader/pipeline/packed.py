@@ -302,7 +302,7 @@ class PackedIterator:
         L, n = self._packing.seq_len, len(share)
         tokens = np.empty((n, L), dtype=np.int64)  # every place is written: see ``_copy``
         positions = np.empty((n, L), dtype=np.int64)
-        pads = np.empty((n, L), dtype=bool)
+        pads = np.zeros((n, L), dtype=bool)  # True where a skipped unit or a tail pads
         flat = (tokens.reshape(-1), positions.reshape(-1), pads.reshape(-1))
         for (s, e), (mine, _) in by_epoch.items():
             epoch = self._epoch(s, e)
@@ -367,7 +367,8 @@ class PackedIterator:
                 to = slice(at + a - start, at + b - start)
                 out[0][to] = unit.tokens[a - first : b - first]
                 out[1][to] = unit.positions[a - first : b - first]
-                out[2][to] = unit.padding
+                if unit.padding:
+                    out[2][to] = True
 
     def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
         """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""
