@@ -340,9 +340,9 @@ class DataLoader(TorchNames):
         """
         self.root.restore_checkpoint(ckpt, coordinator)
 
-    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
-        """Tell ``observer`` of every step delivered; False where no record of them is kept."""
-        return self.root.observe_steps(observer)
+    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step delivered (each source's runs of rows or samples)."""
+        self.root.observe_steps(observer)
 
     @property
     def workers_build(self) -> bool:

@@ -141,7 +141,6 @@ class FaultTolerantLoader:
         self._kwargs = dict(loader_kwargs, batch_size=batch_size)
         self._lock = threading.Lock()  # torchft asks for the state from its quorum thread
         self._runs: list[DeliveredRun] = []  # the global spans of the step being taken
-        self._records = False  # whether the DataLoader keeps a record of its steps
         self._inner = self._loader(dataset, 0, 1)
         #: The DataLoader's state after the last committed step, and the state it stands at.
         self._committed: dict[str, Any] = self._inner.state_dict()
@@ -162,7 +161,7 @@ class FaultTolerantLoader:
     def _loader(self, dataset: Any, rank: int, world_size: int) -> DataLoader:
         """A DataLoader of this rank and world size, telling this loader of its steps."""
         loader = DataLoader(dataset, rank=rank, world_size=world_size, **self._kwargs)
-        self._records = loader.observe_steps(self._collect)
+        loader.observe_steps(self._collect)
         return loader
 
     # -------------------------------------------------------------------- steps
@@ -211,7 +210,7 @@ class FaultTolerantLoader:
             self._issued = _Issued(self.manager.current_step(), self._at, over, runs)
             self.participants, self.participating_rank = participants, rank
             spans = sum(r.stop - r.start for r in self._runs)
-            self.step_rows = spans if self._records else participants * self.batch_size
+            self.step_rows = spans
         return batch
 
     def _placed(self, participants: int, rank: int) -> Iterator[Any]:
@@ -375,20 +374,16 @@ class FaultTolerantLoader:
             self._it, self._issued, self._over = None, None, False
             self._journal.take()  # what came before is not this attempt's history
 
-    def observe_steps(self, observer: Callable[..., None]) -> bool:
+    def observe_steps(self, observer: Callable[..., None]) -> None:
         """Tell ``observer`` of every step once it is settled: ``observer(run, committed=)``.
 
         A step is told once, by the group that was participant 0 of its quorum (its global
         span is the same for every group); the steps committed before are told first.
-
-        Returns:
-            Whether the DataLoader keeps a record of its steps.
         """
         with self._lock:
             self._observer = observer
             for runs in self._journal.take_steps():
                 observer(runs)
-        return self._records
 
     @property
     def workers_build(self) -> bool:

@@ -165,9 +165,9 @@ class Node:
         """
         self.restore(dict(ckpt.state_dict))
 
-    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
-        """Tell ``observer`` of every step delivered; False: no record of them is kept."""
-        return False
+    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step delivered (each source's runs of rows or samples)."""
+        raise NotImplementedError
 
     @property
     def workers_build(self) -> bool:

@@ -340,10 +340,9 @@ class LakeNode(Node):
         """
         self.resume(coordinator.resume(ckpt, self.dataset))
 
-    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
-        """Tell ``observer`` of every step delivered (its tracker's journal); True."""
+    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step delivered (its tracker's journal)."""
         self.tracker.attach(observer)
-        return True
 
     @property
     def workers_build(self) -> bool:

@@ -338,10 +338,9 @@ class MixtureNode(Node):
         """Units the sources skipped so far, sorted; merged across ranks at saves."""
         return list(self._state.quarantine)
 
-    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
-        """Tell ``observer`` of every step delivered (each source's runs); True."""
+    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step delivered (each source's runs)."""
         self.record.attach(observer)
-        return True
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source."""

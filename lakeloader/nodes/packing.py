@@ -204,10 +204,9 @@ class PackingNode(Node):
         """Samples each source delivered so far."""
         return {ONLY: self._state.samples}
 
-    def observe_steps(self, observer: Callable[[Runs], None]) -> bool:
-        """Tell ``observer`` of every step delivered (each source's samples); True."""
+    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step delivered (each source's samples)."""
         self.record.attach(observer)
-        return True
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         stream = self._streams[ONLY]
