@@ -31,7 +31,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.pool import ThreadPool
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -64,9 +64,6 @@ from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +199,8 @@ class PackedIterator:
         Steps are planned :data:`PLAN_STEPS` at a time (one at a time from a followed lake,
         whose later steps may wait for rows). Past :data:`AHEAD_STEPS`, more are planned (one
         chunk a batch; up to :data:`MAX_CHUNKS` while the next step's units are not ready, as
-        the loader would wait for them anyway) while
-        the units requested and not let go hold less than twice what the next
+        the loader would wait for them anyway) while the units requested and not let go hold
+        less than twice what the next
         :data:`AHEAD_STEPS` steps' units hold (and less than ``cache_bytes``; as tokens:
         :data:`UNIT_BYTES_PER_TOKEN`), and while a followed lake already holds their samples:
         so the next unit of each stream this rank reads is decoded while it reads the one
@@ -263,14 +260,13 @@ class PackedIterator:
             topo.world_size,
             topo.rank,
         )
-        for step, share in enumerate(shares):
-            slot = (step + 1) * topo.global_batch
-            drawn = np.bincount(draw.sources[:slot], minlength=len(self._weights.names))
+        names, G = self._weights.names, topo.global_batch
+        step_of = np.repeat(np.arange(count), G) * len(names) + draw.sources
+        drawn = np.bincount(step_of, minlength=count * len(names)).reshape(count, -1).cumsum(0)
+        for step, share in enumerate(shares):  # the cursor after each step: its draws added
             counts = dict(cursor.counts)
-            counts.update(
-                (n, cursor.counts.get(n, 0) + int(d))
-                for n, d in zip(self._weights.names, drawn, strict=True)
-            )
+            base = [cursor.counts.get(n, 0) for n in names]
+            counts.update(zip(names, (base + drawn[step]).tolist(), strict=True))
             by_epoch = self._by_epoch(share)
             units = [(s, e, pos) for (s, e), (_, held) in by_epoch.items() for pos in held]
             for key in units:
@@ -278,7 +274,7 @@ class PackedIterator:
                     self._epoch(*key[:2]).request((key[2],))
                     self._held_bytes += self._unit_bytes(*key)
                 self._last_use[key] = self._steps_planned
-            after = MixCursor(cursor.slot + slot, counts)
+            after = MixCursor(cursor.slot + (step + 1) * G, counts)
             self._planned.append(PlannedStep(after, share, by_epoch, units))
             self._steps_planned += 1
         self._plan_cursor = self._planned[-1].after
