@@ -33,7 +33,9 @@ from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import Runs
 from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.requests import REQUESTS_KEY
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
+from lakeloader.steering import Steering
 from lakeloader.workers.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class DataLoader(TorchNames):
         self._res = LoaderResources(self)
         #: What it reads: a lake, a followed lake, a mixture or a packed stream.
         self.root = as_node(self, dataset)
+        self._steering = Steering()  # what the training loop asks of the order
         if restart_on_iter and self.root.what != "lake":
             raise ValueError(
                 f"restart_on_iter=True needs a LakeDataset: a {self.root.what} cannot be "
@@ -224,9 +227,8 @@ class DataLoader(TorchNames):
 
         The pass begins at the first ``next()``: a ``set_epoch`` between ``iter()`` and it
         (Lightning's order when it resumes) moves the pass it begins. Rank and world size are
-        resolved then: a pass runs on the topology of its start. The iterator's ``num_steps``
-        is the number of batches the pass delivers from where it starts (None, or no such
-        attribute, where the end is not known: ``endless``, a followed lake, a packed stream).
+        resolved then: a pass runs on the topology of its start. Its ``num_steps``: the batches
+        the pass delivers from where it starts (None or absent: ``endless``, followed, packed).
 
         Raises:
             TopologyError: At the first ``next()``, if the world size is above 1 but this
@@ -239,9 +241,9 @@ class DataLoader(TorchNames):
         self.root.placed(self._resolve_topology(strict=True))
         if self.options.restart_on_iter:
             self.set_epoch(self.epoch, restart=True)
-        if self.options.endless:
-            return Endless(self.root.begin)
-        return self.root.begin()
+        root = self.root
+        start = (lambda: Endless(root.begin)) if self.options.endless else root.begin
+        return self._steering.steered(root, start)
 
     # --------------------------------------------------------------------- state
     def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:
@@ -257,7 +259,8 @@ class DataLoader(TorchNames):
             ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
                 position was set, or they cross into another epoch of a followed lake.
         """
-        return self.root.state(fetched_ahead)
+        requests = self._steering.requests.back(fetched_ahead)
+        return {**self.root.state(fetched_ahead), REQUESTS_KEY: requests.to_json()}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Continue from a state taken under any world size, worker count or batch size.
@@ -270,6 +273,7 @@ class DataLoader(TorchNames):
             StateMismatchError: If it belongs to another lake snapshot or configuration.
         """
         self.root.restore(state_dict)
+        self._steering.restored(state_dict)
 
     def view(self) -> ReaderView:
         """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
@@ -314,6 +318,32 @@ class DataLoader(TorchNames):
         len(self)
         return self.root.steps_left()
 
+    def skip(self, steps: int) -> None:
+        """Skip the rows of the next ``steps`` global steps (a loss spike's data, say).
+
+        The position moves as if they were trained on; they are not handed over, and
+        ``lakeloader audit`` reports them as skipped on request. The request is in the state
+        and ``lakeloader inspect`` (:mod:`lakeloader.steering`). Every rank must ask the same.
+
+        Raises:
+            ValueError: If ``steps`` is not an int >= 0.
+        """
+        self._steering.skip(steps)
+
+    def quarantine_step(self, step: int) -> list[QuarantineEntry]:
+        """Quarantine the units behind delivered ``step`` (``NaN`` loss: bad data).
+
+        ``step`` counts the batches handed over in the run from 0 (the count is in the
+        state). The units that every rank's share of the step read are skipped for good, in
+        this and every later epoch, reason ``quarantine_step(<step>)`` (see
+        :mod:`lakeloader.steering`); it returns the entries added. Every rank must ask the same.
+
+        Raises:
+            ValueError: If ``step`` is not one of the last 64 delivered since the loader began
+                or was restored.
+        """
+        return self._steering.quarantine_step(self.root, step)
+
     @property
     def quarantine(self) -> list[QuarantineEntry]:
         """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
@@ -326,7 +356,8 @@ class DataLoader(TorchNames):
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
         """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
-        return self.root.checkpoint_state(quarantine)
+        state = self.root.checkpoint_state(quarantine)
+        return {**state, REQUESTS_KEY: self._steering.requests.to_json()}
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins, by leaf path."""
@@ -339,6 +370,7 @@ class DataLoader(TorchNames):
             StateFormatError: If it holds another kind of loader's state.
         """
         self.root.restore_checkpoint(ckpt, coordinator)
+        self._steering.restored(ckpt.state_dict)
 
     def observe_steps(self, observer: Callable[[Runs], None]) -> None:
         """Tell ``observer`` of every step delivered (each source's runs of rows or samples)."""

@@ -411,6 +411,6 @@ def test_an_old_single_lake_ledger_audits_as_before(tmp_path: Path) -> None:
 
 
 def test_a_ledger_of_a_later_version_is_refused() -> None:
-    line = OLD_LEDGER[1].replace('"v": 1', '"v": 3')
-    with pytest.raises(CheckpointError, match="version 3; this lakeloader reads versions 1 to 2"):
+    line = OLD_LEDGER[1].replace('"v": 1', '"v": 4')
+    with pytest.raises(CheckpointError, match="version 4; this lakeloader reads versions 1 to 3"):
         parse_entry(line, "new.jsonl")

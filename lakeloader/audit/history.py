@@ -83,6 +83,8 @@ class EpochVerdict:
         uncommitted: Positions delivered after the head checkpoint.
         topologies: ``(world size, batch size)`` of its committed steps, in order of use.
         stream: The stream whose epoch it is (``""``: a single lake's).
+        skipped: Positions of the committed history skipped on request (``DataLoader.skip``):
+            accounted for, not trained on (``trained`` leaves them out).
     """
 
     epoch: int
@@ -97,6 +99,7 @@ class EpochVerdict:
     uncommitted: tuple[Span, ...]
     topologies: tuple[tuple[int, int], ...]
     stream: str = ""
+    skipped: tuple[Span, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -391,7 +394,7 @@ def _verdicts(
             EpochVerdict(
                 epoch,
                 num_rows,
-                sum(s.stop - s.start for s in mine),
+                sum(s.stop - s.start for s in mine if not s.skipped),
                 later or tail == 0,
                 dropped,
                 tuple(missing),
@@ -401,6 +404,7 @@ def _verdicts(
                 uncommitted,
                 topologies,
                 stream,
+                tuple(_merge([Span(epoch, s.start, s.stop) for s in mine if s.skipped])),
             )
         )
     return out

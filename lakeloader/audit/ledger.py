@@ -165,6 +165,7 @@ class Ledger:
                         committed,
                         r.steps,
                         r.stream,
+                        r.skipped,
                     )
                 )
         if time.monotonic() - self._last_flush >= self.flush_seconds:

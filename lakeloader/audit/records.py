@@ -27,8 +27,9 @@ from typing import Any, Final, TypeAlias
 
 from lakeloader.errors import CheckpointError
 
-#: Version of the ledger's entries that name streams (1: a single lake's, as before).
-LEDGER_VERSION: Final = 2
+#: Version of the ledger's entries of steps skipped on request (2: entries that name streams;
+#: 1: a single lake's, as before).
+LEDGER_VERSION: Final = 3
 
 #: Where each stream stands: ``{stream: (epoch, position)}``.
 Stands: TypeAlias = dict[str, tuple[int, int]]
@@ -94,6 +95,7 @@ class StepEntry:
             delivered them before the ledger was attached to it, each of ``world_size x
             batch_size`` rows but an epoch's last).
         stream: The stream whose positions it covers (``""``: a single lake's).
+        skipped: Skipped on request (``DataLoader.skip``): covered, not trained on.
     """
 
     attempt: str
@@ -107,6 +109,7 @@ class StepEntry:
     committed: bool = True
     steps: int = 1
     stream: str = ""
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,13 @@ def dump_entry(entry: Entry) -> str:
         del d["stream"]
     if "streams" in d and d["streams"] == {"": (d["epoch"], d["position"])}:
         del d["streams"]
-    version = LEDGER_VERSION if "stream" in d or "streams" in d else 1
+    if d.get("skipped") is False:
+        del d["skipped"]
+    version = 1
+    if "stream" in d or "streams" in d:
+        version = 2
+    if "skipped" in d:
+        version = LEDGER_VERSION
     return json.dumps({"v": version, "type": _NAMES[type(entry)], **d})
 
 
@@ -172,7 +181,7 @@ def parse_entry(line: str, where: str) -> Entry:
     try:
         d = json.loads(line)
         version = d.pop("v")
-        if version not in (1, LEDGER_VERSION):
+        if version not in range(1, LEDGER_VERSION + 1):
             raise CheckpointError(
                 f"{where}: ledger entry of version {version!r}; this lakeloader reads "
                 f"versions 1 to {LEDGER_VERSION}: audit it with the lakeloader that wrote it"

@@ -21,7 +21,7 @@ from lakeloader.audit.ledger import LEDGER_DIR, read_entries
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.checkpoints import find_checkpoint, open_manager
-from lakeloader.cli.inspect import lake_url, rebuild_plan, unit_offsets
+from lakeloader.cli.inspect import lake_url, rebuild_plan, requested, unit_offsets
 from lakeloader.cli.tables import format_pairs, format_table, full_urls
 from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
@@ -100,7 +100,7 @@ def _plain(report: AuditReport, torn: list[str], ckpt: Checkpoint) -> dict[str, 
     epochs = []
     for e in report.epochs:
         d = dataclasses.asdict(e)
-        for key in ("missing", "doubled", "unrecorded", "replayed", "uncommitted"):
+        for key in ("missing", "doubled", "unrecorded", "replayed", "uncommitted", "skipped"):
             d[key] = [[s.start, s.stop] for s in getattr(e, key)]
         d["ok"] = e.ok
         d["located"] = (
@@ -120,6 +120,7 @@ def _plain(report: AuditReport, torn: list[str], ckpt: Checkpoint) -> dict[str, 
         "epochs": epochs,
         "problems": list(report.problems),
         "torn_segments": torn,
+        **requested(ckpt.state_dict),
     }
 
 
@@ -177,6 +178,7 @@ def render_audit_text(info: dict[str, Any]) -> str:
                 f"{e['num_rows']:,}",
                 f"{e['trained']:,}",
                 f"{e['dropped']:,}",
+                _rows(e["skipped"]),
                 _rows(e["replayed"]),
                 _rows(e["uncommitted"]),
                 ", ".join(f"{w}x{b}" for w, b in e["topologies"]),
@@ -190,6 +192,7 @@ def render_audit_text(info: dict[str, Any]) -> str:
             "rows",
             "trained",
             "dropped",
+            "skipped",
             "replayed",
             "uncommitted",
             "ranks x batch",
@@ -204,6 +207,17 @@ def render_audit_text(info: dict[str, Any]) -> str:
                 name = epoch_name(e["stream"], e["epoch"])
                 lines.append(f"ERROR {name}: positions [{start}, {stop}) {word}")
         lines += [f"  {where}" for where in e["located"]]
+        for start, stop in e["skipped"]:
+            name = epoch_name(e["stream"], e["epoch"])
+            lines.append(f"{name}: positions [{start}, {stop}) skipped on request (skip())")
+    skips = info["steps_skipped"]
+    if skips["done"] or skips["pending"]:
+        lines.append(f"skipped on request: {skips['done']} steps ({skips['pending']} to come)")
+    lines += [
+        f"quarantined on request: {q['path']} row group {q['row_group']} rows "
+        f"{q['row_start']}+{q['num_rows']} ({q['reason']})"
+        for q in info["quarantined_steps"]
+    ]
     lines += [f"ERROR {p}" for p in info["problems"]]
     lines += [f"UNVERIFIED {u}" for u in info["unverified"]]
     lines += [f"note: {t}" for t in info["torn_segments"]]

@@ -9,6 +9,7 @@ turns one into the tables of ``lakeloader inspect``.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from lakeloader.order.plan import (
     slots_to_virtual,
     virtual_to_piece,
 )
+from lakeloader.state.requests import QUARANTINE_STEP, Requests
 from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.state.view import rank_dict
 from lakeloader.topology import Topology
@@ -384,6 +386,40 @@ def render_text(info: dict[str, Any]) -> str:
         out += ["", "row ranges this epoch ([start, end) inside each row group; --json lists all):"]
         out.append(format_table(["file", "row group", "rows", *_CATEGORIES], rows))
     return "\n".join(out)
+
+
+def requested(state: Any) -> dict[str, Any]:
+    """What the training loop asked, from a checkpoint's state: skips, units quarantined.
+
+    ``steps_delivered``: the steps handed over in the run; ``steps_skipped``: steps skipped
+    on request (``skip()``) and still to skip; ``quarantined_steps``: the units
+    ``quarantine_step()`` quarantined.
+    """
+    requests = Requests.of_state(state)
+    within = state.get("mixture", state) if hasattr(state, "get") else {}  # a packed mixture's
+    entries = json.loads(within.get("quarantine") or "[]")
+    return {
+        "steps_delivered": requests.delivered,
+        "steps_skipped": {"done": requests.skipped, "pending": requests.pending},
+        "quarantined_steps": [
+            q for q in entries if str(q.get("reason", "")).startswith(QUARANTINE_STEP)
+        ],
+    }
+
+
+def requested_text(info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The lines of :func:`requested`'s report (the quarantine's table names the units)."""
+    skips = info["steps_skipped"]
+    skipped = (
+        f"{skips['done']:,} (and {skips['pending']:,} to come)"
+        if skips["pending"]
+        else (f"{skips['done']:,}")
+    )
+    return [
+        ("steps delivered", f"{info['steps_delivered']:,}"),
+        ("steps skipped on request", skipped),
+        ("units quarantined by quarantine_step", len(info["quarantined_steps"])),
+    ]
 
 
 def quarantine_text(quarantine: list[dict[str, Any]]) -> list[str]:

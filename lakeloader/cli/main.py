@@ -185,7 +185,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import dataclasses
 
     from lakeloader.cli.checkpoints import open_checkpoint
-    from lakeloader.cli.inspect import inspect_checkpoint, render_text, saved_topology
+    from lakeloader.cli.inspect import (
+        inspect_checkpoint,
+        render_text,
+        requested,
+        requested_text,
+        saved_topology,
+    )
     from lakeloader.cli.inspect_follow import lake_details, render_details
     from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
     from lakeloader.cli.inspect_training import render_training, training_details
@@ -204,7 +210,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         report = inspect_kind(ckpt, steps)
         report["training"] = training_details(ckpt.training)
         report["skipped_damaged"] = found.skipped
-        text = render_kind_text(report) + "\n" + format_pairs(render_training(report["training"]))
+        report["requests"] = requested(ckpt.state_dict)
+        lines = requested_text(report["requests"]) + render_training(report["training"])
+        text = render_kind_text(report) + "\n" + format_pairs(lines)
         _emit(to_json(report) if args.json else text)
         return 0
     given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
@@ -219,7 +227,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     info["skipped_damaged"] = found.skipped
     info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
     info["training"] = training_details(ckpt.training)
-    lines = render_details(details) + render_training(info["training"])
+    info["requests"] = requested(ckpt.state_dict)
+    lines = render_details(details) + requested_text(info["requests"])
+    lines += render_training(info["training"])
     text = render_text(info) + ("\n" + format_pairs(lines) + "\n" if lines else "")
     _emit(to_json(info) if args.json else text)
     return 0

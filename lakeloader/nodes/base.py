@@ -11,8 +11,11 @@ the pass the node begins. The loader never asks which kind of node it holds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
@@ -21,6 +24,7 @@ from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
+from lakeloader.order.plan import slot_units
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -174,6 +178,47 @@ class Node:
         """Whether workers build batches (a transform or collate_fn) rather than decode."""
         return False
 
+    # ------------------------------------------------- what the training loop asks
+    #: The runs of the steps delivered (a lake's are its tracker's).
+    record: StepRecord
+
+    def mark_skipping(self, on: bool) -> None:
+        """Whether the steps delivered from now on are skipped on request (``skip``)."""
+        self.record.skipping = on
+
+    def last_runs(self) -> tuple[DeliveredRun, ...]:
+        """The runs of the last step delivered."""
+        return self.record.last
+
+    def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
+        """The units whose rows (or tokens) these runs of a step took, as quarantine entries."""
+        raise NotImplementedError
+
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Skip these units for good, from the next pass on (``quarantine_step``)."""
+        raise NotImplementedError
+
+
+def row_units(dataset: LakeDataset, run: DeliveredRun, reason: str) -> list[QuarantineEntry]:
+    """The units whose rows a run of a row stream (a lake, a mixture's source) took."""
+    plan = dataset.plan(run.epoch)
+    return unit_entries(dataset, slot_units(plan, run.start, run.stop), reason)
+
+
+def unit_entries(dataset: LakeDataset, units: np.ndarray, reason: str) -> list[QuarantineEntry]:
+    """Quarantine entries of ``dataset``'s units (indices into ``dataset.units``)."""
+    u, files = dataset.units, dataset.snapshot.files
+    return [
+        QuarantineEntry(
+            files[int(u.file_index[i])].path,
+            int(u.row_group[i]),
+            int(u.row_start[i]),
+            int(u.num_rows[i]),
+            reason,
+        )
+        for i in units.tolist()
+    ]
+
 
 class StepRecord:
     """The runs of the steps a stream node delivered: journaled until an observer attaches.
@@ -187,14 +232,21 @@ class StepRecord:
     def __init__(self) -> None:
         self.observer: Callable[[Runs], None] | None = None
         self.journal = DeliveryJournal()
+        #: Whether the steps delivered now are skipped on request (``DataLoader.skip``).
+        self.skipping = False
+        #: The runs of the last step delivered.
+        self.last: tuple[DeliveredRun, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"observer": None, "journal": DeliveryJournal()}
+        return {"observer": None, "journal": DeliveryJournal(), "skipping": False, "last": ()}
 
     def step(self, runs: Sequence[DeliveredRun]) -> None:
         """A step was handed over, moving these runs."""
+        if self.skipping:
+            runs = [dataclasses.replace(r, skipped=True) for r in runs]
+        self.last = tuple(runs)
         if self.observer is not None:
-            self.observer(tuple(runs))
+            self.observer(self.last)
         else:
             self.journal.record_step(runs)
 

@@ -32,14 +32,14 @@ from lakeloader.io.reader import UnitReader
 from lakeloader.lake.following import CaughtUpError, increment_at
 from lakeloader.lake.increments import Increment
 from lakeloader.loader_args import warn_cpu_contention, warn_partitions
-from lakeloader.nodes.base import Host, Node, read_counts
+from lakeloader.nodes.base import Host, Node, read_counts, row_units
 from lakeloader.nodes.carried import carried_step
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
-from lakeloader.state.journal import Runs
+from lakeloader.state.journal import DeliveredRun, Runs
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
@@ -348,3 +348,20 @@ class LakeNode(Node):
     def workers_build(self) -> bool:
         """Whether workers build batches (a transform or collate_fn) rather than decode."""
         return self.tracker.workers_build
+
+    # ------------------------------------------------- what the training loop asks
+    def mark_skipping(self, on: bool) -> None:
+        """Whether the steps delivered from now on are skipped on request (``skip``)."""
+        self.tracker.skipping = on
+
+    def last_runs(self) -> tuple[DeliveredRun, ...]:
+        """The run of the last step delivered."""
+        return self.tracker.last
+
+    def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
+        """The units whose rows these runs took (every rank's share of the step)."""
+        return [e for r in runs for e in row_units(self._epoch_dataset(r.epoch), r, reason)]
+
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Skip these units for good, from the next pass on."""
+        self.tracker.merge_quarantine(entries)

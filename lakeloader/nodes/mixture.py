@@ -19,14 +19,21 @@ from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
-from lakeloader.nodes.base import Host, Node, StepRecord, decoding_setup, read_counts
+from lakeloader.nodes.base import (
+    Host,
+    Node,
+    StepRecord,
+    decoding_setup,
+    read_counts,
+    row_units,
+)
 from lakeloader.nodes.streams import SourceStream
 from lakeloader.order.mixture import MixCursor, Spans
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
-from lakeloader.state.journal import Runs
+from lakeloader.state.journal import DeliveredRun, Runs
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
@@ -280,9 +287,14 @@ class MixtureNode(Node):
         self._counts = dict(cursor.counts)
         self.record.step(runs)
         if skipped:
-            self._quarantine(skipped)
+            self.add_quarantine(skipped)
 
-    def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+    def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
+        """The units whose rows these runs took, each of its source's epoch."""
+        streams = dict(zip(self.mixture.names, self._streams, strict=True))
+        return [e for r in runs for e in row_units(streams[r.stream].dataset(r.epoch), r, reason)]
+
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the state (merged, sorted)."""
         state = self._state
         self._state = dataclasses.replace(state, quarantine=tuple(merge(state.quarantine, entries)))
@@ -330,7 +342,7 @@ class MixtureNode(Node):
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
         """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
-        self._quarantine(quarantine)
+        self.add_quarantine(quarantine)
         return self.state()
 
     @property

@@ -34,16 +34,28 @@ from lakeloader.errors import StateMismatchError
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
-from lakeloader.nodes.base import Host, Node, StepRecord, decoding_setup, read_counts
+from lakeloader.nodes.base import (
+    Host,
+    Node,
+    StepRecord,
+    decoding_setup,
+    read_counts,
+    unit_entries,
+)
 from lakeloader.nodes.streams import SourceStream
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.collate import BatchTransform
 from lakeloader.pipeline.packed import PackedIterator
-from lakeloader.pipeline.packed_parts import PackedSource, arena_layout, epoch_samples
+from lakeloader.pipeline.packed_parts import (
+    PackedSource,
+    arena_layout,
+    epoch_samples,
+    sample_units,
+)
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.mixture_resume import resume_mixture
-from lakeloader.state.journal import Runs
+from lakeloader.state.journal import DeliveredRun, Runs
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState, PackedState
@@ -216,7 +228,7 @@ class PackingNode(Node):
             self._state, samples=cursor.slot, fingerprint=at.fingerprint, increment=at.increment,
             start=at.start,
         )  # fmt: skip
-        self._quarantine(skipped)
+        self.add_quarantine(skipped)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The samples delivered, less ``fetched_ahead`` global batches: the same on every rank.
@@ -264,10 +276,18 @@ class PackingNode(Node):
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
         """The state, every rank's quarantine (from the barrier) merged in: no collective."""
-        self._quarantine(quarantine)
+        self.add_quarantine(quarantine)
         return self.state()
 
-    def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+    def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
+        """The units whose tokens these runs' samples took, each of its source's epoch."""
+        out, seq_len = [], self.dataset.packing.seq_len
+        for r in runs:
+            ds = self._streams[r.stream].dataset(r.epoch)
+            out += unit_entries(ds, sample_units(ds, self._counts_of(ds), seq_len, r), reason)
+        return out
+
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the state."""
         self._state = self._state.with_quarantine(entries)
 
@@ -376,9 +396,9 @@ class PackedMixtureNode(PackingNode):
             sources={**self._mixed.mixture.sources, **self._records(cursor.counts)},
         )
         self._mixed = PackedMixtureState(mixture)
-        self._quarantine(skipped)
+        self.add_quarantine(skipped)
 
-    def _quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the cursor (entries name their files)."""
         mixture = self._mixed.mixture
         merged = tuple(merge(mixture.quarantine, entries))

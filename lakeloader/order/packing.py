@@ -105,6 +105,19 @@ class TokenStream:
         start = self.bounds[stream] + index * self.seq_len
         return start, np.minimum(start + self.seq_len, self.bounds[stream + 1])
 
+    def sample_units(self, start: int, stop: int) -> np.ndarray:
+        """The positions of the units that the epoch's samples ``[start, stop)`` take tokens of.
+
+        >>> TokenStream.of(np.array([5, 4, 6]), streams=2, seq_len=4).sample_units(1, 2).tolist()
+        [1, 2]
+        """
+        if stop <= start:
+            return np.zeros(0, dtype=np.int64)
+        first, last = self.spans(*self.locate(np.arange(start, stop, dtype=np.int64)))
+        lo = np.searchsorted(self.ends, first, side="right")
+        hi = np.searchsorted(self.ends, last - 1, side="right") + 1
+        return np.unique(np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]))
+
     def units(self, start: int, stop: int) -> range:
         """The positions of the units that tokens ``[start, stop)`` lie in."""
         first = int(np.searchsorted(self.ends, start, side="right"))

@@ -350,6 +350,19 @@ def virtual_to_piece(plan: EpochPlan, virtual: np.ndarray) -> tuple[np.ndarray, 
     return pos, virtual - plan.offsets[pos]
 
 
+def slot_units(plan: EpochPlan, start: int, stop: int) -> np.ndarray:
+    """The units (indices into ``plan.units``) that global slots ``[start, stop)`` read, sorted.
+
+    >>> plan = plan_epoch(make_units([[4, 4], [4]], 4), seed=0, epoch=0, num_partitions=1,
+    ...                   window=4, shuffle=False)
+    >>> slot_units(plan, 3, 9).tolist()
+    [0, 1, 2]
+    """
+    slots = np.arange(start, stop, dtype=np.int64)
+    pos, _ = virtual_to_piece(plan, slots_to_virtual(plan, slots))
+    return np.unique(plan.piece_unit[pos])
+
+
 def release_slots(plan: EpochPlan, positions: np.ndarray) -> np.ndarray:
     """First global slot from which the pieces at ``positions`` are needed no more.
 

@@ -47,6 +47,7 @@ from lakeloader.pipeline.packed_parts import (
     arena_layout,
     check_some_unit_left,
     decode_threads,
+    token_stream,
 )
 from lakeloader.pipeline.recipe import (
     COLUMNS,
@@ -170,10 +171,7 @@ class PackedIterator:
         if key not in self._streams:
             src = self._sources[source]
             ds = src.stream.dataset(epoch)
-            counts = src.counts_of(ds)[ds.plan(epoch).order]
-            self._streams[key] = TokenStream.of(
-                counts, ds.config.num_partitions, self._packing.seq_len
-            )
+            self._streams[key] = token_stream(ds, epoch, src.counts_of(ds), self._packing.seq_len)
             while len(self._streams) > 4 * len(self._sources):
                 del self._streams[next(iter(self._streams))]
         return self._streams[key]

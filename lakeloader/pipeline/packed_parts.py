@@ -15,6 +15,7 @@ from lakeloader.options import cores
 from lakeloader.order.mixture import MixCursor
 from lakeloader.order.packing import Share, TokenStream
 from lakeloader.packing import Packing
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.quarantine import QuarantineEntry
 
 if TYPE_CHECKING:
@@ -52,6 +53,19 @@ class PlannedStep(NamedTuple):
     share: Share
     by_epoch: dict[tuple[int, int], tuple[np.ndarray, list[int]]]
     units: list[tuple[int, int, int]]
+
+
+def token_stream(dataset: LakeDataset, epoch: int, counts: np.ndarray, seq_len: int) -> TokenStream:
+    """Where the tokens of ``epoch`` of ``dataset`` lie (``counts``: its units', path order)."""
+    return TokenStream.of(counts[dataset.plan(epoch).order], dataset.config.num_partitions, seq_len)
+
+
+def sample_units(
+    dataset: LakeDataset, counts: np.ndarray, seq_len: int, run: DeliveredRun
+) -> np.ndarray:
+    """The units (indices into ``dataset.units``) whose tokens a run of samples took."""
+    positions = token_stream(dataset, run.epoch, counts, seq_len).sample_units(run.start, run.stop)
+    return np.asarray(dataset.plan(run.epoch).order[positions], dtype=np.int64)
 
 
 def epoch_samples(dataset: LakeDataset, counts: np.ndarray, packing: Packing) -> int:

@@ -73,6 +73,8 @@ class DeliveredRun:
         steps: Steps in the run.
         stream: The position stream it moves (:func:`stream_name`; ``""``: a loader over
             one lake).
+        skipped: Skipped on request (``DataLoader.skip``): its positions moved, its rows
+            were not handed to the training loop.
     """
 
     epoch: int
@@ -82,17 +84,23 @@ class DeliveredRun:
     topology: Topology
     steps: int = 1
     stream: str = ""
+    skipped: bool = False
 
-    def same_run(self, epoch: int, num_rows: int, topology: Topology) -> bool:
+    def same_run(self, epoch: int, num_rows: int, topology: Topology, skipped: bool) -> bool:
         """Whether a step of ``epoch`` may extend this run (its start is checked apart)."""
-        return epoch == self.epoch and num_rows == self.num_rows and topology == self.topology
+        return (
+            epoch == self.epoch
+            and num_rows == self.num_rows
+            and topology == self.topology
+            and skipped == self.skipped
+        )
 
     def continued_by(self, stop: int, run: DeliveredRun) -> bool:
         """Whether ``run`` extends this run, which has reached ``stop``."""
         return (
             run.start == stop
             and run.stream == self.stream
-            and self.same_run(run.epoch, run.num_rows, run.topology)
+            and self.same_run(run.epoch, run.num_rows, run.topology, run.skipped)
         )
 
 
@@ -137,6 +145,7 @@ class DeliveryJournal:
         num_rows: int,
         topology: Topology,
         stream: str = "",
+        skipped: bool = False,
     ) -> None:
         """A step of ``epoch`` covering global positions ``[start, stop)`` was delivered."""
         runs = self._open
@@ -144,10 +153,14 @@ class DeliveryJournal:
             len(runs) != 1
             or start != self._stops[0]
             or runs[0].stream != stream
-            or not runs[0].same_run(epoch, num_rows, topology)
+            or not runs[0].same_run(epoch, num_rows, topology, skipped)
         ):
             self._close()
-            self._open = (DeliveredRun(epoch, start, stop, num_rows, topology, stream=stream),)
+            self._open = (
+                DeliveredRun(
+                    epoch, start, stop, num_rows, topology, stream=stream, skipped=skipped
+                ),
+            )
             self._stops = [stop]
         else:
             self._stops[0] = stop

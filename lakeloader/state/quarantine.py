@@ -12,6 +12,7 @@ again and ``lakeloader inspect`` can show them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -90,13 +91,21 @@ class QuarantineEntry:
 def merge(*groups: Iterable[QuarantineEntry]) -> list[QuarantineEntry]:
     """Union of entries (one per unit), sorted by file, row group and row: the same on all ranks.
 
+    An entry within another's rows (a piece of a unit quarantined whole) is left out.
+
     >>> a = QuarantineEntry("f", 1, 0, 10, "bad page")
     >>> b = QuarantineEntry("e", 0, 5, 5, "all NaN")
-    >>> [e.path for e in merge([a], [b, a])]
+    >>> [e.path for e in merge([a], [b, a], [QuarantineEntry("f", 1, 2, 3, "bad page")])]
     ['e', 'f']
     """
     unique = {e.key: e for group in groups for e in group}
-    return [unique[k] for k in sorted(unique)]
+    out: list[QuarantineEntry] = []
+    for _, same in itertools.groupby(
+        (unique[k] for k in sorted(unique)), key=lambda e: (e.path, e.row_group)
+    ):
+        group = list(same)
+        out += [e for e in group if not any(o is not e and o.covers(*e.key) for o in group)]
+    return out
 
 
 def verdict(validate: Validate, table: pa.Table) -> str | None:

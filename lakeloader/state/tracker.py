@@ -118,6 +118,10 @@ class ReaderStateTracker:
         self.journal = DeliveryJournal()
         #: (epoch, position, rows dropped) before each of the last steps delivered.
         self._before: deque[tuple[int, int, int]] = deque(maxlen=RECENT_STEPS)
+        #: Whether the steps delivered now are skipped on request (``DataLoader.skip``).
+        self.skipping = False
+        #: The run of the last step delivered.
+        self.last: tuple[DeliveredRun, ...] = ()
 
     @classmethod
     def standing_at(
@@ -194,11 +198,16 @@ class ReaderStateTracker:
         """
         self._before.append((self.epoch, self.position, self.rows_dropped))
         start, self.position = self.position, d.slot_stop
+        run = DeliveredRun(
+            self.epoch, start, d.slot_stop, num_rows or 0, self.topology, skipped=self.skipping
+        )
+        self.last = (run,)
         if self.observer is not None:
-            run = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
             self.observer(run)
         else:
-            self.journal.record(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
+            self.journal.record(
+                self.epoch, start, d.slot_stop, num_rows or 0, self.topology, "", self.skipping
+            )
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:

@@ -1,0 +1,117 @@
+"""What the training loop asked of the order mid-run: steps counted, steps skipped on request.
+
+Large runs restart a little before a loss spike and skip the data around it
+(``DataLoader.skip``), or quarantine the units behind a step whose loss was ``NaN``
+(``DataLoader.quarantine_step``: entries of the quarantine, reason ``quarantine_step(...)``).
+The loader counts the steps it delivered over the run, so that a step is named by the number
+the training loop counts it by (from 0, resumes included), and keeps the skips asked for: the
+steps still to skip and each request (the step it was asked at, how many). The record is one
+JSON string in every loader's state, whatever node the loader reads (a string, not a list, so
+that ``torch.distributed.checkpoint`` sees one value; a fresh loader's state has the same
+keys); a state without it (written before it existed) reads as nothing asked.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from lakeloader.errors import StateFormatError
+
+#: The key of the record in a loader's state.
+REQUESTS_KEY: Final = "requests"
+#: The prefix of the reason of a unit quarantined by ``quarantine_step``.
+QUARANTINE_STEP: Final = "quarantine_step"
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One ``skip(steps=...)``.
+
+    Attributes:
+        at: Steps delivered when it was asked (the step it skips from).
+        steps: Steps it skips.
+    """
+
+    at: int
+    steps: int
+
+
+class Requests:
+    """The steps a loader delivered and skipped on request over the run (mutable, like a tracker).
+
+    Example:
+        >>> r = Requests()
+        >>> r.delivered_one(); r.ask_skip(3); r.skipped_one()
+        >>> r.delivered, r.pending, r.skips
+        (1, 2, (Skip(at=1, steps=3),))
+        >>> Requests.from_json(r.to_json()).to_json() == r.to_json()
+        True
+    """
+
+    def __init__(self, delivered: int = 0, pending: int = 0, skips: tuple[Skip, ...] = ()) -> None:
+        #: Steps delivered to the training loop over the run (the next step's number).
+        self.delivered = delivered
+        #: Steps still to skip (the next ones the loader would deliver).
+        self.pending = pending
+        #: Every skip asked, in order.
+        self.skips = skips
+
+    def delivered_one(self) -> None:
+        """A step was handed to the training loop."""
+        self.delivered += 1
+
+    def skipped_one(self) -> None:
+        """A step was skipped on request."""
+        self.pending -= 1
+
+    def ask_skip(self, steps: int) -> None:
+        """Skip the next ``steps`` steps."""
+        self.pending += steps
+        self.skips = (*self.skips, Skip(self.delivered, steps))
+
+    def back(self, steps: int) -> Requests:
+        """The record as it stood ``steps`` deliveries ago (``state_dict(fetched_ahead=...)``)."""
+        return Requests(self.delivered - steps, self.pending, self.skips)
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped on request so far."""
+        return sum(s.steps for s in self.skips) - self.pending
+
+    def to_json(self) -> str:
+        """The record as the state holds it."""
+        return json.dumps(
+            {
+                "delivered": self.delivered,
+                "pending": self.pending,
+                "skips": [[s.at, s.steps] for s in self.skips],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, value: Any) -> Requests:
+        """Read the record back (None: a state written before the record existed).
+
+        Raises:
+            StateFormatError: If it is not such a record.
+        """
+        if value is None:
+            return cls()
+        try:
+            data = json.loads(value)
+            skips = tuple(Skip(int(at), int(n)) for at, n in data["skips"])
+            return cls(int(data["delivered"]), int(data["pending"]), skips)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise StateFormatError(
+                f"malformed {REQUESTS_KEY!r} in a lakeloader state ({exc!r}): expected the JSON "
+                'of {"delivered": n, "pending": n, "skips": [[at, steps], ...]}'
+            ) from exc
+
+    @classmethod
+    def of_state(cls, state: Any) -> Requests:
+        """The record in a state (of a list of ranks' states, the first's: they are equal)."""
+        first = state[0] if isinstance(state, list | tuple) and state else state
+        return cls.from_json(first.get(REQUESTS_KEY) if hasattr(first, "get") else None)

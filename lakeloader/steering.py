@@ -1,0 +1,141 @@
+"""What the training loop asks of the order mid-run: skip steps, quarantine a step's units.
+
+Large runs restart from a checkpoint a little before a loss spike and skip the data around it,
+or drop the data behind a step whose loss was ``NaN``. :class:`Steering` is where a
+:class:`~lakeloader.DataLoader` keeps what was asked (a
+:class:`~lakeloader.state.requests.Requests` record in its state, the same on every rank)
+and :class:`Steered` is the pass iterator that carries it out, whatever the loader reads:
+
+- ``skip(steps=N)``: the next ``N`` steps go through the pipeline as any other, so the
+  position moves exactly as it would have (every rank and source alike, any topology), but
+  they are not handed over: the audit ledger records them as skipped on request. Skipping
+  costs the reading of those steps, not their training; a pass that ends first leaves the rest
+  to the next pass.
+- ``quarantine_step(step)``: the units whose rows (a packed stream's: tokens) every rank's
+  share of that delivered step took become quarantine entries (reason
+  ``quarantine_step(<step>)``): the rest of their rows are left out of this epoch and of every
+  later one, as a unit that fails to decode is. The pass under way begins again where it
+  stands, so that no step planned ahead still holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.requests import QUARANTINE_STEP, Requests
+
+if TYPE_CHECKING:
+    from lakeloader.nodes.base import Node
+
+logger = logging.getLogger(__name__)
+
+#: Delivered steps whose runs are kept for ``quarantine_step``.
+STEPS_KEPT = 64
+
+
+class Steering:
+    """The requests of one loader and the runs of its last steps (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.requests = Requests()
+        #: ``(step, runs)`` of the last :data:`STEPS_KEPT` steps delivered.
+        self.recent: deque[tuple[int, tuple[DeliveredRun, ...]]] = deque(maxlen=STEPS_KEPT)
+        #: Passes begun again on request: a pass iterator of an older count begins again.
+        self.restarts = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy keeps what was asked, not the runs of steps it did not deliver."""
+        return {**self.__dict__, "recent": deque(maxlen=STEPS_KEPT)}
+
+    def steered(self, root: Node, start: Callable[[], Iterator[Any]]) -> Steered:
+        """A pass begun by ``start`` that carries out the requests."""
+        return Steered(self, root, start)
+
+    def skip(self, steps: int) -> None:
+        """Skip the next ``steps`` steps (see ``DataLoader.skip``).
+
+        Raises:
+            ValueError: If ``steps`` is not a non-negative int.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"skip(steps=...) takes a number of steps >= 0, got {steps!r}")
+        if steps:
+            self.requests.ask_skip(steps)
+            logger.info("skipping steps %d to %d on request", self.requests.delivered, steps)
+
+    def quarantine_step(self, root: Node, step: int) -> list[QuarantineEntry]:
+        """Quarantine the units behind delivered ``step`` (see ``DataLoader.quarantine_step``).
+
+        Raises:
+            ValueError: If ``step`` is not one of the last :data:`STEPS_KEPT` steps this
+                loader delivered (since it began or was restored).
+        """
+        runs = dict(self.recent).get(step)
+        if runs is None:
+            kept = f"{self.recent[0][0]} to {self.recent[-1][0]}" if self.recent else "none"
+            raise ValueError(
+                f"quarantine_step({step!r}): this loader knows the units of its last "
+                f"{STEPS_KEPT} steps delivered since it began or was restored ({kept}; the next "
+                f"is {self.requests.delivered}): call it right after the step, before a restore"
+            )
+        known = {e.key for e in root.quarantine}
+        found = root.units_behind(runs, f"{QUARANTINE_STEP}({step})")
+        entries = [e for e in found if e.key not in known]
+        root.add_quarantine(entries)
+        logger.warning(
+            "quarantine_step(%d): %d units quarantined for this and every later epoch",
+            step,
+            len(entries),
+        )
+        self.restarts += 1
+        root.host._close_iterator(f"quarantine_step({step})")
+        return entries
+
+    def restored(self, state: Any) -> None:
+        """Take the record of a state loaded (one written before records: nothing asked)."""
+        self.requests = Requests.of_state(state)
+        self.recent.clear()
+
+
+class Steered:
+    """A pass that carries out its loader's requests (see the module docstring).
+
+    Args:
+        steering: The loader's requests.
+        root: The loader's root node.
+        start: Begins the pass (again, after a ``quarantine_step``).
+    """
+
+    def __init__(self, steering: Steering, root: Node, start: Callable[[], Iterator[Any]]) -> None:
+        self._steering, self._root, self._start = steering, root, start
+        self._restarts = steering.restarts
+        self._pass = start()
+
+    def __iter__(self) -> Steered:
+        return self
+
+    def __next__(self) -> Any:
+        steering, root = self._steering, self._root
+        if self._restarts != steering.restarts:
+            self._restarts = steering.restarts
+            self._pass = self._start()
+        requests = steering.requests
+        while requests.pending:
+            root.mark_skipping(True)
+            try:
+                next(self._pass)
+            finally:
+                root.mark_skipping(False)
+            requests.skipped_one()
+        batch = next(self._pass)
+        steering.recent.append((requests.delivered, root.last_runs()))
+        requests.delivered_one()
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pass, name)
