@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
@@ -26,9 +25,11 @@ from lakeloader.lake.discovery import Paths
 from lakeloader.lake.filtering import RowFilter, filtered, lake_schema
 from lakeloader.lake.following import first_increment, next_increment
 from lakeloader.lake.increments import SourceRequest
+from lakeloader.lake.mirrors import MirrorSpec, open_mirrors
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import Source, as_source
 from lakeloader.lake.tables.sources import delta_source, iceberg_source
+from lakeloader.order.config import OrderConfig
 from lakeloader.order.packing import packed_plan
 from lakeloader.order.plan import (
     DEFAULT_MAX_UNIT_ROWS,
@@ -48,37 +49,6 @@ logger = logging.getLogger(__name__)
 
 #: Epoch plans kept per dataset (the current epoch and a neighbour are enough).
 PLAN_CACHE_EPOCHS = 4
-
-
-@dataclass(frozen=True)
-class OrderConfig:
-    """Everything that changes the order of rows; hashed into every state.
-
-    Attributes:
-        seed: Seed of the unit permutation and of the window shuffles.
-        shuffle: Shuffle units and windows (False: path order).
-        num_partitions: Canonical partitions C (fixed for the life of a run).
-        window: Rows shuffled together inside a partition.
-        max_unit_rows: Row groups above this many rows are split into row ranges.
-        columns: Columns read, in order.
-        filter: The row filter's text (None: every row).
-    """
-
-    seed: int
-    shuffle: bool
-    num_partitions: int
-    window: int
-    max_unit_rows: int
-    columns: tuple[str, ...]
-    filter: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types (columns as a list; no filter key without a filter)."""
-        d = asdict(self)
-        d["columns"] = list(self.columns)
-        if self.filter is None:
-            del d["filter"]  # the hashes of states taken before filters existed stay valid
-        return d
 
 
 class LakeDataset:
@@ -129,6 +99,9 @@ class LakeDataset:
             folder or Delta table, epoch ``k`` being the ``k``-th increment (what was appended
             after the one before; :mod:`lakeloader.lake.increments`). Resume it with a
             :class:`~lakeloader.CheckpointManager`, whose manifest pins the increment.
+        mirrors: Other copies of the lake, each a URL or ``(url, storage_options)``: checked
+            at once to hold the same files (sizes, footers), read from when the copy in use
+            stays down past the retry deadline (:mod:`lakeloader.lake.mirrors`).
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -169,6 +142,7 @@ class LakeDataset:
         packing: Packing | None = None,
         filter: pc.Expression | None = None,
         follow: bool | Follow = False,
+        mirrors: Sequence[MirrorSpec] = (),
     ) -> None:
         self.source: Source = as_source(source)
         columns = [columns] if isinstance(columns, str) else columns  # a name is one column
@@ -200,7 +174,10 @@ class LakeDataset:
                 fs, snapshot = first_increment(self.source, self.follow, request)
         else:
             fs = self.source.filesystem(self.storage_options)
+            request = SourceRequest(self.storage_options, None, progress, self.retry, False)
         self.fs: fsspec.AbstractFileSystem = fs
+        #: The other copies of the lake: (filesystem, snapshot) each.
+        self.mirrors = open_mirrors(snapshot, fs, mirrors, request) if mirrors else ()
         #: The row filter, or None.
         self.row_filter = None if filter is None else RowFilter.of(filter, lake_schema(snapshot))
         snapshot, unreadable = self._filtered(fs, snapshot, progress)
@@ -438,7 +415,10 @@ class LakeDataset:
 
     def reader(self) -> UnitReader:
         """A fresh unit reader (with its own counters) for the selected columns."""
-        return UnitReader(self.fs, self.snapshot, self.config.columns, self.retry, self.row_filter)
+        copies = [(m.fs, m.serving(self.snapshot)) for m in self.mirrors]
+        served = [(fs, snapshot) for fs, snapshot in copies if snapshot is not None]
+        c = self.config.columns
+        return UnitReader(self.fs, self.snapshot, c, self.retry, self.row_filter, served)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -155,6 +155,10 @@ class StorageRetryWarning(LakeWarning):
     """The store failed transiently and requests are retried (said once per outage)."""
 
 
+class MirrorWarning(LakeWarning):
+    """A copy of the lake (``mirrors=``) is down: left out at open, or reads moved off it."""
+
+
 def warn_user(message: str, category: type[LakeWarning]) -> None:
     """Issue a warning attributed to the user's line that led here.
 

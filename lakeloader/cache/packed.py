@@ -200,7 +200,7 @@ def compact(table: pa.Table) -> pa.Table:
     """The table in one chunk per column that owns only its own rows' memory.
 
     A unit that is a row range of a row group is streamed in batches
-    (:func:`lakeloader.io.reader.stream_rows`), and its first and last batches are slices of
+    (:func:`lakeloader.io.streaming.stream_rows`), and its first and last batches are slices of
     batches decoded whole. A slice keeps its parent's buffers alive (``combine_chunks`` of a
     single sliced chunk returns it as it is), so a table whose buffers hold more than twice
     its own bytes (plus ``SLACK_BYTES``) is copied, rather than kept with memory the cache

@@ -7,116 +7,34 @@ different files concatenate into one batch.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lakeloader.errors import LakeDataError, LakeError
+from lakeloader.errors import (
+    LakeDataError,
+    LakeError,
+    MirrorWarning,
+    StoreUnavailableError,
+    warn_user,
+)
 from lakeloader.io.access import access_error, refused
 from lakeloader.io.fetch import chunk_ranges, coalesce, fetch_ranges, is_local, read_footer, url_of
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.io.sparse import Blob, Fetched, Parts, SparseFile
+from lakeloader.io.streaming import stream_rows
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import Snapshot
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
     from lakeloader.lake.filtering import RowFilter
-
-#: Most rows decoded at once when a unit that is a row range of its row group is streamed.
-#: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient
-#: memory to about one batch (plus the read buffers), where reading the row group whole took
-#: all of it (268 MiB for a row group of 1.5 M rows of the memory benchmark, at 0bae495).
-STREAM_BATCH_ROWS = 64 * 1024
-#: Most uncompressed bytes (of the selected columns, by the footer) in one streamed batch.
-#: Rows of a few hundred bytes reach ``STREAM_BATCH_ROWS`` first; wide rows get fewer.
-STREAM_BATCH_BYTES = 16 << 20
-#: Read buffer per column chunk when streaming: column chunks are read a buffer at a time
-#: rather than whole (pyarrow's ``buffer_size``; ``pre_buffer`` is off).
-STREAM_BUFFER_BYTES = 1 << 20
-
-
-def stream_batch_rows(meta: pq.FileMetaData, row_group: int, names: Collection[str]) -> int:
-    """Rows per batch to stream a row group's ``names`` (top-level columns) with.
-
-    The largest power of two within ``STREAM_BATCH_ROWS`` whose rows hold at most
-    ``STREAM_BATCH_BYTES`` uncompressed bytes, by the footer. A power of two, so that units
-    of the default ``max_unit_rows`` (2**18) begin and end on batch boundaries and their
-    edges need no slicing. The footer's sizes are of encoded pages: a dictionary-encoded
-    column decodes larger, so its batches may exceed the byte bound.
-
-    >>> import io, pyarrow as pa, pyarrow.parquet as pq
-    >>> buf = io.BytesIO()
-    >>> text = [f"{i:01000d}" for i in range(1000)]
-    >>> pq.write_table(pa.table({"a": [1.0] * 1000, "s": text}), buf)
-    >>> meta = pq.read_metadata(pa.BufferReader(buf.getvalue()))
-    >>> stream_batch_rows(meta, 0, {"a"}), stream_batch_rows(meta, 0, {"a", "s"}) < 32768
-    (65536, True)
-    """
-    rg = meta.row_group(row_group)
-    size = sum(
-        rg.column(i).total_uncompressed_size
-        for i in range(rg.num_columns)
-        if rg.column(i).path_in_schema.split(".")[0] in names
-    )
-    row_bytes = max(1.0, size / max(1, rg.num_rows))
-    rows = max(1, min(STREAM_BATCH_ROWS, int(STREAM_BATCH_BYTES / row_bytes)))
-    return 1 << (rows.bit_length() - 1)
-
-
-def stream_rows(
-    source: Any,
-    meta: pq.FileMetaData,
-    row_group: int,
-    row_start: int,
-    num_rows: int,
-    columns: list[str],
-) -> tuple[list[pa.RecordBatch], int]:
-    """Rows ``[row_start, row_start + num_rows)`` of a row group, streamed.
-
-    Column chunks are read ``STREAM_BUFFER_BYTES`` at a time and decoded in batches of
-    :func:`stream_batch_rows` rows; the stream stops after the range's last row, so the
-    decode holds about the range plus one batch and the read buffers, never the row group.
-    pyarrow 26's Python API cannot start at a row (no reading of row ranges through the page
-    index), so the batches before ``row_start`` are decoded and dropped.
-
-    Args:
-        source: A local path or a file object, as :class:`pyarrow.parquet.ParquetFile` takes.
-        meta: The file's footer.
-        row_group: The row group.
-        row_start: First row of the range inside the row group.
-        num_rows: Rows in the range (at least one).
-        columns: Top-level columns to read.
-
-    Returns:
-        The range's batches (the first and last sliced to it), and the rows of the row group
-        streamed: fewer than ``row_start + num_rows`` when the row group ended early.
-    """
-    stop = row_start + num_rows
-    batch_rows = min(stream_batch_rows(meta, row_group, columns), stop)
-    kept: list[pa.RecordBatch] = []
-    end = 0
-    with (
-        pq.ParquetFile(
-            source, metadata=meta, buffer_size=STREAM_BUFFER_BYTES, pre_buffer=False
-        ) as parquet,
-        contextlib.closing(
-            parquet.iter_batches(batch_size=batch_rows, row_groups=[row_group], columns=columns)
-        ) as batches,
-    ):
-        for batch in batches:
-            first, end = end, end + batch.num_rows
-            if end > row_start:
-                lo = max(row_start - first, 0)
-                kept.append(batch.slice(lo, min(stop - first, batch.num_rows) - lo))
-            if end >= stop:
-                break
-    return kept, end
 
 
 @dataclass
@@ -175,6 +93,9 @@ class UnitReader:
         columns: Columns to return (file columns and partition columns), in this order.
         retry: Retry policy for transient storage failures.
         row_filter: The dataset's filter (the snapshot's counts are its matching rows).
+        mirrors: Other copies of the lake (``LakeDataset(mirrors=...)``), checked to hold the
+            same files (:mod:`lakeloader.lake.mirrors`): when the copy that reads go to keeps
+            failing past the retry deadline, they go on from the next, with a warning.
     """
 
     def __init__(
@@ -184,6 +105,7 @@ class UnitReader:
         columns: Sequence[str],
         retry: RetryPolicy,
         row_filter: RowFilter | None = None,
+        mirrors: Sequence[tuple[fsspec.AbstractFileSystem, Snapshot]] = (),
     ) -> None:
         self.fs = fs
         self.row_filter = row_filter
@@ -193,10 +115,13 @@ class UnitReader:
         self.retry = retry
         self.counters = ReadCounters()
         self._local = is_local(fs)
+        self.mirrors = tuple(UnitReader(f, s, columns, retry, row_filter) for f, s in mirrors)
+        self._copy = 0  # the copy reads go to: 0 this one, i the mirror i - 1
 
     def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
         """The same reader over another filesystem object, with counters of its own."""
-        return UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter)
+        copies = [(m.fs, m.snapshot) for m in self.mirrors]
+        return UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter, copies)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -206,6 +131,26 @@ class UnitReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["counters"] = ReadCounters()
         self.__dict__.update(state)
+
+    def _on_copies(self, call: Callable[[UnitReader], T]) -> T:
+        """``call`` on the copy reads go to; past its retry deadline, on the next one."""
+        copies, first = (self, *self.mirrors), self._copy
+        for tried in range(len(copies)):
+            at = (first + tried) % len(copies)
+            try:
+                result = call(copies[at])
+            except StoreUnavailableError as exc:
+                if tried + 1 == len(copies):
+                    raise
+                nxt = copies[(at + 1) % len(copies)]
+                if self._copy == at:
+                    self._copy = (at + 1) % len(copies)
+                    where = url_of(nxt.fs, nxt.snapshot.files[0].path)
+                    warn_user(f"{exc} -- reads go on from the copy holding {where}", MirrorWarning)
+                continue
+            self._copy = at
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _footer(self, info: FileInfo) -> pq.FileMetaData:
         return read_footer(
@@ -306,6 +251,12 @@ class UnitReader:
         return [c for c in self.columns if info.schema is not None and c in info.schema.names]
 
     def fetch(self, file_index: int, row_group: int) -> Fetched:
+        """:meth:`fetch_here` on the copy of the lake reads go to (see ``mirrors``)."""
+        if not self.mirrors:
+            return self.fetch_here(file_index, row_group)
+        return self._on_copies(lambda r: r.fetch_here(file_index, row_group))
+
+    def fetch_here(self, file_index: int, row_group: int) -> Fetched:
         """Fetch a row group's selected column chunks (and its file's footer), to decode later.
 
         Raises:
@@ -375,6 +326,22 @@ class UnitReader:
             StoreAccessError: If the store refuses the read (credentials, permissions).
             StoreUnavailableError: If the store keeps failing past the retry deadline.
         """
+        if self.mirrors:
+            if isinstance(fetched, StoreUnavailableError):
+                fetched = None  # fetched ahead from a copy that is down: read from another
+            return self._on_copies(
+                lambda r: r._read(file_index, row_group, row_start, num_rows, fetched)
+            )
+        return self._read(file_index, row_group, row_start, num_rows, fetched)
+
+    def _read(
+        self,
+        file_index: int,
+        row_group: int,
+        row_start: int,
+        num_rows: int,
+        fetched: Fetched | LakeError | None,
+    ) -> pa.Table:
         if isinstance(fetched, LakeError):
             raise fetched
         info = self.snapshot.files[file_index]

@@ -1,0 +1,144 @@
+"""A lake kept in several places (two buckets, two stores, a bucket and a local copy) as one.
+
+``LakeDataset(url, mirrors=[url2, ...])`` pins the snapshot of ``url`` (its identity in states
+and checkpoints: the first copy must answer when the dataset is made) and lists every mirror
+the same way; each must hold the same files, by their path under its root, with the same
+sizes, row groups and schemas, or the dataset is refused naming the file and both values. A
+mirror that is down then (past the retry deadline) is left out, with a warning. Reads go to
+the first copy that answers; one that keeps failing past the retry deadline hands the reads
+over to the next (:class:`~lakeloader.io.reader.UnitReader`), with a warning and no change to
+the order, the state or the checkpoints: the copies are the same bytes. A followed lake's
+later increments, whose files the mirrors were not checked for, are read from the first copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeAlias
+
+import fsspec
+
+from lakeloader.errors import LakeDataError, MirrorWarning, StoreUnavailableError, warn_user
+from lakeloader.io.fetch import url_of
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.increments import SourceRequest
+from lakeloader.lake.snapshot import Snapshot
+from lakeloader.lake.source import as_source
+
+logger = logging.getLogger(__name__)
+
+#: A mirror as ``LakeDataset(mirrors=...)`` takes it: a URL (the dataset's storage options),
+#: or ``(url, storage_options)``.
+MirrorSpec: TypeAlias = "str | tuple[str, dict[str, Any]]"
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """A copy of the lake: where its files are, by their path under the primary's root.
+
+    Attributes:
+        url: The mirror's URL, as given.
+        fs: Its filesystem.
+        root: The folder every file of the primary lay under when the mirror was checked.
+        files: ``{path under the root: (the mirror's path, its version)}``.
+    """
+
+    url: str
+    fs: fsspec.AbstractFileSystem
+    root: str
+    files: Mapping[str, tuple[str, str]]
+
+    def serving(self, snapshot: Snapshot) -> Snapshot | None:
+        """``snapshot`` as read from this copy (None: it lacks one of its files).
+
+        Each file's path and version are the copy's; the filter's counts, deleted rows and
+        renames stay as they are.
+        """
+        files = []
+        for f in snapshot.files:
+            found = self.files.get(posixpath.relpath(f.path, self.root))
+            if found is None:
+                return None
+            files.append(replace(f, path=found[0], version=found[1]))
+        return replace(snapshot, files=tuple(files))
+
+
+def open_mirrors(
+    primary: Snapshot, fs: fsspec.AbstractFileSystem, mirrors: Sequence[Any], request: SourceRequest
+) -> tuple[Mirror, ...]:
+    """Each mirror, checked against the primary's snapshot (see the module docstring).
+
+    Raises:
+        LakeDataError: If a mirror holds other files than the primary, naming the file and
+            both values.
+    """
+    copies = []
+    for spec in mirrors:
+        url, options = (spec, request.storage_options) if isinstance(spec, str) else spec
+        try:
+            mirror_fs, found = as_source(url).snapshot(replace(request, storage_options=options))
+        except StoreUnavailableError as exc:
+            warn_user(
+                f"mirror {url} did not answer ({exc}); it is left out of this dataset's reads: "
+                "make the dataset again once it is back to use it",
+                MirrorWarning,
+            )
+            continue
+        check_same(primary, fs, found, mirror_fs)
+        files = {name: (f.path, f.version) for name, f in _relative(found.files).items()}
+        copies.append(Mirror(str(url), mirror_fs, _root(primary.files), files))
+        logger.info("mirror %s holds the same %d files", url, len(found.files))
+    return tuple(copies)
+
+
+def check_same(
+    primary: Snapshot,
+    fs: fsspec.AbstractFileSystem,
+    mirror: Snapshot,
+    mirror_fs: fsspec.AbstractFileSystem,
+) -> None:
+    """Check that a mirror holds the primary's files, by their path under each one's root.
+
+    Raises:
+        LakeDataError: If a file is missing on either side, or differs in size, row groups
+            or schema (naming it, with both values).
+    """
+    ours, theirs = _relative(primary.files), _relative(mirror.files)
+    where = f"{url_of(mirror_fs, _root(mirror.files))} (of {url_of(fs, _root(primary.files))})"
+    for name in sorted(set(ours) ^ set(theirs)):
+        side = "the mirror" if name in ours else "the primary"
+        raise LakeDataError(
+            f"mirror {where}: {name} is missing from {side}; the copies must hold the same "
+            "files: sync them, or leave the mirror out"
+        )
+    for name, info in ours.items():
+        other = theirs[name]
+        for what, a, b in (
+            ("size", info.size, other.size),
+            ("row groups' rows", info.physical_rows or info.row_group_rows, other.row_group_rows),
+            ("schema", _schema(info), _schema(other)),
+        ):
+            if a != b:
+                raise LakeDataError(
+                    f"mirror {where}: {name} differs in {what}: {a} on the primary, {b} on "
+                    "the mirror; the copies must hold the same files: sync them, or leave "
+                    "the mirror out"
+                )
+
+
+def _root(files: Sequence[FileInfo]) -> str:
+    """The folder that every file lies under."""
+    return posixpath.commonpath([posixpath.dirname(f.path) for f in files]) if files else ""
+
+
+def _relative(files: Sequence[FileInfo]) -> dict[str, FileInfo]:
+    """Files by their path under the folder they all lie under, in the snapshot's order."""
+    root = _root(files)
+    return {posixpath.relpath(f.path, root) if root else f.path: f for f in files}
+
+
+def _schema(info: FileInfo) -> str:
+    return "" if info.schema is None else info.schema.to_string(show_schema_metadata=False)
