@@ -64,6 +64,7 @@ SMOKES: dict[str, tuple[Callable[[Path], list[str]], float]] = {
         300,
     ),
     "scale": (_on_lake("scale", None), 300),
+    "scale_ranks": (_on_lake("scale_ranks", None), 300),
     "cpu_split": (_on_lake("cpu_split"), 300),
     **{s: (_on_lake(s), 400) for s in ("transforms", "array_columns", "mixture", "packing")},
     "mixture-text": (_on_lake("mixture", "--lake", "--workload", "text"), 300),
@@ -156,6 +157,17 @@ def test_scale_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
     for topo in report["lake"]["topologies"]:
         assert topo["state_bytes"] < 1024
         assert set(topo["recovery"]) == {"state_s", "plan_s", "reassign_s", "total_s"}
+
+
+def test_scale_ranks_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:
+    _, tmp_path = smoke("scale_ranks")
+    report = json.loads((tmp_path / "scale-ranks-smoke.json").read_text())
+    assert [r["ranks"] for r in report["gloo"]] == [2, 4]
+    assert all(r["barrier_ms"] > 0 and r["state_bytes"] < 4096 for r in report["gloo"])
+    assert [r["ranks"] for r in report["threaded"]] == [2, 16]
+    restart = report["restart"]
+    assert restart["ranks"] == 4 and restart["total_s"] >= restart["restart_s"] > 0
+    assert not list(Path("/tmp").glob("lakeloader-bench-ranks-*")), "the work folder is removed"
 
 
 def test_cpu_split_smoke(smoke: Callable[[str], tuple[Any, Path]]) -> None:

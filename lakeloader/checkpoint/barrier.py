@@ -1,18 +1,21 @@
 """Rank agreement at a checkpoint's sync barrier.
 
 Under ``torch.distributed`` every rank must hold the same loader position when a checkpoint is
-saved (the position is global). One all-gather of a small digest checks that, and carries each
-rank's earlier background-save failure, so that every rank raises alike and none is left
-waiting in a collective, and each rank's quarantine entries, so that all ranks (and the saved
-state) hold the same quarantine list.
+saved (the position is global). One all-reduce of five integers checks that (digests of the
+position and of the quarantine, and whether an earlier background save failed), whatever the
+world size; only when something differs does an all-gather of every rank's stand follow, so
+that every rank raises alike, naming the ranks, and none is left waiting in a collective, and
+so that all ranks (and the saved state) hold the same quarantine list.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from lakeloader.errors import CheckpointError
@@ -71,8 +74,8 @@ def confirm_same_position(
     return, for their caller to raise their own failure.
 
     Returns:
-        The quarantine entries of all ranks (unmerged, in rank order), or None when
-        torch.distributed is not initialised.
+        The quarantine entries of all ranks (unmerged; when every rank holds the same, one
+        rank's), or None when torch.distributed is not initialised.
 
     Raises:
         CheckpointError: Naming the ranks at each position (with the snapshot and
@@ -81,6 +84,10 @@ def confirm_same_position(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    where = (str(state.fingerprint), str(state.config_hash), int(state.epoch), int(state.position))
+    quarantine = tuple(state.quarantine)
+    if _all_alike(_digest(where), _digest(quarantine), error is not None):
+        return list(quarantine)  # every rank's is this one
     mine = _Stand(
         dist.get_rank(),
         state.fingerprint,
@@ -111,3 +118,22 @@ def confirm_same_position(
             "must call save() after the same number of steps, on the same lake and config"
         )
     return [entry for s in stands for entry in s.quarantine]
+
+
+def _digest(value: object) -> int:
+    """A 62-bit digest of plain data (its repr: strings, ints and frozen dataclasses)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big") >> 2
+
+
+def _all_alike(where: int, quarantine: int, failed: bool) -> bool:
+    """Whether every rank stands at the same digests and none failed: one all-reduce.
+
+    The maximum of ``(d, -d)`` over ranks is ``(max d, -min d)``: the ranks agree where the
+    two meet. Its cost is the backend's all-reduce of five integers whatever the world size,
+    where gathering every rank's stand on every rank grows with the ranks; the gather runs
+    only when something differs, to say what.
+    """
+    mine = torch.tensor([where, -where, quarantine, -quarantine, int(failed)], dtype=torch.int64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    top: list[int] = mine.tolist()
+    return top[0] == -top[1] and top[2] == -top[3] and top[4] == 0
