@@ -219,92 +219,55 @@ def restart(tree: Path, work: Path, n: int) -> dict[str, Any]:
     }
 
 
+#: Each table's columns: (header, key, digits); a key a row lacks shows "-".
+GLOO_COLUMNS = [
+    ("ranks", "ranks", 0), ("barrier ms", "barrier_ms", 2), ("whole save ms", "save_ms", 1),
+    ("state bytes", "state_bytes", 0), ("load ms (max)", "load_ms_max", 1),
+    ("load ms (median)", "load_ms_median", 1), ("load avg", "loadavg", 2),
+]  # fmt: skip
+THREADED_COLUMNS = [
+    ("ranks", "ranks", 0), ("barrier ms (all ranks, one process)", "barrier_ms", 2),
+    ("per rank us", "barrier_per_rank_us", 1), ("flat gather ms (before)", "flat_gather_ms", 2),
+    ("per rank us", "flat_gather_per_rank_us", 1),
+]  # fmt: skip
+RESTART_COLUMNS = [
+    ("ranks", "ranks", 0), ("restart s", "restart_s", 2), ("imports s", "imports_s", 2),
+    ("process group s", "process_group_s", 2), ("checkpoint load s", "checkpoint_load_s", 2),
+    ("first batch s", "first_batch_s", 2), ("total s", "total_s", 2), ("load avg", "loadavg", 2),
+]  # fmt: skip
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, int]]) -> str:
+    cells = [
+        [round(r[key], digits) if key in r else "-" for _, key, digits in columns] for r in rows
+    ]
+    return markdown_table([header for header, _, _ in columns], cells)
+
+
 def markdown(data: dict[str, Any]) -> str:
     m = data["machine"]
-    lines = [
-        "# Scale with real ranks (benchmarks/scale_ranks.py)",
-        "",
-        f"{m['cpus']} cores, load {m['loadavg_1min']} at the start, commit "
-        f"{data['tree'].get('commit', '?')}. Every figure above 2 ranks includes the wait for "
-        "a core (32 processes on 2 cores).",
-        "",
-        "## gloo processes: the barrier at each save, the state, load on every rank",
-        "",
-        markdown_table(
-            [
-                "ranks",
-                "barrier ms",
-                "whole save ms",
-                "state bytes",
-                "load ms (max)",
-                "load ms (median)",
-                "load avg",
-            ],
-            [
-                [
-                    r["ranks"],
-                    round(r["barrier_ms"], 2),
-                    round(r["save_ms"], 1),
-                    r["state_bytes"],
-                    round(r["load_ms_max"], 1),
-                    round(r["load_ms_median"], 1),
-                    r["loadavg"],
-                ]
-                for r in data["gloo"]
-            ],
-        ),
-        "",
-        "## torch's threaded process group: the barrier alone",
-        "",
-        markdown_table(
-            [
-                "ranks",
-                "barrier ms (all ranks, one process)",
-                "per rank us",
-                "flat gather ms (before)",
-                "per rank us",
-            ],
-            [
-                [
-                    r["ranks"],
-                    round(r["barrier_ms"], 2),
-                    round(r["barrier_per_rank_us"], 1),
-                    round(r["flat_gather_ms"], 2) if "flat_gather_ms" in r else "-",
-                    round(r["flat_gather_per_rank_us"], 1) if "flat_gather_ms" in r else "-",
-                ]
-                for r in data["threaded"]
-            ],
-        ),
-        "",
-        "## A lost process: torchrun restarts every rank",
-        "",
-    ]
-    r = data["restart"]
-    lines.append(
-        markdown_table(
-            [
-                "ranks",
-                "restart s",
-                "imports s",
-                "process group s",
-                "checkpoint load s",
-                "first batch s",
-                "total s",
-            ],
-            [
-                [
-                    r["ranks"],
-                    round(r["restart_s"], 2),
-                    round(r["imports_s"], 2),
-                    round(r["process_group_s"], 2),
-                    round(r["checkpoint_load_s"], 2),
-                    round(r["first_batch_s"], 2),
-                    round(r["total_s"], 2),
-                ]
-            ],
-        )
+    return "\n".join(
+        [
+            "# Scale with real ranks (benchmarks/scale_ranks.py)",
+            "",
+            f"{m['cpus']} cores, load {m['loadavg_1min']} at the start, commit "
+            f"{data['tree'].get('commit', '?')}. Every figure above 2 ranks includes the wait "
+            "for a core (up to 32 processes on these cores).",
+            "",
+            "## gloo processes: the barrier at each save, the state, load on every rank",
+            "",
+            _table(data["gloo"], GLOO_COLUMNS),
+            "",
+            "## torch's threaded process group: the barrier alone",
+            "",
+            _table(data["threaded"], THREADED_COLUMNS),
+            "",
+            "## A lost process: torchrun restarts every rank",
+            "",
+            _table([data["restart"]], RESTART_COLUMNS),
+            "",
+        ]
     )
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
