@@ -30,6 +30,10 @@ Targets (issue 5): state <= 16 KB and recovery < 1 s at 256 ranks x 8 workers; t
 reports 35-45 MB of reader state for 10 TB on 128 workers and under 45 s to resume a 256-node
 job.
 
+With real ranks (processes on gloo, torch's threaded process group up to 1,024 ranks, and a
+rank SIGKILLed and restarted by torchrun): ``python -m benchmarks.scale --ranks``
+(:mod:`benchmarks.scale_ranks`; results in ``scale-ranks.json`` and ``scale-ranks.md``).
+
 Run: ``python -m benchmarks.scale`` (about a minute), ``--smoke`` for small sizes in seconds.
 Results: ``benchmarks/results/scale.json`` and ``scale.md``.
 """
@@ -350,7 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="results file name (default scale; smoke: scale-smoke)")
     parser.add_argument("--src", help="git revision to measure (HEAD; smoke: worktree)")
     parser.add_argument("--src-note", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--ranks",
+        action="store_true",
+        help="with real ranks instead: gloo processes, threaded ranks, a restart (scale_ranks)",
+    )
     args = parser.parse_args(argv)
+    if args.ranks:
+        from benchmarks import scale_ranks
+
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--ranks"]
+        return scale_ranks.main(rest)
     args.src = args.src or ("worktree" if args.smoke else "HEAD")
     if args.src_note is None:
         tree, note = pinned_tree(args.src)

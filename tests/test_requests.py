@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import redirect_stdout
@@ -283,3 +286,53 @@ def test_a_state_written_before_requests_loads_as_nothing_asked(lakes: dict[str,
     with make("lake", lakes, 4) as resumed:
         resumed.load_state_dict(state)
         assert json.loads(resumed.state_dict()["requests"])["delivered"] == 0
+
+
+CHILD = """
+import json, os, signal, sys
+import lakeloader as ll
+lake, ckpt = sys.argv[1], sys.argv[2]
+loader = ll.DataLoader(ll.LakeDataset(lake, max_unit_rows=10), batch_size=6)
+manager = ll.CheckpointManager(ckpt)
+it = iter(loader)
+got = [sorted(next(it)["id"].tolist()) for _ in range(3)]
+loader.quarantine_step(2)
+loader.skip(steps=2)
+manager.save(3, loader)
+manager.wait()
+print(json.dumps(got), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_requests_survive_a_sigkill_and_a_resume_on_two_ranks(
+    lakes: dict[str, Path], tmp_path: Path
+) -> None:
+    """A process asks both, saves, is SIGKILLed; two ranks resume from its checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(lakes["a"]), str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    before = json.loads(child.stdout)
+    with make("lake", lakes, 6) as ref:
+        it = iter(ref)
+        expected = [sorted(key("lake", next(it))) for _ in range(3)]
+        ref.quarantine_step(2)
+        ref.skip(steps=2)
+        expected += [sorted(key("lake", b)) for b in it]
+    ranks = [make("lake", lakes, 3, 2, r) for r in range(2)]
+    for loader in ranks:
+        ll.CheckpointManager(str(ckpt)).load(loader)
+    after = [
+        sorted(a + b) for a, b in zip(*([key("lake", x) for x in r] for r in ranks), strict=True)
+    ]
+    for loader in ranks:
+        loader.close()
+    assert before == expected[:3]
+    assert after == expected[3:], "the skip and the quarantine carried through the kill"
+    assert json.loads(ranks[0].state_dict()["requests"])["skips"] == [[3, 2]]
