@@ -336,3 +336,24 @@ def test_requests_survive_a_sigkill_and_a_resume_on_two_ranks(
     assert before == expected[:3]
     assert after == expected[3:], "the skip and the quarantine carried through the kill"
     assert json.loads(ranks[0].state_dict()["requests"])["skips"] == [[3, 2]]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_with_worker_processes(kind: str, lakes: dict[str, Path]) -> None:
+    """With 2 workers: the same steps skipped, and a quarantined step's units gone."""
+    with make(kind, lakes, 6) as ref:
+        expected = steps(kind, ref, 8)
+    ds = dataset(kind, lakes)
+    with ll.DataLoader(ds, batch_size=6, num_workers=2) as loader:
+        it = iter(loader)
+        got = steps(kind, loader, 2, it)
+        loader.skip(steps=3)
+        got += steps(kind, loader, 3, it)
+        entries = loader.quarantine_step(4)
+        after = steps(kind, loader, 20, it)
+    assert got == expected[:2] + expected[5:8]
+    gone = {(Path(e.path).parent.name, Path(e.path).name, e.row_group) for e in entries}
+    ids_of = unit_ids(lakes)
+    bad = {i for g in gone for i in ids_of[g]}
+    rows = [x if not kind.startswith("packed") else x // 8 for s in after for x in s]
+    assert entries and rows and not bad & set(rows)
