@@ -335,12 +335,12 @@ class DataLoader(TorchNames):
 
         ``step`` counts the batches handed over in the run from 0 (the count is in the
         state). The units that every rank's share of the step read are skipped for good, in
-        this and every later epoch, reason ``quarantine_step(<step>)`` (see
-        :mod:`lakeloader.steering`); it returns the entries added. Every rank must ask the same.
+        this and every later epoch, reason ``quarantine_step(<step>)``; it returns the entries
+        added. A step to come (restored from before it) is dropped with its units as it comes
+        (:mod:`lakeloader.steering`). Every rank must ask the same.
 
         Raises:
-            ValueError: If ``step`` is not one of the last 64 delivered since the loader began
-                or was restored.
+            ValueError: If ``step`` came before the last 64 since the loader began or restored.
         """
         return self._steering.quarantine_step(self.root, step)
 

@@ -15,7 +15,10 @@ and :class:`Steered` is the pass iterator that carries it out, whatever the load
   share of that delivered step took become quarantine entries (reason
   ``quarantine_step(<step>)``): the rest of their rows are left out of this epoch and of every
   later one, as a unit that fails to decode is. The pass under way begins again where it
-  stands, so that no step planned ahead still holds them.
+  stands, so that no step planned ahead still holds them. A step not delivered yet (the run
+  was restored from a checkpoint before it: steps come again the same) is quarantined when it
+  comes: it goes through the pipeline, is not handed over (the audit: skipped on request),
+  its units are quarantined, and the next batch takes its number.
 """
 
 from __future__ import annotations
@@ -75,14 +78,29 @@ class Steering:
             ValueError: If ``step`` is not one of the last :data:`STEPS_KEPT` steps this
                 loader delivered (since it began or was restored).
         """
+        requests = self.requests
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"quarantine_step(step) takes a step number, got {step!r}")
+        if step >= requests.delivered:  # after a restore from before it: when it comes
+            requests.bad_steps = tuple(sorted({*requests.bad_steps, step}))
+            return []
         runs = dict(self.recent).get(step)
         if runs is None:
             kept = f"{self.recent[0][0]} to {self.recent[-1][0]}" if self.recent else "none"
             raise ValueError(
                 f"quarantine_step({step!r}): this loader knows the units of its last "
-                f"{STEPS_KEPT} steps delivered since it began or was restored ({kept}; the next "
-                f"is {self.requests.delivered}): call it right after the step, before a restore"
+                f"{STEPS_KEPT} steps delivered since it began or was restored ({kept}) and "
+                f"of the steps to come (from {requests.delivered}): call it right after the "
+                "step, or after restoring a checkpoint from before it"
             )
+        entries = self.quarantined(root, runs, step)
+        self.restarts += 1
+        root.host._close_iterator(f"quarantine_step({step})")
+        return entries
+
+    @staticmethod
+    def quarantined(root: Node, runs: tuple[DeliveredRun, ...], step: int) -> list[QuarantineEntry]:
+        """Quarantine the units behind the runs of ``step``; the entries added."""
         known = {e.key for e in root.quarantine}
         found = root.units_behind(runs, f"{QUARANTINE_STEP}({step})")
         entries = [e for e in found if e.key not in known]
@@ -92,8 +110,6 @@ class Steering:
             step,
             len(entries),
         )
-        self.restarts += 1
-        root.host._close_iterator(f"quarantine_step({step})")
         return entries
 
     def restored(self, state: Any) -> None:
@@ -125,17 +141,29 @@ class Steered:
             self._restarts = steering.restarts
             self._pass = self._start()
         requests = steering.requests
-        while requests.pending:
-            root.mark_skipping(True)
-            try:
-                next(self._pass)
-            finally:
-                root.mark_skipping(False)
-            requests.skipped_one()
+        while requests.pending or requests.delivered in requests.bad_steps:
+            bad = not requests.pending  # the step a quarantine_step named before it came
+            self._skip_one(root)
+            if not bad:
+                requests.skipped_one()
+                continue
+            step = requests.delivered
+            requests.bad_steps = tuple(s for s in requests.bad_steps if s != step)
+            steering.quarantined(root, root.last_runs(), step)
+            root.host._close_iterator(f"quarantine_step({step})")
+            self._pass = self._start()
         batch = next(self._pass)
         steering.recent.append((requests.delivered, root.last_runs()))
         requests.delivered_one()
         return batch
+
+    def _skip_one(self, root: Node) -> None:
+        """Take the next step through the pipeline without handing it over."""
+        root.mark_skipping(True)
+        try:
+            next(self._pass)
+        finally:
+            root.mark_skipping(False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pass, name)

@@ -123,7 +123,12 @@ def test_skip_leaves_out_exactly_the_next_steps(kind: str, lakes: dict[str, Path
         got += steps(kind, loader, 4, it)
         state = loader.state_dict()
     assert got == expected[:3] + expected[5:9]
-    assert json.loads(state["requests"]) == {"delivered": 7, "pending": 0, "skips": [[3, 2]]}
+    assert json.loads(state["requests"]) == {
+        "delivered": 7,
+        "pending": 0,
+        "skips": [[3, 2]],
+        "bad_steps": [],
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -178,8 +183,8 @@ def test_a_quarantined_step_gives_none_of_its_units_again(
         it = iter(loader)
         before = steps(kind, loader, 4, it)
         entries = loader.quarantine_step(3)
-        with pytest.raises(ValueError, match=r"quarantine_step\(99\).*last 64 steps"):
-            loader.quarantine_step(99)
+        with pytest.raises(ValueError, match=r"quarantine_step\(-1\).*last 64 steps"):
+            loader.quarantine_step(-1)
         after = steps(kind, loader, 40, it)
         state, quarantine = loader.state_dict(), loader.quarantine
     assert entries and all(e.reason == "quarantine_step(3)" for e in entries)
@@ -357,3 +362,36 @@ def test_requests_with_worker_processes(kind: str, lakes: dict[str, Path]) -> No
     bad = {i for g in gone for i in ids_of[g]}
     rows = [x if not kind.startswith("packed") else x // 8 for s in after for x in s]
     assert entries and rows and not bad & set(rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_quarantined_after_restoring_from_before_it_is_dropped_when_it_comes(
+    kind: str, lakes: dict[str, Path]
+) -> None:
+    """The loss spiked at step 6; the run restores a state of step 3 on two ranks."""
+    with make(kind, lakes, 6) as first:
+        it = iter(first)
+        original = steps(kind, first, 3, it)
+        state = first.state_dict()
+        original += steps(kind, first, 5, it)
+        behind = first.quarantine_step(6)  # what the units behind step 6 are
+    ranks = [make(kind, lakes, 3, 2, r) for r in range(2)]
+    for loader in ranks:
+        loader.load_state_dict(state)
+        assert loader.quarantine_step(6) == [], "its units are known when it comes"
+    assert json.loads(ranks[0].state_dict()["requests"])["bad_steps"] == [6]
+    again = lockstep(kind, ranks, 12)
+    after = json.loads(ranks[0].state_dict()["requests"])
+    quarantine = ranks[0].quarantine
+    for loader in ranks:
+        loader.close()
+    assert again[:3] == [sorted(s) for s in original[3:6]], "steps 3 to 5 come again the same"
+    gone = {(e.path, e.row_group) for e in behind}
+    assert {(q.path, q.row_group) for q in quarantine} == gone
+    ids_of = unit_ids(lakes)
+    bad = {
+        i for e in behind for i in ids_of[Path(e.path).parent.name, Path(e.path).name, e.row_group]
+    }
+    rows = [x if not kind.startswith("packed") else x // 8 for s in again[3:] for x in s]
+    assert rows and not bad & set(rows), "step 6 and the rest of its units never come"
+    assert after["bad_steps"] == [] and after["delivered"] == 3 + 12

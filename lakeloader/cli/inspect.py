@@ -393,7 +393,8 @@ def requested(state: Any) -> dict[str, Any]:
 
     ``steps_delivered``: the steps handed over in the run; ``steps_skipped``: steps skipped
     on request (``skip()``) and still to skip; ``quarantined_steps``: the units
-    ``quarantine_step()`` quarantined.
+    ``quarantine_step()`` quarantined; ``steps_to_quarantine``: steps it named that have not
+    come yet.
     """
     requests = Requests.of_state(state)
     within = state.get("mixture", state) if hasattr(state, "get") else {}  # a packed mixture's
@@ -401,6 +402,7 @@ def requested(state: Any) -> dict[str, Any]:
     return {
         "steps_delivered": requests.delivered,
         "steps_skipped": {"done": requests.skipped, "pending": requests.pending},
+        "steps_to_quarantine": list(requests.bad_steps),
         "quarantined_steps": [
             q for q in entries if str(q.get("reason", "")).startswith(QUARANTINE_STEP)
         ],
@@ -419,6 +421,10 @@ def requested_text(info: dict[str, Any]) -> list[tuple[str, Any]]:
         ("steps delivered", f"{info['steps_delivered']:,}"),
         ("steps skipped on request", skipped),
         ("units quarantined by quarantine_step", len(info["quarantined_steps"])),
+        (
+            "steps to quarantine when they come",
+            ", ".join(map(str, info["steps_to_quarantine"])) or "-",
+        ),
     ]
 
 

@@ -50,13 +50,22 @@ class Requests:
         True
     """
 
-    def __init__(self, delivered: int = 0, pending: int = 0, skips: tuple[Skip, ...] = ()) -> None:
+    def __init__(
+        self,
+        delivered: int = 0,
+        pending: int = 0,
+        skips: tuple[Skip, ...] = (),
+        bad_steps: tuple[int, ...] = (),
+    ) -> None:
         #: Steps delivered to the training loop over the run (the next step's number).
         self.delivered = delivered
         #: Steps still to skip (the next ones the loader would deliver).
         self.pending = pending
         #: Every skip asked, in order.
         self.skips = skips
+        #: Steps not delivered yet (after a restore from before them) whose units are to be
+        #: quarantined when they come (``quarantine_step``), sorted.
+        self.bad_steps = bad_steps
 
     def delivered_one(self) -> None:
         """A step was handed to the training loop."""
@@ -73,7 +82,7 @@ class Requests:
 
     def back(self, steps: int) -> Requests:
         """The record as it stood ``steps`` deliveries ago (``state_dict(fetched_ahead=...)``)."""
-        return Requests(self.delivered - steps, self.pending, self.skips)
+        return Requests(self.delivered - steps, self.pending, self.skips, self.bad_steps)
 
     @property
     def skipped(self) -> int:
@@ -87,6 +96,7 @@ class Requests:
                 "delivered": self.delivered,
                 "pending": self.pending,
                 "skips": [[s.at, s.steps] for s in self.skips],
+                "bad_steps": list(self.bad_steps),
             },
             separators=(",", ":"),
         )
@@ -103,11 +113,12 @@ class Requests:
         try:
             data = json.loads(value)
             skips = tuple(Skip(int(at), int(n)) for at, n in data["skips"])
-            return cls(int(data["delivered"]), int(data["pending"]), skips)
+            bad = tuple(int(step) for step in data.get("bad_steps", ()))
+            return cls(int(data["delivered"]), int(data["pending"]), skips, bad)
         except (TypeError, ValueError, KeyError) as exc:
             raise StateFormatError(
                 f"malformed {REQUESTS_KEY!r} in a lakeloader state ({exc!r}): expected the JSON "
-                'of {"delivered": n, "pending": n, "skips": [[at, steps], ...]}'
+                'of {"delivered": n, "pending": n, "skips": [[at, steps], ...], "bad_steps": [...]}'
             ) from exc
 
     @classmethod
