@@ -172,12 +172,14 @@ class LakeDataset:
                 fs, snapshot = self.source.snapshot(request)
             else:
                 fs, snapshot = first_increment(self.source, self.follow, request)
+            pinned = False
         else:
             fs = self.source.filesystem(self.storage_options)
             request = SourceRequest(self.storage_options, None, progress, self.retry, False)
+            pinned = True  # a checkpoint's: the mirrors may hold files added since
         self.fs: fsspec.AbstractFileSystem = fs
-        #: The other copies of the lake: (filesystem, snapshot) each.
-        self.mirrors = open_mirrors(snapshot, fs, mirrors, request) if mirrors else ()
+        #: The other copies of the lake.
+        self.mirrors = open_mirrors(snapshot, fs, mirrors, request, pinned) if mirrors else ()
         #: The row filter, or None.
         self.row_filter = None if filter is None else RowFilter.of(filter, lake_schema(snapshot))
         snapshot, unreadable = self._filtered(fs, snapshot, progress)

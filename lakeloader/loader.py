@@ -259,8 +259,8 @@ class DataLoader(TorchNames):
             ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
                 position was set, or they cross into another epoch of a followed lake.
         """
-        requests = self._steering.requests.back(fetched_ahead)
-        return {**self.root.state(fetched_ahead), REQUESTS_KEY: requests.to_json()}
+        requests = self._steering.state(fetched_ahead)
+        return {**self.root.state(fetched_ahead), REQUESTS_KEY: requests}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Continue from a state taken under any world size, worker count or batch size.

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lakeloader.checkpoint.barrier import collective_device
+
 logger = logging.getLogger(__name__)
 
 #: Seconds between the deadline's ``SystemExit`` and ``os._exit`` when the former cannot run.
@@ -137,9 +139,7 @@ class Preemption:
             return True
         mine = self.signalled is not None
         if dist.is_available() and dist.is_initialized():
-            nccl_only = dist.get_backend() == "nccl"  # no CPU tensors there
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl_only else None
-            flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+            flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             mine = bool(flag.item())
         self._agreed = mine

@@ -50,6 +50,11 @@ class Steering:
         self.recent: deque[tuple[int, tuple[DeliveredRun, ...]]] = deque(maxlen=STEPS_KEPT)
         #: Passes begun again on request: a pass iterator of an older count begins again.
         self.restarts = 0
+        #: Whether the loader was restored from a state (steps to come may be quarantined).
+        self.restored_before = False
+        #: Steps (numbers of the next delivery) before which steps were read and not handed
+        #: over, in this process: a state cannot stand back over them.
+        self.passed_over: deque[int] = deque(maxlen=STEPS_KEPT)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy keeps what was asked, not the runs of steps it did not deliver."""
@@ -69,7 +74,7 @@ class Steering:
             raise ValueError(f"skip(steps=...) takes a number of steps >= 0, got {steps!r}")
         if steps:
             self.requests.ask_skip(steps)
-            logger.info("skipping steps %d to %d on request", self.requests.delivered, steps)
+            logger.info("%d steps to skip on request from step %d", steps, self.requests.delivered)
 
     def quarantine_step(self, root: Node, step: int) -> list[QuarantineEntry]:
         """Quarantine the units behind delivered ``step`` (see ``DataLoader.quarantine_step``).
@@ -81,17 +86,17 @@ class Steering:
         requests = self.requests
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"quarantine_step(step) takes a step number, got {step!r}")
-        if step >= requests.delivered:  # after a restore from before it: when it comes
-            requests.bad_steps = tuple(sorted({*requests.bad_steps, step}))
+        if step >= requests.delivered and self.restored_before:  # when it comes
+            requests.bad_steps = tuple(sorted({*requests.bad_steps, (step, step)}))
             return []
         runs = dict(self.recent).get(step)
         if runs is None:
             kept = f"{self.recent[0][0]} to {self.recent[-1][0]}" if self.recent else "none"
             raise ValueError(
                 f"quarantine_step({step!r}): this loader knows the units of its last "
-                f"{STEPS_KEPT} steps delivered since it began or was restored ({kept}) and "
-                f"of the steps to come (from {requests.delivered}): call it right after the "
-                "step, or after restoring a checkpoint from before it"
+                f"{STEPS_KEPT} steps delivered since it began or was restored ({kept}; the next "
+                f"is {requests.delivered}), and those to come once restored from a state: call "
+                "it right after the step, or after restoring a checkpoint from before it"
             )
         entries = self.quarantined(root, runs, step)
         self.restarts += 1
@@ -101,9 +106,9 @@ class Steering:
     @staticmethod
     def quarantined(root: Node, runs: tuple[DeliveredRun, ...], step: int) -> list[QuarantineEntry]:
         """Quarantine the units behind the runs of ``step``; the entries added."""
-        known = {e.key for e in root.quarantine}
+        known = root.quarantine
         found = root.units_behind(runs, f"{QUARANTINE_STEP}({step})")
-        entries = [e for e in found if e.key not in known]
+        entries = [e for e in found if not any(q.covers(*e.key) for q in known)]
         root.add_quarantine(entries)
         logger.warning(
             "quarantine_step(%d): %d units quarantined for this and every later epoch",
@@ -116,6 +121,24 @@ class Steering:
         """Take the record of a state loaded (one written before records: nothing asked)."""
         self.requests = Requests.of_state(state)
         self.recent.clear()
+        self.passed_over.clear()
+        self.restored_before = True
+
+    def state(self, fetched_ahead: int) -> str:
+        """The record as a state holds it, ``fetched_ahead`` deliveries back.
+
+        Raises:
+            ValueError: If steps were skipped (or a bad step dropped) within those deliveries:
+                the node's state would stand back over them as over delivered steps.
+        """
+        delivered = self.requests.delivered
+        if fetched_ahead and any(at > delivered - fetched_ahead for at in self.passed_over):
+            raise ValueError(
+                f"state_dict(fetched_ahead={fetched_ahead}): steps were skipped on request "
+                f"within the last {fetched_ahead} batches delivered; take the state before the "
+                "skip, or once a batch delivered after it has been trained on"
+            )
+        return self.requests.back(fetched_ahead).to_json()
 
 
 class Steered:
@@ -141,16 +164,16 @@ class Steered:
             self._restarts = steering.restarts
             self._pass = self._start()
         requests = steering.requests
-        while requests.pending or requests.delivered in requests.bad_steps:
-            bad = not requests.pending  # the step a quarantine_step named before it came
+        while requests.skip_due or requests.bad_step() is not None:
+            bad = None if requests.skip_due else requests.bad_step()  # named before it came
+            steering.passed_over.append(requests.delivered)
             self._skip_one(root)
-            if not bad:
+            if bad is None:
                 requests.skipped_one()
                 continue
-            step = requests.delivered
-            requests.bad_steps = tuple(s for s in requests.bad_steps if s != step)
-            steering.quarantined(root, root.last_runs(), step)
-            root.host._close_iterator(f"quarantine_step({step})")
+            requests.dropped()
+            steering.quarantined(root, root.last_runs(), bad)
+            root.host._close_iterator(f"quarantine_step({bad})")
             self._pass = self._start()
         batch = next(self._pass)
         steering.recent.append((requests.delivered, root.last_runs()))
@@ -164,6 +187,12 @@ class Steered:
             next(self._pass)
         finally:
             root.mark_skipping(False)
+
+    @property
+    def num_steps(self) -> int | None:
+        """The batches the pass delivers from here (None: not known), less the skips due."""
+        steps: int | None = getattr(self._pass, "num_steps", None)
+        return None if steps is None else max(0, steps - self._steering.requests.pending)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pass, name)

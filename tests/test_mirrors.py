@@ -13,12 +13,17 @@ import shutil
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
+from lakeloader.lake.files import FileInfo
+from lakeloader.lake.mirrors import check_same
 from tests.conftest import global_batches, make_loaders, write_lake
 from tests.stores import ObjectStore, RestartableStore
 
@@ -131,3 +136,21 @@ def test_a_mirror_down_at_open_is_left_out_with_a_warning(
             str(local_lake), mirrors=[(copy, down.storage_options)], retry=retry, **ORDER
         )
     assert ds.mirrors == ()
+
+
+def test_a_table_with_deleted_rows_is_checked_by_the_rows_in_its_files() -> None:
+    """A Delta file with 2 of its 10 rows deleted, the same on both copies, is the same file."""
+    schema = pa.schema([("id", pa.int64())])
+
+    def snapshot(root: str, physical: int) -> Any:
+        info = FileInfo(
+            f"{root}/t/part-0.parquet", 100, "v", (8,), (80,), (), schema, (1, 2), (physical,)
+        )
+        return SimpleNamespace(files=(info,))
+
+    fs = fsspec.filesystem("file")
+    check_same(snapshot("/a", 10), fs, snapshot("/b", 10), fs)
+    with pytest.raises(
+        ll.LakeDataError, match=r"differs in row groups' rows: \(10,\) on the primary, \(9,\)"
+    ):
+        check_same(snapshot("/a", 10), fs, snapshot("/b", 9), fs)

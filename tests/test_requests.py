@@ -379,7 +379,7 @@ def test_a_step_quarantined_after_restoring_from_before_it_is_dropped_when_it_co
     for loader in ranks:
         loader.load_state_dict(state)
         assert loader.quarantine_step(6) == [], "its units are known when it comes"
-    assert json.loads(ranks[0].state_dict()["requests"])["bad_steps"] == [6]
+    assert json.loads(ranks[0].state_dict()["requests"])["bad_steps"] == [[6, 6]]
     again = lockstep(kind, ranks, 12)
     after = json.loads(ranks[0].state_dict()["requests"])
     quarantine = ranks[0].quarantine
@@ -395,3 +395,47 @@ def test_a_step_quarantined_after_restoring_from_before_it_is_dropped_when_it_co
     rows = [x if not kind.startswith("packed") else x // 8 for s in again[3:] for x in s]
     assert rows and not bad & set(rows), "step 6 and the rest of its units never come"
     assert after["bad_steps"] == [] and after["delivered"] == 3 + 12
+
+
+def test_a_state_fetched_ahead_of_a_skip_gives_those_batches_then_skips(
+    lakes: dict[str, Path],
+) -> None:
+    """Lightning's order: batch 2 was fetched ahead when the loop asked to skip 2 steps."""
+    with make("lake", lakes, 6) as ref:
+        expected = steps("lake", ref, 8)
+    with make("lake", lakes, 6) as loader:
+        it = iter(loader)
+        got = steps("lake", loader, 3, it)  # steps 0 and 1 trained, 2 fetched ahead
+        loader.skip(steps=2)
+        state = loader.state_dict(fetched_ahead=1)
+        got += steps("lake", loader, 3, it)
+        loader.state_dict(fetched_ahead=3)  # stands right after the skipped steps: fine
+        with pytest.raises(ValueError, match=r"fetched_ahead=4\): steps were skipped"):
+            loader.state_dict(fetched_ahead=4)  # would stand back over them
+    assert got == expected[:3] + expected[5:8]
+    with make("lake", lakes, 6) as resumed:
+        resumed.load_state_dict(state)
+        assert steps("lake", resumed, 4) == expected[2:3] + expected[5:8]
+
+
+def test_two_bad_steps_named_after_a_restore_are_both_dropped(lakes: dict[str, Path]) -> None:
+    with make("lake", lakes, 6) as first:
+        it = iter(first)
+        steps("lake", first, 3, it)
+        state = first.state_dict()
+        original = steps("lake", first, 6, it)  # steps 3 to 8
+    ids_of = unit_ids(lakes)
+    with make("lake", lakes, 6) as resumed:
+        with pytest.raises(ValueError, match=r"quarantine_step\(5\).*those to come once"):
+            resumed.quarantine_step(5)  # not restored: a step to come is refused
+        resumed.load_state_dict(state)
+        resumed.quarantine_step(6)
+        resumed.quarantine_step(7)
+        again = steps("lake", resumed, 6)
+        quarantine = resumed.quarantine
+    assert again[:3] == original[:3]
+    units = {("a", Path(q.path).name, q.row_group) for q in quarantine}
+    assert {q.reason for q in quarantine} == {"quarantine_step(6)", "quarantine_step(7)"}
+    bad = {i for u in units for i in ids_of[u]}
+    assert set(original[3]) | set(original[4]) <= bad, "the units behind both bad steps"
+    assert not bad & {x for s in again[3:] for x in s}

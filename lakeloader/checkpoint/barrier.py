@@ -133,7 +133,15 @@ def _all_alike(where: int, quarantine: int, failed: bool) -> bool:
     where gathering every rank's stand on every rank grows with the ranks; the gather runs
     only when something differs, to say what.
     """
-    mine = torch.tensor([where, -where, quarantine, -quarantine, int(failed)], dtype=torch.int64)
+    values = [where, -where, quarantine, -quarantine, int(failed)]
+    mine = torch.tensor(values, dtype=torch.int64, device=collective_device())
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     top: list[int] = mine.tolist()
     return top[0] == -top[1] and top[2] == -top[3] and top[4] == 0
+
+
+def collective_device() -> torch.device | None:
+    """Where a tensor for a collective of the default group lives (NCCL takes no CPU tensor)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None

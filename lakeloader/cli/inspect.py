@@ -402,7 +402,7 @@ def requested(state: Any) -> dict[str, Any]:
     return {
         "steps_delivered": requests.delivered,
         "steps_skipped": {"done": requests.skipped, "pending": requests.pending},
-        "steps_to_quarantine": list(requests.bad_steps),
+        "steps_to_quarantine": [named for _, named in requests.bad_steps],
         "quarantined_steps": [
             q for q in entries if str(q.get("reason", "")).startswith(QUARANTINE_STEP)
         ],

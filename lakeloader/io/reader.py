@@ -7,6 +7,7 @@ different files concatenate into one batch.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,12 +117,21 @@ class UnitReader:
         self.counters = ReadCounters()
         self._local = is_local(fs)
         self.mirrors = tuple(UnitReader(f, s, columns, retry, row_filter) for f, s in mirrors)
+        for mirror in self.mirrors:
+            mirror.counters = self.counters  # one reader's counts, whichever copy served
         self._copy = 0  # the copy reads go to: 0 this one, i the mirror i - 1
 
     def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
-        """The same reader over another filesystem object, with counters of its own."""
-        copies = [(m.fs, m.snapshot) for m in self.mirrors]
-        return UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter, copies)
+        """The same reader over another filesystem object, with counters of its own.
+
+        Each mirror's filesystem is made anew from its pickle too (a forked worker's: an
+        object made in the parent may hold the parent's event loop and connections); reads
+        go to the copy this reader goes to.
+        """
+        copies = [(pickle.loads(pickle.dumps(m.fs)), m.snapshot) for m in self.mirrors]
+        twin = UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter, copies)
+        twin._copy = self._copy
+        return twin
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -131,6 +141,8 @@ class UnitReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["counters"] = ReadCounters()
         self.__dict__.update(state)
+        for mirror in self.mirrors:
+            mirror.counters = self.counters
 
     def _on_copies(self, call: Callable[[UnitReader], T]) -> T:
         """``call`` on the copy reads go to; past its retry deadline, on the next one."""
@@ -148,8 +160,8 @@ class UnitReader:
                     where = url_of(nxt.fs, nxt.snapshot.files[0].path)
                     warn_user(f"{exc} -- reads go on from the copy holding {where}", MirrorWarning)
                 continue
-            self._copy = at
-            return result
+            return result  # the copy stays where failures moved it (a late success on
+            # the dead copy, begun before it went down, does not move reads back to it)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _footer(self, info: FileInfo) -> pq.FileMetaData:

@@ -67,9 +67,16 @@ class Mirror:
 
 
 def open_mirrors(
-    primary: Snapshot, fs: fsspec.AbstractFileSystem, mirrors: Sequence[Any], request: SourceRequest
+    primary: Snapshot,
+    fs: fsspec.AbstractFileSystem,
+    mirrors: Sequence[Any],
+    request: SourceRequest,
+    pinned: bool = False,
 ) -> tuple[Mirror, ...]:
     """Each mirror, checked against the primary's snapshot (see the module docstring).
+
+    ``pinned``: the primary's snapshot is an earlier one (a checkpoint's): the mirror must
+    hold its files, and may hold files added since.
 
     Raises:
         LakeDataError: If a mirror holds other files than the primary, naming the file and
@@ -87,7 +94,7 @@ def open_mirrors(
                 MirrorWarning,
             )
             continue
-        check_same(primary, fs, found, mirror_fs)
+        check_same(primary, fs, found, mirror_fs, pinned)
         files = {name: (f.path, f.version) for name, f in _relative(found.files).items()}
         copies.append(Mirror(str(url), mirror_fs, _root(primary.files), files))
         logger.info("mirror %s holds the same %d files", url, len(found.files))
@@ -99,8 +106,11 @@ def check_same(
     fs: fsspec.AbstractFileSystem,
     mirror: Snapshot,
     mirror_fs: fsspec.AbstractFileSystem,
+    pinned: bool = False,
 ) -> None:
     """Check that a mirror holds the primary's files, by their path under each one's root.
+
+    ``pinned``: files the mirror has beyond the primary's are allowed.
 
     Raises:
         LakeDataError: If a file is missing on either side, or differs in size, row groups
@@ -108,7 +118,7 @@ def check_same(
     """
     ours, theirs = _relative(primary.files), _relative(mirror.files)
     where = f"{url_of(mirror_fs, _root(mirror.files))} (of {url_of(fs, _root(primary.files))})"
-    for name in sorted(set(ours) ^ set(theirs)):
+    for name in sorted(set(ours) - set(theirs) if pinned else set(ours) ^ set(theirs)):
         side = "the mirror" if name in ours else "the primary"
         raise LakeDataError(
             f"mirror {where}: {name} is missing from {side}; the copies must hold the same "
@@ -118,7 +128,7 @@ def check_same(
         other = theirs[name]
         for what, a, b in (
             ("size", info.size, other.size),
-            ("row groups' rows", info.physical_rows or info.row_group_rows, other.row_group_rows),
+            ("row groups' rows", _physical(info), _physical(other)),
             ("schema", _schema(info), _schema(other)),
         ):
             if a != b:
@@ -142,3 +152,8 @@ def _relative(files: Sequence[FileInfo]) -> dict[str, FileInfo]:
 
 def _schema(info: FileInfo) -> str:
     return "" if info.schema is None else info.schema.to_string(show_schema_metadata=False)
+
+
+def _physical(info: FileInfo) -> tuple[int, ...]:
+    """The rows of each row group in the file itself (a table version may have deleted some)."""
+    return info.physical_rows or info.row_group_rows

@@ -44,8 +44,8 @@ class Requests:
     Example:
         >>> r = Requests()
         >>> r.delivered_one(); r.ask_skip(3); r.skipped_one()
-        >>> r.delivered, r.pending, r.skips
-        (1, 2, (Skip(at=1, steps=3),))
+        >>> r.delivered, r.pending, r.skips, r.skip_due, r.back(1).skip_due
+        (1, 2, (Skip(at=1, steps=3),), True, False)
         >>> Requests.from_json(r.to_json()).to_json() == r.to_json()
         True
     """
@@ -55,7 +55,7 @@ class Requests:
         delivered: int = 0,
         pending: int = 0,
         skips: tuple[Skip, ...] = (),
-        bad_steps: tuple[int, ...] = (),
+        bad_steps: tuple[tuple[int, int], ...] = (),
     ) -> None:
         #: Steps delivered to the training loop over the run (the next step's number).
         self.delivered = delivered
@@ -64,12 +64,38 @@ class Requests:
         #: Every skip asked, in order.
         self.skips = skips
         #: Steps not delivered yet (after a restore from before them) whose units are to be
-        #: quarantined when they come (``quarantine_step``), sorted.
+        #: quarantined when they come (``quarantine_step``): ``(number it comes as, number it
+        #: was named by)``, sorted (a dropped step's number is taken by the next batch).
         self.bad_steps = bad_steps
 
     def delivered_one(self) -> None:
         """A step was handed to the training loop."""
         self.delivered += 1
+
+    @property
+    def skip_due(self) -> bool:
+        """Whether the next step is to be skipped: a skip is pending and its step has come.
+
+        A skip applies from the step it was asked at; a state that stands before steps
+        delivered after it (``state_dict(fetched_ahead=...)``) gives them again first.
+        """
+        if not self.pending:
+            return False
+        done = sum(s.steps for s in self.skips) - self.pending
+        for skip in self.skips:
+            if done < skip.steps:
+                return self.delivered >= skip.at
+            done -= skip.steps
+        return True
+
+    def bad_step(self) -> int | None:
+        """The number the next step was named by in a ``quarantine_step``, if it is a bad one."""
+        return next((named for at, named in self.bad_steps if at == self.delivered), None)
+
+    def dropped(self) -> None:
+        """The next step (a bad one) was dropped: the batch after it takes its number."""
+        step = self.delivered
+        self.bad_steps = tuple((at - (at > step), n) for at, n in self.bad_steps if at != step)
 
     def skipped_one(self) -> None:
         """A step was skipped on request."""
@@ -96,7 +122,7 @@ class Requests:
                 "delivered": self.delivered,
                 "pending": self.pending,
                 "skips": [[s.at, s.steps] for s in self.skips],
-                "bad_steps": list(self.bad_steps),
+                "bad_steps": [list(b) for b in self.bad_steps],
             },
             separators=(",", ":"),
         )
@@ -113,12 +139,13 @@ class Requests:
         try:
             data = json.loads(value)
             skips = tuple(Skip(int(at), int(n)) for at, n in data["skips"])
-            bad = tuple(int(step) for step in data.get("bad_steps", ()))
+            bad = tuple((int(at), int(named)) for at, named in data.get("bad_steps", ()))
             return cls(int(data["delivered"]), int(data["pending"]), skips, bad)
         except (TypeError, ValueError, KeyError) as exc:
             raise StateFormatError(
                 f"malformed {REQUESTS_KEY!r} in a lakeloader state ({exc!r}): expected the JSON "
-                'of {"delivered": n, "pending": n, "skips": [[at, steps], ...], "bad_steps": [...]}'
+                'of {"delivered": n, "pending": n, "skips": [[at, steps], ...], '
+                '"bad_steps": [[at, named], ...]}'
             ) from exc
 
     @classmethod
