@@ -117,8 +117,7 @@ class UnitReader:
         self.counters = ReadCounters()
         self._local = is_local(fs)
         self.mirrors = tuple(UnitReader(f, s, columns, retry, row_filter) for f, s in mirrors)
-        for mirror in self.mirrors:
-            mirror.counters = self.counters  # one reader's counts, whichever copy served
+        self._share_counters()
         self._copy = 0  # the copy reads go to: 0 this one, i the mirror i - 1
 
     def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
@@ -141,6 +140,10 @@ class UnitReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["counters"] = ReadCounters()
         self.__dict__.update(state)
+        self._share_counters()
+
+    def _share_counters(self) -> None:
+        """The mirrors count into this reader's counters: one reader, whichever copy served."""
         for mirror in self.mirrors:
             mirror.counters = self.counters
 

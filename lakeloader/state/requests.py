@@ -90,6 +90,8 @@ class Requests:
 
     def bad_step(self) -> int | None:
         """The number the next step was named by in a ``quarantine_step``, if it is a bad one."""
+        if not self.bad_steps:  # asked at every step: nothing to walk in the usual case
+            return None
         return next((named for at, named in self.bad_steps if at == self.delivered), None)
 
     def dropped(self) -> None:
