@@ -42,7 +42,7 @@ from lakeloader.audit.records import (
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.io.fetch import url_of
 from lakeloader.signals import main_thread_only
-from lakeloader.state.journal import DeliveredRun, Runs
+from lakeloader.state.journal import Runs
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +127,17 @@ class Ledger:
         )
         self._starts += 1
 
-    def step(self, run: Runs, *, committed: bool = True) -> None:
+    def step(self, runs: Runs, *, committed: bool = True) -> None:
         """Record delivered steps (the tracker's observer; nothing once closed).
 
         Args:
-            run: One step of one stream, or consecutive steps the loader delivered before
-                the ledger was attached to it (its journal); or the runs of such steps on
-                several streams (a mixture's sources, a packed stream's partitions), one
-                step number for them all. A run that covers no position (a stream the step
+            runs: The runs of one step, one per stream it moved (a lake's rows, a mixture's
+                sources, a packed stream's sources), or of consecutive steps the loader
+                delivered before the ledger was attached to it (its journal), one step
+                number for them all. A run that covers no position (a stream the step
                 did not move) is not written; it tells where its stream stands.
             committed: False for steps that were discarded.
         """
-        runs = (run,) if isinstance(run, DeliveredRun) else tuple(run)
         if self._closed or not runs:
             return
         t = runs[0].topology

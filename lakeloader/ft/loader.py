@@ -271,8 +271,8 @@ class FaultTolerantLoader:
         self._issued = None
 
     def _collect(self, runs: Runs) -> None:
-        """The inner DataLoader's step: its run (a lake's), or its runs (one per stream)."""
-        self._runs.extend([runs] if isinstance(runs, DeliveredRun) else runs)
+        """The inner DataLoader's step: its runs (one per stream it moved)."""
+        self._runs.extend(runs)
 
     def _record(self, runs: Sequence[DeliveredRun], *, committed: bool) -> None:
         """Tell the observer of a settled step, or keep it (if committed) until one comes."""
@@ -372,7 +372,7 @@ class FaultTolerantLoader:
             self._inner.restore_checkpoint(ckpt, coordinator)
             self._committed = self._at = self._inner.state_dict()
             self._it, self._issued, self._over = None, None, False
-            self._journal.take()  # what came before is not this attempt's history
+            self._journal.take_steps()  # what came before is not this attempt's history
 
     def observe_steps(self, observer: Callable[..., None]) -> None:
         """Tell ``observer`` of every step once it is settled: ``observer(run, committed=)``.

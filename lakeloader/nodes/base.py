@@ -11,7 +11,6 @@ the pass the node begins. The loader never asks which kind of node it holds.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -28,7 +27,7 @@ from lakeloader.order.plan import slot_units
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.journal import DeliveredRun, DeliveryJournal, Runs
+from lakeloader.state.journal import DeliveredRun, Runs, StepRecord
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderView
 from lakeloader.topology import Topology
@@ -170,8 +169,8 @@ class Node:
         self.restore(dict(ckpt.state_dict))
 
     def observe_steps(self, observer: Callable[[Runs], None]) -> None:
-        """Tell ``observer`` of every step delivered (each source's runs of rows or samples)."""
-        raise NotImplementedError
+        """Tell ``observer`` of every step delivered (each stream's runs of rows or samples)."""
+        self.record.attach(observer)
 
     @property
     def workers_build(self) -> bool:
@@ -218,49 +217,6 @@ def unit_entries(dataset: LakeDataset, units: np.ndarray, reason: str) -> list[Q
         )
         for i in units.tolist()
     ]
-
-
-class StepRecord:
-    """The runs of the steps a stream node delivered: journaled until an observer attaches.
-
-    A mixture's step moves each source's stream, a packed step each source's samples: its runs go
-    to the observer (the audit ledger) as one delivery, or wait in the journal until one is
-    attached (:class:`~lakeloader.state.journal.DeliveryJournal`), so that a run is audited
-    from its first step. A copy of the loader keeps neither.
-    """
-
-    def __init__(self) -> None:
-        self.observer: Callable[[Runs], None] | None = None
-        self.journal = DeliveryJournal()
-        #: Whether the steps delivered now are skipped on request (``DataLoader.skip``).
-        self.skipping = False
-        #: The runs of the last step delivered.
-        self.last: tuple[DeliveredRun, ...] = ()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"observer": None, "journal": DeliveryJournal(), "skipping": False, "last": ()}
-
-    def step(self, runs: Sequence[DeliveredRun]) -> None:
-        """A step was handed over, moving these runs."""
-        if self.skipping:
-            runs = [dataclasses.replace(r, skipped=True) for r in runs]
-        self.last = tuple(runs)
-        if self.observer is not None:
-            self.observer(self.last)
-        else:
-            self.journal.record_step(runs)
-
-    def attach(self, observer: Callable[[Runs], None]) -> None:
-        """Tell ``observer`` of every step from now on, and first of those journaled."""
-        if self.observer == observer:  # the same bound method
-            return
-        for runs in self.journal.take_steps():
-            observer(runs)
-        self.observer = observer
-
-    def restored(self) -> None:
-        """The position was set: what was delivered before is not this attempt's history."""
-        self.journal.take_steps()
 
 
 def decoding_setup(

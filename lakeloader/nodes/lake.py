@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from lakeloader.cache.decode import UnitDecoder
@@ -39,7 +39,7 @@ from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
-from lakeloader.state.journal import DeliveredRun, Runs
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
@@ -70,6 +70,7 @@ class LakeNode(Node):
         self.tracker = ReaderStateTracker(host.topology, drop_last=opts.drop_last)
         if dataset.follow:
             self.tracker.drop_last = False  # a short tail is carried, never counted dropped
+        self.record = self.tracker.record
         self.reader: UnitReader
         self.layout: RowLayout | None
         self._use_reader(dataset.reader())
@@ -340,24 +341,12 @@ class LakeNode(Node):
         """
         self.resume(coordinator.resume(ckpt, self.dataset))
 
-    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
-        """Tell ``observer`` of every step delivered (its tracker's journal)."""
-        self.tracker.attach(observer)
-
     @property
     def workers_build(self) -> bool:
         """Whether workers build batches (a transform or collate_fn) rather than decode."""
         return self.tracker.workers_build
 
     # ------------------------------------------------- what the training loop asks
-    def mark_skipping(self, on: bool) -> None:
-        """Whether the steps delivered from now on are skipped on request (``skip``)."""
-        self.tracker.skipping = on
-
-    def last_runs(self) -> tuple[DeliveredRun, ...]:
-        """The run of the last step delivered."""
-        return self.tracker.last
-
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
         """The units whose rows these runs took (every rank's share of the step)."""
         return [e for r in runs for e in row_units(self._epoch_dataset(r.epoch), r, reason)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
@@ -22,7 +22,6 @@ from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
     Host,
     Node,
-    StepRecord,
     decoding_setup,
     read_counts,
     row_units,
@@ -33,7 +32,7 @@ from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
-from lakeloader.state.journal import DeliveredRun, Runs
+from lakeloader.state.journal import DeliveredRun, StepRecord
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
@@ -349,10 +348,6 @@ class MixtureNode(Node):
     def quarantine(self) -> list[QuarantineEntry]:
         """Units the sources skipped so far, sorted; merged across ranks at saves."""
         return list(self._state.quarantine)
-
-    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
-        """Tell ``observer`` of every step delivered (each source's runs)."""
-        self.record.attach(observer)
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,6 @@ from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
     Host,
     Node,
-    StepRecord,
     decoding_setup,
     read_counts,
     unit_entries,
@@ -55,7 +54,7 @@ from lakeloader.pipeline.packed_parts import (
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.mixture_resume import resume_mixture
-from lakeloader.state.journal import DeliveredRun, Runs
+from lakeloader.state.journal import DeliveredRun, StepRecord
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState, PackedState
@@ -215,10 +214,6 @@ class PackingNode(Node):
     def _counted(self) -> Mapping[str, int]:
         """Samples each source delivered so far."""
         return {ONLY: self._state.samples}
-
-    def observe_steps(self, observer: Callable[[Runs], None]) -> None:
-        """Tell ``observer`` of every step delivered (each source's samples)."""
-        self.record.attach(observer)
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         stream = self._streams[ONLY]

@@ -16,9 +16,9 @@ consecutive steps whose runs continue each other stream by stream.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from lakeloader.topology import Topology
 
@@ -104,9 +104,9 @@ class DeliveredRun:
         )
 
 
-#: What a ledger records as one delivery: one run, or the runs of one step (or of consecutive
-#: steps, from the journal), one or two per stream it moved.
-Runs: TypeAlias = DeliveredRun | Sequence[DeliveredRun]
+#: What a ledger records as one delivery: the runs of one step (or of consecutive steps, from
+#: the journal), one or two per stream it moved.
+Runs: TypeAlias = Sequence[DeliveredRun]
 
 
 class DeliveryJournal:
@@ -119,11 +119,11 @@ class DeliveryJournal:
         >>> from lakeloader.topology import Topology
         >>> t = Topology(2, 0, 0, 4)
         >>> j = DeliveryJournal()
-        >>> for g in range(0, 24, 8):
-        ...     j.record(0, g, g + 8, 30, t)
-        >>> j.record(0, 24, 30, 30, t); j.record(1, 0, 8, 30, t)
-        >>> [(r.epoch, r.start, r.stop, r.steps) for r in j.take()]
-        [(0, 0, 30, 4), (1, 0, 8, 1)]
+        >>> for g, stop in ((0, 8), (8, 16), (16, 30)):   # three steps of a lake
+        ...     j.record_step([DeliveredRun(0, g, stop, 30, t)])
+        >>> j.record_step([DeliveredRun(1, 0, 8, 30, t)])
+        >>> [[(r.epoch, r.start, r.stop, r.steps) for r in runs] for runs in j.take_steps()]
+        [[(0, 0, 30, 3)], [(1, 0, 8, 1)]]
         >>> for a, b in ((0, 5), (5, 9)):   # two steps of a mixture of web and code
         ...     j.record_step([DeliveredRun(0, a, b, 20, t, stream="web"),
         ...                    DeliveredRun(0, 2 * a, 2 * b, 40, t, stream="code")])
@@ -136,35 +136,6 @@ class DeliveryJournal:
         self._open: tuple[DeliveredRun, ...] = ()  # the open delivery's first step
         self._stops: list[int] = []
         self._steps = 0
-
-    def record(
-        self,
-        epoch: int,
-        start: int,
-        stop: int,
-        num_rows: int,
-        topology: Topology,
-        stream: str = "",
-        skipped: bool = False,
-    ) -> None:
-        """A step of ``epoch`` covering global positions ``[start, stop)`` was delivered."""
-        runs = self._open
-        if (
-            len(runs) != 1
-            or start != self._stops[0]
-            or runs[0].stream != stream
-            or not runs[0].same_run(epoch, num_rows, topology, skipped)
-        ):
-            self._close()
-            self._open = (
-                DeliveredRun(
-                    epoch, start, stop, num_rows, topology, stream=stream, skipped=skipped
-                ),
-            )
-            self._stops = [stop]
-        else:
-            self._stops[0] = stop
-        self._steps += 1
 
     def record_step(self, runs: Sequence[DeliveredRun]) -> None:
         """A step that moved several streams was delivered: its runs (one step each)."""
@@ -193,6 +164,46 @@ class DeliveryJournal:
         taken, self._steps_runs = self._steps_runs, []
         return taken
 
-    def take(self) -> list[DeliveredRun]:
-        """The runs recorded so far, one after the other; the journal is empty afterwards."""
-        return [run for runs in self.take_steps() for run in runs]
+
+class StepRecord:
+    """The runs of the steps a node delivered: journaled until an observer attaches.
+
+    The one record of every node's steps (a lake's is its tracker's): a lake's step moves its
+    global rows, a mixture's each source's stream, a packed step each source's samples. Its runs
+    go to the observer (the audit ledger) as one delivery, or wait in the :class:`DeliveryJournal`
+    until one is attached, so that a run is audited from its first step. A copy of the loader
+    keeps neither.
+    """
+
+    def __init__(self) -> None:
+        self.observer: Callable[[Runs], None] | None = None
+        self.journal = DeliveryJournal()
+        #: Whether the steps delivered now are skipped on request (``DataLoader.skip``).
+        self.skipping = False
+        #: The runs of the last step delivered.
+        self.last: tuple[DeliveredRun, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"observer": None, "journal": DeliveryJournal(), "skipping": False, "last": ()}
+
+    def step(self, runs: Sequence[DeliveredRun]) -> None:
+        """A step was handed over, moving these runs."""
+        if self.skipping:
+            runs = [replace(r, skipped=True) for r in runs]
+        self.last = tuple(runs)
+        if self.observer is not None:
+            self.observer(self.last)
+        else:
+            self.journal.record_step(runs)
+
+    def attach(self, observer: Callable[[Runs], None]) -> None:
+        """Tell ``observer`` of every step from now on, and first of those journaled."""
+        if self.observer == observer:  # the same bound method
+            return
+        for runs in self.journal.take_steps():
+            observer(runs)
+        self.observer = observer
+
+    def restored(self) -> None:
+        """The position was set: what was delivered before is not this attempt's history."""
+        self.journal.take_steps()

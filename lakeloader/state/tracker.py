@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import EpochPlan, steps_in_epoch
-from lakeloader.state.journal import DeliveredRun, DeliveryJournal
+from lakeloader.state.journal import DeliveredRun, StepRecord
 from lakeloader.state.loader_state import LoaderState, config_hash
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.state.view import RankView, WorkerView, step_shares, worker_views
@@ -112,16 +112,10 @@ class ReaderStateTracker:
         #: Whether the next pass continues the position as it is (a fresh loader, a loaded
         #: state, or ``set_epoch``) rather than starting the next epoch.
         self._fresh = True
-        #: Told of every delivered step once attached (the checkpoint manager's audit
-        #: ledger); until then the journal keeps the steps for it.
-        self.observer: Callable[[DeliveredRun], None] | None = None
-        self.journal = DeliveryJournal()
+        #: The runs of the steps delivered, for the audit ledger (journaled until attached).
+        self.record = StepRecord()
         #: (epoch, position, rows dropped) before each of the last steps delivered.
         self._before: deque[tuple[int, int, int]] = deque(maxlen=RECENT_STEPS)
-        #: Whether the steps delivered now are skipped on request (``DataLoader.skip``).
-        self.skipping = False
-        #: The run of the last step delivered.
-        self.last: tuple[DeliveredRun, ...] = ()
 
     @classmethod
     def standing_at(
@@ -198,16 +192,8 @@ class ReaderStateTracker:
         """
         self._before.append((self.epoch, self.position, self.rows_dropped))
         start, self.position = self.position, d.slot_stop
-        run = DeliveredRun(
-            self.epoch, start, d.slot_stop, num_rows or 0, self.topology, skipped=self.skipping
-        )
-        self.last = (run,)
-        if self.observer is not None:
-            self.observer(run)
-        else:
-            self.journal.record(
-                self.epoch, start, d.slot_stop, num_rows or 0, self.topology, "", self.skipping
-            )
+        run = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
+        self.record.step((run,))
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:
@@ -230,28 +216,8 @@ class ReaderStateTracker:
         if state.at_epoch_end:
             self.epoch, self.position, self.rows_dropped = state.epoch + 1, 0, 0
         self._fresh = True
-        self.journal.take()  # what was delivered before is not this attempt's history
+        self.record.restored()
         self._before.clear()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy keeps the position, not who records it nor what it delivered before.
-
-        A copy (a pickled loader in a spawned process) stands where this tracker stands; a
-        checkpoint manager attached to it records from there (before it: unverified).
-        """
-        return {**self.__dict__, "observer": None, "journal": DeliveryJournal()}
-
-    def attach(self, observer: Callable[[DeliveredRun], None]) -> None:
-        """Tell ``observer`` of every step from now on, and first of those in the journal.
-
-        The journal holds the steps delivered since the loader began or was restored, so
-        an observer attached at the first checkpoint still sees the attempt from its start.
-        """
-        if self.observer == observer:  # the same bound method
-            return
-        for run in self.journal.take():
-            observer(run)
-        self.observer = observer
 
     def merge_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add quarantine entries (this rank's, or all ranks' at a checkpoint's barrier)."""
