@@ -70,7 +70,7 @@ def steady_rate(
 
     ``warmup=0``: over every batch, from the first one asked for.
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rows = timed = 0
     start = t0 if warmup == 0 else None
     for i, batch in enumerate(batches):
@@ -83,7 +83,8 @@ def steady_rate(
     end = time.perf_counter()
     seconds = end - (start if start is not None else t0)
     rate = timed / seconds if start is not None and seconds > 0 else rows / max(end - t0, 1e-9)
-    return {"rows": rows, "rows_per_s": rate, "seconds": end - t0}
+    cpu = time.process_time() - c0  # this process's threads, from the first batch asked for
+    return {"rows": rows, "rows_per_s": rate, "seconds": end - t0, "cpu_s": cpu}
 
 
 def child_main(
@@ -149,7 +150,9 @@ def ratio_table(
 
     A loader in ``workers`` whose worker processes did not run, and one that raised
     :class:`NotMeasured`, get a row that says so instead of a rate. A run's ``note`` is added to
-    its loader's label.
+    its loader's label. ``cores``: the CPU seconds the run's process (its threads) used from its
+    first batch asked for, plus all its worker processes used (their start too), over the run's
+    seconds: how much of the machine it took.
     """
     rows: list[list[Any]] = []
     data = {}
@@ -159,21 +162,21 @@ def ratio_table(
         label = f"{labels[name]} ({note})" if note else labels[name]
         why = _unmeasured(runs, name in workers)
         if why is not None:
-            rows.append([label, None, None, why])
+            rows.append([label, None, None, why, None])
             continue
         if any(r.get("rows_per_s") is None for r in runs):
-            rows.append([label, None, None, "failed: " + str(runs[0].get("error"))[-80:]])
+            rows.append([label, None, None, "failed: " + str(runs[0].get("error"))[-80:], None])
             continue
         rates: list[float] = [r["rows_per_s"] for r in runs]
         ratios = [r / f for r, f in zip(rates, ref, strict=True) if f]
         med = statistics.median(ratios) if ratios else None
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
-        rows.append([label, round(statistics.median(rates)), round(med or 0, 2), spread])
-        data[name] = {"rows_per_s": rates, "ratio": ratios, "median_ratio": med}
-    table = markdown_table(
-        ["loader", "rows/s (median)", f"x {labels[reference]} (median)", "x per rep (min-max)"],
-        rows,
-    )
+        cores = [(r.get("cpu_s", 0.0) + r["worker_cpu_s"]) / r["seconds"] for r in runs]
+        row = [label, round(statistics.median(rates)), round(med or 0, 2), spread]
+        rows.append([*row, round(statistics.median(cores), 2)])
+        data[name] = {"rows_per_s": rates, "ratio": ratios, "median_ratio": med, "cores": cores}
+    head = ["loader", "rows/s (median)", f"x {labels[reference]} (median)", "x per rep (min-max)"]
+    table = markdown_table([*head, "cores (median)"], rows)
     return table, data
 
 

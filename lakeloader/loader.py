@@ -180,16 +180,13 @@ class DataLoader(TorchNames):
 
     @property
     def tracker(self) -> ReaderStateTracker:
-        """The reader-state tracker: the position, and where every rank and worker stands.
+        """The reader-state tracker: the position, the steps delivered, the quarantine.
 
-        Raises:
-            AttributeError: For a mixture or a packed stream (no tracker yet).
+        A lake's position is its epoch and the global rows of it delivered; a mixture's, its
+        pass and the rows of it; a packed stream's, the samples delivered. Where that leaves
+        every rank, worker and source is :meth:`view`.
         """
-        tracker = getattr(self.root, "tracker", None)
-        if tracker is None:
-            raise AttributeError(f"a {self.root.what}'s loader has no tracker")
-        assert isinstance(tracker, ReaderStateTracker)
-        return tracker
+        return self.root.tracker
 
     def __len__(self) -> int:
         """Steps in a whole pass for this topology (as torch's ``len(loader)``).
@@ -282,8 +279,8 @@ class DataLoader(TorchNames):
         decodes first: files, row groups and row offsets, derived from the position alone
         (nothing is read, no worker is started).
 
-        Raises:
-            TypeError: For a mixture or a packed loader, whose position is its state_dict().
+        A mixture's or a packed stream's also says where each source stands (``sources``:
+        its epoch, the rows or samples of it given, the location of its next one).
 
         Example:
             >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

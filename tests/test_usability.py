@@ -222,10 +222,14 @@ def test_view_needs_no_internal_object(dataset: ll.LakeDataset) -> None:
     assert loader.view() == loader.tracker.view(dataset.plan(1), dataset.snapshot)
 
 
-def test_view_of_a_mixture_says_what_to_use_instead(lake: Path) -> None:
-    mixture = ll.Mixture({"a": ll.LakeDataset(lake)}, {"a": 1})
-    with pytest.raises(TypeError, match=r"a mixture has no per-rank view.*state_dict"):
-        ll.DataLoader(mixture, batch_size=4).view()
+def test_view_of_a_fresh_mixture_names_each_source_s_first_row(lake: Path) -> None:
+    mixture = ll.Mixture({"a": ll.LakeDataset(lake, shuffle=False)}, {"a": 1})
+    with ll.DataLoader(mixture, batch_size=4) as loader:
+        view = loader.view()
+        (a,) = view.sources
+        assert (a.source, a.epoch, a.position) == ("a", 0, 0)
+        assert a.at is not None and (a.at.row_group, a.at.row_offset) == (0, 0)
+        assert view.ranks[0].at == a.at and loader.tracker.position == 0
 
 
 # ------------------------------------------------------------------- a stray file in a lake

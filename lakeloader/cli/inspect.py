@@ -187,6 +187,7 @@ def inspect_checkpoint(
     view = tracker.view(plan, ckpt.snapshot)
     followed = ckpt.snapshot.increment is not None
     g, n, dropped = view.position, view.num_rows, view.rows_dropped
+    assert n is not None  # a lake's epoch has an end
     remaining = max(0, n - g - dropped)
     extra = ckpt.extra
     info: dict[str, Any] = {

@@ -42,7 +42,7 @@ from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, DeliveryJournal, Runs
 from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.state.tracker import ReaderStateTracker
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -403,12 +403,12 @@ class FaultTolerantLoader:
 
     @property
     def tracker(self) -> ReaderStateTracker:
-        """The DataLoader's tracker (where the last step left it, committed or not).
-
-        Raises:
-            AttributeError: Where the DataLoader has none (a mixture, a packed stream).
-        """
+        """The DataLoader's tracker (where the last step left it, committed or not)."""
         return self._inner.tracker
+
+    def view(self) -> ReaderView:
+        """Where the last step left this group's slice (see ``DataLoader.view``)."""
+        return self._inner.view()
 
     @property
     def topology(self) -> Topology:

@@ -27,9 +27,9 @@ from lakeloader.order.plan import slot_units
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.journal import DeliveredRun, Runs, StepRecord
+from lakeloader.state.journal import DeliveredRun, Runs
 from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.state.tracker import ReaderView
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
@@ -68,6 +68,9 @@ class Node:
 
     #: What it reads (a followed lake: the increment under way).
     dataset: Any
+    #: The reader-state tracker: the position (a lake's epoch and rows; a mixture's pass; a
+    #: packed stream's samples), the record of the steps delivered, the rows counted.
+    tracker: ReaderStateTracker
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -101,6 +104,7 @@ class Node:
 
     def placed(self, topology: Topology) -> None:
         """Take the topology a pass starts on."""
+        self.tracker.topology = topology
 
     def begin(self) -> Iterator[Any]:
         """A pass from where the node stands (its iterator; batches in step order)."""
@@ -129,14 +133,8 @@ class Node:
         raise NotImplementedError
 
     def view(self) -> ReaderView:
-        """Where the position leaves every rank and worker.
-
-        Raises:
-            TypeError: Where the position is a stream's (its ``state_dict()``).
-        """
-        raise TypeError(
-            f"a {self.what} has no per-rank view: its position is its state_dict() (per source)"
-        )
+        """Where the position leaves every rank and worker (a stream's: and every source)."""
+        raise NotImplementedError
 
     def stats(self) -> dict[str, int]:
         """Counters for tests and benchmarks."""
@@ -170,7 +168,7 @@ class Node:
 
     def observe_steps(self, observer: Callable[[Runs], None]) -> None:
         """Tell ``observer`` of every step delivered (each stream's runs of rows or samples)."""
-        self.record.attach(observer)
+        self.tracker.record.attach(observer)
 
     @property
     def workers_build(self) -> bool:
@@ -178,16 +176,13 @@ class Node:
         return False
 
     # ------------------------------------------------- what the training loop asks
-    #: The runs of the steps delivered (a lake's are its tracker's).
-    record: StepRecord
-
     def mark_skipping(self, on: bool) -> None:
         """Whether the steps delivered from now on are skipped on request (``skip``)."""
-        self.record.skipping = on
+        self.tracker.record.skipping = on
 
     def last_runs(self) -> tuple[DeliveredRun, ...]:
         """The runs of the last step delivered."""
-        return self.record.last
+        return self.tracker.record.last
 
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
         """The units whose rows (or tokens) these runs of a step took, as quarantine entries."""

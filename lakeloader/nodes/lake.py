@@ -70,7 +70,6 @@ class LakeNode(Node):
         self.tracker = ReaderStateTracker(host.topology, drop_last=opts.drop_last)
         if dataset.follow:
             self.tracker.drop_last = False  # a short tail is carried, never counted dropped
-        self.record = self.tracker.record
         self.reader: UnitReader
         self.layout: RowLayout | None
         self._use_reader(dataset.reader())
@@ -221,7 +220,9 @@ class LakeNode(Node):
     def steps_left(self) -> int:
         """Global steps left in the epoch under way, for the topology of now."""
         self.pass_steps()  # no end, no steps left to count
-        return self.view().steps_remaining
+        steps = self.view().steps_remaining
+        assert steps is not None  # a lake's epoch has an end
+        return steps
 
     # ------------------------------------------------------------------ state
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:

@@ -27,14 +27,17 @@ from lakeloader.nodes.base import (
     row_units,
 )
 from lakeloader.nodes.streams import SourceStream
+from lakeloader.nodes.views import mixture_view
 from lakeloader.order.mixture import MixCursor, Spans
+from lakeloader.order.plan import rank_bounds
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.mixture_resume import records, resume_mixture
-from lakeloader.state.journal import DeliveredRun, StepRecord
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import MixtureState, WeightChange
 from lakeloader.state.quarantine import QuarantineEntry, merge
+from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
@@ -75,8 +78,8 @@ class MixtureNode(Node):
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
         self.follows = any(stream.follows for stream in self._streams)
-        #: The runs of the steps delivered, for the audit ledger.
-        self.record = StepRecord()
+        #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
+        self.tracker = ReaderStateTracker(host.topology, drop_last=False)
         #: Each source's rows delivered (the counts of the last step handed over).
         self._counts: dict[str, int] = {n: 0 for n in mixture.names}
         first = WeightChange(0, dict(mixture.raw_weights))
@@ -114,6 +117,8 @@ class MixtureNode(Node):
     @_state.setter
     def _state(self, state: MixtureState) -> None:
         self._stored, self._cursor = state, None
+        self.tracker.epoch, self.tracker.position = state.epoch, state.slot - state.epoch_start
+        self.tracker.quarantine = state.quarantine
 
     def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
         """Each source's spans, reaching past ``counts``.
@@ -168,9 +173,6 @@ class MixtureNode(Node):
         if epoch != state.epoch:
             self.host._close_iterator("set_epoch()")
             self._state = _next_pass(state)
-
-    def placed(self, topology: Topology) -> None:
-        """Nothing to do: a pass takes the topology when it starts."""
 
     def begin(self) -> Iterator[Any]:
         """One pass of ``epoch_rows`` rows, going on with the stores the last one left."""
@@ -284,7 +286,9 @@ class MixtureNode(Node):
             first, stop = self._counts.get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, topology)
         self._counts = dict(cursor.counts)
-        self.record.step(runs)
+        lo, hi = rank_bounds(topology.global_batch, topology.world_size, topology.rank)
+        at = cursor.slot - self._stored.epoch_start
+        self.tracker.delivered(Delivery(at, hi - lo - lost, False, (), lost), runs=runs)
         if skipped:
             self.add_quarantine(skipped)
 
@@ -327,7 +331,7 @@ class MixtureNode(Node):
             for n, stream in zip(self.mixture.names, streams, strict=True)
         }
         resumed = resume_mixture(saved, self.mixture, now)
-        self.record.restored()
+        self.tracker.record.restored()
         self._counts = dict(resumed.state.counts)
         self._streams = streams
         self._readers = [stream.known[0][2].reader() for stream in streams]
@@ -352,6 +356,15 @@ class MixtureNode(Node):
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source."""
         return dict(self.mixture.sources)
+
+    def view(self) -> ReaderView:
+        """The pass under way, each rank's share of the next step, where each source stands."""
+        state, mix = self._state, self.mixture
+        streams = dict(zip(mix.names, self._streams, strict=True))
+        cursor, topo = MixCursor(state.slot, state.counts), self.host.topology
+        return mixture_view(
+            self.tracker, streams, cursor, mix.weights, mix.seed, topo, self.steps_left()
+        )
 
     def stats(self) -> dict[str, int]:
         """What the sources' readers did."""

@@ -8,9 +8,8 @@ train. Samples are placed by arithmetic over the units' token counts
 rank: any one rank's ``state_dict()`` resumes every rank, under any world size and any global
 batch, and the global batches are the same under every world size and worker count.
 
-A packed mixture draws each sample's source in the weights' proportions (the mixture's cursor,
-counting samples); each source packs its own stream. Its batches hold ``mixture.source_key``
-too: each sample's source.
+A packed mixture (:mod:`lakeloader.nodes.packed_mixture`) draws each sample's source in the
+weights' proportions; each source packs its own stream.
 
 User code and quarantine (:mod:`lakeloader.pipeline.packed`): a source's ``transform`` makes
 the packing column of each row; the ``collate_fn`` gets the samples, the ``batch_transform`` (a
@@ -32,8 +31,6 @@ from lakeloader.checkpoint.barrier import Position
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.io.reader import UnitReader
-from lakeloader.loader_args import refuse_fetched_ahead
-from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
     Host,
     Node,
@@ -42,7 +39,9 @@ from lakeloader.nodes.base import (
     unit_entries,
 )
 from lakeloader.nodes.streams import SourceStream
+from lakeloader.nodes.views import packed_view
 from lakeloader.order.mixture import MixCursor, MixWeights
+from lakeloader.order.plan import rank_bounds
 from lakeloader.pipeline.collate import BatchTransform
 from lakeloader.pipeline.packed import PackedIterator
 from lakeloader.pipeline.packed_parts import (
@@ -53,13 +52,12 @@ from lakeloader.pipeline.packed_parts import (
 )
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
-from lakeloader.recovery.mixture_resume import resume_mixture
-from lakeloader.state.journal import DeliveredRun, StepRecord
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.loader_state import config_hash
-from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
-from lakeloader.state.packed_state import PackedMixtureState, PackedState
-from lakeloader.state.quarantine import QuarantineEntry, merge
-from lakeloader.topology import Topology
+from lakeloader.state.mixture_state import SourceRecord
+from lakeloader.state.packed_state import PackedState
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
@@ -91,7 +89,8 @@ class PackingNode(Node):
         super().__init__(host)
         self._counts: dict[Any, np.ndarray] = {}  # by the fingerprint of an epoch's dataset
         self._tokens = self._padding = 0
-        self.record = StepRecord()
+        #: The samples delivered (of every epoch); the record of steps, for the audit.
+        self.tracker = ReaderStateTracker(host.topology, drop_last=False)
         self._init(dataset)
 
     def _init(self, dataset: Any) -> None:
@@ -135,9 +134,6 @@ class PackingNode(Node):
             self._counts[key] = np.array(epoch_samples(ds, self._counts_of(ds), packing))
         return int(self._counts[key])
 
-    def placed(self, topology: Topology) -> None:
-        """Nothing to do: the state is the same under every topology."""
-
     @property
     def epoch(self) -> int:
         """The epoch of the next sample (a followed lake's: of the last one, until known)."""
@@ -158,10 +154,9 @@ class PackingNode(Node):
 
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where the state stands."""
-        samples = self._state.samples
         source = self._source(ONLY, self.dataset, self._reader)
-        cursor, weights = MixCursor(samples, {ONLY: samples}), MixWeights.of({ONLY: 1.0})
-        return self._begin([source], cursor, weights, 0, self.dataset.batch_transform)
+        cursor, weights, seed = self._drawn()
+        return self._begin([source], cursor, weights, seed, self.dataset.batch_transform)
 
     def _begin(
         self,
@@ -208,7 +203,9 @@ class PackingNode(Node):
         for name, stream in self._streams.items():
             first, stop = self._counted().get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, self.host.topology)
-        self.record.step(runs)
+        topo = self.host.topology
+        lo, hi = rank_bounds(topo.global_batch, topo.world_size, topo.rank)
+        self.tracker.delivered(Delivery(cursor.slot, hi - lo, False, (), 0), runs=runs)
         self._moved(cursor, [q for found in skipped for q in found])
 
     def _counted(self) -> Mapping[str, int]:
@@ -263,7 +260,7 @@ class PackingNode(Node):
                 "the same lake snapshot, order settings and packing"
             )
         self._streams, self._state = {ONLY: stream}, saved
-        self.record.restored()
+        self._restored()
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
@@ -285,6 +282,25 @@ class PackingNode(Node):
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the state."""
         self._state = self._state.with_quarantine(entries)
+        self.tracker.quarantine = self._state.quarantine
+
+    def _restored(self) -> None:
+        """The tracker at a restored state: its epoch, the samples delivered, the quarantine."""
+        self.tracker.record.restored()
+        self.tracker.position = sum(self._counted().values())
+        self.tracker.epoch, self.tracker.quarantine = self.epoch, tuple(self.quarantine)
+
+    def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
+        """The samples' cursor, the weights that draw each sample's source, the seed."""
+        samples = self._state.samples
+        return MixCursor(samples, {ONLY: samples}), MixWeights.of({ONLY: 1.0}), 0
+
+    def view(self) -> ReaderView:
+        """The samples delivered, each rank's share of the next step, where each source is."""
+        (cursor, weights, seed), topo = self._drawn(), self.host.topology
+        seq_len = self.dataset.packing.seq_len
+        args = (cursor, weights, seed, topo, self._counts_of, seq_len)
+        return packed_view(self.tracker, self._streams, *args)
 
     @property
     def quarantine(self) -> list[QuarantineEntry]:
@@ -305,141 +321,3 @@ class PackingNode(Node):
             "tokens": self._tokens,
             "padding": self._padding,
         }
-
-
-class PackedMixtureNode(PackingNode):
-    """Packed samples of a Mixture with a packing: each sample's source drawn by weight.
-
-    ``batch_size`` counts samples. ``state_dict()`` is the samples' cursor (a mixture's state,
-    the same on every rank); ``load_state_dict`` continues under any world size and batch,
-    and new weights or sources.
-    """
-
-    @property
-    def what(self) -> str:
-        """``"packed mixture"``."""
-        return "packed mixture"
-
-    def _init(self, dataset: Any) -> None:
-        """Take the mixture in."""
-        assert isinstance(dataset, Mixture) and dataset.packing is not None
-        self.mixture = self.dataset = dataset
-        for ds in dataset.sources.values():
-            self._check_column(ds)
-        self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
-        self._streams = {
-            n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
-        }
-        cursor = MixtureState(
-            seed=dataset.seed,
-            slot=0,
-            counts={n: 0 for n in dataset.names},
-            history=(WeightChange(0, dict(dataset.raw_weights)),),
-            epoch=0,
-            epoch_start=0,
-            epoch_rows=dataset.epoch_rows,
-            sources=self._records({}),
-            topology=self._topology(),
-        )
-        self._mixed = PackedMixtureState(cursor)
-
-    def _topology(self) -> dict[str, int]:
-        """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
-        return {**self.host.topology.to_dict(), "rank": 0}
-
-    def _records(self, counts: Mapping[str, int]) -> dict[str, SourceRecord]:
-        """Each source's record at these counts ({}: where its stream is known from).
-
-        Its snapshot (a followed lake's increment), packing and samples per epoch.
-        """
-        out = {}
-        for name, stream in self._streams.items():
-            at = stream.record(counts.get(name, stream.known[0][1]))
-            out[name] = dataclasses.replace(at, config=self._packing_hash(stream.known[0][2]))
-        return out
-
-    @property
-    def epoch(self) -> int:
-        """0: each source runs through its own epochs (see ``state_dict()``)."""
-        return 0
-
-    def worker_setup(self) -> WorkerSetup:
-        """Workers that decode every source's units (a task names its source by index)."""
-        sources = [self.mixture.sources[n] for n in self.mixture.names]
-        readers = [self._readers[n] for n in self.mixture.names]
-        layout = arena_layout(sources, readers[0])
-        return decoding_setup(
-            self.host,
-            [(ds, r, layout) for ds, r in zip(sources, readers, strict=True)],
-            self.mixture.seed,
-        )
-
-    def begin(self) -> Iterator[Any]:
-        """The endless stream of samples from where the cursor stands."""
-        mix, at = self.mixture, self._mixed.mixture
-        sources = [self._source(n, mix.sources[n], self._readers[n]) for n in mix.names]
-        cursor, transform = MixCursor(at.slot, at.counts), mix.batch_transform
-        return self._begin(sources, cursor, mix.weights, mix.seed, transform, mix.source_key)
-
-    def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
-        for name, stream in self._streams.items():
-            stream.forget_before(cursor.counts.get(name, 0))
-        mixture = dataclasses.replace(
-            self._mixed.mixture,
-            slot=cursor.slot,
-            counts=dict(cursor.counts),
-            sources={**self._mixed.mixture.sources, **self._records(cursor.counts)},
-        )
-        self._mixed = PackedMixtureState(mixture)
-        self.add_quarantine(skipped)
-
-    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
-        """Add units skipped for good to the cursor (entries name their files)."""
-        mixture = self._mixed.mixture
-        merged = tuple(merge(mixture.quarantine, entries))
-        self._mixed = PackedMixtureState(dataclasses.replace(mixture, quarantine=merged))
-
-    def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from a state (any rank's; a list of every rank's is taken too).
-
-        Raises:
-            StateFormatError: If it is not a packed mixture's state of a known version.
-            StateMismatchError: If a source or the seed differs from the saved one.
-        """
-        self.host._close_iterator("load_state_dict()")
-        given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
-        states = [PackedMixtureState.from_dict(s).mixture for s in given]
-        saved = dataclasses.replace(
-            states[0], quarantine=tuple(merge(*(s.quarantine for s in states)))
-        )
-        self._streams = {
-            n: SourceStream.resumed(ds, saved.sources[n], self._samples_of)
-            if n in saved.sources
-            else SourceStream(ds, size=self._samples_of)
-            for n, ds in self.mixture.sources.items()
-        }
-        resumed = resume_mixture(saved, self.mixture, self._records({}))
-        for change in resumed.changes:
-            logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
-        mixture = dataclasses.replace(resumed.state, topology=self._topology())
-        self._mixed = PackedMixtureState(mixture)
-        self.record.restored()
-
-    def _counted(self) -> Mapping[str, int]:
-        return self._mixed.mixture.counts
-
-    def barrier_position(self) -> Position:
-        """What the checkpoint barrier compares across ranks: the samples' cursor."""
-        return self._mixed.mixture
-
-    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshots a checkpoint pins: one per source."""
-        return dict(self.mixture.sources)
-
-    def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
-        """The samples' cursor: plain types, the same on every rank."""
-        refuse_fetched_ahead(fetched_ahead, "a packed mixture")
-        return self._mixed.to_dict()
-
-    def _readers_used(self) -> list[UnitReader]:
-        return list(self._readers.values())

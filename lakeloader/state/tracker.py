@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -21,7 +21,7 @@ from lakeloader.order.plan import EpochPlan, steps_in_epoch
 from lakeloader.state.journal import DeliveredRun, StepRecord
 from lakeloader.state.loader_state import LoaderState, config_hash
 from lakeloader.state.quarantine import QuarantineEntry, merge
-from lakeloader.state.view import RankView, WorkerView, step_shares, worker_views
+from lakeloader.state.view import RankView, SourceView, WorkerView, step_shares, worker_views
 from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -58,22 +58,27 @@ class ReaderView:
     Attributes:
         epoch: The epoch.
         position: Global rows of the epoch delivered (G).
-        num_rows: Rows in the epoch (N).
+        num_rows: Rows in the epoch (N); None for a packed stream (endless).
         rows_dropped: Rows dropped by ``drop_last`` so far.
-        steps_remaining: Global steps left in the epoch under the topology.
+        steps_remaining: Global steps left in the epoch under the topology; None for a
+            packed stream.
         rows_to_drop: Rows that ``drop_last`` will drop at the epoch's end.
-        ranks: Each rank's share of the next step.
-        workers: What each worker of each rank does first.
+        ranks: Each rank's share of the next step (a packed stream's: samples, located at
+            the unit its first sample begins in).
+        workers: What each worker of each rank does first (a lake's; none is derived for a
+            mixture or a packed stream, whose workers take work as it is planned).
+        sources: A mixture's or a packed stream's sources: where each stands.
     """
 
     epoch: int
     position: int
-    num_rows: int
+    num_rows: int | None
     rows_dropped: int
-    steps_remaining: int
+    steps_remaining: int | None
     rows_to_drop: int
     ranks: tuple[RankView, ...]
     workers: tuple[WorkerView, ...]
+    sources: tuple[SourceView, ...] = ()
 
 
 class ReaderStateTracker:
@@ -182,18 +187,22 @@ class ReaderStateTracker:
         """Global steps left in the epoch of ``num_rows`` rows under this topology."""
         return steps_in_epoch(self.position, num_rows, self.topology.global_batch, self.drop_last)
 
-    def delivered(self, d: Delivery, num_rows: int | None = None) -> None:
+    def delivered(
+        self, d: Delivery, num_rows: int | None = None, runs: Sequence[DeliveredRun] = ()
+    ) -> None:
         """A batch was handed to the training loop: the position moves to ``d.slot_stop``.
 
         Args:
             d: The delivery.
             num_rows: Rows in the epoch; with ``drop_last``, the rows after the last step
                 of the pass are counted as dropped.
+            runs: What the step moved, for the audit (a mixture's sources, a packed
+                stream's samples); a lake's step moves the position itself.
         """
         self._before.append((self.epoch, self.position, self.rows_dropped))
         start, self.position = self.position, d.slot_stop
-        run = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
-        self.record.step((run,))
+        lake = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
+        self.record.step(runs or (lake,))
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:

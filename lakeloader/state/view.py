@@ -74,6 +74,26 @@ class RankView:
 
 
 @dataclass(frozen=True)
+class SourceView:
+    """Where a source of a mixture or a packed stream stands: what it gives next.
+
+    Attributes:
+        source: Its name (a packed lake's only source: ``"lake"``).
+        epoch: Its epoch (a followed lake's increment).
+        position: Rows (a packed source's samples) of that epoch given out.
+        num_rows: Rows (samples) in that epoch.
+        at: Where its next row lives (a packed source's: the first row of the unit its next
+            sample begins in); None while a followed lake's next rows are not in.
+    """
+
+    source: str
+    epoch: int
+    position: int
+    num_rows: int
+    at: Location | None
+
+
+@dataclass(frozen=True)
 class WorkerView:
     """What a worker of a rank does first from the position.
 

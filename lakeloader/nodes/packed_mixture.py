@@ -1,0 +1,173 @@
+"""A packed Mixture as a source of batches: each sample's source drawn by weight.
+
+The mixture's cursor counts samples (the same on every rank); each source packs its own stream
+as a packed lake does (:mod:`lakeloader.nodes.packing`). Its batches hold
+``mixture.source_key`` too: each sample's source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from lakeloader.checkpoint.barrier import Position
+from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
+from lakeloader.loader_args import refuse_fetched_ahead
+from lakeloader.mixture import Mixture
+from lakeloader.nodes.base import decoding_setup
+from lakeloader.nodes.packing import PackingNode
+from lakeloader.nodes.streams import SourceStream
+from lakeloader.order.mixture import MixCursor, MixWeights
+from lakeloader.pipeline.packed_parts import arena_layout
+from lakeloader.recovery.mixture_resume import resume_mixture
+from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
+from lakeloader.state.packed_state import PackedMixtureState
+from lakeloader.state.quarantine import QuarantineEntry, merge
+from lakeloader.workers.process import WorkerSetup
+
+logger = logging.getLogger(__name__)
+
+
+class PackedMixtureNode(PackingNode):
+    """Packed samples of a Mixture with a packing: each sample's source drawn by weight.
+
+    ``batch_size`` counts samples. ``state_dict()`` is the samples' cursor (a mixture's state,
+    the same on every rank); ``load_state_dict`` continues under any world size and batch,
+    and new weights or sources.
+    """
+
+    @property
+    def what(self) -> str:
+        """``"packed mixture"``."""
+        return "packed mixture"
+
+    def _init(self, dataset: Any) -> None:
+        """Take the mixture in."""
+        assert isinstance(dataset, Mixture) and dataset.packing is not None
+        self.mixture = self.dataset = dataset
+        for ds in dataset.sources.values():
+            self._check_column(ds)
+        self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
+        self._streams = {
+            n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
+        }
+        cursor = MixtureState(
+            seed=dataset.seed,
+            slot=0,
+            counts={n: 0 for n in dataset.names},
+            history=(WeightChange(0, dict(dataset.raw_weights)),),
+            epoch=0,
+            epoch_start=0,
+            epoch_rows=dataset.epoch_rows,
+            sources=self._records({}),
+            topology=self._topology(),
+        )
+        self._mixed = PackedMixtureState(cursor)
+
+    def _topology(self) -> dict[str, int]:
+        """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
+        return {**self.host.topology.to_dict(), "rank": 0}
+
+    def _records(self, counts: Mapping[str, int]) -> dict[str, SourceRecord]:
+        """Each source's record at these counts ({}: where its stream is known from).
+
+        Its snapshot (a followed lake's increment), packing and samples per epoch.
+        """
+        out = {}
+        for name, stream in self._streams.items():
+            at = stream.record(counts.get(name, stream.known[0][1]))
+            out[name] = dataclasses.replace(at, config=self._packing_hash(stream.known[0][2]))
+        return out
+
+    @property
+    def epoch(self) -> int:
+        """0: each source runs through its own epochs (see ``state_dict()``)."""
+        return 0
+
+    def worker_setup(self) -> WorkerSetup:
+        """Workers that decode every source's units (a task names its source by index)."""
+        sources = [self.mixture.sources[n] for n in self.mixture.names]
+        readers = [self._readers[n] for n in self.mixture.names]
+        layout = arena_layout(sources, readers[0])
+        return decoding_setup(
+            self.host,
+            [(ds, r, layout) for ds, r in zip(sources, readers, strict=True)],
+            self.mixture.seed,
+        )
+
+    def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
+        at, mix = self._mixed.mixture, self.mixture
+        return MixCursor(at.slot, at.counts), mix.weights, mix.seed
+
+    def begin(self) -> Iterator[Any]:
+        """The endless stream of samples from where the cursor stands."""
+        mix, (cursor, weights, seed) = self.mixture, self._drawn()
+        sources = [self._source(n, mix.sources[n], self._readers[n]) for n in mix.names]
+        return self._begin(sources, cursor, weights, seed, mix.batch_transform, mix.source_key)
+
+    def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
+        for name, stream in self._streams.items():
+            stream.forget_before(cursor.counts.get(name, 0))
+        mixture = dataclasses.replace(
+            self._mixed.mixture,
+            slot=cursor.slot,
+            counts=dict(cursor.counts),
+            sources={**self._mixed.mixture.sources, **self._records(cursor.counts)},
+        )
+        self._mixed = PackedMixtureState(mixture)
+        self.add_quarantine(skipped)
+
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Add units skipped for good to the cursor (entries name their files)."""
+        mixture = self._mixed.mixture
+        merged = tuple(merge(mixture.quarantine, entries))
+        self._mixed = PackedMixtureState(dataclasses.replace(mixture, quarantine=merged))
+        self.tracker.quarantine = merged
+
+    def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue from a state (any rank's; a list of every rank's is taken too).
+
+        Raises:
+            StateFormatError: If it is not a packed mixture's state of a known version.
+            StateMismatchError: If a source or the seed differs from the saved one.
+        """
+        self.host._close_iterator("load_state_dict()")
+        given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
+        states = [PackedMixtureState.from_dict(s).mixture for s in given]
+        saved = dataclasses.replace(
+            states[0], quarantine=tuple(merge(*(s.quarantine for s in states)))
+        )
+        self._streams = {
+            n: SourceStream.resumed(ds, saved.sources[n], self._samples_of)
+            if n in saved.sources
+            else SourceStream(ds, size=self._samples_of)
+            for n, ds in self.mixture.sources.items()
+        }
+        resumed = resume_mixture(saved, self.mixture, self._records({}))
+        for change in resumed.changes:
+            logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
+        mixture = dataclasses.replace(resumed.state, topology=self._topology())
+        self._mixed = PackedMixtureState(mixture)
+        self._restored()
+
+    def _counted(self) -> Mapping[str, int]:
+        return self._mixed.mixture.counts
+
+    def barrier_position(self) -> Position:
+        """What the checkpoint barrier compares across ranks: the samples' cursor."""
+        return self._mixed.mixture
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshots a checkpoint pins: one per source."""
+        return dict(self.mixture.sources)
+
+    def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
+        """The samples' cursor: plain types, the same on every rank."""
+        refuse_fetched_ahead(fetched_ahead, "a packed mixture")
+        return self._mixed.to_dict()
+
+    def _readers_used(self) -> list[UnitReader]:
+        return list(self._readers.values())
