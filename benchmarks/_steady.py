@@ -171,9 +171,13 @@ def ratio_table(
         ratios = [r / f for r, f in zip(rates, ref, strict=True) if f]
         med = statistics.median(ratios) if ratios else None
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
-        cores = [(r.get("cpu_s", 0.0) + r["worker_cpu_s"]) / r["seconds"] for r in runs]
+        cores = [
+            (r.get("cpu_s", 0.0) + r.get("worker_cpu_s", 0.0)) / r["seconds"]
+            for r in runs
+            if r.get("seconds")
+        ]
         row = [label, round(statistics.median(rates)), round(med or 0, 2), spread]
-        rows.append([*row, round(statistics.median(cores), 2)])
+        rows.append([*row, round(statistics.median(cores), 2) if cores else None])
         data[name] = {"rows_per_s": rates, "ratio": ratios, "median_ratio": med, "cores": cores}
     head = ["loader", "rows/s (median)", f"x {labels[reference]} (median)", "x per rep (min-max)"]
     table = markdown_table([*head, "cores (median)"], rows)

@@ -279,8 +279,9 @@ class DataLoader(TorchNames):
         decodes first: files, row groups and row offsets, derived from the position alone
         (nothing is read, no worker is started).
 
-        A mixture's or a packed stream's also says where each source stands (``sources``:
-        its epoch, the rows or samples of it given, the location of its next one).
+        A mixture's or a packed stream's says where each rank's share and each source stands
+        (``sources``: its epoch, the rows or samples of it given, the location of its next
+        one), not what each worker does first (their work is dealt as it is planned).
 
         Example:
             >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

@@ -238,7 +238,7 @@ def test_steady_ratio_table_credits_workers_only_when_they_ran() -> None:
 
     samples = {
         "w0": run(100.0, 0.0, note="in the loop"),
-        "w2": run(180.0, 1.5),
+        "w2": run(180.0, 1.5, seconds=2.0, cpu_s=1.0),
         "idle": run(150.0, 0.0),
         "off": [{"not_measured": "no such option", "worker_cpu_s": 0.0, "rep": 0}],
     }
@@ -247,9 +247,10 @@ def test_steady_ratio_table_credits_workers_only_when_they_ran() -> None:
     assert set(data) == {"w0", "w2"} and data["w2"]["ratio"] == [1.8]
     lines = table.splitlines()
     assert lines[2].startswith("| zero (in the loop) | 100 | 1 |")
-    assert lines[3].startswith("| two | 180 | 1.8 |")
-    assert lines[4] == "| idle | - | - | no workers started (rep 0: no child process used CPU) |"
-    assert lines[5] == "| off | - | - | not measured: no such option |"
+    assert lines[3] == "| two | 180 | 1.8 | 1.80-1.80 | 1.25 |"  # (1.0 + 1.5) CPU s in 2 s
+    idle = "no workers started (rep 0: no child process used CPU)"
+    assert lines[4] == f"| idle | - | - | {idle} | - |"
+    assert lines[5] == "| off | - | - | not measured: no such option | - |"
 
 
 #: Run alone in a process of its own (this one has the smoke runs for children): a child

@@ -152,15 +152,24 @@ def test_a_restored_loader_s_view_is_the_uninterrupted_one_s(
 ) -> None:
     """Under another world size and batch: the state says where everyone stands."""
     roots, _ = lakes
-    with ll.DataLoader(source(kind, roots), batch_size=4, world_size=1) as run:
-        it = iter(run)
-        for _ in range(7):
-            next(it)
-        state = run.state_dict()
-        sources = run.view().sources
-    with ll.DataLoader(source(kind, roots), batch_size=2, world_size=2, rank=1) as resumed:
-        resumed.load_state_dict(state)
-        view = resumed.view()
-        assert view.sources == sources
-        assert resumed.tracker.position == 28
+    for steps in (7, 60):  # within the first epoch of every source, and past it
+        with ll.DataLoader(source(kind, roots), batch_size=4, world_size=1) as run:
+            it = iter(run)
+            for _ in range(steps):
+                try:
+                    next(it)
+                except StopIteration:  # a mixture's pass is over: the next one
+                    it = iter(run)
+                    next(it)
+            state, ran = run.state_dict(), run.view()
+        with ll.DataLoader(source(kind, roots), batch_size=2, world_size=2, rank=1) as resumed:
+            resumed.load_state_dict(state)
+            view = resumed.view()
+        fields = ("epoch", "position", "num_rows", "steps_remaining", "sources")
+        assert [getattr(view, f) for f in fields] == [getattr(ran, f) for f in fields]
         assert [r.rows for r in view.ranks] == [2, 2]
+        assert (max(s.epoch for s in view.sources) > 0) == (steps == 60)
+        if kind.startswith("packed"):
+            assert view.position == 4 * steps
+        if kind == "packed":
+            assert view.epoch == run.epoch == view.sources[0].epoch

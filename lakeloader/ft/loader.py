@@ -375,7 +375,7 @@ class FaultTolerantLoader:
             self._journal.take_steps()  # what came before is not this attempt's history
 
     def observe_steps(self, observer: Callable[..., None]) -> None:
-        """Tell ``observer`` of every step once it is settled: ``observer(run, committed=)``.
+        """Tell ``observer`` of every step once it is settled: ``observer(runs, committed=)``.
 
         A step is told once, by the group that was participant 0 of its quorum (its global
         span is the same for every group); the steps committed before are told first.

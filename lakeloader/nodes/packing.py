@@ -92,6 +92,7 @@ class PackingNode(Node):
         #: The samples delivered (of every epoch); the record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
         self._init(dataset)
+        self.tracker.epoch = self.epoch
 
     def _init(self, dataset: Any) -> None:
         """Take the dataset in."""
@@ -207,6 +208,7 @@ class PackingNode(Node):
         lo, hi = rank_bounds(topo.global_batch, topo.world_size, topo.rank)
         self.tracker.delivered(Delivery(cursor.slot, hi - lo, False, (), 0), runs=runs)
         self._moved(cursor, [q for found in skipped for q in found])
+        self.tracker.epoch = self.epoch
 
     def _counted(self) -> Mapping[str, int]:
         """Samples each source delivered so far."""
@@ -287,7 +289,7 @@ class PackingNode(Node):
     def _restored(self) -> None:
         """The tracker at a restored state: its epoch, the samples delivered, the quarantine."""
         self.tracker.record.restored()
-        self.tracker.position = sum(self._counted().values())
+        self.tracker.position = self._drawn()[0].slot
         self.tracker.epoch, self.tracker.quarantine = self.epoch, tuple(self.quarantine)
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:

@@ -18,7 +18,7 @@ import numpy as np
 from lakeloader.dataset import LakeDataset
 from lakeloader.nodes.streams import SourceStream
 from lakeloader.order.mixture import MixCursor, MixWeights
-from lakeloader.order.packing import step_shares
+from lakeloader.order.packing import TokenStream, step_shares
 from lakeloader.order.plan import rank_bounds
 from lakeloader.pipeline.packed_parts import token_stream
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
@@ -34,11 +34,26 @@ def row_at(ds: LakeDataset, epoch: int, position: int) -> Location:
     return locate(ds.plan(epoch), ds.snapshot, np.array([position]))[0]
 
 
-def sample_at(counts_of: Callable[[LakeDataset], np.ndarray], seq_len: int) -> Where:
+def token_streams(
+    counts_of: Callable[[LakeDataset], np.ndarray], seq_len: int
+) -> Callable[[LakeDataset, int], TokenStream]:
+    """The :class:`TokenStream` of an epoch of a packed source's dataset, each made once."""
+    made: dict[tuple[str, int], TokenStream] = {}
+
+    def tokens_of(ds: LakeDataset, epoch: int) -> TokenStream:
+        key = (ds.fingerprint, epoch)
+        if key not in made:
+            made[key] = token_stream(ds, epoch, counts_of(ds), seq_len)
+        return made[key]
+
+    return tokens_of
+
+
+def sample_at(tokens_of: Callable[[LakeDataset, int], TokenStream]) -> Where:
     """Where sample ``position`` of a packed source's epoch begins: its first token's unit."""
 
     def where(ds: LakeDataset, epoch: int, position: int) -> Location:
-        tokens = token_stream(ds, epoch, counts_of(ds), seq_len)
+        tokens = tokens_of(ds, epoch)
         first = int(tokens.spans(*tokens.locate(np.array([position])))[0][0])
         unit = int(ds.plan(epoch).order[tokens.units(first, first + 1)[0]])
         u, f = ds.units, int(ds.units.file_index[unit])
@@ -85,13 +100,14 @@ def mixture_view(
 ) -> ReaderView:  # fmt: skip
     """A mixture's view: its pass, each rank's next share and its first row, each source.
 
-    A rank's share of a step is contiguous slots of the step's draw.
+    A rank's share of a step is contiguous slots of the step's draw; at the pass's end, as at a
+    lake's epoch's, every rank has no share.
     """
     size = topology.global_batch
     draw, _ = cursor.take(weights, seed, size)
     ranks = []
     for rank in range(topology.world_size):
-        lo, hi = rank_bounds(size, topology.world_size, rank)
+        lo, hi = rank_bounds(size, topology.world_size, rank) if steps else (0, 0)
         at = None
         if hi > lo:
             stream = streams[weights.names[int(draw.sources[lo])]]
@@ -113,7 +129,8 @@ def packed_view(
     A rank's share is located where its first sample begins; ranks have no location while a
     followed lake's next samples are not in.
     """
-    size, where = topology.global_batch, sample_at(counts_of, seq_len)
+    tokens_of = token_streams(counts_of, seq_len)
+    size, where = topology.global_batch, sample_at(tokens_of)
     draw, _ = cursor.take(weights, seed, size)
     ordered = [streams[n] for n in weights.names]
     found = [
@@ -125,10 +142,8 @@ def packed_view(
     if len(known) == len(found):
         epochs = np.array([e for e, _ in known], dtype=np.int64)
         places = np.array([p for _, p in known], dtype=np.int64)
-        stream_of = {}
-        for s, e in {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}:
-            ds = ordered[s].dataset(e)
-            stream_of[s, e] = token_stream(ds, e, counts_of(ds), seq_len)
+        pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
+        stream_of = {(s, e): tokens_of(ordered[s].dataset(e), e) for s, e in pairs}
         for rank in range(topology.world_size):
             (share,) = step_shares(
                 draw.sources, draw.offsets, epochs, places, stream_of, size,

@@ -138,8 +138,12 @@ class DeliveryJournal:
         self._steps = 0
 
     def record_step(self, runs: Sequence[DeliveredRun]) -> None:
-        """A step that moved several streams was delivered: its runs (one step each)."""
+        """A step was delivered: its runs (one step each), one per stream it moved."""
         opened = self._open
+        if len(runs) == 1 == len(opened) and opened[0].continued_by(self._stops[0], runs[0]):
+            self._stops[0] = runs[0].stop  # a lake's step, most of the time
+            self._steps += 1
+            return
         if len(runs) != len(opened) or not all(
             a.continued_by(stop, b) for a, stop, b in zip(opened, self._stops, runs, strict=True)
         ):

@@ -1,11 +1,16 @@
 """The reader-state tracker: what the training loop has been given, and where everyone stands.
 
-The :class:`ReaderStateTracker` is the one owner of a loader's position: the epoch, ``G`` (the
-global rows of the epoch delivered to the training loop), the rows dropped by ``drop_last``
-and the quarantine. It moves only when a batch is handed over (:meth:`delivered`), never when
-work is merely prefetched. From that position it derives, without touching the lake, the
-per-rank and per-worker view of files, row groups and row offsets (:meth:`view`);
+The :class:`ReaderStateTracker` is the one owner of a lake loader's position: the epoch, ``G``
+(the global rows of the epoch delivered to the training loop), the rows dropped by
+``drop_last`` and the quarantine. It moves only when a batch is handed over (:meth:`delivered`),
+never when work is merely prefetched. From that position it derives, without touching the lake,
+the per-rank and per-worker view of files, row groups and row offsets (:meth:`view`);
 ``DataLoader.state_dict()`` and ``lakeloader inspect`` both read it.
+
+A mixture's or a packed stream's tracker follows its node's cursor, which is that loader's
+state: the pass and its rows (a packed stream: the samples delivered, its epoch that of the next
+sample), the quarantine, the rows counted and the record of the steps; its view is the node's
+(``DataLoader.view()``). Move it through the loader, not by its own methods.
 """
 
 from __future__ import annotations
@@ -57,8 +62,10 @@ class ReaderView:
 
     Attributes:
         epoch: The epoch.
-        position: Global rows of the epoch delivered (G).
-        num_rows: Rows in the epoch (N); None for a packed stream (endless).
+        position: Global rows of the epoch delivered (G); a mixture's: of its pass; a packed
+            stream's: samples delivered, over every epoch.
+        num_rows: Rows in the epoch (N); a mixture's: rows its pass delivers (whole global
+            batches); None for a packed stream (endless).
         rows_dropped: Rows dropped by ``drop_last`` so far.
         steps_remaining: Global steps left in the epoch under the topology; None for a
             packed stream.
@@ -188,7 +195,7 @@ class ReaderStateTracker:
         return steps_in_epoch(self.position, num_rows, self.topology.global_batch, self.drop_last)
 
     def delivered(
-        self, d: Delivery, num_rows: int | None = None, runs: Sequence[DeliveredRun] = ()
+        self, d: Delivery, num_rows: int | None = None, runs: Sequence[DeliveredRun] | None = None
     ) -> None:
         """A batch was handed to the training loop: the position moves to ``d.slot_stop``.
 
@@ -201,8 +208,9 @@ class ReaderStateTracker:
         """
         self._before.append((self.epoch, self.position, self.rows_dropped))
         start, self.position = self.position, d.slot_stop
-        lake = DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology)
-        self.record.step(runs or (lake,))
+        if runs is None:
+            runs = (DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology),)
+        self.record.step(runs)
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:

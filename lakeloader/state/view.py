@@ -43,8 +43,9 @@ class Location:
     """Where a row lives in the lake.
 
     Attributes:
-        slot: Its global slot in the epoch (None for where a unit starts, which need not be
-            a row the rank takes).
+        slot: Its global slot in the epoch (a mixture's source's: its position in that
+            source's epoch; None for where a unit starts, which need not be a row the rank
+            takes).
         file_index: Its file's index in the snapshot.
         file: The file.
         row_group: The row group.
