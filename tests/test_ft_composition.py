@@ -6,7 +6,8 @@ a group that comes back healing from its peer's state (torchft's heal: a group w
 committed steps is behind takes the state of one that is not). What the committed steps held
 is checked against an uninterrupted one-rank DataLoader: each committed step holds exactly the
 next slots of its order (a lake, a followed lake, a mixture), or each partition's samples
-continue it (a packed stream). The real torchft run is tests/test_ft.py.
+continue it (a packed stream). ``skip`` and ``quarantine_step`` go into the committed state: a
+step rolled back and a re-slice carry them out alike. The real torchft run is tests/test_ft.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -409,3 +411,89 @@ def test_a_peer_state_of_another_lake_is_refused_at_the_next_step(
     loader.load_state_dict(other.state_dict())
     with pytest.raises(StateMismatchError, match="Every replica group must read the same"):
         next(loader)
+
+
+# ---------------------------------------------- skip and quarantine_step (issues 30, 32)
+
+
+def ft_groups(ds: Any) -> Groups:
+    return Groups(lambda q: ll.FaultTolerantLoader(ds, q, B))
+
+
+def committed_ids(groups: Groups, since: int = 0) -> list[int]:
+    """The ids of the committed steps from ``since``, step after step (each step's sorted)."""
+    out: list[int] = []
+    for shares, _ in groups.committed[since:]:
+        out += sorted(i for share in shares for i in share["id"].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["lake", "mixture"])
+def test_skip_leaves_out_the_next_steps_through_a_rollback_and_a_re_slice(
+    kind: str, lakes: dict[str, Lake]
+) -> None:
+    ds = lake_dataset(lakes["main"]) if kind == "lake" else mixture(lakes)
+    ref = slots(ds)
+    groups = ft_groups(ds)
+    try:
+        for who, commit in SCHEDULE:  # a re-slice, a rolled back step, a group healing
+            groups.step(who, commit)
+        before = sum(rows for _, rows in groups.committed)
+        for loader in groups.loaders.values():
+            loader.skip(2)
+            assert json.loads(loader.state_dict()["requests"])["pending"] == 2
+        groups.step("a", False)  # the step that skips is rolled back: skipped again
+        groups.run((), max_steps=200)
+    finally:
+        groups.close()
+    ids = committed_ids(groups)
+    assert sorted(ids[:before]) == sorted(ref[:before])
+    n = len(SCHEDULE) - 1  # committed steps before the request
+    gap = 2 * groups.committed[n][1]  # two steps of the slice that took them (both groups)
+    assert sorted(ids[before:]) == sorted(ref[before + gap :])
+    assert len(ids) == len(set(ids)) == len(ref) - gap
+
+
+def unit_ids(entries: list[ll.QuarantineEntry]) -> set[int]:
+    """The ids of the rows the entries name."""
+    out: set[int] = set()
+    for e in entries:
+        group = pq.ParquetFile(e.path).read_row_group(e.row_group, ["id"])["id"].to_pylist()
+        out.update(group[e.row_start : e.row_start + e.num_rows])
+    return out
+
+
+def test_quarantine_step_of_a_committed_step_taken_on_another_slice(
+    lakes: dict[str, Lake], tmp_path: Path
+) -> None:
+    ds = lake_dataset(lakes["main"])
+    ref = slots(ds)
+    groups = ft_groups(ds)
+    try:
+        for who, commit in SCHEDULE:  # steps 0, 1 on two groups; 2 on one; 3 rolled back
+            groups.step(who, commit)
+        step_1 = set(committed_ids(groups)[B * 2 : B * 4])
+        found = [loader.quarantine_step(1) for loader in groups.loaders.values()]
+        assert found[0] == found[1] and found[0]
+        assert all(e.reason == "quarantine_step(1)" for e in found[0])
+        bad = unit_ids(found[0])
+        assert step_1 <= bad
+        for loader in groups.loaders.values():
+            assert set(map(str, found[0])) <= set(map(str, loader.tracker.quarantine))
+        with pytest.raises(ValueError, match=r"quarantine_step\(99\)"):
+            groups.loaders["a"].quarantine_step(99)
+        done = len(groups.committed)
+        groups.run((("a", True), ("ab", False)), max_steps=200)
+        rest = committed_ids(groups, done)
+        for loader in groups.loaders.values():
+            loader.set_epoch(1)
+        second = len(groups.committed)
+        groups.run((), max_steps=400)
+        epoch_1 = committed_ids(groups, second)
+    finally:
+        groups.close()
+    first = committed_ids(groups, 0)[: sum(r for _, r in groups.committed[:done])]
+    epoch_0 = first + rest
+    assert not (set(rest) & bad) and not (set(epoch_1) & bad)
+    assert len(epoch_0) == len(set(epoch_0)) and set(epoch_0) == set(ref) - (bad - set(first))
+    assert sorted(epoch_1) == sorted(set(ref) - bad)

@@ -10,39 +10,40 @@ committed. So it takes whatever a DataLoader takes: a lake, a followed lake, a M
 stream, with any of the DataLoader's arguments.
 
 The committed state moves only when a step commits (the manager's committed-step count moves
-past it); a step that does not commit is rolled back (``load_state_dict`` of the committed
-state) and handed out again, re-sliced for whoever takes part next. Re-slicing restores the
-committed state into a loader of the new rank and world size. A group that joins receives the
-committed state from a healthy peer (the loader registers it with the manager). Every source
-whose state resumes under any world size is therefore exact: every committed row of a lake's
-epoch, of a followed lake's increment or of a mixture's pass is trained on exactly once, with
-no process restarted. A checkpoint (``CheckpointManager.save``) holds the committed state; the
-audit ledger records each step once, from the group that is participant 0 of its quorum, with
-whether it committed.
+past it); a step that does not commit is rolled back and handed out again, re-sliced for
+whoever takes part next (the committed state restored into a loader of the new rank and world
+size). A group that joins receives the committed state from a healthy peer. So every committed
+row of a lake's epoch, a followed lake's increment or a mixture's pass is trained on exactly
+once, with no process restarted. ``skip`` and ``quarantine_step`` go into the committed state.
+A checkpoint holds the committed state; the audit ledger records each step once (from the
+group that is participant 0 of its quorum), with whether it committed.
 
 Limits:
     - A followed lake's groups each list the lake when their position reaches an increment's
       end; they must see the same new files (files appearing whole, as listed, between steps):
       nothing makes groups that listed different files agree.
+    - ``quarantine_step`` of a step committed before a group joined fails on that group.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
+from lakeloader.ft.quorum import Issued, QuorumManager
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, DeliveryJournal, Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
+from lakeloader.steering import STEPS_KEPT, Steering
 from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -54,53 +55,12 @@ STATE_KEY = "lakeloader"
 STEP_KEY, OVER_KEY = "ft_step", "ft_pass_over"
 
 
-class QuorumManager(Protocol):
-    """What the loader uses of a ``torchft.Manager``."""
-
-    def start_quorum(self) -> None:
-        """Start the step's quorum."""
-
-    def current_step(self) -> int:
-        """Steps committed so far."""
-
-    def num_participants(self) -> int:
-        """Replica groups taking part in this step (waits for the quorum)."""
-
-    def participating_rank(self) -> int | None:
-        """This group's rank among them, or None (waits for the quorum)."""
-
-    def is_participating(self) -> bool:
-        """Whether this group's gradients count in this step."""
-
-    def register_state_dict_fn(self, key: str, load_state_dict: Any, state_dict: Any) -> None:
-        """Register state that a joining group receives from a healthy peer."""
-
-
-@dataclass(frozen=True)
-class _Issued:
-    """A step handed to the training loop, not yet known to have committed.
-
-    Attributes:
-        at_step: The committed-step count when it was handed out; it committed once the
-            count is past it.
-        after: The DataLoader's state after it (the committed state if it commits).
-        over: Whether the pass is over after it.
-        runs: Its global spans, for the ledger (none unless this group was participant 0).
-    """
-
-    at_step: int
-    after: dict[str, Any]
-    over: bool
-    runs: tuple[DeliveredRun, ...]
-
-
 class FaultTolerantLoader:
     """Steps of any DataLoader source for torchft replica groups: state moves only on commit.
 
     Args:
-        dataset: What to read, as :class:`~lakeloader.DataLoader` takes it (a lake, a
-            followed lake, a :class:`~lakeloader.Mixture`, a packed dataset; see the module
-            docstring for packing's and following's limits).
+        dataset: What to read, as :class:`~lakeloader.DataLoader` takes it (any source;
+            see the module docstring for the limits).
         manager: The replica group's ``torchft.Manager``. Use ``use_async_quorum=False``: an
             asynchronous quorum can count a healing group among a step's participants while
             zeroing its gradients, which would drop its rows (the loader refuses that step).
@@ -148,9 +108,12 @@ class FaultTolerantLoader:
         self._it: Iterator[Any] | None = None
         self._taken = 0  # steps taken from ``_it``
         self._over = False  # the pass is over at the committed state
-        self._issued: _Issued | None = None
+        self._issued: Issued | None = None
         self._observer: Callable[..., None] | None = None  # the ledger's Ledger.step
         self._journal = DeliveryJournal()  # steps committed before an observer came
+        #: The number and runs of the last steps committed (``quarantine_step``).
+        self._recent: deque[tuple[int, tuple[DeliveredRun, ...]]] = deque(maxlen=STEPS_KEPT)
+        self._restored = False  # from a checkpoint: steps to come may be quarantined
         #: The last step's participants, this group's rank among them (None: not taking
         #: part), and the step's global rows (samples, packed).
         self.participants = 0
@@ -207,10 +170,10 @@ class FaultTolerantLoader:
             steps = getattr(it, "num_steps", None)  # None: a pass whose end is not known
             over = steps is not None and self._taken >= steps
             runs = tuple(self._runs) if rank == 0 else ()  # the ledger's: once per step
-            self._issued = _Issued(self.manager.current_step(), self._at, over, runs)
+            step = self._inner._steering.recent[-1]  # its number and runs (not the skipped)
+            self._issued = Issued(self.manager.current_step(), self._at, over, runs, step)
             self.participants, self.participating_rank = participants, rank
-            spans = sum(r.stop - r.start for r in self._runs)
-            self.step_rows = spans
+            self.step_rows = sum(r.stop - r.start for r in step[1])
         return batch
 
     def _placed(self, participants: int, rank: int) -> Iterator[Any]:
@@ -265,6 +228,7 @@ class FaultTolerantLoader:
             )
         if step > issued.at_step:
             self._committed, self._over = issued.after, issued.over
+            self._recent.append(issued.step)
         elif not rollback:
             return  # it may commit yet
         self._record(issued.runs, committed=step > issued.at_step)
@@ -308,6 +272,53 @@ class FaultTolerantLoader:
             self._inner.set_epoch(epoch)
             self._committed = self._at = self._inner.state_dict()
             self._it, self._over = None, False
+
+    # ------------------------------------------------- what the training loop asks
+    def skip(self, steps: int) -> None:
+        """Skip the rows of the next ``steps`` global steps (see ``DataLoader.skip``).
+
+        The request is in the committed state from now on: a step rolled back, a re-slice or a
+        group healing from a peer skips them alike. Every group asks the same, between steps.
+
+        Raises:
+            ValueError: If ``steps`` is not an int >= 0.
+        """
+        with self._lock:
+            self._settle(rollback=True)
+            self._at_committed()
+            self._inner.skip(steps)
+            self._committed = self._at = self._inner.state_dict()
+
+    def quarantine_step(self, step: int) -> list[QuarantineEntry]:
+        """Quarantine the units behind committed ``step`` (see ``DataLoader.quarantine_step``).
+
+        ``step`` counts the batches this loader handed over that committed, from 0 (the count
+        is in the state). The last 64 committed steps' runs are kept, whatever slices took
+        them; a step to come, once restored from a checkpoint before it, is dropped as it
+        comes. The quarantine is in the committed state from now on. Every group asks the same.
+
+        Raises:
+            ValueError: If ``step`` is neither one of the last 64 committed nor to come.
+        """
+        with self._lock:
+            self._settle(rollback=True)
+            self._at_committed()
+            runs = dict(self._recent).get(step)
+            if runs is None and not self._restored:
+                kept = [n for n, _ in self._recent][:: max(len(self._recent) - 1, 1)]
+                raise ValueError(
+                    f"quarantine_step({step!r}): not one of the last {STEPS_KEPT} steps committed "
+                    f"({kept or 'none'}): call it right after the step commits, or after "
+                    "restoring a checkpoint from before it"
+                )
+            if runs is None:  # a step to come
+                entries = self._inner.quarantine_step(step)
+            else:
+                entries = Steering.quarantined(self._inner.root, runs, step)
+            self._inner._close_iterator(f"quarantine_step({step})")
+            self._committed = self._at = self._inner.state_dict()
+            self._it = None
+            return entries
 
     # --------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -373,6 +384,8 @@ class FaultTolerantLoader:
             self._committed = self._at = self._inner.state_dict()
             self._it, self._issued, self._over = None, None, False
             self._journal.take_steps()  # what came before is not this attempt's history
+            self._recent.clear()
+            self._restored = True
 
     def observe_steps(self, observer: Callable[..., None]) -> None:
         """Tell ``observer`` of every step once it is settled: ``observer(runs, committed=)``.
