@@ -17,7 +17,7 @@ from typing import Any
 import fsspec
 import pyarrow.compute as pc
 
-from lakeloader.dataset_checks import check_columns, check_lengths_keys
+from lakeloader.dataset_checks import check_backfill, check_columns, check_lengths_keys
 from lakeloader.follow import Follow
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
@@ -102,6 +102,9 @@ class LakeDataset:
         mirrors: Other copies of the lake, each a URL or ``(url, storage_options)``: checked
             at once to hold the same files (sizes, footers), read from when the copy in use
             stays down past the retry deadline (:mod:`lakeloader.lake.mirrors`).
+        backfill: With ``on_error="skip"``, every step keeps its size: it takes the rows that
+            follow a quarantined unit's (:mod:`lakeloader.pipeline.backfill`). Part of the
+            order configuration.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
@@ -143,6 +146,7 @@ class LakeDataset:
         filter: pc.Expression | None = None,
         follow: bool | Follow = False,
         mirrors: Sequence[MirrorSpec] = (),
+        backfill: bool = False,
     ) -> None:
         self.source: Source = as_source(source)
         columns = [columns] if isinstance(columns, str) else columns  # a name is one column
@@ -198,7 +202,9 @@ class LakeDataset:
             max_unit_rows=int(max_unit_rows),
             columns=tuple(columns if columns is not None else snapshot.schema.names),
             filter=None if self.row_filter is None else self.row_filter.text,
+            backfill=bool(backfill),
         )
+        check_backfill(bool(backfill), on_error, packing, self.follow)
         if self.config.num_partitions < 1 or self.config.window < 1:
             raise ValueError(
                 f"num_partitions and window must be >= 1, got {num_partitions} and {window}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -29,3 +30,24 @@ def check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:
                 f"{key!r}, which is a column of the lake too: leave one of them out with "
                 "columns=[...], or use list_format='jagged'"
             )
+
+
+def check_backfill(backfill: bool, on_error: str, packing: Any, follow: Any) -> None:
+    """Raise if ``backfill=True`` is asked where it cannot apply, saying what to do."""
+    if not backfill:
+        return
+    if on_error != "skip":
+        raise ValueError(
+            "backfill=True fills in for the rows of quarantined units, and units are quarantined "
+            f"only with on_error='skip' (got on_error={on_error!r}): pass on_error='skip'"
+        )
+    if packing is not None:
+        raise ValueError(
+            "backfill=True keeps row batches whole; packed samples keep their length already "
+            "(a quarantined unit's tokens become padding): leave backfill out with packing="
+        )
+    if follow is not None:
+        raise ValueError(
+            "backfill=True is not supported with follow= (a followed lake's steps carry into "
+            "the next increment): leave one of them out"
+        )

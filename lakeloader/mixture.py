@@ -116,6 +116,11 @@ class Mixture:
                 )
             if len(sources[name]) == 0:
                 raise ValueError(f"mixture source {name!r} has no rows to draw from")
+            if sources[name].config.backfill:
+                raise ValueError(
+                    f"mixture source {name!r} has backfill=True, which keeps a lake loader's "
+                    "steps whole; a mixture's steps do not take it: leave it out"
+                )
         self.sources: dict[str, LakeDataset] = {n: sources[n] for n in self.names}
         self.raw_weights: dict[str, float] = {n: float(weights[n]) for n in self.names}
         if not -(2**63) <= int(seed) < 2**64:

@@ -18,6 +18,7 @@ one instead of dropped (:mod:`lakeloader.nodes.carried`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterable, Iterator
@@ -35,6 +36,7 @@ from lakeloader.loader_args import warn_cpu_contention, warn_partitions
 from lakeloader.nodes.base import Host, Node, read_counts, row_units
 from lakeloader.nodes.carried import carried_step
 from lakeloader.order.plan import steps_in_epoch
+from lakeloader.pipeline.backfill import Backfill, backfill_tracker, finisher
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
@@ -70,6 +72,11 @@ class LakeNode(Node):
         self.tracker = ReaderStateTracker(host.topology, drop_last=opts.drop_last)
         if dataset.follow:
             self.tracker.drop_last = False  # a short tail is carried, never counted dropped
+        if dataset.config.backfill and opts.collate_fn is not None:
+            raise TypeError(
+                "backfill=True cuts the default columnar batches to keep every step whole; a "
+                "collate_fn's batches cannot be cut: give the dataset a batch_transform instead"
+            )
         self.reader: UnitReader
         self.layout: RowLayout | None
         self._use_reader(dataset.reader())
@@ -116,7 +123,7 @@ class LakeNode(Node):
         """One epoch's pass; a followed lake's increments one after the other."""
         return self._increments() if self._base.follow else self._epoch_pass()
 
-    def _epoch_pass(self) -> EpochIterator:
+    def _epoch_pass(self) -> EpochIterator | Backfill:
         host = self.host
         host._close_iterator("a newer iter(loader)")
         self.follow_dataset(self.tracker.start_pass())
@@ -129,18 +136,28 @@ class LakeNode(Node):
         unit_dir = res.unit_folder(opts.cache_dir, opts.cache_bytes)
         leaf = Leaf(self.dataset, self.reader, tuple(self.tracker.quarantine), self.recipe())
         layout, topology = self.layout, host.topology
-        stores = Stores(
-            [leaf], opts, topology, unit_dir, pool, layout, not self.tracker.workers_build
-        )
-        it = EpochIterator(
+        tracker, backfill = self.tracker, self.dataset.config.backfill
+        if backfill:  # one rank's pass over the whole global steps (pipeline/backfill.py)
+            topology = Topology(1, 0, topology.num_workers, topology.global_batch)
+            opts = dataclasses.replace(opts, drop_last=False, pin_memory=False)
+            tracker = backfill_tracker(self.tracker, topology)
+        stores = Stores([leaf], opts, topology, unit_dir, pool, layout, not tracker.workers_build)
+        it: EpochIterator | Backfill = EpochIterator(
             stores,
-            self.tracker.epoch,
-            self.tracker.position,
-            self.tracker,
+            tracker.epoch,
+            tracker.position,
+            tracker,
             pool,
             functools.partial(res.pass_ended, opts.persistent_workers),
             owner=host,
         )
+        if backfill:
+            ds, options = self.dataset, host.options
+            finish = finisher(ds.batch_transform, options.pin_memory)
+            paths = [f.path for f in ds.snapshot.files]
+            plan, lists = ds.plan(tracker.epoch), ds.list_format
+            args = (plan, paths, host.topology, options.drop_last, lists, finish)
+            it = Backfill(it, tracker, self.tracker, *args)
         res.iterator = it
         return it
 
@@ -198,7 +215,8 @@ class LakeNode(Node):
         """How rows become batches (the dataset's transforms, the loader's collate_fn)."""
         ds = self.dataset
         collate = self.host.options.collate_fn
-        return BatchRecipe(ds.transform, collate, ds.batch_transform, ds.list_format)
+        after = None if ds.config.backfill else ds.batch_transform  # backfill: once cut
+        return BatchRecipe(ds.transform, collate, after, ds.list_format)
 
     def worker_setup(self) -> WorkerSetup:
         """What the workers need: the lake's decoder, or what builds its batches."""

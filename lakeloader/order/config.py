@@ -18,6 +18,7 @@ class OrderConfig:
         max_unit_rows: Row groups above this many rows are split into row ranges.
         columns: Columns read, in order.
         filter: The row filter's text (None: every row).
+        backfill: A step takes the rows after a quarantined unit's, keeping its size.
     """
 
     seed: int
@@ -27,11 +28,13 @@ class OrderConfig:
     max_unit_rows: int
     columns: tuple[str, ...]
     filter: str | None = None
+    backfill: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (columns as a list; no filter key without a filter)."""
+        """Plain types (columns as a list; no filter or backfill key unless set)."""
         d = asdict(self)
         d["columns"] = list(self.columns)
-        if self.filter is None:
-            del d["filter"]  # the hashes of states taken before filters existed stay valid
+        for key, unset in (("filter", None), ("backfill", False)):
+            if d[key] == unset:
+                del d[key]  # the hashes of states taken before they existed stay valid
         return d

@@ -1,0 +1,246 @@
+"""Fixed-size steps under quarantine (``LakeDataset(on_error="skip", backfill=True)``).
+
+Without backfill, a step is ``G`` global slots and the rows of a quarantined unit are left out
+of it, so the step comes out short. With it, global step ``k`` is the first ``G`` good rows
+(not quarantined) from its position ``p_k``, in slot order, and ``p_(k+1)`` is the slot after
+the last of them: every step keeps its size but an epoch's last, quarantined rows are counted
+(covered by the position) and never delivered, and every other row comes once.
+
+Whether a row is good is known once its unit is decoded, and a rank's share of step ``k``
+depends on every quarantine verdict before it, which other ranks' shares would find. So that
+the steps stay the same under every topology without a collective, every rank decodes every
+unit of each global step (a pass planned for one rank taking the whole global batch: the
+world size times the reads) and takes its share of the ``G`` rows (:func:`rank_bounds`). A
+state's position is ``p_k``: a resume under any world size, worker count or batch size goes on
+with the same steps. Batches are cut and joined column by column (tensors, nested tensors,
+padded lists, Python lists); the dataset's ``batch_transform`` runs on the batch as cut, in
+this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lakeloader.order.plan import (
+    EpochPlan,
+    batch_slots,
+    rank_bounds,
+    slots_to_virtual,
+    virtual_to_piece,
+)
+from lakeloader.pipeline.collate import BatchTransform, ListFormat, pin
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import Delivery, ReaderStateTracker
+from lakeloader.topology import Topology
+
+#: A columnar batch: column name to tensor, nested tensor or list.
+Columns = dict[str, Any]
+
+
+def good_slots(
+    plan: EpochPlan, paths: Sequence[str], start: int, stop: int, skipped: Sequence[QuarantineEntry]
+) -> np.ndarray:
+    """The slots of a one-rank step ``[start, stop)`` that its batch holds, in its row order.
+
+    A one-rank batch holds the step's slots partition-major (:func:`batch_slots`), less those
+    whose rows quarantine entries cover (an entry may cover part of a unit: a piece of it).
+    """
+    slots = batch_slots(start, stop, plan.num_partitions)
+    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots))
+    u, unit = plan.units, plan.piece_unit[pos]
+    offset, group = u.row_start[unit] + plan.piece_start[pos] + row, u.row_group[unit]
+    index = {path: i for i, path in enumerate(paths)}
+    file, bad = u.file_index[unit], np.zeros(len(slots), dtype=bool)
+    for q in skipped:
+        if q.path in index:
+            lo, hi = q.row_start, q.row_start + q.num_rows
+            bad |= (file == index[q.path]) & (group == q.row_group) & (offset >= lo) & (offset < hi)
+    return slots[~bad]
+
+
+def take(batch: Columns, rows: np.ndarray, list_format: ListFormat) -> Columns:
+    """The rows ``rows`` of a columnar batch, in that order."""
+    out: Columns = {}
+    index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            out[name] = _take_nested(value, rows)
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.index_select(0, index)
+        elif isinstance(value, list):
+            out[name] = [value[i] for i in rows.tolist()]
+        else:
+            raise TypeError(
+                f"backfill=True cuts batches column by column, and column {name!r} is a "
+                f"{type(value).__name__}: it takes tensors, nested tensors and lists"
+            )
+    return _trim_padded(out, list_format)
+
+
+def join(batches: Sequence[Columns], list_format: ListFormat) -> Columns:
+    """Columnar batches one after the other (padded lists padded to the longest)."""
+    if len(batches) == 1:
+        return batches[0]
+    out: Columns = {}
+    for name, first in batches[0].items():
+        values = [b[name] for b in batches]
+        if isinstance(first, torch.Tensor) and first.is_nested:
+            out[name] = _join_nested(values)
+        elif isinstance(first, torch.Tensor):
+            width = max(v.shape[1:] for v in values) if first.dim() > 1 else ()
+            out[name] = torch.cat([_pad_to(v, width, list_format.pad_value) for v in values])
+        else:
+            out[name] = [x for v in values for x in v]
+    return out
+
+
+def _take_nested(value: Any, rows: np.ndarray) -> torch.Tensor:
+    """Rows of a jagged nested tensor, from its values and offsets (no row by row work)."""
+    offsets = value.offsets().numpy()
+    starts, lengths = offsets[rows], np.diff(offsets)[rows]
+    ends = np.cumsum(lengths)
+    within = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)
+    values = value.values()[torch.from_numpy(np.repeat(starts, lengths) + within)]
+    edges = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int64))
+    return torch.nested.nested_tensor_from_jagged(values, edges)
+
+
+def _join_nested(parts: Sequence[Any]) -> torch.Tensor:
+    """Jagged nested tensors one after the other."""
+    shift = np.cumsum([0] + [int(p.offsets()[-1]) for p in parts])
+    edges = [p.offsets()[int(k > 0) :] + int(shift[k]) for k, p in enumerate(parts)]
+    values = torch.cat([p.values() for p in parts])
+    return torch.nested.nested_tensor_from_jagged(values, torch.cat(edges))
+
+
+def _pad_to(value: torch.Tensor, shape: Any, pad: float) -> torch.Tensor:
+    """A padded list column's tensor padded on its second dimension to ``shape``."""
+    if value.dim() < 2 or value.shape[1:] == shape:
+        return value
+    widths = (0, 0) * (value.dim() - 2) + (0, shape[0] - value.shape[1])
+    return torch.nn.functional.pad(value, widths, value=pad)
+
+
+def _trim_padded(batch: Columns, list_format: ListFormat) -> Columns:
+    """Padded list columns as wide as their longest row (as a batch built whole is)."""
+    if not list_format.padded:
+        return batch
+    for name, value in list(batch.items()):
+        lengths = batch.get(list_format.lengths_of(name))
+        if isinstance(value, torch.Tensor) and isinstance(lengths, torch.Tensor):
+            batch[name] = value[:, : int(lengths.max()) if len(lengths) else 0]
+    return batch
+
+
+def backfill_tracker(tracker: ReaderStateTracker, whole: Topology) -> ReaderStateTracker:
+    """The one-rank pass's tracker, standing where the loader's stands."""
+    inner = ReaderStateTracker(whole, drop_last=False, workers_build=tracker.workers_build)
+    inner.epoch, inner.position = tracker.epoch, tracker.position
+    inner.quarantine, inner.lost = tracker.quarantine, tracker.lost
+    return inner
+
+
+def finisher(batch_transform: BatchTransform | None, pin_memory: bool) -> Callable[[Columns], Any]:
+    """What a batch as cut goes through: the dataset's batch_transform, then pinning."""
+
+    def finish(batch: Columns) -> Any:
+        out = batch if batch_transform is None else batch_transform(batch)
+        return pin(out) if pin_memory else out
+
+    return finish
+
+
+class Backfill:
+    """A pass of fixed-size steps cut from a one-rank pass over the whole global batches.
+
+    Args:
+        inner: The one-rank pass (``G`` slots a step, quarantined rows left out).
+        inner_tracker: Its tracker (its position is the end of the steps it gave).
+        tracker: The loader's tracker, moved by this pass's steps.
+        plan: The epoch's plan.
+        paths: The snapshot's file paths.
+        topology: The loader's topology (its share of each step).
+        drop_last: Whether a short last step is left out (its rows counted dropped).
+        list_format: How list columns are laid out.
+        finish: Run on each batch as cut (:func:`finisher`).
+    """
+
+    def __init__(
+        self,
+        inner: Iterator[Any],
+        inner_tracker: ReaderStateTracker,
+        tracker: ReaderStateTracker,
+        plan: EpochPlan,
+        paths: Sequence[str],
+        topology: Topology,
+        drop_last: bool,
+        list_format: ListFormat,
+        finish: Callable[[Columns], Any],
+    ) -> None:
+        self._inner, self._inner_tracker, self._tracker = inner, inner_tracker, tracker
+        self._plan, self._paths, self._topology = plan, paths, topology
+        self._drop_last, self._lists = drop_last, list_format
+        self._finish = finish
+        self._rows: Columns | None = None  # rows read, not delivered, in slot order
+        self._slots = np.zeros(0, dtype=np.int64)
+        self._done = False
+        #: Steps left are not known ahead: quarantine shortens the pass.
+        self.num_steps = None
+
+    def __iter__(self) -> Backfill:
+        return self
+
+    def _fill(self, size: int) -> None:
+        """Read one-rank steps until ``size`` rows are held or the pass is over."""
+        while len(self._slots) < size and not self._done:
+            start, seen = self._inner_tracker.position, len(self._inner_tracker.quarantine)
+            try:
+                batch = next(self._inner)
+            except StopIteration:
+                self._done = True
+                return
+            found = self._inner_tracker.quarantine
+            slots = good_slots(
+                self._plan, self._paths, start, self._inner_tracker.position,
+                (*found, *self._inner_tracker.lost),
+            )  # fmt: skip
+            if len(found) > seen:
+                self._tracker.merge_quarantine(found)
+            held = [] if self._rows is None else [self._rows]
+            rows = join([*held, batch], self._lists)
+            slots = np.concatenate([self._slots, slots])
+            order = np.argsort(slots, kind="stable")
+            self._rows, self._slots = take(rows, order, self._lists), slots[order]
+
+    def __next__(self) -> Any:
+        size = self._topology.global_batch
+        self._fill(size)
+        n = min(size, len(self._slots))
+        num_rows = self._plan.num_rows
+        if n == 0 or (n < size and self._drop_last):
+            if n:  # the short last step, dropped: its rows are counted
+                self._tracker.rows_dropped = num_rows - self._tracker.position
+            raise StopIteration
+        assert self._rows is not None
+        last = self._done and n == len(self._slots)
+        stop = num_rows if last else int(self._slots[n - 1]) + 1
+        lo, hi = rank_bounds(n, self._topology.world_size, self._topology.rank)
+        mine = take(self._rows, np.arange(lo, hi), self._lists)
+        rest = np.arange(n, len(self._slots))
+        self._rows = take(self._rows, rest, self._lists) if len(rest) else None
+        self._slots = self._slots[n:]
+        self._tracker.delivered(Delivery(stop, hi - lo, last, (), 0), num_rows)
+        return self._finish(mine)
+
+    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
+        """End the one-rank pass."""
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close(wait, ended_by)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
