@@ -12,6 +12,9 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -166,3 +169,46 @@ def test_where_backfill_does_not_apply_the_error_says_what_to_do(
         ll.Mixture({"a": dataset(root)}, {"a": 1})
     with pytest.raises(TypeError, match="a collate_fn's batches cannot be cut"):
         ll.DataLoader(dataset(root), batch_size=4, collate_fn=list)
+
+
+CHILD = """
+import json, os, signal, sys
+import lakeloader as ll
+lake, ckpt = sys.argv[1], sys.argv[2]
+ds = ll.LakeDataset(lake, max_unit_rows=10, on_error="skip", backfill=True)
+loader = ll.DataLoader(ds, batch_size=12, num_workers=2)
+manager = ll.CheckpointManager(ckpt)
+it = iter(loader)
+got = [next(it)["id"].tolist() for _ in range(5)]
+manager.save(5, loader)
+manager.wait()
+print(json.dumps([got, loader.tracker.position]), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_on_three_ranks(
+    lake: tuple[Path, set[int]], tmp_path: Path
+) -> None:
+    """Killed with its workers after a checkpoint past the damaged rows; 3 ranks go on."""
+    root, _ = lake
+    loaders = loaders_of(root, 1, G, 0)
+    whole = list(global_steps(loaders))
+    loaders[0].close()
+    ckpt = tmp_path / "ckpt"
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    got, position = json.loads(child.stdout)
+    assert got == whole[:5] and position > 5 * G  # damaged rows were passed over by then
+    ranks = loaders_of(root, 3, 4, 0)
+    for loader in ranks:
+        ll.CheckpointManager(str(ckpt)).load(loader)
+    assert list(global_steps(ranks)) == whole[5:]
+    for loader in ranks:
+        loader.close()
