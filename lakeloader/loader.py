@@ -225,7 +225,8 @@ class DataLoader(TorchNames):
         The pass begins at the first ``next()``: a ``set_epoch`` between ``iter()`` and it
         (Lightning's order when it resumes) moves the pass it begins. Rank and world size are
         resolved then: a pass runs on the topology of its start. Its ``num_steps``: the batches
-        the pass delivers from where it starts (None or absent: ``endless``, followed, packed).
+        the pass delivers from where it starts (None or absent: ``endless``, followed, packed,
+        ``backfill=True``, whose quarantine shortens the pass).
 
         Raises:
             TopologyError: At the first ``next()``, if the world size is above 1 but this

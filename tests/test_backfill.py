@@ -212,3 +212,48 @@ def test_a_sigkilled_run_resumes_on_three_ranks(
     assert list(global_steps(ranks)) == whole[5:]
     for loader in ranks:
         loader.close()
+
+
+def small_lake(root: Path, damaged: int | None = None) -> Path:
+    """One file of 4 row groups of 10 rows (ids 0-39), row group ``damaged`` damaged."""
+    root.mkdir()
+    with pq.ParquetWriter(root / "a.parquet", pa.schema([("id", pa.int64())])) as writer:
+        for g in range(4):
+            writer.write_table(pa.table({"id": np.arange(g * 10, g * 10 + 10)}))
+    if damaged is not None:
+        damage_row_group(root / "a.parquet", damaged)
+    return root
+
+
+def test_an_epoch_whose_last_rows_are_quarantined_ends(tmp_path: Path) -> None:
+    root = small_lake(tmp_path / "lake", damaged=3)
+    ds = dataset(root, shuffle=False)
+    with ll.DataLoader(ds, batch_size=10) as loader:
+        for epoch in range(3):
+            assert [b["id"].tolist() for b in loader] == [
+                list(range(k, k + 10)) for k in (0, 10, 20)
+            ]
+            assert (loader.epoch, loader.tracker.position) == (epoch, 40)
+    with ll.DataLoader(ds, batch_size=10, endless=True) as loader:
+        ids = [i for b in itertools.islice(loader, 9) for i in b["id"].tolist()]
+    assert ids == list(range(30)) * 3
+
+
+def test_the_rows_delivered_and_counted_are_those_without_backfill(tmp_path: Path) -> None:
+    """Pieces differ by epoch, so entries cover parts of them; rows skipped are counted."""
+    root = small_lake(tmp_path / "lake")
+    got = {}
+    for backfill in (False, True):
+        ds = ll.LakeDataset(
+            str(root), num_partitions=3, window=4, max_unit_rows=10, on_error="skip", seed=1,
+            validate=lambda t: t.num_rows == 10 or "a piece", backfill=backfill,
+        )  # fmt: skip
+        with ll.DataLoader(ds, batch_size=8) as loader:
+            epochs = []
+            for epoch in range(3):
+                loader.set_epoch(epoch)
+                epochs.append([i for b in loader for i in b["id"].tolist()])
+            got[backfill] = (epochs, loader.stats()["rows_skipped"])
+    (plain, skipped), (filled, skipped_filled) = got[False], got[True]
+    assert [sorted(e) for e in filled] == [sorted(e) for e in plain]
+    assert all(len(e) == len(set(e)) for e in filled) and skipped_filled == skipped > 0

@@ -28,6 +28,7 @@ import torch
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
+    piece_span,
     rank_bounds,
     slots_to_virtual,
     virtual_to_piece,
@@ -41,25 +42,48 @@ from lakeloader.topology import Topology
 Columns = dict[str, Any]
 
 
-def good_slots(
-    plan: EpochPlan, paths: Sequence[str], start: int, stop: int, skipped: Sequence[QuarantineEntry]
-) -> np.ndarray:
-    """The slots of a one-rank step ``[start, stop)`` that its batch holds, in its row order.
+class Screen:
+    """Which slots of a one-rank step its batch holds: the store's rule, indexed once a pass.
 
-    A one-rank batch holds the step's slots partition-major (:func:`batch_slots`), less those
-    whose rows quarantine entries cover (an entry may cover part of a unit: a piece of it).
+    The store leaves out a piece (a unit's rows in one window of the plan) when one quarantine
+    entry covers all of it (one found decoding it, or one known before), and decodes it whole
+    otherwise; so a slot is left out when an entry covers its whole piece. Entries are looked
+    up by (file, row group), so a step costs its own pieces, not the quarantine's size.
+
+    Args:
+        plan: The epoch's plan.
+        paths: The snapshot's file paths.
     """
-    slots = batch_slots(start, stop, plan.num_partitions)
-    pos, row = virtual_to_piece(plan, slots_to_virtual(plan, slots))
-    u, unit = plan.units, plan.piece_unit[pos]
-    offset, group = u.row_start[unit] + plan.piece_start[pos] + row, u.row_group[unit]
-    index = {path: i for i, path in enumerate(paths)}
-    file, bad = u.file_index[unit], np.zeros(len(slots), dtype=bool)
-    for q in skipped:
-        if q.path in index:
-            lo, hi = q.row_start, q.row_start + q.num_rows
-            bad |= (file == index[q.path]) & (group == q.row_group) & (offset >= lo) & (offset < hi)
-    return slots[~bad]
+
+    def __init__(self, plan: EpochPlan, paths: Sequence[str]) -> None:
+        self._plan, self._paths = plan, paths
+        self._index = {path: i for i, path in enumerate(paths)}
+        self._entries: tuple[QuarantineEntry, ...] = ()
+        self._by_group: dict[tuple[int, int], list[QuarantineEntry]] = {}
+
+    def good_slots(self, start: int, stop: int, skipped: tuple[QuarantineEntry, ...]) -> np.ndarray:
+        """The slots of step ``[start, stop)`` that its batch holds, in its row order.
+
+        A one-rank batch holds the step's slots partition-major (:func:`batch_slots`), less
+        those of pieces left out.
+        """
+        if skipped != self._entries:
+            self._entries, self._by_group = skipped, {}
+            for q in skipped:
+                if q.path in self._index:
+                    self._by_group.setdefault((self._index[q.path], q.row_group), []).append(q)
+        plan = self._plan
+        slots = batch_slots(start, stop, plan.num_partitions)
+        if not self._by_group:
+            return slots
+        pos, _ = virtual_to_piece(plan, slots_to_virtual(plan, slots))
+        bad = []
+        for piece in np.unique(pos).tolist():
+            f, group, first, rows = piece_span(plan, piece)
+            found = self._by_group.get((f, group), ())
+            if any(q.covers(self._paths[f], group, first, rows) for q in found):
+                bad.append(piece)
+        return slots[~np.isin(pos, bad)] if bad else slots
 
 
 def take(batch: Columns, rows: np.ndarray, list_format: ListFormat) -> Columns:
@@ -79,6 +103,21 @@ def take(batch: Columns, rows: np.ndarray, list_format: ListFormat) -> Columns:
                 f"{type(value).__name__}: it takes tensors, nested tensors and lists"
             )
     return _trim_padded(out, list_format)
+
+
+def num_rows(batch: Any) -> int:
+    """Rows in a columnar batch.
+
+    Raises:
+        TypeError: If the batch is not a dict of columns (a transform's rows must be dicts).
+    """
+    if not isinstance(batch, dict) or not batch:
+        raise TypeError(
+            f"backfill=True cuts the default batch, a dict of columns, and got a "
+            f"{type(batch).__name__}: a transform must return each row as a dict"
+        )
+    first = next(iter(batch.values()))
+    return int(first.size(0)) if isinstance(first, torch.Tensor) else len(first)
 
 
 def join(batches: Sequence[Columns], list_format: ListFormat) -> Columns:
@@ -182,12 +221,12 @@ class Backfill:
         finish: Callable[[Columns], Any],
     ) -> None:
         self._inner, self._inner_tracker, self._tracker = inner, inner_tracker, tracker
-        self._plan, self._paths, self._topology = plan, paths, topology
+        self._plan, self._screen, self._topology = plan, Screen(plan, paths), topology
         self._drop_last, self._lists = drop_last, list_format
         self._finish = finish
         self._rows: Columns | None = None  # rows read, not delivered, in slot order
         self._slots = np.zeros(0, dtype=np.int64)
-        self._done = False
+        self._done = self._closed = False
         #: Steps left are not known ahead: quarantine shortens the pass.
         self.num_steps = None
 
@@ -197,19 +236,22 @@ class Backfill:
     def _fill(self, size: int) -> None:
         """Read one-rank steps until ``size`` rows are held or the pass is over."""
         while len(self._slots) < size and not self._done:
-            start, seen = self._inner_tracker.position, len(self._inner_tracker.quarantine)
+            inner = self._inner_tracker
+            start, before = inner.position, inner.quarantine
             try:
                 batch = next(self._inner)
             except StopIteration:
                 self._done = True
                 return
-            found = self._inner_tracker.quarantine
-            slots = good_slots(
-                self._plan, self._paths, start, self._inner_tracker.position,
-                (*found, *self._inner_tracker.lost),
-            )  # fmt: skip
-            if len(found) > seen:
-                self._tracker.merge_quarantine(found)
+            found = (*inner.quarantine, *inner.lost)
+            slots = self._screen.good_slots(start, inner.position, found)
+            if inner.quarantine != before:
+                self._tracker.merge_quarantine(inner.quarantine)
+            if len(slots) != num_rows(batch):
+                raise RuntimeError(
+                    f"backfill: a step of slots [{start}, {inner.position}) holds "
+                    f"{num_rows(batch)} rows where its pieces hold {len(slots)}: please report it"
+                )
             held = [] if self._rows is None else [self._rows]
             rows = join([*held, batch], self._lists)
             slots = np.concatenate([self._slots, slots])
@@ -217,27 +259,34 @@ class Backfill:
             self._rows, self._slots = take(rows, order, self._lists), slots[order]
 
     def __next__(self) -> Any:
-        size = self._topology.global_batch
-        self._fill(size)
+        if self._closed:  # its one-rank pass says why (ended, or over)
+            next(self._inner)
+            raise StopIteration
+        size, tracker = self._topology.global_batch, self._tracker
+        self._fill(size + 1)  # one row more: whether the pass ends with this step is known
         n = min(size, len(self._slots))
-        num_rows = self._plan.num_rows
+        total, start = self._plan.num_rows, tracker.position
         if n == 0 or (n < size and self._drop_last):
-            if n:  # the short last step, dropped: its rows are counted
-                self._tracker.rows_dropped = num_rows - self._tracker.position
+            # the short last step dropped, or only quarantined rows left: counted, the
+            # epoch over
+            tracker.rows_dropped = total - start
             raise StopIteration
         assert self._rows is not None
         last = self._done and n == len(self._slots)
-        stop = num_rows if last else int(self._slots[n - 1]) + 1
-        lo, hi = rank_bounds(n, self._topology.world_size, self._topology.rank)
+        stop = total if last else int(self._slots[n - 1]) + 1
+        world, rank = self._topology.world_size, self._topology.rank
+        lo, hi = rank_bounds(n, world, rank)
         mine = take(self._rows, np.arange(lo, hi), self._lists)
         rest = np.arange(n, len(self._slots))
         self._rows = take(self._rows, rest, self._lists) if len(rest) else None
         self._slots = self._slots[n:]
-        self._tracker.delivered(Delivery(stop, hi - lo, last, (), 0), num_rows)
+        out_lo, out_hi = rank_bounds(stop - start - n, world, rank)  # this rank's part of
+        tracker.delivered(Delivery(stop, hi - lo, last, (), out_hi - out_lo), total)  # the skipped
         return self._finish(mine)
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
         """End the one-rank pass."""
+        self._closed = True
         close = getattr(self._inner, "close", None)
         if close is not None:
             close(wait, ended_by)
