@@ -257,3 +257,34 @@ def test_the_rows_delivered_and_counted_are_those_without_backfill(tmp_path: Pat
     (plain, skipped), (filled, skipped_filled) = got[False], got[True]
     assert [sorted(e) for e in filled] == [sorted(e) for e in plain]
     assert all(len(e) == len(set(e)) for e in filled) and skipped_filled == skipped > 0
+
+
+def test_the_view_places_each_rank_s_next_share(lake: tuple[Path, set[int]]) -> None:
+    """From a state whose quarantine holds the damaged unit: each rank's next first row."""
+    root, _ = lake
+    loaders = loaders_of(root, 1, G, 0)
+    steps = global_steps(loaders)
+    for _ in range(5):
+        next(steps)
+    state = loaders[0].state_dict()
+    loaders[0].close()
+    assert json.loads(state["quarantine"])  # found before the state
+    ranks = loaders_of(root, 3, 4, 2)
+    for loader in ranks:
+        loader.load_state_dict(state)
+    its = [iter(loader) for loader in ranks]
+    for step in range(4):
+        view = ranks[0].view()
+        assert [r.rows for r in view.ranks] == [4, 4, 4]
+        work = [[(w.worker, w.role, w.at) for w in view.workers if w.rank == r] for r in range(3)]
+        assert len(work[0]) == 2 and work[0] == work[1] == work[2]  # every rank: whole steps
+        for rank, it in enumerate(its):
+            at, first = view.ranks[rank].at, int(next(it)["id"][0])
+            assert (
+                at is not None
+                and int(Path(at.file).stem.split("-")[1]) * GROUPS * ROWS
+                + (at.row_group * ROWS + at.row_offset)
+                == first
+            ), (step, rank)
+    for loader in ranks:
+        loader.close()

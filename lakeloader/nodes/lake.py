@@ -36,7 +36,7 @@ from lakeloader.loader_args import warn_cpu_contention, warn_partitions
 from lakeloader.nodes.base import Host, Node, read_counts, row_units
 from lakeloader.nodes.carried import carried_step
 from lakeloader.order.plan import steps_in_epoch
-from lakeloader.pipeline.backfill import Backfill, backfill_tracker, finisher
+from lakeloader.pipeline.backfill import Backfill, backfill_tracker, backfill_view, finisher
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
@@ -322,6 +322,8 @@ class LakeNode(Node):
         # followed lake's next increment may not exist yet, so it keeps its own.
         tracker = self.tracker
         ds = self.dataset if self._base.follow else self._base.for_epoch(tracker.epoch)
+        if ds.config.backfill:
+            return backfill_view(tracker, ds.plan(tracker.epoch), ds.snapshot, self.host.topology)
         return tracker.view(ds.plan(tracker.epoch), ds.snapshot)
 
     def stats(self) -> dict[str, int]:

@@ -19,12 +19,14 @@ this process.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
@@ -35,7 +37,8 @@ from lakeloader.order.plan import (
 )
 from lakeloader.pipeline.collate import BatchTransform, ListFormat, pin
 from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.state.tracker import Delivery, ReaderStateTracker
+from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
+from lakeloader.state.view import RankView, locate
 from lakeloader.topology import Topology
 
 #: A columnar batch: column name to tensor, nested tensor or list.
@@ -191,6 +194,34 @@ def finisher(batch_transform: BatchTransform | None, pin_memory: bool) -> Callab
         return pin(out) if pin_memory else out
 
     return finish
+
+
+def backfill_view(
+    tracker: ReaderStateTracker, plan: EpochPlan, snapshot: Snapshot, topology: Topology
+) -> ReaderView:
+    """Where a backfilled position leaves every rank and worker, as far as it is known.
+
+    Each rank's share of the next step: its part of the step's first ``G`` rows in slot order
+    that the quarantine known so far leaves (units found bad later move it on). Every rank's
+    workers do what a one-rank pass's would: the whole step's units.
+    """
+    whole = Topology(1, 0, topology.num_workers, topology.global_batch)
+    one = backfill_tracker(tracker, whole).view(plan, snapshot)
+    screen = Screen(plan, [f.path for f in snapshot.files])
+    stop = min(plan.num_rows, tracker.position + 2 * whole.global_batch)
+    known = (*tracker.quarantine, *tracker.lost)
+    slots = np.sort(screen.good_slots(tracker.position, stop, known))[: whole.global_batch]
+    if not one.steps_remaining:
+        slots = slots[:0]
+    ranks = []
+    for rank in range(topology.world_size):
+        lo, hi = rank_bounds(len(slots), topology.world_size, rank)
+        at = locate(plan, snapshot, slots[lo : lo + 1])[0] if hi > lo else None
+        ranks.append(RankView(rank, hi - lo, at))
+    workers = [
+        dataclasses.replace(w, rank=r) for r in range(topology.world_size) for w in one.workers
+    ]
+    return dataclasses.replace(one, ranks=tuple(ranks), workers=tuple(workers))
 
 
 class Backfill:
