@@ -497,3 +497,18 @@ def test_quarantine_step_of_a_committed_step_taken_on_another_slice(
     assert not (set(rest) & bad) and not (set(epoch_1) & bad)
     assert len(epoch_0) == len(set(epoch_0)) and set(epoch_0) == set(ref) - (bad - set(first))
     assert sorted(epoch_1) == sorted(set(ref) - bad)
+
+
+def test_backfilled_steps_keep_their_size_as_groups_come_and_go(
+    lakes: dict[str, Lake], tmp_path: Path
+) -> None:
+    """A damaged row group under ``backfill=True``: every committed step whole, rows once."""
+    lake = build_lake(tmp_path / "damaged", "main", "folder", True)
+    ds = lake_dataset(lake, columns=["id"], on_error="skip", backfill=True)
+    groups = drive(ds)
+    bad = set().union(*(lake.groups[g] for g in lake.damaged))
+    ids = committed_ids(groups)
+    sizes = [sum(len(s["id"]) for s in shares) for shares, _ in groups.committed]
+    wanted = [len(shares) * B for shares, _ in groups.committed]
+    assert bad and sizes[:-1] == wanted[:-1]  # every step but the last whole, quarantine or not
+    assert len(ids) == len(set(ids)) and set(ids) == lake.ids - bad
