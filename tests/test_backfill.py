@@ -288,3 +288,28 @@ def test_the_view_places_each_rank_s_next_share(lake: tuple[Path, set[int]]) -> 
             ), (step, rank)
     for loader in ranks:
         loader.close()
+
+
+def test_inspect_of_a_backfilled_checkpoint_places_the_ranks_as_the_loaders_do(
+    lake: tuple[Path, set[int]], tmp_path: Path
+) -> None:
+    root, _ = lake
+    loaders = loaders_of(root, 3, 4, 0)
+    steps = global_steps(loaders)
+    for step in range(1, 9):
+        next(steps)
+        folder = str(tmp_path / f"ckpt-{step}")
+        ll.CheckpointManager(folder).save(step, loaders[0])
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert cli(["inspect", folder, "--json"]) == 0
+        ranks = json.loads(out.getvalue())["ranks"]
+        got = [(r["rows"], Path(r["file"]).name, r["row_group"], r["row_offset"]) for r in ranks]
+        want = [
+            (v.rows, Path(v.at.file).name, v.at.row_group, v.at.row_offset)
+            for v in loaders[0].view().ranks
+            if v.at is not None
+        ]
+        assert got == want, step
+    for loader in loaders:
+        loader.close()

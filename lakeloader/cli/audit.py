@@ -21,8 +21,8 @@ from lakeloader.audit.ledger import LEDGER_DIR, read_entries
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.checkpoints import find_checkpoint, open_manager
-from lakeloader.cli.inspect import lake_url, rebuild_plan, requested, unit_offsets
-from lakeloader.cli.tables import format_pairs, format_table, full_urls
+from lakeloader.cli.inspect import rebuild_plan, requested, unit_offsets
+from lakeloader.cli.tables import format_pairs, format_table, full_urls, lake_url
 from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy

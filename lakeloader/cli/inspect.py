@@ -1,10 +1,9 @@
 """What a checkpoint says: position, where every rank and worker resumes, rows consumed and left.
 
 Everything is recomputed from the checkpoint alone (its state and pinned manifest): the epoch's
-plan is rebuilt with :func:`~lakeloader.order.plan.plan_epoch`, and the per-rank and per-worker
-view is the :class:`~lakeloader.state.tracker.ReaderStateTracker`'s, so the lake itself is never
-touched and may be gone. The functions here return plain dicts (JSON-ready); :func:`render_text`
-turns one into the tables of ``lakeloader inspect``.
+plan is rebuilt with :func:`~lakeloader.order.plan.plan_epoch`, and the view is the tracker's
+(a backfilled lake's: ``backfill_view``), so the lake is never touched. The functions return
+plain dicts (JSON-ready); :func:`render_text` turns one into the tables of ``lakeloader inspect``.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from lakeloader.checkpoint.layout import Checkpoint
-from lakeloader.cli.tables import format_pairs, format_table
+from lakeloader.cli.tables import format_pairs, format_table, lake_url
 from lakeloader.errors import CheckpointError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import (
@@ -25,6 +24,7 @@ from lakeloader.order.plan import (
     slots_to_virtual,
     virtual_to_piece,
 )
+from lakeloader.pipeline.backfill import backfill_view
 from lakeloader.state.requests import QUARANTINE_STEP, Requests
 from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.state.view import rank_dict
@@ -184,7 +184,10 @@ def inspect_checkpoint(
     tracker = ReaderStateTracker.standing_at(
         state, topo, drop_last=drop, workers_build=ctx.workers_build
     )
-    view = tracker.view(plan, ckpt.snapshot)
+    if state.config.get("backfill"):  # every rank's workers decode the whole steps
+        view = backfill_view(tracker, plan, ckpt.snapshot, topo)
+    else:
+        view = tracker.view(plan, ckpt.snapshot)
     followed = ckpt.snapshot.increment is not None
     g, n, dropped = view.position, view.num_rows, view.rows_dropped
     assert n is not None  # a lake's epoch has an end
@@ -250,17 +253,6 @@ def saved_topology(ckpt: Checkpoint) -> Topology:
     if ckpt.context.topology is None:
         raise CheckpointError(f"{ckpt.path} records no topology (written by lakeloader < 0.2)")
     return ckpt.context.topology
-
-
-def lake_url(source: str | list[str], path: str) -> str:
-    """The URL of a lake file's path (snapshots keep ``bucket/key``, without ``s3://``).
-
-    >>> lake_url(["gs://bucket/lake"], "bucket/lake/a.parquet"), lake_url("/data", "/data/a")
-    ('gs://bucket/lake/a.parquet', '/data/a')
-    """
-    first = source if isinstance(source, str) else (source[0] if source else "")
-    head, sep, _ = first.partition("://")
-    return f"{head}{sep}{path}" if sep and head != "file" and "://" not in path else path
 
 
 def _topology_text(t: dict[str, Any]) -> str:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
-from lakeloader.cli.inspect import lake_url, quarantine_text
-from lakeloader.cli.tables import format_pairs, format_table
+from lakeloader.cli.inspect import quarantine_text
+from lakeloader.cli.tables import format_pairs, format_table, lake_url
 from lakeloader.errors import StateFormatError
 from lakeloader.order.mixture import MixWeights
 from lakeloader.state.mixture_state import MixtureState

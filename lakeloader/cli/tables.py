@@ -75,3 +75,14 @@ def full_urls(text: str, url: str) -> str:
     if not sep or scheme == "file" or not bucket:
         return text
     return re.sub(rf"(?<![\w/.:-]){re.escape(bucket)}(?=/|$)", f"{scheme}://{bucket}", text)
+
+
+def lake_url(source: str | list[str], path: str) -> str:
+    """The URL of a lake file's path (snapshots keep ``bucket/key``, without ``s3://``).
+
+    >>> lake_url(["gs://bucket/lake"], "bucket/lake/a.parquet"), lake_url("/data", "/data/a")
+    ('gs://bucket/lake/a.parquet', '/data/a')
+    """
+    first = source if isinstance(source, str) else (source[0] if source else "")
+    head, sep, _ = first.partition("://")
+    return f"{head}{sep}{path}" if sep and head != "file" and "://" not in path else path
