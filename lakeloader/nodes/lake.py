@@ -154,9 +154,8 @@ class LakeNode(Node):
         if backfill:
             ds, options = self.dataset, host.options
             finish = finisher(ds.batch_transform, options.pin_memory)
-            paths = [f.path for f in ds.snapshot.files]
             plan, lists = ds.plan(tracker.epoch), ds.list_format
-            args = (plan, paths, host.topology, options.drop_last, lists, finish)
+            args = (plan, ds.snapshot, host.topology, options.drop_last, lists, finish)
             it = Backfill(it, tracker, self.tracker, *args)
         res.iterator = it
         return it

@@ -30,7 +30,6 @@ from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
-    piece_span,
     rank_bounds,
     slots_to_virtual,
     virtual_to_piece,
@@ -38,7 +37,7 @@ from lakeloader.order.plan import (
 from lakeloader.pipeline.collate import BatchTransform, ListFormat, pin
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
-from lakeloader.state.view import RankView, locate
+from lakeloader.state.view import RankView, locate, piece_skipped
 from lakeloader.topology import Topology
 
 #: A columnar batch: column name to tensor, nested tensor or list.
@@ -55,12 +54,12 @@ class Screen:
 
     Args:
         plan: The epoch's plan.
-        paths: The snapshot's file paths.
+        snapshot: Its snapshot.
     """
 
-    def __init__(self, plan: EpochPlan, paths: Sequence[str]) -> None:
-        self._plan, self._paths = plan, paths
-        self._index = {path: i for i, path in enumerate(paths)}
+    def __init__(self, plan: EpochPlan, snapshot: Snapshot) -> None:
+        self._plan, self._snapshot = plan, snapshot
+        self._index = {f.path: i for i, f in enumerate(snapshot.files)}
         self._entries: tuple[QuarantineEntry, ...] = ()
         self._by_group: dict[tuple[int, int], list[QuarantineEntry]] = {}
 
@@ -80,12 +79,14 @@ class Screen:
         if not self._by_group:
             return slots
         pos, _ = virtual_to_piece(plan, slots_to_virtual(plan, slots))
-        bad = []
-        for piece in np.unique(pos).tolist():
-            f, group, first, rows = piece_span(plan, piece)
-            found = self._by_group.get((f, group), ())
-            if any(q.covers(self._paths[f], group, first, rows) for q in found):
-                bad.append(piece)
+        pieces = np.unique(pos)
+        units = plan.piece_unit[pieces]
+        files, groups = plan.units.file_index[units].tolist(), plan.units.row_group[units].tolist()
+        bad = [
+            piece
+            for piece, f, g in zip(pieces.tolist(), files, groups, strict=True)
+            if piece_skipped(plan, self._snapshot, piece, self._by_group.get((f, g), ()))
+        ]
         return slots[~np.isin(pos, bad)] if bad else slots
 
 
@@ -207,7 +208,7 @@ def backfill_view(
     """
     whole = Topology(1, 0, topology.num_workers, topology.global_batch)
     one = backfill_tracker(tracker, whole).view(plan, snapshot)
-    screen = Screen(plan, [f.path for f in snapshot.files])
+    screen = Screen(plan, snapshot)
     stop = min(plan.num_rows, tracker.position + 2 * whole.global_batch)
     known = (*tracker.quarantine, *tracker.lost)
     slots = np.sort(screen.good_slots(tracker.position, stop, known))[: whole.global_batch]
@@ -232,7 +233,7 @@ class Backfill:
         inner_tracker: Its tracker (its position is the end of the steps it gave).
         tracker: The loader's tracker, moved by this pass's steps.
         plan: The epoch's plan.
-        paths: The snapshot's file paths.
+        snapshot: The epoch's snapshot.
         topology: The loader's topology (its share of each step).
         drop_last: Whether a short last step is left out (its rows counted dropped).
         list_format: How list columns are laid out.
@@ -245,14 +246,14 @@ class Backfill:
         inner_tracker: ReaderStateTracker,
         tracker: ReaderStateTracker,
         plan: EpochPlan,
-        paths: Sequence[str],
+        snapshot: Snapshot,
         topology: Topology,
         drop_last: bool,
         list_format: ListFormat,
         finish: Callable[[Columns], Any],
     ) -> None:
         self._inner, self._inner_tracker, self._tracker = inner, inner_tracker, tracker
-        self._plan, self._screen, self._topology = plan, Screen(plan, paths), topology
+        self._plan, self._screen, self._topology = plan, Screen(plan, snapshot), topology
         self._drop_last, self._lists = drop_last, list_format
         self._finish = finish
         self._rows: Columns | None = None  # rows read, not delivered, in slot order

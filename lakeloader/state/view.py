@@ -209,15 +209,16 @@ def first_units(
             for p in spec.positions.tolist():
                 if p not in seen:
                     seen.add(p)
-                    if not _is_skipped(plan, snapshot, p, skipped):
+                    if not piece_skipped(plan, snapshot, p, skipped):
                         out.append(p)
         first += n
     return out[:count]
 
 
-def _is_skipped(
+def piece_skipped(
     plan: EpochPlan, snapshot: Snapshot, piece: int, skipped: Sequence[QuarantineEntry]
 ) -> bool:
+    """Whether a piece is left out: one entry covers all of it (the unit store's rule)."""
     if not skipped:
         return False
     f, rg, start, rows = piece_span(plan, piece)
