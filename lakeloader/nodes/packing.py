@@ -172,13 +172,14 @@ class PackingNode(Node):
         host, res, packing = self.host, self.host._res, self.dataset.packing
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
+        self._pass_topology = host.topology  # the pass's: what each delivery's runs are over
         it = PackedIterator(
             sources,
             packing,
             cursor,
             weights,
             seed,
-            host.topology,
+            self._pass_topology,
             host.options,
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
             host._ensure_pool() if host.options.num_workers else None,
@@ -200,11 +201,10 @@ class PackingNode(Node):
     ) -> None:
         """The only place the position moves: a batch was handed over."""
         self._tokens, self._padding = self._tokens + tokens, self._padding + pads
-        runs = []
+        runs, topo = [], self._pass_topology
         for name, stream in self._streams.items():
             first, stop = self._counted().get(name, 0), cursor.counts.get(name, 0)
-            runs += stream.runs(first, stop, name, self.host.topology)
-        topo = self.host.topology
+            runs += stream.runs(first, stop, name, topo)
         lo, hi = rank_bounds(topo.global_batch, topo.world_size, topo.rank)
         self.tracker.delivered(Delivery(cursor.slot, hi - lo, False, (), 0), runs=runs)
         self._moved(cursor, [q for found in skipped for q in found])
@@ -283,6 +283,9 @@ class PackingNode(Node):
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the state."""
+        entries = list(entries)
+        if not entries:
+            return
         self._state = self._state.with_quarantine(entries)
         self.tracker.quarantine = self._state.quarantine
 

@@ -150,8 +150,8 @@ class PackedIterator:
         threads = TOKEN_THREADS if pool is None else 1
         self._threads = ThreadPool(threads, initializer=main_thread_only)
         self._streams: dict[tuple[int, int], TokenStream] = {}
-        #: The last step (by count of steps planned) that needs each unit held.
-        self._last_use: dict[tuple[int, int, int], int] = {}
+        #: Each unit held: the last step (by count of steps planned) that needs it, its bytes.
+        self._last_use: dict[tuple[int, int, int], tuple[int, int]] = {}
         #: Each stream's first token that no step planned has reached, by (source, epoch).
         self._front: dict[tuple[int, int], np.ndarray] = {}
         self._planned: deque[PlannedStep] = deque()
@@ -211,7 +211,8 @@ class PackedIterator:
                 return
         near = itertools.islice(self._planned, AHEAD_STEPS + 1)
         keys = {key for step in near for key in step.units}
-        budget = min(self._options.cache_bytes, 2 * sum(self._unit_bytes(*k) for k in keys))
+        held = self._last_use
+        budget = min(self._options.cache_bytes, 2 * sum(held[k][1] for k in keys))
         chunks = 0  # more while the next step would wait for its units anyway
         while self._held_bytes < budget and (chunks == 0 or not self._ready(self._planned[0])):
             if not self._plan_steps(PLAN_STEPS, may_wait=False) or chunks > MAX_CHUNKS:
@@ -268,10 +269,12 @@ class PackedIterator:
             by_epoch = self._by_epoch(share)
             units = [(s, e, pos) for (s, e), (_, held) in by_epoch.items() for pos in held]
             for key in units:
-                if key not in self._last_use:
+                nbytes = self._last_use[key][1] if key in self._last_use else 0
+                if not nbytes:
                     self._epoch(*key[:2]).request((key[2],))
-                    self._held_bytes += self._unit_bytes(*key)
-                self._last_use[key] = self._steps_planned
+                    nbytes = self._unit_bytes(*key)
+                    self._held_bytes += nbytes
+                self._last_use[key] = (self._steps_planned, nbytes)
             after = MixCursor(cursor.slot + (step + 1) * G, counts)
             self._planned.append(PlannedStep(after, share, by_epoch, units))
             self._steps_planned += 1
@@ -322,7 +325,7 @@ class PackedIterator:
         batch = finish_payload(self._payload(columns, share), self._recipe)
         self._steps_done += 1
         skips = self._skipped()
-        padding = int(pads.sum())
+        padding = int(np.count_nonzero(pads))
         self._delivered(cursor, skips, n * L - padding, padding)
         self._release()
         return batch
@@ -348,21 +351,26 @@ class PackedIterator:
     def _copy(self, epoch: EpochTokens, runs: np.ndarray, out: tuple[Any, ...]) -> None:
         """Copy each run's tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch.
 
-        ``runs``: one ``(start, stop, at)`` a row; each run is copied unit by unit.
+        ``runs``: one ``(start, stop, at)`` a row; each run is copied unit by unit (the
+        pieces' bounds worked out at once, so that the loop only copies).
         """
         ends = epoch.stream.ends
-        units = np.searchsorted(ends, runs[:, :2] - [0, 1], side="right")
-        for (start, stop, at), (u0, u1) in zip(runs.tolist(), units.tolist(), strict=True):
-            for pos in range(u0, u1 + 1):
-                unit = epoch.unit(pos)
-                end = int(ends[pos])
-                first = end - len(unit.tokens)
-                a, b = max(start, first), min(stop, end)
-                to = slice(at + a - start, at + b - start)
-                out[0][to] = unit.tokens[a - first : b - first]
-                out[1][to] = unit.positions[a - first : b - first]
-                if unit.padding:
-                    out[2][to] = True
+        first, last = np.searchsorted(ends, runs[:, :2] - [0, 1], side="right").T
+        spans = last - first + 1  # the units each run lies in
+        run = np.repeat(np.arange(len(runs)), spans)
+        pos = np.arange(len(run)) - np.repeat(np.cumsum(spans) - spans, spans) + first[run]
+        starts = np.where(pos > 0, ends[pos - 1], 0)  # each unit's first token in the epoch
+        a = np.maximum(runs[run, 0], starts)
+        b = np.minimum(runs[run, 1], ends[pos])
+        to = runs[run, 2] + a - runs[run, 0]
+        bounds = (pos, a - starts, b - starts, to, to + b - a)
+        pieces = zip(*(x.tolist() for x in bounds), strict=True)
+        for p, lo, hi, t0, t1 in pieces:
+            unit = epoch.unit(p)
+            out[0][t0:t1] = unit.tokens[lo:hi]
+            out[1][t0:t1] = unit.positions[lo:hi]
+            if unit.padding:
+                out[2][t0:t1] = True
 
     def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
         """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""
@@ -402,12 +410,11 @@ class PackedIterator:
         other ranks for a while. Epochs that hold no unit are closed.
         """
         done = self._steps_done - 1
-        gone = [key for key, step in self._last_use.items() if step <= done and self._passed(*key)]
+        gone = [k for k, (step, _) in self._last_use.items() if step <= done and self._passed(*k)]
         by_epoch: dict[tuple[int, int], list[int]] = {}
         for source, epoch, pos in gone:
-            del self._last_use[(source, epoch, pos)]
+            self._held_bytes -= self._last_use.pop((source, epoch, pos))[1]
             by_epoch.setdefault((source, epoch), []).append(pos)
-            self._held_bytes -= self._unit_bytes(source, epoch, pos)
         for key, positions in by_epoch.items():
             self._epochs[key].drop(positions)
         for key in [k for k, e in self._epochs.items() if not e.held]:
