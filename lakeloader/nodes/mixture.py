@@ -16,6 +16,7 @@ from typing import Any
 
 from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
@@ -33,6 +34,7 @@ from lakeloader.order.plan import rank_bounds
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
+from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import MixtureState, WeightChange
@@ -77,7 +79,7 @@ class MixtureNode(Node):
         self._readers = [mixture.sources[n].reader() for n in mixture.names]
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
-        self.follows = any(stream.follows for stream in self._streams)
+        self._streams_known()
         #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
         #: Each source's rows delivered (the counts of the last step handed over).
@@ -105,7 +107,7 @@ class MixtureNode(Node):
             cursor, self._cursor = self._cursor, None
             counts = dict(cursor.counts)
             sources = dict(self._stored.sources)
-            if self.follows:
+            if self.varies:
                 for name, stream in zip(self.mixture.names, self._streams, strict=True):
                     stream.forget_before(counts.get(name, 0))
                     sources[name] = stream.record(counts.get(name, 0))
@@ -196,7 +198,7 @@ class MixtureNode(Node):
                 pool,
                 self._layout(),
                 # a followed source's increments have readers of their own: decoded here
-                workers_decode=not self._workers_build and not self.follows,
+                workers_decode=not self._workers_build and not self.varies,
             )
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
@@ -217,8 +219,15 @@ class MixtureNode(Node):
         return it
 
     def _leaves(self) -> list[Leaf]:
-        """Each source's lake and reader, in the order of the mixture's names."""
+        """Each source's lake and reader, in the order of the mixture's names.
+
+        A source whose stream has gone on to another snapshot (a followed lake's increment,
+        a lake that grew) gets a reader of it.
+        """
         known = self._state.quarantine
+        for i, stream in enumerate(self._streams):
+            if self._readers[i].snapshot is not stream.known[0][2].snapshot:
+                self._readers[i] = stream.known[0][2].reader()
         return [
             Leaf(stream.known[0][2], r, known, BatchRecipe(ds.transform, lists=ds.list_format))
             for stream, r, ds in zip(
@@ -307,6 +316,13 @@ class MixtureNode(Node):
         refuse_fetched_ahead(fetched_ahead, "a mixture")
         return self._state.to_dict()
 
+    def _streams_known(self) -> None:
+        """What follows from the sources' streams: whether any is known epoch by epoch."""
+        #: Whether a source's epochs are known one by one (a followed lake's increments, a
+        #: lake that grew since a checkpoint): decoded here, records kept up at each step.
+        self.varies = any(stream.varies for stream in self._streams)
+        self.follows = any(stream.follows for stream in self._streams)
+
     def restore(self, state_dict: dict[str, Any]) -> None:
         """Continue from a mixture state taken under any topology.
 
@@ -317,11 +333,37 @@ class MixtureNode(Node):
             StateFormatError: If the dict is not a mixture state of a known version.
             StateMismatchError: If a source or the seed differs from the saved one.
         """
+        self._restore(MixtureState.from_dict(state_dict), {})
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint, on the lakes of now.
+
+        A source whose lake changed since the checkpoint finishes its saved epoch on the
+        snapshot the checkpoint pinned, and its later epochs take the lake of now (see
+        ``RecoveryCoordinator.resume_source``).
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+            LakeChangedError: Under ``on_lake_change="error"``, when files a source's saved
+                epoch still needs are gone or rewritten.
+        """
+        saved = MixtureState.from_dict(dict(ckpt.state_dict))
+        moved = {}
+        for name in set(self.mixture.names) & set(saved.sources):
+            live, record = self.mixture.sources[name], saved.sources[name]
+            at = coordinator.resume_source(ckpt, name, live, record, saved.counts.get(name, 0))
+            if at is not None:
+                moved[name] = SourceStream(at.dataset, at.start, epoch=at.epoch)
+        self._restore(saved, moved)
+
+    def _restore(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
+        """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
         self.host._close_iterator("load_state_dict()")
         self.host._res.drop_carried()
-        saved = MixtureState.from_dict(state_dict)
         streams = [
-            SourceStream.resumed(self.mixture.sources[n], saved.sources[n])
+            moved[n]
+            if n in moved
+            else SourceStream.resumed(self.mixture.sources[n], saved.sources[n])
             if n in saved.sources
             else SourceStream(self.mixture.sources[n])
             for n in self.mixture.names
@@ -330,10 +372,11 @@ class MixtureNode(Node):
             n: stream.record(stream.known[0][1])
             for n, stream in zip(self.mixture.names, streams, strict=True)
         }
-        resumed = resume_mixture(saved, self.mixture, now)
+        resumed = resume_mixture(saved, self.mixture, now, frozenset(moved))
         self.tracker.record.restored()
         self._counts = dict(resumed.state.counts)
         self._streams = streams
+        self._streams_known()
         self._readers = [stream.known[0][2].reader() for stream in streams]
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
@@ -354,8 +397,14 @@ class MixtureNode(Node):
         return list(self._state.quarantine)
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshots a checkpoint pins: one per source."""
-        return dict(self.mixture.sources)
+        """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
+        counts = self._state.counts
+        return {
+            n: stream.holding(counts.get(n, 0))[2]
+            if stream.varies and not stream.follows
+            else self.mixture.sources[n]
+            for n, stream in zip(self.mixture.names, self._streams, strict=True)
+        }
 
     def view(self) -> ReaderView:
         """The pass under way, each rank's share of the next step, where each source stands."""

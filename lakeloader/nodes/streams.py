@@ -7,8 +7,11 @@ the samples the epoch's tokens fill, :mod:`lakeloader.order.packing`). A lake's 
 lake's epochs are its increments, of any size, appended while the run goes on:
 :class:`SourceStream` knows the increments from the one its state names on, each with the
 offset it starts at, and waits for the next one when a draw reaches past the last
-(``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). Its :meth:`SourceStream.spans`
-are what :func:`lakeloader.order.mixture.draw_parts` cuts the draws with.
+(``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). A lake that grew between a
+checkpoint and its resume is known the same way, epoch by epoch: the saved epoch on the
+snapshot the checkpoint pinned, the later ones on the lake of now, each of its own size
+(:meth:`SourceStream.grown`). Its :meth:`SourceStream.spans` are what
+:func:`lakeloader.order.mixture.draw_parts` cuts the draws with.
 """
 
 from __future__ import annotations
@@ -31,17 +34,29 @@ class SourceStream:
 
     Args:
         dataset: The source (for a followed lake: the increment the stream is known from).
-        start: The stream's offset of that increment's first row.
+        start: The stream's offset of that increment's (or epoch's) first row.
         size: The offsets an epoch's dataset holds (its rows: ``len``).
+        epoch: The epoch that starts at ``start`` (a followed lake's: its increment's).
     """
 
     def __init__(
-        self, dataset: LakeDataset, start: int = 0, size: Callable[[LakeDataset], int] = len
+        self,
+        dataset: LakeDataset,
+        start: int = 0,
+        size: Callable[[LakeDataset], int] = len,
+        epoch: int = 0,
     ) -> None:
         self.size = size
+        #: Whether it waits for its lake's increments.
         self.follows = dataset.follow is not None
         increment = dataset.snapshot.increment
-        first = increment.index if self.follows and increment is not None else 0
+        first = increment.index if self.follows and increment is not None else epoch
+        #: Whether its epochs are known one by one (of any size), not ``size`` rows from 0 on.
+        self.varies = (
+            self.follows
+            or start != first * size(dataset)
+            or dataset.for_epoch(first + 1) is not dataset
+        )
         #: ``(epoch, first offset, dataset)`` of each increment known, in order.
         self.known: list[tuple[int, int, LakeDataset]] = [(first, start, dataset)]
 
@@ -51,7 +66,7 @@ class SourceStream:
     ) -> SourceStream:
         """The stream of ``dataset`` from the increment a saved record names (if any)."""
         if record.increment is None or dataset.follow is None:
-            return cls(dataset, size=size)
+            return cls(dataset, record.start, size, record.epoch)
         increment = Increment.from_list(record.increment)
         if dataset.snapshot.increment != increment:
             found = increment_at(dataset.source, increment, dataset.increment_request())
@@ -60,7 +75,7 @@ class SourceStream:
 
     def spans(self) -> Spans:
         """Where its epochs start: ``n`` rows each, or the increments' first offsets."""
-        if not self.follows:
+        if not self.varies:
             return self.size(self.known[0][2])
         ends = [start for _, start, _ in self.known] + [self._end()]
         return self.known[0][0], np.asarray(ends, dtype=np.int64)
@@ -71,7 +86,7 @@ class SourceStream:
 
     def covers(self, offset: int) -> bool:
         """Whether the increments known hold ``offset`` (a lake's epochs always do)."""
-        return not self.follows or offset < self._end()
+        return not self.varies or offset < self._end()
 
     def cover(self, offset: int) -> None:
         """Know the increments up to the one holding ``offset`` (waiting for them).
@@ -90,6 +105,17 @@ class SourceStream:
                 return ds
         return self.known[0][2].for_epoch(epoch)
 
+    def holding(self, count: int) -> tuple[int, int, LakeDataset]:
+        """The ``(epoch, first offset, dataset)`` known that holds offset ``count``.
+
+        Or the last one known, which ``count`` may follow.
+        """
+        held = self.known[0]
+        for at in self.known:
+            if at[1] <= count:
+                held = at
+        return held
+
     def record(self, count: int) -> SourceRecord:
         """What the state records of the source, standing at offset ``count`` of its stream.
 
@@ -97,19 +123,16 @@ class SourceStream:
         its marks and first offset find its files again at a resume; the increments before
         it are done with.
         """
-        _, start, ds = self.known[0]
-        for _, first, dataset in self.known:
-            if first <= count:
-                start, ds = first, dataset
+        epoch, start, ds = self.holding(count)
         if not self.follows:
-            return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds))
+            return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds), None, start, epoch)
         increment = ds.snapshot.increment
         marks = None if increment is None else increment.to_list()
         return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds), marks, start)
 
     def runs(self, first: int, stop: int, name: str, topology: Topology) -> list[DeliveredRun]:
         """What offsets ``[first, stop)`` of the stream are, epoch by epoch, as audit runs."""
-        if not self.follows:
+        if not self.varies:
             return epoch_runs(first, stop, self.size(self.known[0][2]), name, topology)
         out = []
         while first < stop:

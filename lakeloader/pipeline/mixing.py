@@ -43,7 +43,10 @@ from lakeloader.workers.pool import WorkerPool
 class Streams(Protocol):
     """Where a mixture's sources' epochs start (see ``MixtureIterator``'s ``streams``)."""
 
+    #: Whether a source waits for its lake's increments (steps are then planned one by one).
     follows: bool
+    #: Whether a source's epochs are known one by one (its spans change as it goes on).
+    varies: bool
 
     def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
         """Each source's spans, holding its rows below ``counts`` (in the order of the names).
@@ -147,7 +150,7 @@ class MixtureIterator:
         """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
-        if self._streams.follows or not self._spans:  # a lake's epochs: n rows each, always
+        if self._streams.varies or not self._spans:  # a lake's epochs: n rows each, always
             drawn = slot_sources(self._weights, self._mixture.seed, before.slot, count * size)
             ahead = np.bincount(drawn, minlength=len(names))
             need = [before.counts.get(n, 0) + ahead[i] for i, n in enumerate(names)]

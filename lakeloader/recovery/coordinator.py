@@ -23,6 +23,7 @@ from typing import Any
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
+from lakeloader.lake.manifest import from_manifest
 from lakeloader.lake.tables.sources import checkpoint_source
 from lakeloader.recovery.lake_changes import (
     LakeChangePolicy,
@@ -35,6 +36,7 @@ from lakeloader.recovery.lake_changes import (
 )
 from lakeloader.recovery.reassign import Reassignment, reassign
 from lakeloader.state.loader_state import LoaderState
+from lakeloader.state.mixture_state import SourceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,22 @@ class Resumption:
     state: LoaderState | None
     restart_epoch: int | None = None
     dataset: LakeDataset | None = None
+
+
+@dataclass(frozen=True)
+class SourceResumption:
+    """Where a mixture's (or a packed stream's) source goes on, on the lake of now.
+
+    Attributes:
+        dataset: What its stream reads from ``epoch`` on (the checkpoint's pinned snapshot for
+            the rest of the saved epoch, then the lake of now).
+        epoch: The epoch its stream is known from.
+        start: The offset of that epoch's first row in its stream.
+    """
+
+    dataset: LakeDataset
+    epoch: int
+    start: int
 
 
 class RecoveryCoordinator:
@@ -122,6 +140,47 @@ class RecoveryCoordinator:
             return Resumption(None, restart_epoch=saved.epoch)
         pinned = _finish_on_pinned(live.pinned_to(ckpt.snapshot), live, saved, diff)
         return Resumption(saved, dataset=pinned)
+
+    def resume_source(
+        self, ckpt: Checkpoint, name: str, live: LakeDataset, record: SourceRecord, count: int
+    ) -> SourceResumption | None:
+        """Where a source of a stream goes on, when its lake changed since the checkpoint.
+
+        ``record`` is what the checkpoint's state says of the source, ``count`` its rows (or
+        samples) delivered. As for one lake, files added join at the next epoch boundary (the
+        saved epoch finishes on the snapshot pinned as leaf ``name``) and files gone or
+        rewritten go by the policy; under ``"restart_epoch"`` the saved epoch runs again from
+        ``count`` on the lake of now (its rows delivered before come again).
+
+        Returns:
+            None when the source is not a lake that changed (a followed lake's increments are
+            found by their marks): its stream resumes from its record.
+
+        Raises:
+            LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
+            StateMismatchError: If the order configuration differs.
+        """
+        if record.increment is not None or live.follow is not None:
+            return None
+        if record.fingerprint == live.fingerprint or name not in ckpt.manifests:
+            return None
+        if record.config != live.config_hash:
+            return None  # refused with both sides named when the record is checked
+        pinned = live.pinned_to(from_manifest(ckpt.manifests[name], live.config.columns))
+        epoch, position = divmod(count - record.start, max(record.rows, 1))
+        epoch += record.epoch
+        start = count - position
+        where = f"{ckpt.path} (source {name!r})"
+        if live.snapshot.table is None:
+            diff = diff_snapshots(pinned.snapshot, live.snapshot)
+        else:
+            diff = check_files(live.fs, pinned.snapshot.files)
+        if not enforce(diff, self.on_lake_change, where, position == 0):
+            return SourceResumption(live, epoch, count)
+        if position == 0:  # the saved epoch is over: the next runs on the lake of now
+            return SourceResumption(live, epoch, start)
+        pinned = pinned.followed_by(epoch + 1, live, lost_units(pinned.snapshot, diff))
+        return SourceResumption(pinned, epoch, start)
 
     def pinned_dataset(self, ckpt: Checkpoint, settings: dict[str, Any]) -> LakeDataset:
         """The dataset of a checkpoint's pinned snapshot, with the lake's changes applied.

@@ -40,12 +40,17 @@ def records(mixture: Mixture) -> dict[str, SourceRecord]:
 
 
 def resume_mixture(
-    saved: MixtureState, mixture: Mixture, now: dict[str, SourceRecord] | None = None
+    saved: MixtureState,
+    mixture: Mixture,
+    now: dict[str, SourceRecord] | None = None,
+    moved: frozenset[str] = frozenset(),
 ) -> MixtureResumption:
     """Map ``saved`` onto ``mixture``.
 
     ``now``: what each source is as the state would record it (a followed lake's: the
     increment the saved record names, found again); None: :func:`records` of ``mixture``.
+    ``moved``: the sources whose lake changed since a checkpoint, which the recovery
+    coordinator mapped onto the lake of now (``RecoveryCoordinator.resume_source``).
 
     Raises:
         StateMismatchError: If the mixture's seed differs, or a source present in both reads
@@ -57,9 +62,9 @@ def resume_mixture(
             f"interleaving would change. Build the Mixture with seed={saved.seed}"
         )
     now = records(mixture) if now is None else now
-    for name in sorted(set(now) & set(saved.sources)):
+    for name in sorted((set(now) & set(saved.sources)) - moved):
         was, cur = saved.sources[name], now[name]
-        if was != cur:
+        if not was.same_source(cur):
             raise StateMismatchError(
                 f"mixture source {name!r} is not the one saved: saved snapshot {was.fingerprint} "
                 f"(config {was.config}, {was.rows} rows), now {cur.fingerprint} (config "

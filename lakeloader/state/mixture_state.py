@@ -46,7 +46,10 @@ class SourceRecord:
         rows: Rows in one of its epochs.
         increment: A followed lake's: the marks of the increment its count stands in (the
             record is that increment's), or None.
-        start: A followed lake's: the offset of that increment's first row in its stream.
+        start: The offset in the source's stream of the first row of the epoch the record is
+            of (a followed lake's: of the increment), when its epochs were not all of this
+            size (the lake grew at a resume); else 0.
+        epoch: The number of that epoch (a lake that grew); else 0.
     """
 
     fingerprint: str
@@ -54,6 +57,33 @@ class SourceRecord:
     rows: int
     increment: list[Any] | None = None
     start: int = 0
+    epoch: int = 0
+
+    def same_source(self, other: SourceRecord) -> bool:
+        """Whether both are of the same snapshot, configuration and increment (wherever in it)."""
+        return (self.fingerprint, self.config, self.rows, self.increment) == (
+            other.fingerprint,
+            other.config,
+            other.rows,
+            other.increment,
+        )
+
+    def to_dict(self, count: int) -> dict[str, Any]:
+        """Plain types, with where ``count`` stands: its epoch and position (for readers)."""
+        if self.increment is not None:
+            at = {"increment": self.increment, "start": self.start}
+            where = {"epoch": int(self.increment[0]), "position": count - self.start}
+        else:
+            at = {"start": self.start, "from_epoch": self.epoch} if self.start else {}
+            epoch, position = divmod(count - self.start, max(self.rows, 1))
+            where = {"epoch": self.epoch + epoch, "position": position}
+        return {
+            "fingerprint": self.fingerprint,
+            "config": self.config,
+            "rows": self.rows,
+            **at,
+            **where,  # derived from the count, for people reading a state
+        }
 
 
 @dataclass(frozen=True)
@@ -127,15 +157,7 @@ class MixtureState:
             "epoch_start": self.epoch_start,
             "epoch_rows": self.epoch_rows,
             "sources": {
-                name: {
-                    "fingerprint": r.fingerprint,
-                    "config": r.config,
-                    "rows": r.rows,
-                    **({} if r.increment is None else {"increment": r.increment, "start": r.start}),
-                    # Derived from the count, for people reading a state: where it stands.
-                    **_where(self.counts.get(name, 0), r),
-                }
-                for name, r in self.sources.items()
+                name: r.to_dict(self.counts.get(name, 0)) for name, r in self.sources.items()
             },
             "topology": dict(self.topology),
             "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
@@ -171,6 +193,7 @@ class MixtureState:
                     int(r["rows"]),
                     r.get("increment"),
                     int(r.get("start", 0)),
+                    int(r.get("from_epoch", 0)),
                 )
                 for name, r in data["sources"].items()
             }
@@ -190,10 +213,3 @@ class MixtureState:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed mixture state: {exc!r}") from exc
-
-
-def _where(count: int, record: SourceRecord) -> dict[str, int]:
-    """The epoch a source's count stands in, and the position in it (for readers of a state)."""
-    if record.increment is not None:
-        return {"epoch": int(record.increment[0]), "position": count - record.start}
-    return {"epoch": count // max(record.rows, 1), "position": count % max(record.rows, 1)}
