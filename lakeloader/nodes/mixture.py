@@ -27,7 +27,7 @@ from lakeloader.nodes.base import (
     read_counts,
     row_units,
 )
-from lakeloader.nodes.streams import SourceStream
+from lakeloader.nodes.streams import SourceStream, moved_streams, pinned_datasets
 from lakeloader.nodes.views import mixture_view
 from lakeloader.order.mixture import MixCursor, Spans
 from lakeloader.order.plan import rank_bounds
@@ -348,13 +348,7 @@ class MixtureNode(Node):
                 epoch still needs are gone or rewritten.
         """
         saved = MixtureState.from_dict(dict(ckpt.state_dict))
-        moved = {}
-        for name in set(self.mixture.names) & set(saved.sources):
-            live, record = self.mixture.sources[name], saved.sources[name]
-            at = coordinator.resume_source(ckpt, name, live, record, saved.counts.get(name, 0))
-            if at is not None:
-                moved[name] = SourceStream(at.dataset, at.start, epoch=at.epoch)
-        self._restore(saved, moved)
+        self._restore(saved, moved_streams(ckpt, coordinator, saved, self.mixture.sources))
 
     def _restore(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
         """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
@@ -398,13 +392,8 @@ class MixtureNode(Node):
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
-        counts = self._state.counts
-        return {
-            n: stream.holding(counts.get(n, 0))[2]
-            if stream.varies and not stream.follows
-            else self.mixture.sources[n]
-            for n, stream in zip(self.mixture.names, self._streams, strict=True)
-        }
+        streams = dict(zip(self.mixture.names, self._streams, strict=True))
+        return pinned_datasets(streams, self._state.counts, self.mixture.sources)
 
     def view(self) -> ReaderView:
         """The pass under way, each rank's share of the next step, where each source stands."""

@@ -13,15 +13,17 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import decoding_setup
 from lakeloader.nodes.packing import PackingNode
-from lakeloader.nodes.streams import SourceStream
+from lakeloader.nodes.streams import SourceStream, moved_streams, pinned_datasets
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.packed_parts import arena_layout
+from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.mixture_resume import resume_mixture
 from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.state.packed_state import PackedMixtureState
@@ -134,19 +136,43 @@ class PackedMixtureNode(PackingNode):
             StateFormatError: If it is not a packed mixture's state of a known version.
             StateMismatchError: If a source or the seed differs from the saved one.
         """
-        self.host._close_iterator("load_state_dict()")
+        self._resume_cursor(self._saved_cursor(state_dict), {})
+
+    def _saved_cursor(
+        self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> MixtureState:
+        """The cursor of a state (or of every rank's), their quarantines merged."""
         given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
         states = [PackedMixtureState.from_dict(s).mixture for s in given]
-        saved = dataclasses.replace(
+        return dataclasses.replace(
             states[0], quarantine=tuple(merge(*(s.quarantine for s in states)))
         )
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint on the lakes of now, as a Mixture's loader does.
+
+        A source that grew finishes its saved epoch's samples on its pinned snapshot.
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+            LakeChangedError: Under ``"error"``, when a source's saved epoch needs files gone.
+        """
+        saved = self._saved_cursor(dict(ckpt.state_dict))
+        sources, size, config = self.mixture.sources, self._samples_of, self._packing_hash
+        self._resume_cursor(saved, moved_streams(ckpt, coordinator, saved, sources, size, config))
+
+    def _resume_cursor(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
+        """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
+        self.host._close_iterator("load_state_dict()")
         self._streams = {
-            n: SourceStream.resumed(ds, saved.sources[n], self._samples_of)
+            n: moved[n]
+            if n in moved
+            else SourceStream.resumed(ds, saved.sources[n], self._samples_of)
             if n in saved.sources
             else SourceStream(ds, size=self._samples_of)
             for n, ds in self.mixture.sources.items()
         }
-        resumed = resume_mixture(saved, self.mixture, self._records({}))
+        resumed = resume_mixture(saved, self.mixture, self._records({}), frozenset(moved))
         for change in resumed.changes:
             logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
         mixture = dataclasses.replace(resumed.state, topology=self._topology())
@@ -161,8 +187,8 @@ class PackedMixtureNode(PackingNode):
         return self._mixed.mixture
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshots a checkpoint pins: one per source."""
-        return dict(self.mixture.sources)
+        """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
+        return pinned_datasets(self._streams, self._mixed.mixture.counts, self.mixture.sources)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The samples' cursor: plain types, the same on every rank."""

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.io.reader import UnitReader
@@ -38,7 +39,7 @@ from lakeloader.nodes.base import (
     read_counts,
     unit_entries,
 )
-from lakeloader.nodes.streams import SourceStream
+from lakeloader.nodes.streams import SourceStream, pinned_datasets
 from lakeloader.nodes.views import packed_view
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.plan import rank_bounds
@@ -52,6 +53,7 @@ from lakeloader.pipeline.packed_parts import (
 )
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
+from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import SourceRecord
@@ -220,7 +222,7 @@ class PackingNode(Node):
         at = stream.record(cursor.slot)  # a followed lake's: the increment it stands in
         self._state = dataclasses.replace(
             self._state, samples=cursor.slot, fingerprint=at.fingerprint, increment=at.increment,
-            start=at.start,
+            start=at.start, from_epoch=at.epoch,
         )  # fmt: skip
         self.add_quarantine(skipped)
 
@@ -247,21 +249,54 @@ class PackingNode(Node):
             StateFormatError: If it is not a packed state of a known version.
             StateMismatchError: If it belongs to another snapshot or configuration.
         """
-        self.host._close_iterator("load_state_dict()")
+        self._restore(self._parsed(state_dict), None)
+
+    def _parsed(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> PackedState:
+        """A state (or every rank's), their quarantines merged."""
         given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
         per_epoch = self._samples_of(self.dataset)
         states = [PackedState.from_dict(s, per_epoch) for s in given]
-        saved = states[0].with_quarantine(q for s in states for q in s.quarantine)
-        record = SourceRecord(saved.fingerprint, "", 0, saved.increment, saved.start)
-        stream = SourceStream.resumed(self.dataset, record, self._samples_of)
-        now = stream.record(saved.samples).fingerprint
-        if (saved.fingerprint, saved.config) != (now, self._config):
-            raise StateMismatchError(
-                f"the packed state is of snapshot {saved.fingerprint} with configuration "
-                f"{saved.config}; this loader reads {now} with {self._config}: resume with "
-                "the same lake snapshot, order settings and packing"
+        return states[0].with_quarantine(q for s in states for q in s.quarantine)
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint, on the lake of now.
+
+        If the lake changed since the checkpoint, the saved epoch finishes on the snapshot the
+        checkpoint pinned and later epochs take the lake of now (see
+        ``RecoveryCoordinator.resume_source``).
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+            LakeChangedError: Under ``on_lake_change="error"``, when files the saved epoch
+                still needs are gone or rewritten.
+        """
+        saved = self._parsed(dict(ckpt.state_dict))
+        record = SourceRecord(
+            saved.fingerprint, saved.config, 0, saved.increment, saved.start, saved.from_epoch
+        )
+        size, count = self._samples_of, saved.samples
+        at = coordinator.resume_source(ckpt, ONLY, self.dataset, record, count, size, self._config)
+        moved = None if at is None else SourceStream(at.dataset, at.start, size, at.epoch)
+        self._restore(saved, moved)
+
+    def _restore(self, saved: PackedState, moved: SourceStream | None) -> None:
+        """Continue from ``saved``; ``moved``: the stream the recovery coordinator mapped."""
+        self.host._close_iterator("load_state_dict()")
+        stream = moved
+        if stream is None:
+            record = SourceRecord(
+                saved.fingerprint, "", 0, saved.increment, saved.start, saved.from_epoch
             )
+            stream = SourceStream.resumed(self.dataset, record, self._samples_of)
+            now = stream.record(saved.samples).fingerprint
+            if (saved.fingerprint, saved.config) != (now, self._config):
+                raise StateMismatchError(
+                    f"the packed state is of snapshot {saved.fingerprint} with configuration "
+                    f"{saved.config}; this loader reads {now} with {self._config}: resume with "
+                    "the same lake snapshot, order settings and packing"
+                )
         self._streams, self._state = {ONLY: stream}, saved
+        self._moved(MixCursor(saved.samples, {ONLY: saved.samples}), [])
         self._restored()
 
     def barrier_position(self) -> Position:
@@ -313,8 +348,8 @@ class PackingNode(Node):
         return list(self.barrier_position().quarantine)
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshot a checkpoint pins."""
-        return {"lake": self.dataset}
+        """The snapshot a checkpoint pins: of the epoch the samples stand in."""
+        return pinned_datasets(self._streams, {ONLY: self._state.samples}, {ONLY: self.dataset})
 
     def _readers_used(self) -> list[UnitReader]:
         return [self._reader]

@@ -16,16 +16,18 @@ snapshot the checkpoint pinned, the later ones on the lake of now, each of its o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.lake.following import increment_at
 from lakeloader.lake.increments import Increment
 from lakeloader.order.mixture import Spans
+from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, epoch_runs
-from lakeloader.state.mixture_state import SourceRecord
+from lakeloader.state.mixture_state import MixtureState, SourceRecord
 from lakeloader.topology import Topology
 
 
@@ -162,3 +164,47 @@ class SourceStream:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""
         while len(self.known) > 1 and self.known[1][1] <= count:
             self.known.pop(0)
+
+
+def pinned_datasets(
+    streams: Mapping[str, SourceStream],
+    counts: Mapping[str, int],
+    given: Mapping[str, LakeDataset],
+) -> dict[str, LakeDataset]:
+    """What a checkpoint pins of each source, at these counts.
+
+    The snapshot of the epoch its count stands in when its epochs are known one by one (a lake
+    that grew), so that the manifest is of the snapshot its record names; else the dataset as
+    given (a followed lake's increments are found again by their marks).
+    """
+    return {
+        name: stream.holding(counts.get(name, 0))[2]
+        if stream.varies and not stream.follows
+        else given[name]
+        for name, stream in streams.items()
+    }
+
+
+def moved_streams(
+    ckpt: Checkpoint,
+    coordinator: RecoveryCoordinator,
+    saved: MixtureState,
+    sources: Mapping[str, LakeDataset],
+    size: Callable[[LakeDataset], int] = len,
+    config: Callable[[LakeDataset], str] | None = None,
+) -> dict[str, SourceStream]:
+    """The streams of a mixture's sources whose lakes changed since ``ckpt``.
+
+    Each is mapped onto the lake of now by ``RecoveryCoordinator.resume_source`` (the saved
+    epoch on the snapshot the checkpoint pinned, the later ones on the lake of now). ``size``:
+    an epoch's offsets (rows, or a packed source's samples); ``config``: what a source's record
+    names as its configuration (None: its order's hash).
+    """
+    moved = {}
+    for name in sorted(set(sources) & set(saved.sources)):
+        live, count = sources[name], saved.counts.get(name, 0)
+        expected = None if config is None else config(live)
+        at = coordinator.resume_source(ckpt, name, live, saved.sources[name], count, size, expected)
+        if at is not None:
+            moved[name] = SourceStream(at.dataset, at.start, size, at.epoch)
+    return moved

@@ -43,7 +43,9 @@ class PackedState:
         quarantine: Units skipped for good, sorted (their tokens delivered as padding).
         increment: A followed lake's: the marks of the increment ``samples`` stands in (its
             ``fingerprint`` is that increment's), or None.
-        start: The samples before that increment.
+        start: The samples before that increment; or, for a lake that grew at a resume, before
+            the epoch ``samples`` stands in (its epochs were not all of one size); else 0.
+        from_epoch: That epoch's number (a lake that grew); else 0.
     """
 
     fingerprint: str
@@ -52,6 +54,7 @@ class PackedState:
     quarantine: tuple[QuarantineEntry, ...] = ()
     increment: list[Any] | None = None
     start: int = 0
+    from_epoch: int = 0
 
     @property
     def config_hash(self) -> str:
@@ -87,7 +90,11 @@ class PackedState:
             "samples": self.samples,
             "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
             **(
-                {} if self.increment is None else {"increment": self.increment, "start": self.start}
+                {"increment": self.increment, "start": self.start}
+                if self.increment is not None
+                else {"start": self.start, "from_epoch": self.from_epoch}
+                if self.start
+                else {}
             ),
         }
 
@@ -126,6 +133,7 @@ class PackedState:
                 quarantine,
                 None if increment is None else list(increment),
                 int(data.get("start", 0)),
+                int(data.get("from_epoch", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed packed state: {exc!r}") from exc
