@@ -344,6 +344,11 @@ class LakeDataset:
         """The plan of one epoch (cached for the last few epochs)."""
         return self._plan_cached(epoch)
 
+    @property
+    def grows_at(self) -> int | None:
+        """The first epoch run on another dataset (see :meth:`followed_by`), or None."""
+        return None if self._successor is None else self._successor[0]
+
     def pinned_to(self, snapshot: Snapshot) -> LakeDataset:
         """A twin of this dataset on another snapshot of the same lake (same settings, order).
 

@@ -9,6 +9,7 @@ through its own epochs in its own order, a small source starting its next epoch 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import Any, Final
@@ -148,6 +149,16 @@ class Mixture:
             _check_packing(self.sources, packing, self.schema)
             self.sources = {n: ds.packed(packing) for n, ds in self.sources.items()}
         self.batch_transform = _one_batch_transform(self.sources, batch_transform)
+
+    def with_sources(self, sources: Mapping[str, LakeDataset]) -> Mixture:
+        """A twin of this mixture with these sources in place of some (the same settings).
+
+        The recovery coordinator's: a source whose lake changed since a checkpoint reads its
+        saved epoch from the pinned snapshot (``LakeDataset.followed_by``).
+        """
+        twin = copy.copy(self)
+        twin.sources = {**self.sources, **sources}
+        return twin
 
     def __len__(self) -> int:
         """Rows in one pass over the mixture (``epoch_rows``)."""

@@ -13,12 +13,14 @@ import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
+from lakeloader.nodes.streams import SourceStream
 from tests.conftest import global_batches, make_loaders
 
 WEB, CODE = list(range(200)), list(range(1_000_000, 1_000_150))
@@ -46,8 +48,8 @@ def _run(loaders: Sequence[ll.DataLoader], steps: int | None = None) -> list[int
     return [i for _ in range(2) for b in global_batches(loaders) for i in b]
 
 
-def _loaded(root: Path, ckpt: Path, world: int, batch: int) -> list[ll.DataLoader]:
-    loaders = make_loaders(_mixture(root), world, batch_size=batch)
+def _loaded(root: Path, ckpt: Path, world: int, batch: int, **kw: Any) -> list[ll.DataLoader]:
+    loaders = make_loaders(_mixture(root), world, batch_size=batch, **kw)
     for loader in loaders:
         ll.CheckpointManager(str(ckpt)).load(loader)
     return loaders
@@ -88,7 +90,11 @@ def test_the_saved_epoch_finishes_on_the_pinned_files_and_later_ones_take_the_ne
     with caplog.at_level(logging.WARNING, logger="lakeloader"):
         loaders = _loaded(root, ckpt, 2, 6)
     assert "1 file(s) were added" in caplog.text and "part-1.parquet" in caplog.text
-    ids = seen + _run(loaders)
+    ids, decoded = list(seen), []
+    for _ in range(2):  # a pass, then the next: web's reader changes snapshot in between
+        ids += [i for b in global_batches(loaders) for i in b]
+        decoded.append(loaders[0].stats()["units_decoded"])
+    assert 0 < decoded[0] < decoded[1], "the reads of a source's earlier snapshot still count"
     _close(loaders)
     web = [i for i in ids if i < 1_000_000]
     code = [i for i in ids if i >= 1_000_000]
@@ -131,3 +137,60 @@ def test_a_checkpoint_after_the_resume_continues_exactly(
                 head + [i for b in fresh for i in b["id"].tolist()]
                 == whole[: len(head) + len(rest_of_pass)]
             )
+
+
+def test_a_rollback_to_its_own_state_and_workers_on_either_side_of_the_saved_epochs_end(
+    grown: tuple[Path, Path, list[int]],
+) -> None:
+    """The loader's own state reloads (a FaultTolerantLoader's rollback) while the grown source
+    finishes its saved epoch on the pinned snapshot (3 steps in) and after it (30 steps in),
+    with 2 worker processes: the same rows as without the rollback."""
+    root, ckpt, _ = grown
+    [whole_loader] = _loaded(root, ckpt, 1, 12, num_workers=2)
+    whole = _run([whole_loader], 38)
+    for back in (3, 30):
+        [loader] = _loaded(root, ckpt, 1, 12, num_workers=2)
+        head = _run([loader], back)
+        state = loader.state_dict()
+        _run([loader], 5)
+        loader.load_state_dict(state)
+        assert head + _run([loader], 38 - back) == whole
+        loader.close()
+    whole_loader.close()
+
+
+def test_the_units_behind_a_step_of_the_saved_epoch_are_the_pinned_files(
+    grown: tuple[Path, Path, list[int]],
+) -> None:
+    """``quarantine_step`` of the first step after the resume (in web's saved epoch) names the
+    same units whether asked at once or once web's later epoch runs on the lake of now."""
+    root, ckpt, _ = grown
+
+    def behind(steps: int) -> list[tuple[str, int]]:
+        [loader] = _loaded(root, ckpt, 1, 12)
+        _run([loader], steps)
+        entries = loader.quarantine_step(17)
+        loader.close()
+        return sorted((Path(e.path).name, e.row_group) for e in entries if "/web/" in e.path)
+
+    at_once = behind(1)
+    assert at_once and {name for name, _ in at_once} == {"part-0.parquet"}
+    assert behind(30) == at_once
+
+
+def test_a_record_at_an_epoch_boundary_is_of_the_next_epoch_however_far_it_looked_ahead(
+    tmp_path: Path,
+) -> None:
+    """A stream over a lake that grew records the epoch that holds its count, known or not."""
+    _write(tmp_path / "web", "part-0", WEB)
+    pinned = ll.LakeDataset(tmp_path / "web", seed=4)
+    _write(tmp_path / "web", "part-1", ADDED)
+    live = ll.LakeDataset(tmp_path / "web", seed=4)
+    chained = pinned.followed_by(1, live)
+    looked_ahead = SourceStream(chained)
+    looked_ahead.cover(len(WEB) + 5)
+    for stream in (SourceStream(chained), looked_ahead):
+        record = stream.record(len(WEB))
+        assert (record.fingerprint, record.start, record.epoch) == (live.fingerprint, 200, 1)
+        assert record.where(len(WEB) + 7) == (1, 7)
+        assert stream.dataset(0) is chained and stream.dataset(3) is live

@@ -83,3 +83,18 @@ def test_appended_tokens_arrive_once_across_a_resume_on_a_dataset_made_anew(tmp_
     # what is left is the last increment's tail: less than a global step of samples
     assert len(missing) < 6 * L and all(t > 70 * 32 for t in missing), missing[:10]
     assert np.count_nonzero(np.array(seen) == EOS) <= lake.rows
+
+
+def test_worker_processes_leave_a_followed_lakes_increments_to_the_loader(tmp_path: Path) -> None:
+    """With ``num_workers``, an increment's units are decoded by the loader's threads: the
+    workers' readers know the first increment's files only (they read the wrong file)."""
+    lake = Lake(tmp_path / "lake")
+    lake.add(40)
+    with ll.DataLoader(lake.dataset(), batch_size=3, num_workers=2) as loader:
+        seen = take([loader])
+        lake.add(30)  # increment 1
+        seen += take([loader])
+    body = [t for t in seen if t != EOS]
+    assert max(Counter(body).values()) == 1, "no token twice"
+    want = {t for i in range(lake.rows) for t in tokens_of(i)}
+    assert set(body) <= want and len(want - set(body)) < 3 * L, "increment 1's tokens arrived"

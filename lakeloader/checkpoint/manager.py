@@ -313,11 +313,11 @@ class CheckpointManager:
         the world size that saved them. ``rng`` restores each rank's random generators as
         they were at the save (ranks the saving run did not have keep theirs).
 
-        The loader may have any world size, worker count or batch size. A Mixture's or a
-        packed loader takes the saved state as ``load_state_dict`` does. For a loader over one
-        lake the :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot
-        with the loader's dataset: files added since join at the next epoch boundary (the
-        saved epoch finishes on the pinned snapshot). For files gone or rewritten that the
+        The loader may have any world size, worker count or batch size. The
+        :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot of each
+        lake (a Mixture's: each source's) with the loader's: files added since join at the
+        next epoch boundary (the saved epoch finishes on the pinned snapshot; a Mixture's or a
+        packed stream's source finishes its own saved epoch). For files gone or rewritten that the
         rest of the saved epoch needs, ``on_lake_change="error"`` raises
         :class:`LakeChangedError` listing them; ``"skip"`` finishes the epoch without their
         units (their rows are counted as skipped); ``"restart_epoch"`` runs the saved epoch

@@ -97,8 +97,9 @@ def _mixture(state: MixtureState, ckpt: Checkpoint, unit: str) -> dict[str, Any]
     sources = []
     for name in sorted(set(state.counts) | set(state.sources)):
         count = state.counts.get(name, 0)
-        per_epoch = state.sources[name].rows if name in state.sources else None
-        epoch, consumed = divmod(count, per_epoch) if per_epoch else (None, None)
+        record = state.sources.get(name)
+        per_epoch = record.rows if record is not None else None
+        epoch, consumed = record.where(count) if record is not None else (None, None)
         sources.append(
             {
                 "source": name,

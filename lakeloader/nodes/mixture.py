@@ -18,6 +18,7 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
@@ -77,6 +78,8 @@ class MixtureNode(Node):
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
         self._readers = [mixture.sources[n].reader() for n in mixture.names]
+        #: Readers replaced as a source's stream went on to another snapshot (still counted).
+        self._retired: list[UnitReader] = []
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
         self._streams_known()
@@ -227,6 +230,7 @@ class MixtureNode(Node):
         known = self._state.quarantine
         for i, stream in enumerate(self._streams):
             if self._readers[i].snapshot is not stream.known[0][2].snapshot:
+                self._retired.append(self._readers[i])
                 self._readers[i] = stream.known[0][2].reader()
         return [
             Leaf(stream.known[0][2], r, known, BatchRecipe(ds.transform, lists=ds.list_format))
@@ -317,10 +321,10 @@ class MixtureNode(Node):
         return self._state.to_dict()
 
     def _streams_known(self) -> None:
-        """What follows from the sources' streams: whether any is known epoch by epoch."""
-        #: Whether a source's epochs are known one by one (a followed lake's increments, a
-        #: lake that grew since a checkpoint): decoded here, records kept up at each step.
-        self.varies = any(stream.varies for stream in self._streams)
+        """What follows from the sources' streams: whether any is not plain."""
+        #: Whether a source's stream is not plain (a followed lake's increments, a lake that
+        #: grew since a checkpoint): decoded here, not in workers; records kept up each step.
+        self.varies = any(not stream.plain for stream in self._streams)
         self.follows = any(stream.follows for stream in self._streams)
 
     def restore(self, state_dict: dict[str, Any]) -> None:
@@ -369,8 +373,13 @@ class MixtureNode(Node):
         resumed = resume_mixture(saved, self.mixture, now, frozenset(moved))
         self.tracker.record.restored()
         self._counts = dict(resumed.state.counts)
-        self._streams = streams
+        if moved:  # what the loader reads now (a re-sliced loader is made on it, too)
+            bases = {n: stream.base for n, stream in moved.items()}
+            self.mixture = self.dataset = self.mixture.with_sources(bases)
+        varied, self._streams = self.varies, streams
         self._streams_known()
+        if varied or self.varies:  # the workers' readers may be of other snapshots
+            self.host._shutdown_workers()
         self._readers = [stream.known[0][2].reader() for stream in streams]
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
@@ -406,7 +415,7 @@ class MixtureNode(Node):
 
     def stats(self) -> dict[str, int]:
         """What the sources' readers did."""
-        return read_counts(self._readers)
+        return read_counts([*self._retired, *self._readers])
 
 
 def _next_pass(state: MixtureState) -> MixtureState:

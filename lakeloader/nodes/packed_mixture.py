@@ -164,6 +164,11 @@ class PackedMixtureNode(PackingNode):
     def _resume_cursor(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
         """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
         self.host._close_iterator("load_state_dict()")
+        if moved:  # what the loader reads now (a re-sliced loader is made on it, too)
+            bases = {n: stream.base for n, stream in moved.items()}
+            self.mixture = self.dataset = self.mixture.with_sources(bases)
+            self._readers.update({n: ds.reader() for n, ds in bases.items()})
+            self.host._shutdown_workers()  # their readers are of other snapshots
         self._streams = {
             n: moved[n]
             if n in moved

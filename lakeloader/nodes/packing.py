@@ -175,6 +175,7 @@ class PackingNode(Node):
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
         self._pass_topology = host.topology  # the pass's: what each delivery's runs are over
+        plain = all(source.stream.plain for source in sources)
         it = PackedIterator(
             sources,
             packing,
@@ -184,7 +185,9 @@ class PackingNode(Node):
             self._pass_topology,
             host.options,
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
-            host._ensure_pool() if host.options.num_workers else None,
+            # workers decode a lake's units by their place in its snapshot: every source must
+            # read one snapshot for good (not a followed lake's increments, nor a lake that grew)
+            host._ensure_pool() if host.options.num_workers and plain else None,
             self._delivered,
             BatchRecipe(None, host.options.collate_fn, batch_transform),
             source_key,
@@ -295,6 +298,9 @@ class PackingNode(Node):
                     f"{saved.config}; this loader reads {now} with {self._config}: resume with "
                     "the same lake snapshot, order settings and packing"
                 )
+        if moved is not None:  # what the loader reads now (a re-sliced loader too)
+            self.dataset, self._reader = stream.base, stream.base.reader()
+            self.host._shutdown_workers()  # their reader is of another snapshot
         self._streams, self._state = {ONLY: stream}, saved
         self._moved(MixCursor(saved.samples, {ONLY: saved.samples}), [])
         self._restored()

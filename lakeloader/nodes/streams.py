@@ -9,9 +9,10 @@ lake's epochs are its increments, of any size, appended while the run goes on:
 offset it starts at, and waits for the next one when a draw reaches past the last
 (``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). A lake that grew between a
 checkpoint and its resume is known the same way, epoch by epoch: the saved epoch on the
-snapshot the checkpoint pinned, the later ones on the lake of now, each of its own size
-(:meth:`SourceStream.grown`). Its :meth:`SourceStream.spans` are what
-:func:`lakeloader.order.mixture.draw_parts` cuts the draws with.
+snapshot the checkpoint pinned, the later ones on the lake of now, each of its own size (the
+dataset ``RecoveryCoordinator.resume_source`` gives, whose ``for_epoch`` switches). Its
+:meth:`SourceStream.spans` are what :func:`lakeloader.order.mixture.draw_parts` cuts the draws
+with.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ class SourceStream:
     """One source's rows, epoch after epoch (see the module docstring).
 
     Args:
-        dataset: The source (for a followed lake: the increment the stream is known from).
-        start: The stream's offset of that increment's (or epoch's) first row.
+        dataset: The source: a lake (epoch ``k`` runs on ``dataset.for_epoch(k)``), or a
+            followed lake's increment the stream is known from.
+        start: The stream's offset of the first row of that epoch (or increment).
         size: The offsets an epoch's dataset holds (its rows: ``len``).
-        epoch: The epoch that starts at ``start`` (a followed lake's: its increment's).
+        epoch: The epoch that starts at ``start`` (ignored for a followed lake: its
+            increment's number).
     """
 
     def __init__(
@@ -48,19 +51,18 @@ class SourceStream:
         size: Callable[[LakeDataset], int] = len,
         epoch: int = 0,
     ) -> None:
-        self.size = size
+        self.size, self.base = size, dataset
         #: Whether it waits for its lake's increments.
         self.follows = dataset.follow is not None
         increment = dataset.snapshot.increment
         first = increment.index if self.follows and increment is not None else epoch
+        at = dataset if self.follows else dataset.for_epoch(first)
         #: Whether its epochs are known one by one (of any size), not ``size`` rows from 0 on.
-        self.varies = (
-            self.follows
-            or start != first * size(dataset)
-            or dataset.for_epoch(first + 1) is not dataset
-        )
+        self.varies = self.follows or start != first * size(at) or at.grows_at is not None
+        #: Whether it reads one lake's snapshot for good (its epochs: ``size`` rows from 0 on).
+        self.plain = not self.varies and at is dataset and dataset.grows_at is None
         #: ``(epoch, first offset, dataset)`` of each increment known, in order.
-        self.known: list[tuple[int, int, LakeDataset]] = [(first, start, dataset)]
+        self.known: list[tuple[int, int, LakeDataset]] = [(first, start, at)]
 
     @classmethod
     def resumed(
@@ -105,13 +107,16 @@ class SourceStream:
         for known, _, ds in self.known:
             if known == epoch:
                 return ds
-        return self.known[0][2].for_epoch(epoch)
+        return (self.known[0][2] if self.follows else self.base).for_epoch(epoch)
 
     def holding(self, count: int) -> tuple[int, int, LakeDataset]:
         """The ``(epoch, first offset, dataset)`` known that holds offset ``count``.
 
-        Or the last one known, which ``count`` may follow.
+        A followed lake's: or the last increment known, which ``count`` may follow (the next
+        one is not waited for).
         """
+        if not self.follows:
+            self.cover(count)
         held = self.known[0]
         for at in self.known:
             if at[1] <= count:
@@ -126,6 +131,8 @@ class SourceStream:
         it are done with.
         """
         epoch, start, ds = self.holding(count)
+        if not self.varies:  # epochs of one size from offset 0
+            return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds))
         if not self.follows:
             return SourceRecord(ds.fingerprint, ds.config_hash, self.size(ds), None, start, epoch)
         increment = ds.snapshot.increment

@@ -156,10 +156,11 @@ class RecoveryCoordinator:
         ``record`` is what the checkpoint's state says of the source, ``count`` its rows (or
         samples: ``size`` gives an epoch's) delivered, ``config`` what its record's
         configuration is on ``live`` (None: its order's hash). As for one lake, files added
-        join at the next epoch boundary (the
-        saved epoch finishes on the snapshot pinned as leaf ``name``) and files gone or
-        rewritten go by the policy; under ``"restart_epoch"`` the saved epoch runs again from
-        ``count`` on the lake of now (its rows delivered before come again).
+        join at the next epoch boundary (the saved epoch finishes on the snapshot pinned as
+        leaf ``name``) and files gone or rewritten go by the policy; under ``"restart_epoch"``
+        the saved epoch runs again from ``count`` on the lake of now (its rows delivered
+        before come again). A source of another configuration is left to the caller's check
+        of its record, which names both.
 
         Returns:
             None when the source is not a lake that changed (a followed lake's increments are
@@ -167,7 +168,6 @@ class RecoveryCoordinator:
 
         Raises:
             LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
-            StateMismatchError: If the order configuration differs.
         """
         if record.increment is not None or live.follow is not None:
             return None

@@ -47,9 +47,10 @@ class SourceRecord:
         increment: A followed lake's: the marks of the increment its count stands in (the
             record is that increment's), or None.
         start: The offset in the source's stream of the first row of the epoch the record is
-            of (a followed lake's: of the increment), when its epochs were not all of this
-            size (the lake grew at a resume); else 0.
-        epoch: The number of that epoch (a lake that grew); else 0.
+            of (a followed lake's: of the increment); 0 when its epochs all hold ``rows`` from
+            offset 0 (they do not after its lake grew, or an epoch restarted, at a resume).
+        epoch: The number of that epoch (0 with ``start`` 0; a followed lake's: see
+            ``increment``).
     """
 
     fingerprint: str
@@ -68,21 +69,27 @@ class SourceRecord:
             other.increment,
         )
 
+    def where(self, count: int) -> tuple[int, int]:
+        """The epoch that offset ``count`` of the source's stream stands in, and its place."""
+        if self.increment is not None:
+            return int(self.increment[0]), count - self.start
+        epoch, position = divmod(count - self.start, max(self.rows, 1))
+        return self.epoch + epoch, position
+
     def to_dict(self, count: int) -> dict[str, Any]:
         """Plain types, with where ``count`` stands: its epoch and position (for readers)."""
         if self.increment is not None:
             at = {"increment": self.increment, "start": self.start}
-            where = {"epoch": int(self.increment[0]), "position": count - self.start}
         else:
             at = {"start": self.start, "from_epoch": self.epoch} if self.start else {}
-            epoch, position = divmod(count - self.start, max(self.rows, 1))
-            where = {"epoch": self.epoch + epoch, "position": position}
+        epoch, position = self.where(count)  # derived from the count, for people reading it
         return {
             "fingerprint": self.fingerprint,
             "config": self.config,
             "rows": self.rows,
             **at,
-            **where,  # derived from the count, for people reading a state
+            "epoch": epoch,
+            "position": position,
         }
 
 
