@@ -80,6 +80,10 @@ SLOW_TESTS = frozenset(
         "test_warnings.py::test_a_lake_warning_in_a_worker_process_is_issued_in_the_loaders",
         "test_transforms.py::test_same_order_and_exact_resume_through_transforms",
         "test_backfill.py::test_a_state_resumes_under_another_topology",
+        "test_packing_growth.py::test_a_checkpoint_after_the_resume_continues_with_the_same_"
+        "samples",
+        "test_mixture_growth.py::test_a_rollback_to_its_own_state_and_workers_on_either_side_"
+        "of_the_saved_epochs_end",
     }
 )
 
