@@ -134,3 +134,38 @@ def test_a_checkpoint_after_the_resume_continues_with_the_same_samples(
         with ll.DataLoader(_source(root, mixed), batch_size=6) as fresh:
             fresh.load_state_dict(state)
             assert head + _steps([fresh], 50 - steps) == whole
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["packed-lake", "packed-mixture"])
+def test_a_later_checkpoint_loads_into_the_loader_that_resumed_and_states_say_their_version(
+    tmp_path: Path, mixed: bool
+) -> None:
+    """A loader that resumed after the growth takes a later checkpoint of its own run (as a
+    FaultTolerantLoader's re-slice does, made on ``loader.dataset``): the lake did not change
+    since. Its states name their epoch, in a version an older lakeloader refuses."""
+    root, ckpt, _ = _grown(tmp_path, mixed)
+    loaders = _loaded(root, ckpt, 1, 6, mixed)
+    head = _steps(loaders, 30)
+    ll.CheckpointManager(str(tmp_path / "later")).save(30, loaders[0])
+    state = loaders[0].state_dict()
+    whole = head + _steps(loaders, 10)
+    assert state["version"] == (2 if mixed else 3)
+    cursor = state["mixture"] if mixed else state
+    assert cursor["version"] == (2 if mixed else 3)
+    again = ll.DataLoader(loaders[0].dataset, batch_size=6)
+    for loader in (loaders[0], again):
+        ll.CheckpointManager(str(tmp_path / "later")).load(loader)
+        assert head + _steps([loader], 10) == whole
+    _close([*loaders, again])
+
+
+@pytest.mark.parametrize("policy", ["error", "skip", "restart_epoch"])
+def test_a_pinned_file_gone_is_refused_whatever_the_policy(tmp_path: Path, policy: str) -> None:
+    """A packed stream's saved epoch is cut by its files' token counts: without one of them it
+    cannot go on, and the error names the file (no footer of a file gone is read)."""
+    root, ckpt, _ = _grown(tmp_path, False)
+    (root / "a" / "part-0.parquet").unlink()
+    loader = ll.DataLoader(_source(root, False), batch_size=6)
+    with pytest.raises(ll.LakeChangedError, match=r"gone: .*part-0\.parquet"):
+        ll.CheckpointManager(str(ckpt)).load(loader, on_lake_change=policy)
+    loader.close()

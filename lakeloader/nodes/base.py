@@ -72,8 +72,23 @@ class Node:
     #: packed stream's samples), the record of the steps delivered, the rows counted.
     tracker: ReaderStateTracker
 
+    #: The snapshots the loader's workers were set up to decode (see :meth:`_pool_for`).
+    _pool_snapshots: tuple[str, ...] | None = None
+
     def __init__(self, host: Host) -> None:
         self.host = host
+
+    def _pool_for(self, readers: Sequence[UnitReader]) -> WorkerPool:
+        """The loader's workers, set up to decode these readers' snapshots.
+
+        Workers set up for other snapshots stop first: a decode task names a file by its place
+        in the snapshot its worker knows (a lake that grew, a followed lake's increment).
+        """
+        snapshots = tuple(reader.snapshot.fingerprint for reader in readers)
+        if self._pool_snapshots not in (None, snapshots):
+            self.host._shutdown_workers()
+        self._pool_snapshots = snapshots
+        return self.host._ensure_pool()
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy keeps: all but the loader (the copy's own loader attaches itself)."""

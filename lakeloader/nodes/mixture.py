@@ -185,7 +185,15 @@ class MixtureNode(Node):
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
         res = self.host._res
-        pool = self.host._ensure_pool() if self.host.options.num_workers else None
+        self._follow_streams()
+        # workers decode only sources that read one snapshot for good: a task names a file by
+        # its place in the snapshot its worker knows
+        decode = not self._workers_build and all(stream.plain for stream in self._streams)
+        pool = None
+        if self.host.options.num_workers and self._workers_build:
+            pool = self.host._ensure_pool()
+        elif self.host.options.num_workers and decode:
+            pool = self._pool_for(self._readers)
         state, size = self._state, self.host.global_batch_size
         cursor = MixCursor(state.slot, state.counts)
         sources = res.take_carried()
@@ -200,8 +208,7 @@ class MixtureNode(Node):
                 unit_dir,
                 pool,
                 self._layout(),
-                # a followed source's increments have readers of their own: decoded here
-                workers_decode=not self._workers_build and not self.varies,
+                workers_decode=decode,
             )
         left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
@@ -221,17 +228,20 @@ class MixtureNode(Node):
         res.iterator = it
         return it
 
-    def _leaves(self) -> list[Leaf]:
-        """Each source's lake and reader, in the order of the mixture's names.
+    def _follow_streams(self) -> None:
+        """A reader of the snapshot each source's stream stands on.
 
-        A source whose stream has gone on to another snapshot (a followed lake's increment,
-        a lake that grew) gets a reader of it.
+        A followed lake's increment, or a lake that grew, may have gone on to another one;
+        the replaced readers still count in ``stats()``.
         """
-        known = self._state.quarantine
         for i, stream in enumerate(self._streams):
             if self._readers[i].snapshot is not stream.known[0][2].snapshot:
                 self._retired.append(self._readers[i])
                 self._readers[i] = stream.known[0][2].reader()
+
+    def _leaves(self) -> list[Leaf]:
+        """Each source's lake and reader, in the order of the mixture's names."""
+        known = self._state.quarantine
         return [
             Leaf(stream.known[0][2], r, known, BatchRecipe(ds.transform, lists=ds.list_format))
             for stream, r, ds in zip(
@@ -321,10 +331,10 @@ class MixtureNode(Node):
         return self._state.to_dict()
 
     def _streams_known(self) -> None:
-        """What follows from the sources' streams: whether any is not plain."""
-        #: Whether a source's stream is not plain (a followed lake's increments, a lake that
-        #: grew since a checkpoint): decoded here, not in workers; records kept up each step.
-        self.varies = any(not stream.plain for stream in self._streams)
+        """What follows from the sources' streams: whether any is known epoch by epoch."""
+        #: Whether a source's epochs are known one by one (a followed lake's increments, a
+        #: lake that grew since a checkpoint): its record is kept up at each step.
+        self.varies = any(stream.varies for stream in self._streams)
         self.follows = any(stream.follows for stream in self._streams)
 
     def restore(self, state_dict: dict[str, Any]) -> None:
@@ -376,10 +386,9 @@ class MixtureNode(Node):
         if moved:  # what the loader reads now (a re-sliced loader is made on it, too)
             bases = {n: stream.base for n, stream in moved.items()}
             self.mixture = self.dataset = self.mixture.with_sources(bases)
-        varied, self._streams = self.varies, streams
+        self._streams = streams
         self._streams_known()
-        if varied or self.varies:  # the workers' readers may be of other snapshots
-            self.host._shutdown_workers()
+        self._retired += self._readers
         self._readers = [stream.known[0][2].reader() for stream in streams]
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)

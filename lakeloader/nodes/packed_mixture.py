@@ -15,7 +15,6 @@ from typing import Any
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
-from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import decoding_setup
@@ -107,7 +106,7 @@ class PackedMixtureNode(PackingNode):
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where the cursor stands."""
         mix, (cursor, weights, seed) = self.mixture, self._drawn()
-        sources = [self._source(n, mix.sources[n], self._readers[n]) for n in mix.names]
+        sources = [self._source(n) for n in mix.names]
         return self._begin(sources, cursor, weights, seed, mix.batch_transform, mix.source_key)
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
@@ -159,7 +158,9 @@ class PackedMixtureNode(PackingNode):
         """
         saved = self._saved_cursor(dict(ckpt.state_dict))
         sources, size, config = self.mixture.sources, self._samples_of, self._packing_hash
-        self._resume_cursor(saved, moved_streams(ckpt, coordinator, saved, sources, size, config))
+        self._resume_cursor(
+            saved, moved_streams(ckpt, coordinator, saved, sources, size, config, True)
+        )
 
     def _resume_cursor(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
         """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
@@ -167,8 +168,6 @@ class PackedMixtureNode(PackingNode):
         if moved:  # what the loader reads now (a re-sliced loader is made on it, too)
             bases = {n: stream.base for n, stream in moved.items()}
             self.mixture = self.dataset = self.mixture.with_sources(bases)
-            self._readers.update({n: ds.reader() for n, ds in bases.items()})
-            self.host._shutdown_workers()  # their readers are of other snapshots
         self._streams = {
             n: moved[n]
             if n in moved
@@ -199,6 +198,3 @@ class PackedMixtureNode(PackingNode):
         """The samples' cursor: plain types, the same on every rank."""
         refuse_fetched_ahead(fetched_ahead, "a packed mixture")
         return self._mixed.to_dict()
-
-    def _readers_used(self) -> list[UnitReader]:
-        return list(self._readers.values())

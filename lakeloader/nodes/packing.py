@@ -60,6 +60,7 @@ from lakeloader.state.mixture_state import SourceRecord
 from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
+from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,9 @@ class PackingNode(Node):
     """Packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
-    units (else this process's ``io_threads`` do); samples are cut, and the user's code run,
-    in this process.
+    units of a lake read from one snapshot for good (else, and for a followed lake's
+    increments or a saved epoch on a pinned snapshot, this process's ``io_threads`` do);
+    samples are cut, and the user's code run, in this process.
 
     Args:
         host: The loader.
@@ -93,6 +95,8 @@ class PackingNode(Node):
         self._tokens = self._padding = 0
         #: The samples delivered (of every epoch); the record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
+        #: Readers replaced as a source's stream went on to another snapshot (still counted).
+        self._retired: list[UnitReader] = []
         self._init(dataset)
         self.tracker.epoch = self.epoch
 
@@ -101,7 +105,7 @@ class PackingNode(Node):
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
         self._base = self.dataset = dataset
         self._check_column(dataset)
-        self._reader = dataset.reader()
+        self._readers = {ONLY: dataset.reader()}
         self._config = self._packing_hash(dataset)
         self._streams = {ONLY: SourceStream(dataset, size=self._samples_of)}
         self._state = PackedState(dataset.fingerprint, self._config, 0)
@@ -118,9 +122,18 @@ class PackingNode(Node):
         packing = self.dataset.packing if ds.packing is None else ds.packing
         return config_hash({**ds.config.to_dict(), "packing": packing.to_dict()})
 
-    def _source(self, name: str, ds: LakeDataset, reader: UnitReader) -> PackedSource:
-        """A source with its stream, its units' token counts and the quarantine so far."""
+    def _source(self, name: str) -> PackedSource:
+        """A source with its stream, its units' token counts and the quarantine so far.
+
+        Its reader is of the snapshot its stream stands on (a followed lake's increment or a
+        lake that grew may have gone on to another one; the replaced one still counts).
+        """
         stream = self._streams[name]
+        ds = stream.known[0][2]
+        if self._readers[name].snapshot is not ds.snapshot:
+            self._retired.append(self._readers[name])
+            self._readers[name] = ds.reader()
+        reader = self._readers[name]
         return PackedSource(ds, reader, stream, self._counts_of, tuple(self.quarantine))
 
     def _counts_of(self, ds: LakeDataset) -> np.ndarray:
@@ -157,7 +170,7 @@ class PackingNode(Node):
 
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where the state stands."""
-        source = self._source(ONLY, self.dataset, self._reader)
+        source = self._source(ONLY)
         cursor, weights, seed = self._drawn()
         return self._begin([source], cursor, weights, seed, self.dataset.batch_transform)
 
@@ -175,7 +188,6 @@ class PackingNode(Node):
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
         self._pass_topology = host.topology  # the pass's: what each delivery's runs are over
-        plain = all(source.stream.plain for source in sources)
         it = PackedIterator(
             sources,
             packing,
@@ -185,9 +197,7 @@ class PackingNode(Node):
             self._pass_topology,
             host.options,
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
-            # workers decode a lake's units by their place in its snapshot: every source must
-            # read one snapshot for good (not a followed lake's increments, nor a lake that grew)
-            host._ensure_pool() if host.options.num_workers and plain else None,
+            self._decoding_pool(sources),
             self._delivered,
             BatchRecipe(None, host.options.collate_fn, batch_transform),
             source_key,
@@ -195,11 +205,22 @@ class PackingNode(Node):
         res.iterator = it
         return it
 
+    def _decoding_pool(self, sources: list[PackedSource]) -> WorkerPool | None:
+        """The workers that decode the sources' units, if any.
+
+        Only sources that read one snapshot for good: a decode task names a file by its place
+        in the snapshot its worker knows (not a followed lake's increments, nor a lake that
+        grew while its saved epoch runs on the pinned snapshot).
+        """
+        if not self.host.options.num_workers or not all(s.stream.plain for s in sources):
+            return None
+        return self._pool_for([s.reader for s in sources])
+
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode the lake's units."""
-        layout = arena_layout([self.dataset], self._reader)
-        seed = self.dataset.config.seed
-        return decoding_setup(self.host, [(self.dataset, self._reader, layout)], seed)
+        reader = self._readers[ONLY]
+        layout = arena_layout([self.dataset], reader)
+        return decoding_setup(self.host, [(self.dataset, reader, layout)], self.dataset.config.seed)
 
     def _delivered(
         self, cursor: MixCursor, skipped: list[tuple[QuarantineEntry, ...]], tokens: int, pads: int
@@ -278,7 +299,9 @@ class PackingNode(Node):
             saved.fingerprint, saved.config, 0, saved.increment, saved.start, saved.from_epoch
         )
         size, count = self._samples_of, saved.samples
-        at = coordinator.resume_source(ckpt, ONLY, self.dataset, record, count, size, self._config)
+        at = coordinator.resume_source(
+            ckpt, ONLY, self.dataset, record, count, size, self._config, exact=True
+        )
         moved = None if at is None else SourceStream(at.dataset, at.start, size, at.epoch)
         self._restore(saved, moved)
 
@@ -299,8 +322,7 @@ class PackingNode(Node):
                     "the same lake snapshot, order settings and packing"
                 )
         if moved is not None:  # what the loader reads now (a re-sliced loader too)
-            self.dataset, self._reader = stream.base, stream.base.reader()
-            self.host._shutdown_workers()  # their reader is of another snapshot
+            self.dataset = stream.base
         self._streams, self._state = {ONLY: stream}, saved
         self._moved(MixCursor(saved.samples, {ONLY: saved.samples}), [])
         self._restored()
@@ -358,7 +380,7 @@ class PackingNode(Node):
         return pinned_datasets(self._streams, {ONLY: self._state.samples}, {ONLY: self.dataset})
 
     def _readers_used(self) -> list[UnitReader]:
-        return [self._reader]
+        return [*self._retired, *self._readers.values()]
 
     def stats(self) -> dict[str, int]:
         """What the readers did, and the tokens and padding this rank handed out."""

@@ -40,8 +40,8 @@ class SourceStream:
             followed lake's increment the stream is known from.
         start: The stream's offset of the first row of that epoch (or increment).
         size: The offsets an epoch's dataset holds (its rows: ``len``).
-        epoch: The epoch that starts at ``start`` (ignored for a followed lake: its
-            increment's number).
+        epoch: The epoch that starts at ``start`` (a followed lake's increment gives its own
+            number).
     """
 
     def __init__(
@@ -59,10 +59,13 @@ class SourceStream:
         at = dataset if self.follows else dataset.for_epoch(first)
         #: Whether its epochs are known one by one (of any size), not ``size`` rows from 0 on.
         self.varies = self.follows or start != first * size(at) or at.grows_at is not None
-        #: Whether it reads one lake's snapshot for good (its epochs: ``size`` rows from 0 on).
-        self.plain = not self.varies and at is dataset and dataset.grows_at is None
         #: ``(epoch, first offset, dataset)`` of each increment known, in order.
         self.known: list[tuple[int, int, LakeDataset]] = [(first, start, at)]
+
+    @property
+    def plain(self) -> bool:
+        """Whether it reads one snapshot from its first epoch known on (workers may decode it)."""
+        return not self.follows and self.known[0][2].grows_at is None
 
     @classmethod
     def resumed(
@@ -199,19 +202,22 @@ def moved_streams(
     sources: Mapping[str, LakeDataset],
     size: Callable[[LakeDataset], int] = len,
     config: Callable[[LakeDataset], str] | None = None,
+    exact: bool = False,
 ) -> dict[str, SourceStream]:
     """The streams of a mixture's sources whose lakes changed since ``ckpt``.
 
     Each is mapped onto the lake of now by ``RecoveryCoordinator.resume_source`` (the saved
     epoch on the snapshot the checkpoint pinned, the later ones on the lake of now). ``size``:
     an epoch's offsets (rows, or a packed source's samples); ``config``: what a source's record
-    names as its configuration (None: its order's hash).
+    names as its configuration (None: its order's hash); ``exact``: files gone or rewritten are
+    refused whatever the policy (a packed source's).
     """
     moved = {}
     for name in sorted(set(sources) & set(saved.sources)):
         live, count = sources[name], saved.counts.get(name, 0)
         expected = None if config is None else config(live)
-        at = coordinator.resume_source(ckpt, name, live, saved.sources[name], count, size, expected)
+        record = saved.sources[name]
+        at = coordinator.resume_source(ckpt, name, live, record, count, size, expected, exact)
         if at is not None:
             moved[name] = SourceStream(at.dataset, at.start, size, at.epoch)
     return moved

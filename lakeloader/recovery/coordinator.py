@@ -22,7 +22,7 @@ from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
-from lakeloader.errors import StateMismatchError
+from lakeloader.errors import LakeChangedError, StateMismatchError
 from lakeloader.lake.manifest import from_manifest
 from lakeloader.lake.tables.sources import checkpoint_source
 from lakeloader.recovery.lake_changes import (
@@ -150,6 +150,7 @@ class RecoveryCoordinator:
         count: int,
         size: Callable[[LakeDataset], int] = len,
         config: str | None = None,
+        exact: bool = False,
     ) -> SourceResumption | None:
         """Where a source of a stream goes on, when its lake changed since the checkpoint.
 
@@ -160,30 +161,42 @@ class RecoveryCoordinator:
         leaf ``name``) and files gone or rewritten go by the policy; under ``"restart_epoch"``
         the saved epoch runs again from ``count`` on the lake of now (its rows delivered
         before come again). A source of another configuration is left to the caller's check
-        of its record, which names both.
+        of its record, which names both. ``exact``: the saved epoch needs every pinned file as
+        it was (a packed stream's samples are cut by the files' token counts), so files gone
+        or rewritten are refused whatever the policy.
 
         Returns:
             None when the source is not a lake that changed (a followed lake's increments are
             found by their marks): its stream resumes from its record.
 
         Raises:
-            LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
+            LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files;
+                with ``exact``, when any pinned file is gone or rewritten.
         """
         if record.increment is not None or live.follow is not None:
             return None
+        while live.grows_at is not None:  # a twin of an earlier resume: the lake of now is last
+            live = live.for_epoch(live.grows_at)
         if record.fingerprint == live.fingerprint or name not in ckpt.manifests:
             return None
         if record.config != (live.config_hash if config is None else config):
             return None  # refused with both sides named when the record is checked
         pinned = live.pinned_to(from_manifest(ckpt.manifests[name], live.config.columns))
-        epoch, position = divmod(count - record.start, max(size(pinned), 1))
-        epoch += record.epoch
-        start = count - position
         where = f"{ckpt.path} (source {name!r})"
         if live.snapshot.table is None:
             diff = diff_snapshots(pinned.snapshot, live.snapshot)
         else:
             diff = check_files(live.fs, pinned.snapshot.files)
+        if exact and (diff.gone or diff.changed):
+            raise LakeChangedError(
+                f"the lake changed since {where}, and a packed stream's samples are cut by its "
+                f"files' token counts, so its saved epoch cannot go on without them as they "
+                f"were, whatever on_lake_change says:\n{diff.describe()}\nrestore the files, or "
+                "start the packed stream afresh on the lake as it is now"
+            )
+        epoch, position = divmod(count - record.start, max(record.rows or size(pinned), 1))
+        epoch += record.epoch
+        start = count - position
         if not enforce(diff, self.on_lake_change, where, position == 0):
             return SourceResumption(live, epoch, count)
         if position == 0:  # the saved epoch is over: the next runs on the lake of now

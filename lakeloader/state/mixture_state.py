@@ -21,6 +21,9 @@ from lakeloader.state.quarantine import QuarantineEntry
 MIXTURE_KIND: Final = "mixture"
 #: Version of the format below; states of other versions are refused.
 MIXTURE_STATE_VERSION: Final = 1
+#: Version of a state whose source records name the epoch they stand in (``start``,
+#: ``from_epoch``: a lake grew at a resume), which an older lakeloader refuses to misread.
+MIXTURE_EPOCH_VERSION: Final = 2
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,9 @@ class MixtureState:
         """
         return {
             "kind": MIXTURE_KIND,
-            "version": MIXTURE_STATE_VERSION,
+            "version": MIXTURE_EPOCH_VERSION
+            if any(r.increment is None and r.start for r in self.sources.values())
+            else MIXTURE_STATE_VERSION,
             "seed": self.seed,
             "slot": self.slot,
             "counts": dict(self.counts),
@@ -183,10 +188,10 @@ class MixtureState:
                 "not a mixture state (no kind='mixture'): a single lake's state cannot be "
                 "loaded into a loader over a Mixture, nor the other way round"
             )
-        if data.get("version") != MIXTURE_STATE_VERSION:
+        if data.get("version") not in (MIXTURE_STATE_VERSION, MIXTURE_EPOCH_VERSION):
             raise StateFormatError(
-                f"mixture state version {data.get('version')!r}; this lakeloader reads version "
-                f"{MIXTURE_STATE_VERSION}"
+                f"mixture state version {data.get('version')!r}; this lakeloader reads versions "
+                f"{MIXTURE_STATE_VERSION} and {MIXTURE_EPOCH_VERSION}"
             )
         try:
             history = tuple(

@@ -30,6 +30,9 @@ PACKED_KIND: Final = "packed"
 PACKED_MIXTURE_KIND: Final = "packed-mixture"
 #: Version of the formats below.
 PACKED_STATE_VERSION: Final = 2
+#: Version of a packed lake's state that names the epoch it stands in (``start``,
+#: ``from_epoch``: its lake grew at a resume), which an older lakeloader refuses to misread.
+PACKED_EPOCH_VERSION: Final = 3
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ class PackedState:
         """
         return {
             "kind": PACKED_KIND,
-            "version": PACKED_STATE_VERSION,
+            "version": PACKED_EPOCH_VERSION
+            if self.increment is None and self.start
+            else PACKED_STATE_VERSION,
             "fingerprint": self.fingerprint,
             "config": self.config,
             "samples": self.samples,
@@ -118,12 +123,12 @@ class PackedState:
             )
             if version == 1:
                 samples = _epoch_start(data["partitions"]) * per_epoch
-            elif version == PACKED_STATE_VERSION:
+            elif version in (PACKED_STATE_VERSION, PACKED_EPOCH_VERSION):
                 samples = int(data["samples"])
             else:
                 raise StateFormatError(
-                    f"packed state version {version!r}; this lakeloader reads versions 1 and "
-                    f"{PACKED_STATE_VERSION}"
+                    f"packed state version {version!r}; this lakeloader reads versions 1 to "
+                    f"{PACKED_EPOCH_VERSION}"
                 )
             increment = data.get("increment")
             return cls(
