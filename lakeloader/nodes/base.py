@@ -21,7 +21,7 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
-from lakeloader.io.reader import UnitReader
+from lakeloader.io.reader import ReadCounters, UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import slot_units
 from lakeloader.pipeline.recipe import BatchRecipe
@@ -252,9 +252,9 @@ def decoding_setup(
     )
 
 
-def read_counts(readers: Iterable[UnitReader]) -> dict[str, int]:
-    """What ``readers`` did, summed: units decoded, bytes read, requests."""
-    counters = [r.counters for r in readers]
+def read_counts(counters: Iterable[ReadCounters]) -> dict[str, int]:
+    """What readers did, by their counters, summed: units decoded, bytes read, requests."""
+    counters = list(counters)
     return {
         "units_decoded": sum(c.units_decoded for c in counters),
         "bytes_read": sum(c.bytes_read for c in counters),

@@ -328,7 +328,7 @@ class LakeNode(Node):
     def stats(self) -> dict[str, int]:
         """Counters of the lake's reads and of the rows delivered and skipped."""
         return {
-            **read_counts([self.reader]),
+            **read_counts([self.reader.counters]),
             "rows_delivered": self.tracker.rows_delivered,
             "rows_skipped": self.tracker.rows_skipped,
         }

@@ -18,7 +18,7 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
-from lakeloader.io.reader import UnitReader
+from lakeloader.io.reader import ReadCounters
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
@@ -78,8 +78,8 @@ class MixtureNode(Node):
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
         self._readers = [mixture.sources[n].reader() for n in mixture.names]
-        #: Readers replaced as a source's stream went on to another snapshot (still counted).
-        self._retired: list[UnitReader] = []
+        #: The counters of readers replaced as a source's stream went on to another snapshot.
+        self._retired: list[ReadCounters] = []
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
         self._streams_known()
@@ -236,7 +236,7 @@ class MixtureNode(Node):
         """
         for i, stream in enumerate(self._streams):
             if self._readers[i].snapshot is not stream.known[0][2].snapshot:
-                self._retired.append(self._readers[i])
+                self._retired.append(self._readers[i].counters)
                 self._readers[i] = stream.known[0][2].reader()
 
     def _leaves(self) -> list[Leaf]:
@@ -388,8 +388,7 @@ class MixtureNode(Node):
             self.mixture = self.dataset = self.mixture.with_sources(bases)
         self._streams = streams
         self._streams_known()
-        self._retired += self._readers
-        self._readers = [stream.known[0][2].reader() for stream in streams]
+        self._follow_streams()
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
         self._state = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
@@ -424,7 +423,7 @@ class MixtureNode(Node):
 
     def stats(self) -> dict[str, int]:
         """What the sources' readers did."""
-        return read_counts([*self._retired, *self._readers])
+        return read_counts([*self._retired, *(reader.counters for reader in self._readers)])
 
 
 def _next_pass(state: MixtureState) -> MixtureState:

@@ -31,7 +31,7 @@ from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
-from lakeloader.io.reader import UnitReader
+from lakeloader.io.reader import ReadCounters
 from lakeloader.nodes.base import (
     Host,
     Node,
@@ -95,8 +95,8 @@ class PackingNode(Node):
         self._tokens = self._padding = 0
         #: The samples delivered (of every epoch); the record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
-        #: Readers replaced as a source's stream went on to another snapshot (still counted).
-        self._retired: list[UnitReader] = []
+        #: The counters of readers replaced as a source's stream went on to another snapshot.
+        self._retired: list[ReadCounters] = []
         self._init(dataset)
         self.tracker.epoch = self.epoch
 
@@ -131,7 +131,7 @@ class PackingNode(Node):
         stream = self._streams[name]
         ds = stream.known[0][2]
         if self._readers[name].snapshot is not ds.snapshot:
-            self._retired.append(self._readers[name])
+            self._retired.append(self._readers[name].counters)
             self._readers[name] = ds.reader()
         reader = self._readers[name]
         return PackedSource(ds, reader, stream, self._counts_of, tuple(self.quarantine))
@@ -379,13 +379,13 @@ class PackingNode(Node):
         """The snapshot a checkpoint pins: of the epoch the samples stand in."""
         return pinned_datasets(self._streams, {ONLY: self._state.samples}, {ONLY: self.dataset})
 
-    def _readers_used(self) -> list[UnitReader]:
-        return [*self._retired, *self._readers.values()]
+    def _counters(self) -> list[ReadCounters]:
+        return [*self._retired, *(reader.counters for reader in self._readers.values())]
 
     def stats(self) -> dict[str, int]:
         """What the readers did, and the tokens and padding this rank handed out."""
         return {
-            **read_counts(self._readers_used()),
+            **read_counts(self._counters()),
             "tokens": self._tokens,
             "padding": self._padding,
         }
