@@ -97,7 +97,10 @@ def test_the_saved_epoch_finishes_on_the_pinned_rows_then_the_added_ones_join(
 ) -> None:
     root, ckpt, seen = _grown(tmp_path, mixed)
     loaders = _loaded(root, ckpt, 2, 3, mixed)
-    samples = seen + _steps(loaders, 120 if mixed else 60)
+    samples = seen + _steps(loaders, 20)
+    decoded = loaders[0].stats()["units_decoded"]
+    samples += _steps(loaders, 100 if mixed else 40)
+    assert loaders[0].stats()["units_decoded"] > decoded, "the later epochs' reads count too"
     _close(loaders)
     body = [t for row in samples for t in row if t and t < 5000 * 32]  # source a's tokens
     old = [t for t in _tokens(OLD) if t]

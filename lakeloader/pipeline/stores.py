@@ -187,8 +187,9 @@ class Stores:
         if key not in self.open:
             first, reader, known, recipe = self.leaves[leaf]
             ds = first.for_epoch(epoch)  # a followed lake's increment
-            if ds is not first:
-                reader = ds.reader()
+            if ds is not first:  # its own files; its reads count as the leaf's
+                reader, counters = ds.reader(), reader.counters
+                reader.counters = counters
             opts = self._options
             budget = max(opts.cache_bytes // len(self.leaves), 1)
             spec = PassSpec(
