@@ -172,3 +172,38 @@ def test_a_pinned_file_gone_is_refused_whatever_the_policy(tmp_path: Path, polic
     with pytest.raises(ll.LakeChangedError, match=r"gone: .*part-0\.parquet"):
         ll.CheckpointManager(str(ckpt)).load(loader, on_lake_change=policy)
     loader.close()
+
+
+def test_fetched_ahead_stands_back_across_the_saved_epochs_end(tmp_path: Path) -> None:
+    """``state_dict(fetched_ahead=1)`` (Lightning's, for an endless loader) taken at each step
+    around the end of the saved epoch is the state before the batch fetched: reloaded, that
+    batch comes again."""
+    root, ckpt, _ = _grown(tmp_path, False)
+    [loader] = _loaded(root, ckpt, 1, 6, False)
+    batches, versions = iter(loader), set()
+    for _ in range(12):  # the saved epoch ends within these steps
+        fetched = next(batches)["input_ids"].tolist()
+        back = loader.state_dict(fetched_ahead=1)
+        versions.add(back["version"])
+        loader.load_state_dict(back)
+        batches = iter(loader)
+        assert next(batches)["input_ids"].tolist() == fetched
+    assert versions == {2, 3}, "states on the pinned snapshot, then on the lake of now"
+    loader.close()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["packed-lake", "packed-mixture"])
+def test_a_fresh_states_keys_are_a_grown_ones(tmp_path: Path, mixed: bool) -> None:
+    """torch.distributed.checkpoint fills only the keys a fresh loader's state has."""
+    root, ckpt, _ = _grown(tmp_path, mixed)
+    [grown] = _loaded(root, ckpt, 1, 6, mixed)
+    _steps([grown], 30)
+    fresh = ll.DataLoader(_source(root, mixed), batch_size=6)
+
+    def keys(state: dict[str, Any], at: str = "") -> set[str]:
+        return {f"{at}{k}" for k in state} | {
+            key for k, v in state.items() if isinstance(v, dict) for key in keys(v, f"{k}.")
+        }
+
+    assert keys(fresh.state_dict()) == keys(grown.state_dict())
+    _close([grown, fresh])

@@ -142,6 +142,11 @@ class UnitReader:
         self.__dict__.update(state)
         self._share_counters()
 
+    def count_into(self, counters: ReadCounters) -> None:
+        """Count this reader's reads (its mirrors' too) into ``counters`` from now on."""
+        self.counters = counters
+        self._share_counters()
+
     def _share_counters(self) -> None:
         """The mirrors count into this reader's counters: one reader, whichever copy served."""
         for mirror in self.mirrors:

@@ -59,7 +59,7 @@ from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import SourceRecord
 from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
+from lakeloader.state.tracker import RECENT_STEPS, Delivery, ReaderStateTracker, ReaderView
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
 
@@ -241,29 +241,35 @@ class PackingNode(Node):
         return {ONLY: self._state.samples}
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
-        stream = self._streams[ONLY]
-        stream.forget_before(cursor.slot)
-        at = stream.record(cursor.slot)  # a followed lake's: the increment it stands in
-        self._state = dataclasses.replace(
-            self._state, samples=cursor.slot, fingerprint=at.fingerprint, increment=at.increment,
+        # the epochs (increments) that state_dict(fetched_ahead=...) may stand back in are kept
+        back = RECENT_STEPS * self.host.global_batch_size
+        self._streams[ONLY].forget_before(cursor.slot - back)
+        self._state = self._at(cursor.slot)
+        self.add_quarantine(skipped)
+
+    def _at(self, samples: int) -> PackedState:
+        """The state with ``samples`` delivered, of the epoch (or increment) they stand in."""
+        at = self._streams[ONLY].record(samples)
+        return dataclasses.replace(
+            self._state, samples=samples, fingerprint=at.fingerprint, increment=at.increment,
             start=at.start, from_epoch=at.epoch,
         )  # fmt: skip
-        self.add_quarantine(skipped)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The samples delivered, less ``fetched_ahead`` global batches: the same on every rank.
 
         Raises:
-            ValueError: If ``fetched_ahead`` steps were not delivered.
+            ValueError: If ``fetched_ahead`` steps were not delivered (or more than are kept).
         """
         if fetched_ahead:
             back = fetched_ahead * self.host.global_batch_size
-            if not 0 <= back <= self._state.samples:
+            if not 0 <= back <= self._state.samples or fetched_ahead > RECENT_STEPS:
                 raise ValueError(
                     f"state_dict(fetched_ahead={fetched_ahead}): only "
-                    f"{self._state.samples // self.host.global_batch_size} steps were delivered"
+                    f"{self._state.samples // self.host.global_batch_size} steps were delivered "
+                    f"(at most {RECENT_STEPS} steps back are kept)"
                 )
-            return dataclasses.replace(self._state, samples=self._state.samples - back).to_dict()
+            return self._at(self._state.samples - back).to_dict()
         return self._state.to_dict()
 
     def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:

@@ -189,7 +189,7 @@ class Stores:
             ds = first.for_epoch(epoch)  # a followed lake's increment
             if ds is not first:  # its own files; its reads count as the leaf's
                 reader, counters = ds.reader(), reader.counters
-                reader.counters = counters
+                reader.count_into(counters)
             opts = self._options
             budget = max(opts.cache_bytes // len(self.leaves), 1)
             spec = PassSpec(

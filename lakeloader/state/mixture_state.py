@@ -84,7 +84,8 @@ class SourceRecord:
         if self.increment is not None:
             at = {"increment": self.increment, "start": self.start}
         else:
-            at = {"start": self.start, "from_epoch": self.epoch} if self.start else {}
+            # always: torch.distributed.checkpoint fills only the keys a fresh state has
+            at = {"start": self.start, "from_epoch": self.epoch}
         epoch, position = self.where(count)  # derived from the count, for people reading it
         return {
             "fingerprint": self.fingerprint,

@@ -94,12 +94,12 @@ class PackedState:
             "config": self.config,
             "samples": self.samples,
             "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
+            # start and from_epoch always: torch.distributed.checkpoint fills only the keys a
+            # fresh loader's state has
             **(
                 {"increment": self.increment, "start": self.start}
                 if self.increment is not None
                 else {"start": self.start, "from_epoch": self.from_epoch}
-                if self.start
-                else {}
             ),
         }
 
