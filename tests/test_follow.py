@@ -76,9 +76,11 @@ def test_a_folder_is_followed_increment_by_increment(tmp_path: Path) -> None:
         len(loader)
     assert sorted(_ids(loader)) == list(range(160)), "increment 0, then caught up"
     assert _ids(loader) == [], "nothing new"
+    decoded = loader.stats()["units_decoded"]
     _append(tmp_path, 160, 50)
     assert sorted(_ids(loader)) == list(range(160, 210)), "only what was appended"
     assert loader.epoch == 1 and loader.dataset.snapshot.increment is not None
+    assert loader.stats()["units_decoded"] >= decoded + 3, "increment 0's reads still count"
     loader.close()
 
 

@@ -200,6 +200,9 @@ class LakeNode(Node):
         in the process: where pandas is installed, pyarrow imports it then, which belongs to
         building the loader rather than to the wait for the first batch.
         """
+        before = getattr(self, "reader", None)
+        if before is not None:  # another increment or snapshot: its reads go on counting
+            reader.count_into(before.counters)
         self.reader = reader
         self.layout = None
         recipe = self.recipe()
