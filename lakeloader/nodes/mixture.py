@@ -18,7 +18,6 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
-from lakeloader.io.reader import ReadCounters
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
@@ -78,8 +77,6 @@ class MixtureNode(Node):
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
         self._readers = [mixture.sources[n].reader() for n in mixture.names]
-        #: The counters of readers replaced as a source's stream went on to another snapshot.
-        self._retired: list[ReadCounters] = []
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
         self._streams_known()
@@ -229,15 +226,8 @@ class MixtureNode(Node):
         return it
 
     def _follow_streams(self) -> None:
-        """A reader of the snapshot each source's stream stands on.
-
-        A followed lake's increment, or a lake that grew, may have gone on to another one;
-        the replaced readers still count in ``stats()``.
-        """
-        for i, stream in enumerate(self._streams):
-            if self._readers[i].snapshot is not stream.known[0][2].snapshot:
-                self._retired.append(self._readers[i].counters)
-                self._readers[i] = stream.known[0][2].reader()
+        """A reader of the snapshot each source's stream stands on (``SourceStream.reader``)."""
+        self._readers = [s.reader(r) for s, r in zip(self._streams, self._readers, strict=True)]
 
     def _leaves(self) -> list[Leaf]:
         """Each source's lake and reader, in the order of the mixture's names."""
@@ -423,7 +413,7 @@ class MixtureNode(Node):
 
     def stats(self) -> dict[str, int]:
         """What the sources' readers did."""
-        return read_counts([*self._retired, *(reader.counters for reader in self._readers)])
+        return read_counts(reader.counters for reader in self._readers)
 
 
 def _next_pass(state: MixtureState) -> MixtureState:

@@ -31,7 +31,6 @@ from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
-from lakeloader.io.reader import ReadCounters
 from lakeloader.nodes.base import (
     Host,
     Node,
@@ -95,8 +94,6 @@ class PackingNode(Node):
         self._tokens = self._padding = 0
         #: The samples delivered (of every epoch); the record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
-        #: The counters of readers replaced as a source's stream went on to another snapshot.
-        self._retired: list[ReadCounters] = []
         self._init(dataset)
         self.tracker.epoch = self.epoch
 
@@ -129,11 +126,8 @@ class PackingNode(Node):
         lake that grew may have gone on to another one; the replaced one still counts).
         """
         stream = self._streams[name]
+        reader = self._readers[name] = stream.reader(self._readers[name])
         ds = stream.known[0][2]
-        if self._readers[name].snapshot is not ds.snapshot:
-            self._retired.append(self._readers[name].counters)
-            self._readers[name] = ds.reader()
-        reader = self._readers[name]
         return PackedSource(ds, reader, stream, self._counts_of, tuple(self.quarantine))
 
     def _counts_of(self, ds: LakeDataset) -> np.ndarray:
@@ -385,13 +379,10 @@ class PackingNode(Node):
         """The snapshot a checkpoint pins: of the epoch the samples stand in."""
         return pinned_datasets(self._streams, {ONLY: self._state.samples}, {ONLY: self.dataset})
 
-    def _counters(self) -> list[ReadCounters]:
-        return [*self._retired, *(reader.counters for reader in self._readers.values())]
-
     def stats(self) -> dict[str, int]:
         """What the readers did, and the tokens and padding this rank handed out."""
         return {
-            **read_counts(self._counters()),
+            **read_counts(reader.counters for reader in self._readers.values()),
             "tokens": self._tokens,
             "padding": self._padding,
         }

@@ -23,6 +23,7 @@ import numpy as np
 
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
 from lakeloader.lake.following import increment_at
 from lakeloader.lake.increments import Increment
 from lakeloader.order.mixture import Spans
@@ -66,6 +67,19 @@ class SourceStream:
     def plain(self) -> bool:
         """Whether it reads one snapshot from its first epoch known on (workers may decode it)."""
         return not self.follows and self.known[0][2].grows_at is None
+
+    def reader(self, current: UnitReader) -> UnitReader:
+        """A reader of the snapshot the stream stands on: ``current``, or a new one.
+
+        A followed lake's increment, or a lake that grew, may have gone on to another snapshot;
+        the new reader counts into ``current``'s counters, so ``stats()`` goes on counting.
+        """
+        ds = self.known[0][2]
+        if current.snapshot is ds.snapshot:
+            return current
+        reader = ds.reader()
+        reader.count_into(current.counters)
+        return reader
 
     @classmethod
     def resumed(

@@ -24,6 +24,7 @@ from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeChangedError, StateMismatchError
 from lakeloader.lake.manifest import from_manifest
+from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.tables.sources import checkpoint_source
 from lakeloader.recovery.lake_changes import (
     LakeChangePolicy,
@@ -131,10 +132,7 @@ class RecoveryCoordinator:
             return Resumption(saved, dataset=pinned)
         if saved.fingerprint == live.fingerprint:
             return _checked(saved, live)
-        if live.snapshot.table is None:
-            diff = diff_snapshots(ckpt.snapshot, live.snapshot)
-        else:  # a table's old version keeps files that its newer versions no longer list
-            diff = check_files(live.fs, ckpt.snapshot.files)
+        diff = _lake_diff(ckpt.snapshot, live)
         saved.check_matches(saved.fingerprint, live.config.to_dict())
         if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
             return Resumption(None, restart_epoch=saved.epoch)
@@ -183,10 +181,7 @@ class RecoveryCoordinator:
             return None  # refused with both sides named when the record is checked
         pinned = live.pinned_to(from_manifest(ckpt.manifests[name], live.config.columns))
         where = f"{ckpt.path} (source {name!r})"
-        if live.snapshot.table is None:
-            diff = diff_snapshots(pinned.snapshot, live.snapshot)
-        else:
-            diff = check_files(live.fs, pinned.snapshot.files)
+        diff = _lake_diff(pinned.snapshot, live)
         if exact and (diff.gone or diff.changed):
             raise LakeChangedError(
                 f"the lake changed since {where}, and a packed stream's samples are cut by its "
@@ -246,6 +241,14 @@ class RecoveryCoordinator:
             attempts: Attempts so far by key.
         """
         return reassign(owed, building, attempts)
+
+
+def _lake_diff(pinned: Snapshot, live: LakeDataset) -> LakeDiff:
+    """What changed in the lake that ``live`` sees since the ``pinned`` snapshot."""
+    if live.snapshot.table is None:
+        return diff_snapshots(pinned, live.snapshot)
+    # a table's old version keeps files that its newer versions no longer list
+    return check_files(live.fs, pinned.files)
 
 
 def _checked(saved: LoaderState, dataset: LakeDataset) -> Resumption:
