@@ -276,7 +276,7 @@ def test_state_of_another_config_shows_both_values(lake: Path, dataset: ll.LakeD
     ("mutate", "match"),
     [
         (lambda s: {"hello": 1}, "not a lakeloader state"),
-        (lambda s: {**s, "version": 99}, "version 99 is not supported"),
+        (lambda s: {**s, "version": 99}, "of version 99 is not supported"),
         (lambda s: {**s, "position": "x"}, "malformed"),
         (lambda s: {k: v for k, v in s.items() if k != "epoch"}, "malformed"),
         (lambda s: {**s, "quarantine": [{"path": "a.parquet"}]}, "malformed"),

@@ -43,7 +43,8 @@ REFUSED = {
     r"epoch \(partitions at \(epoch, row, token\) \[\(0, 11, 5\), \(0, 12, 4\)\].*resumes only "
     r"from an epoch's start; resume from a checkpoint taken at one, or finish the epoch with "
     r"the lakeloader that wrote it",
-    "packed_mixture": r"packed mixture state version 1: version 1 \(rounds of per-partition "
+    "packed_mixture": r"'packed-mixture' state of version 1 is not supported: this lakeloader "
+    r"reads versions 2; version 1 \(rounds of per-partition "
     r"packing\) cannot continue in today's order of samples; resume from the start of the "
     r"run's data, or finish it with the lakeloader that wrote it",
 }

@@ -1,23 +1,28 @@
-"""The loader's position as plain data: what the training loop has been given, nothing more.
+"""A lake loader's position as versioned plain data, and what every kind of state shares.
 
-The whole position of a run is ``(epoch, G)``: ``G`` global rows of the epoch delivered (see
-docs/design.md). Together with the snapshot fingerprint and the configuration hash it restores
-the exact global sequence under any world size, worker count or batch size.
+A lake's whole position is ``(epoch, G)``: ``G`` global rows of the epoch delivered (see
+docs/design.md); with the snapshot's fingerprint and the configuration's hash it restores the
+exact global sequence under any world size, worker count or batch size.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 
 from lakeloader.errors import StateFormatError, StateMismatchError
-from lakeloader.state import keys as K
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
+
+#: The ``kind`` of a lake's state (a mixture's is ``"mixture"``, a packed stream's ``"packed"``).
+LAKE_KIND: Final = "lakeloader.loader_state"
+#: Version of a lake's state (2: the quarantine is one JSON string); 1 is read too.
+LAKE_VERSION: Final = 2
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -30,9 +35,47 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(packed).hexdigest()[:16]
 
 
+def format_version(
+    data: Any,
+    kind: str,
+    versions: tuple[int, ...],
+    refusal: str,
+    remedy: str = "load it with the lakeloader that wrote it",
+) -> int:
+    """The version of a state of ``kind``, one of ``versions``.
+
+    Raises:
+        StateFormatError: ``refusal`` if it is not a state of ``kind``; the versions read and
+            ``remedy`` if its version is another.
+    """
+    if not isinstance(data, Mapping) or data.get("kind") != kind:
+        raise StateFormatError(refusal)
+    version = data.get("version")
+    if version not in versions:
+        reads = " to ".join(str(v) for v in sorted({versions[0], versions[-1]}))
+        raise StateFormatError(
+            f"a {kind!r} state of version {version!r} is not supported: this lakeloader reads "
+            f"versions {reads}; {remedy}"
+        )
+    return int(version)
+
+
+def quarantine_json(entries: Iterable[QuarantineEntry]) -> str:
+    """A state's quarantine: one JSON string, so ``torch.distributed.checkpoint`` sees one value."""
+    return json.dumps([q.to_dict() for q in entries])
+
+
+def quarantine_of(value: Any) -> tuple[QuarantineEntry, ...]:
+    """Read :func:`quarantine_json`'s string back (a list of dicts: a version 1 lake state's)."""
+    entries = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(entries, list):
+        raise TypeError(f"quarantine must be a list of entries, got {type(entries).__name__}")
+    return tuple(QuarantineEntry.from_dict(q) for q in entries)
+
+
 @dataclass(frozen=True)
 class LoaderState:
-    """A loader's position, with what it is valid for.
+    """A lake loader's position, with what it is valid for.
 
     Attributes:
         fingerprint: Fingerprint of the snapshot the position refers to.
@@ -64,17 +107,17 @@ class LoaderState:
     def to_dict(self) -> dict[str, Any]:
         """Plain types only: msgpack- and JSON-serialisable."""
         return {
-            K.STATE_KIND: K.STATE_KIND_VALUE,
-            K.STATE_VERSION: K.STATE_FORMAT_VERSION,
-            K.STATE_FINGERPRINT: self.fingerprint,
-            K.STATE_CONFIG_HASH: self.config_hash,
-            K.STATE_CONFIG: dict(self.config),
-            K.STATE_EPOCH: self.epoch,
-            K.STATE_POSITION: self.position,
-            K.STATE_DROPPED: self.rows_dropped,
-            K.STATE_NUM_ROWS: self.num_rows,
-            K.STATE_TOPOLOGY: self.topology.to_dict(),
-            K.STATE_QUARANTINE: json.dumps([q.to_dict() for q in self.quarantine]),
+            "kind": LAKE_KIND,
+            "version": LAKE_VERSION,
+            "fingerprint": self.fingerprint,
+            "config_hash": self.config_hash,
+            "config": dict(self.config),
+            "epoch": self.epoch,
+            "position": self.position,
+            "rows_dropped": self.rows_dropped,
+            "num_rows": self.num_rows,
+            "topology": self.topology.to_dict(),
+            "quarantine": quarantine_json(self.quarantine),
         }
 
     @classmethod
@@ -84,28 +127,20 @@ class LoaderState:
         Raises:
             StateFormatError: If it is not a lakeloader state or has an unknown version.
         """
-        if not isinstance(state, dict) or state.get(K.STATE_KIND) != K.STATE_KIND_VALUE:
-            raise StateFormatError(
-                f"not a lakeloader state (expected {K.STATE_KIND}={K.STATE_KIND_VALUE!r}); "
-                f"got a {type(state).__name__}"
-            )
-        version = state.get(K.STATE_VERSION)
-        if version not in K.STATE_VERSIONS_READ:
-            raise StateFormatError(
-                f"state format version {version!r} is not supported (this lakeloader reads "
-                f"versions {list(K.STATE_VERSIONS_READ)}); use the lakeloader that wrote it"
-            )
+        what = type(state).__name__
+        refusal = f"not a lakeloader state (expected kind={LAKE_KIND!r}); got a {what}"
+        format_version(state, LAKE_KIND, (1, LAKE_VERSION), refusal)
         try:
             return cls(
-                fingerprint=str(state[K.STATE_FINGERPRINT]),
-                config_hash=str(state[K.STATE_CONFIG_HASH]),
-                config=dict(state[K.STATE_CONFIG]),
-                epoch=int(state[K.STATE_EPOCH]),
-                position=int(state[K.STATE_POSITION]),
-                rows_dropped=int(state[K.STATE_DROPPED]),
-                num_rows=int(state[K.STATE_NUM_ROWS]),
-                topology=Topology.from_dict(state[K.STATE_TOPOLOGY]),
-                quarantine=_quarantine(state[K.STATE_QUARANTINE], version),
+                fingerprint=str(state["fingerprint"]),
+                config_hash=str(state["config_hash"]),
+                config=dict(state["config"]),
+                epoch=int(state["epoch"]),
+                position=int(state["position"]),
+                rows_dropped=int(state["rows_dropped"]),
+                num_rows=int(state["num_rows"]),
+                topology=Topology.from_dict(state["topology"]),
+                quarantine=quarantine_of(state["quarantine"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateFormatError(f"malformed lakeloader state: {exc!r}") from exc
@@ -132,16 +167,3 @@ class LoaderState:
                 "the state was taken under another order configuration; "
                 f"(saved, current) by key: {diff}. Build the dataset with the saved values"
             )
-
-
-def _quarantine(value: Any, version: int) -> tuple[QuarantineEntry, ...]:
-    """The quarantine of a state: JSON text since version 2, a list of dicts in version 1.
-
-    One string, not a list, so that ``torch.distributed.checkpoint``, which flattens lists
-    into keys, sees one value whatever the number of entries, and a fresh loader's state (no
-    entries) has the same keys as a saved one.
-    """
-    entries = json.loads(value) if version >= 2 else value
-    if not isinstance(entries, list):
-        raise TypeError(f"quarantine must be a list of entries, got {type(entries).__name__}")
-    return tuple(QuarantineEntry.from_dict(q) for q in entries)

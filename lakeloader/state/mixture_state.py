@@ -1,29 +1,29 @@
 """``MixtureState``: where a mixture loader stands, as versioned plain data, O(sources).
 
-It holds the mixture's cursor (global slots drawn, and drawn from each source: each source's
-position in its own stream of epochs), the history of weights (each change at a resume, from
-the slot it applies to), the pass over the mixture under way, and what each source was (its
-snapshot's fingerprint, order configuration and rows), against which a resume is checked.
+The cursor (global slots drawn, and drawn from each source), the weights' history, the pass
+under way, and what each source was, against which a resume is checked.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
-from lakeloader.state.loader_state import config_hash
+from lakeloader.state.loader_state import (
+    config_hash,
+    format_version,
+    quarantine_json,
+    quarantine_of,
+)
 from lakeloader.state.quarantine import QuarantineEntry
 
-#: The ``kind`` of a mixture state (a single lake's state has none).
+#: The ``kind`` of a mixture state.
 MIXTURE_KIND: Final = "mixture"
-#: Version of the format below; states of other versions are refused.
-MIXTURE_STATE_VERSION: Final = 1
-#: Version of a state whose source records name the epoch they stand in (``start``,
-#: ``from_epoch``: a lake grew at a resume), which an older lakeloader refuses to misread.
-MIXTURE_EPOCH_VERSION: Final = 2
+#: Version 2: a source record names the epoch it stands in (``start``, ``from_epoch``: a lake
+#: grew at a resume), which an older lakeloader refuses to misread; else version 1.
+MIXTURE_VERSIONS: Final = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,9 @@ class MixtureState:
         """
         return {
             "kind": MIXTURE_KIND,
-            "version": MIXTURE_EPOCH_VERSION
+            "version": 2
             if any(r.increment is None and r.start for r in self.sources.values())
-            else MIXTURE_STATE_VERSION,
+            else 1,
             "seed": self.seed,
             "slot": self.slot,
             "counts": dict(self.counts),
@@ -173,7 +173,7 @@ class MixtureState:
                 name: r.to_dict(self.counts.get(name, 0)) for name, r in self.sources.items()
             },
             "topology": dict(self.topology),
-            "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
+            "quarantine": quarantine_json(self.quarantine),
         }
 
     @classmethod
@@ -184,16 +184,11 @@ class MixtureState:
             StateFormatError: If it is not a mixture state of this version, or a field is
                 missing or of the wrong type (named).
         """
-        if not isinstance(data, Mapping) or data.get("kind") != MIXTURE_KIND:
-            raise StateFormatError(
-                "not a mixture state (no kind='mixture'): a single lake's state cannot be "
-                "loaded into a loader over a Mixture, nor the other way round"
-            )
-        if data.get("version") not in (MIXTURE_STATE_VERSION, MIXTURE_EPOCH_VERSION):
-            raise StateFormatError(
-                f"mixture state version {data.get('version')!r}; this lakeloader reads versions "
-                f"{MIXTURE_STATE_VERSION} and {MIXTURE_EPOCH_VERSION}"
-            )
+        refusal = (
+            "not a mixture state (no kind='mixture'): a single lake's state cannot be "
+            "loaded into a loader over a Mixture, nor the other way round"
+        )
+        format_version(data, MIXTURE_KIND, MIXTURE_VERSIONS, refusal)
         try:
             history = tuple(
                 WeightChange(int(c["start"]), {str(k): float(v) for k, v in c["weights"].items()})
@@ -220,9 +215,7 @@ class MixtureState:
                 epoch_rows=int(data["epoch_rows"]),
                 sources=sources,
                 topology={str(k): int(v) for k, v in data.get("topology", {}).items()},
-                quarantine=tuple(
-                    QuarantineEntry.from_dict(q) for q in json.loads(data.get("quarantine", "[]"))
-                ),
+                quarantine=quarantine_of(data.get("quarantine", "[]")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateFormatError(f"malformed mixture state: {exc!r}") from exc

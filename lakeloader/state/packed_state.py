@@ -1,26 +1,20 @@
 """Where a packed loader stands, as versioned plain data: one number per source.
 
 A packed source's samples are placed by arithmetic (:mod:`lakeloader.order.packing`), so its
-position is the samples it has delivered (its epochs one after the other), the same on every
-rank: any one rank's ``state_dict()`` resumes every rank, under any world size and batch. A
-state also names the units skipped so far (``on_error="skip"``, ``validate``), its
-``quarantine``, merged across ranks at a save. A packed mixture's state is a mixture's
-(:class:`~lakeloader.state.mixture_state.MixtureState`) whose counts are samples.
-
-Version 1 states (lakeloader's per-partition packing, before any world size was taken) held
-each rank's partitions; one taken at an epoch's start (every partition at its first token)
-still loads, at that epoch. One taken in the middle of an epoch cannot continue in today's
-order, and is refused with what to do.
+position is the samples delivered (its epochs end to end), the same on every rank: any rank's
+state resumes every rank, under any world size and batch. A packed mixture's state is a
+:class:`~lakeloader.state.mixture_state.MixtureState` whose counts are samples. A version 1
+state (per-partition packing) loads only if taken at an epoch's start.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
+from lakeloader.state.loader_state import format_version, quarantine_json, quarantine_of
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry, merge
 
@@ -93,7 +87,7 @@ class PackedState:
             "fingerprint": self.fingerprint,
             "config": self.config,
             "samples": self.samples,
-            "quarantine": json.dumps([q.to_dict() for q in self.quarantine]),
+            "quarantine": quarantine_json(self.quarantine),
             # start and from_epoch always: torch.distributed.checkpoint fills only the keys a
             # fresh loader's state has
             **(
@@ -111,25 +105,17 @@ class PackedState:
             StateFormatError: If it is not a packed state, of an unknown version, malformed,
                 or a version 1 state in the middle of an epoch.
         """
-        if not isinstance(data, Mapping) or data.get("kind") != PACKED_KIND:
-            raise StateFormatError(
-                "not a packed state (no kind='packed'): a packed loader loads only the states "
-                "of packed loaders"
-            )
-        version = data.get("version")
+        refusal = (
+            "not a packed state (no kind='packed'): a packed loader loads only the states "
+            "of packed loaders"
+        )
+        version = format_version(data, PACKED_KIND, (1, 2, PACKED_EPOCH_VERSION), refusal)
         try:
-            quarantine = tuple(
-                QuarantineEntry.from_dict(q) for q in json.loads(data.get("quarantine", "[]"))
-            )
+            quarantine = quarantine_of(data.get("quarantine", "[]"))
             if version == 1:
                 samples = _epoch_start(data["partitions"]) * per_epoch
-            elif version in (PACKED_STATE_VERSION, PACKED_EPOCH_VERSION):
-                samples = int(data["samples"])
             else:
-                raise StateFormatError(
-                    f"packed state version {version!r}; this lakeloader reads versions 1 to "
-                    f"{PACKED_EPOCH_VERSION}"
-                )
+                samples = int(data["samples"])
             increment = data.get("increment")
             return cls(
                 str(data["fingerprint"]),
@@ -182,17 +168,16 @@ class PackedMixtureState:
         Raises:
             StateFormatError: If it is not a packed mixture's state of this version.
         """
-        if not isinstance(data, Mapping) or data.get("kind") != PACKED_MIXTURE_KIND:
-            raise StateFormatError(
-                "not a packed mixture's state (no kind='packed-mixture'): a loader over a "
-                "packed Mixture loads only the states of such loaders"
-            )
-        if data.get("version") != PACKED_STATE_VERSION:
-            raise StateFormatError(
-                f"packed mixture state version {data.get('version')!r}: version 1 (rounds of "
-                "per-partition packing) cannot continue in today's order of samples; resume "
-                "from the start of the run's data, or finish it with the lakeloader that wrote it"
-            )
+        refusal = (
+            "not a packed mixture's state (no kind='packed-mixture'): a loader over a "
+            "packed Mixture loads only the states of such loaders"
+        )
+        remedy = (
+            "version 1 (rounds of per-partition packing) cannot continue in today's order of "
+            "samples; resume from the start of the run's data, or finish it with the "
+            "lakeloader that wrote it"
+        )
+        format_version(data, PACKED_MIXTURE_KIND, (PACKED_STATE_VERSION,), refusal, remedy)
         try:
             return cls(MixtureState.from_dict(data["mixture"]))
         except (KeyError, TypeError, AttributeError) as exc:
