@@ -1,17 +1,9 @@
-"""The delivery journal: what a loader delivered before anyone recorded it.
+"""The delivery journal: the runs of steps a loader delivered, until the audit ledger attaches.
 
-A loader's position moves only when a batch is handed to the training loop, so the steps it
-delivered since it began (fresh, or from a restored state) are known from its position alone:
-consecutive steps of one epoch under one topology form a *run* ``[start, stop)``. The journal
-keeps those runs (a handful per epoch, whatever the number of steps) until an observer, the
-checkpoint manager's audit ledger, is attached; the ledger then records them as they were
-delivered, so that a training loop that never calls ``CheckpointManager.attach`` is audited
-from its first step.
-
-A step may move several position streams (:func:`stream_name`): a mixture's step moves each
-source it draws from, a packed step each source's samples. Its runs, one per stream it
-moved (two on a stream whose epoch ends within the step), are one delivery: the journal merges
-consecutive steps whose runs continue each other stream by stream.
+Consecutive steps of one epoch of one position stream (:func:`stream_name`) under one topology
+form a *run* ``[start, stop)``; a step's runs, one per stream it moved, are one delivery. The
+journal keeps them (a handful per epoch) so that a loop audited late is audited from its first
+step.
 """
 
 from __future__ import annotations
@@ -24,13 +16,10 @@ from lakeloader.topology import Topology
 
 
 def stream_name(source: str = "", partition: int | None = None) -> str:
-    """The name of a position stream: the path of what it counts in the loader's tree.
+    """The name of a position stream: a leaf path as in ``checkpoint_datasets()``.
 
-    ``source`` is a leaf path as in ``checkpoint_datasets()``: ``""`` for a loader over one
-    lake (its global rows), a mixture's source name (that source's rows, epoch by epoch),
-    ``"lake"`` for a packed lake (its samples). Ledgers written by the per-partition packing
-    of lakeloader before counted each partition's samples on its own stream, under its
-    source: ``"<source>/p<partition>"``.
+    ``""``: one lake's global rows; a mixture's source name; ``"lake"``: a packed lake's
+    samples; ``"<source>/p<partition>"``: ledgers of the older per-partition packing.
 
     >>> stream_name(), stream_name("web"), stream_name("web", 3), stream_name("", 3)
     ('', 'web', 'web/p3', 'p3')
@@ -112,8 +101,8 @@ Runs: TypeAlias = Sequence[DeliveredRun]
 class DeliveryJournal:
     """The runs of steps delivered since the loader began or was restored.
 
-    The open delivery is its first step's runs and their stops, so that a step of a lake
-    costs a few comparisons and two additions (it is recorded in every ``next()``).
+    The open delivery is its first step's runs and their stops: a lake's step costs a few
+    comparisons (it is recorded in every ``next()``).
 
     Example:
         >>> from lakeloader.topology import Topology
@@ -170,13 +159,9 @@ class DeliveryJournal:
 
 
 class StepRecord:
-    """The runs of the steps a node delivered: journaled until an observer attaches.
+    """The runs of the steps a node delivered: to the audit ledger, or journaled until then.
 
-    The one record of every node's steps (a lake's is its tracker's): a lake's step moves its
-    global rows, a mixture's each source's stream, a packed step each source's samples. Its runs
-    go to the observer (the audit ledger) as one delivery, or wait in the :class:`DeliveryJournal`
-    until one is attached, so that a run is audited from its first step. A copy of the loader
-    keeps neither.
+    A copy of the loader keeps neither.
     """
 
     def __init__(self) -> None:

@@ -1,8 +1,4 @@
-"""``MixtureState``: where a mixture loader stands, as versioned plain data, O(sources).
-
-The cursor (global slots drawn, and drawn from each source), the weights' history, the pass
-under way, and what each source was, against which a resume is checked.
-"""
+"""``MixtureState``: where a mixture loader stands, as versioned plain data, O(sources)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Quarantine: units that cannot be read, or that the user's validator rejects, skipped alike.
 
-With ``on_error="skip"`` a unit (a row range of one row group, as the epoch's plan cut it)
-that fails to decode, or that ``validate`` rejects, is not delivered. Its rows are dropped
-from the batches that would have held them; every other row keeps its place, so the global
-sequence of the remaining rows is the same for every world size, worker count and resume.
-Because decoding and validation are functions of the data, every rank that needs the unit
-reaches the same verdict on its own; the entries also travel in the loader's state (merged
-across ranks at a checkpoint's barrier), so a resumed run skips them without reading them
-again and ``lakeloader inspect`` can show them.
+A skipped unit's rows are dropped from the batches that would have held them and every other
+row keeps its place, so the sequence is the same for every topology and resume; every rank
+reaches the same verdict on its own, and the entries travel in the state (merged at a save).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """What the training loop asked of the order mid-run: steps counted, steps skipped on request.
 
-Large runs restart a little before a loss spike and skip the data around it
-(``DataLoader.skip``), or quarantine the units behind a step whose loss was ``NaN``
-(``DataLoader.quarantine_step``: entries of the quarantine, reason ``quarantine_step(...)``).
-The loader counts the steps it delivered over the run, so that a step is named by the number
-the training loop counts it by (from 0, resumes included), and keeps the skips asked for: the
-steps still to skip and each request (the step it was asked at, how many). The record is one
-JSON string in every loader's state, whatever node the loader reads (a string, not a list, so
-that ``torch.distributed.checkpoint`` sees one value; a fresh loader's state has the same
-keys); a state without it (written before it existed) reads as nothing asked.
+The steps delivered over the run (a step's number, resumes included), the skips asked
+(``DataLoader.skip``) and the steps named by ``quarantine_step`` still to come: one JSON string
+in every loader's state (a state without it reads as nothing asked).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The reader-state tracker: what the training loop has been given, and where everyone stands.
 
-The :class:`ReaderStateTracker` is the one owner of a lake loader's position: the epoch, ``G``
-(the global rows of the epoch delivered to the training loop), the rows dropped by
-``drop_last`` and the quarantine. It moves only when a batch is handed over (:meth:`delivered`),
-never when work is merely prefetched. From that position it derives, without touching the lake,
-the per-rank and per-worker view of files, row groups and row offsets (:meth:`view`);
-``DataLoader.state_dict()`` and ``lakeloader inspect`` both read it.
-
-A mixture's or a packed stream's tracker follows its node's cursor, which is that loader's
-state: the pass and its rows (a packed stream: the samples delivered, its epoch that of the next
-sample), the quarantine, the rows counted and the record of the steps; its view is the node's
-(``DataLoader.view()``). Move it through the loader, not by its own methods.
+:class:`ReaderStateTracker` owns a lake loader's position (epoch, ``G`` global rows delivered,
+rows dropped, quarantine), moved only when a batch is handed over; from it the per-rank and
+per-worker view is derived (:meth:`ReaderStateTracker.view`). A mixture's or a packed stream's
+tracker mirrors its node's cursor, which is that loader's state.
 """
 
 from __future__ import annotations
@@ -36,10 +29,7 @@ RECENT_STEPS = 8
 
 
 class Delivery(NamedTuple):
-    """What the tracker learns as a batch is handed to the training loop.
-
-    A named tuple rather than a frozen dataclass: one is made in every ``next()``, where a
-    tuple costs a third of the time.
+    """What the tracker learns as a batch is handed over (a tuple: made at every ``next()``).
 
     Attributes:
         slot_stop: One past the last global slot of the step (the new position G).
@@ -146,10 +136,8 @@ class ReaderStateTracker:
     def set_epoch(self, epoch: int, *, restart: bool = False) -> bool:
         """Make the next pass run ``epoch`` from its start; False if nothing changed.
 
-        Calling it with the epoch the position is in keeps the position while that epoch is
-        not over (a just-loaded state, or a pass left early), so the usual
-        ``loader.set_epoch(epoch)`` at the top of an epoch loop is safe after a resume or a
-        peek; ``restart=True`` drops the position in any case.
+        The epoch under way keeps its position while it is not over; ``restart=True`` drops
+        it in any case.
         """
         over = self._num_rows is not None and self.position + self.rows_dropped >= self._num_rows
         if epoch == self.epoch and not restart and (self._fresh or not over):
@@ -163,13 +151,9 @@ class ReaderStateTracker:
         return not self._fresh and self.position + self.rows_dropped >= num_rows
 
     def start_pass(self) -> int:
-        """Begin a pass and return its epoch.
+        """Begin a pass and return its epoch (the next one if this one's rows are all out).
 
-        A pass continues the epoch from the delivered position unless that epoch is over
-        (every row delivered or dropped), in which case it starts the next epoch: an epoch
-        ends when its rows are delivered or when the caller says so (``set_epoch``), never
-        because a pass was left early (``next(iter(loader))`` to peek at a batch, a
-        ``break``).
+        A pass left early does not end an epoch; one whose rows are delivered or dropped does.
         """
         over = self._num_rows is not None and self.position + self.rows_dropped >= self._num_rows
         if not self._fresh and over:
@@ -287,11 +271,7 @@ class ReaderStateTracker:
         snapshot: Snapshot,
         skipped: Iterable[QuarantineEntry] = (),
     ) -> ReaderView:
-        """Where this position leaves every rank and worker of the topology.
-
-        It says what a loader that continues from this position does first: each rank's
-        share of the next step, and what each of its workers builds or decodes first (work
-        is dealt to workers in a fixed order, see :mod:`lakeloader.state.view`).
+        """What a loader continuing from here does first: each rank's share, each worker's task.
 
         Args:
             plan: The plan of this epoch.

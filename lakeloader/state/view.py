@@ -1,17 +1,8 @@
 """Where every rank and worker stands, derived from a position: files, row groups, row offsets.
 
-Pure functions of an epoch's plan, its snapshot, a position ``G`` and a topology. The
-*location* of a global slot is where its row lives in the lake: slot -> virtual row -> piece
--> unit -> (file, row group, row offset inside the row group).
-
-What a worker does next follows from the position too, because work is dealt to workers in a
-fixed order (see :mod:`lakeloader.workers.dispatch`): with a transform or a collate_fn, the
-``k``-th step of a pass is built by worker ``k mod W``; on the default tensor path the
-``j``-th unit a rank decodes in a pass is decoded by worker ``j mod W``, units being decoded in
-the order the rank first needs them. A worker that dies is replaced under the same number.
-
-``loader.view()`` gives all of it for a loader's position (a
-:class:`~lakeloader.state.tracker.ReaderView`), ``lakeloader inspect`` for a checkpoint's.
+Pure functions of an epoch's plan, its snapshot, a position ``G`` and a topology. Work is dealt
+to workers in a fixed order (:mod:`lakeloader.workers.dispatch`): step ``k`` is built by worker
+``k mod W``, or the ``j``-th unit a rank decodes is decoded by worker ``j mod W``.
 """
 
 from __future__ import annotations
