@@ -1,8 +1,4 @@
-"""Exceptions raised by lakeloader.
-
-Every error says what went wrong, where (file, row group, key) and what to do about it, so
-that a failure deep inside a DataLoader worker is actionable from the training log alone.
-"""
+"""Exceptions and warnings raised by lakeloader: each says what, where and what to do."""
 
 from __future__ import annotations
 
@@ -132,11 +128,7 @@ class LakeWarning(UserWarning):
 
 
 class CacheBudgetWarning(LakeWarning):
-    """One step's decoded pieces alone exceed ``cache_bytes``: the loader holds them anyway.
-
-    A step draws rows from about ``C`` pieces (one per canonical partition), each decoded
-    whole, so the cache cannot go below what they hold, whatever the budget.
-    """
+    """One step's decoded pieces alone exceed ``cache_bytes``: the loader holds them anyway."""
 
 
 class PartitionWarning(LakeWarning):
@@ -160,11 +152,7 @@ class MirrorWarning(LakeWarning):
 
 
 def warn_user(message: str, category: type[LakeWarning]) -> None:
-    """Issue a warning attributed to the user's line that led here.
-
-    That is the first frame outside lakeloader, however deep in the loader the warning is
-    found (what ``skip_file_prefixes`` does from Python 3.12 on).
-    """
+    """Warn, attributed to the first frame outside lakeloader (the user's line that led here)."""
     level, frame = 2, sys._getframe(1)  # 2: the caller of this function
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         level, frame = level + 1, frame.f_back  # type: ignore[assignment]

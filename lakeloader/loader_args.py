@@ -1,10 +1,4 @@
-"""A loader's arguments: what is refused, what is only warned of, and torch's names for them.
-
-torch's DataLoader arguments that lakeloader does not take are refused with the reason;
-choices that work but cost something (a ``C`` that does not divide the global batch, more
-threads than cores, workers a loader does not start) are warned of with a
-:class:`~lakeloader.errors.LakeWarning`.
-"""
+"""A loader's arguments: torch's names for them, what is refused, what is only warned of."""
 
 from __future__ import annotations
 
@@ -36,12 +30,7 @@ class TorchNames:
 
     @property
     def topology(self) -> Topology:
-        """Rank, world size, workers and batch size as of now.
-
-        Rank and world size are resolved when asked for, and a pass takes them when it
-        starts (see :meth:`~lakeloader.topology.Topology.resolve`), so a loader made before
-        a framework starts its processes or its process group takes its place in the run.
-        """
+        """Rank, world size, workers and batch size as of now (resolved when asked for)."""
         return self._resolve_topology(strict=False)
 
     def _resolve_topology(self, *, strict: bool) -> Topology:
@@ -55,16 +44,10 @@ class TorchNames:
     def sampler(self) -> EpochSampler:
         """Where frameworks set the epoch: ``loader.sampler.set_epoch(n)`` is ``set_epoch(n)``.
 
-        Only for a loader whose passes are epochs, those a framework counts by ``len()``; an
-        endless loader, a followed lake or a packed stream runs through its epochs by itself,
-        and a framework's count (Lightning's stays 0 for a loader without ``len()``) is not
-        theirs: it is ignored.
+        Ignored by a loader without ``len()`` (endless, followed, packed): it runs through its
+        epochs by itself.
         """
-        try:
-            len(self)  # type: ignore[arg-type]
-        except TypeError:
-            return EpochSampler(None)
-        return EpochSampler(self.set_epoch)
+        return EpochSampler(self.set_epoch if has_len(self) else None)
 
     @property
     def batch_sampler(self) -> None:
@@ -105,6 +88,15 @@ class TorchNames:
     def global_batch_size(self) -> int:
         """Rows all ranks together consume in one step."""
         return self.topology.global_batch
+
+
+def has_len(loader: object) -> bool:
+    """Whether ``len(loader)`` is defined: its passes are epochs that end."""
+    try:
+        len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def check_unsupported(
@@ -152,8 +144,7 @@ def refuse_fetched_ahead(fetched_ahead: int, what: str) -> None:
 def warn_partitions(num_partitions: int, topology: Topology) -> None:
     """Warn when ranks will re-read each other's units: C does not divide the global batch.
 
-    With one rank nothing is read twice whatever the batch size, so torch's default
-    ``batch_size=1`` and any single-process batch size warn of nothing.
+    With one rank nothing is read twice, so nothing is warned of.
     """
     c, b = num_partitions, topology.global_batch
     if b % c and topology.world_size > 1:

@@ -1,9 +1,4 @@
-"""The loader's options as one frozen value: torch's DataLoader arguments and lakeloader's own.
-
-:class:`LoaderOptions` is built and checked once, by ``DataLoader(...)``, and then handed as it is
-to whatever needs it (a pass over an epoch, the worker pool), instead of being copied field by
-field.
-"""
+"""The loader's options as one frozen value: torch's DataLoader arguments and lakeloader's own."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """How ``iter(loader)`` maps onto epochs: one pass, a whole pass every time, or no end.
 
-A :class:`~lakeloader.DataLoader`'s plain ``iter()`` continues the epoch under way (a pass
-left early is not an epoch ended). Frameworks ask for two other shapes, which the loader's
-``restart_on_iter`` and ``endless`` arguments choose: an evaluation loader whose every
-``iter()`` is a whole pass (Lightning iterates a validation loader once per validation, and
-stops early for its sanity check and ``limit_val_batches``), and one iterator that runs epoch
-after epoch for step-based trainers (torchtitan iterates once and ends the run when the
-iterator does). :class:`EpochSampler` is where frameworks that set the epoch on
-``loader.sampler`` (Lightning, Accelerate) reach the loader.
+:class:`Deferred` is a plain ``iter()``, :class:`Endless` is ``endless=True``, and
+:class:`EpochSampler` is where frameworks set the epoch on ``loader.sampler``.
 """
 
 from __future__ import annotations
@@ -56,10 +50,9 @@ class Endless:
 class Deferred:
     """``iter(loader)``: the pass begins at the first ``next()``, not at ``iter()``.
 
-    Frameworks call ``iter()`` to test a loader (Lightning, at every set-up) and call
-    ``set_epoch`` after ``iter()`` (Lightning, at the first epoch of a run it resumes); so
-    ``iter()`` costs nothing and a ``set_epoch`` before the first batch moves the pass it will
-    begin. Other attributes (``num_steps``, ...) are the pass's, which asking for begins.
+    ``iter()`` costs nothing (frameworks call it to test a loader), and a ``set_epoch`` before
+    the first batch moves the pass it will begin. Other attributes (``num_steps``, ...) are
+    the pass's, which asking for begins.
 
     Args:
         begin: Begins the pass (the loader's).
@@ -96,9 +89,8 @@ class Deferred:
 class EpochSampler:
     """``loader.sampler``: not a torch ``Sampler``, only where frameworks set the epoch.
 
-    Lightning and Accelerate call ``loader.sampler.set_epoch(epoch)`` at the start of each
-    epoch (never ``loader.set_epoch``); this hands it to the loader, with the loader's
-    meaning: the epoch under way keeps its position, another starts from its beginning.
+    Lightning and Accelerate call ``loader.sampler.set_epoch(epoch)``; this hands it to the
+    loader's ``set_epoch``.
 
     Args:
         set_epoch: The loader's ``set_epoch``; None for a loader whose epochs are not the

@@ -1,15 +1,9 @@
 """Preemption: SIGTERM turns into a checkpoint at the next step boundary and a clean exit.
 
-Spot and preemptible machines get a SIGTERM some seconds before they are taken away (torchrun
-passes its own SIGTERM on to its workers, and kills them 30 seconds later). Python's default is
-to die at once, losing every step since the last checkpoint. Inside a :class:`Preemption`
-block, the signal only raises a flag; :meth:`Preemption.requested`, called once per step by
-every rank, tells every rank (one all-reduce under torch.distributed) that some rank was
-signalled, so that all of them save the same step and leave the loop together. If the block
-is not left within ``deadline`` seconds of the signal, the signal is raised again in the main
-thread as ``SystemExit`` with the signal's status (exit handlers run: loaders release their
-shared memory); a main thread that cannot run Python code then (stuck in a collective) is
-ended :data:`GRACE` seconds later with ``os._exit``.
+Inside a :class:`Preemption` block the signal only raises a flag, which
+:meth:`Preemption.requested` tells every rank at the same step. Past the deadline the signal
+is raised again as ``SystemExit`` in the main thread, and :data:`GRACE` seconds later, if the
+main thread could not run it, ``os._exit`` ends the process.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -81,12 +75,7 @@ class Preemption:
             self._previous[sig] = signal.signal(sig, self._caught)
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._left = True
             if self._timer is not None:

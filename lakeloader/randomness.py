@@ -1,19 +1,10 @@
 """Reproducible randomness in transforms: draws that belong to the row, not to the worker.
 
-Every row of an epoch sits at one global slot of the epoch's order, whatever the world size,
-the number of workers or the batch size, and before or after a resume. Its seed is a hash of
-``(dataset seed, epoch, slot)`` (:func:`slot_seeds`), so draws made from it are the same
-whoever builds the batch:
-
-- inside a ``transform`` (one row), :func:`rng` is a :class:`numpy.random.Generator` of the
-  row's seed, made on first use;
-- inside a ``batch_transform``, :func:`row_seeds` are the seeds of the batch's rows, in batch
-  order, :func:`row_rngs` one generator per row, and :func:`rng` a generator of the batch
-  (from all its rows' seeds: the same batch draws the same numbers after a resume or with
-  other workers, but another batch size makes other batches);
-- before each ``batch_transform`` call, ``torch``'s, ``random``'s and numpy's global
-  generators are seeded from the batch's seed, so code written for torch's DataLoader draws
-  reproducibly unchanged.
+A row's seed is a hash of ``(dataset seed, epoch, slot)`` (:func:`slot_seeds`), the same
+whatever the topology or resume. In a ``transform``, :func:`rng` is the row's generator; in a
+``batch_transform``, :func:`row_seeds` and :func:`row_rngs` are the rows' and :func:`rng` the
+batch's. Before a batch's user code runs, torch's, ``random``'s and numpy's global generators
+are seeded from the batch's seed (see docs/design.md).
 
 Example:
     >>> with drawing(slot_seeds(0, 1, np.array([5, 9]))):
@@ -135,9 +126,6 @@ def _current(name: str) -> _Draws:
 
 def rng() -> np.random.Generator:
     """A generator of the row being transformed (in ``transform``) or of the batch.
-
-    The same row gets the same draws in the same epoch, whatever the world size, workers,
-    batch size or resume; in a ``batch_transform``, the generator is the batch's.
 
     Raises:
         RuntimeError: Outside a transform or batch_transform that lakeloader is running.

@@ -1,24 +1,10 @@
 """What the training loop asks of the order mid-run: skip steps, quarantine a step's units.
 
-Large runs restart from a checkpoint a little before a loss spike and skip the data around it,
-or drop the data behind a step whose loss was ``NaN``. :class:`Steering` is where a
-:class:`~lakeloader.DataLoader` keeps what was asked (a
-:class:`~lakeloader.state.requests.Requests` record in its state, the same on every rank)
-and :class:`Steered` is the pass iterator that carries it out, whatever the loader reads:
-
-- ``skip(steps=N)``: the next ``N`` steps go through the pipeline as any other, so the
-  position moves exactly as it would have (every rank and source alike, any topology), but
-  they are not handed over: the audit ledger records them as skipped on request. Skipping
-  costs the reading of those steps, not their training; a pass that ends first leaves the rest
-  to the next pass.
-- ``quarantine_step(step)``: the units whose rows (a packed stream's: tokens) every rank's
-  share of that delivered step took become quarantine entries (reason
-  ``quarantine_step(<step>)``): the rest of their rows are left out of this epoch and of every
-  later one, as a unit that fails to decode is. The pass under way begins again where it
-  stands, so that no step planned ahead still holds them. A step not delivered yet (the run
-  was restored from a checkpoint before it: steps come again the same) is quarantined when it
-  comes: it goes through the pipeline, is not handed over (the audit: skipped on request),
-  its units are quarantined, and the next batch takes its number.
+:class:`Steering` is where a :class:`~lakeloader.DataLoader` keeps what was asked (a
+:class:`~lakeloader.state.requests.Requests` record in its state, the same on every rank) and
+:class:`Steered` is the pass iterator that carries it out, whatever the loader reads. Skipped
+steps go through the pipeline but are not handed over; a step's quarantined units are left out
+of this epoch and every later one (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -145,8 +131,6 @@ class Steered:
     """A pass that carries out its loader's requests (see the module docstring).
 
     Args:
-        steering: The loader's requests.
-        root: The loader's root node.
         start: Begins the pass (again, after a ``quarantine_step``).
     """
 

@@ -1,24 +1,14 @@
-"""Where a loader stands in the run: rank, world size, workers and rows per step.
-
-One value object, :class:`Topology`, is what every part that cares about the shape of a run
-takes: the loader, the reader-state tracker's per-rank and per-worker view, the checkpoint's
-context and ``lakeloader inspect``. The order of rows never depends on it (see
-docs/design.md); it only decides who takes which share of each global batch.
-"""
+"""Where a loader stands in the run: rank, world size, workers and rows per step."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Final
+from typing import Any
 
 import torch.distributed as dist
 
 from lakeloader.errors import TopologyError
-
-#: Environment variables that torchrun sets.
-ENV_RANK: Final = "RANK"
-ENV_WORLD_SIZE: Final = "WORLD_SIZE"
 
 
 @dataclass(frozen=True)
@@ -90,10 +80,7 @@ class Topology:
 
         Rank and world size come, in order, from the explicit arguments, an initialised
         ``torch.distributed`` process group, or the ``RANK``/``WORLD_SIZE`` variables that
-        torchrun sets; else a single process. A loader resolves them when iteration starts
-        (``strict``), not when it is made: frameworks make the loader before they start
-        the other processes or the process group (Lightning's ``ddp`` sets ``WORLD_SIZE``
-        and ``LOCAL_RANK`` but no ``RANK``, and initialises the group inside ``fit()``).
+        torchrun sets; else a single process.
 
         >>> Topology.resolve(2, 4, num_workers=0, batch_size=8).rank
         2
@@ -106,10 +93,10 @@ class Topology:
         distributed = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = (
-                dist.get_world_size() if distributed else int(os.environ.get(ENV_WORLD_SIZE, "1"))
+                dist.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", "1"))
             )
         if rank is None:
-            if strict and not distributed and int(world_size) > 1 and ENV_RANK not in os.environ:
+            if strict and not distributed and int(world_size) > 1 and "RANK" not in os.environ:
                 local = os.environ.get("LOCAL_RANK")
                 raise TopologyError(
                     f"this process is one of WORLD_SIZE={world_size} but its rank is unknown: "
@@ -119,7 +106,7 @@ class Topology:
                     "Accelerate and transformers' Trainer do that before training), or pass "
                     "DataLoader(rank=..., world_size=...)"
                 )
-            rank = dist.get_rank() if distributed else int(os.environ.get(ENV_RANK, "0"))
+            rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
         return cls(int(world_size), int(rank), int(num_workers), int(batch_size))
 
     def describe(self) -> str:

@@ -1,4 +1,1 @@
-"""Fault-tolerant training with torchft (extra ``ft``): a loader exact as replica groups change.
-
-``loader`` is the :class:`FaultTolerantLoader`: one DataLoader re-sliced per quorum.
-"""
+"""Fault-tolerant training with torchft (extra ``ft``): :class:`~.loader.FaultTolerantLoader`."""

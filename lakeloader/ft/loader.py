@@ -1,28 +1,9 @@
 """A loader for fault-tolerant training with torchft: exact as replica groups come and go.
 
-torchft trains with replica groups that may die and join between steps without restarting the
-job; each step, its ``Manager`` forms a quorum of the groups taking part and commits the step
-only if all of them finished it (``should_commit()``). :class:`FaultTolerantLoader` is one
-:class:`~lakeloader.DataLoader` re-sliced per quorum: each step it hands this replica group its
-share of the global step for the step's participants (``DataLoader(rank=r, world_size=P)``),
-starting from the *committed state*, the loader's ``state_dict()`` after the last step that
-committed. So it takes whatever a DataLoader takes: a lake, a followed lake, a Mixture, a packed
-stream, with any of the DataLoader's arguments.
-
-The committed state moves only when a step commits (the manager's committed-step count moves
-past it); a step that does not commit is rolled back and handed out again, re-sliced for
-whoever takes part next (the committed state restored into a loader of the new rank and world
-size). A group that joins receives the committed state from a healthy peer. So every committed
-row of a lake's epoch, a followed lake's increment or a mixture's pass is trained on exactly
-once, with no process restarted. ``skip`` and ``quarantine_step`` go into the committed state.
-A checkpoint holds the committed state; the audit ledger records each step once (from the
-group that is participant 0 of its quorum), with whether it committed.
-
-Limits:
-    - A followed lake's groups each list the lake when their position reaches an increment's
-      end; they must see the same new files (files appearing whole, as listed, between steps):
-      nothing makes groups that listed different files agree.
-    - ``quarantine_step`` of a step committed before a group joined fails on that group.
+:class:`FaultTolerantLoader` is one :class:`~lakeloader.DataLoader` re-sliced per quorum, whose
+state moves only when a step commits (see docs/design.md). Limits: groups following a lake
+list it themselves at each increment's end and must see the same new files; a group cannot
+``quarantine_step`` a step committed before it joined.
 """
 
 from __future__ import annotations
@@ -39,8 +20,9 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.ft.quorum import Issued, QuorumManager
 from lakeloader.loader import DataLoader
+from lakeloader.loader_args import has_len
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.state.journal import DeliveredRun, DeliveryJournal, Runs
+from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.steering import STEPS_KEPT, Steering
@@ -69,18 +51,15 @@ class FaultTolerantLoader:
             ``zero_grad`` and ``manager.should_commit()`` yourself). With torchft's
             ``Optimizer`` wrapper, whose ``zero_grad`` starts the quorum, pass False and call
             ``zero_grad`` before ``next()``.
-        **loader_kwargs: Other :class:`~lakeloader.DataLoader` arguments (``drop_last``,
-            ``num_workers``, ``collate_fn``, ...); ``rank`` and ``world_size`` come from
-            each step's quorum.
+        **loader_kwargs: Other :class:`~lakeloader.DataLoader` arguments; ``rank`` and
+            ``world_size`` come from each step's quorum.
 
     Raises:
         ValueError: If ``rank`` or ``world_size`` is passed.
 
-    ``next()`` raises StopIteration at the end of a pass that has one (a lake's epoch, a
-    mixture's pass) until :meth:`set_epoch` moves on; at the end of a followed lake's rows (no
-    increment came in time) once, the next ``next()`` trying again. A group's share of a step
-    it does not take part in (a group still healing) is rank 0's: its gradients are zeroed by
-    torchft, so it trains on nothing.
+    ``next()`` raises StopIteration at the end of a pass (a lake's epoch, a mixture's pass)
+    until :meth:`set_epoch` moves on, and once at the end of a followed lake's rows. A group
+    that does not take part in a step reads rank 0's share, and torchft zeroes its gradients.
     """
 
     def __init__(
@@ -124,10 +103,9 @@ class FaultTolerantLoader:
     def _loader(self, dataset: Any, rank: int, world_size: int) -> DataLoader:
         """A DataLoader of this rank and world size, telling this loader of its steps."""
         loader = DataLoader(dataset, rank=rank, world_size=world_size, **self._kwargs)
-        loader.observe_steps(self._collect)
+        loader.observe_steps(self._runs.extend)
         return loader
 
-    # -------------------------------------------------------------------- steps
     def __iter__(self) -> FaultTolerantLoader:
         return self
 
@@ -163,7 +141,7 @@ class FaultTolerantLoader:
                 batch = next(it)
             except StopIteration:
                 self._it = None
-                self._over = self._has_end()
+                self._over = has_len(self._inner)
                 raise
             self._taken += 1
             self._at = self._inner.state_dict()
@@ -207,14 +185,6 @@ class FaultTolerantLoader:
             ) from exc
         self._at, self._it = state, None
 
-    def _has_end(self) -> bool:
-        """Whether the DataLoader's passes end (a lake's epoch, a mixture's pass)."""
-        try:
-            len(self._inner)
-        except TypeError:
-            return False
-        return True
-
     def _settle(self, *, rollback: bool) -> None:
         """Commit the issued step if the count moved past it; else (``rollback``) drop it."""
         issued = self._issued
@@ -234,10 +204,6 @@ class FaultTolerantLoader:
         self._record(issued.runs, committed=step > issued.at_step)
         self._issued = None
 
-    def _collect(self, runs: Runs) -> None:
-        """The inner DataLoader's step: its runs (one per stream it moved)."""
-        self._runs.extend(runs)
-
     def _record(self, runs: Sequence[DeliveredRun], *, committed: bool) -> None:
         """Tell the observer of a settled step, or keep it (if committed) until one comes."""
         if runs and self._observer is not None:
@@ -245,7 +211,6 @@ class FaultTolerantLoader:
         elif runs and committed:
             self._journal.record_step(runs)
 
-    # -------------------------------------------------------------------- epochs
     @property
     def epoch(self) -> int:
         """The epoch (a mixture's pass, a followed lake's increment) of the committed state."""
@@ -273,12 +238,10 @@ class FaultTolerantLoader:
             self._committed = self._at = self._inner.state_dict()
             self._it, self._over = None, False
 
-    # ------------------------------------------------- what the training loop asks
     def skip(self, steps: int) -> None:
         """Skip the rows of the next ``steps`` global steps (see ``DataLoader.skip``).
 
-        The request is in the committed state from now on: a step rolled back, a re-slice or a
-        group healing from a peer skips them alike. Every group asks the same, between steps.
+        The request goes into the committed state. Every group asks the same, between steps.
 
         Raises:
             ValueError: If ``steps`` is not an int >= 0.
@@ -292,10 +255,9 @@ class FaultTolerantLoader:
     def quarantine_step(self, step: int) -> list[QuarantineEntry]:
         """Quarantine the units behind committed ``step`` (see ``DataLoader.quarantine_step``).
 
-        ``step`` counts the batches this loader handed over that committed, from 0 (the count
-        is in the state). The last 64 committed steps' runs are kept, whatever slices took
-        them; a step to come, once restored from a checkpoint before it, is dropped as it
-        comes. The quarantine is in the committed state from now on. Every group asks the same.
+        ``step`` counts the committed batches from 0. A step to come, once restored from a
+        checkpoint before it, is dropped as it comes. The quarantine goes into the committed
+        state. Every group asks the same.
 
         Raises:
             ValueError: If ``step`` is neither one of the last 64 committed nor to come.
@@ -320,7 +282,6 @@ class FaultTolerantLoader:
             self._it = None
             return entries
 
-    # --------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The committed state, with the committed-step count it stands at (``ft_step``).
 
@@ -339,8 +300,7 @@ class FaultTolerantLoader:
         """Take a peer's committed state (a joining group heals with it).
 
         A step handed out before it is dropped, as not committed. The state is restored into
-        the DataLoader at the next step, which raises if it is not of this dataset (see
-        :meth:`__next__`).
+        the DataLoader at the next step (see :meth:`__next__`).
         """
         state = dict(state)
         step, over = state.pop(STEP_KEY, None), bool(state.pop(OVER_KEY, False))
@@ -351,7 +311,6 @@ class FaultTolerantLoader:
             self._committed, self._over = state, over
         logger.info("loader state from a peer, at step %s (pass over: %s)", step, over)
 
-    # --------------------------------------------- what a CheckpointManager calls
     def barrier_position(self) -> Position:
         """The committed position, as the checkpoint barrier compares it across ranks."""
         with self._lock:
@@ -403,7 +362,6 @@ class FaultTolerantLoader:
         """Whether the DataLoader's workers build batches rather than decode."""
         return self._inner.workers_build
 
-    # ------------------------------------------- the DataLoader of the last slice
     @property
     def dataset(self) -> Any:
         """What the DataLoader reads (a followed lake's increment under way)."""
