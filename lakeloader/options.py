@@ -27,25 +27,9 @@ DEFAULT_PREFETCH_FACTOR: Final = 2
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """How a :class:`~lakeloader.DataLoader` delivers batches (see its docstring for each).
+    """How a :class:`~lakeloader.DataLoader` delivers batches: its arguments of the same names.
 
-    Attributes:
-        batch_size: Rows per batch on this rank.
-        num_workers: Worker processes (0: everything in the loader's process).
-        collate_fn: The user's collate function, or None.
-        pin_memory: Copy tensors to pinned memory.
-        drop_last: Drop the last global batch if it is short.
-        timeout: Seconds to wait for a batch before failing (0: forever).
-        worker_init_fn: Called with the worker id in each worker.
-        multiprocessing_context: Context (or its name) for the workers.
-        prefetch_factor: Work handed to each worker ahead (0 counts as 1).
-        persistent_workers: Keep the workers alive between epochs.
-        pin_memory_device: Accepted for compatibility.
-        cache_dir: Folder for decoded units (None: ``/dev/shm`` when it has room).
-        cache_bytes: Byte budget for decoded units held ahead of use.
-        io_threads: Threads decoding units in the loader's process (fetching is apart).
-        restart_on_iter: Every ``iter()`` starts the epoch under way from its beginning.
-        endless: One ``iter()`` runs epoch after epoch.
+    See the DataLoader's docstring for each; a ``prefetch_factor`` of 0 counts as 1.
 
     Example:
         >>> LoaderOptions(batch_size=0)

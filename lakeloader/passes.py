@@ -28,9 +28,6 @@ class Endless:
         StopIteration
     """
 
-    #: Batches it delivers in all: it has no end (``num_steps`` of a pass iterator is a count).
-    num_steps = None
-
     def __init__(self, start_pass: Callable[[], Iterator[Any]]) -> None:
         self._start_pass = start_pass
         self._pass = start_pass()

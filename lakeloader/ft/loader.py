@@ -163,27 +163,25 @@ class FaultTolerantLoader:
             dataset = inner.dataset  # a resumed checkpoint's pinned snapshot, if any
             inner.close()
             self._inner, self._at = self._loader(dataset, rank, participants), None
-            self._restore(self._committed, f"rank {rank} of {participants} groups")
+            self._at_committed(f"rank {rank} of {participants} groups")
         else:
             self._at_committed()
         if self._it is None:
             self._it, self._taken = iter(self._inner), 0
         return self._it
 
-    def _at_committed(self) -> None:
+    def _at_committed(self, where: str = "the rolled back step's slice") -> None:
         """Make the DataLoader stand at the committed state (rolling a step back)."""
-        if self._at is not self._committed:
-            self._restore(self._committed, "the rolled back step's slice")
-
-    def _restore(self, state: dict[str, Any], where: str) -> None:
+        if self._at is self._committed:
+            return
         try:
-            self._inner.load_state_dict(state)
+            self._inner.load_state_dict(self._committed)
         except StateMismatchError as exc:
             raise StateMismatchError(
                 f"the committed state cannot be restored at {where}: {exc}. Every replica "
                 "group must read the same dataset with the same settings"
             ) from exc
-        self._at, self._it = state, None
+        self._at, self._it = self._committed, None
 
     def _settle(self, *, rollback: bool) -> None:
         """Commit the issued step if the count moved past it; else (``rollback``) drop it."""
