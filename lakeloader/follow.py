@@ -23,10 +23,6 @@ class Follow:
             at the next ``iter(loader)``); None waits for ever.
         on_rewrite: See :data:`OnRewrite`.
 
-    With ``DataLoader(..., drop_last=True)`` an increment's rows that do not fill a last global
-    batch are carried into the next increment, not dropped (see
-    :mod:`lakeloader.nodes.lake`).
-
     Example:
         >>> Follow(poll_interval=0.5, timeout=60).on_rewrite
         'skip'
