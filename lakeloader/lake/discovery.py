@@ -1,12 +1,7 @@
-"""Finding the data files of a lake through fsspec.
+"""Finding the data files of a lake through fsspec: a folder, glob, file, or a list of them.
 
-A *source* is a folder URL, a glob, a single file, or a list of any of those. Discovery
-resolves it to a sorted list of data-file paths plus the hive partition values (``key=value``
-folders) of each, without opening any file. Only names decide what is data: ``_SUCCESS``,
-``_metadata``, ``_common_metadata`` and any file or folder whose name starts with ``.`` or
-``_`` are skipped, as Spark, Hive and pyarrow do. Other files are taken as Parquet whatever
-their name (Hive writes ``000000_0``); when one of them cannot be read in a folder that also
-holds ``*.parquet`` files, :func:`add_glob_advice` suggests a glob of those.
+Only names decide what is data: ``_SUCCESS``, ``_metadata``, ``_common_metadata`` and names
+starting with ``.`` or ``_`` are skipped; any other file is taken as Parquet.
 """
 
 from __future__ import annotations
@@ -28,14 +23,14 @@ from lakeloader.io.retry import RetryPolicy
 Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
-#: Keys of an fsspec info() dict that change when a file is rewritten, most specific first:
-#: GCS's generation (gcsfs also reports an etag, which is not the object's version).
 #: File names that are never data in a lake.
 NON_DATA_NAMES: Final = frozenset({"_SUCCESS", "_metadata", "_common_metadata"})
 #: How the names of Parquet files end (what a suggested glob keeps).
 PARQUET_SUFFIXES: Final = (".parquet", ".parq", ".pq")
 #: Files not named as Parquet that an error lists at most.
 SHOWN_STRAYS: Final = 3
+#: Keys of an fsspec info() dict that change when a file is rewritten, most specific first
+#: (gcsfs's etag is not the object's version: GCS's generation comes first).
 _VERSION_KEYS = ("generation", "ETag", "etag", "version_id", "mtime", "LastModified", "updated")
 
 
@@ -171,25 +166,24 @@ def discover_listed(
         StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
     retry = retry or RetryPolicy()
-    entries = [source] if isinstance(source, str | os.PathLike) else list(source)
-    items = [os.fspath(s) for s in entries]
+    items = [os.fspath(s) for s in ([source] if isinstance(source, str | os.PathLike) else source)]
     if not items:
         raise LakeNotFoundError("the source is an empty list: name at least one Parquet file")
-    fs, first = url_to_fs(items[0], **(storage_options or {}))
+    fs = url_to_fs(items[0], **(storage_options or {}))[0]
     fs.invalidate_cache()  # fsspec caches instances and listings: a snapshot must see the lake now
     found: dict[str, tuple[DiscoveredFile, dict[str, Any]]] = {}
     for item in items:
-        path = first if item is items[0] else url_to_fs(item, **(storage_options or {}))[1]
+        path = url_to_fs(item, **(storage_options or {}))[1]
         root, listing = retry.call(functools.partial(_expand_one, fs, path), path)
         for p, info in listing.items():
             if _keep(p, root) and p not in found:
-                size = info.get("size")
+                size, version = info.get("size"), version_token(info)
                 found[p] = (
                     DiscoveredFile(
                         p,
                         hive_partitions(_relative_dir(p, root)),
-                        int(size) if size is not None else None,
-                        version_token(info) if version_token(info) != "none" else None,
+                        None if size is None else int(size),
+                        None if version == "none" else version,
                     ),
                     info,
                 )
@@ -209,11 +203,8 @@ def add_glob_advice(
 ) -> None:
     """Append to ``exc`` a glob that reads only the Parquet files of the folder ``source``.
 
-    For a file of a folder that cannot be read: when the folder (one folder, not a glob or a
-    file) holds files named as Parquet and others, the others (a README, a ``.csv``) are
-    named, with ``LakeDataset("<folder>/**/*.parquet")`` (or the suffix the folder's Parquet
-    files have), which reads the same partition folders. Lists the folder again (only on this
-    error path); adds nothing if that fails or the folder's names do not tell.
+    Only when ``source`` is one folder holding both files named as Parquet and others (named
+    in the advice); the folder is listed again, and nothing is added if that fails.
     """
     if not isinstance(source, str | os.PathLike) or any(c in os.fspath(source) for c in "*?["):
         return

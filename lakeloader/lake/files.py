@@ -1,9 +1,6 @@
 """One data file of a lake as a snapshot pins it: size, version, row groups, schema.
 
-A file of a table version may have rows deleted (Delta deletion vectors, Iceberg position
-deletes) and columns renamed since it was written (Iceberg field ids, Delta column mapping):
-its :class:`FileInfo` then says which physical rows are gone and which name each column has in
-the file, and its row counts are those of the rows that remain.
+A table version's file may have deleted rows and renamed columns: :class:`FileInfo` says which.
 """
 
 from __future__ import annotations
@@ -52,9 +49,14 @@ class FileInfo:
         """Rows in the file."""
         return sum(self.row_group_rows)
 
+    @property
+    def file_rows(self) -> tuple[int, ...]:
+        """Rows of every row group in the file itself, deleted ones included."""
+        return self.physical_rows or self.row_group_rows
+
     def rows_in_file(self, row_group: int) -> int:
         """Rows of a row group in the file itself, deleted ones included."""
-        return (self.physical_rows or self.row_group_rows)[row_group]
+        return self.file_rows[row_group]
 
     def physical_name(self, column: str) -> str:
         """The name a column has in the file.
@@ -75,7 +77,7 @@ class FileInfo:
         """
         if not self.deleted:
             return None
-        rows = self.physical_rows or self.row_group_rows
+        rows = self.file_rows
         first = sum(rows[:row_group])
         gone = np.asarray(self.deleted, dtype=np.int64)
         gone = gone[(gone >= first) & (gone < first + rows[row_group])] - first

@@ -1,20 +1,8 @@
 """Row filters: a pyarrow expression over partition and data columns, applied exactly.
 
-A filter is resolved when the dataset is made, row group by row group: one that the partition
-values or the footer's statistics rule out holds no row (it makes no unit and is never fetched);
-one that they prove to match in full keeps its rows; any other is counted by reading the
-filter's columns once, through the unit reader (its retries, its errors). The counts are what
-the order plans over, so the order, the resume and the topology independence are those of a
-lake of exactly the matching rows. Reading a unit applies the filter again and checks the
-count (a file that changed is an error, as ever).
-
-A row group that cannot be read to be counted is what an unreadable unit is anywhere: a
-:class:`~lakeloader.errors.LakeDataError` naming its file and row group, or, under
-``on_error="skip"``, quarantined: it keeps all its rows' slots in the order (the count is
-unknown), and a :class:`~lakeloader.state.quarantine.QuarantineEntry` for the whole row group
-goes with the dataset (``LakeDataset.lost``), so that no rank ever reads it: its slots are
-left out of the batches that hold them, and the quarantine of the loader's state records them
-as they come, as for a unit that fails to decode.
+Each row group's count of matching rows is resolved when the dataset is made (by partition
+values and statistics, else by reading the filter's columns); the order plans over those
+counts, and reading a unit applies the filter again.
 """
 
 from __future__ import annotations
@@ -127,8 +115,7 @@ def _evaluation_error(expression: pc.Expression, schema: pa.Schema) -> str | Non
 def lake_schema(snapshot: Snapshot) -> pa.Schema:
     """Every column of the lake, selected or not: the files' own, then partition columns.
 
-    A column's type is the first file's that has it (a filter compares values, and the
-    selected columns' types were unified already).
+    A column's type is the first file's that has it.
     """
     fields: dict[str, pa.Field] = {}
     for info in snapshot.files:
@@ -163,9 +150,11 @@ def filtered(
 ) -> tuple[Snapshot, Unreadable]:
     """``snapshot`` with ``row_filter``'s counts (made once: a manifest's snapshot has them).
 
+    The fingerprint stays the lake's: the filter is part of the order configuration.
+
     Returns:
-        The snapshot, and the row groups quarantined because they could not be counted (none
-        for a snapshot filtered already).
+        The snapshot, and the row groups quarantined whole because they could not be counted
+        (``on_error="skip"``; none for a snapshot filtered already).
 
     Raises:
         ValueError: If ``snapshot`` was filtered by another filter.
@@ -179,27 +168,6 @@ def filtered(
             f"the snapshot was filtered by {snapshot.row_filter}, this dataset by {wanted}: "
             "pass the filter the checkpoint was taken with"
         )
-    return filter_snapshot(fs, snapshot, row_filter, reader, on_error, progress)
-
-
-def filter_snapshot(
-    fs: fsspec.AbstractFileSystem,
-    snapshot: Snapshot,
-    row_filter: RowFilter,
-    reader: ReaderFactory,
-    on_error: OnError = "raise",
-    progress: bool | None = None,
-) -> tuple[Snapshot, Unreadable]:
-    """The snapshot with each row group's count of matching rows (see the module docstring).
-
-    The fingerprint stays the lake's: the filter is part of the order configuration.
-
-    Returns:
-        The snapshot, and the row groups that could not be counted (``on_error="skip"``).
-
-    Raises:
-        LakeDataError: If a row group cannot be read to be counted (``on_error="raise"``).
-    """
     files = snapshot.files
     show = len(files) >= PROGRESS_MIN_FILES if progress is None else progress
     threads = max(1, min(FILTER_THREADS, len(files)))
@@ -232,10 +200,9 @@ class _Counter:
     on_error: OnError
 
     def resolve(self, index: int) -> tuple[FileInfo, Unreadable]:
-        """A file with the matching rows of each of its row groups as its counts.
+        """A file with each row group's matching rows as its counts, and those quarantined.
 
-        A row group that cannot be read keeps its rows under ``on_error="skip"``, and is
-        returned as quarantined.
+        A row group that cannot be read keeps all its rows under ``on_error="skip"``.
         """
         info = self.snapshot.files[index]
         if info.schema is None or not info.row_group_rows:
@@ -254,11 +221,16 @@ class _Counter:
                     if self.on_error != "skip":
                         raise
                     counts.append(rows)
-                    lost.append(self._quarantined(info, rg, exc))
+                    reason = describe(exc.__cause__ or exc)
+                    logger.warning(
+                        "quarantined %s, row group %d: it cannot be read to apply the filter (%s)",
+                        url_of(self.fs, info.path),
+                        rg,
+                        reason,
+                    )
+                    lost.append(QuarantineEntry(info.path, rg, 0, rows, reason))
         resolved = dataclasses.replace(
-            info,
-            row_group_rows=tuple(counts),
-            physical_rows=info.physical_rows or info.row_group_rows,
+            info, row_group_rows=tuple(counts), physical_rows=info.file_rows
         )
         return resolved, tuple(lost)
 
@@ -273,25 +245,11 @@ class _Counter:
         assert info.schema is not None
         fields = [info.schema.field(c) for c in self.row_filter.columns if c in info.schema.names]
         if not fields:  # only partition values, or columns the file lacks
-            table = pa.Table.from_batches([pa.RecordBatch.from_struct_array(pa.nulls(rows, _NONE))])
+            table = pa.table({"_": pa.nulls(rows)}).select([])  # `rows` rows, no column
         else:  # the file's own types: no cast
             own = dataclasses.replace(self.snapshot, schema=pa.schema(fields))
             table = self.reader(own, [f.name for f in fields]).read(index, rg, 0, rows)
         return int(self.row_filter.apply(table, info).num_rows)
-
-    def _quarantined(self, info: FileInfo, rg: int, exc: LakeDataError) -> QuarantineEntry:
-        reason = describe(exc.__cause__ or exc)
-        logger.warning(
-            "quarantined %s, row group %d: it cannot be read to apply the filter (%s)",
-            url_of(self.fs, info.path),
-            rg,
-            reason,
-        )
-        return QuarantineEntry(info.path, rg, 0, info.row_group_rows[rg], reason)
-
-
-#: The type of a table without columns.
-_NONE = pa.struct([])
 
 
 def _by_statistics(

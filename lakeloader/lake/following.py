@@ -1,11 +1,7 @@
 """Follow mode's side of a dataset: its first increment, and waiting for the next one.
 
-A dataset with ``follow=`` is the chain of its increments (:mod:`lakeloader.lake.increments`),
-epoch ``k`` running on increment ``k``; the next link is made when an epoch past the last one
-is asked for, by polling the source every ``poll_interval`` seconds. Under
-``torch.distributed``, rank 0 looks at the lake and decides (an increment's mark, nothing
-yet, or caught up), and every rank takes the same increment: all ranks ask at the same step
-(the end of an increment), so the broadcast is a collective they all reach.
+Under ``torch.distributed``, rank 0 looks at the lake and decides, and every rank takes the
+same increment (all ranks ask at the same step, so the broadcast is a collective).
 """
 
 from __future__ import annotations
@@ -49,26 +45,19 @@ def growing(source: Source) -> Growing:
     return source
 
 
-def _ranks() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _agreed(source: Source, after: Increment | None, decide: Any, request: SourceRequest) -> Found:
     """The increment after ``after`` as rank 0 finds it (``decide(found)`` may stop the wait).
 
     Raises:
         CaughtUpError: When rank 0 says so.
     """
-    rank, world = _ranks()
-    if world == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         found = growing(source).increment(after, request)
         decide(found)
         return found
     word: list[Mark | str | None] = [None]
     found = None
-    if rank == 0:
+    if dist.get_rank() == 0:
         found = growing(source).increment(after, request)
         try:
             decide(found)
@@ -81,7 +70,7 @@ def _agreed(source: Source, after: Increment | None, decide: Any, request: Sourc
     dist.broadcast_object_list(word, src=0)
     if word[0] == _STOP:
         raise CaughtUpError("rank 0 found no new increment within the follow timeout")
-    if rank == 0 or word[0] is None:
+    if dist.get_rank() == 0 or word[0] is None:
         return found
     assert isinstance(word[0], Mark)
     return growing(source).increment(after, dataclasses.replace(request, upto=word[0]))

@@ -1,16 +1,8 @@
 """Increments of a growing lake: what follow mode takes in, one epoch each.
 
-Increment 0 is the lake when the dataset is made; increment ``k + 1`` is what was appended
-after increment ``k``, found from increment ``k``'s mark alone (so the state stays small):
-
-- a folder: files listed with a modification time (and path) after the mark, the largest
-  of which is the next mark: files must be written once, under new names (a file rewritten
-  in place is taken as new), and appear whole (an upload, or a rename after writing);
-- a Delta table: the data files that the next commit appending rows added
-  (:mod:`lakeloader.lake.tables.delta_log`); its version is the next mark.
-
-In a job of several processes, rank 0 finds each increment and the others take the same,
-up to its mark (:mod:`lakeloader.lake.following`).
+Increment ``k + 1`` is what was appended after increment ``k``'s :class:`Mark`: for a folder,
+files listed with a later modification time (written once, under new names); for a table, the
+next commit or snapshot that appends rows.
 """
 
 from __future__ import annotations

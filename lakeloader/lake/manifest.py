@@ -1,8 +1,6 @@
 """A snapshot as plain data: what a checkpoint pins so that recovery never re-lists the lake.
 
-The manifest holds every file's path, size, version token, row groups, hive values and schema
-(Arrow IPC bytes, each distinct schema once), plus the fingerprint, which is recomputed on
-load: a manifest that does not hash to its own fingerprint is refused as corrupt.
+The fingerprint is recomputed on load: a manifest that does not hash to it is refused.
 """
 
 from __future__ import annotations
@@ -89,10 +87,11 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
         version = None if table is None else TableVersion(**table)
     except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
         raise StateFormatError(f"malformed lakeloader manifest: {exc!r}") from exc
+    increment = manifest.get("increment")
     snapshot = dataclasses.replace(
         assemble_snapshot(infos, columns, version),
         row_filter=manifest.get("row_filter"),
-        increment=_increment(manifest.get("increment")),  # [index, upto.., after..]
+        increment=None if increment is None else Increment.from_list(increment),
     )
     recorded = manifest.get("fingerprint")
     if snapshot.fingerprint != recorded:
@@ -101,11 +100,6 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
             f"{recorded!r}"
         )
     return snapshot
-
-
-def _increment(value: Any) -> Increment | None:
-    """A manifest's increment entry as an :class:`Increment` (None: not following)."""
-    return None if value is None else Increment.from_list(value)
 
 
 def _file_info(entry: list[Any], schemas: list[pa.Schema]) -> FileInfo:

@@ -1,14 +1,7 @@
-"""A lake kept in several places (two buckets, two stores, a bucket and a local copy) as one.
+"""A lake kept in several places (two buckets, a bucket and a local copy) read as one.
 
-``LakeDataset(url, mirrors=[url2, ...])`` pins the snapshot of ``url`` (its identity in states
-and checkpoints: the first copy must answer when the dataset is made) and lists every mirror
-the same way; each must hold the same files, by their path under its root, with the same
-sizes, row groups and schemas, or the dataset is refused naming the file and both values. A
-mirror that is down then (past the retry deadline) is left out, with a warning. Reads go to
-the first copy that answers; one that keeps failing past the retry deadline hands the reads
-over to the next (:class:`~lakeloader.io.reader.UnitReader`), with a warning and no change to
-the order, the state or the checkpoints: the copies are the same bytes. A followed lake's
-later increments, whose files the mirrors were not checked for, are read from the first copy.
+The first copy's snapshot is the dataset's identity; every mirror must hold the same files by
+their path under its root. Reads fail over between copies (``io.reader.UnitReader``).
 """
 
 from __future__ import annotations
@@ -52,11 +45,7 @@ class Mirror:
     files: Mapping[str, tuple[str, str]]
 
     def serving(self, snapshot: Snapshot) -> Snapshot | None:
-        """``snapshot`` as read from this copy (None: it lacks one of its files).
-
-        Each file's path and version are the copy's; the filter's counts, deleted rows and
-        renames stay as they are.
-        """
+        """``snapshot`` with this copy's paths and versions (None: it lacks one of its files)."""
         files = []
         for f in snapshot.files:
             found = self.files.get(posixpath.relpath(f.path, self.root))
@@ -73,7 +62,7 @@ def open_mirrors(
     request: SourceRequest,
     pinned: bool = False,
 ) -> tuple[Mirror, ...]:
-    """Each mirror, checked against the primary's snapshot (see the module docstring).
+    """Each mirror, checked against the primary's snapshot; one that is down is left out.
 
     ``pinned``: the primary's snapshot is an earlier one (a checkpoint's): the mirror must
     hold its files, and may hold files added since.
@@ -128,7 +117,7 @@ def check_same(
         other = theirs[name]
         for what, a, b in (
             ("size", info.size, other.size),
-            ("row groups' rows", _physical(info), _physical(other)),
+            ("row groups' rows", info.file_rows, other.file_rows),
             ("schema", _schema(info), _schema(other)),
         ):
             if a != b:
@@ -152,8 +141,3 @@ def _relative(files: Sequence[FileInfo]) -> dict[str, FileInfo]:
 
 def _schema(info: FileInfo) -> str:
     return "" if info.schema is None else info.schema.to_string(show_schema_metadata=False)
-
-
-def _physical(info: FileInfo) -> tuple[int, ...]:
-    """The rows of each row group in the file itself (a table version may have deleted some)."""
-    return info.physical_rows or info.row_group_rows

@@ -1,19 +1,7 @@
 """Unifying the schemas of a lake's files: safe widening, nulls for missing columns, or an error.
 
-Lakes drift: columns are added half-way through a table's history, writers change, an int32
-becomes an int64. The rules, applied at discovery (never mid-epoch):
-
-- the same column in the same type: kept;
-- a column that some files lack: filled with nulls in those files, if it is nullable; a
-  non-nullable (``required``) column that some files lack is an error;
-- safe widenings, to the wider type: integers to a wider integer that holds every value
-  (int32 -> int64, uint32 -> int64), floats to a wider float (float32 -> float64), integers
-  to a float that holds them exactly (int32 -> float64, int16 -> float32), ``string`` ->
-  ``large_string``, ``binary`` -> ``large_binary``, a timestamp to a finer unit of the same
-  time zone, and the same rules inside lists and structs;
-- column order may differ between files (columns are matched by name);
-- anything else (int64 and string, int64 and float64, which loses precision) is an error that
-  names both files and both types.
+Columns match by name; a column some files lack reads as nulls if it is nullable; two types
+unify only when both widen safely (:func:`is_safe_widening`) to the wider one.
 """
 
 from __future__ import annotations
@@ -72,9 +60,6 @@ def is_safe_widening(src: pa.DataType, dst: pa.DataType) -> bool:
 def without_views(schema: pa.Schema) -> pa.Schema:
     """The schema with ``string_view`` and ``binary_view`` as ``string`` and ``binary``.
 
-    Writers built on arrow-rs (delta-rs rewrites, Polars) may store view types in a file's Arrow
-    schema; the values are the same, and one lake must not hold a column in both spellings.
-
     >>> views = pa.schema([("s", pa.string_view()), ("l", pa.list_(pa.binary_view()))])
     >>> plain = without_views(views)
     >>> [str(t) for t in plain.types]
@@ -88,7 +73,7 @@ def _plain(t: pa.DataType) -> pa.DataType:
         return pa.string()
     if t == pa.binary_view():
         return pa.binary()
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
+    if _is_list(t):
         inner = t.value_field.with_type(_plain(t.value_type))
         return pa.list_(inner) if pa.types.is_list(t) else pa.large_list(inner)
     if pa.types.is_struct(t):
@@ -108,11 +93,7 @@ def _selected(f: FileInfo, columns: Sequence[str] | None) -> pa.Schema:
 
 
 def unify_schemas(files: Sequence[FileInfo], columns: Sequence[str] | None = None) -> pa.Schema:
-    """Unify the file schemas (of the selected columns) by the rules of this module.
-
-    Args:
-        files: The files, in path order.
-        columns: Only these columns need to agree (None: all of them).
+    """Unify the file schemas (of ``columns``; None: all of them) by the rules of this module.
 
     Raises:
         SchemaMismatchError: If two files hold a column in incompatible types (naming both

@@ -1,9 +1,7 @@
 """The frozen description of a lake at one moment: files, sizes, versions, schemas, row groups.
 
-A :class:`Snapshot` is built once (listing the lake and reading every footer in parallel) and
-then pinned: planning and reading only ever look at it, never at the live lake (recovery
-compares the live lake with it), so an epoch sees exactly the files it started with. Its
-fingerprint identifies it in states and checkpoints.
+Planning and reading only ever look at a pinned :class:`Snapshot`, never at the live lake;
+its fingerprint identifies it in states and checkpoints.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from lakeloader.io.per_file import per_file
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
 from lakeloader.lake.files import FileInfo
-from lakeloader.lake.increments import Increment
+from lakeloader.lake.increments import Increment, SourceRequest
 from lakeloader.lake.schema import unify_schemas, without_views
 
 logger = logging.getLogger(__name__)
@@ -177,7 +175,7 @@ def fingerprint(files: Sequence[FileInfo], table: TableVersion | None = None) ->
             f.path,
             f.size,
             f.version,
-            list(f.physical_rows or f.row_group_rows),
+            list(f.file_rows),
             list(f.partitions),
             f.schema.to_string(show_schema_metadata=False) if f.schema is not None else "",
         ]
@@ -191,32 +189,19 @@ def fingerprint(files: Sequence[FileInfo], table: TableVersion | None = None) ->
 
 
 def build_snapshot(
-    fs: fsspec.AbstractFileSystem,
-    found: Sequence[DiscoveredFile],
-    *,
-    progress: bool | None = None,
-    columns: Sequence[str] | None = None,
-    retry: RetryPolicy | None = None,
-    skip_unreadable: bool = False,
+    fs: fsspec.AbstractFileSystem, found: Sequence[DiscoveredFile], request: SourceRequest
 ) -> Snapshot:
     """Read every footer in parallel and freeze the result.
 
-    Args:
-        fs: The lake's filesystem.
-        found: The discovered data files, sorted by path.
-        progress: Show a progress bar; None shows one from ``PROGRESS_MIN_FILES`` files on
-            (on stderr, whether or not it is a terminal).
-        columns: Only these columns must have compatible types across files (None: all).
-        retry: Retry policy for transient storage failures (None: the default policy).
-        skip_unreadable: Leave out files whose footer cannot be read, with a warning
-            naming each (``on_error="skip"``), instead of raising.
+    ``request.columns`` are the columns whose types must agree across files (None: all);
+    under ``request.skip_unreadable`` a file whose footer cannot be read is left out.
 
     Raises:
         LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
         SchemaMismatchError: If the schemas cannot be unified.
     """
-    infos = read_file_infos(fs, found, progress, retry, skip_unreadable)
-    return assemble_snapshot([i for i in infos if i is not None], columns)
+    infos = read_file_infos(fs, found, request.progress, request.retry, request.skip_unreadable)
+    return assemble_snapshot([i for i in infos if i is not None], request.columns)
 
 
 def read_file_infos(
@@ -274,13 +259,7 @@ def assemble_snapshot(
 
 
 def snapshot_lake(
-    source: Paths,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    progress: bool | None = None,
-    columns: Sequence[str] | None = None,
-    retry: RetryPolicy | None = None,
-    skip_unreadable: bool = False,
+    source: Paths, request: SourceRequest | None = None
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """Discover a lake and read its footers: the one call that pins a lake.
 
@@ -292,8 +271,6 @@ def snapshot_lake(
     (10, (4, 4, 2))
     >>> tmp.cleanup()
     """
-    fs, found = discover(source, storage_options, retry)
-    snapshot = build_snapshot(
-        fs, found, progress=progress, columns=columns, retry=retry, skip_unreadable=skip_unreadable
-    )
-    return fs, snapshot
+    request = request or SourceRequest({}, None, None, RetryPolicy(), False)
+    fs, found = discover(source, request.storage_options, request.retry)
+    return fs, build_snapshot(fs, found, request)

@@ -1,11 +1,7 @@
 """Where a dataset's snapshot comes from: the ``Source`` seam.
 
-A :class:`LakeDataset <lakeloader.LakeDataset>` needs two things of its source: a pinned
-:class:`~lakeloader.lake.snapshot.Snapshot` (files, sizes, versions, row groups, one schema) and
-the fsspec filesystem that reads those files. Anything that can give both stands behind the
-:class:`Source` protocol: today a folder, glob, file or list of them (:class:`FolderSource`);
-a Delta Lake or Iceberg table version, or a mixture of lakes, fit the same seam. The order of
-rows never depends on where a snapshot came from, only on the snapshot itself.
+A source gives a pinned :class:`~lakeloader.lake.snapshot.Snapshot` and the fsspec filesystem
+that reads its files: a folder (:class:`FolderSource`), or a Delta or Iceberg table version.
 """
 
 from __future__ import annotations
@@ -96,16 +92,9 @@ class FolderSource:
         Raises:
             StoreAccessError: If the store refuses access, naming the URL.
         """
-        paths = self.paths if isinstance(self.paths, str) else list(self.paths)
+        paths = self.describe()
         try:
-            return snapshot_lake(
-                paths,
-                request.storage_options,
-                progress=request.progress,
-                columns=request.columns,
-                retry=request.retry,
-                skip_unreadable=request.skip_unreadable,
-            )
+            return snapshot_lake(paths, request)
         except Exception as exc:
             if isinstance(exc, LakeDataError):  # a stray file? suggest a glob of the Parquet
                 add_glob_advice(exc, paths, request.storage_options, request.retry)
@@ -127,8 +116,7 @@ class FolderSource:
             LakeNotFoundError: If the first increment holds no data file, or the listing
                 gives no modification times.
         """
-        paths = self.paths if isinstance(self.paths, str) else list(self.paths)
-        fs, listed = discover_listed(paths, request.storage_options, request.retry)
+        fs, listed = discover_listed(self.describe(), request.storage_options, request.retry)
         marked = []
         for found, info in listed:
             ns = listed_ns(info)
@@ -141,14 +129,7 @@ class FolderSource:
         files, last = newer_files(marked, None if after is None else after.upto, request.upto)
         if last is None:
             return None
-        snapshot = build_snapshot(
-            fs,
-            files,
-            progress=request.progress,
-            columns=request.columns,
-            retry=request.retry,
-            skip_unreadable=request.skip_unreadable,
-        )
+        snapshot = build_snapshot(fs, files, request)
         index = 0 if after is None else after.index + 1
         start = None if after is None else after.upto
         return fs, dataclasses.replace(snapshot, increment=Increment(index, last, start))
