@@ -40,8 +40,7 @@ class Increment:
     Attributes:
         index: The increment (the epoch it is delivered as).
         upto: Its mark: the next increment is what comes after it.
-        after: The mark it starts after (None: the first increment). With ``upto``, it finds
-            the increment's files again, from a loader state alone.
+        after: The mark it starts after (None: the first increment).
     """
 
     index: int
@@ -74,10 +73,8 @@ class SourceRequest:
     """What a source is asked for a snapshot or an increment with.
 
     Attributes:
-        storage_options: fsspec options.
         columns: The columns read (None: all).
         progress: Progress bar while reading footers (None: from 64 files on).
-        retry: Retry policy for transient storage failures.
         skip_unreadable: Leave out files whose footer cannot be read.
         on_rewrite: What a rewrite of data already taken in does (see ``Follow``).
         upto: The last mark to take (another rank's increment); None: all there is now.
@@ -128,9 +125,7 @@ def listed_ns(info: dict[str, Any]) -> int | None:
 def newer_files(
     found: Sequence[tuple[DiscoveredFile, int]], after: Mark | None, upto: Mark | None = None
 ) -> tuple[list[DiscoveredFile], Mark | None]:
-    """The files listed after ``after`` and up to ``upto``, by path, and their largest mark.
-
-    ``after`` None takes every file from the first on; ``upto`` None every file to the last.
+    """The files after ``after`` up to ``upto`` (None: no bound), by path, and their largest mark.
 
     >>> f = [(DiscoveredFile("a", ()), 10), (DiscoveredFile("b", ()), 20)]
     >>> [d.path for d in newer_files(f, Mark(10, "a"))[0]], newer_files(f, None)[1]

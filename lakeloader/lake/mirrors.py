@@ -33,8 +33,6 @@ class Mirror:
     """A copy of the lake: where its files are, by their path under the primary's root.
 
     Attributes:
-        url: The mirror's URL, as given.
-        fs: Its filesystem.
         root: The folder every file of the primary lay under when the mirror was checked.
         files: ``{path under the root: (the mirror's path, its version)}``.
     """

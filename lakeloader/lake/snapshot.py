@@ -213,8 +213,6 @@ def read_file_infos(
 ) -> list[FileInfo | None]:
     """:func:`read_file_info` of every file, in parallel (None: left out, unreadable).
 
-    The threads: :func:`~lakeloader.io.per_file.per_file`'s.
-
     Raises:
         LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
     """

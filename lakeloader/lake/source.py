@@ -21,24 +21,18 @@ from lakeloader.lake.discovery import Paths, add_glob_advice, discover_listed
 from lakeloader.lake.increments import Increment, SourceRequest, listed_ns, newer_files
 from lakeloader.lake.snapshot import Snapshot, build_snapshot, snapshot_lake
 
-#: What a source is described as in checkpoints: a URL, or a list of them.
-Described = str | list[str]
-
 
 @runtime_checkable
 class Source(Protocol):
     """What a dataset reads its snapshot from."""
 
-    def describe(self) -> Described:
+    def describe(self) -> str | list[str]:
         """Plain data naming the source (kept in checkpoints; never credentials)."""
 
     def filesystem(self, storage_options: dict[str, Any]) -> fsspec.AbstractFileSystem:
         """The filesystem that reads the source's files."""
 
-    def snapshot(
-        self,
-        request: SourceRequest,
-    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    def snapshot(self, request: SourceRequest) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """Pin the source as it is now.
 
         Raises:
@@ -52,9 +46,6 @@ class Source(Protocol):
 @dataclass(frozen=True)
 class FolderSource:
     """A folder, glob or file, or a list of them: local paths or any fsspec URL.
-
-    Hive-style ``key=value`` folders give partition columns; ``_SUCCESS``, ``_metadata``,
-    dot-files and ``_``-prefixed names are not data (see :mod:`lakeloader.lake.discovery`).
 
     Attributes:
         paths: The URL, or the URLs, as given.
@@ -73,7 +64,7 @@ class FolderSource:
             return cls(os.fspath(paths))
         return cls(tuple(os.fspath(p) for p in paths))
 
-    def describe(self) -> Described:
+    def describe(self) -> str | list[str]:
         """The URL, or the list of URLs."""
         return self.paths if isinstance(self.paths, str) else list(self.paths)
 
@@ -83,10 +74,7 @@ class FolderSource:
         fs: fsspec.AbstractFileSystem = url_to_fs(first, **storage_options)[0]
         return fs
 
-    def snapshot(
-        self,
-        request: SourceRequest,
-    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    def snapshot(self, request: SourceRequest) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """List the files and read their footers in parallel (see ``snapshot_lake``).
 
         Raises:
@@ -103,9 +91,7 @@ class FolderSource:
             raise access_error(str(paths), exc) from exc
 
     def increment(
-        self,
-        after: Increment | None,
-        request: SourceRequest,
+        self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The files listed with a modification time after ``after``'s mark (up to ``upto``).
 
@@ -140,9 +126,7 @@ class Growing(Protocol):
     """A source that follow mode can take increments of (see :mod:`lakeloader.lake.increments`)."""
 
     def increment(
-        self,
-        after: Increment | None,
-        request: SourceRequest,
+        self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The increment after ``after`` (None: the first), up to ``request.upto``.
 

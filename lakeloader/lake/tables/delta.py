@@ -1,16 +1,13 @@
 """A Delta Lake table version as a source, through the ``deltalake`` package (extra ``delta``).
 
-The version's add actions give its data files, their sizes, row counts and typed partition
-values; deletion vectors give the rows deleted from a file without rewriting it; with column
-mapping, files hold physical column names matched to the table's by field id. Nothing is
-listed: only the files' footers are read.
+Its add actions give the data files, deletion vectors the deleted rows; under column mapping
+files match the table's columns by field id. Nothing is listed: only footers are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +19,7 @@ from fsspec.core import url_to_fs
 from lakeloader.errors import LakeNotFoundError
 from lakeloader.lake.increments import Increment, Mark, SourceRequest
 from lakeloader.lake.snapshot import Snapshot, TableVersion
-from lakeloader.lake.tables.delta_log import next_append
+from lakeloader.lake.tables.delta_log import data_path, next_append
 from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
 
 logger = logging.getLogger(__name__)
@@ -69,7 +66,6 @@ class DeltaSource:
 
     Attributes:
         uri: The table's folder (local path or URL).
-        version: The version to read.
         options: ``deltalake`` storage options (from :func:`.options.delta_options`).
     """
 
@@ -86,10 +82,7 @@ class DeltaSource:
         fs: fsspec.AbstractFileSystem = url_to_fs(self.uri, **storage_options)[0]
         return fs
 
-    def snapshot(
-        self,
-        request: SourceRequest,
-    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    def snapshot(self, request: SourceRequest) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """Pin the version: its add actions, deletion vectors and schema; then the footers.
 
         Raises:
@@ -99,20 +92,12 @@ class DeltaSource:
         table = open_table(self.uri, self.version, dict(self.options))
         fs = self.filesystem(request.storage_options)
         version = TableVersion("delta", self.uri, str(table.metadata().id), int(table.version()))
-        files = _files(fs, self.uri, table)
-        snapshot = table_snapshot(
-            fs,
-            files,
-            _columns(table),
-            version,
-            request,
+        return fs, table_snapshot(
+            fs, _files(fs, self.uri, table), _columns(table), version, request
         )
-        return fs, snapshot
 
     def increment(
-        self,
-        after: Increment | None,
-        request: SourceRequest,
+        self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The first increment is the version; then what later commits appended.
 
@@ -158,13 +143,10 @@ def _columns(table: Any) -> TableColumns:
 def _files(fs: fsspec.AbstractFileSystem, uri: str, table: Any) -> list[TableFile]:
     """The version's data files: paths, row counts, partition values, deleted rows."""
     actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
-    root = uri.rstrip("/")
     deleted = _deleted(fs, table)
     out = []
     for action in actions:
-        relative = urllib.parse.unquote(action["path"])
-        url = relative if "://" in relative else f"{root}/{relative}"
-        path = fs._strip_protocol(url)
+        path = data_path(fs, uri, action["path"])
         partitions = tuple(
             (key[len("partition.") :], _partition_text(value))
             for key, value in action.items()

@@ -1,17 +1,14 @@
 """The commits of a Delta table after a version: what they appended, and what they rewrote.
 
-Read from the log's JSON commits (``_delta_log/<version>.json``, the Delta protocol's own
-record): an ``add`` with ``dataChange`` true is appended data; a commit whose actions all have
-``dataChange`` false (``OPTIMIZE``) only rearranges rows and adds nothing new; a ``remove``
-with ``dataChange`` true (DELETE, UPDATE, MERGE, overwrite) rewrites data already there.
+Read from the log's JSON commits: an ``add`` with ``dataChange`` true is appended data; a
+commit of only ``dataChange`` false actions (``OPTIMIZE``) adds nothing new; a ``remove`` with
+``dataChange`` true (DELETE, UPDATE, MERGE, overwrite) rewrites data already there.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import urllib.parse
-from dataclasses import dataclass
 
 import fsspec
 
@@ -20,28 +17,22 @@ from lakeloader.follow import OnRewrite
 from lakeloader.lake.increments import rewritten
 from lakeloader.lake.tables.files import TableFile
 
-logger = logging.getLogger(__name__)
+
+def data_path(fs: fsspec.AbstractFileSystem, root: str, path: str) -> str:
+    """The filesystem path of a data file as the log names it (a URL, or under ``root``)."""
+    relative = urllib.parse.unquote(path)
+    url = relative if "://" in relative else f"{root.rstrip('/')}/{relative}"
+    return str(fs._strip_protocol(url))
 
 
-@dataclass(frozen=True)
-class Commit:
-    """One commit's data files.
-
-    Attributes:
-        version: The table version it made.
-        operation: Its ``commitInfo`` operation (``WRITE``, ``OPTIMIZE``, ``DELETE``...).
-        added: Files it added with ``dataChange`` true.
-        rewrites: Whether it removed data (a ``remove`` with ``dataChange`` true).
-    """
-
-    version: int
-    operation: str
-    added: tuple[TableFile, ...]
-    rewrites: bool
-
-
-def read_commit(fs: fsspec.AbstractFileSystem, root: str, version: int) -> Commit:
+def read_commit(
+    fs: fsspec.AbstractFileSystem, root: str, version: int
+) -> tuple[str, list[TableFile], bool]:
     """Parse ``_delta_log/<version>.json`` of the table at ``root`` (a filesystem path).
+
+    Returns:
+        Its ``commitInfo`` operation, the files it added with ``dataChange`` true, and whether
+        it removed data (a ``remove`` with ``dataChange`` true).
 
     Raises:
         LakeDataError: If an appended file has a deletion vector (not taken in as an increment).
@@ -63,17 +54,14 @@ def read_commit(fs: fsspec.AbstractFileSystem, root: str, version: int) -> Commi
                 f"{fs.unstrip_protocol(path)}: appended file {add['path']} has a deletion "
                 "vector, which follow mode does not take in; read the table by version instead"
             )
-        relative = urllib.parse.unquote(add["path"])
-        full = relative if "://" in relative else f"{root.rstrip('/')}/{relative}"
-        stats = json.loads(add.get("stats") or "{}")
+        rows = json.loads(add.get("stats") or "{}").get("numRecords")
         parts = tuple(
             (k, str(v)) for k, v in (add.get("partitionValues") or {}).items() if v is not None
         )
-        rows = stats.get("numRecords")
         added.append(
-            TableFile(fs._strip_protocol(full), None if rows is None else int(rows), parts)
+            TableFile(data_path(fs, root, add["path"]), None if rows is None else int(rows), parts)
         )
-    return Commit(version, operation, tuple(added), rewrites)
+    return operation, added, rewrites
 
 
 def next_append(
@@ -91,11 +79,9 @@ def next_append(
         LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.
     """
     for version in range(after + 1, newest + 1):
-        commit = read_commit(fs, root, version)
-        if commit.rewrites:
-            rewritten(
-                f"{fs.unstrip_protocol(root)} version {version} ({commit.operation})", on_rewrite
-            )
-        elif commit.added:
-            return version, list(commit.added)
+        operation, added, rewrites = read_commit(fs, root, version)
+        if rewrites:
+            rewritten(f"{fs.unstrip_protocol(root)} version {version} ({operation})", on_rewrite)
+        elif added:
+            return version, added
     return None

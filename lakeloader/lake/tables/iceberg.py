@@ -1,10 +1,7 @@
 """An Iceberg table snapshot as a source, through ``pyiceberg`` (extra ``iceberg``).
 
-The snapshot's scan plan gives its data files and row counts (from manifests, no listing);
-position delete files give the rows deleted from each file; files are matched to the
-snapshot's schema by field id, so renamed columns keep their data. Iceberg data files hold
-their partition columns themselves. Equality deletes cannot be applied row by row before
-reading, and are refused.
+Its scan plan gives the data files, position deletes the deleted rows; files match the
+snapshot's schema by field id. Equality deletes are refused.
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ class IcebergSource:
 
     Attributes:
         location: The table's metadata file.
-        snapshot_id: The snapshot to read.
         properties: pyiceberg FileIO properties (endpoint, credentials).
     """
 
@@ -76,10 +72,7 @@ class IcebergSource:
         fs: fsspec.AbstractFileSystem = url_to_fs(self.location, **storage_options)[0]
         return fs
 
-    def snapshot(
-        self,
-        request: SourceRequest,
-    ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
+    def snapshot(self, request: SourceRequest) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
         """Pin the snapshot: its scan plan, position deletes and schema; then the footers.
 
         Raises:

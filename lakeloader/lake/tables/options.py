@@ -1,10 +1,8 @@
 """Storage options for the table libraries, from the fsspec ones every ``LakeDataset`` takes.
 
-``deltalake`` takes object_store keys (``AWS_ENDPOINT_URL``, ...), pyiceberg its own
-properties (``s3.endpoint``, ...), and lakeloader reads the data files through fsspec (s3fs
-keys: ``key``, ``secret``, ``endpoint_url`` or ``client_kwargs``). One dict of fsspec options
-serves all three. Keys already in a library's own spelling (upper-case object_store keys, or
-dotted pyiceberg properties) are passed to that library as they are.
+One dict of fsspec (s3fs) options serves ``deltalake`` (object_store keys), pyiceberg (``s3.*``
+properties) and fsspec; keys already in a library's own spelling (upper-case, or dotted) are
+passed to that library as they are.
 """
 
 from __future__ import annotations
@@ -54,15 +52,16 @@ def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return {**implied, **plain}
 
 
-#: object_store's S3 keys, by what they give.
-_OBJECT_STORE = {
-    "AWS_ENDPOINT_URL": "endpoint",
-    "AWS_ENDPOINT": "endpoint",
-    "AWS_ACCESS_KEY_ID": "key",
-    "AWS_SECRET_ACCESS_KEY": "secret",
-    "AWS_SESSION_TOKEN": "token",
-    "AWS_REGION": "region",
+#: object_store's S3 key of each setting.
+_DELTA = {
+    "endpoint": "AWS_ENDPOINT_URL",
+    "key": "AWS_ACCESS_KEY_ID",
+    "secret": "AWS_SECRET_ACCESS_KEY",
+    "token": "AWS_SESSION_TOKEN",
+    "region": "AWS_REGION",
 }
+#: object_store's S3 keys, by what they give.
+_OBJECT_STORE = {key: name for name, key in _DELTA.items()} | {"AWS_ENDPOINT": "endpoint"}
 #: pyiceberg's S3 property names (after ``s3.``), by what they give.
 _ICEBERG = {
     "endpoint": "endpoint",
@@ -82,14 +81,7 @@ def delta_options(options: Mapping[str, Any]) -> dict[str, str]:
      'AWS_SECRET_ACCESS_KEY': 's', 'AWS_REGION': 'us-east-1', 'AWS_ALLOW_HTTP': 'true'}
     """
     s3 = _s3_settings(options)
-    names = {
-        "endpoint": "AWS_ENDPOINT_URL",
-        "key": "AWS_ACCESS_KEY_ID",
-        "secret": "AWS_SECRET_ACCESS_KEY",
-        "token": "AWS_SESSION_TOKEN",
-        "region": "AWS_REGION",
-    }
-    out = {names[k]: v for k, v in s3.items()}
+    out = {_DELTA[k]: v for k, v in s3.items()}
     if s3:
         out.setdefault("AWS_REGION", DEFAULT_REGION)
     if s3.get("endpoint", "").startswith("http://"):
