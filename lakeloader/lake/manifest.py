@@ -31,16 +31,12 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
         source: The lake's source as given to ``LakeDataset`` (URLs keep their protocol, which
             the file paths do not), so that the filesystem can be rebuilt without listing.
     """
-    schemas: list[bytes] = []
-    index: dict[bytes, int] = {}
+    schemas: dict[bytes, int] = {}  # each distinct schema once, by its index
     files = []
     for f in snapshot.files:
         ref = -1
         if f.schema is not None:
-            blob = f.schema.serialize().to_pybytes()
-            ref = index.setdefault(blob, len(schemas))
-            if ref == len(schemas):
-                schemas.append(blob)
+            ref = schemas.setdefault(f.schema.serialize().to_pybytes(), len(schemas))
         entry = [
             f.path,
             f.size,
@@ -60,7 +56,7 @@ def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
         "source": source,
         "fingerprint": snapshot.fingerprint,
         "files": files,
-        "schemas": schemas,
+        "schemas": list(schemas),
         "table": None if table is None else dataclasses.asdict(table),
         "row_filter": snapshot.row_filter,
         "increment": None if snapshot.increment is None else snapshot.increment.to_list(),

@@ -152,12 +152,13 @@ def newest_metadata(fs: fsspec.AbstractFileSystem, location: str) -> str:
     the next-numbered file in the same folder.
     """
     folder = location.rsplit("/", 1)[0]
-    found = fs.glob(f"{fs._strip_protocol(folder)}/*.metadata.json")
-    numbered = [p for p in found if p.rsplit("/", 1)[-1].split("-", 1)[0].isdigit()]
+    names = [p.rsplit("/", 1)[-1] for p in fs.glob(f"{fs._strip_protocol(folder)}/*.metadata.json")]
+    numbered = {
+        name: int(name.split("-", 1)[0]) for name in names if name.split("-", 1)[0].isdigit()
+    }
     if not numbered:
         return location
-    newest = max(numbered, key=lambda p: int(p.rsplit("/", 1)[-1].split("-", 1)[0]))
-    return f"{folder}/{newest.rsplit('/', 1)[-1]}"
+    return f"{folder}/{max(numbered, key=numbered.__getitem__)}"
 
 
 def _added_files(table: Any, snap: Any, fs: fsspec.AbstractFileSystem) -> list[TableFile]:

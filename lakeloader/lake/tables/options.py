@@ -110,15 +110,10 @@ def from_iceberg_properties(properties: Mapping[str, str]) -> dict[str, Any]:
     >>> from_iceberg_properties({"s3.endpoint": "http://127.0.0.1:9", "s3.access-key-id": "k"})
     {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
     """
-    out: dict[str, Any] = {}
-    for name in ("key", "secret", "token"):
-        if f"s3.{_ICEBERG[name]}" in properties:
-            out[name] = properties[f"s3.{_ICEBERG[name]}"]
-    client = {}
-    if "s3.endpoint" in properties:
-        client["endpoint_url"] = properties["s3.endpoint"]
-    if "s3.region" in properties:
-        client["region_name"] = properties["s3.region"]
+    keys = {name: f"s3.{_ICEBERG[name]}" for name in ("key", "secret", "token")}
+    out: dict[str, Any] = {k: properties[p] for k, p in keys.items() if p in properties}
+    client_keys = {"endpoint_url": "s3.endpoint", "region_name": "s3.region"}
+    client = {k: properties[p] for k, p in client_keys.items() if p in properties}
     if client:
         out["client_kwargs"] = client
     return out
