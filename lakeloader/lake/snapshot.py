@@ -132,15 +132,8 @@ def read_file_info(
             f"({describe(exc)}); rewrite the file or leave it out of the lake"
         ) from exc
     rgs = [meta.row_group(i) for i in range(meta.num_row_groups)]
-    return FileInfo(
-        path=found.path,
-        size=size,
-        version=version,
-        row_group_rows=tuple(rg.num_rows for rg in rgs),
-        row_group_bytes=tuple(rg.total_byte_size for rg in rgs),
-        partitions=found.partitions,
-        schema=schema,
-    )
+    rows, nbytes = tuple(rg.num_rows for rg in rgs), tuple(rg.total_byte_size for rg in rgs)
+    return FileInfo(found.path, size, version, rows, nbytes, found.partitions, schema)
 
 
 def _partition_types(files: Sequence[FileInfo]) -> tuple[tuple[str, pa.DataType], ...]:
