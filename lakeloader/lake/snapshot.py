@@ -70,8 +70,7 @@ class Snapshot:
         schema: The unified schema of the selected columns, partition columns last.
         partition_types: Arrow type of each hive partition column.
         column_names: Every column of every file, then the partition keys.
-        fingerprint: Hash of the files (paths, sizes, versions, row counts per row group,
-            hive values, schemas, deleted rows, renames) and of the table version; equal
+        fingerprint: Hash of the files and the table version (:func:`fingerprint`); equal
             fingerprints mean the same data.
         table: The table version the files are of (None for a folder).
         row_filter: The filter whose matching rows ``row_group_rows`` count (None: all rows;

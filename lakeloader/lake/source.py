@@ -37,8 +37,7 @@ class Source(Protocol):
 
         Raises:
             LakeNotFoundError: If it holds no data file.
-            LakeDataError: If a footer cannot be read (and ``request.skip_unreadable`` is
-                False).
+            LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
             SchemaMismatchError: If file schemas conflict.
         """
 
