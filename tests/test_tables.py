@@ -124,6 +124,22 @@ def test_a_missing_delta_table_or_version_is_named(tmp_path: Path, delta_uri: st
         ll.LakeDataset.from_delta(delta_uri, version=9)
 
 
+def test_a_delta_file_whose_footer_is_damaged_is_named_or_left_out_with_on_error_skip(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = str(tmp_path / "table")
+    write_deltalake(uri, _rows(0, 100))
+    write_deltalake(uri, _rows(100, 160), mode="append")
+    damaged = sorted(Path(uri).glob("*.parquet"), key=os.path.getmtime)[-1]
+    damaged.write_bytes(b"not parquet" * 10)
+    with pytest.raises(ll.LakeDataError, match=damaged.name):
+        ll.LakeDataset.from_delta(uri)
+    with caplog.at_level("WARNING", logger="lakeloader"):
+        ds = ll.LakeDataset.from_delta(uri, on_error="skip")
+    assert "left out of the snapshot" in caplog.text and damaged.name in caplog.text
+    assert sorted(_ids(ds)) == list(range(100)), "the readable version-0 file's rows, once each"
+
+
 def test_lakeloader_plan_reads_a_delta_table(
     delta_uri: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

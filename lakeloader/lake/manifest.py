@@ -74,7 +74,7 @@ def from_manifest(manifest: dict[str, Any], columns: Sequence[str] | None = None
     if manifest.get("version") not in READABLE_VERSIONS:
         raise StateFormatError(
             f"manifest version {manifest.get('version')!r} is not supported "
-            f"(this lakeloader reads version {MANIFEST_VERSION})"
+            f"(this lakeloader reads versions {list(READABLE_VERSIONS)})"
         )
     try:
         schemas = [pa.ipc.read_schema(pa.py_buffer(b)) for b in manifest["schemas"]]

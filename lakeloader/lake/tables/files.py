@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,8 @@ from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot, 
 
 #: Field metadata key of a Parquet field id (written by Iceberg and Delta column mapping).
 FIELD_ID = b"PARQUET:field_id"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def table_snapshot(
         raise LakeNotFoundError(f"{version.describe()} holds no data file")
     ordered = sorted(files, key=lambda f: f.path)
     found = [DiscoveredFile(f.path, f.partitions) for f in ordered]
-    infos = read_file_infos(fs, found, progress=request.progress, retry=request.retry)
+    infos = read_file_infos(fs, found, request.progress, request.retry, request.skip_unreadable)
     kept = []
     for listed, info in zip(ordered, infos, strict=True):
         if info is None:
@@ -84,6 +87,7 @@ def table_snapshot(
             )
             if not request.skip_unreadable:
                 raise error
+            logger.warning("left out of the snapshot (on_error='skip'): %s", error)
             continue
         kept.append(as_table_file(info, listed, table))
     return assemble_snapshot(kept, request.columns, version)
