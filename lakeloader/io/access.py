@@ -1,16 +1,11 @@
-"""Refused access: telling it from other failures, and saying where credentials come from.
-
-A store that refuses a request (wrong or missing credentials, no permission) will refuse it
-again: it is never retried, and the error names the URL and the ``storage_options`` keys and
-environment variables that supply credentials for its protocol.
-"""
+"""Refused access: telling it from other failures, and where credentials come from."""
 
 from __future__ import annotations
 
 from typing import Final
 
 from lakeloader.errors import StoreAccessError
-from lakeloader.io.retry import describe
+from lakeloader.io.retry import causes, describe
 
 #: Exception classes of the clients (botocore, google-auth) that mean "no access".
 _REFUSALS: Final = frozenset(
@@ -44,14 +39,12 @@ def refused(exc: BaseException) -> bool:
     >>> refused(PermissionError("Forbidden")), refused(FileNotFoundError("gone"))
     (True, False)
     """
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, PermissionError) or type(seen).__name__ in _REFUSALS:
-            return True
-        if getattr(seen, "code", None) in (401, 403):  # gcsfs' HttpError
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(
+        isinstance(seen, PermissionError)
+        or type(seen).__name__ in _REFUSALS
+        or getattr(seen, "code", None) in (401, 403)  # gcsfs' HttpError
+        for seen in causes(exc)
+    )
 
 
 def access_error(url: str, exc: BaseException, needs: str = "list and read") -> StoreAccessError:

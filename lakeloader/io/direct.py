@@ -1,27 +1,9 @@
 """Ranged GETs of S3 objects on presigned URLs over plain keep-alive connections.
 
-A pass's bytes arrive in a few large ranged GETs (one per unit: about 3 MB each in the
-reference lake). Through s3fs each costs the client more CPU than the bytes do: aiobotocore
-builds, signs and parses the request through botocore's whole pipeline, and aiohttp hands the
-body over in chunks that are joined afterwards. So the reader fetches the ranges of S3 files
-with :class:`DirectRanges` where it can:
-
-- the request is a presigned ``GetObject`` URL made by s3fs's own client (endpoint, region,
-  addressing style and credentials are the client's), one per file and version, made again
-  before it expires (:data:`URL_RENEW_SECONDS`) or when the store refuses it (an expired
-  session token); a version id is part of the URL, an ETag is sent as ``If-Match``;
-- ``Range`` and ``If-Match`` are added as headers (neither needs signing);
-- idle keep-alive connections are pooled per host and shared by the fetching threads
-  (``http.client``), and the body is read with ``readinto`` straight into the buffer that
-  is returned, with no chunk copied twice.
-
-:func:`direct_for` says when: an s3fs filesystem whose requests carry nothing the URL would
-lose (no requester-pays or server-side-encryption arguments, default certificate checks, no
-proxy in the configuration or the environment); anything else reads through s3fs. Failures
-are raised as the rest of the reader expects them: 404 as :class:`FileNotFoundError`, 401 and
-403 as :class:`PermissionError`, other statuses as :class:`HTTPStatusError` (its ``code`` is
-what retries and the changed-file check look at: 412, 429, 5xx), a dropped connection or a
-short body as :class:`ConnectionError` (retried).
+:func:`direct_for` says when (an s3fs filesystem whose requests carry nothing a URL would
+lose); anything else reads through s3fs. Failures are raised as the reader expects: 404 as
+:class:`FileNotFoundError`, 401 and 403 as :class:`PermissionError`, other statuses as
+:class:`HTTPStatusError`, a dropped connection or a short body as :class:`ConnectionError`.
 """
 
 from __future__ import annotations
@@ -67,11 +49,7 @@ class HTTPStatusError(OSError):
 
 
 def _proxied(fs: Any) -> bool:
-    """Whether the environment sends the filesystem's requests through a proxy.
-
-    A proxy variable is set, and the endpoint is not one that ``NO_PROXY`` exempts (no
-    endpoint given: AWS, through the proxy).
-    """
+    """Whether a proxy variable is set and ``NO_PROXY`` does not exempt the endpoint."""
     if not any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES):
         return False
     client_kwargs = getattr(fs, "client_kwargs", None) or {}
@@ -81,11 +59,7 @@ def _proxied(fs: Any) -> bool:
 
 
 class DirectRanges:
-    """Ranged reads of one s3fs filesystem's objects (see the module docstring).
-
-    Args:
-        fs: The s3fs filesystem whose client presigns the URLs.
-    """
+    """Ranged reads of one s3fs filesystem's objects, on URLs its client presigns."""
 
     def __init__(self, fs: Any) -> None:
         self._fs = fs
@@ -95,11 +69,7 @@ class DirectRanges:
         self._lock = threading.Lock()
 
     def read_all(self, path: str, version: str, ranges: Sequence[tuple[int, int]]) -> list[Blob]:
-        """Ranges ``[start, end)`` of ``path`` at ``version``, all at once (see :meth:`read`).
-
-        The first is read in this thread, each other in a daemon thread of its own (one that
-        hangs on a store that is down does not hold up the interpreter's exit), so that a
-        unit's ranges cost one round trip, not one each.
+        """Ranges ``[start, end)`` of ``path`` at ``version``, each in a thread (see :meth:`read`).
 
         Raises:
             Exception: The first range's failure, in the order given (see :meth:`read`).
@@ -217,14 +187,6 @@ class DirectRanges:
                 return
         conn.close()
 
-    def close(self) -> None:
-        """Close the idle connections."""
-        with self._lock:
-            idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
-
 
 def _status_error(url: str, response: http.client.HTTPResponse) -> OSError:
     """The exception for an answer that is not the range asked for."""
@@ -267,12 +229,7 @@ _OPEN: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
 
 def _drop_inherited() -> None:
-    """In a forked child: close its copies of the parent's sockets (the parent's stay open).
-
-    A forked DataLoader worker never uses them (it gets a reader of its own), and holding them
-    would keep every connection that the parent closes (after an error answer, say) open on
-    the store's side for the worker's whole life.
-    """
+    """In a forked child: close its copies of the parent's sockets (the parent's stay open)."""
     for conn in list(_OPEN):
         if conn.sock is not None:
             conn.sock.close()

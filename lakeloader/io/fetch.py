@@ -1,26 +1,14 @@
 """Few, large requests: one ranged GET per footer, coalesced ranged GETs per row group.
 
-On an object store every request costs tens of milliseconds, so the reader never lets pyarrow
-walk a remote file through a buffered file object (which costs a HEAD, a GET for the last 8
-bytes, a GET for the footer and a readahead GET per column chunk). Instead:
-
-- a footer is read with one ranged GET of the file's last ``FOOTER_TAIL_BYTES`` (the footer's
-  length sits in the last 8 bytes; a larger footer costs exactly one more GET), the file size
-  being known from the listing;
-- a unit's selected column chunks are located in the footer, neighbouring ranges are merged
-  (``COALESCE_GAP``), and all of them are fetched at once with ``fs.cat_ranges`` (concurrent on
-  async filesystems such as s3fs and gcsfs); pyarrow then decodes from memory.
-
-Local files skip all this: pyarrow reads them natively, which is fastest.
+A remote file is never walked through a buffered file object (a request per footer read and
+per column chunk); local files are read by pyarrow natively.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -31,8 +19,6 @@ from lakeloader.errors import LakeDataError
 from lakeloader.io import pinned
 from lakeloader.io.retry import RetryPolicy, describe
 from lakeloader.io.sparse import Blob
-
-logger = logging.getLogger(__name__)
 
 #: Bytes read from the end of a file to get its footer in one request (most footers are
 #: a few KB; wide tables with thousands of columns may need the one extra request).
@@ -56,11 +42,7 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 class _FooterCache:
-    """Footers parsed in this process, by (URL, size, version), the least recently used out.
-
-    A footer read to build the snapshot is not fetched again to read the file's units while
-    it is among the last ``capacity`` used; a lake of more files fetches some once more.
-    """
+    """Footers parsed in this process, by (URL, size, version), the least recently used out."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -96,9 +78,7 @@ def read_footer(
 ) -> pq.FileMetaData:
     """A file's parsed Parquet footer: one ranged request (two for huge footers), or none.
 
-    Footers are cached per process by URL, size and version (the last
-    ``FOOTER_CACHE_FILES``), so building a snapshot and reading units fetch each footer once
-    unless the lake has more files than that.
+    The last ``FOOTER_CACHE_FILES`` footers are cached per process by URL, size and version.
 
     Args:
         fs: The filesystem.
@@ -171,19 +151,14 @@ def _cat(
     end: int,
     retry: RetryPolicy,
     on_request: Callable[[int], None] | None,
-    version: str = "",
+    version: str,
 ) -> Blob:
-    """Bytes ``[start, end)`` of a file, pinned to ``version`` (see :mod:`.pinned`)."""
+    """Bytes ``[start, end)`` of a file, pinned to ``version`` (see :func:`fetch_ranges`)."""
     return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
 
 
 class ShortReadError(ConnectionError):
     """A ranged read returned fewer bytes than asked: a connection cut mid-body (retried)."""
-
-
-def _check_length(data: Any, start: int, end: int, path: str) -> None:
-    if isinstance(data, bytes | bytearray | memoryview) and len(data) != end - start:
-        raise ShortReadError(f"{path}: {len(data)} bytes read for range [{start}, {end})")
 
 
 def chunk_ranges(meta: pq.FileMetaData, row_group: int, names: Collection[str]) -> Ranges:
@@ -233,10 +208,7 @@ def fetch_ranges(
     on_request: Callable[[int], None] | None = None,
     version: str = "",
 ) -> list[tuple[int, Blob]]:
-    """Fetch byte ranges of a file at once (concurrently on async filesystems).
-
-    Each range is read pinned to ``version`` where the store allows it
-    (:mod:`lakeloader.io.pinned`).
+    """Fetch byte ranges of a file at once, pinned to ``version`` where the store allows it.
 
     Returns:
         ``(start, bytes)`` of each range, in the order given.
@@ -251,7 +223,8 @@ def fetch_ranges(
         for blob, (start, end) in zip(blobs, ranges, strict=True):
             if isinstance(blob, BaseException):
                 raise blob
-            _check_length(blob, start, end, path)
+            if len(blob) != end - start:
+                raise ShortReadError(f"{path}: {len(blob)} bytes read for range [{start}, {end})")
         return blobs
 
     blobs = retry.call(cat_all, url_of(fs, path)) if ranges else []

@@ -1,15 +1,7 @@
 """How many fetches to keep in flight: Little's law over measured latency and demand.
 
-To keep the decoders fed, the fetches in flight must cover the units the decoders take while
-one fetch is under way: ``in flight = demand (units/s) x fetch time (s)``. Both are measured as
-the pass runs: each fetch's duration (an exponential average: the store's first-byte latency
-plus the transfer) and the rate at which decoders take fetched units (over the last
-``RATE_WINDOW`` takes). The limit is that product times ``HEADROOM``, plus one, within
-``[FLOOR, CEILING]``.
-
-When the decoders are starved, the rate they take units at is the fetch rate itself
-(``limit / latency``), so the next limit is about ``HEADROOM`` times the last: it grows
-geometrically until fetching outpaces decoding, then settles where it covers the latency.
+The limit is ``HEADROOM x demand (units/s) x fetch time (s) + 1``, within ``[FLOOR, CEILING]``:
+the fetch time an exponential average, the demand the rate of the last ``RATE_WINDOW`` takes.
 """
 
 from __future__ import annotations

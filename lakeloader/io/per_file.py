@@ -1,9 +1,7 @@
 """Work on every file of a lake, in threads sized for where the lake lies.
 
-A store's files are read on :data:`REMOTE_THREADS` threads, a file a task: each read waits on
-the network. A local lake's reads are CPU bound (the page cache answers): a thread a core,
-:data:`LOCAL_PER_TASK` files a task, so that the threads hand over few results. On 2 cores,
-1,000 footers took 0.48 s on 32 threads a file at a time, 0.2 s this way (0.06 s to parse alone).
+A store's files are read on :data:`REMOTE_THREADS` threads, a file a task; a local lake's (CPU
+bound) on a thread a core, :data:`LOCAL_PER_TASK` files a task.
 """
 
 from __future__ import annotations

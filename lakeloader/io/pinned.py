@@ -1,19 +1,8 @@
 """Ranged reads pinned to the version of a file that the snapshot saw.
 
-A file rewritten in the middle of an epoch must not be read as if it were the file the
-snapshot pinned: its row groups may hold other rows, or as many rows with other values. So
-every ranged read asks the store for the snapshot's version:
-
-- S3 (s3fs): ``GetObject`` with ``IfMatch`` on the listed ETag, or ``VersionId`` when the
-  listing gave a version id; a rewritten object answers 412 ``PreconditionFailed``. The
-  request goes over a presigned URL (:mod:`lakeloader.io.direct`) where the client allows it.
-- GCS (gcsfs): the ``generation`` parameter; a rewritten object of a bucket without
-  versioning answers 404 (with versioning, the pinned generation is read, which is right).
-- Other filesystems read unpinned (a local file's version is its modification time, which
-  a read cannot ask for; a local lake's changes are caught at the next resume).
-
-A read that the store refuses for being of another version, or because the file is gone,
-raises :class:`~lakeloader.errors.LakeChangedError` naming the URL and the version pinned.
+S3 sends ``IfMatch`` on the listed ETag (or ``VersionId``), GCS the ``generation``; other
+filesystems read unpinned. A read of a version that is gone raises
+:class:`~lakeloader.errors.LakeChangedError` naming the URL and the version pinned.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ from fsspec.asyn import sync
 
 from lakeloader.errors import LakeChangedError
 from lakeloader.io.direct import direct_for
-from lakeloader.io.retry import describe
+from lakeloader.io.retry import causes, describe, response_of
 from lakeloader.io.sparse import Blob
 from lakeloader.lake.discovery import version_value
 
@@ -122,27 +111,17 @@ def _read(
 
 
 def is_version_mismatch(exc: BaseException) -> bool:
-    """Whether a failed pinned read means the pinned version is no longer there.
-
-    A failed ``If-Match`` (412 ``PreconditionFailed``), or a missing object (a GCS generation
-    that is not live in a bucket without versioning, or a deleted file).
+    """Whether a failed pinned read means the pinned version is gone (412, or a missing object).
 
     >>> is_version_mismatch(FileNotFoundError("gone")), is_version_mismatch(TimeoutError())
     (True, False)
     """
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, FileNotFoundError):
+    for seen in causes(exc):
+        status, code = response_of(seen)
+        if isinstance(seen, FileNotFoundError) or code == "PreconditionFailed":
             return True
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error", {})
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if error.get("Code") == "PreconditionFailed" or status == PRECONDITION_FAILED:
-                return True
-        if getattr(seen, "code", None) == PRECONDITION_FAILED:
+        if PRECONDITION_FAILED in (status, getattr(seen, "code", None)):
             return True
-        seen = seen.__cause__ or seen.__context__
     return False
 
 

@@ -1,19 +1,7 @@
 """Fetching units from an object store ahead of their decode, in plan order, many at once.
 
-On an object store the first byte of a request comes 20-100 ms after it is sent. A decoder
-that fetched its own unit would wait that long for every unit, however many decoders there
-are. So fetching is a stage of its own: the unit store hands each unit to the
-:class:`Prefetcher` in the order the rank needs them (the plan's order), and its fetches run
-concurrently, as many as :class:`~lakeloader.io.inflight.InFlight` sizes from the measured
-latency and demand, on daemon threads (a fetch stuck on a store that is down never holds up
-the interpreter's exit). A decode, in a worker process or a thread of the loader, starts once
-its unit's bytes are here (:class:`Pending`).
-
-Each unit is fetched once per rank per epoch: one ranged request per coalesced range of its
-selected column chunks, pinned to the snapshot's version of the file
-(:mod:`lakeloader.io.pinned`); footers come from this process's footer cache, so workers never
-fetch one. What the prefetcher holds is bounded by the unit store's byte budget: it fetches
-only units the store has asked for, and the store asks only within ``cache_bytes``.
+Fetches run on daemon threads, as many at once as :class:`~lakeloader.io.inflight.InFlight`
+sizes; only units the unit store asked for (within its byte budget) are fetched.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Fetching and decoding one unit (a row group or a row range of one) through fsspec.
-
-The reader conforms every unit to the snapshot's unified schema (selected columns only,
-missing columns as nulls, hive partition values as constant columns), so that units of
-different files concatenate into one batch.
-"""
+"""Fetching and decoding one unit (a row group or a row range of one) through fsspec."""
 
 from __future__ import annotations
 
@@ -49,25 +44,10 @@ class ReadCounters:
 
     def add_request(self, nbytes: int) -> None:
         """Count one ranged request to the store and the bytes it returned."""
-        with self._lock:
-            self.requests += 1
-            self.bytes_read += nbytes
+        self.add(nbytes=nbytes, requests=1)
 
-    def add_local_read(self, nbytes: int) -> None:
-        """Count the bytes of the column chunks a local read covers (pyarrow reads them).
-
-        A streamed row range may stop before the end of its chunks; they are counted whole.
-        """
-        with self._lock:
-            self.bytes_read += nbytes
-
-    def add_unit(self) -> None:
-        """Count one decoded unit."""
-        with self._lock:
-            self.units_decoded += 1
-
-    def add(self, units: int, nbytes: int, requests: int) -> None:
-        """Count what another process's reader did (a worker that decoded for this one)."""
+    def add(self, units: int = 0, nbytes: int = 0, requests: int = 0) -> None:
+        """Count units decoded, bytes read and requests made (here, or by a worker)."""
         with self._lock:
             self.units_decoded += units
             self.bytes_read += nbytes
@@ -80,13 +60,10 @@ class ReadCounters:
 
 
 class UnitReader:
-    """Reads units of one snapshot; safe to call from several threads.
+    """Reads units of one snapshot, conformed to its schema; safe to call from several threads.
 
-    Local files are opened by pyarrow itself. Remote files cost one ranged request per footer
-    (cached per process, so none when this process built the snapshot and the footer is still
-    among the cached ones) and one concurrent batch of coalesced ranged requests per unit: the
-    selected columns' chunks of its whole row group, also for a unit that is a row range of it
-    (see :mod:`lakeloader.io.fetch`).
+    Selected columns only, missing columns as nulls, hive partition values as constant
+    columns, so that units of different files concatenate into one batch.
 
     Args:
         fs: The lake's filesystem.
@@ -123,9 +100,7 @@ class UnitReader:
     def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
         """The same reader over another filesystem object, with counters of its own.
 
-        Each mirror's filesystem is made anew from its pickle too (a forked worker's: an
-        object made in the parent may hold the parent's event loop and connections); reads
-        go to the copy this reader goes to.
+        Each mirror's filesystem is made anew from its pickle too; reads go to the same copy.
         """
         copies = [(pickle.loads(pickle.dumps(m.fs)), m.snapshot) for m in self.mirrors]
         twin = UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter, copies)
@@ -188,11 +163,8 @@ class UnitReader:
     ) -> pa.Table:
         """Rows ``[row_start, row_start + num_rows)`` of a row group's ``file_cols``.
 
-        A whole row group is read at once (fastest); a row range of one is streamed
-        (:func:`stream_rows`). Bytes fetched ahead are decoded from; without them (or when
-        their file is gone) the unit's column chunks are fetched here. Rows a table version
-        deleted are dropped (the range counts the rows that remain), and renamed columns
-        are read by their name in the file.
+        A whole row group is read at once; a row range of one is streamed. Rows a table
+        version deleted are dropped (the range counts the rows that remain).
         """
         meta = fetched.footer if fetched is not None else self._footer(info)
         expected = info.rows_in_file(row_group)
@@ -204,13 +176,14 @@ class UnitReader:
         screen = self.row_filter if info.row_group_rows[row_group] != live else None
         read_cols = file_cols
         if screen is not None:  # the filter's own columns too
-            extra = [c for c in screen.columns if c not in file_cols and c in self._names(info)]
+            names = [] if info.schema is None else info.schema.names
+            extra = [c for c in screen.columns if c not in file_cols and c in names]
             read_cols = file_cols + extra
         physical = [info.physical_name(c) for c in read_cols]
         if self._local:
             source: Any = info.path
             ranges = coalesce(chunk_ranges(meta, row_group, set(physical)))
-            self.counters.add_local_read(sum(end - start for start, end in ranges))
+            self.counters.add(nbytes=sum(end - start for start, end in ranges))
         else:
             parts: Parts | None = fetched.parts() if fetched is not None else None
             if parts is None:
@@ -246,10 +219,6 @@ class UnitReader:
         logical = dict(zip(physical, names, strict=True))
         return table.rename_columns([logical.get(n, n) for n in table.column_names])
 
-    @staticmethod
-    def _names(info: FileInfo) -> list[str]:
-        return [] if info.schema is None else info.schema.names
-
     def _fetch_parts(
         self, info: FileInfo, meta: pq.FileMetaData, row_group: int, file_cols: list[str]
     ) -> list[tuple[int, Blob]]:
@@ -272,8 +241,6 @@ class UnitReader:
 
     def fetch(self, file_index: int, row_group: int) -> Fetched:
         """:meth:`fetch_here` on the copy of the lake reads go to (see ``mirrors``)."""
-        if not self.mirrors:
-            return self.fetch_here(file_index, row_group)
         return self._on_copies(lambda r: r.fetch_here(file_index, row_group))
 
     def fetch_here(self, file_index: int, row_group: int) -> Fetched:
@@ -310,10 +277,7 @@ class UnitReader:
     def _changed(
         self, info: FileInfo, row_group: int, rows: int, how: str, expected: int | None = None
     ) -> LakeDataError:
-        """The error for a row group found (``how``) with ``rows`` rows, not the snapshot's.
-
-        ``expected`` is what the snapshot says (default: the rows in the file).
-        """
+        """The error for a row group found with ``rows`` rows, not ``expected`` (the file's)."""
         said = info.rows_in_file(row_group) if expected is None else expected
         return LakeDataError(
             f"{url_of(self.fs, info.path)}, row group {row_group}: {rows} rows {how} but "
@@ -346,13 +310,11 @@ class UnitReader:
             StoreAccessError: If the store refuses the read (credentials, permissions).
             StoreUnavailableError: If the store keeps failing past the retry deadline.
         """
-        if self.mirrors:
-            if isinstance(fetched, StoreUnavailableError):
-                fetched = None  # fetched ahead from a copy that is down: read from another
-            return self._on_copies(
-                lambda r: r._read(file_index, row_group, row_start, num_rows, fetched)
-            )
-        return self._read(file_index, row_group, row_start, num_rows, fetched)
+        if self.mirrors and isinstance(fetched, StoreUnavailableError):
+            fetched = None  # fetched ahead from a copy that is down: read from another
+        return self._on_copies(
+            lambda r: r._read(file_index, row_group, row_start, num_rows, fetched)
+        )
 
     def _read(
         self,
@@ -384,5 +346,5 @@ class UnitReader:
                 arrays.append(pa.repeat(pa.scalar(value).cast(f.type), num_rows))
             else:
                 arrays.append(pa.nulls(num_rows, f.type))
-        self.counters.add_unit()
+        self.counters.add(units=1)
         return pa.Table.from_arrays(arrays, schema=self.schema)

@@ -1,20 +1,7 @@
 """Retrying transient storage failures with exponential backoff, jitter and a deadline.
 
-Object stores have bad minutes: connections refused while a server restarts, resets, timeouts,
-server errors (HTTP 500, 502, 503, 504: ``TRANSIENT_STATUSES``) and throttling. Those are
-retried until a deadline; anything else (a missing file, a denied request, a corrupt file)
-fails at once, because waiting cannot fix it. Retrying never changes what is read, so a
-retried unit is exactly the unit that failed: nothing is skipped or quarantined because a
-store was briefly down.
-
-The clients do not agree on exception types (s3fs raises ``OSError`` with an errno for HTTP
-errors but botocore's own classes for connection failures; aiohttp and gcsfs have theirs), so
-:func:`is_transient` classifies by type, errno, HTTP status and class name, along the whole
-chain of causes, without importing the optional clients.
-
-The user hears of it once per outage, not once per request or retry: the first transient failure
-while no other request of the process is being retried issues a
-:class:`~lakeloader.errors.StorageRetryWarning`; every retry is logged (``WARNING``).
+Failures are classified by type, errno, HTTP status and class name along the chain of causes,
+without importing the optional clients. An outage is warned about once, every retry logged.
 """
 
 from __future__ import annotations
@@ -26,7 +13,7 @@ import random
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -73,12 +60,7 @@ TRANSIENT_S3_CODES = frozenset(
 
 
 class _Outage:
-    """How many requests of this process are being retried now; an outage begins at the first.
-
-    A store that is down fails every request in flight at once (dozens of fetches, each
-    worker's own): warning per request, or per retry, would bury the message. One warning
-    when the count leaves zero says it once per outage; the next outage warns again.
-    """
+    """How many requests of this process are being retried now; an outage begins at the first."""
 
     def __init__(self) -> None:
         self._reset()
@@ -168,8 +150,16 @@ class RetryPolicy:
                         ) from exc
                     if not retrying:
                         retrying = True
-                        if _OUTAGE.begin():
-                            self._warn(url, exc)
+                        if _OUTAGE.begin():  # once per outage, not per request or retry
+                            warnings.warn(
+                                f"transient storage error on {url} ({describe(exc)}): it and "
+                                "every request failing meanwhile are retried for up to "
+                                f"{self.deadline:g} s each before StoreUnavailableError is "
+                                "raised (RetryPolicy(deadline=...) sets it); each retry is "
+                                "logged by the 'lakeloader' logger",
+                                StorageRetryWarning,
+                                stacklevel=3,  # here, call(), the caller of call()
+                            )
                     cap = min(self.max_delay, self.initial_delay * 2.0**attempt)
                     delay = min(random.uniform(0.0, cap), self.deadline - elapsed)
                     logger.warning(
@@ -185,17 +175,6 @@ class RetryPolicy:
             if retrying:
                 _OUTAGE.end()
 
-    def _warn(self, url: str, exc: BaseException) -> None:
-        """Say that an outage began (see :class:`_Outage`)."""
-        warnings.warn(
-            f"transient storage error on {url} ({describe(exc)}): it and every request failing "
-            f"meanwhile are retried for up to {self.deadline:g} s each before "
-            "StoreUnavailableError is raised (RetryPolicy(deadline=...) sets it); each retry "
-            "is logged by the 'lakeloader' logger",
-            StorageRetryWarning,
-            stacklevel=3,  # here, call(), the caller of call()
-        )
-
 
 def describe(exc: BaseException) -> str:
     """``Type: message`` of an exception, on one line."""
@@ -203,29 +182,24 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _qualified_names(exc: BaseException) -> set[str]:
-    return {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, then each ``__cause__`` (else ``__context__``) of the one before."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
-def _status(exc: BaseException) -> int | None:
-    """An HTTP status carried by the exception (gcsfs ``code``, botocore ``response``)."""
-    code = getattr(exc, "code", None)
-    if isinstance(code, int):
-        return code
+def response_of(exc: BaseException) -> tuple[int | None, str | None]:
+    """The HTTP status and the S3 error code of a botocore error's ``response`` (or None)."""
     response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(status, int):
-            return status
-    return None
-
-
-def _s3_code(exc: BaseException) -> str | None:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = response.get("Error", {}).get("Code")
-        return str(code) if code is not None else None
-    return None
+    if not isinstance(response, dict):
+        return None, None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = response.get("Error", {}).get("Code")
+    return (status if isinstance(status, int) else None), (None if code is None else str(code))
 
 
 def _transient_here(exc: BaseException) -> bool:
@@ -233,11 +207,12 @@ def _transient_here(exc: BaseException) -> bool:
         return True
     if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
         return True
-    if _qualified_names(exc) & TRANSIENT_CLASSES:
+    if {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__} & TRANSIENT_CLASSES:
         return True
-    status = _status(exc)
-    return (status is not None and status in TRANSIENT_STATUSES) or (
-        _s3_code(exc) in TRANSIENT_S3_CODES
+    status, s3_code = response_of(exc)
+    code = getattr(exc, "code", None)  # gcsfs
+    return (code if isinstance(code, int) else status) in TRANSIENT_STATUSES or (
+        s3_code in TRANSIENT_S3_CODES
     )
 
 
@@ -256,13 +231,9 @@ def is_transient(exc: BaseException) -> bool:
     >>> is_transient(ValueError("Parquet magic bytes not found"))
     False
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(exc):
         if isinstance(current, DEFINITIVE):
             return False
         if _transient_here(current):
             return True
-        current = current.__cause__ or current.__context__
     return False

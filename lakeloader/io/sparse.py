@@ -1,10 +1,4 @@
-"""A file of which some ranges are in memory, and the bytes of a unit fetched ahead.
-
-:class:`Fetched` is what the prefetcher (:mod:`lakeloader.io.prefetch`) got for one unit: the
-file's footer and its selected column chunks, in memory, or in a file of the pass's folder when
-a worker process decodes the unit (it maps the file; no copy goes through a pipe).
-:class:`SparseFile` lets pyarrow decode from those bytes as from the whole file.
-"""
+"""A file of which some ranges are in memory, and the bytes of a unit fetched ahead."""
 
 from __future__ import annotations
 

@@ -10,15 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 #: Most rows decoded at once when a unit that is a row range of its row group is streamed.
-#: pyarrow's own default; with the byte bound below it keeps a streaming decode's transient
-#: memory to about one batch (plus the read buffers), where reading the row group whole took
-#: all of it (268 MiB for a row group of 1.5 M rows of the memory benchmark, at 0bae495).
 STREAM_BATCH_ROWS = 64 * 1024
 #: Most uncompressed bytes (of the selected columns, by the footer) in one streamed batch.
 #: Rows of a few hundred bytes reach ``STREAM_BATCH_ROWS`` first; wide rows get fewer.
 STREAM_BATCH_BYTES = 16 << 20
-#: Read buffer per column chunk when streaming: column chunks are read a buffer at a time
-#: rather than whole (pyarrow's ``buffer_size``; ``pre_buffer`` is off).
+#: Read buffer per column chunk when streaming (pyarrow's ``buffer_size``).
 STREAM_BUFFER_BYTES = 1 << 20
 
 
@@ -26,10 +22,8 @@ def stream_batch_rows(meta: pq.FileMetaData, row_group: int, names: Collection[s
     """Rows per batch to stream a row group's ``names`` (top-level columns) with.
 
     The largest power of two within ``STREAM_BATCH_ROWS`` whose rows hold at most
-    ``STREAM_BATCH_BYTES`` uncompressed bytes, by the footer. A power of two, so that units
-    of the default ``max_unit_rows`` (2**18) begin and end on batch boundaries and their
-    edges need no slicing. The footer's sizes are of encoded pages: a dictionary-encoded
-    column decodes larger, so its batches may exceed the byte bound.
+    ``STREAM_BATCH_BYTES`` uncompressed bytes by the footer (a dictionary-encoded column
+    decodes larger, so its batches may exceed the bound).
 
     >>> import io, pyarrow as pa, pyarrow.parquet as pq
     >>> buf = io.BytesIO()
@@ -60,11 +54,8 @@ def stream_rows(
 ) -> tuple[list[pa.RecordBatch], int]:
     """Rows ``[row_start, row_start + num_rows)`` of a row group, streamed.
 
-    Column chunks are read ``STREAM_BUFFER_BYTES`` at a time and decoded in batches of
-    :func:`stream_batch_rows` rows; the stream stops after the range's last row, so the
-    decode holds about the range plus one batch and the read buffers, never the row group.
-    pyarrow 26's Python API cannot start at a row (no reading of row ranges through the page
-    index), so the batches before ``row_start`` are decoded and dropped.
+    Decoded in batches of :func:`stream_batch_rows` rows, those before ``row_start`` dropped;
+    the stream stops after the range's last row, so the row group is never held whole.
 
     Args:
         source: A local path or a file object, as :class:`pyarrow.parquet.ParquetFile` takes.
