@@ -74,8 +74,6 @@ class DirectRanges:
         Raises:
             Exception: The first range's failure, in the order given (see :meth:`read`).
         """
-        if len(ranges) == 1:
-            return [self.read(path, version, *ranges[0])]
         out: list[bytearray | BaseException] = [bytearray()] * len(ranges)  # each set below
 
         def one(k: int) -> None:

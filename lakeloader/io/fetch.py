@@ -95,11 +95,10 @@ def read_footer(
     """
     url = url_of(fs, path)
     key = (url, size, version)
-    cached = _FOOTERS.get(key)
-    if cached is not None:
-        return cached
-    meta = _fetch_footer(fs, path, size, retry, on_request, version) if not is_local(fs) else None
-    if meta is None:
+    meta = _FOOTERS.get(key)
+    if meta is not None:
+        return meta
+    if is_local(fs):
         try:
             meta = pq.read_metadata(path)
         except Exception as exc:
@@ -107,21 +106,14 @@ def read_footer(
                 f"{path}: cannot read the Parquet footer ({describe(exc)}); "
                 "repair or remove the file, or move it out of the lake"
             ) from exc
-    _FOOTERS.put(key, meta)
-    return meta
+        _FOOTERS.put(key, meta)
+        return meta
 
+    def cat(start: int, end: int) -> Blob:
+        return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
 
-def _fetch_footer(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    size: int,
-    retry: RetryPolicy,
-    on_request: Callable[[int], None] | None,
-    version: str,
-) -> pq.FileMetaData:
-    url = url_of(fs, path)
     start = max(0, size - FOOTER_TAIL_BYTES)
-    tail = _cat(fs, path, start, size, retry, on_request, version)
+    tail = cat(start, size)
     if size < 12 or tail[-4:] != PARQUET_MAGIC:
         raise LakeDataError(
             f"{url}: not a Parquet file: it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r} "
@@ -135,26 +127,15 @@ def _fetch_footer(
             "truncated or corrupt. Repair or remove it"
         )
     if length + 8 > len(tail):
-        tail = _cat(fs, path, size - length - 8, start, retry, on_request, version) + tail
+        tail = cat(size - length - 8, start) + tail
     try:
-        return pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
+        meta = pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
     except Exception as exc:
         raise LakeDataError(
             f"{url}: cannot parse the Parquet footer ({describe(exc)}); repair or remove the file"
         ) from exc
-
-
-def _cat(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    start: int,
-    end: int,
-    retry: RetryPolicy,
-    on_request: Callable[[int], None] | None,
-    version: str,
-) -> Blob:
-    """Bytes ``[start, end)`` of a file, pinned to ``version`` (see :func:`fetch_ranges`)."""
-    return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
+    _FOOTERS.put(key, meta)
+    return meta
 
 
 class ShortReadError(ConnectionError):

@@ -6,7 +6,6 @@ sizes; only units the unit store asked for (within its byte budget) are fetched.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -19,8 +18,6 @@ from lakeloader.io.inflight import InFlight
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.sparse import Fetched, spill
 from lakeloader.signals import main_thread_only
-
-logger = logging.getLogger(__name__)
 
 #: What a unit's fetch gives its decoder: the bytes, or the error to raise in its place.
 FetchResult = Fetched | LakeError

@@ -128,24 +128,21 @@ class UnitReader:
             mirror.counters = self.counters
 
     def _on_copies(self, call: Callable[[UnitReader], T]) -> T:
-        """``call`` on the copy reads go to; past its retry deadline, on the next one."""
+        """``call`` on the copy reads go to; past its retry deadline, on the next one.
+
+        A late success on a copy that failed meanwhile does not move reads back to it.
+        """
         copies, first = (self, *self.mirrors), self._copy
-        for tried in range(len(copies)):
+        for tried in range(len(copies) - 1):
             at = (first + tried) % len(copies)
             try:
-                result = call(copies[at])
+                return call(copies[at])
             except StoreUnavailableError as exc:
-                if tried + 1 == len(copies):
-                    raise
-                nxt = copies[(at + 1) % len(copies)]
                 if self._copy == at:
-                    self._copy = (at + 1) % len(copies)
-                    where = url_of(nxt.fs, nxt.snapshot.files[0].path)
+                    self._copy = nxt = (at + 1) % len(copies)
+                    where = url_of(copies[nxt].fs, copies[nxt].snapshot.files[0].path)
                     warn_user(f"{exc} -- reads go on from the copy holding {where}", MirrorWarning)
-                continue
-            return result  # the copy stays where failures moved it (a late success on
-            # the dead copy, begun before it went down, does not move reads back to it)
-        raise AssertionError("unreachable")  # pragma: no cover
+        return call(copies[(first + len(copies) - 1) % len(copies)])
 
     def _footer(self, info: FileInfo) -> pq.FileMetaData:
         return read_footer(

@@ -41,11 +41,6 @@ class Fetched:
     blobs: tuple[Blob, ...] | None = None
     path: str | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the ranges."""
-        return sum(self.lengths)
-
     def parts(self) -> list[tuple[int, Chunk]] | None:
         """``(offset, data)`` of each range; None if its file is gone (fetch again).
 

@@ -1,16 +1,7 @@
 """Handing work to the DataLoader's worker processes, and the one place that sees them die.
 
-A :class:`Dispatcher` serves one pass. ``submit`` returns a future; a thread of the loader's
-process sends queued work to its worker within a byte budget, completes the futures as answers
-arrive, and notices dead workers (the pool replaces them). What a dead worker owed goes back to
-the worker that takes its place, by the one rule of :mod:`lakeloader.recovery.reassign`
-(which the :class:`~lakeloader.recovery.coordinator.RecoveryCoordinator` exposes).
-
-Work is dealt in a fixed order: the ``j``-th piece of work submitted in a pass goes to worker
-``j mod W``. On the default tensor path the work is decoding units (in the order the rank first
-needs them); with a transform or collate_fn it is building batches (step ``k`` of the pass to
-worker ``k mod W``, as torch does). So which worker does what follows from the position alone,
-which is what the reader-state tracker's per-worker view says.
+The ``j``-th piece of work submitted in a pass goes to worker ``j mod W``; what a dead worker
+owed goes to its replacement by the rule of :mod:`lakeloader.recovery.reassign`.
 """
 
 from __future__ import annotations
@@ -43,9 +34,6 @@ class WorkKind:
     """How a kind of work is named in messages.
 
     Attributes:
-        verb: What a worker does (``"decode"``, ``"build"``).
-        gerund: The same as a gerund (``"decoding"``, ``"building"``).
-        noun: What it does it to, counted (``"unit(s)"``, ``"batch(es)"``).
         advice: What to check when the work keeps killing its worker.
         lead: Put before a piece of work's name when it is the subject of a message.
     """
@@ -83,7 +71,7 @@ Describe = Callable[[int], tuple[str, str]]
 
 
 class Dispatcher:
-    """Runs a pass's work in the worker pool (see the module docstring).
+    """Runs a pass's work in the worker pool; a thread sends work and completes the futures.
 
     Args:
         pool: The DataLoader's workers (started).
@@ -156,18 +144,12 @@ class Dispatcher:
         return future
 
     def reap(self) -> None:
-        """Notice dead workers now.
-
-        The loader calls it at each step, so that a death is handled before the next batch
-        whatever the receiving thread is doing.
-        """
+        """Notice dead workers now (the loader calls it at each step)."""
         if self._failure is not None:
             raise self._failure
         if self._pool.all_alive():  # a waitid per worker; the lock only after a death
             return
-        # The receiving thread collects under the lock too: a death it was handling
-        # meanwhile has its replacement started by now, and collect() finds any other.
-        with self._lock:
+        with self._lock:  # the receiving thread collects under it too
             if not self._closed:
                 self._handle(*self._pool.collect([]))
 
@@ -209,11 +191,6 @@ class Dispatcher:
 
     def _fail(self, exc: BaseException) -> None:
         """Fail every piece of work not answered yet with ``exc``."""
-        with self._lock:
-            self._closed = True
-            items = [*self._sent.values(), *self._queue]
-            self._sent.clear()
-            self._queue.clear()
         error = (
             exc
             if isinstance(exc, WorkerError)
@@ -222,18 +199,20 @@ class Dispatcher:
         if error is not exc:
             error.__cause__ = exc
         with self._lock:
+            self._closed = True
             self._failure = error
+            items = [*self._sent.values(), *self._queue]
+            self._sent.clear()
+            self._queue.clear()
         for item in items:
             if not item.future.done():
                 item.future.set_exception(error)
 
     def _send(self) -> None:
-        """Hand queued work to its workers while the byte budget and their queues allow.
+        """Hand queued work to its workers, in submission order, while the byte budget allows.
 
-        Work is sent in the order it was submitted, except that work whose worker already
-        holds ``per_worker`` pieces, or that is not ready, waits without holding back the rest.
-        The byte budget is spent in submission order: the first piece that does not fit
-        stops the sending.
+        Work that is not ready, or whose worker holds ``per_worker`` pieces, waits without
+        holding back the rest; the first piece that does not fit the budget stops the sending.
         """
         waiting: deque[_Job] = deque()
         while self._queue:
@@ -247,15 +226,12 @@ class Dispatcher:
                 self._queue.appendleft(head)
                 break
             if head.future.set_running_or_notify_cancel():  # else cancelled while queued
-                self._dispatch(head)
+                self._sent[head.key] = head
+                self._owed[head.worker] += 1
+                self._in_flight += nbytes
+                self._pool.submit(head.make(), head.worker)
         waiting.extend(self._queue)
         self._queue = waiting
-
-    def _dispatch(self, item: _Job) -> None:
-        self._sent[item.key] = item
-        self._owed[item.worker] += 1
-        self._in_flight += min(item.nbytes, self._limit)
-        self._pool.submit(item.make(), item.worker)
 
     def _handle(self, results: list[Result], deaths: list[Death]) -> None:
         for result in results:

@@ -1,16 +1,7 @@
 """The pool of DataLoader worker processes: start, hand out tasks, collect, replace the dead.
 
-Workers do one of two kinds of task. On the default tensor path (columns packed) they decode
-units into the rank's arena, and the loader's process assembles batches from it, which costs
-a row copy per batch. Otherwise (a transform or a collate_fn, which run per row, or nothing to
-pack) they build batches from units the loader decoded (:mod:`lakeloader.workers.process` is
-the worker's side). Each worker answers on its own pipe, where its log records travel too.
-The pool notices a worker that died (its sentinel becomes ready), returns the tasks it owed,
-starts a fresh one under the same number and says so with a
-:class:`~lakeloader.errors.WorkerWarning`; the dispatcher (:mod:`lakeloader.workers.dispatch`)
-decides what becomes of those tasks. A :class:`~lakeloader.errors.LakeWarning` issued in a worker
-(a storage retry while it fetches) travels on its pipe too, and is issued again in the loader's
-process, where the user's warning filters and display apply.
+Each worker answers on its own pipe, where its log records and its
+:class:`~lakeloader.errors.LakeWarning` travel too (issued again in the loader's process).
 """
 
 from __future__ import annotations
@@ -90,18 +81,6 @@ def _handle_record(record: logging.LogRecord) -> None:
         warnings.warn_explicit(text, category, record.pathname, record.lineno, registry=_FORWARDED)
 
 
-def _widen_pipe(fd: int) -> None:
-    """Let a whole batch fit in the result pipe, so that neither side waits on the other.
-
-    A batch of 1,024 rows of 18 numeric columns is about 80 KB; Linux pipes hold 64 KB by
-    default, which splits each batch in two blocking writes and reads.
-    """
-    try:
-        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-    except OSError:  # above /proc/sys/fs/pipe-max-size, or not Linux: the default will do
-        logger.debug("could not widen the result pipe to %d bytes", PIPE_BYTES)
-
-
 @dataclass
 class _Slot:
     process: Any
@@ -117,8 +96,6 @@ class Death:
     """A worker that died, with the tasks it still owed.
 
     Attributes:
-        worker: The worker id.
-        pid: Its process id.
         exitcode: Its exit code (``-9`` for SIGKILL).
         owed: The tasks it had not answered, in the order they were handed out.
         building: The key of the task under way when it died (a step, or a unit's
@@ -159,7 +136,10 @@ class WorkerPool:
     def _start(self, worker_id: int) -> _Slot:
         task_reader, task_writer = self._ctx.Pipe(duplex=False)
         reader, writer = self._ctx.Pipe(duplex=False)
-        _widen_pipe(reader.fileno())
+        try:  # a whole batch fits in the pipe (Linux pipes hold 64 KB by default)
+            fcntl.fcntl(reader.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:  # above /proc/sys/fs/pipe-max-size, or not Linux: the default will do
+            logger.debug("could not widen the result pipe to %d bytes", PIPE_BYTES)
         building = self._ctx.Value("q", IDLE, lock=False)
         proc = self._ctx.Process(
             target=_worker_process,
@@ -237,11 +217,8 @@ class WorkerPool:
     def all_alive(self) -> bool:
         """Whether every worker is surely running; False when one may have died.
 
-        Cheap enough for every step: one ``poll(2)`` over the workers' sentinels, which
-        reaps nothing, so that reaping stays with :meth:`collect`. Callers confirm a False
-        with :meth:`collect` under the lock that serialises their collects. While a
-        collect() in another thread replaces a worker the answer is False too (the poll may
-        then see a sentinel it has closed, which also reads as False).
+        One ``poll(2)`` over the sentinels, reaping nothing: callers confirm a False with
+        :meth:`collect`. False too while a collect() in another thread replaces a worker.
         """
         if self._sentinels.poll(0):
             return False
@@ -277,16 +254,12 @@ class WorkerPool:
         for obj in ready:
             if obj in by_conn:
                 self._drain(by_conn[obj], results)
-        # The sentinel fires once every thread of the worker has exited; waitpid (is_alive)
-        # is checked too, as a second, independent signal.
         dead = {by_sentinel[obj] for obj in ready if isinstance(obj, int) and obj in by_sentinel}
         dead |= {i for i, s in enumerate(self._slots) if not s.process.is_alive()}
         for worker in sorted(dead):
             slot = self._slots[worker]
-            # A ready sentinel means the process has exited, so the join is immediate; one
-            # that stays alive had a stale sentinel (its number reused by a fresh worker).
             slot.process.join(timeout=REAP_SECONDS)
-            if slot.process.is_alive():
+            if slot.process.is_alive():  # a stale sentinel (its number reused)
                 continue
             self._drain(slot, results)
             self._count_start_death(worker, slot)
@@ -300,7 +273,8 @@ class WorkerPool:
                     step if step != IDLE and step in slot.owed else None,
                 )
             )
-            self._close_slot(slot)
+            slot.tasks.close()
+            slot.results.close()
             self._slots[worker] = self._start(worker)
             self.restarts += 1
             _warn_replaced(deaths[-1])
@@ -309,11 +283,7 @@ class WorkerPool:
         return results, deaths
 
     def _count_start_death(self, worker: int, slot: _Slot) -> None:
-        """Give up on a worker that keeps dying by itself before it is set up.
-
-        A worker killed from outside (``SIGKILL``) is replaced whenever it dies; one that
-        exits or crashes on its own before it reports that it started (a crash while
-        importing, ``os._exit`` in ``worker_init_fn``) would do so again in its replacement.
+        """Give up on a worker that keeps dying by itself (not by ``SIGKILL``) before it is set up.
 
         Raises:
             WorkerError: After :data:`~lakeloader.recovery.reassign.MAX_ATTEMPTS` such deaths
@@ -330,10 +300,6 @@ class WorkerPool:
                 "import and run at start"
             )
             raise self._failure
-
-    def _close_slot(self, slot: _Slot) -> None:
-        slot.tasks.close()
-        slot.results.close()
 
     def shutdown(self, graceful: bool = True) -> None:
         """Ask every worker to exit, then terminate those that do not.
@@ -356,7 +322,8 @@ class WorkerPool:
             if slot.process.is_alive():
                 slot.process.terminate()
                 slot.process.join(timeout=SHUTDOWN_GRACE)
-            self._close_slot(slot)
+            slot.tasks.close()
+            slot.results.close()
         self._slots = []
         self._sentinels = self._watch()
 

@@ -1,10 +1,4 @@
-"""The worker process's side: what it is given, what it does, and what it answers.
-
-A worker decodes units into the rank's arena (:class:`DecodeTask`, the default tensor path) or
-builds batches (:class:`Task`: with a transform or a collate_fn, or when nothing is packed),
-and answers each task with a :class:`Result` on its own pipe, where its log records travel
-too. The pool that starts and replaces workers is :mod:`lakeloader.workers.pool`.
-"""
+"""The worker process's side: what it is given, what it does, and what it answers."""
 
 from __future__ import annotations
 
@@ -53,12 +47,10 @@ class WorkerSetup:
         recipe: How rows become a batch (transform, collate_fn, batch_transform, lists).
         worker_init_fn: Called with the worker id once the worker has started, as in torch.
         seed: The dataset's seed (any integer the plan accepts).
-        rank: The loader's rank. Worker ``i`` seeds ``torch``, ``random`` and numpy's global
-            generator from :func:`worker_seed` of ``(seed, rank, i)``.
+        rank: The loader's rank (worker ``i`` is seeded by :func:`worker_seed` of it).
         num_workers: Workers in the pool.
-        decoders: What decodes units when workers decode for the loader: one per source
-            read (a lake's one; a mixture's sources in order), which a :class:`DecodeTask`
-            names by index; empty when workers only build batches.
+        decoders: One per source read (a mixture's in order), named by a
+            :class:`DecodeTask`'s index; empty when workers only build batches.
     """
 
     schema: pa.Schema
@@ -73,12 +65,7 @@ class WorkerSetup:
 
 @dataclass(frozen=True)
 class Started:
-    """A worker's first message: it is set up (``worker_init_fn`` returned), or why not.
-
-    Attributes:
-        worker: The worker.
-        error: The formatted traceback of the failure to start, or None.
-    """
+    """A worker's first message: it is set up, or ``error`` (the traceback) says why not."""
 
     worker: int
     error: str | None = None
@@ -86,10 +73,6 @@ class Started:
 
 def worker_seed(seed: int, rank: int, worker: int) -> int:
     """The seed of one worker: 63 bits hashed from ``(seed, rank, worker)``, for any ``seed``.
-
-    Arithmetic on the dataset's seed (``seed * k + worker``) overflows torch's 64-bit seed for
-    wide seeds (a microsecond timestamp, ``-2**63``); hashing never does, and keeps distinct
-    ranks and workers on distinct streams.
 
     >>> s = worker_seed(-(2**63), 3, 1)
     >>> 0 <= s < 2**63, s == worker_seed(-(2**63), 3, 1), s != worker_seed(-(2**63), 3, 0)
@@ -100,22 +83,12 @@ def worker_seed(seed: int, rank: int, worker: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
-def seed_worker(seed: int) -> None:
-    """Seed ``torch``, ``random`` and numpy's global generator as torch's DataLoader does."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(np.random.SeedSequence(seed).generate_state(4))
-
-
 @dataclass(frozen=True)
 class Task:
     """Build one batch (the user's code runs on it): its units, rows and the rows' seeds.
 
-    ``generation`` tells apart the passes of a pool that outlives one (persistent workers):
-    answers to a pass that was abandoned are dropped, never mistaken for the new pass's steps.
-
     Attributes:
-        generation: The pass.
+        generation: The pass (answers to an abandoned pass are dropped).
         step: The step.
         refs: Units the Arrow path takes columns from.
         take: Row indices into their concatenation, in batch order.
@@ -145,9 +118,7 @@ class Task:
 class DecodeTask:
     """Decode one unit into the loader's arena (the default tensor path).
 
-    ``step`` is the task's key in the pass (the unit store's number and the unit's position in
-    its epoch's virtual sequence), as a batch's step is for a :class:`Task`; ``decoder`` is
-    the index of the :attr:`WorkerSetup.decoders` entry that reads it.
+    ``step`` is the task's key in the pass; ``decoder`` indexes :attr:`WorkerSetup.decoders`.
     """
 
     generation: int
@@ -166,9 +137,6 @@ class Result:
     """A worker's answer: the payload, or its failure.
 
     Attributes:
-        generation: The pass the task belonged to.
-        step: The task's key.
-        worker: The worker that answered.
         payload: A batch's payload, or a decoded unit (:data:`~lakeloader.cache.decode.Held`).
         error: The formatted traceback of a failure.
         exception: A lakeloader error to raise as it is (bad data, a store that is down).
@@ -193,11 +161,7 @@ class Result:
 
 
 class _ForwardLogs(logging.Handler):
-    """Sends a worker's log records to the loader's process, which logs them as its own.
-
-    Retries, quarantine warnings and the like then reach the handlers the user configured
-    (and ``caplog``), whichever process did the work.
-    """
+    """Sends a worker's log records to the loader's process, which logs them as its own."""
 
     def __init__(self, results: Connection, lock: threading.Lock) -> None:
         super().__init__()
@@ -316,15 +280,14 @@ def worker_main(
         building: Shared cell: the key of the task under way, read by the pool on a death.
     """
     torch.set_num_threads(1)
-    # Ctrl-C reaches the whole process group: the training process reports it and stops the
-    # workers, which must not print a KeyboardInterrupt traceback each (as in torch).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM ends a worker at once (the loader's process owns what outlives it), whatever
-    # handler and mask it inherited from the thread that forked it.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process reports a Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the forking thread had
     process_receives()
     try:
-        seed_worker(worker_seed(setup.seed, setup.rank, worker_id))
+        seed = worker_seed(setup.seed, setup.rank, worker_id)  # seeded as torch's workers are
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(np.random.SeedSequence(seed).generate_state(4))
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(worker_id)
         worker = _Worker(setup, worker_id, results)
@@ -332,9 +295,7 @@ def worker_main(
         results.send(Started(worker_id, traceback.format_exc()))
         return
     results.send(Started(worker_id))
-    # What the worker inherited stays: collections need not walk it again (nor touch its
-    # pages, which copy-on-write would then copy).
-    gc.freeze()
+    gc.freeze()  # what the worker inherited stays: no collection touches (and copies) it
     parent = os.getppid()
     while True:
         if not tasks.poll(WATCHDOG_SECONDS):

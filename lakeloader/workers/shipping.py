@@ -1,13 +1,8 @@
 """Batches from a worker to the loader's process through shared memory, not the pipe.
 
-A batch a worker builds holds tensors (and numpy arrays). Pickled onto the result pipe, each
-would be copied into the pickle, through the pipe, and out of the pickle again. Instead the
-worker writes them all into one file of the pass's folder (``/dev/shm`` when it has room)
-and sends only the batch's structure with a :class:`Slot` in place of each
-(:func:`ship`); the loader's process maps the file, wraps each slot as a tensor or array of
-the map with no copy, and unlinks it (:func:`receive`). The memory lives as long as the
-batch's tensors do, and a pass's folder, with any file a dead worker left, is deleted with
-the pass.
+The worker writes a batch's tensors and arrays into one file of the pass's folder and sends
+its structure with a :class:`Slot` for each (:func:`ship`); the loader's process maps the
+file, wraps each slot with no copy, and unlinks it (:func:`receive`).
 """
 
 from __future__ import annotations
@@ -73,9 +68,7 @@ class _Writer:
         at = -(-self.size // ALIGN) * ALIGN
         self.size = at + tensor.numel() * tensor.element_size()
         self.parts.append((at, tensor))
-        dtype: Any = tensor.dtype
-        if array:
-            dtype = str(tensor.numpy().dtype)
+        dtype = str(tensor.numpy().dtype) if array else tensor.dtype
         return Slot(at, dtype, tuple(tensor.shape), array)
 
     def leaf(self, obj: Any) -> Any:
@@ -95,10 +88,7 @@ _WALK: Final = object()
 
 
 def _rebuild(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``obj`` with each leaf replaced by ``leaf(obj)``.
-
-    Dicts, lists, tuples (named too) and dataclasses are walked; anything else is kept.
-    """
+    """``obj`` with each leaf replaced by ``leaf(obj)``; containers walked as :func:`ship` says."""
     got = leaf(obj)
     if got is not _WALK:
         return got
@@ -180,8 +170,7 @@ def receive(shipped: Shipped) -> Any:
         return _rebuild(shipped.tree, _Reader(None).leaf)
     fd = os.open(shipped.path, os.O_RDWR)
     try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size)
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
         os.unlink(shipped.path)
