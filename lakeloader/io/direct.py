@@ -157,10 +157,13 @@ class DirectRanges:
         except BaseException:
             conn.close()
             raise
-        if response.will_close:
-            conn.close()
-        else:
-            self._put_back(host, conn)
+        if not response.will_close:
+            with self._lock:
+                idle = self._idle.setdefault(host, [])
+                if len(idle) < POOL_SIZE:
+                    idle.append(conn)
+                    return body
+        conn.close()
         return body
 
     def _connection(
@@ -176,14 +179,6 @@ class DirectRanges:
         conn = kind(netloc, timeout=SOCKET_TIMEOUT)
         _OPEN.add(conn)
         return conn, False
-
-    def _put_back(self, host: tuple[str, str], conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(host, [])
-            if len(idle) < POOL_SIZE:
-                idle.append(conn)
-                return
-        conn.close()
 
 
 def _status_error(url: str, response: http.client.HTTPResponse) -> OSError:

@@ -77,11 +77,9 @@ def spill(footer: pq.FileMetaData, parts: Parts, path: str) -> Fetched:
 
 
 class SparseFile:
-    """A read-only file of which some ranges are in memory; reads elsewhere are fetched.
+    """A read-only file for pyarrow of which some ranges are in memory; reads elsewhere are fetched.
 
-    pyarrow decodes a row group from it as from the whole file. A read outside the fetched
-    ranges (a writer whose column-chunk sizes in the footer are wrong, as some old ones are)
-    is fetched from the store rather than failing, and logged.
+    A read outside them (a footer whose column-chunk sizes are wrong) is logged.
     """
 
     def __init__(self, size: int, parts: Parts, fetch: Callable[[int, int], Blob]) -> None:
@@ -94,12 +92,9 @@ class SparseFile:
 
     def read(self, nbytes: int = -1) -> Chunk:
         """Read up to ``nbytes`` bytes (all the rest if negative) from the position."""
-        end = self._size if nbytes is None or nbytes < 0 else min(self._size, self._pos + nbytes)
-        data = self._slice(self._pos, end)
+        start = self._pos
+        end = self._size if nbytes is None or nbytes < 0 else min(self._size, start + nbytes)
         self._pos = end
-        return data
-
-    def _slice(self, start: int, end: int) -> Chunk:
         i = bisect.bisect_right(self._starts, start) - 1
         if i >= 0:
             part_start, blob = self._parts[i]
@@ -117,18 +112,6 @@ class SparseFile:
     def tell(self) -> int:
         """The position."""
         return self._pos
-
-    def seekable(self) -> bool:
-        """Always True."""
-        return True
-
-    def readable(self) -> bool:
-        """Always True."""
-        return True
-
-    def writable(self) -> bool:
-        """Always False."""
-        return False
 
     def close(self) -> None:
         """Mark closed (the memory goes with the object)."""

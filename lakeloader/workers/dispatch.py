@@ -115,11 +115,7 @@ class Dispatcher:
         self._thread.start()
 
     def submit(
-        self,
-        key: int,
-        make: Callable[[], Work],
-        nbytes: int = 0,
-        ready: Future[Any] | None = None,
+        self, key: int, make: Callable[[], Work], nbytes: int = 0, ready: Future[Any] | None = None
     ) -> Future[Any]:
         """Queue a piece of work for the next worker in turn.
 

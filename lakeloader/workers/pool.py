@@ -21,15 +21,7 @@ from typing import Any, TextIO
 
 from lakeloader.errors import LakeWarning, WorkerError, WorkerWarning
 from lakeloader.recovery.reassign import MAX_ATTEMPTS
-from lakeloader.workers.process import (
-    IDLE,
-    LOGGER,
-    Result,
-    Started,
-    Work,
-    WorkerSetup,
-    worker_main,
-)
+from lakeloader.workers.process import IDLE, LOGGER, Result, Started, Work, WorkerSetup, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -220,9 +212,7 @@ class WorkerPool:
         One ``poll(2)`` over the sentinels, reaping nothing: callers confirm a False with
         :meth:`collect`. False too while a collect() in another thread replaces a worker.
         """
-        if self._sentinels.poll(0):
-            return False
-        return not self._collecting
+        return not self._sentinels.poll(0) and not self._collecting
 
     def waitables(self) -> list[Any]:
         """What :meth:`collect` needs to hear about: result pipes and process sentinels."""
