@@ -28,11 +28,6 @@ def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     return hasattr(fs, "_call_s3")
 
 
-def _is_gcs(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "gs" in protocol and hasattr(fs, "_cat_file")
-
-
 def pins(fs: fsspec.AbstractFileSystem, version: str) -> bool:
     """Whether reads of a file with this version token are pinned on this filesystem.
 
@@ -45,7 +40,9 @@ def pins(fs: fsspec.AbstractFileSystem, version: str) -> bool:
             version_value(version, "ETag") is not None
             or version_value(version, "version_id") is not None
         )
-    return _is_gcs(fs) and version_value(version, "generation") is not None
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    gcs = "gs" in protocol and hasattr(fs, "_cat_file")
+    return gcs and version_value(version, "generation") is not None
 
 
 async def _s3_range(fs: Any, path: str, version: str, start: int, end: int) -> bytes:

@@ -177,15 +177,15 @@ class UnitReader:
             extra = [c for c in screen.columns if c not in file_cols and c in names]
             read_cols = file_cols + extra
         physical = [info.physical_name(c) for c in read_cols]
+        ranges = coalesce(chunk_ranges(meta, row_group, set(physical)))
         if self._local:
             source: Any = info.path
-            ranges = coalesce(chunk_ranges(meta, row_group, set(physical)))
             self.counters.add(nbytes=sum(end - start for start, end in ranges))
         else:
             parts: Parts | None = fetched.parts() if fetched is not None else None
             if parts is None:
-                parts = self._fetch_parts(info, meta, row_group, physical)
-            source = SparseFile(info.size, parts, lambda a, b: self._fetch_range(info, a, b))
+                parts = self._fetch(info, ranges)
+            source = SparseFile(info.size, parts, lambda a, b: self._fetch(info, [(a, b)])[0][1])
         if kept is not None or screen is not None or (row_start == 0 and num_rows == expected):
             table: pa.Table = pq.ParquetFile(source, metadata=meta).read_row_group(
                 row_group, columns=physical
@@ -216,21 +216,10 @@ class UnitReader:
         logical = dict(zip(physical, names, strict=True))
         return table.rename_columns([logical.get(n, n) for n in table.column_names])
 
-    def _fetch_parts(
-        self, info: FileInfo, meta: pq.FileMetaData, row_group: int, file_cols: list[str]
-    ) -> list[tuple[int, Blob]]:
-        """The coalesced ranges of a row group's selected column chunks, fetched at once."""
-        ranges = coalesce(chunk_ranges(meta, row_group, set(file_cols)))
-        return fetch_ranges(
-            self.fs, info.path, ranges, self.retry, self.counters.add_request, info.version
-        )
-
-    def _fetch_range(self, info: FileInfo, start: int, end: int) -> Blob:
-        """One range outside those fetched (a footer whose chunk sizes are wrong)."""
-        parts = fetch_ranges(
-            self.fs, info.path, [(start, end)], self.retry, self.counters.add_request, info.version
-        )
-        return parts[0][1]
+    def _fetch(self, info: FileInfo, ranges: list[tuple[int, int]]) -> list[tuple[int, Blob]]:
+        """Byte ranges of a snapshot file, fetched at once."""
+        on_request = self.counters.add_request
+        return fetch_ranges(self.fs, info.path, ranges, self.retry, on_request, info.version)
 
     def _file_columns(self, info: FileInfo) -> list[str]:
         """The selected columns that the file has (the others are nulls or partitions)."""
@@ -253,7 +242,7 @@ class UnitReader:
         try:
             meta = self._footer(info)
             physical = [info.physical_name(c) for c in self._file_columns(info)]
-            parts = self._fetch_parts(info, meta, row_group, physical)
+            parts = self._fetch(info, coalesce(chunk_ranges(meta, row_group, set(physical))))
         except Exception as exc:
             raise self._failure(info, row_group, exc) from exc
         starts = tuple(s for s, _ in parts)
