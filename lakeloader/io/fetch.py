@@ -78,15 +78,8 @@ def read_footer(
 ) -> pq.FileMetaData:
     """A file's parsed Parquet footer: one ranged request (two for huge footers), or none.
 
-    The last ``FOOTER_CACHE_FILES`` footers are cached per process by URL, size and version.
-
-    Args:
-        fs: The filesystem.
-        path: The file.
-        size: Its size in bytes (from the listing or the snapshot).
-        retry: Retry policy for transient failures.
-        on_request: Called with the bytes of each request made (for counters).
-        version: The file's version token (a rewrite of the same size is another file).
+    ``on_request`` is called with the bytes of each request made. The last
+    ``FOOTER_CACHE_FILES`` footers are cached per process by URL, size and version.
 
     Raises:
         LakeDataError: If the file is not a Parquet file, is truncated, or its footer does

@@ -66,14 +66,10 @@ class UnitReader:
     columns, so that units of different files concatenate into one batch.
 
     Args:
-        fs: The lake's filesystem.
-        snapshot: The pinned snapshot.
         columns: Columns to return (file columns and partition columns), in this order.
-        retry: Retry policy for transient storage failures.
         row_filter: The dataset's filter (the snapshot's counts are its matching rows).
-        mirrors: Other copies of the lake (``LakeDataset(mirrors=...)``), checked to hold the
-            same files (:mod:`lakeloader.lake.mirrors`): when the copy that reads go to keeps
-            failing past the retry deadline, they go on from the next, with a warning.
+        mirrors: Other copies of the lake (``LakeDataset(mirrors=...)``): when the copy reads
+            go to keeps failing past the retry deadline, they go on from the next, with a warning.
     """
 
     def __init__(

@@ -54,16 +54,9 @@ def stream_rows(
 ) -> tuple[list[pa.RecordBatch], int]:
     """Rows ``[row_start, row_start + num_rows)`` of a row group, streamed.
 
-    Decoded in batches of :func:`stream_batch_rows` rows, those before ``row_start`` dropped;
-    the stream stops after the range's last row, so the row group is never held whole.
-
-    Args:
-        source: A local path or a file object, as :class:`pyarrow.parquet.ParquetFile` takes.
-        meta: The file's footer.
-        row_group: The row group.
-        row_start: First row of the range inside the row group.
-        num_rows: Rows in the range (at least one).
-        columns: Top-level columns to read.
+    ``source`` is a local path or a file object; ``columns`` are top-level. Decoded in batches
+    of :func:`stream_batch_rows` rows, those before ``row_start`` dropped; the stream stops
+    after the range's last row, so the row group is never held whole.
 
     Returns:
         The range's batches (the first and last sliced to it), and the rows of the row group

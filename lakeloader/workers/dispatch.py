@@ -187,12 +187,10 @@ class Dispatcher:
 
     def _fail(self, exc: BaseException) -> None:
         """Fail every piece of work not answered yet with ``exc``."""
-        error = (
-            exc
-            if isinstance(exc, WorkerError)
-            else WorkerError(f"the DataLoader's workers stopped answering: {describe(exc)}")
-        )
-        if error is not exc:
+        if isinstance(exc, WorkerError):
+            error = exc
+        else:
+            error = WorkerError(f"the DataLoader's workers stopped answering: {describe(exc)}")
             error.__cause__ = exc
         with self._lock:
             self._closed = True

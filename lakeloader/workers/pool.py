@@ -105,8 +105,6 @@ class WorkerPool:
     """A fixed number of worker processes, each with a task queue and a result pipe.
 
     Args:
-        setup: What every worker needs.
-        num_workers: Processes to run.
         context: A multiprocessing context or its name (None: the platform default).
     """
 
@@ -114,9 +112,7 @@ class WorkerPool:
         self, setup: WorkerSetup, num_workers: int, context: BaseContext | str | None
     ) -> None:
         self._setup = setup
-        self._ctx: Any = (
-            mp.get_context(context) if not isinstance(context, BaseContext) else context
-        )
+        self._ctx: Any = context if isinstance(context, BaseContext) else mp.get_context(context)
         self._slots = [self._start(i) for i in range(num_workers)]
         self._sentinels = self._watch()
         self._collecting = 0  # collect() calls under way (see all_alive)

@@ -42,13 +42,11 @@ class WorkerSetup:
     """What every worker needs, sent once when it starts (pickled for spawn contexts).
 
     Attributes:
-        schema: Schema of the decoded units.
         layout: How the units' tensor-typed columns are packed (None: not packed).
         recipe: How rows become a batch (transform, collate_fn, batch_transform, lists).
         worker_init_fn: Called with the worker id once the worker has started, as in torch.
         seed: The dataset's seed (any integer the plan accepts).
         rank: The loader's rank (worker ``i`` is seeded by :func:`worker_seed` of it).
-        num_workers: Workers in the pool.
         decoders: One per source read (a mixture's in order), named by a
             :class:`DecodeTask`'s index; empty when workers only build batches.
     """
@@ -89,7 +87,6 @@ class Task:
 
     Attributes:
         generation: The pass (answers to an abandoned pass are dropped).
-        step: The step.
         refs: Units the Arrow path takes columns from.
         take: Row indices into their concatenation, in batch order.
         seeds: Each row's seed, in batch order.

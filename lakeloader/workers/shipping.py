@@ -27,9 +27,7 @@ class Slot:
     """Where one tensor or array lies in a shipped file.
 
     Attributes:
-        offset: Its first byte.
         dtype: Its element type (a ``torch.dtype``, or a numpy dtype string for an array).
-        shape: Its shape.
         array: Whether it was a numpy array (else a tensor).
     """
 
@@ -133,29 +131,6 @@ def ship(batch: Any, folder: str) -> Shipped:
     return Shipped(tree, path)
 
 
-class _Reader:
-    def __init__(self, mm: mmap.mmap | None) -> None:
-        self.mm = mm
-
-    def tensor(self, slot: Slot) -> Any:
-        dtype = torch.from_numpy(np.empty(0, slot.dtype)).dtype if slot.array else slot.dtype
-        count = int(np.prod(slot.shape, dtype=np.int64))
-        if count == 0 or self.mm is None:
-            out = torch.empty(slot.shape, dtype=dtype)
-        else:
-            out = torch.frombuffer(self.mm, dtype=dtype, count=count, offset=slot.offset)
-            out = out.view(slot.shape)
-        return out.numpy() if slot.array else out
-
-    def leaf(self, obj: Any) -> Any:
-        if isinstance(obj, Slot):
-            return self.tensor(obj)
-        if isinstance(obj, Jagged):
-            values, offsets = self.tensor(obj.values), self.tensor(obj.offsets)
-            return torch.nested.nested_tensor_from_jagged(values, offsets)
-        return _WALK
-
-
 def receive(shipped: Shipped) -> Any:
     """The batch a worker shipped: its tensors map the file, which is unlinked here.
 
@@ -166,12 +141,30 @@ def receive(shipped: Shipped) -> Any:
     >>> got["x"].tolist(), got["n"][0].tolist(), got["s"], left
     ([0, 1, 2], [1.0, 1.0], 'a', [])
     """
-    if shipped.path is None:
-        return _rebuild(shipped.tree, _Reader(None).leaf)
-    fd = os.open(shipped.path, os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-        os.unlink(shipped.path)
-    return _rebuild(shipped.tree, _Reader(mm).leaf)
+    mm: mmap.mmap | None = None
+    if shipped.path is not None:
+        fd = os.open(shipped.path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+            os.unlink(shipped.path)
+
+    def tensor(slot: Slot) -> Any:
+        dtype = torch.from_numpy(np.empty(0, slot.dtype)).dtype if slot.array else slot.dtype
+        count = int(np.prod(slot.shape, dtype=np.int64))
+        if count == 0 or mm is None:
+            out = torch.empty(slot.shape, dtype=dtype)
+        else:
+            out = torch.frombuffer(mm, dtype=dtype, count=count, offset=slot.offset)
+            out = out.view(slot.shape)
+        return out.numpy() if slot.array else out
+
+    def leaf(obj: Any) -> Any:
+        if isinstance(obj, Slot):
+            return tensor(obj)
+        if isinstance(obj, Jagged):
+            return torch.nested.nested_tensor_from_jagged(tensor(obj.values), tensor(obj.offsets))
+        return _WALK
+
+    return _rebuild(shipped.tree, leaf)
