@@ -114,10 +114,11 @@ def is_version_mismatch(exc: BaseException) -> bool:
     (True, False)
     """
     for seen in causes(exc):
-        status, code = response_of(seen)
-        if isinstance(seen, FileNotFoundError) or code == "PreconditionFailed":
+        if isinstance(seen, FileNotFoundError):
             return True
-        if PRECONDITION_FAILED in (status, getattr(seen, "code", None)):
+        status, s3_code = response_of(seen)
+        code = getattr(seen, "code", None)
+        if s3_code == "PreconditionFailed" or PRECONDITION_FAILED in (status, code):
             return True
     return False
 
