@@ -1,7 +1,7 @@
 """Few, large requests: one ranged GET per footer, coalesced ranged GETs per row group.
 
-A remote file is never walked through a buffered file object (a request per footer read and
-per column chunk); local files are read by pyarrow natively.
+A remote file is never walked through a buffered file object (which costs a request for each
+footer read and column chunk); local files are read by pyarrow natively.
 """
 
 from __future__ import annotations
@@ -195,8 +195,6 @@ def fetch_ranges(
     def cat_all() -> list[Blob]:
         blobs = pinned.cat_ranges(fs, path, version, ranges)
         for blob, (start, end) in zip(blobs, ranges, strict=True):
-            if isinstance(blob, BaseException):
-                raise blob
             if len(blob) != end - start:
                 raise ShortReadError(f"{path}: {len(blob)} bytes read for range [{start}, {end})")
         return blobs

@@ -46,7 +46,7 @@ class WorkerSetup:
         recipe: How rows become a batch (transform, collate_fn, batch_transform, lists).
         worker_init_fn: Called with the worker id once the worker has started, as in torch.
         seed: The dataset's seed (any integer the plan accepts).
-        rank: The loader's rank (worker ``i`` is seeded by :func:`worker_seed` of it).
+        rank: The loader's rank (worker ``i`` is seeded with ``worker_seed(seed, rank, i)``).
         decoders: One per source read (a mixture's in order), named by a
             :class:`DecodeTask`'s index; empty when workers only build batches.
     """
@@ -278,7 +278,7 @@ def worker_main(
     """
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process reports a Ctrl-C
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the forking thread had
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ends it at once, whatever it inherited
     process_receives()
     try:
         seed = worker_seed(setup.seed, setup.rank, worker_id)  # seeded as torch's workers are
