@@ -39,9 +39,7 @@ TRANSIENT_ERRNOS = frozenset(
         errno.ENETUNREACH,
     }
 )
-#: Fully qualified names of client exception classes that are transient whatever they carry:
-#: botocore's connection failures (EndpointConnectionError, ReadTimeoutError, ...) and every
-#: aiohttp client error (dropped connections, truncated bodies, refused connects).
+#: Client exception classes (by qualified name) whose subclasses are all transient.
 TRANSIENT_CLASSES = frozenset(
     {
         "botocore.exceptions.ConnectionError",
