@@ -1,18 +1,8 @@
 """One memory-mapped file that holds the packed rows of every unit a rank has decoded.
 
-A shuffled batch takes a few rows from each of 16-32 units. When each unit lives in its own
-array, gathering them costs a Python-level call per unit and per batch, which is what bounds a
-loader written in Python. In one arena, a batch is a single ``np.take`` of global row indices
-(``unit start + row``), whatever the number of units it touches, and worker processes see
-every unit through one mapping of one file (:class:`FileMap`), mapped again only when the
-arena has grown, a new pass has its own arena, or the worker dropped its map while idle.
-
-The arena is a sparse file (in ``/dev/shm`` by default), so its size is address space, not
-memory: a page holds memory once a unit is packed into it. Rows are allocated first-fit from
-the low end, so the pages in use stay near the live units' total; pages of freed space above
-``keep_rows`` are handed back to the system (a hole punched in the file), the rest are reused
-by the next units without new page faults. When no free extent fits, the file grows (old
-views stay valid: they map the same file).
+A batch is then one ``np.take`` of arena rows, and workers see every unit through one map
+(:class:`FileMap`). The file is sparse (in ``/dev/shm`` by default): rows are allocated
+first-fit from the low end, and freed pages above ``keep_rows`` are handed back to the system.
 """
 
 from __future__ import annotations
@@ -51,11 +41,9 @@ class ArenaHandle:
 
 
 class Arena:
-    """Packed rows of decoded units in one growable, memory-mapped file (see the module doc).
+    """Packed rows of decoded units in one growable, memory-mapped file (thread-safe).
 
-    Thread-safe. The unit store allocates a unit's rows before its decode starts and frees
-    them once the unit is evicted; decoders, in the loader's threads or in worker processes,
-    only write the rows reserved for them.
+    Growing the file keeps earlier views valid (they map the same file).
 
     Args:
         directory: Folder for the file (the pass's folder).

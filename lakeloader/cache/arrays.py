@@ -1,16 +1,8 @@
 """Array columns as numpy: fixed-size lists as dense blocks, lists as values plus offsets.
 
-A ``fixed_size_list<number>[D]`` (nested: ``[D1][D2]...``) has the same width in every row, so
-it becomes a dense ``(rows, D1, D2, ...)`` array: packed into the arena like a scalar column
-(:mod:`lakeloader.cache.packed`), then a ``[B, D1, ...]`` tensor. A ``list`` or
-``large_list`` of numbers (or of such fixed-size lists) has a length per row: it becomes
-:class:`Ragged` values and offsets, which the batch hands to torch as a jagged nested tensor
-or pads (:func:`lakeloader.pipeline.collate.columns_to_tensors`).
-
-Nulls follow the scalar rules: in a float column a null element, or a null fixed-size list, is
-NaN; an integer or boolean array cannot hold a null, and the batch that holds one fails naming
-the column and the file (:func:`blocking_nulls`). A null *list* (of a variable-length column)
-has no length: it becomes an empty row.
+A fixed-size list column becomes a ``(rows, D1, ...)`` array, a list column :class:`Ragged`.
+Float nulls become NaN and a null list an empty row; other nulls block the batch
+(:func:`blocking_nulls`).
 """
 
 from __future__ import annotations
@@ -96,7 +88,8 @@ def _fixed_children(arr: pa.FixedSizeListArray) -> pa.Array:
     return arr.values.slice(arr.offset * size, len(arr) * size)
 
 
-def _leaf_numpy(arr: pa.Array) -> np.ndarray:
+def leaf_numpy(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A column of numbers as numpy, float nulls as NaN (the caller checks other nulls)."""
     if arr.null_count and pa.types.is_floating(arr.type):
         arr = pc.fill_null(arr, pa.scalar(np.nan, arr.type))
     return np.asarray(arr.to_numpy(zero_copy_only=False))
@@ -118,7 +111,7 @@ def fixed_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     while pa.types.is_fixed_size_list(arr.type):
         levels.append(arr)
         arr = _fixed_children(arr)
-    values = _leaf_numpy(arr).reshape(rows, *shape[0])
+    values = leaf_numpy(arr).reshape(rows, *shape[0])
     if pa.types.is_floating(arr.type) and any(level.null_count for level in levels):
         values = values if values.flags.writeable else values.copy()
         for level in levels:
@@ -173,18 +166,12 @@ class Ragged:
         out[np.arange(width) < lengths[:, None]] = self.values  # row-major: the values' order
         return out
 
-    def rows(self) -> list[np.ndarray]:
-        """Each row's values (views of ``values``)."""
-        return np.split(self.values, self.offsets[1:-1])
-
 
 def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> Ragged | None:
     """Rows of a list-of-numbers column spread over units, in one copy of their values.
 
-    ``pc.take`` per unit, a concatenation and a take back into batch order copy every value
-    three times; here each row's values are a view of its unit's, and one concatenation copies
-    them. Only for lists whose elements hold no null (else None: the caller takes the general
-    path).
+    Returns None (the caller takes the general path) when the elements are not plain numbers
+    or hold a null.
 
     Args:
         parts: The column of each unit (one chunk each).
@@ -202,7 +189,7 @@ def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> R
         child = part.values
         if not _is_number(child.type) or child.null_count:
             return None
-        values.append(_leaf_numpy(child))
+        values.append(leaf_numpy(child))
         mine = np.flatnonzero(unit == u)
         if not len(mine):
             continue
@@ -237,5 +224,5 @@ def ragged_numpy(col: pa.Array | pa.ChunkedArray) -> Ragged:
     offsets = np.zeros(len(arr) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     inner = arr.flatten()  # the non-null lists' values, slicing taken care of
-    values = fixed_numpy(inner) if fixed_shape(inner.type) else _leaf_numpy(inner)
+    values = fixed_numpy(inner) if fixed_shape(inner.type) else leaf_numpy(inner)
     return Ragged(values, offsets)

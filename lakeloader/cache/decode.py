@@ -1,13 +1,8 @@
 """Decoding one unit into its cached form: read, screen, pack into the arena, keep the rest.
 
-The same :class:`UnitDecoder` runs in DataLoader worker processes on the default tensor path
-(no transform or collate_fn, and at least one column packed: the workers decode and the
-loader's process assembles batches, :class:`~lakeloader.pipeline.workspace.WorkerDecodes`),
-and in the loader's own threads otherwise (:class:`LocalDecodes`: no workers, workers that
-build batches, or nothing to pack). Either way the loader allocates the unit's rows
-in the arena first (and the data buffer indices of its string views, see
-:mod:`lakeloader.cache.views`), so that decoders never allocate and a unit can be decoded again,
-into the same rows, if its worker dies.
+A :class:`UnitDecoder` runs in worker processes or in the loader's threads
+(:class:`LocalDecodes`). The loader reserves a unit's arena rows (and view buffer indices)
+first, so decoders never allocate and a unit can be decoded again into the same rows.
 """
 
 from __future__ import annotations
@@ -81,10 +76,7 @@ class DecodeJob:
 
     Attributes:
         position: The piece's position in the epoch's virtual sequence.
-        file_index: Its file in the snapshot.
-        row_group: Its row group.
         row_start: First row inside the row group.
-        num_rows: Rows.
         start: Arena row to pack into (-1: nothing is packed).
         table_path: IPC file for the columns not packed (None: keep them in memory).
         view_buffers: The data buffer index of each of the layout's view columns (empty:
@@ -105,7 +97,7 @@ class DecodeJob:
 
 
 class UnitDecoder:
-    """Reads, screens (quarantine) and packs units (see the module docstring).
+    """Reads, screens (quarantine) and packs units.
 
     Args:
         reader: Reads units from the lake.
@@ -222,14 +214,7 @@ def read_ipc(path: str) -> pa.Table:
 
 
 class _ByteGate:
-    """Admits decodes while the bytes they hold fit a byte limit.
-
-    A decode is charged what it holds at its peak: a whole row group is read at once, so it
-    is charged the row group's uncompressed bytes; a unit that is a row range of its row
-    group is streamed (:meth:`lakeloader.io.reader.UnitReader.read`) and holds about its own
-    rows plus one batch, so it is charged its share of the row group's bytes. One decode is
-    always admitted, however large.
-    """
+    """Admits decodes while the bytes they hold fit a byte limit (one always runs)."""
 
     def __init__(self, limit: int) -> None:
         self._limit = max(1, limit)

@@ -1,19 +1,10 @@
 """Arrow kernels that give wrong values on some inputs, and how the loader avoids them.
 
-pyarrow 26.0.1's ``take`` and ``filter`` (``Array.take``, ``pc.array_take``, ``Table.take``)
-return wrong values, without an error, from a *sliced* array (offset > 0) whose type holds a
-fixed-size list of fixed-size lists, at the top or inside a struct: they read the innermost
-values at the wrong offset (garbage such as ``-6.5e14``). ``concat_arrays`` and
-``combine_chunks`` copy such an array correctly, to offset 0, where ``take`` is right. A
-unit that is a row range of its row group is a slice, and every batch takes rows from units,
-so the loader copies the affected columns of a unit to offset 0 once, when it is decoded
-(:func:`unsliced_table`), and checks again before each take (:func:`unsliced`, free when the
-array is not sliced). The reproducer, and the kernels checked, are in
-``docs/pyarrow-sliced-nested-take.md``.
-
-Whether the installed pyarrow has the bug is checked once, on first use, by running the
-reproducer (:func:`sliced_nested_take_is_wrong`): with a pyarrow that gets it right, nothing
-is copied.
+pyarrow 26.0.1's ``take`` and ``filter`` return wrong values, silently, from a sliced
+array whose type holds a fixed-size list of fixed-size lists; a copy to offset 0 is taken
+right. Such columns are copied once per unit (:func:`unsliced_table`) and checked before each
+take (:func:`unsliced`), only if the installed pyarrow has the bug (reproducer and kernels:
+``docs/pyarrow-sliced-nested-take.md``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Decoded units in the form that makes batch assembly cheap: fixed-width columns as row bytes.
 
-A shuffled batch takes a few rows from each of many units. Gathering them column by column
-costs one call per (unit, column), about 300 for a batch of 16 units and 18 columns, which
-is where a naive loader spends its time (pyarrow's ``take`` over chunked columns is worse: it
-concatenates every unit first). So when a unit is decoded, its tensor-typed columns (numbers,
-booleans, temporal values as integer ticks, float nulls as NaN) are packed once as rows of a
-structured dtype, in the rank's arena (:mod:`lakeloader.cache.arena`); a batch then needs one
-``np.take`` of arena rows, whatever the units it touches, and one copy per column.
-Strings and binaries are kept in the arena as Arrow binary views (16 bytes a row, pointing
-into the unit's own data buffer: :func:`~lakeloader.cache.views.write_views`), so they too
-come with the row copy. Columns that do not fit stay Arrow columns and take the general path:
-nested types, decimals and the other types that are neither tensor-typed nor strings or
-binaries, and, in a unit that holds nulls in them, integer, boolean and temporal columns
-(a tensor cannot hold the null, and the error must stay that of the batch that holds it).
+A unit's tensor-typed columns are packed once as rows of a structured dtype in the rank's
+arena (:mod:`lakeloader.cache.arena`), its strings and binaries as Arrow binary views
+(:mod:`lakeloader.cache.views`), so that a batch needs one ``np.take`` of arena rows. Other
+columns, and integer, boolean or temporal columns that hold nulls in the unit, stay Arrow.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lakeloader.cache.arrays import blocking_nulls, fixed_numpy, fixed_shape
+from lakeloader.cache.arrays import blocking_nulls, fixed_numpy, fixed_shape, leaf_numpy
 from lakeloader.cache.kernels import unsliced, unsliced_table
 from lakeloader.cache.views import VIEW_BYTES, VIEW_DTYPE, VIEW_TYPES
 
@@ -72,11 +63,9 @@ def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     typ = col.type
     if pa.types.is_fixed_size_list(typ):
         return fixed_numpy(col)
-    if col.null_count and pa.types.is_floating(typ):
-        col = pc.fill_null(col, pa.scalar(float("nan"), typ))
     if pa.types.is_temporal(typ):
         col = col.cast(pa.int64() if typ.bit_width == 64 else pa.int32())
-    return np.asarray(col.to_numpy(zero_copy_only=False))
+    return leaf_numpy(col)
 
 
 @dataclass(frozen=True)
@@ -99,11 +88,7 @@ class RowLayout:
 
     @functools.cached_property
     def record(self) -> np.dtype:
-        """The row as a numpy structured dtype (field access copies far faster than slices).
-
-        The string and binary columns of ``views`` follow the packed ones, as one Arrow
-        binary view (``VIEW_BYTES``) each: see :func:`write_views`.
-        """
+        """The row as a numpy structured dtype: the packed columns, then a view per ``views``."""
         at = self.row_bytes - VIEW_BYTES * len(self.views)  # the views come last
         return np.dtype(
             {
@@ -116,10 +101,7 @@ class RowLayout:
 
     @functools.cached_property
     def void(self) -> np.dtype:
-        """A field-less dtype of the row's size: ``np.take`` of it is a plain row copy.
-
-        Fancy indexing of a structured array copies field by field, which is far slower.
-        """
+        """A field-less dtype of the row's size: ``np.take`` of it is a plain row copy."""
         return np.dtype((np.void, self.row_bytes))
 
     @classmethod
@@ -167,10 +149,7 @@ class Packed:
 
 
 def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> Packed:
-    """Pack a unit's tensor-typed columns into row bytes (once per unit).
-
-    The other columns are combined into one chunk each here, once, rather than in every
-    batch that takes rows from the unit.
+    """Pack a unit's tensor-typed columns into row bytes; the others are :func:`compact`-ed.
 
     Args:
         table: The decoded unit.
@@ -199,18 +178,15 @@ def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> P
 def compact(table: pa.Table) -> pa.Table:
     """The table in one chunk per column that owns only its own rows' memory.
 
-    A unit that is a row range of a row group is streamed in batches
-    (:func:`lakeloader.io.streaming.stream_rows`), and its first and last batches are slices of
-    batches decoded whole. A slice keeps its parent's buffers alive (``combine_chunks`` of a
-    single sliced chunk returns it as it is), so a table whose buffers hold more than twice
-    its own bytes (plus ``SLACK_BYTES``) is copied, rather than kept with memory the cache
-    does not count.
+    A table whose buffers hold more than twice its own bytes (plus ``SLACK_BYTES``), such as a
+    slice of a larger batch, is copied; affected columns are copied to offset 0
+    (:func:`~lakeloader.cache.kernels.unsliced_table`).
 
     >>> big = pa.table({"s": ["x" * 100] * 10_000})
     >>> compact(big.slice(0, 10)).get_total_buffer_size() < 2_000
     True
     """
-    table = unsliced_table(table)  # before any take: see lakeloader.cache.kernels
+    table = unsliced_table(table)
     if table.get_total_buffer_size() <= 2 * table.nbytes + SLACK_BYTES:
         return table.combine_chunks()
     return table.take(pa.array(np.arange(table.num_rows, dtype=np.int64)))
@@ -265,12 +241,8 @@ def select(sizes: Sequence[int], take: np.ndarray) -> Selection:
 
 
 def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
-    """The selected rows of one column given per unit, in batch order.
-
-    ``array_take`` is the kernel that ``Array.take`` reaches through the ``take`` function's
-    dispatch; called directly it cost about a fifth less when measured at 2cc181c, which
-    counts at one call per unit per batch.
-    """
+    """The selected rows of one column given per unit, in batch order."""
+    # pc.array_take, not Array.take: it skips the dispatch, a fifth of a call's cost.
     parts = [
         pc.array_take(unsliced(columns[u]), sel.local[start:stop])
         for u, (start, stop) in zip(sel.unit, sel.bounds, strict=True)

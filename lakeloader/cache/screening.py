@@ -1,9 +1,7 @@
 """A step's decoded units, once quarantined units are left out: which path each column takes.
 
-Pure: from the units the store holds for a step, the rows of the batch renumbered around the
-units that are quarantined, each row's place in the arena, and the columns that every unit
-has in the arena (packed, or as string views), which a batch then gathers with one row copy;
-the other columns take the Arrow path.
+Pure. Columns every unit has in the arena (packed, or as string views) are gathered with one
+row copy; the others take the Arrow path.
 """
 
 from __future__ import annotations
@@ -77,14 +75,15 @@ def screen(
         inverse, row = inverse[keep], row[keep]
     lost = spec.num_rows - len(take)
     names = by_all(refs, layout.names, "packed") if layout is not None else ()
-    with_views = use_views and layout is not None and bool(names)
-    views = by_all(refs, layout.views, "views") if with_views and layout is not None else ()
+    views: tuple[str, ...] = ()
+    if use_views and layout is not None and names:
+        views = by_all(refs, layout.views, "views")
     rows = None
     if names:
         starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
         rows = np.asarray(starts, dtype=np.int64)[inverse] + row
     if len(names) + len(views) == num_columns:  # nothing is left for the Arrow path
-        return Screened([], take[:0], rows, names, views, skipped, lost, keep)
+        refs, take = [], take[:0]
     return Screened(refs, take, rows, names, views, skipped, lost, keep)
 
 

@@ -1,8 +1,7 @@
 """The folder of a process's decoded units: shared memory when it has room, and cleanup.
 
-Decoded units live in a folder of the loader's process (in ``/dev/shm`` when there is room:
-the workers map the same files). A process killed with ``SIGKILL`` cannot delete its folder,
-so each new folder is made after removing those whose owner is dead (names carry the pid).
+A process killed with ``SIGKILL`` cannot delete its folder, so each new folder is made after
+removing those whose owner is dead (names carry the pid).
 """
 
 from __future__ import annotations
@@ -23,10 +22,8 @@ UNIT_DIR_PREFIX = "lakeloader"
 def default_cache_dir(need_bytes: int) -> str | None:
     """Shared memory when the machine has room there, else None (the system's temp folder).
 
-    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, which kills the process
-    without a Python error (a container's default 64 MiB is full at once); so unless
-    ``need_bytes`` are free there, decoded units go to the temporary folder instead, which
-    is slower, and a warning says how to get the speed back.
+    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, so unless ``need_bytes``
+    are free there, this warns and returns None.
     """
     if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
         return None
@@ -47,11 +44,7 @@ def default_cache_dir(need_bytes: int) -> str | None:
 
 
 def make_unit_dir(root: str | None) -> str:
-    """Create this process's unit folder, first removing folders left by dead processes.
-
-    A loader whose process was killed cannot delete its decoded units; since they live in
-    shared memory, they would hold RAM until reboot. Folder names carry the owner's pid.
-    """
+    """Create this process's unit folder, first removing folders left by dead processes."""
     base = root if root is not None else tempfile.gettempdir()
     sweep(base)
     return tempfile.mkdtemp(prefix=f"{UNIT_DIR_PREFIX}-{os.getpid()}-", dir=base)
@@ -101,5 +94,5 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # alive, another user's
     return True

@@ -1,14 +1,8 @@
-"""The decoded-unit cache of one rank: fetched ahead in plan order, evicted once used.
+"""The decoded-unit cache of one rank: decoded ahead in plan order, evicted once used.
 
-The store reserves each unit's rows in the rank's :class:`~lakeloader.cache.arena.Arena` (a
-memory-mapped file in the pass's folder, in shared memory, ``/dev/shm``, when there is one)
-and has it decoded (:mod:`lakeloader.cache.decode`: read, screen, pack) by whatever
-:class:`~lakeloader.cache.decode.Decodes` it is given: the loader's own threads
-(:class:`~lakeloader.cache.decode.LocalDecodes`) or the DataLoader's worker processes
-(:class:`~lakeloader.pipeline.workspace.WorkerDecodes`). Columns that are not packed (nested
-types, integer columns with nulls) stay in memory, or go to an Arrow IPC file beside the arena
-when another process has them or needs them. Either way a unit is fetched and decoded once
-per rank per epoch.
+Each unit is fetched and decoded once per rank per epoch, into rows reserved in the rank's
+:class:`~lakeloader.cache.arena.Arena`; its columns that are not packed stay in memory or go
+to an Arrow IPC file beside the arena.
 """
 
 from __future__ import annotations
@@ -58,11 +52,10 @@ class Screening:
 
 
 class UnitOpener:
-    """Opens units for a batch builder, keeping the tables of the previous batch's units.
+    """Opens units for a batch builder, keeping the tables of the previous batch's units only.
 
-    Consecutive batches share most of their units (they draw from the same windows), and
-    mapping a file costs more than the rows a batch takes from it. Tables older than the
-    previous batch are dropped, so that the memory of units the loader has evicted is freed.
+    Consecutive batches share most of their units; older tables are dropped so that the memory
+    of evicted units is freed.
     """
 
     def __init__(self) -> None:
@@ -164,6 +157,7 @@ class UnitStore:
         views = self._layout.views if start >= 0 and self._layout is not None else ()
         buffers = tuple(self._views.reserve() for _ in views)
         job = DecodeJob(position, file_index, rg, row_start, rows, start, path, buffers)
+        # Charged its peak: a whole row group is read at once, a row range is streamed.
         whole = row_start == 0 and rows == info.row_group_rows[rg]
         fetch = None
         if self._prefetcher is not None:
@@ -196,11 +190,7 @@ class UnitStore:
             self._held[position] = held
 
     def _register_views(self, ref: UnitRef, entry: _Entry) -> UnitRef:
-        """Hold the data buffers a decoded unit's views point into, at the indices reserved.
-
-        A unit from a worker comes with its other columns in an IPC file, which is mapped
-        here (pages are read only as batches touch them).
-        """
+        """Hold the data buffers a decoded unit's views point into, at the indices reserved."""
         assert self._layout is not None
         full = self._layout.views
         table = read_ipc(ref.table) if isinstance(ref.table, str) else ref.table
@@ -244,11 +234,6 @@ class UnitStore:
         """The first arena row of each requested unit (-1: not packed into the arena)."""
         entries = self._entries
         return np.fromiter((entries[p].start for p in positions.tolist()), np.int64, len(positions))
-
-    def held(self, positions: np.ndarray) -> list[Held] | None:
-        """The units at these positions if all are decoded, else None (no wait, no lock)."""
-        held = [self._held.get(p) for p in positions.tolist()]
-        return [h for h in held if h is not None] if None not in held else None
 
     def ready(self, positions: np.ndarray) -> bool:
         """Whether every unit at these positions is decoded (or failed)."""

@@ -1,17 +1,8 @@
 """String and binary columns as Arrow binary views in the arena, and back to values.
 
-A shuffled batch takes a few rows from each of 16-32 units. Through Arrow that is one
-``take`` per unit per column, then a concatenation and a reorder. Kept as binary views (16
-bytes a row, pointing into the unit's data buffer) in the arena rows, a string column comes
-along with the batch's row copy, and one view array over the units' data buffers gives every
-value to Python in one call.
-
-The store reserves a data buffer index for each view column of a unit with its arena rows
-(:class:`ViewBuffers`). The decoder, in whichever process decodes the unit (a worker on the
-default tensor path, else a thread of the loader's process), writes the views into those rows
-(:func:`write_unit_views`) from the columns as the loader's process will hold them: in
-memory, or read back from the IPC file it will map. Once the decode completes, the store puts
-each column's data buffer at its reserved index, so the views point into it.
+The store reserves a data buffer index per view column of a unit (:class:`ViewBuffers`), the
+decoder writes the views into the unit's arena rows (:func:`write_unit_views`), and once the
+decode completes the store puts each column's data buffer at its index.
 """
 
 from __future__ import annotations
@@ -44,12 +35,7 @@ EMPTY_BUFFER = pa.py_buffer(b"")
 def write_views(col: pa.Array, out: np.ndarray, buffer_index: int) -> pa.Buffer | None:
     """Write a string or binary column's Arrow binary views into ``out`` (its arena field).
 
-    A view is 16 bytes: the value's length, then the value itself when it has at most 12
-    bytes, else its first 4 bytes, the index of the data buffer holding it, and its offset
-    there. With the views in the arena a batch's values come along with the row copy, and
-    one view array over the units' data buffers hands them to Python in one call, where the
-    Arrow path takes each unit's rows with a call of its own. A null is a length of -1 (the
-    arena has no room for a validity bitmap).
+    A null is a length of -1 (the arena has no room for a validity bitmap).
 
     Args:
         col: The unit's column, one chunk.
@@ -96,9 +82,8 @@ def write_unit_views(
     """Write the views of a unit's columns ``names`` into its arena ``rows``.
 
     Args:
-        table: The unit's columns as the loader's process will see them (in memory, or
-            read back from the IPC file it will map), so that the views point into the
-            very data buffers it will hold.
+        table: The unit's columns as the loader's process will hold them (in memory, or
+            read back from the IPC file it will map).
         names: The columns to write views of.
         indices: The data buffer index of each.
         rows: The unit's rows in the arena.
@@ -132,12 +117,8 @@ def views_array(views: np.ndarray, typ: pa.DataType, buffers: Sequence[pa.Buffer
     gathered = pa.Array.from_buffers(
         VIEW_TYPES[typ], len(ints), [validity, pa.py_buffer(views), *buffers]
     )
-    # Every view is checked against the buffers: a view that pointed anywhere else would
-    # read stray memory, where this raises. The check reads every value, which is the first
-    # touch of values scattered over many pieces (most of this function's time), but it
-    # leaves them in cache for to_pylist: checking only the views' numbers with numpy was
-    # measured slower overall, since to_pylist then made the first touch, one value at a
-    # time (figures and the commit they were measured at: benchmarks/results/profile.md).
+    # A view that pointed outside the buffers would read stray memory: raise instead. A full
+    # check beat checking the views' numbers only (benchmarks/results/profile.md).
     gathered.validate(full=True)
     return gathered
 

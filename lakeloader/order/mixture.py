@@ -1,22 +1,8 @@
 """Which source each global slot of a mixture comes from: a pure function of seed, weights, slot.
 
-A mixture of lakes draws each slot of each global batch from one of its sources, in set
-proportions. Which one is decided per *global* slot, never per rank or worker, so the
-assignment is the same whatever the world size, the workers or the batch split, like the
-single lake's order (:mod:`lakeloader.order.plan`).
-
-The rule is deterministic interleaving, not dice: slot ``i`` goes to the source whose share of
-``[0, 1)`` holds ``frac(i * g + theta)``, with ``g`` the golden ratio's conjugate and ``theta``
-drawn from the seed. That is a Kronecker sequence, the most evenly spread there is: among any
-``n`` consecutive slots each source gets ``n * weight`` slots give or take a few (the error
-grows like ``log n``, so it is far below 1 % over 1,000 global batches, whatever their size),
-where independent draws would be off by ``sqrt(n)``. The arithmetic is in 64-bit fixed point
-(wrapping integer multiplication), so it is exact, vectorised, and the same on every machine
-for every slot index.
-
-Weights that change at a resume apply from a slot on: the sequence of
-``frac(i * g + theta)`` goes on, only the shares change, and each source continues from its own
-count (:class:`MixCursor`), so no row of any source is lost or repeated.
+Slot ``i`` goes to the source whose share of ``[0, 1)`` holds ``frac(i * g + theta)`` (``g`` the
+golden ratio's conjugate, ``theta`` from the seed), in 64-bit fixed point: a Kronecker
+sequence, the same whatever the world size, workers or batch split (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -119,8 +105,8 @@ def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.n
 class MixCursor:
     """Where a mixture stands: slots drawn in all, and drawn from each source.
 
-    Each source's count is the position in its own stream of rows (its epochs one after the
-    other): what the source delivers next. O(number of sources), whatever the topology.
+    A source's count is its position in its own stream of rows (its epochs one after the
+    other).
 
     Attributes:
         slot: Global slots drawn so far.
@@ -273,13 +259,9 @@ def draw_parts(
 ) -> tuple[PartTable, MixCursor, np.ndarray]:
     """Draw ``steps`` global batches of ``size`` slots and cut a rank's shares into parts.
 
-    What :meth:`MixCursor.take` then :func:`part_table` give, without working out each
-    slot's offset and epoch: a part's range comes from its source's count before it (in
-    earlier steps, and in the step's slots before the rank's), and its rows, in slot order,
-    from one stable sort of the share's slots by (step, source).
-
-    ``rows`` says where each source's epochs start in its stream (:data:`Spans`): ``n`` rows
-    each, or a followed lake's increments (which must reach past the draws).
+    A part's range comes from its source's count before it, its rows (in slot order) from
+    one stable sort of the share's slots by (step, source). ``rows`` says where each source's
+    epochs start in its stream (:data:`Spans`; a followed lake's must reach past the draws).
 
     Returns:
         The parts; the cursor after the batches; and, after each step, each source's count

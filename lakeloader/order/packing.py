@@ -1,25 +1,9 @@
 """Packed token streams: which tokens make each sample, under any world size and batch (pure).
 
-An epoch of a packed lake is one token stream: its units (whole row groups) in the epoch's
-order (:func:`lakeloader.order.plan.unit_order`), each unit's rows in file order, each row's
-tokens followed by ``eos_id`` when there is one. Where each unit's tokens start is known
-before any unit is read, from the units' token counts
-(:mod:`lakeloader.pipeline.token_counts`: the footers' value counts, or counted once). The
-epoch's ``T`` tokens are cut into ``C`` contiguous *streams* (stream ``c`` holds tokens
-``[c T // C, (c + 1) T // C)``; ``C`` is the dataset's ``num_partitions``), each stream into
-samples of ``L`` tokens, its last one padded (the padding counted and marked). Sample ``j`` of
-the epoch is sample ``j // C`` of stream ``j % C`` while every stream has one, then the last
-samples of the longer streams in stream order, so the samples of a global batch come from
-``C`` places spread over the epoch.
-
-A sample is thus a token range found by arithmetic, and where a packed source stands is one
-number: the samples it has delivered, its epochs one after the other. Step ``t`` takes the
-next ``B`` samples of the global batch (drawn from the sources by a mixture's cursor, or all
-from the one lake), sorted by source, epoch, stream and sample so that a rank's share reads
-few units, and rank ``r`` takes its share of that list (:func:`~lakeloader.order.plan.rank_bounds`):
-any world size, any global batch (one that changes at a resume too), and the same global
-batches under every world size and worker count. No rank reads a unit that none of its
-samples touches; a unit that two ranks' samples share is read by both.
+An epoch's tokens (units in the epoch's order, rows in file order, each row's tokens then
+``eos_id``) are cut into ``C`` contiguous streams, each stream into samples of ``L`` tokens.
+Sample ``j`` is sample ``j // C`` of stream ``j % C`` while every stream has one, then the
+longer streams' last samples (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -37,8 +21,6 @@ PACKED_WINDOW = 65_536
 
 def packed_plan(units: Units, seed: int, epoch: int, shuffle: bool) -> EpochPlan:
     """A packed lake's plan of an epoch: one partition, its units permuted (when shuffling).
-
-    Each unit's rows stay in file order (see the module docstring).
 
     >>> from lakeloader.order.plan import make_units
     >>> p = packed_plan(make_units([[3, 2]], 8), seed=0, epoch=0, shuffle=True)
@@ -156,7 +138,10 @@ def step_shares(
     world_size: int,
     rank: int,
 ) -> list[Share]:
-    """A rank's samples of consecutive global steps (see the module docstring).
+    """A rank's samples of consecutive global steps.
+
+    Each step's samples are sorted by source, epoch, stream and sample, so that a share reads
+    few units, and the rank takes its :func:`~lakeloader.order.plan.rank_bounds` slice.
 
     Args:
         sources: The source of each of the steps' samples, as drawn: ``global_batch`` a step.
@@ -173,10 +158,7 @@ def step_shares(
     >>> share.start.tolist(), share.stop.tolist()
     ([8, 12], [12, 16])
     """
-    stream = np.empty(len(sources), dtype=np.int64)
-    index = np.empty(len(sources), dtype=np.int64)
-    start = np.empty(len(sources), dtype=np.int64)
-    stop = np.empty(len(sources), dtype=np.int64)
+    stream, index, start, stop = (np.empty(len(sources), dtype=np.int64) for _ in range(4))
     for source, epoch in {(int(s), int(e)) for s, e in zip(sources, epochs, strict=True)}:
         mine = (sources == source) & (epochs == epoch)
         tokens = stream_of[(source, epoch)]
@@ -185,13 +167,8 @@ def step_shares(
     step = np.arange(len(sources), dtype=np.int64) // global_batch
     order = np.lexsort((index, stream, epochs, sources, step))  # each step's block stays its own
     a, b = rank_bounds(global_batch, world_size, rank)
-    shares = []
-    for first in range(0, len(order), global_batch):
-        mine_ = order[first + a : first + b]
-        shares.append(
-            Share(sources[mine_], offsets[mine_], epochs[mine_], start[mine_], stop[mine_])
-        )
-    return shares
+    picks = [order[first + a : first + b] for first in range(0, len(order), global_batch)]
+    return [Share(sources[i], offsets[i], epochs[i], start[i], stop[i]) for i in picks]
 
 
 def separated(
@@ -200,8 +177,7 @@ def separated(
     """Rows laid end to end with ``eos_id`` after each row; each token's position in its row.
 
     Tokens keep a 4-byte integer type when the ids and ``eos_id`` fit one (else 8 bytes), and
-    positions are 4-byte too: a unit's tokens are held until every stream has passed it, and
-    each byte held per token is memory the kernel has to zero first.
+    positions are 4-byte too (while there are fewer than ``2**31`` tokens).
 
     >>> t, p = separated(np.array([1, 2, 3]), np.array([0, 2, 2, 3]), 9)
     >>> t.tolist(), p.tolist()
