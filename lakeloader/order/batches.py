@@ -1,15 +1,12 @@
 """One rank's share of global batches: which pieces, and which of their rows in what order.
 
-The epoch's order is :mod:`lakeloader.order.plan`; this module applies it to steps.
-:func:`batch_specs` builds the shares of many consecutive steps at once, vectorised across
-steps, which is what the loader calls (64 steps a call): each window a call touches is fetched
-once and read as a lookup table, and pieces are made unique per step (by flags when the range
-of values is small, else by one sort).
+The shares of many consecutive steps are planned at once, vectorised across steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 
@@ -17,6 +14,7 @@ from lakeloader.order.plan import (
     EpochPlan,
     batch_runs,
     batch_slots,
+    count_reached,
     expand_runs,
     rank_bounds,
     rank_bounds_many,
@@ -56,8 +54,7 @@ class BatchSpec:
 def share_slots(spec: BatchSpec, num_partitions: int, world_size: int, rank: int) -> np.ndarray:
     """The global slot of each row of a rank's share, in batch order.
 
-    A slot is where a row stands in the epoch's order, which no topology changes: what
-    :mod:`lakeloader.randomness` seeds a row's draws from.
+    A slot is where a row stands in the epoch's order, whatever the topology.
 
     >>> from lakeloader.order.plan import make_units, plan_epoch
     >>> plan = plan_epoch(make_units([[8]], 8), seed=0, epoch=0, shuffle=False,
@@ -104,10 +101,8 @@ def _unique_inverse(values: np.ndarray, span: int | None = None) -> tuple[np.nda
     return ordered[first], inverse
 
 
-def _check_rank(world_size: int, rank: int) -> None:
-    """Raise ValueError unless ``rank`` is one of ``world_size``."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size: {rank}, {world_size}")
+#: Runs of consecutive positions of a partition: (step index, partition, first position, length).
+Runs: TypeAlias = "tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]"
 
 
 def batch_specs(
@@ -125,8 +120,7 @@ def batch_specs(
     Step ``t`` covers the global slots ``[start + t * global_batch, start + (t + 1) *
     global_batch)``, cut at the end of the epoch. Each share is the rank's slice
     (:func:`~lakeloader.order.plan.rank_bounds`) of the step's slots in partition-major order
-    (:func:`~lakeloader.order.plan.batch_slots`), mapped to pieces and rows; the work is done
-    once for all rows of all steps, not slot by slot.
+    (:func:`~lakeloader.order.plan.batch_slots`), mapped to pieces and rows.
 
     Args:
         plan: The epoch.
@@ -161,8 +155,10 @@ def batch_specs(
     stops = np.minimum(starts + global_batch, plan.num_rows)
     if np.any(starts < 0) or np.any(stops <= starts):
         raise ValueError(f"steps {first_step}..{first_step + num_steps - 1} leave the epoch")
-    _check_rank(world_size, rank)
-    return _batch_specs(plan, steps, starts, stops, world_size, rank)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size: {rank}, {world_size}")
+    runs, share = _share_runs(plan, starts, stops, world_size, rank)
+    return _run_specs(plan, steps, starts, stops, runs, share)
 
 
 def range_specs(
@@ -170,10 +166,8 @@ def range_specs(
 ) -> list[BatchSpec]:
     """Specs of the slot ranges ``[starts[i], stops[i])`` of one epoch, labelled ``steps[i]``.
 
-    For ranges of any length (a mixture's part of a rank's share; see
-    :mod:`lakeloader.order.mixture`), planned together like :func:`batch_specs`; each spec's
-    rows come in the partition-major order of its range
-    (:func:`~lakeloader.order.plan.batch_slots`).
+    For ranges of any length (a mixture's part of a rank's share); each spec's rows come in
+    the partition-major order of its range.
 
     >>> from lakeloader.order.plan import make_units, plan_epoch
     >>> plan = plan_epoch(make_units([[6]], 6), seed=0, epoch=0, shuffle=False,
@@ -189,27 +183,8 @@ def range_specs(
     stops = np.asarray(stops, dtype=np.int64)
     if np.any(starts < 0) or np.any(stops <= starts) or np.any(stops > plan.num_rows):
         raise ValueError(f"slot ranges must be non-empty and within {plan.num_rows} rows")
-    return _batch_specs(plan, np.asarray(steps, dtype=np.int64), starts, stops, 1, 0)
-
-
-def _batch_specs(
-    plan: EpochPlan,
-    steps: np.ndarray,
-    starts: np.ndarray,
-    stops: np.ndarray,
-    world_size: int,
-    rank: int,
-) -> list[BatchSpec]:
-    """Shares of the global batches ``[starts[i], stops[i])``, labelled ``steps[i]``.
-
-    Nothing is done per row but a few gathers: the rows of a run of a partition inside one
-    window are a slice of that window's permutation, so runs are cut at windows into
-    *segments*, every window touched is fetched once and the slice used of it turned into a
-    table (the row inside its piece, and the piece), and each row picks its entry of that
-    table. Pieces are made unique per step by segment if no window holds several, else by row.
-    """
-    step, part, pos, length, share = _share_runs(plan, starts, stops, world_size, rank)
-    return _run_specs(plan, steps, starts, stops, (step, part, pos, length), share)
+    runs, share = _share_runs(plan, starts, stops, 1, 0)
+    return _run_specs(plan, np.asarray(steps, dtype=np.int64), starts, stops, runs, share)
 
 
 def partition_specs(
@@ -249,10 +224,10 @@ def _run_specs(
     steps: np.ndarray,
     starts: np.ndarray,
     stops: np.ndarray,
-    runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    runs: Runs,
     share: np.ndarray,
 ) -> list[BatchSpec]:
-    """Specs of steps made of runs: (index of the step, partition, first position, length)."""
+    """Specs of steps made of runs, ``share`` rows each."""
     positions, per_step, key_step, piece, row = _run_core(plan, len(steps), runs)
     first = (np.cumsum(per_step) - per_step)[key_step]  # first key of each key's step
     offset = np.cumsum(plan.piece_rows(positions))
@@ -272,9 +247,13 @@ def _run_specs(
 
 
 def _run_core(
-    plan: EpochPlan, num_steps: int, runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    plan: EpochPlan, num_steps: int, runs: Runs
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The pieces of steps made of runs, and each row's piece and row inside it.
+
+    Nothing is done per row but a few gathers: runs are cut at windows into segments, each
+    window touched is fetched once and the slice used of it tabulated, and each row picks its
+    entry of that table.
 
     Returns:
         The pieces of each step, step after step (unique per step, sorted); how many each
@@ -317,19 +296,18 @@ def range_rows(
     """
     starts = np.asarray(starts, dtype=np.int64)
     stops = np.asarray(stops, dtype=np.int64)
-    step, part, pos, length, _ = _share_runs(plan, starts, stops, 1, 0)
-    positions, per_range, _, piece, row = _run_core(plan, len(starts), (step, part, pos, length))
+    runs, _ = _share_runs(plan, starts, stops, 1, 0)
+    positions, per_range, _, piece, row = _run_core(plan, len(starts), runs)
     return positions, per_range, piece, row
 
 
 def _share_runs(
     plan: EpochPlan, starts: np.ndarray, stops: np.ndarray, world_size: int, rank: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rank's share of each global batch, as runs of consecutive positions of a partition.
+) -> tuple[Runs, np.ndarray]:
+    """The rank's share of each global batch ``[starts[i], stops[i])``, as runs in batch order.
 
     Returns:
-        For each run, in batch order: its batch (index into ``starts``), partition, first
-        position in the partition and length; and the rows of the rank's share of each batch.
+        The runs (their step being the batch's index), and the rows of each share.
     """
     C = plan.num_partitions
     first, counts = batch_runs(starts, stops, C)
@@ -341,7 +319,7 @@ def _share_runs(
     keep = np.flatnonzero(b > a)
     batch, part = np.divmod(keep, C)
     pos = (first // C + a - at).ravel()[keep]
-    return batch, part, pos, (b - a).ravel()[keep], (hi - lo).ravel()
+    return (batch, part, pos, (b - a).ravel()[keep]), (hi - lo).ravel()
 
 
 def _window_segments(
@@ -393,11 +371,8 @@ def _window_tables(
     fresh = np.ones(len(pieces), dtype=bool)
     fresh[1:] = pieces[1:] != pieces[:-1]
     pieces = pieces[fresh]
-    # Fetched in the order of their last use: those of the last step, which the next call
-    # starts with, are the last put in the plan's cache. A call may touch more windows than the
-    # cache holds, but it fetches each once, and the next call needs only those of its last
-    # step (one or two per partition while a batch gives a partition at most a window's rows):
-    # the cache need not grow with the steps planned at once.
+    # Fetched in the order of their last use: the last step's windows, which the next call
+    # starts with, are the last put in the plan's cache (so it need not grow with the steps).
     order = np.lexsort((keys, last))
     used = (hi - lo)[order]
     at = np.empty(len(keys), dtype=np.int64)
@@ -414,21 +389,7 @@ def _window_tables(
             continue
         table_piece[out] = k
         if z > f:  # the window overlaps several pieces: find each row's
-            rel = _count_reached(table_row[out], plan.offsets[f + 1 : z + 1] - plan.offsets[f])
+            rel = count_reached(table_row[out], plan.offsets[f + 1 : z + 1] - plan.offsets[f])
             table_row[out] -= plan.offsets[f + rel] - plan.offsets[f]
             table_piece[out] += rel
     return pieces, at[seg_win] + inner - lo[seg_win], local[seg_win], table_row, table_piece
-
-
-def _count_reached(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """How many of the sorted ``bounds`` each value reaches: ``searchsorted(side="right")``.
-
-    >>> _count_reached(np.array([0, 5, 3, 9]), np.array([3, 6])).tolist()
-    [0, 1, 1, 2]
-    """
-    if len(bounds) > 4:
-        return np.asarray(np.searchsorted(bounds, values, side="right"), dtype=np.int64)
-    count = np.zeros(len(values), dtype=np.int64)
-    for bound in bounds.tolist():  # a few comparisons beat a binary search per value
-        count += values >= bound
-    return count

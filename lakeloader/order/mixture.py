@@ -14,7 +14,7 @@ from typing import Final
 
 import numpy as np
 
-from lakeloader.order.plan import _rng, expand_runs, rank_bounds
+from lakeloader.order.plan import _rng, count_reached, expand_runs, rank_bounds
 
 #: ``2**64`` divided by the golden ratio, odd: the step of the sequence in fixed point.
 GOLDEN_STEP: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -91,14 +91,7 @@ def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.n
     index = np.arange(first, first + count, dtype=np.uint64)
     with np.errstate(over="ignore"):  # wrapping is the point: arithmetic modulo 2**64
         x = index * GOLDEN_STEP + phase(seed)
-    thresholds = weights.thresholds()
-    if len(thresholds) > 8:
-        found: np.ndarray = np.searchsorted(thresholds, x, side="right")
-        return found.astype(np.int64)
-    sources = np.zeros(count, dtype=np.int64)
-    for threshold in thresholds.tolist():  # a few comparisons beat a binary search
-        sources += x >= np.uint64(threshold)
-    return sources
+    return count_reached(x, weights.thresholds(), scan_up_to=8)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,8 @@
-"""The order of an epoch: pure functions over numpy arrays (see docs/design.md).
+"""The order of an epoch: pure functions over numpy arrays, no I/O (see docs/design.md).
 
-Nothing here does I/O or depends on the number of workers; the rank and world size only
-enter in :func:`rank_bounds` and :func:`rank_bounds_many`, which slice a global batch.
-Everything is cheap enough to plan a million units in well under a second (measured in
-docs/defaults.md), so every process recomputes what it needs instead of shipping plans around.
-
-The order, in short: units (row groups or row ranges of them) are permuted with an RNG seeded
-by ``(seed, epoch)`` and concatenated into a virtual row sequence of ``N`` rows. That sequence
-is cut into ``C`` contiguous *partitions*; global slot ``j`` is served by partition
-``j mod C`` at its position ``j // C``. Positions inside a partition are shuffled within
-windows of ``window`` rows. A global batch is a slot range, ordered partition-major.
+Units are permuted by ``(seed, epoch)`` into a virtual sequence of ``N`` rows, cut into ``C``
+partitions; global slot ``j`` is position ``j // C`` of partition ``j % C``, positions shuffled
+within windows of ``window`` rows. A global batch is a slot range, ordered partition-major.
 """
 
 from __future__ import annotations
@@ -30,8 +23,6 @@ DEFAULT_MAX_UNIT_ROWS = 262_144
 #: Window permutations kept per partition (a step touches one or two per partition).
 WINDOW_CACHE_PER_PARTITION = 4
 
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 #: An int, or an array of them that arithmetic applies to element by element.
 IntOrArray = TypeVar("IntOrArray", int, np.ndarray)
 
@@ -68,7 +59,7 @@ def make_units(row_group_rows: Sequence[Sequence[int]], max_unit_rows: int) -> U
     counts = [len(rgs) for rgs in row_group_rows]
     rg_rows = np.fromiter((n for rgs in row_group_rows for n in rgs), dtype=np.int64)
     rg_file = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    rg_index = np.concatenate([np.arange(c, dtype=np.int64) for c in counts] + [_EMPTY])
+    rg_index = np.concatenate([np.zeros(0, np.int64), *map(np.arange, counts)])
     pieces = -(-rg_rows // max_unit_rows)  # ceil; 0 for empty row groups
     unit_rg = np.repeat(np.arange(len(rg_rows)), pieces)
     first_unit = np.cumsum(pieces) - pieces
@@ -86,9 +77,7 @@ def make_units(row_group_rows: Sequence[Sequence[int]], max_unit_rows: int) -> U
 def _rng(*key: int) -> np.random.Generator:
     """A generator seeded by a tuple of integers (negative ones wrap modulo 2**64).
 
-    Keys are encoded as fixed-width 64-bit words behind a length prefix, so that no two
-    distinct keys (``(seed, epoch)`` vs ``(seed, epoch, 0, 0)``, or a seed wider than 32 bits
-    vs a later epoch) can feed the generator the same entropy.
+    Keys are 64-bit words behind a length prefix: no two distinct keys seed alike.
     """
     words = np.array([len(key), *[k % 2**64 for k in key]], dtype=np.uint64).view(np.uint32)
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
@@ -109,8 +98,7 @@ def partition_starts(num_rows: int, num_partitions: int) -> np.ndarray:
     >>> partition_starts(10, 4).tolist()
     [0, 3, 6, 8, 10]
     """
-    c = np.arange(num_partitions, dtype=np.int64)
-    sizes = np.maximum(num_rows - c + num_partitions - 1, 0) // num_partitions
+    sizes = partition_consumed(num_rows, num_partitions)
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
@@ -128,11 +116,8 @@ def partition_consumed(position: int, num_partitions: int) -> np.ndarray:
 class EpochPlan:
     """Everything needed to map a global slot to a row of the lake in one epoch.
 
-    The virtual sequence is made of *pieces*: the units in epoch order, with the (at most
-    ``C - 1``) units that straddle a partition boundary cut in two there. A piece therefore
-    lies in exactly one partition, and the cache can let go of it as soon as that partition
-    is done with it, instead of holding a straddling unit until the earlier partition ends.
-    Pieces are what the cache fetches and decodes: the "units of the plan".
+    The virtual sequence is made of *pieces*, what the cache decodes: the units in epoch order,
+    those that straddle a partition boundary cut in two there (a piece lies in one partition).
 
     Attributes:
         units: The snapshot's units in path order.
@@ -225,8 +210,7 @@ def plan_epoch(
 def window_permutation(plan: EpochPlan, partition: int, window: int) -> np.ndarray:
     """Permutation of the positions of one window (identity when not shuffling).
 
-    The last ``WINDOW_CACHE_PER_PARTITION * C`` permutations are kept on the plan: consecutive
-    steps draw from the same windows, and drawing one costs far more than a step's lookups.
+    The last ``WINDOW_CACHE_PER_PARTITION * C`` permutations are kept on the plan.
     """
     key = (partition, window)
     cached = plan.windows.get(key)
@@ -285,6 +269,22 @@ def expand_runs(first: np.ndarray, counts: np.ndarray, stride: int) -> np.ndarra
         out[np.cumsum(counts) - counts] = jumps
         np.cumsum(out, out=out)
     return out
+
+
+def count_reached(values: np.ndarray, bounds: np.ndarray, scan_up_to: int = 4) -> np.ndarray:
+    """How many of the sorted ``bounds`` each value reaches: ``searchsorted(side="right")``.
+
+    Up to ``scan_up_to`` bounds, a comparison per bound beats a binary search per value.
+
+    >>> count_reached(np.array([0, 5, 3, 9]), np.array([3, 6])).tolist()
+    [0, 1, 1, 2]
+    """
+    if len(bounds) > scan_up_to:
+        return np.asarray(np.searchsorted(bounds, values, side="right"), dtype=np.int64)
+    count = np.zeros(len(values), dtype=np.int64)
+    for bound in bounds:  # numpy scalars: a uint64 bound is compared as one
+        count += values >= bound
+    return count
 
 
 def batch_runs(
@@ -366,9 +366,7 @@ def slot_units(plan: EpochPlan, start: int, stop: int) -> np.ndarray:
 def release_slots(plan: EpochPlan, positions: np.ndarray) -> np.ndarray:
     """First global slot from which the pieces at ``positions`` are needed no more.
 
-    A piece lies in one partition and is needed until the last window of that partition that
-    overlaps it has been fully consumed. The cache evicts a piece once the delivered position
-    reaches this.
+    A piece is needed until the last window of its partition that overlaps it is consumed.
     """
     C, W = plan.num_partitions, plan.window
     first = plan.offsets[positions]
