@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def _is_number(typ: pa.DataType) -> bool:
+def is_number(typ: pa.DataType) -> bool:
+    """Whether ``typ`` is an integer, floating point or boolean type."""
     return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ))
 
 
@@ -30,7 +31,7 @@ def fixed_shape(typ: pa.DataType) -> tuple[tuple[int, ...], pa.DataType] | None:
     while pa.types.is_fixed_size_list(typ):
         dims.append(typ.list_size)
         typ = typ.value_type
-    if not dims or not _is_number(typ):
+    if not dims or not is_number(typ):
         return None
     return tuple(dims), typ
 
@@ -45,7 +46,7 @@ def is_ragged_type(typ: pa.DataType) -> bool:
     if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
         return False
     inner = typ.value_type
-    return _is_number(inner) or fixed_shape(inner) is not None
+    return is_number(inner) or fixed_shape(inner) is not None
 
 
 def _leaf(typ: pa.DataType) -> pa.DataType:
@@ -187,7 +188,7 @@ def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> R
     values, starts, stops = [], np.zeros(len(unit), np.int64), np.zeros(len(unit), np.int64)
     for u, part in enumerate(parts):
         child = part.values
-        if not _is_number(child.type) or child.null_count:
+        if not is_number(child.type) or child.null_count:
             return None
         values.append(leaf_numpy(child))
         mine = np.flatnonzero(unit == u)

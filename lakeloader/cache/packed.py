@@ -9,6 +9,7 @@ columns, and integer, boolean or temporal columns that hold nulls in the unit, s
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from lakeloader.cache.arrays import blocking_nulls, fixed_numpy, fixed_shape, leaf_numpy
+from lakeloader.cache.arrays import blocking_nulls, fixed_numpy, fixed_shape, is_number, leaf_numpy
 from lakeloader.cache.kernels import unsliced, unsliced_table
 from lakeloader.cache.views import VIEW_BYTES, VIEW_DTYPE, VIEW_TYPES
 
@@ -33,13 +34,7 @@ def is_tensor_type(typ: pa.DataType) -> bool:
     >>> [is_tensor_type(t) for t in (pa.date32(), pa.list_(pa.float32(), 8), pa.string())]
     [True, True, False]
     """
-    return bool(
-        pa.types.is_integer(typ)
-        or pa.types.is_floating(typ)
-        or pa.types.is_boolean(typ)
-        or pa.types.is_temporal(typ)
-        or fixed_shape(typ) is not None
-    )
+    return is_number(typ) or pa.types.is_temporal(typ) or fixed_shape(typ) is not None
 
 
 def tensor_dtype(typ: pa.DataType) -> np.dtype:
@@ -111,17 +106,12 @@ class RowLayout:
         >>> RowLayout.of(pa.schema([("id", pa.int64()), ("s", pa.string()), ("x", pa.float32())]))
         RowLayout(names=('id', 'x'), dtypes=(dtype('int64'), dtype('float32')), offsets=(0, 8), row_bytes=28, views=('s',))
         """  # noqa: E501
-        names, dtypes, offsets, at = [], [], [], 0
-        for f in schema:
-            if not is_tensor_type(f.type):
-                continue
-            dtype = tensor_dtype(f.type)
-            names.append(f.name)
-            dtypes.append(dtype)
-            offsets.append(at)
-            at += dtype.itemsize
+        tensors = [f for f in schema if is_tensor_type(f.type)]
+        dtypes = tuple(tensor_dtype(f.type) for f in tensors)
+        ends = list(itertools.accumulate((d.itemsize for d in dtypes), initial=0))
         views = tuple(f.name for f in schema if f.type in VIEW_TYPES)
-        return cls(tuple(names), tuple(dtypes), tuple(offsets), at + VIEW_BYTES * len(views), views)
+        names = tuple(f.name for f in tensors)
+        return cls(names, dtypes, tuple(ends[:-1]), ends[-1] + VIEW_BYTES * len(views), views)
 
 
 @dataclass(frozen=True)
