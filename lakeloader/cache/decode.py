@@ -96,27 +96,21 @@ class DecodeJob:
     fetched: FetchResult | None = None
 
 
+@dataclass(eq=False)
 class UnitDecoder:
     """Reads, screens (quarantine) and packs units.
 
-    Args:
+    Attributes:
         reader: Reads units from the lake.
         layout: How to pack tensor-typed columns (None: keep units as Arrow tables).
         on_error: ``"raise"`` or ``"skip"`` (quarantine) a unit that fails or is rejected.
         validate: The user's check of each decoded unit, or None.
     """
 
-    def __init__(
-        self,
-        reader: UnitReader,
-        layout: RowLayout | None,
-        on_error: OnError,
-        validate: Validate | None,
-    ) -> None:
-        self.reader = reader
-        self.layout = layout
-        self.on_error = on_error
-        self.validate = validate
+    reader: UnitReader
+    layout: RowLayout | None
+    on_error: OnError
+    validate: Validate | None
 
     def in_child(self) -> UnitDecoder:
         """A copy for a forked worker, with a filesystem of its own.

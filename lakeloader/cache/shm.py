@@ -53,10 +53,6 @@ def make_unit_dir(root: str | None) -> str:
 def sweep(base: str) -> list[tuple[str, int]]:
     """Remove the unit folders under ``base`` whose process is dead; return them with sizes.
 
-    Args:
-        base: A folder that holds unit folders (``/dev/shm``, the temporary folder, or a
-            ``cache_dir``).
-
     Returns:
         ``(path, bytes)`` of each folder removed (bytes as allocated on disk or in memory).
     """

@@ -149,19 +149,18 @@ class UnitStore:
                 done: Future[Held] = Future()
                 done.set_result(QuarantineEntry(info.path, rg, row_start, rows, known.reason))
                 return _Entry(done, 0, 0, -1, rows)
-        packs = self._arena is not None and self._layout is not None and bool(self._layout.names)
-        start = self._arena.alloc(rows) if packs and self._arena is not None else -1
-        path = None
-        if self._dir is not None:
-            path = os.path.join(self._dir, f"e{self._plan.epoch}-p{position}.arrow")
-        views = self._layout.views if start >= 0 and self._layout is not None else ()
+        layout, arena = self._layout, self._arena
+        packs = layout is not None and bool(layout.names)
+        start = arena.alloc(rows) if arena is not None and packs else -1
+        name = f"e{self._plan.epoch}-p{position}.arrow"
+        path = None if self._dir is None else os.path.join(self._dir, name)
+        views = layout.views if start >= 0 and layout is not None else ()
         buffers = tuple(self._views.reserve() for _ in views)
         job = DecodeJob(position, file_index, rg, row_start, rows, start, path, buffers)
         # Charged its peak: a whole row group is read at once, a row range is streamed.
         whole = row_start == 0 and rows == info.row_group_rows[rg]
-        fetch = None
-        if self._prefetcher is not None:
-            fetch = self._prefetcher.fetch(position, file_index, rg)
+        prefetcher = self._prefetcher
+        fetch = None if prefetcher is None else prefetcher.fetch(position, file_index, rg)
         future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate, fetch)
         future.add_done_callback(lambda f: self._decoded(position, f))
         return _Entry(future, 0, estimate, start, rows, buffers)
@@ -237,8 +236,7 @@ class UnitStore:
 
     def ready(self, positions: np.ndarray) -> bool:
         """Whether every unit at these positions is decoded (or failed)."""
-        with self._lock:
-            return all(self._entries[int(p)].future.done() for p in positions)
+        return not self.futures(positions)
 
     def futures(self, positions: np.ndarray) -> list[Future[Held]]:
         """The decodes of the units at these positions that are still under way."""

@@ -115,21 +115,12 @@ def batch_specs(
     world_size: int,
     rank: int,
 ) -> list[BatchSpec]:
-    """One rank's shares of ``num_steps`` consecutive global batches, planned together.
+    """One rank's shares of ``num_steps`` global batches from ``first_step`` on, planned together.
 
     Step ``t`` covers the global slots ``[start + t * global_batch, start + (t + 1) *
     global_batch)``, cut at the end of the epoch. Each share is the rank's slice
     (:func:`~lakeloader.order.plan.rank_bounds`) of the step's slots in partition-major order
     (:func:`~lakeloader.order.plan.batch_slots`), mapped to pieces and rows.
-
-    Args:
-        plan: The epoch.
-        first_step: First step to plan.
-        num_steps: Steps to plan.
-        start: Global slot at which step 0 starts.
-        global_batch: Slots per global batch.
-        world_size: Ranks sharing each global batch.
-        rank: The rank whose shares are planned.
 
     Returns:
         One :class:`BatchSpec` per step, in step order (their arrays are views of arrays
