@@ -43,8 +43,6 @@ class ArenaHandle:
 class Arena:
     """Packed rows of decoded units in one growable, memory-mapped file (thread-safe).
 
-    Growing the file keeps earlier views valid (they map the same file).
-
     Args:
         directory: Folder for the file (the pass's folder).
         record: The row's structured dtype (:attr:`lakeloader.cache.packed.RowLayout.record`).

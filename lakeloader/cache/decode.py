@@ -24,7 +24,7 @@ from typing import Protocol, TypeAlias
 import numpy as np
 import pyarrow as pa
 
-from lakeloader.cache.packed import Packed, RowLayout, compact, pack
+from lakeloader.cache.packed import RowLayout, compact, pack
 from lakeloader.cache.views import write_unit_views
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import url_of
@@ -149,7 +149,7 @@ class UnitDecoder:
         if job.start < 0 or self.layout is None or not self.layout.names or records is None:
             return UnitRef(-1, rows, (), _keep_table(compact(table), job.table_path), (), where)
         out = records[job.start : job.start + rows]
-        unit: Packed = pack(table, self.layout, out)
+        unit = pack(table, self.layout, out)
         start = job.start if unit.rows is not None else -1
         rest = unit.table if unit.table.num_columns or start < 0 else None
         kept = _keep_table(rest, job.table_path)

@@ -284,12 +284,9 @@ class UnitStore:
 
     def describe(self, positions: np.ndarray) -> list[str]:
         """Name the units at these positions as ``file, row group, rows [a, b)``."""
-        out = []
-        for p in positions:
-            file_index, rg, start, rows = piece_span(self._plan, int(p))
-            path = self._reader.snapshot.files[file_index].path
-            out.append(f"{path}, row group {rg}, rows [{start}, {start + rows})")
-        return out
+        spans = [piece_span(self._plan, int(p)) for p in positions]
+        files = self._reader.snapshot.files
+        return [f"{files[f].path}, row group {rg}, rows [{a}, {a + n})" for f, rg, a, n in spans]
 
     def release(self, delivered: int) -> None:
         """Evict every unit whose last use lies before global slot ``delivered``."""

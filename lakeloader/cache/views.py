@@ -55,9 +55,10 @@ def write_views(col: pa.Array, out: np.ndarray, buffer_index: int) -> pa.Buffer 
     """
     views = col.cast(VIEW_TYPES[col.type])
     buffers = views.buffers()
-    if len(buffers) > 3 or (len(buffers) == 3 and buffers[2].size > VIEW_MAX_BUFFER):
+    data = buffers[2] if len(buffers) == 3 else EMPTY_BUFFER
+    if len(buffers) > 3 or data.size > VIEW_MAX_BUFFER:
         return None
-    if len(buffers) == 3 and buffers[2].address != data_buffer(col).address:
+    if len(buffers) == 3 and data.address != data_buffer(col).address:
         return None  # the views would point into a copy, not into the column's own data
     ints = np.frombuffer(buffers[1], dtype=np.int32).reshape(-1, 4)
     ints = ints[views.offset : views.offset + len(views)].copy()
@@ -67,7 +68,7 @@ def write_views(col: pa.Array, out: np.ndarray, buffer_index: int) -> pa.Buffer 
         ints[nulls] = 0
         ints[nulls, 0] = -1
     out[...] = ints.view(VIEW_DTYPE).reshape(-1)
-    return buffers[2] if len(buffers) == 3 else EMPTY_BUFFER
+    return data
 
 
 def data_buffer(col: pa.Array) -> pa.Buffer:
@@ -79,17 +80,10 @@ def data_buffer(col: pa.Array) -> pa.Buffer:
 def write_unit_views(
     table: pa.Table, names: Sequence[str], indices: Sequence[int], rows: np.ndarray
 ) -> tuple[str, ...]:
-    """Write the views of a unit's columns ``names`` into its arena ``rows``.
+    """Write the views of a unit's columns ``names`` into its arena ``rows``; return those written.
 
-    Args:
-        table: The unit's columns as the loader's process will hold them (in memory, or
-            read back from the IPC file it will map).
-        names: The columns to write views of.
-        indices: The data buffer index of each.
-        rows: The unit's rows in the arena.
-
-    Returns:
-        The columns whose views were written.
+    ``table`` holds the columns as the loader's process will (in memory, or read back from the
+    IPC file it will map); ``indices`` are the columns' data buffer indices.
     """
     done = []
     for name, index in zip(names, indices, strict=True):
