@@ -49,8 +49,6 @@ class UnitRef:
 
     Attributes:
         start: Its first row in the rank's arena, or -1 when nothing of it is packed.
-        num_rows: Rows in the unit.
-        packed: Names of the packed columns.
         table: Its other columns: in memory, an Arrow IPC file in the cache folder (when
             another process needs them), or None when every column is packed.
         views: Its string and binary columns whose views are in its arena rows (they stay

@@ -69,7 +69,6 @@ class RowLayout:
 
     Attributes:
         names: Packed columns, in schema order.
-        dtypes: Their numpy dtypes.
         offsets: Byte offset of each inside a row.
         row_bytes: Bytes per row (the packed columns, then the views).
         views: String and binary columns kept as Arrow binary views, after the packed ones.
@@ -232,7 +231,7 @@ def select(sizes: Sequence[int], take: np.ndarray) -> Selection:
 
 def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
     """The selected rows of one column given per unit, in batch order."""
-    # pc.array_take, not Array.take: it skips the dispatch, a fifth of a call's cost.
+    # pc.array_take skips Array.take's dispatch: a fifth less a call (measured at 2cc181c).
     parts = [
         pc.array_take(unsliced(columns[u]), sel.local[start:stop])
         for u, (start, stop) in zip(sel.unit, sel.bounds, strict=True)

@@ -137,7 +137,6 @@ class MixDraw:
     """Consecutive global slots of a mixture: each one's source and its place in that source.
 
     Attributes:
-        first: The first slot.
         names: The sources, in the order ``sources`` indexes.
         sources: Each slot's source.
         offsets: Each slot's index in its source's stream (its epochs one after the other).

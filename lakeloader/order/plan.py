@@ -126,10 +126,7 @@ class EpochPlan:
         piece_start: First row of each piece inside its unit.
         offsets: Virtual start row of each piece, plus N at the end.
         starts: Virtual start row of each partition, plus N at the end.
-        seed: Seed of the run.
-        epoch: The epoch.
         shuffle: Whether windows are shuffled.
-        window: Rows per window.
     """
 
     units: Units
