@@ -210,13 +210,11 @@ def window_permutation(plan: EpochPlan, partition: int, window: int) -> np.ndarr
     The last ``WINDOW_CACHE_PER_PARTITION * C`` permutations are kept on the plan.
     """
     key = (partition, window)
-    cached = plan.windows.get(key)
-    if cached is not None:
-        return cached
-    perm = _draw_window(plan, partition, window)
-    plan.windows[key] = perm
-    while len(plan.windows) > WINDOW_CACHE_PER_PARTITION * plan.num_partitions:
-        plan.windows.popitem(last=False)
+    perm = plan.windows.get(key)
+    if perm is None:
+        perm = plan.windows[key] = _draw_window(plan, partition, window)
+        while len(plan.windows) > WINDOW_CACHE_PER_PARTITION * plan.num_partitions:
+            plan.windows.popitem(last=False)
     return perm
 
 
