@@ -1,11 +1,7 @@
 """Rank agreement at a checkpoint's sync barrier.
 
-Under ``torch.distributed`` every rank must hold the same loader position when a checkpoint is
-saved (the position is global). One all-reduce of five integers checks that (digests of the
-position and of the quarantine, and whether an earlier background save failed), whatever the
-world size; only when something differs does an all-gather of every rank's stand follow, so
-that every rank raises alike, naming the ranks, and none is left waiting in a collective, and
-so that all ranks (and the saved state) hold the same quarantine list.
+One all-reduce of five integers checks that every rank holds the same position and quarantine
+and that no earlier background save failed; an all-gather follows only when something differs.
 """
 
 from __future__ import annotations
@@ -66,12 +62,11 @@ class _Stand:
 def confirm_same_position(
     state: Position, error: CheckpointError | None
 ) -> list[QuarantineEntry] | None:
-    """All-gather where each rank stands; fail if ranks disagree or an earlier save failed.
+    """Check that every rank stands at the same position and that no earlier save failed.
 
-    Every rank learns the same things, so every rank takes the same decision and none is left
-    waiting in a collective: ranks disagreeing raise on every rank; a previous background save
-    that failed raises on the ranks where it did not fail, while the ranks where it failed
-    return, for their caller to raise their own failure.
+    Every rank takes the same decision, so none is left waiting in a collective. A previous
+    background save that failed raises on the ranks where it did not fail; the ranks where it
+    failed return, for their caller to raise their own failure.
 
     Returns:
         The quarantine entries of all ranks (unmerged; when every rank holds the same, one
@@ -84,19 +79,17 @@ def confirm_same_position(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    where = (str(state.fingerprint), str(state.config_hash), int(state.epoch), int(state.position))
-    quarantine = tuple(state.quarantine)
-    if _all_alike(_digest(where), _digest(quarantine), error is not None):
-        return list(quarantine)  # every rank's is this one
     mine = _Stand(
         dist.get_rank(),
-        state.fingerprint,
-        state.config_hash,
-        state.epoch,
-        state.position,
+        str(state.fingerprint),
+        str(state.config_hash),
+        int(state.epoch),
+        int(state.position),
         None if error is None else str(error),
         tuple(state.quarantine),
     )
+    if _all_alike(_digest(mine.where), _digest(mine.quarantine), error is not None):
+        return list(mine.quarantine)  # every rank's is this one
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     stands: list[_Stand] = gathered
@@ -129,9 +122,7 @@ def _all_alike(where: int, quarantine: int, failed: bool) -> bool:
     """Whether every rank stands at the same digests and none failed: one all-reduce.
 
     The maximum of ``(d, -d)`` over ranks is ``(max d, -min d)``: the ranks agree where the
-    two meet. Its cost is the backend's all-reduce of five integers whatever the world size,
-    where gathering every rank's stand on every rank grows with the ranks; the gather runs
-    only when something differs, to say what.
+    two meet.
     """
     values = [where, -where, quarantine, -quarantine, int(failed)]
     mine = torch.tensor(values, dtype=torch.int64, device=collective_device())

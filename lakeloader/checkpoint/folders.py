@@ -1,10 +1,7 @@
 """The checkpoint root on its store: step folders, shared manifests, commits and pruning.
 
 :class:`CheckpointFolders` is the one writer of the layout :mod:`lakeloader.checkpoint.layout`
-describes: it lists committed steps, writes a snapshot's manifest once (whole, through a
-temporary name), writes a step's state and then its ``COMMIT`` (listing every part), and
-prunes old and half-written folders. Everything goes through the retried
-:class:`~lakeloader.checkpoint.store.CheckpointStore`.
+describes, through the retried :class:`~lakeloader.checkpoint.store.CheckpointStore`.
 """
 
 from __future__ import annotations
@@ -68,9 +65,9 @@ class CheckpointFolders:
                 out[int(match.group(1))] = entry.rstrip("/")
         return out
 
-    def committed(self) -> list[int]:
-        """Steps with a ``COMMIT``, oldest first."""
-        dirs = self.step_dirs()
+    def committed(self, dirs: dict[int, str] | None = None) -> list[int]:
+        """Steps with a ``COMMIT``, oldest first (of ``dirs``; None: every step folder)."""
+        dirs = self.step_dirs() if dirs is None else dirs
         exists = self.store.exists
         return sorted(s for s, d in dirs.items() if exists(posixpath.join(d, COMMIT_FILE)))
 
@@ -127,9 +124,7 @@ class CheckpointFolders:
     def prune(self, current: int) -> None:
         """Keep the newest ``keep`` committed checkpoints; drop half-written folders."""
         dirs = self.step_dirs()
-        committed = sorted(
-            s for s, d in dirs.items() if self.store.exists(posixpath.join(d, COMMIT_FILE))
-        )
+        committed = self.committed(dirs)
         doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s != current]
         for s in doomed:
             commit = posixpath.join(dirs[s], COMMIT_FILE)

@@ -7,9 +7,8 @@ Layout under the root URL::
                                       and the manifest of each lake it reads
     step-000000001200/COMMIT          a CommitRecord, written last: sizes and SHA-256 of the parts
 
-A checkpoint is visible only once its ``COMMIT`` exists, which works the same on a local disk
-and on object stores that cannot rename. Every record is versioned, and a version this library
-does not know is refused with both versions in the message. Nothing here does I/O.
+A checkpoint is visible only once its ``COMMIT`` exists. An unknown record version is refused
+with both versions in the message. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -32,15 +31,12 @@ from lakeloader.topology import Topology
 STATE_FILE: Final = "state.msgpack"
 COMMIT_FILE: Final = "COMMIT"
 MANIFEST_DIR: Final = "manifests"
-STEP_PREFIX: Final = "step-"
 STEP_DIR_RE: Final = re.compile(r"step-(\d{12})$")
 #: Version of the COMMIT record (and of the folder layout it describes).
 CHECKPOINT_FORMAT_VERSION: Final = 1
 #: Key of the version of ``state.msgpack``'s record, and the version this library writes.
 RECORD_KEY: Final = "record"
 RECORD_VERSION: Final = 2
-#: Key of a loader kind in the Mixture's or packed loader's record of version 1.
-OLD_KIND_KEY: Final = "kind"
 #: The leaf path of a loader over one lake.
 ROOT: Final = ""
 
@@ -56,7 +52,7 @@ def step_dir_name(step: int) -> str:
     >>> step_dir_name(1200)
     'step-000000001200'
     """
-    return f"{STEP_PREFIX}{step:012d}"
+    return f"step-{step:012d}"
 
 
 def manifest_name(fingerprint: str) -> str:
@@ -94,9 +90,8 @@ class CommitRecord:
             over several; the state record lists every manifest with its SHA-256).
         manifest_sha256: The manifest's SHA-256.
         version: The format version.
-        parts: The step folder's other files (the training context, the weights' shards),
-            by path relative to the folder: ``(size, SHA-256)``, the digest empty for shards
-            (their sizes are checked; DCP checks what it reads).
+        parts: The step folder's other files by path relative to it: ``(size, SHA-256)``,
+            the digest empty for the weights' shards.
 
     Example:
         >>> c = CommitRecord(7, 10, "ab", "manifests/f.msgpack", "cd")
@@ -199,10 +194,6 @@ class CheckpointContext:
     def from_dict(cls, d: dict[str, Any]) -> CheckpointContext:
         """Parse :meth:`to_dict`'s output, or an older context (its other keys are ignored).
 
-        Before record version 2 the context also held the lake's fingerprint, order config
-        and source (the source is now the record's, by leaf); in lakeloader 0.1 the
-        topology held ``drop_last`` and no rank.
-
         Raises:
             KeyError: If a required key is missing.
         """
@@ -274,7 +265,7 @@ class StateRecord:
 
         Those are a single lake's ``{loader, context, extra}``, whose manifest ``COMMIT``
         names (``root_manifest``), and a Mixture's or a packed loader's ``{kind, version: 1,
-        state, step, library_version, created, manifests, sources, extra}``.
+        ...}``.
 
         Raises:
             CheckpointError: If it is malformed, of an unknown version, or a single lake's
@@ -289,41 +280,29 @@ class StateRecord:
                         f"lakeloader reads version {RECORD_VERSION} and the records before it"
                     )
                 context = CheckpointContext.from_dict(d["context"])
-                manifests, sources = _pairs(d["manifests"]), dict(d["sources"])
-                return cls(dict(d["state"]), context, d["extra"], manifests, sources)
-            if OLD_KIND_KEY in d:
-                return _kind_record(d)
-            LoaderState.from_dict(d["loader"])  # a lake's record: its state checked now
-            context = CheckpointContext.from_dict(d["context"])
-            sources = {ROOT: d["context"]["source"]}
-            return cls(dict(d["loader"]), context, d["extra"], {ROOT: root_manifest}, sources)
+            elif "kind" in d:  # a Mixture's or a packed loader's: it kept no topology
+                if d.get("version") != 1:
+                    raise CheckpointError(
+                        f"its {d['kind']} record has version {d.get('version')!r}; this "
+                        "lakeloader reads version 1"
+                    )
+                context = CheckpointContext(
+                    int(d["step"]), str(d["library_version"]), str(d["created"]), None
+                )
+            else:
+                LoaderState.from_dict(d["loader"])  # a lake's record: its state checked now
+                context = CheckpointContext.from_dict(d["context"])
+                sources = {ROOT: d["context"]["source"]}
+                return cls(dict(d["loader"]), context, d["extra"], {ROOT: root_manifest}, sources)
+            manifests = {str(leaf): (str(p[0]), str(p[1])) for leaf, p in d["manifests"].items()}
+            sources = dict(d["sources"])
+            return cls(dict(d["state"]), context, d["extra"], manifests, sources)
         except CheckpointError:
             raise
         except StateFormatError as exc:
             raise CheckpointError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
             raise CheckpointError(f"its {STATE_FILE} is corrupt ({exc!r})") from exc
-
-
-def _pairs(manifests: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
-    """``{leaf: [path, sha]}`` as read back, typed."""
-    return {str(leaf): (str(pair[0]), str(pair[1])) for leaf, pair in manifests.items()}
-
-
-def _kind_record(d: dict[str, Any]) -> StateRecord:
-    """A Mixture's or a packed loader's record of version 1 (before record version 2).
-
-    It kept no topology; its manifests' names (a mixture's sources; ``"lake"``) are the leaf
-    paths of today's records.
-    """
-    if d.get("version") != 1:
-        raise CheckpointError(
-            f"its {d[OLD_KIND_KEY]} record has version {d.get('version')!r}; this lakeloader "
-            "reads version 1"
-        )
-    context = CheckpointContext(int(d["step"]), str(d["library_version"]), str(d["created"]), None)
-    manifests, sources = _pairs(d["manifests"]), dict(d["sources"])
-    return StateRecord(dict(d["state"]), context, d["extra"], manifests, sources)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,8 @@
 """The checkpoint manager: whole checkpoints saved at a sync barrier to any fsspec URL.
 
-A checkpoint is the loader's position with, optionally, the model's and optimizer's shards
-(:mod:`~lakeloader.checkpoint.whole`) and the context that produced them. The folder layout
-and the records of each file are :mod:`lakeloader.checkpoint.layout`. A
-checkpoint is visible only once its ``COMMIT`` marker exists, which works the same on a local
-disk and on object stores that cannot rename; a save killed half-way leaves a folder without a
-marker, which ``load`` ignores and the next save removes. Every kind of loader is saved and
-loaded alike, through the methods the manager calls on it (``barrier_position``,
-``checkpoint_state``, ``checkpoint_datasets``, ``restore_checkpoint``, ``observe_steps``); a
-loader over one lake restores through the
-:class:`~lakeloader.recovery.coordinator.RecoveryCoordinator`, which maps the checkpoint onto
-the lake and topology of now.
+Every kind of loader is saved and loaded alike, through the methods the manager calls on it
+(``barrier_position``, ``checkpoint_state``, ``checkpoint_datasets``, ``restore_checkpoint``,
+``observe_steps``).
 """
 
 from __future__ import annotations
@@ -141,12 +133,10 @@ class CheckpointManager:
     def attach(self, loader: DataLoader) -> bool:
         """Record every step ``loader`` delivers in the audit ledger (on rank 0).
 
-        :meth:`save` and :meth:`load` attach their loader, so there is seldom a need to call
-        this: the loader remembers the steps it delivered since it began (or was restored),
-        and the ledger records them at attachment. Only steps delivered before a restore by
-        ``load_state_dict`` (rather than :meth:`load`) stay unrecorded, which the audit
-        reports as unverified. A mixture's steps are recorded source by source, a packed
-        stream's by each source's samples.
+        :meth:`save` and :meth:`load` attach their loader; the steps it delivered since it
+        began (or was restored) are recorded at attachment. Only steps delivered before a
+        restore by ``load_state_dict`` (rather than :meth:`load`) stay unrecorded, which the
+        audit reports as unverified.
 
         Returns:
             Whether the ledger records ``loader``'s steps (only ever on rank 0).
@@ -209,7 +199,14 @@ class CheckpointManager:
                 self._pending = captured.pending  # the next save waits for this rank's shards
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        context = _context(loader, step, created)
+        context = CheckpointContext(
+            step=step,
+            library_version=__version__,
+            created=created,
+            topology=loader.topology,
+            drop_last=loader.drop_last,
+            workers_build=loader.workers_build,
+        )
         position = (stand.epoch, stand.position)
         # the steps in this checkpoint, taken now: the loop goes on during a background write
         mark = self.ledger.mark(*position, captured.record.world_size) if recorded else (0, 0)
@@ -307,22 +304,19 @@ class CheckpointManager:
     ) -> Any:
         """Restore the loader, model, optimizer and generators; return the saved extras.
 
-        It takes the newest usable checkpoint, or ``step``.
-        With ``model`` (and ``optimizer``), every rank must call it (a collective): rank 0
-        picks the checkpoint, and each rank reads the shards its parameters need, whatever
-        the world size that saved them. ``rng`` restores each rank's random generators as
-        they were at the save (ranks the saving run did not have keep theirs).
+        It takes the newest usable checkpoint, or ``step``. With ``model`` (and
+        ``optimizer``), every rank must call it (a collective): rank 0 picks the checkpoint,
+        and each rank reads the shards its parameters need, whatever the world size that saved
+        them. ``rng`` restores each rank's random generators as they were at the save (ranks
+        the saving run did not have keep theirs).
 
-        The loader may have any world size, worker count or batch size. The
-        :class:`~lakeloader.RecoveryCoordinator` compares the checkpoint's snapshot of each
-        lake (a Mixture's: each source's) with the loader's: files added since join at the
-        next epoch boundary (the saved epoch finishes on the pinned snapshot; a Mixture's or a
-        packed stream's source finishes its own saved epoch). For files gone or rewritten that the
-        rest of the saved epoch needs, ``on_lake_change="error"`` raises
-        :class:`LakeChangedError` listing them; ``"skip"`` finishes the epoch without their
-        units (their rows are counted as skipped); ``"restart_epoch"`` runs the saved epoch
-        again from its start on the lake as it is now (at least once, not exactly once, for
-        that epoch).
+        The loader may have any world size, worker count or batch size. Files added to a lake
+        since the checkpoint join at the next epoch boundary (the saved epoch finishes on the
+        pinned snapshot). For files gone or rewritten that the rest of the saved epoch needs,
+        ``on_lake_change="error"`` raises :class:`LakeChangedError` listing them; ``"skip"``
+        finishes the epoch without their units (their rows are counted as skipped);
+        ``"restart_epoch"`` runs the saved epoch again from its start on the lake as it is now
+        (at least once, not exactly once, for that epoch).
 
         Raises:
             CheckpointError: If no checkpoint is usable.
@@ -404,9 +398,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish a pending background save, write the ledger, stop the writer threads.
 
-        The ledger's last steps (delivered after the last save, so in no checkpoint) are
-        written here; a failure to write them is logged, not raised: every save writes the
-        ledger up to its step, so what is lost is only the count of replayed rows.
+        A failure to write the ledger's last steps (delivered after the last save) is logged,
+        not raised.
         """
         try:
             self.wait()
@@ -422,14 +415,3 @@ class CheckpointManager:
                     self.url,
                     exc,
                 )
-
-
-def _context(loader: DataLoader, step: int, created: str) -> CheckpointContext:
-    return CheckpointContext(
-        step=step,
-        library_version=__version__,
-        created=created,
-        topology=loader.topology,
-        drop_last=loader.drop_last,
-        workers_build=loader.workers_build,
-    )

@@ -31,8 +31,6 @@ C = TypeVar("C")
 def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
     """Read and verify one checkpoint: its state, manifests and every part ``COMMIT`` lists.
 
-    Records of every version read alike (see :meth:`StateRecord.from_bytes`).
-
     Raises:
         CheckpointError: If it is missing, incomplete, truncated or corrupt.
     """

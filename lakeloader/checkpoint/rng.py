@@ -1,10 +1,6 @@
 """The random-number generators of one rank, captured and restored as plain data.
 
-A checkpoint holds every rank's generators (Python's ``random``, NumPy's global generator,
-torch's CPU generator, and every CUDA device's when CUDA is available), so that the draws
-after a resume are those the uninterrupted run would have made: dropout masks, augmentations,
-sampling in the training code. The loader's own order needs none of them (it is a pure function
-of the seed and the epoch).
+Python's ``random``, NumPy's global generator, torch's CPU generator, and every CUDA device's.
 """
 
 from __future__ import annotations

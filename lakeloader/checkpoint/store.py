@@ -1,16 +1,9 @@
-"""The checkpoint folder's storage calls, retried like data reads, refusals named at once.
-
-Every call the checkpoint manager makes to its filesystem goes through a
-:class:`CheckpointStore`: a transient failure (a store restarting, a reset, HTTP 5xx,
-throttling) is retried under the manager's :class:`~lakeloader.io.retry.RetryPolicy`, so a
-save or a load rides out a store's bad minute; a refused request fails at once with a
-:class:`~lakeloader.errors.StoreAccessError` naming the URL and where credentials come from.
-"""
+"""The checkpoint folder's storage calls, retried like data reads, refusals named at once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import fsspec
 
@@ -89,7 +82,4 @@ class CheckpointStore:
 
     def rm(self, path: str, recursive: bool = False) -> None:
         """Remove ``path`` (a folder's contents with ``recursive``)."""
-        self._call(lambda: self._rm(path, recursive), path, "write")
-
-    def _rm(self, path: str, recursive: bool) -> Any:
-        return self.fs.rm(path, recursive=recursive)
+        self._call(lambda: self.fs.rm(path, recursive=recursive), path, "write")

@@ -1,11 +1,6 @@
-"""The training context of a checkpoint: what produced the weights, saved beside them.
+"""The training context of a checkpoint (``training.msgpack``), saved beside the weights.
 
-``training.msgpack`` in a step's folder holds a :class:`TrainingRecord`: every rank's random
-generators, the versions of lakeloader and torch, the git commit of the training code, the
-run attempt that wrote it, the world size, and which of model and optimizer the weights folder
-holds. ``COMMIT`` lists it with its size and SHA-256, so that it is written and loaded with the
-loader's position and the weights, or not at all. Nothing here does I/O but
-:func:`code_version` (one ``git`` call).
+Nothing here does I/O but :func:`code_version` (one ``git`` call).
 """
 
 from __future__ import annotations

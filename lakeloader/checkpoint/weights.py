@@ -1,11 +1,7 @@
 """Model and optimizer state through ``torch.distributed.checkpoint`` (DCP).
 
 Each rank writes its own shards into a step's ``weights/`` folder and reads back what its
-parameters need, so a checkpoint saved on 3 ranks loads onto 2 (DCP reshards), and a plain
-module, a ``DistributedDataParallel`` one and an FSDP2 (``fully_shard``) one go through the
-same calls: ``get_state_dict``/``set_state_dict`` of
-:mod:`torch.distributed.checkpoint.state_dict`. A local folder is written with DCP's
-``FileSystemWriter``; any other fsspec URL with its ``FsspecWriter``.
+parameters need, so a load reshards; plain, DDP and FSDP2 modules go through the same calls.
 """
 
 from __future__ import annotations
@@ -58,24 +54,15 @@ def weights_state(
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def _writer(url: str, storage_options: dict[str, Any]) -> Any:
+def _storage(url: str, storage_options: dict[str, Any], kind: str) -> Any:
+    """DCP's ``Writer`` or ``Reader`` (``kind``) of a local folder or an fsspec URL."""
     if "://" not in url or url.startswith("file://"):
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint import filesystem
 
-        return FileSystemWriter(url.removeprefix("file://"))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return getattr(filesystem, f"FileSystem{kind}")(url.removeprefix("file://"))
+    from torch.distributed.checkpoint import _fsspec_filesystem
 
-    return FsspecWriter(url, **storage_options)
-
-
-def _reader(url: str, storage_options: dict[str, Any]) -> Any:
-    if "://" not in url or url.startswith("file://"):
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-        return FileSystemReader(url.removeprefix("file://"))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(url, **storage_options)
+    return getattr(_fsspec_filesystem, f"Fsspec{kind}")(url, **storage_options)
 
 
 def save_weights(
@@ -103,7 +90,7 @@ def save_weights(
     """
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-    writer = _writer(url, storage_options)
+    writer = _storage(url, storage_options, "Writer")
     if asynchronous:
         single: dict[str, Any] = {} if _distributed() else {"no_dist": True}
         response: Any = async_save(
@@ -150,8 +137,9 @@ def load_weights(
     from torch.distributed.checkpoint.state_dict_loader import load
 
     state = weights_state(model, optimizer)
+    reader = _storage(url, storage_options, "Reader")
     with _single_process():
-        load(state, storage_reader=_reader(url, storage_options), no_dist=not _distributed())
+        load(state, storage_reader=reader, no_dist=not _distributed())
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:

@@ -1,10 +1,7 @@
 """The training side of a whole checkpoint: weights, optimizer, generators and context.
 
-:func:`capture` runs on every rank when a checkpoint is saved: it gathers every rank's
-generators and has each rank write its shards of the model and optimizer (DCP, at once or in
-the background). Rank 0 then waits for the weights (:meth:`Captured.parts`), lists their files
-for ``COMMIT`` and writes ``training.msgpack``; the checkpoint becomes visible only with
-``COMMIT``. :func:`restore` loads them back on every rank, after the loader's position.
+:func:`capture` runs on every rank when a checkpoint is saved, :func:`restore` on every rank
+when it is loaded (after the loader's position).
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The recovery coordinator: a saved position onto the lake and topology of now; dead workers.
 
-Two kinds of recovery, one owner:
-
-- **Resume** (a restart, a resize, a crash): a saved position is ``(epoch, G)`` plus the
-  snapshot and order configuration it refers to. It does not depend on world size, worker
-  count or batch size (see docs/design.md), so mapping it onto the topology of now needs no
-  table: every rank slices the same global sequence from ``G``. What can break exactness is the
-  lake: the coordinator compares the checkpoint's pinned snapshot with the lake of now
-  (:mod:`lakeloader.recovery.lake_changes`) and applies the ``on_lake_change`` policy. It returns
-  a :class:`Resumption`, a value that the loader applies in one step; no dataset is changed.
-- **A worker that died** mid-epoch: what it owed goes to its replacement, by the one rule of
-  :mod:`lakeloader.recovery.reassign`, for decodes and batch builds alike.
+A saved position does not depend on the topology, so resuming it is about the lake: the
+coordinator compares the checkpoint's pinned snapshot with the lake of now and applies the
+``on_lake_change`` policy. A dead worker's work goes by :mod:`lakeloader.recovery.reassign`.
 """
 
 from __future__ import annotations
@@ -154,14 +146,11 @@ class RecoveryCoordinator:
 
         ``record`` is what the checkpoint's state says of the source, ``count`` its rows (or
         samples: ``size`` gives an epoch's) delivered, ``config`` what its record's
-        configuration is on ``live`` (None: its order's hash). As for one lake, files added
-        join at the next epoch boundary (the saved epoch finishes on the snapshot pinned as
-        leaf ``name``) and files gone or rewritten go by the policy; under ``"restart_epoch"``
-        the saved epoch runs again from ``count`` on the lake of now (its rows delivered
-        before come again). A source of another configuration is left to the caller's check
-        of its record, which names both. ``exact``: the saved epoch needs every pinned file as
-        it was (a packed stream's samples are cut by the files' token counts), so files gone
-        or rewritten are refused whatever the policy.
+        configuration is on ``live`` (None: its order's hash). As for one lake, the saved epoch
+        finishes on the snapshot pinned as leaf ``name``; under ``"restart_epoch"`` it runs
+        again from ``count`` on the lake of now. A source of another configuration is left to
+        the caller's check of its record. ``exact``: files gone or rewritten are refused
+        whatever the policy (a packed stream's samples are cut by the files' token counts).
 
         Returns:
             None when the source is not a lake that changed (a followed lake's increments are
@@ -233,13 +222,7 @@ class RecoveryCoordinator:
     def reassign(
         owed: Sequence[int], building: int | None, attempts: Mapping[int, int]
     ) -> Reassignment:
-        """What a dead worker's unfinished work becomes (see :mod:`lakeloader.recovery.reassign`).
-
-        Args:
-            owed: Keys of the work it owed, in the order handed out.
-            building: The key it was working on when it died, or None.
-            attempts: Attempts so far by key.
-        """
+        """What a dead worker's unfinished work becomes (:mod:`lakeloader.recovery.reassign`)."""
         return reassign(owed, building, attempts)
 
 

@@ -1,11 +1,4 @@
-"""The lake against a pinned snapshot: what is gone, rewritten or added, and the policy.
-
-A saved position is ``(epoch, G)`` plus the snapshot it refers to. What can break exactness on
-resume is the lake itself: a file of the pinned snapshot that is gone or was rewritten. These
-functions find such files without listing the lake or reading a footer (:func:`check_files`),
-or by comparing two snapshots (:func:`diff_snapshots`), and apply the caller's policy
-(:func:`enforce`). The :class:`~lakeloader.recovery.coordinator.RecoveryCoordinator` uses them.
-"""
+"""The lake against a pinned snapshot: what is gone, rewritten or added, and the policy."""
 
 from __future__ import annotations
 
@@ -26,15 +19,9 @@ from lakeloader.state.quarantine import QuarantineEntry
 
 logger = logging.getLogger(__name__)
 
-#: What to do when files of a checkpoint's snapshot are gone or rewritten and the rest of the
-#: saved epoch needs them (files *added* since are never a problem: they join at the next
-#: epoch boundary; and a checkpoint taken at an epoch's end needs no old file at all):
-#: ``"error"``: refuse, listing each file with its old and new size and version (the default:
-#: exactness cannot be kept).
-#: ``"skip"``: finish the saved epoch on its pinned snapshot, skipping (quarantining) the units
-#: of those files; the rows this costs are reported. Later epochs run on the lake as it is now.
-#: ``"restart_epoch"``: take the lake as it is now and run the saved epoch again from its start
-#: (rows delivered before the checkpoint in that epoch are delivered again: at least once).
+#: What to do when files of a checkpoint's snapshot that the rest of the saved epoch needs are
+#: gone or rewritten: ``"error"`` refuses, listing them; ``"skip"`` finishes the saved epoch
+#: without their units; ``"restart_epoch"`` runs the saved epoch again on the lake of now.
 LakeChangePolicy = Literal["error", "skip", "restart_epoch"]
 POLICIES: Final = ("error", "skip", "restart_epoch")
 #: Files checked at once (one metadata request each).
@@ -56,8 +43,9 @@ class LakeDiff:
     changed: tuple[tuple[str, str, str], ...] = ()
     added: tuple[str, ...] = ()
 
-    def describe(self, limit: int = 20) -> str:
-        """A readable list of the differences (the first ``limit`` of each kind)."""
+    def describe(self) -> str:
+        """A readable list of the differences (the first 20 of each kind)."""
+        limit = 20
         lines = [f"  gone: {p}" for p in self.gone[:limit]]
         lines += [f"  changed: {p} ({was} -> {now})" for p, was, now in self.changed[:limit]]
         lines += [f"  added: {p}" for p in self.added[:limit]]
@@ -86,10 +74,7 @@ def diff_snapshots(saved: Snapshot, current: Snapshot) -> LakeDiff:
 
 
 def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> LakeDiff:
-    """Ask the store about each pinned file (one metadata request each, in parallel).
-
-    This neither lists folders nor reads footers, so it stays cheap on object stores.
-    """
+    """Ask the store about each pinned file (one metadata request each, in parallel)."""
 
     def probe(f: FileInfo) -> tuple[str, str | None]:
         try:
@@ -156,9 +141,7 @@ def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool
     Raises:
         LakeChangedError: Under ``"error"``, when files the rest of the epoch needs are gone
             or rewritten.
-        ValueError: For an unknown policy.
     """
-    check_policy(policy)
     if diff.added:
         logger.warning(
             "%d file(s) were added to the lake since %s; they join at the next epoch boundary:\n%s",

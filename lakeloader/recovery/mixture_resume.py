@@ -1,10 +1,7 @@
 """A saved mixture state onto the mixture of now (a pure function; the loader applies it).
 
-The mixture of now may have the same sources, or some added or removed, and the same
-weights or new ones.
-
-Each source continues from its own count, so nothing is lost or repeated whatever changed;
-new weights apply from the saved slot on and are recorded in the state's history.
+Each source continues from its own count, whatever sources were added or removed; new weights
+apply from the saved slot on and are recorded in the state's history.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """What becomes of a dead worker's unfinished work: one rule for decodes and batch builds.
 
-A worker that dies (``SIGKILL``, the OOM killer, a crash in native code) leaves work it was
-handed and had not answered. Everything it owed is given again to the worker that takes its
-place (the same worker id, so the assignment of work to workers stays what it was). Only the
-piece of work it was doing when it died is blamed: work merely queued behind it, or the death
-of an idle worker, blames nothing. Work that has killed its worker :data:`MAX_ATTEMPTS` times
-is given up, with an error that names it.
-
-:func:`reassign` is pure: it takes the death and the attempts so far and returns a
-:class:`Reassignment`, which the dispatcher applies.
+Everything it owed goes again to its replacement; only the work it was doing when it died
+counts as an attempt, and work that killed its worker :data:`MAX_ATTEMPTS` times is given up.
 """
 
 from __future__ import annotations
