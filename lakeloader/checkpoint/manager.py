@@ -221,7 +221,6 @@ class CheckpointManager:
             return payload, manifests.get(ROOT, ("", ""))
 
         def write() -> None:
-            captured.wait()
             parts = captured.parts(self.store, folder)
             if recorded:  # before COMMIT: no committed step goes unrecorded
                 self.ledger.saved(step, mark, *position)

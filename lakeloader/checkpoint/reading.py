@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,8 +24,6 @@ from lakeloader.io.fetch import url_of
 from lakeloader.lake.manifest import from_manifest, unpack_manifest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.state.loader_state import LoaderState
-
-C = TypeVar("C")
 
 
 def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
@@ -110,7 +108,9 @@ def _lake(record: StateRecord, manifests: dict[str, dict[str, Any]]) -> Snapshot
     return snapshot
 
 
-def newest_usable(read: Callable[[int], C], steps: list[int], url: str) -> tuple[C, list[str]]:
+def newest_usable(
+    read: Callable[[int], Checkpoint], steps: list[int], url: str
+) -> tuple[Checkpoint, list[str]]:
     """The newest checkpoint of ``steps`` that reads, and one line per newer one passed over.
 
     Args:

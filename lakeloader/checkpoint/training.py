@@ -5,6 +5,7 @@ Nothing here does I/O but :func:`code_version` (one ``git`` call).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -115,11 +116,7 @@ class TrainingRecord:
                 "rng": [r.to_dict() for r in self.rng],
                 "torch_version": self.torch_version,
                 "library_version": self.library_version,
-                "code": {
-                    "commit": self.code.commit,
-                    "dirty": self.code.dirty,
-                    "root": self.code.root,
-                },
+                "code": dataclasses.asdict(self.code),
                 "attempt": self.attempt,
                 "world_size": self.world_size,
                 "model": self.model,

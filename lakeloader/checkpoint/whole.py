@@ -1,17 +1,20 @@
 """The training side of a whole checkpoint: weights, optimizer, generators and context.
 
-:func:`capture` runs on every rank when a checkpoint is saved, :func:`restore` on every rank
-when it is loaded (after the loader's position).
+The model's and optimizer's state goes through ``torch.distributed.checkpoint`` (DCP): each
+rank writes its shards into a step's ``weights/`` folder and reads back what its parameters
+need, so a load reshards. :func:`capture` runs on every rank when a checkpoint is saved,
+:func:`restore` on every rank when it is loaded (after the loader's position).
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import posixpath
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -26,21 +29,55 @@ from lakeloader.checkpoint.training import (
     gather_rng,
     restore_rng,
 )
-from lakeloader.checkpoint.weights import (
-    DCP_METADATA,
-    WEIGHTS_DIR,
-    load_weights,
-    save_weights,
-    weights_state,
-)
 from lakeloader.errors import CheckpointError
 
-logger = logging.getLogger(__name__)
+# torch.distributed.checkpoint is imported where it is used: importing it costs about a second
+# (DTensor, sympy), which every process importing lakeloader (the CLI, each worker) would pay.
+
+#: The DCP folder inside a step's folder.
+WEIGHTS_DIR: Final = "weights"
+#: DCP's metadata file (written last, by the coordinator rank).
+DCP_METADATA: Final = ".metadata"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def process_rank() -> int:
     """This process's rank under torch.distributed (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process (asked for: ``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _weights_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """The DCP state dict of a model and its optimizer (sharded as they are)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _storage(url: str, storage_options: dict[str, Any], kind: str) -> Any:
+    """DCP's ``Writer`` or ``Reader`` (``kind``) of a local folder or an fsspec URL."""
+    if "://" not in url or url.startswith("file://"):
+        from torch.distributed.checkpoint import filesystem
+
+        return getattr(filesystem, f"FileSystem{kind}")(url.removeprefix("file://"))
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return getattr(_fsspec_filesystem, f"Fsspec{kind}")(url, **storage_options)
 
 
 @dataclass
@@ -57,17 +94,13 @@ class Captured:
     weights: str | None
     pending: Future[Any] | None
 
-    def wait(self) -> None:
-        """Wait for this rank's weights to be written (and, on rank 0, everyone's)."""
+    def parts(self, store: CheckpointStore, folder: str) -> dict[str, tuple[int, str]]:
+        """Wait for every rank's weights, write ``training.msgpack``, list the parts (rank 0).
+
+        Returns ``{path in the folder: (size, SHA-256)}``, the digest empty for the shards.
+        """
         if self.pending is not None:
             self.pending.result()
-
-    def parts(self, store: CheckpointStore, folder: str) -> dict[str, tuple[int, str]]:
-        """Write ``training.msgpack`` and list every part for ``COMMIT`` (rank 0).
-
-        Call it after :meth:`wait`. Returns ``{path in the folder: (size, SHA-256)}``, the
-        digest empty for the shards.
-        """
         data = self.record.to_bytes()
         store.makedirs(folder)
         store.put(posixpath.join(folder, TRAINING_FILE), data)
@@ -109,14 +142,15 @@ def capture(
         storage_options: fsspec options of the checkpoint URL.
         asynchronous: Write the weights in the background (DCP's ``async_save``, which
             copies them to memory first) rather than before this returns.
-        async_group: The process group of a background save under torch.distributed.
+        async_group: The process group of a background save under torch.distributed (its
+            collectives run in a background thread, beside the training loop's).
 
     Raises:
         CheckpointError: If an optimizer is given without its model.
     """
     if optimizer is not None and model is None:
         raise CheckpointError("save(optimizer=...) needs the optimizer's model= too")
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size() if _distributed() else 1
     record = TrainingRecord(
         step=step,
         rng=gather_rng(),
@@ -130,14 +164,20 @@ def capture(
     )
     if model is None:
         return Captured(record, None, None)
-    pending = save_weights(
-        posixpath.join(url, WEIGHTS_DIR),
-        weights_state(model, optimizer),
-        storage_options,
-        async_group=async_group,
-        asynchronous=asynchronous,
-    )
-    return Captured(record, posixpath.join(folder, WEIGHTS_DIR), pending)
+    from torch.distributed.checkpoint.state_dict_saver import async_save, save
+
+    weights = posixpath.join(folder, WEIGHTS_DIR)
+    state = _weights_state(model, optimizer)
+    writer = _storage(posixpath.join(url, WEIGHTS_DIR), storage_options, "Writer")
+    if not asynchronous:
+        with _single_process():
+            save(state, storage_writer=writer, no_dist=not _distributed())
+        return Captured(record, weights, None)
+    single: dict[str, Any] = {} if _distributed() else {"no_dist": True}
+    response: Any = async_save(state, storage_writer=writer, process_group=async_group, **single)
+    # a Future, or (torch >= 2.9, with an async stager) a response holding the upload's; it
+    # completes on every rank once the whole folder is written
+    return Captured(record, weights, getattr(response, "upload_completion", response))
 
 
 def check_parts(store: CheckpointStore, folder: str, parts: Mapping[str, tuple[int, str]]) -> None:
@@ -178,15 +218,33 @@ def restore(
     rng: bool,
     storage_options: dict[str, Any],
 ) -> None:
-    """Load the weights (collective under torch.distributed) and this rank's generators.
+    """Load the weights (collective under torch.distributed, resharding) and this rank's generators.
 
     Raises:
         CheckpointError: If model or optimizer state is asked for and the checkpoint has none.
     """
-    if model is not None or optimizer is not None:
-        saved = (record.model, record.optimizer) if record is not None else (False, False)
-        load_weights(
-            posixpath.join(url, WEIGHTS_DIR), model, optimizer, storage_options, saved=saved
-        )
+    if model is None and optimizer is not None:
+        raise CheckpointError("an optimizer's state loads with its model: pass model= too")
+    if model is not None:
+        url = posixpath.join(url, WEIGHTS_DIR)
+        has_model, has_optimizer = (record.model, record.optimizer) if record else (False, False)
+        if not has_model or (optimizer is not None and not has_optimizer):
+            missing = "model" if not has_model else "optimizer"
+            raise CheckpointError(
+                f"{posixpath.dirname(url)} holds no {missing} state: it was saved without "
+                f"{missing}= (or by an older lakeloader); load what it holds"
+            )
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        state = _weights_state(model, optimizer)
+        reader = _storage(url, storage_options, "Reader")
+        with _single_process():
+            load(state, storage_reader=reader, no_dist=not _distributed())
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            model_sd, optim_sd = state["model"], state["optimizer"]
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if rng and record is not None:
         restore_rng(record, process_rank())

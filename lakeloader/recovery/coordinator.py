@@ -7,7 +7,6 @@ coordinator compares the checkpoint's pinned snapshot with the lake of now and a
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,8 +29,6 @@ from lakeloader.recovery.lake_changes import (
 from lakeloader.recovery.reassign import Reassignment, reassign
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.mixture_state import SourceRecord
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
