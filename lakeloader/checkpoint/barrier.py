@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -42,21 +41,9 @@ class Position(Protocol):
         """Units skipped for good."""
 
 
-@dataclass(frozen=True)
-class _Stand:
-    """Where one rank stands at the barrier (what it all-gathers)."""
-
-    rank: int
-    fingerprint: str
-    config_hash: str
-    epoch: int
-    position: int
-    error: str | None
-    quarantine: tuple[QuarantineEntry, ...]
-
-    @property
-    def where(self) -> tuple[str, str, int, int]:
-        return (self.fingerprint, self.config_hash, self.epoch, self.position)
+#: Where one rank stands at the barrier (what it all-gathers): its rank, (fingerprint, config
+#: hash, epoch, position), its previous save's error, its quarantine.
+_Stand = tuple[int, tuple[str, str, int, int], str | None, tuple[QuarantineEntry, ...]]
 
 
 def confirm_same_position(
@@ -79,26 +66,20 @@ def confirm_same_position(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    mine = _Stand(
-        dist.get_rank(),
-        str(state.fingerprint),
-        str(state.config_hash),
-        int(state.epoch),
-        int(state.position),
-        None if error is None else str(error),
-        tuple(state.quarantine),
-    )
-    if _all_alike(_digest(mine.where), _digest(mine.quarantine), error is not None):
-        return list(mine.quarantine)  # every rank's is this one
+    where = (str(state.fingerprint), str(state.config_hash), int(state.epoch), int(state.position))
+    quarantine = tuple(state.quarantine)
+    if _all_alike(_digest(where), _digest(quarantine), error is not None):
+        return list(quarantine)  # every rank's is this one
+    mine: _Stand = (dist.get_rank(), where, None if error is None else str(error), quarantine)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     stands: list[_Stand] = gathered
-    failed = [(s.rank, s.error) for s in stands if s.error is not None]
+    failed = [(rank, failure) for rank, _, failure, _ in stands if failure is not None]
     if failed and error is None:
         raise CheckpointError(f"the previous background save failed on rank(s) {failed}")
     groups: dict[tuple[str, str, int, int], list[int]] = {}
-    for s in stands:
-        groups.setdefault(s.where, []).append(s.rank)
+    for rank, at, _, _ in stands:
+        groups.setdefault(at, []).append(rank)
     if len(groups) > 1:
         lake = len({w[:2] for w in groups}) > 1
         detail = "; ".join(
@@ -110,7 +91,7 @@ def confirm_same_position(
             f"ranks disagree on the loader position, refusing to save: {detail}. Every rank "
             "must call save() after the same number of steps, on the same lake and config"
         )
-    return [entry for s in stands for entry in s.quarantine]
+    return [entry for *_, entries in stands for entry in entries]
 
 
 def _digest(value: object) -> int:

@@ -17,7 +17,7 @@ import hashlib
 import posixpath
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 import msgpack
@@ -180,15 +180,8 @@ class CheckpointContext:
     workers_build: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types."""
-        return {
-            "step": self.step,
-            "library_version": self.library_version,
-            "created": self.created,
-            "topology": None if self.topology is None else self.topology.to_dict(),
-            "drop_last": self.drop_last,
-            "workers_build": self.workers_build,
-        }
+        """Plain types (the topology as its ``to_dict``)."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckpointContext:

@@ -42,12 +42,9 @@ logger = logging.getLogger(__name__)
 class CheckpointManager:
     """Save and load whole training checkpoints under one URL, with ``keep`` retained.
 
-    A checkpoint holds the loader's position, and optionally the model's and the optimizer's
-    state (``torch.distributed.checkpoint``: each rank writes its shards, a load reshards),
-    every rank's random generators, and its context (versions, the training code's git
-    commit, the topology, the order configuration); all of it under one ``COMMIT``, so that
-    it is whole or invisible. Rank 0 also keeps the audit ledger beside the checkpoints
-    (:mod:`lakeloader.audit`): every step the loaders it saves or loads deliver.
+    A checkpoint holds the loader's position, optionally the model's and optimizer's shards,
+    every rank's random generators and its context, all under one ``COMMIT``. Rank 0 also
+    keeps the audit ledger beside the checkpoints (:mod:`lakeloader.audit`).
 
     Args:
         url: Root folder, any fsspec URL (a local path, ``s3://``, ``gs://``, ...).
@@ -158,12 +155,9 @@ class CheckpointManager:
     ) -> None:
         """Save a whole checkpoint (collective when torch.distributed is initialised).
 
-        Every rank calls it at the same step; ranks confirm that they hold the same loader
-        position (and that the previous background save succeeded) and the save fails on
-        every rank, naming the ranks, if they do not. Each rank writes its shards of
-        ``model`` and ``optimizer`` (plain, DDP or FSDP2 modules) and hands rank 0 its random
-        generators; rank 0 writes the loader's state, the manifest of each lake it reads, the
-        context and ``extra`` (taken from rank 0; plain msgpack-able types), then ``COMMIT``.
+        Every rank calls it at the same step, and it fails on every rank if they do not hold
+        the same loader position. Each rank writes its shards of ``model`` and ``optimizer``
+        (plain, DDP or FSDP2 modules); ``extra`` is taken from rank 0 (plain msgpack-able types).
 
         Raises:
             CheckpointError: If ranks disagree, the write fails (sync), a previous background
@@ -363,9 +357,7 @@ class CheckpointManager:
         that the rest of the saved epoch needs, ``on_lake_change="error"`` raises listing
         them; ``"skip"`` finishes the epoch without their units (later epochs list the lake
         afresh); ``"restart_epoch"`` lists the lake afresh (pass the same policy to
-        :meth:`load`, which then restarts the saved epoch). Files added since are not seen
-        here: build a :class:`LakeDataset` on the live lake and call :meth:`load`, which
-        finishes the saved epoch on the pinned snapshot and lets them join at the next epoch.
+        :meth:`load`). Files added since are not seen here.
 
         Args:
             step: The checkpoint's step (None: the newest usable one).

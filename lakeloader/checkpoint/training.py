@@ -5,12 +5,11 @@ Nothing here does I/O but :func:`code_version` (one ``git`` call).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 import msgpack
@@ -116,7 +115,7 @@ class TrainingRecord:
                 "rng": [r.to_dict() for r in self.rng],
                 "torch_version": self.torch_version,
                 "library_version": self.library_version,
-                "code": dataclasses.asdict(self.code),
+                "code": asdict(self.code),
                 "attempt": self.attempt,
                 "world_size": self.world_size,
                 "model": self.model,

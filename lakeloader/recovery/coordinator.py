@@ -188,11 +188,8 @@ class RecoveryCoordinator:
     def pinned_dataset(self, ckpt: Checkpoint, settings: dict[str, Any]) -> LakeDataset:
         """The dataset of a checkpoint's pinned snapshot, with the lake's changes applied.
 
-        Each pinned file is checked with one metadata request (no listing, no footers).
-
-        Args:
-            ckpt: The checkpoint.
-            settings: :class:`LakeDataset` arguments that do not change the order.
+        ``settings`` are :class:`LakeDataset` arguments that do not change the order. Each
+        pinned file is checked with one metadata request (no listing, no footers).
 
         Raises:
             LakeChangedError: Under ``"error"``, when the rest of the epoch needs changed files.
