@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -194,12 +193,7 @@ class CheckpointManager:
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         context = CheckpointContext(
-            step=step,
-            library_version=__version__,
-            created=created,
-            topology=loader.topology,
-            drop_last=loader.drop_last,
-            workers_build=loader.workers_build,
+            step, __version__, created, loader.topology, loader.drop_last, loader.workers_build
         )
         position = (stand.epoch, stand.position)
         # the steps in this checkpoint, taken now: the loop goes on during a background write
@@ -220,16 +214,6 @@ class CheckpointManager:
                 self.ledger.saved(step, mark, *position)
             self.folders.commit(step, *record(), parts)
 
-        self._submit(step, write)
-
-    def _group(self) -> dist.ProcessGroup | None:
-        """The process group of background weight saves (made once, on every rank)."""
-        if self._async_group is None and dist.is_available() and dist.is_initialized():
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
-
-    def _submit(self, step: int, write: Callable[[], None]) -> None:
-        """Write now, or in the background with ``async_save``."""
         if self.async_save:
             self._pending = self._writer.submit(write)
             return
@@ -239,6 +223,12 @@ class CheckpointManager:
             raise  # names the URL and where credentials come from: nothing to add
         except Exception as exc:
             raise CheckpointError(f"saving step {step} to {self.url} failed: {exc!r}") from exc
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The process group of background weight saves (made once, on every rank)."""
+        if self._async_group is None and dist.is_available() and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
 
     def _settle(self) -> CheckpointError | None:
         """Wait for a background save; return (not raise) its error, if any."""

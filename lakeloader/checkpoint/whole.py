@@ -131,19 +131,9 @@ def capture(
 ) -> Captured:
     """Gather generators and write (or start writing) the weights: a collective on every rank.
 
-    Args:
-        step: The training step.
-        folder: The step folder (a path of the checkpoint's filesystem).
-        url: The step folder's URL (what DCP's writer opens).
-        model: The model, or None.
-        optimizer: Its optimizer, or None.
-        attempt: The saving attempt's id.
-        code: The training code's git commit.
-        storage_options: fsspec options of the checkpoint URL.
-        asynchronous: Write the weights in the background (DCP's ``async_save``, which
-            copies them to memory first) rather than before this returns.
-        async_group: The process group of a background save under torch.distributed (its
-            collectives run in a background thread, beside the training loop's).
+    ``folder`` is the step folder (a path of the checkpoint's filesystem), ``url`` its URL (what
+    DCP's writer opens). With ``asynchronous`` DCP copies the weights to memory and writes them
+    in the background (``async_save``), its collectives on ``async_group``.
 
     Raises:
         CheckpointError: If an optimizer is given without its model.

@@ -81,8 +81,7 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
             info = fs.info(f.path)
         except FileNotFoundError:
             return f.path, None
-        now = f"size {int(info.get('size') or 0)}, {version_token(info)}"
-        return f.path, now
+        return f.path, f"size {int(info.get('size') or 0)}, {version_token(info)}"
 
     fs.invalidate_cache()  # a cached listing would answer with the old size and version
     threads = max(1, min(CHECK_THREADS, len(files)))
@@ -125,14 +124,9 @@ def check_policy(policy: str) -> None:
 
 
 def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool) -> bool:
-    """Apply a policy to a lake difference.
+    """Apply a policy to a lake difference against ``where`` (a checkpoint, for messages).
 
-    Args:
-        diff: The difference.
-        policy: One of :data:`POLICIES`.
-        where: What the difference is against (a checkpoint path), for messages.
-        finished: Whether the saved position is at its epoch's end (then no old file is
-            needed, and only the next epoch's lake matters).
+    ``finished``: the saved position is at its epoch's end, so no old file is needed.
 
     Returns:
         True when the saved position holds (resume it; with ``"skip"`` the caller skips

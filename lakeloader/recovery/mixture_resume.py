@@ -6,8 +6,7 @@ apply from the saved slot on and are recorded in the state's history.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lakeloader.errors import StateMismatchError
 from lakeloader.mixture import Mixture
@@ -82,7 +81,7 @@ def resume_mixture(
         history = (*history, WeightChange(saved.slot, dict(mixture.raw_weights)))
         changes.append(f"weights {mixture.raw_weights} from slot {saved.slot}")
     counts = {**{n: 0 for n in now}, **saved.counts}
-    state = dataclasses.replace(
+    state = replace(
         saved, counts=counts, history=history, sources=now, epoch_rows=mixture.epoch_rows
     )
     return MixtureResumption(state, tuple(changes))
