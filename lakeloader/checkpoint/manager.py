@@ -310,7 +310,7 @@ class CheckpointManager:
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         if model is not None or optimizer is not None:  # the weights load collectively
-            ckpt = agreed_checkpoint(self.load_checkpoint, self.read, step)
+            ckpt = agreed_checkpoint(self.load_checkpoint, step)
         else:
             ckpt = self.load_checkpoint(step)
         try:

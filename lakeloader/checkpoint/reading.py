@@ -135,15 +135,12 @@ def newest_usable(
     )
 
 
-def agreed_checkpoint(
-    newest: Callable[[int | None], Checkpoint],
-    read: Callable[[int], Checkpoint],
-    step: int | None,
-) -> Checkpoint:
+def agreed_checkpoint(newest: Callable[[int | None], Checkpoint], step: int | None) -> Checkpoint:
     """Rank 0's choice of checkpoint, read on every rank.
 
-    Rank 0 alone walks the checkpoints (``newest``); its choice, or its error, goes to every
-    rank, so that all of them load the same step or raise alike.
+    Rank 0 alone walks the checkpoints (``newest(step)``); its choice, or its error, goes to
+    every rank, which reads that step (``newest(chosen)``), so that all of them load the same
+    step or raise alike.
 
     Raises:
         CheckpointError: On every rank, if rank 0 found none.
@@ -161,4 +158,4 @@ def agreed_checkpoint(
     dist.broadcast_object_list(chosen, src=0)
     if isinstance(chosen[0], str):
         raise CheckpointError(f"rank 0 found no checkpoint to load: {chosen[0]}")
-    return mine if mine is not None else read(int(chosen[0]))
+    return mine if mine is not None else newest(int(chosen[0]))

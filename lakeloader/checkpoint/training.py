@@ -108,21 +108,9 @@ class TrainingRecord:
 
     def to_bytes(self) -> bytes:
         """The record's bytes (msgpack)."""
-        packed: bytes = msgpack.packb(
-            {
-                "version": self.version,
-                "step": self.step,
-                "rng": [r.to_dict() for r in self.rng],
-                "torch_version": self.torch_version,
-                "library_version": self.library_version,
-                "code": asdict(self.code),
-                "attempt": self.attempt,
-                "world_size": self.world_size,
-                "model": self.model,
-                "optimizer": self.optimizer,
-            },
-            use_bin_type=True,
-        )
+        # the version first, then the fields in order; the generators as their to_dict
+        body = {"version": self.version, **asdict(self), "rng": [r.to_dict() for r in self.rng]}
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed
 
     @classmethod
