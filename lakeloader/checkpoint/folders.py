@@ -58,12 +58,8 @@ class CheckpointFolders:
             entries = self.store.ls(self.root)
         except FileNotFoundError:
             return {}
-        out = {}
-        for entry in entries:
-            match = STEP_DIR_RE.search(entry.rstrip("/"))
-            if match:
-                out[int(match.group(1))] = entry.rstrip("/")
-        return out
+        names = [entry.rstrip("/") for entry in entries]
+        return {int(m.group(1)): name for name in names if (m := STEP_DIR_RE.search(name))}
 
     def committed(self, dirs: dict[int, str] | None = None) -> list[int]:
         """Steps with a ``COMMIT``, oldest first (of ``dirs``; None: every step folder)."""

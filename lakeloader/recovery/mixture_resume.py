@@ -38,13 +38,13 @@ def records(mixture: Mixture) -> dict[str, SourceRecord]:
 def resume_mixture(
     saved: MixtureState,
     mixture: Mixture,
-    now: dict[str, SourceRecord] | None = None,
-    moved: frozenset[str] = frozenset(),
+    now: dict[str, SourceRecord],
+    moved: frozenset[str],
 ) -> MixtureResumption:
     """Map ``saved`` onto ``mixture``.
 
     ``now``: what each source is as the state would record it (a followed lake's: the
-    increment the saved record names, found again); None: :func:`records` of ``mixture``.
+    increment the saved record names, found again).
     ``moved``: the sources whose lake changed since a checkpoint, which the recovery
     coordinator mapped onto the lake of now (``RecoveryCoordinator.resume_source``).
 
@@ -57,7 +57,6 @@ def resume_mixture(
             f"the state's mixture seed is {saved.seed}, this Mixture's is {mixture.seed}: the "
             f"interleaving would change. Build the Mixture with seed={saved.seed}"
         )
-    now = records(mixture) if now is None else now
     for name in sorted((set(now) & set(saved.sources)) - moved):
         was, cur = saved.sources[name], now[name]
         if not was.same_source(cur):
