@@ -51,18 +51,16 @@ def confirm_same_position(
 ) -> list[QuarantineEntry] | None:
     """Check that every rank stands at the same position and that no earlier save failed.
 
-    Every rank takes the same decision, so none is left waiting in a collective. A previous
-    background save that failed raises on the ranks where it did not fail; the ranks where it
-    failed return, for their caller to raise their own failure.
+    Every rank raises alike, so none is left waiting in a collective; only the ranks where the
+    previous background save failed return, for their caller to raise that failure.
 
     Returns:
-        The quarantine entries of all ranks (unmerged; when every rank holds the same, one
-        rank's), or None when torch.distributed is not initialised.
+        The quarantine entries of all ranks (unmerged; one rank's when all hold the same), or
+        None when torch.distributed is not initialised.
 
     Raises:
-        CheckpointError: Naming the ranks at each position (with the snapshot and
-            configuration when those differ), or the ranks whose previous background save
-            failed.
+        CheckpointError: Naming the ranks at each position, or the ranks whose previous
+            background save failed.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None

@@ -209,8 +209,8 @@ class StateRecord:
     name in a Mixture, ``"lake"`` for a packed loader's lake.
 
     Attributes:
-        state: The loader's state as plain data (``checkpoint_state()``: for a packed loader,
-            every rank's partitions merged).
+        state: The loader's state as plain data (``checkpoint_state()``, every rank's
+            quarantine merged in).
         context: The context that produced it.
         extra: The caller's extras (plain, msgpack-able types).
         manifests: ``{leaf path: (its snapshot's manifest, relative to the root; SHA-256)}``.

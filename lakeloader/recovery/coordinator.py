@@ -67,10 +67,9 @@ class RecoveryCoordinator:
     """Maps saved positions onto the lake and topology of now; decides on dead workers' work.
 
     Args:
-        on_lake_change: What to do when files of a checkpoint's snapshot are gone or were
-            rewritten and the rest of the saved epoch needs them (see
-            :data:`~lakeloader.recovery.lake_changes.LakeChangePolicy`): ``"error"``,
-            ``"skip"`` or ``"restart_epoch"``. Checked here, whether or not the lake changed.
+        on_lake_change: ``"error"``, ``"skip"`` or ``"restart_epoch"``
+            (:data:`~lakeloader.recovery.lake_changes.LakeChangePolicy`); checked here,
+            whether or not the lake changed.
 
     Raises:
         ValueError: For an unknown policy.
