@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -61,16 +61,9 @@ def _stamp(f: FileInfo) -> str:
 
 def diff_snapshots(saved: Snapshot, current: Snapshot) -> LakeDiff:
     """Compare a pinned snapshot with a freshly listed one (pure)."""
-    now = {f.path: f for f in current.files}
-    was = {f.path: f for f in saved.files}
-    gone = tuple(p for p in was if p not in now)
-    changed = tuple(
-        (p, _stamp(f), _stamp(now[p]))
-        for p, f in was.items()
-        if p in now and (f.size, f.version) != (now[p].size, now[p].version)
-    )
-    added = tuple(p for p in now if p not in was)
-    return LakeDiff(gone, changed, added)
+    now = {f.path: _stamp(f) for f in current.files}
+    was = {f.path for f in saved.files}
+    return _against(saved.files, now, tuple(p for p in now if p not in was))
 
 
 def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> LakeDiff:
@@ -86,14 +79,20 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
     fs.invalidate_cache()  # a cached listing would answer with the old size and version
     threads = max(1, min(CHECK_THREADS, len(files)))
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
-        found = dict(pool.map(probe, files))
-    gone = tuple(p for p, now in found.items() if now is None)
+        return _against(files, dict(pool.map(probe, files)))
+
+
+def _against(
+    files: Sequence[FileInfo], now: Mapping[str, str | None], added: tuple[str, ...] = ()
+) -> LakeDiff:
+    """``files`` against their stamps now (None: gone)."""
+    gone = tuple(f.path for f in files if now.get(f.path) is None)
     changed = tuple(
-        (f.path, _stamp(f), found[f.path] or "")
+        (f.path, _stamp(f), now[f.path] or "")
         for f in files
-        if found[f.path] is not None and found[f.path] != _stamp(f)
+        if now.get(f.path) not in (None, _stamp(f))
     )
-    return LakeDiff(gone, changed)
+    return LakeDiff(gone, changed, added)
 
 
 def lost_units(snapshot: Snapshot, diff: LakeDiff) -> tuple[QuarantineEntry, ...]:
