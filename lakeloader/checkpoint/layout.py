@@ -1,14 +1,8 @@
 """The checkpoint format on disk: names, and the typed records behind each file.
 
-Layout under the root URL::
-
-    manifests/<fingerprint>.msgpack   the pinned snapshot, written once and shared
-    step-000000001200/state.msgpack   a StateRecord: loader state, context, the caller's extras,
-                                      and the manifest of each lake it reads
-    step-000000001200/COMMIT          a CommitRecord, written last: sizes and SHA-256 of the parts
-
-A checkpoint is visible only once its ``COMMIT`` exists. An unknown record version is refused
-with both versions in the message. Nothing here does I/O.
+``manifests/<fingerprint>.msgpack`` (a pinned snapshot, shared), ``step-<step>/state.msgpack``
+(a :class:`StateRecord`) and ``step-<step>/COMMIT`` (a :class:`CommitRecord`, written last: a
+checkpoint is visible only once it exists). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -151,8 +145,6 @@ class CommitRecord:
                 int(version),
                 parts,
             )
-        except CheckpointError:
-            raise
         except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
             raise CheckpointError(f"its COMMIT is corrupt ({exc!r})") from exc
 
@@ -290,8 +282,6 @@ class StateRecord:
             manifests = {str(leaf): (str(p[0]), str(p[1])) for leaf, p in d["manifests"].items()}
             sources = dict(d["sources"])
             return cls(dict(d["state"]), context, d["extra"], manifests, sources)
-        except CheckpointError:
-            raise
         except StateFormatError as exc:
             raise CheckpointError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:

@@ -139,8 +139,6 @@ class TrainingRecord:
                 model=bool(d["model"]),
                 optimizer=bool(d["optimizer"]),
             )
-        except CheckpointError:
-            raise
         except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
             raise CheckpointError(f"its {TRAINING_FILE} is corrupt ({exc!r})") from exc
 

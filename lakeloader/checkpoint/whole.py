@@ -1,9 +1,8 @@
 """The training side of a whole checkpoint: weights, optimizer, generators and context.
 
-The model's and optimizer's state goes through ``torch.distributed.checkpoint`` (DCP): each
-rank writes its shards into a step's ``weights/`` folder and reads back what its parameters
-need, so a load reshards. :func:`capture` runs on every rank when a checkpoint is saved,
-:func:`restore` on every rank when it is loaded (after the loader's position).
+The weights go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards into
+a step's ``weights/`` folder, and a load reshards. :func:`capture` runs on every rank at a
+save, :func:`restore` on every rank at a load (after the loader's position).
 """
 
 from __future__ import annotations
