@@ -1,12 +1,7 @@
 """What a source of batches is to the one :class:`~lakeloader.DataLoader`: the node protocol.
 
-The loader owns torch's arguments, the topology, the passes' resources (workers, the unit
-folder) and the iteration protocol; everything that depends on what it reads is a node's: a
-lake (:class:`~lakeloader.nodes.lake.LakeNode`, followed or not), a mixture of sources
-(:class:`~lakeloader.nodes.mixture.MixtureNode`) or a packed stream of a lake or of a mixture
-(:class:`~lakeloader.nodes.packing.PackingNode`). A node's position is its state (plain types,
-a tree whose children are its sources' parts); it moves only when a batch is handed over, in
-the pass the node begins. The loader never asks which kind of node it holds.
+Everything that depends on what the loader reads is a node's; its position (its state) moves
+only when a batch is handed over, in the pass the node begins.
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+import pyarrow as pa
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
@@ -78,7 +74,7 @@ class Node:
     def __init__(self, host: Host) -> None:
         self.host = host
 
-    def _pool_for(self, readers: Sequence[UnitReader]) -> WorkerPool:
+    def _pool_for(self, readers: Iterable[UnitReader]) -> WorkerPool:
         """The loader's workers, set up to decode these readers' snapshots.
 
         Workers set up for other snapshots stop first: a decode task names a file by its place
@@ -90,14 +86,14 @@ class Node:
         self._pool_snapshots = snapshots
         return self.host._ensure_pool()
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a copy keeps: all but the loader (the copy's own loader attaches itself)."""
-        return {name: value for name, value in vars(self).items() if name != "host"}
-
     @property
     def what(self) -> str:
         """What it reads, as messages name it (``"lake"``, ``"mixture"``, ...)."""
         return "stream"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy keeps: all but the loader (the copy's own loader attaches itself)."""
+        return {name: value for name, value in vars(self).items() if name != "host"}
 
     # ------------------------------------------------------------------ passes
     def pass_steps(self) -> int:
@@ -157,8 +153,8 @@ class Node:
 
     @property
     def quarantine(self) -> list[QuarantineEntry]:
-        """Units skipped so far."""
-        return []
+        """Units skipped so far, sorted; merged across ranks at saves."""
+        return list(self.tracker.quarantine)
 
     # --------------------------------------------- what a CheckpointManager calls
     def barrier_position(self) -> Position:
@@ -166,7 +162,8 @@ class Node:
         raise NotImplementedError
 
     def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """The state a checkpoint holds (every rank's quarantine merged in)."""
+        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
+        self.add_quarantine(quarantine)
         return self.state()
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
@@ -188,7 +185,7 @@ class Node:
     @property
     def workers_build(self) -> bool:
         """Whether workers build batches (a transform or collate_fn) rather than decode."""
-        return False
+        return self.tracker.workers_build
 
     # ------------------------------------------------- what the training loop asks
     def mark_skipping(self, on: bool) -> None:
@@ -229,6 +226,20 @@ def unit_entries(dataset: LakeDataset, units: np.ndarray, reason: str) -> list[Q
     ]
 
 
+def make_setup(
+    host: Host,
+    schema: pa.Schema,
+    seed: int,
+    recipe: BatchRecipe | None = None,
+    layout: RowLayout | None = None,
+    decoders: tuple[UnitDecoder, ...] = (),
+) -> WorkerSetup:
+    """What ``host``'s workers need on the topology of now (see :class:`WorkerSetup`)."""
+    topo, init = host.topology, host.options.worker_init_fn
+    recipe = BatchRecipe() if recipe is None else recipe
+    return WorkerSetup(schema, layout, recipe, init, seed, topo.rank, topo.num_workers, decoders)
+
+
 def decoding_setup(
     host: Host, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout | None]], seed: int
 ) -> WorkerSetup:
@@ -237,19 +248,8 @@ def decoding_setup(
     A decode task names its source by its index in ``sources``; each is packed by its
     layout (the one its unit store packs by).
     """
-    topo = host.topology
-    return WorkerSetup(
-        schema=sources[0][1].schema,
-        layout=None,
-        recipe=BatchRecipe(),
-        worker_init_fn=host.options.worker_init_fn,
-        seed=seed,
-        rank=topo.rank,
-        num_workers=topo.num_workers,
-        decoders=tuple(
-            UnitDecoder(reader, layout, ds.on_error, ds.validate) for ds, reader, layout in sources
-        ),
-    )
+    decoders = (UnitDecoder(r, layout, ds.on_error, ds.validate) for ds, r, layout in sources)
+    return make_setup(host, sources[0][1].schema, seed, decoders=tuple(decoders))
 
 
 def read_counts(counters: Iterable[ReadCounters]) -> dict[str, int]:

@@ -1,20 +1,10 @@
 """A followed lake's carried step: an increment's short tail opens the next increment.
 
-With ``drop_last=True`` no row of a followed lake is dropped: the rows of an increment that do
-not fill a last global batch (its *tail*, fewer than a global batch) are carried into the next
-one, whose first rows fill the batch they open (the next increments' first rows, when they are
-smaller than that). Every batch is then full and every appended row comes once; the rows of
-the tail when the run stops are still to come, not dropped: the state stands before them
-(``position`` inside the increment, ``rows_dropped`` 0), so a resume under any world size or
-batch size goes on from there, and cuts the stream into its own global batches.
-
-That carried step is read and built here, in this process, whatever ``num_workers`` is: each
-part (the tail, then the next increments' first rows) is a slot range of its increment's
-order (:func:`~lakeloader.order.batches.range_specs`), read and screened like any unit
-(quarantine, ``validate``); every rank reads the whole step and keeps its share of it, in the
-stream's order, so the batches are those of one rank with the global batch, whatever the
-topology. Its rows' seeds are their own slots' in their increments. The tracker records it as
-the end of one increment and the start of the next (two steps for the audit ledger).
+With ``drop_last=True`` the rows of an increment that do not fill a last global batch are
+carried into the next one, whose first rows fill the batch. The step is read and built in this
+process, whatever ``num_workers`` is: every rank reads the whole step and keeps its share; each
+row's seed is its slot's in its increment. The tracker records it as the end of one increment
+and the start of the next.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """A lake as a source of batches: one epoch a pass, or a followed lake's increments.
 
-The position is the reader-state tracker's (``(epoch, G)`` and the quarantine): a pass is one
-epoch's steps (:class:`~lakeloader.pipeline.iterator.EpochIterator`), ``state_dict()`` a
-:class:`~lakeloader.state.loader_state.LoaderState` of plain types, and ``load_state_dict()``
-goes through the recovery coordinator, the one way a position is restored.
-
-A followed lake (``follow=``) is one stream of rows: its increments' orders end to end, each a
-pure function of its increment, cut into global batches. ``for batch in loader`` runs through
-increment after increment, waiting for the next one to be appended once it has caught up; it
-ends when none comes within ``Follow.timeout``, and a new ``iter(loader)`` then goes on from
-there. It never moves to the next epoch before that increment exists, so a state taken while
-it waits is the end of the last increment. Its state holds the increment it stands in (its
-marks: a few numbers), so that ``load_state_dict`` finds the increment's files again on a
-dataset made anew. With ``drop_last=True`` an increment's short tail is carried into the next
-one instead of dropped (:mod:`lakeloader.nodes.carried`).
+A followed lake (``follow=``) is one stream of rows, its increments end to end: a pass runs
+through them until none comes within ``Follow.timeout``, and never moves to the next epoch
+before that increment exists. Its state holds the increment it stands in (its marks). With
+``drop_last=True`` an increment's short tail opens the next one (:mod:`lakeloader.nodes.carried`).
 """
 
 from __future__ import annotations
@@ -26,15 +16,14 @@ from typing import Any
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
-from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import ROOT, Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
-from lakeloader.lake.following import CaughtUpError, increment_at
-from lakeloader.lake.increments import Increment
+from lakeloader.lake.following import CaughtUpError
 from lakeloader.loader_args import warn_cpu_contention, warn_partitions
-from lakeloader.nodes.base import Host, Node, read_counts, row_units
+from lakeloader.nodes.base import Host, Node, make_setup, read_counts, row_units
 from lakeloader.nodes.carried import carried_step
+from lakeloader.nodes.streams import on_increment
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.backfill import Backfill, backfill_tracker, backfill_view, finisher
 from lakeloader.pipeline.iterator import EpochIterator
@@ -195,19 +184,15 @@ class LakeNode(Node):
     def _use_reader(self, reader: UnitReader) -> None:
         """Read through ``reader``, and work out now how its rows are packed.
 
-        Tensor-typed columns are packed unless rows go to a transform or a collate_fn. The
-        layout is computed here, not at ``iter()``, because it is pyarrow's first conversion
-        in the process: where pandas is installed, pyarrow imports it then, which belongs to
-        building the loader rather than to the wait for the first batch.
+        Tensor-typed columns are packed unless rows go to a transform or a collate_fn (worked
+        out here, not at ``iter()``: pyarrow may import pandas then).
         """
         before = getattr(self, "reader", None)
         if before is not None:  # another increment or snapshot: its reads go on counting
             reader.count_into(before.counters)
         self.reader = reader
-        self.layout = None
         recipe = self.recipe()
-        if not recipe.rows_path:
-            self.layout = RowLayout.of(reader.schema)
+        self.layout = None if recipe.rows_path else RowLayout.of(reader.schema)
         # Workers decode when columns are packed and no user code runs; else they build.
         packs = self.layout is not None and bool(self.layout.names)
         self.tracker.workers_build = not packs or recipe.user_code
@@ -222,20 +207,12 @@ class LakeNode(Node):
 
     def worker_setup(self) -> WorkerSetup:
         """What the workers need: the lake's decoder, or what builds its batches."""
-        layout, ds, topo = self.layout, self.dataset, self.host.topology
+        layout, ds = self.layout, self.dataset
         decoders: tuple[UnitDecoder, ...] = ()
         if layout is not None and not self.tracker.workers_build:  # they decode
             decoders = (UnitDecoder(self.reader, layout, ds.on_error, ds.validate),)
-        return WorkerSetup(
-            schema=self.reader.schema,
-            layout=layout,
-            recipe=self.recipe(),
-            worker_init_fn=self.host.options.worker_init_fn,
-            seed=ds.config.seed,
-            rank=topo.rank,
-            num_workers=topo.num_workers,
-            decoders=decoders,
-        )
+        schema, seed = self.reader.schema, ds.config.seed
+        return make_setup(self.host, schema, seed, self.recipe(), layout, decoders)
 
     def steps_left(self) -> int:
         """Global steps left in the epoch under way, for the topology of now."""
@@ -254,11 +231,7 @@ class LakeNode(Node):
             ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
                 position was set, or they cross into another epoch of a followed lake.
         """
-        epoch = self.tracker.before(fetched_ahead)[0]
-        ds = self._epoch_dataset(epoch)
-        state = self.tracker.state(
-            ds.fingerprint, ds.config.to_dict(), len(ds), back=fetched_ahead
-        ).to_dict()
+        state = self.barrier_position(fetched_ahead).to_dict()
         if self._base.follow:
             increment = self.dataset.snapshot.increment
             state[INCREMENT_KEY] = None if increment is None else increment.to_list()
@@ -292,12 +265,7 @@ class LakeNode(Node):
             self.resume(RecoveryCoordinator().resume_state(state, self._base))
             return
         parsed = LoaderState.from_dict(state)
-        increment = Increment.from_list(saved)
-        base = self._base
-        if base.snapshot.increment != increment:
-            base = base.on_increment(
-                *increment_at(base.source, increment, base.increment_request())
-            )
+        base = on_increment(self._base, saved)
         parsed.check_matches(base.fingerprint, base.config.to_dict())
         self.resume(Resumption(parsed, dataset=base))
 
@@ -320,10 +288,8 @@ class LakeNode(Node):
     def view(self) -> ReaderView:
         """Where the position leaves every rank and worker (see ``DataLoader.view``)."""
         self.placed(self.host.topology)  # the ranks of now, not those of the last pass
-        # The dataset of the tracker's epoch (a loaded state's may start the next one); a
-        # followed lake's next increment may not exist yet, so it keeps its own.
-        tracker = self.tracker
-        ds = self.dataset if self._base.follow else self._base.for_epoch(tracker.epoch)
+        tracker = self.tracker  # a loaded state's epoch may be the next one
+        ds = self._epoch_dataset(tracker.epoch)
         if ds.config.backfill:
             return backfill_view(tracker, ds.plan(tracker.epoch), ds.snapshot, self.host.topology)
         return tracker.view(ds.plan(tracker.epoch), ds.snapshot)
@@ -336,21 +302,14 @@ class LakeNode(Node):
             "rows_skipped": self.tracker.rows_skipped,
         }
 
-    @property
-    def quarantine(self) -> list[QuarantineEntry]:
-        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
-        return list(self.tracker.quarantine)
-
     # --------------------------------------------- what a CheckpointManager calls
-    def barrier_position(self) -> Position:
-        """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
-        ds = self._epoch_dataset(self.tracker.epoch)
-        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds))
+    def barrier_position(self, back: int = 0) -> LoaderState:
+        """What the checkpoint barrier compares across ranks (with this rank's quarantine).
 
-    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
-        self.tracker.merge_quarantine(quarantine)
-        return self.state()
+        ``back``: stand this many delivered steps back (``ReaderStateTracker.before``).
+        """
+        ds = self._epoch_dataset(self.tracker.before(back)[0])
+        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds), back=back)
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshot a checkpoint pins, by leaf path: the lake's, at the root."""
@@ -363,11 +322,6 @@ class LakeNode(Node):
             StateFormatError: If it holds another kind of loader's state.
         """
         self.resume(coordinator.resume(ckpt, self.dataset))
-
-    @property
-    def workers_build(self) -> bool:
-        """Whether workers build batches (a transform or collate_fn) rather than decode."""
-        return self.tracker.workers_build
 
     # ------------------------------------------------- what the training loop asks
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:

@@ -1,29 +1,28 @@
 """A mixture of lakes as a source of batches.
 
-Each ``for batch in loader`` is one pass of ``mixture.epoch_rows`` rows (full global batches;
-the sources' own epochs run apart); the state is a
-:class:`~lakeloader.state.mixture_state.MixtureState`, O(sources), and a restore continues
-under any world size, batch size or worker count, with the weights and sources of the mixture
-it is given (:mod:`lakeloader.recovery.mixture_resume`).
+Each ``for batch in loader`` is one pass of ``mixture.epoch_rows`` rows (the sources' own
+epochs run apart); the state is a :class:`~lakeloader.state.mixture_state.MixtureState`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
+from lakeloader.io.reader import UnitReader
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import (
     Host,
     Node,
     decoding_setup,
+    make_setup,
     read_counts,
     row_units,
 )
@@ -35,9 +34,9 @@ from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import records, resume_mixture
+from lakeloader.recovery.mixture_resume import MixtureResumption, records, resume_mixture
 from lakeloader.state.journal import DeliveredRun
-from lakeloader.state.mixture_state import MixtureState, WeightChange
+from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
@@ -51,66 +50,40 @@ class MixtureNode(Node):
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
-    groups (else this process's ``io_threads`` do); with the user's code (a source's
-    ``transform``, a ``collate_fn``, a ``batch_transform``) they build the batches instead.
-    A pass that ends at its last step leaves its sources' decoded row groups to the next pass,
-    which goes on with them (released by ``close()``, ``load_state_dict()``, or when the
-    loader is collected). Each source's
-    ``transform``, ``on_error`` and ``validate`` apply to its rows; the loader's
-    ``collate_fn`` and the mixture's ``batch_transform`` to the mixed batch (rows meet the
-    transform with ``mixture.source_key`` set). A unit a source skips is in the state's
-    ``quarantine``, for every later pass and resume.
-
-    Args:
-        host: The loader.
-        mixture: The mixture.
+    groups, or build the batches where the user's code runs (a ``transform``, a
+    ``collate_fn``, a ``batch_transform``). A pass that ends at its last step leaves its
+    sources' decoded row groups to the next pass (released by ``close()``,
+    ``load_state_dict()``, or when the loader is collected).
     """
 
-    @property
-    def what(self) -> str:
-        """``"mixture"``."""
-        return "mixture"
+    what = "mixture"
 
     def __init__(self, host: Host, mixture: Mixture) -> None:
         super().__init__(host)
         self.mixture = self.dataset = mixture
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
-        self._readers = [mixture.sources[n].reader() for n in mixture.names]
+        self._readers = {n: ds.reader() for n, ds in mixture.sources.items()}
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
-        self._streams = [SourceStream(mixture.sources[n]) for n in mixture.names]
+        self._streams = {n: SourceStream(ds) for n, ds in mixture.sources.items()}
         self._streams_known()
         #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
         #: Each source's rows delivered (the counts of the last step handed over).
         self._counts: dict[str, int] = {n: 0 for n in mixture.names}
-        first = WeightChange(0, dict(mixture.raw_weights))
-        self._state = MixtureState(
-            seed=mixture.seed,
-            slot=0,
-            counts={n: 0 for n in mixture.names},
-            history=(first,),
-            epoch=0,
-            epoch_start=0,
-            epoch_rows=mixture.epoch_rows,
-            sources=records(mixture),
-            topology=host.topology.to_dict(),
-        )
+        self._state = first_state(mixture, records(mixture), host.topology.to_dict())
 
     @property
     def _state(self) -> MixtureState:
-        """The position: the last state set, moved to the cursor of the last batch delivered.
-
-        A followed source's record is of the increment its count stands in.
-        """
+        """The position: the last state set, moved to the cursor of the last batch delivered."""
         if self._cursor is not None:
             cursor, self._cursor = self._cursor, None
             counts = dict(cursor.counts)
             sources = dict(self._stored.sources)
             if self.varies:
-                for name, stream in zip(self.mixture.names, self._streams, strict=True):
+                for name, stream in self._streams.items():
                     stream.forget_before(counts.get(name, 0))
-                    sources[name] = stream.record(counts.get(name, 0))
+                sources.update(stream_records(self._streams, counts))
             self._stored = dataclasses.replace(
                 self._stored, slot=cursor.slot, counts=counts, sources=sources
             )
@@ -123,26 +96,28 @@ class MixtureNode(Node):
         self.tracker.quarantine = state.quarantine
 
     def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
-        """Each source's spans, reaching past ``counts``.
+        """Each source's spans, reaching past ``counts``; None: they do not, and not ``wait``.
 
-        A followed source asks its lake for its next increment only when ``wait`` (the step
-        to be delivered next needs it), as a followed lake does at its epoch's end: the
-        increments are the same whatever the lookahead. None: they do not reach, and
-        ``wait`` is False.
+        A followed source waits for its lake's next increment only when ``wait`` (the step to
+        be delivered next needs it).
 
         Raises:
             CaughtUpError: If a followed source's lake gives no more rows in time.
         """
-        pairs = list(zip(self._streams, counts, strict=True))
+        pairs = list(zip(self._streams.values(), counts, strict=True))
         if not wait and not all(stream.covers(int(count) - 1) for stream, count in pairs):
             return None
         for stream, count in pairs:
             stream.cover(int(count) - 1)
-        return [stream.spans() for stream in self._streams]
+        return [stream.spans() for stream in self._streams.values()]
 
     def pass_steps(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
-        return -(-self._state.epoch_rows // self.host.global_batch_size)
+        return self._steps(self._state.epoch_rows)
+
+    def _steps(self, rows: int) -> int:
+        """Global steps that ``rows`` rows fill (the last one may be short)."""
+        return -(-max(rows, 0) // self.host.global_batch_size)
 
     @property
     def epoch(self) -> int:
@@ -152,8 +127,7 @@ class MixtureNode(Node):
     def steps_left(self) -> int:
         """Global steps left in the pass under way, for the topology of now."""
         state = self._state
-        rows = state.epoch_rows - (state.slot - state.epoch_start)
-        return -(-max(rows, 0) // self.host.global_batch_size)
+        return self._steps(state.epoch_rows - (state.slot - state.epoch_start))
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Accepted for the usual epoch loop: a mixture's stream goes on from where it is.
@@ -185,13 +159,14 @@ class MixtureNode(Node):
         self._follow_streams()
         # workers decode only sources that read one snapshot for good: a task names a file by
         # its place in the snapshot its worker knows
-        decode = not self._workers_build and all(stream.plain for stream in self._streams)
+        build = self.workers_build
+        decode = not build and all(stream.plain for stream in self._streams.values())
         pool = None
-        if self.host.options.num_workers and self._workers_build:
+        if build:
             pool = self.host._ensure_pool()
         elif self.host.options.num_workers and decode:
-            pool = self._pool_for(self._readers)
-        state, size = self._state, self.host.global_batch_size
+            pool = self._pool_for(self._readers.values())
+        state = self._state
         cursor = MixCursor(state.slot, state.counts)
         sources = res.take_carried()
         if not isinstance(sources, Stores) or sources.at != cursor:
@@ -207,16 +182,15 @@ class MixtureNode(Node):
                 self._layout(),
                 workers_decode=decode,
             )
-        left = state.epoch_rows - (state.slot - state.epoch_start)
         it = MixtureIterator(
             self.mixture,
             self.mixture.weights,
             cursor,
-            -(-left // size),
+            self.steps_left(),
             self.host.topology,
             self.host.options,
             sources,
-            pool if self._workers_build else None,
+            pool if build else None,
             self._recipe(),
             self._delivered,
             res.carry,
@@ -227,17 +201,15 @@ class MixtureNode(Node):
 
     def _follow_streams(self) -> None:
         """A reader of the snapshot each source's stream stands on (``SourceStream.reader``)."""
-        self._readers = [s.reader(r) for s, r in zip(self._streams, self._readers, strict=True)]
+        self._readers = {n: s.reader(self._readers[n]) for n, s in self._streams.items()}
 
     def _leaves(self) -> list[Leaf]:
         """Each source's lake and reader, in the order of the mixture's names."""
-        known = self._state.quarantine
-        return [
-            Leaf(stream.known[0][2], r, known, BatchRecipe(ds.transform, lists=ds.list_format))
-            for stream, r, ds in zip(
-                self._streams, self._readers, self.mixture.sources.values(), strict=True
-            )
-        ]
+        known, leaves = self._state.quarantine, []
+        for name, ds in self.mixture.sources.items():
+            recipe = BatchRecipe(ds.transform, lists=ds.list_format)
+            leaves.append(Leaf(self._streams[name].known[0][2], self._readers[name], known, recipe))
+        return leaves
 
     def _recipe(self) -> BatchRecipe:
         """How the mixed rows become a batch: the loader's collate_fn, the batch_transform."""
@@ -246,47 +218,32 @@ class MixtureNode(Node):
         return BatchRecipe(None, collate, self.mixture.batch_transform, lists)
 
     @property
-    def _workers_build(self) -> bool:
+    def workers_build(self) -> bool:
         """Whether workers build the batches (the user's code runs), rather than decode."""
         return bool(self.host.options.num_workers) and (
             self._recipe().user_code
             or any(ds.transform is not None for ds in self.mixture.sources.values())
         )
 
-    @property
-    def workers_build(self) -> bool:
-        """Whether workers build batches (a transform or collate_fn) rather than decode."""
-        return self._workers_build
-
     def _layout(self) -> RowLayout | None:
-        """How rows are packed into the arena, or None.
-
-        None on the row path (a transform, a collate_fn) and where workers build (they take
-        every column from the units' files).
-        """
+        """How rows are packed into the arena; None on the row path and where workers build."""
         rows_path = self.host.options.collate_fn is not None or any(
             ds.transform is not None for ds in self.mixture.sources.values()
         )
-        packs = not rows_path and not self._workers_build
-        return RowLayout.of(self._readers[0].schema) if packs else None
+        packs = not rows_path and not self.workers_build
+        return RowLayout.of(self._reader().schema) if packs else None
+
+    def _reader(self) -> UnitReader:
+        """The first source's reader (whose schema the batches have)."""
+        return self._readers[self.mixture.names[0]]
 
     def worker_setup(self) -> WorkerSetup:
         """Workers that build the mixed batches, or decode every source's units."""
-        if self._workers_build:
-            return WorkerSetup(
-                schema=self._readers[0].schema,
-                layout=None,
-                recipe=self._recipe(),
-                worker_init_fn=self.host.options.worker_init_fn,
-                seed=self.mixture.seed,
-                rank=self.host.topology.rank,
-                num_workers=self.host.options.num_workers,
-            )
+        if self.workers_build:
+            return make_setup(self.host, self._reader().schema, self.mixture.seed, self._recipe())
         layout = self._layout()
-        named = zip(self.mixture.names, self._readers, strict=True)
-        return decoding_setup(
-            self.host, [(self.mixture.sources[n], r, layout) for n, r in named], self.mixture.seed
-        )
+        sources = [(ds, self._readers[n], layout) for n, ds in self.mixture.sources.items()]
+        return decoding_setup(self.host, sources, self.mixture.seed)
 
     def _delivered(
         self, cursor: MixCursor, skipped: tuple[QuarantineEntry, ...], lost: int
@@ -294,8 +251,7 @@ class MixtureNode(Node):
         """The only place the position moves: a batch was handed over."""
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
         topology, runs = self.host.topology, []
-        named = zip(self.mixture.names, self._streams, strict=True)
-        for name, stream in named:
+        for name, stream in self._streams.items():
             first, stop = self._counts.get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, topology)
         self._counts = dict(cursor.counts)
@@ -307,7 +263,7 @@ class MixtureNode(Node):
 
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
         """The units whose rows these runs took, each of its source's epoch."""
-        streams = dict(zip(self.mixture.names, self._streams, strict=True))
+        streams = self._streams
         return [e for r in runs for e in row_units(streams[r.stream].dataset(r.epoch), r, reason)]
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
@@ -321,17 +277,12 @@ class MixtureNode(Node):
         return self._state.to_dict()
 
     def _streams_known(self) -> None:
-        """What follows from the sources' streams: whether any is known epoch by epoch."""
-        #: Whether a source's epochs are known one by one (a followed lake's increments, a
-        #: lake that grew since a checkpoint): its record is kept up at each step.
-        self.varies = any(stream.varies for stream in self._streams)
-        self.follows = any(stream.follows for stream in self._streams)
+        """Whether any source's epochs are known one by one, and whether any follows its lake."""
+        self.varies = any(stream.varies for stream in self._streams.values())
+        self.follows = any(stream.follows for stream in self._streams.values())
 
     def restore(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a mixture state taken under any topology.
-
-        The weights and sources are this mixture's: changes are recorded in the state and
-        logged.
+        """Continue from a mixture state taken under any topology, with this mixture's weights.
 
         Raises:
             StateFormatError: If the dict is not a mixture state of a known version.
@@ -340,11 +291,7 @@ class MixtureNode(Node):
         self._restore(MixtureState.from_dict(state_dict), {})
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lakes of now.
-
-        A source whose lake changed since the checkpoint finishes its saved epoch on the
-        snapshot the checkpoint pinned, and its later epochs take the lake of now (see
-        ``RecoveryCoordinator.resume_source``).
+        """Continue from a checkpoint, on the lakes of now (``moved_streams``).
 
         Raises:
             StateFormatError: If it holds another kind of loader's state.
@@ -354,28 +301,14 @@ class MixtureNode(Node):
         saved = MixtureState.from_dict(dict(ckpt.state_dict))
         self._restore(saved, moved_streams(ckpt, coordinator, saved, self.mixture.sources))
 
-    def _restore(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
+    def _restore(self, saved: MixtureState, moved: Mapping[str, SourceStream]) -> None:
         """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
         self.host._close_iterator("load_state_dict()")
         self.host._res.drop_carried()
-        streams = [
-            moved[n]
-            if n in moved
-            else SourceStream.resumed(self.mixture.sources[n], saved.sources[n])
-            if n in saved.sources
-            else SourceStream(self.mixture.sources[n])
-            for n in self.mixture.names
-        ]
-        now = {
-            n: stream.record(stream.known[0][1])
-            for n, stream in zip(self.mixture.names, streams, strict=True)
-        }
-        resumed = resume_mixture(saved, self.mixture, now, frozenset(moved))
+        mixture, streams, resumed = resume_streams(self.mixture, saved, moved)
         self.tracker.record.restored()
         self._counts = dict(resumed.state.counts)
-        if moved:  # what the loader reads now (a re-sliced loader is made on it, too)
-            bases = {n: stream.base for n, stream in moved.items()}
-            self.mixture = self.dataset = self.mixture.with_sources(bases)
+        self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
         self._streams = streams
         self._streams_known()
         self._follow_streams()
@@ -387,35 +320,87 @@ class MixtureNode(Node):
         """What the checkpoint barrier compares across ranks (the same on every rank)."""
         return self._state
 
-    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """The state a checkpoint holds, with every rank's quarantine (from the barrier)."""
-        self.add_quarantine(quarantine)
-        return self.state()
-
-    @property
-    def quarantine(self) -> list[QuarantineEntry]:
-        """Units the sources skipped so far, sorted; merged across ranks at saves."""
-        return list(self._state.quarantine)
-
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
-        streams = dict(zip(self.mixture.names, self._streams, strict=True))
-        return pinned_datasets(streams, self._state.counts, self.mixture.sources)
+        return pinned_datasets(self._streams, self._state.counts, self.mixture.sources)
 
     def view(self) -> ReaderView:
         """The pass under way, each rank's share of the next step, where each source stands."""
         state, mix = self._state, self.mixture
-        streams = dict(zip(mix.names, self._streams, strict=True))
         cursor, topo = MixCursor(state.slot, state.counts), self.host.topology
         return mixture_view(
-            self.tracker, streams, cursor, mix.weights, mix.seed, topo, self.steps_left()
+            self.tracker, self._streams, cursor, mix.weights, mix.seed, topo, self.steps_left()
         )
 
     def stats(self) -> dict[str, int]:
         """What the sources' readers did."""
-        return read_counts(reader.counters for reader in self._readers)
+        return read_counts(reader.counters for reader in self._readers.values())
 
 
 def _next_pass(state: MixtureState) -> MixtureState:
     """The state at the start of the next pass (where the last one ended)."""
     return dataclasses.replace(state, epoch=state.epoch + 1, epoch_start=state.slot)
+
+
+def first_state(
+    mixture: Mixture, sources: dict[str, SourceRecord], topology: dict[str, int]
+) -> MixtureState:
+    """A mixture's state before its first row: its weights from slot 0, every count 0."""
+    return MixtureState(
+        seed=mixture.seed,
+        slot=0,
+        counts={n: 0 for n in mixture.names},
+        history=(WeightChange(0, dict(mixture.raw_weights)),),
+        epoch=0,
+        epoch_start=0,
+        epoch_rows=mixture.epoch_rows,
+        sources=sources,
+        topology=topology,
+    )
+
+
+def stream_records(
+    streams: Mapping[str, SourceStream],
+    counts: Mapping[str, int],
+    config: Callable[[LakeDataset], str] | None = None,
+) -> dict[str, SourceRecord]:
+    """Each source's record at its count (none given: where its stream is known from).
+
+    ``config``: what a record names as the source's configuration (None: its order's hash).
+    """
+    out = {}
+    for name, stream in streams.items():
+        at = stream.record(counts.get(name, stream.known[0][1]))
+        if config is not None:
+            at = dataclasses.replace(at, config=config(stream.known[0][2]))
+        out[name] = at
+    return out
+
+
+def resume_streams(
+    mixture: Mixture,
+    saved: MixtureState,
+    moved: Mapping[str, SourceStream],
+    size: Callable[[LakeDataset], int] = len,
+    config: Callable[[LakeDataset], str] | None = None,
+) -> tuple[Mixture, dict[str, SourceStream], MixtureResumption]:
+    """A mixture's resume from ``saved``: the mixture read now, its sources' streams, the state.
+
+    The ``moved`` sources' streams are the recovery coordinator's (``moved_streams``), and
+    the mixture reads their lakes of now; the others go on from their saved records, or start.
+
+    Raises:
+        StateMismatchError: If a source or the seed differs from the saved one.
+    """
+    if moved:
+        mixture = mixture.with_sources({n: stream.base for n, stream in moved.items()})
+    streams = {
+        n: moved[n]
+        if n in moved
+        else SourceStream.resumed(ds, saved.sources[n], size)
+        if n in saved.sources
+        else SourceStream(ds, size=size)
+        for n, ds in mixture.sources.items()
+    }
+    now = stream_records(streams, {}, config)
+    return mixture, streams, resume_mixture(saved, mixture, now, frozenset(moved))

@@ -18,13 +18,13 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import decoding_setup
+from lakeloader.nodes.mixture import first_state, resume_streams, stream_records
 from lakeloader.nodes.packing import PackingNode
 from lakeloader.nodes.streams import SourceStream, moved_streams, pinned_datasets
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.packed_parts import arena_layout
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import resume_mixture
-from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
+from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.packed_state import PackedMixtureState
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.workers.process import WorkerSetup
@@ -40,10 +40,7 @@ class PackedMixtureNode(PackingNode):
     and new weights or sources.
     """
 
-    @property
-    def what(self) -> str:
-        """``"packed mixture"``."""
-        return "packed mixture"
+    what = "packed mixture"
 
     def _init(self, dataset: Any) -> None:
         """Take the mixture in."""
@@ -55,33 +52,12 @@ class PackedMixtureNode(PackingNode):
         self._streams = {
             n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
         }
-        cursor = MixtureState(
-            seed=dataset.seed,
-            slot=0,
-            counts={n: 0 for n in dataset.names},
-            history=(WeightChange(0, dict(dataset.raw_weights)),),
-            epoch=0,
-            epoch_start=0,
-            epoch_rows=dataset.epoch_rows,
-            sources=self._records({}),
-            topology=self._topology(),
-        )
-        self._mixed = PackedMixtureState(cursor)
+        sources = stream_records(self._streams, {}, self._packing_hash)
+        self._mixed = PackedMixtureState(first_state(dataset, sources, self._topology()))
 
     def _topology(self) -> dict[str, int]:
         """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
         return {**self.host.topology.to_dict(), "rank": 0}
-
-    def _records(self, counts: Mapping[str, int]) -> dict[str, SourceRecord]:
-        """Each source's record at these counts ({}: where its stream is known from).
-
-        Its snapshot (a followed lake's increment), packing and samples per epoch.
-        """
-        out = {}
-        for name, stream in self._streams.items():
-            at = stream.record(counts.get(name, stream.known[0][1]))
-            out[name] = dataclasses.replace(at, config=self._packing_hash(stream.known[0][2]))
-        return out
 
     @property
     def epoch(self) -> int:
@@ -105,9 +81,8 @@ class PackedMixtureNode(PackingNode):
 
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where the cursor stands."""
-        mix, (cursor, weights, seed) = self.mixture, self._drawn()
-        sources = [self._source(n) for n in mix.names]
-        return self._begin(sources, cursor, weights, seed, mix.batch_transform, mix.source_key)
+        sources = [self._source(n) for n in self.mixture.names]
+        return self._begin(sources, self.mixture.batch_transform, self.mixture.source_key)
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         for name, stream in self._streams.items():
@@ -116,7 +91,10 @@ class PackedMixtureNode(PackingNode):
             self._mixed.mixture,
             slot=cursor.slot,
             counts=dict(cursor.counts),
-            sources={**self._mixed.mixture.sources, **self._records(cursor.counts)},
+            sources={
+                **self._mixed.mixture.sources,
+                **stream_records(self._streams, cursor.counts, self._packing_hash),
+            },
         )
         self._mixed = PackedMixtureState(mixture)
         self.add_quarantine(skipped)
@@ -162,25 +140,17 @@ class PackedMixtureNode(PackingNode):
             saved, moved_streams(ckpt, coordinator, saved, sources, size, config, True)
         )
 
-    def _resume_cursor(self, saved: MixtureState, moved: dict[str, SourceStream]) -> None:
+    def _resume_cursor(self, saved: MixtureState, moved: Mapping[str, SourceStream]) -> None:
         """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
         self.host._close_iterator("load_state_dict()")
-        if moved:  # what the loader reads now (a re-sliced loader is made on it, too)
-            bases = {n: stream.base for n, stream in moved.items()}
-            self.mixture = self.dataset = self.mixture.with_sources(bases)
-        self._streams = {
-            n: moved[n]
-            if n in moved
-            else SourceStream.resumed(ds, saved.sources[n], self._samples_of)
-            if n in saved.sources
-            else SourceStream(ds, size=self._samples_of)
-            for n, ds in self.mixture.sources.items()
-        }
-        resumed = resume_mixture(saved, self.mixture, self._records({}), frozenset(moved))
+        size, config = self._samples_of, self._packing_hash
+        mixture, self._streams, resumed = resume_streams(self.mixture, saved, moved, size, config)
+        self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
         for change in resumed.changes:
             logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
-        mixture = dataclasses.replace(resumed.state, topology=self._topology())
-        self._mixed = PackedMixtureState(mixture)
+        self._mixed = PackedMixtureState(
+            dataclasses.replace(resumed.state, topology=self._topology())
+        )
         self._restored()
 
     def _counted(self) -> Mapping[str, int]:

@@ -2,20 +2,8 @@
 
 Each batch is ``batch_size`` samples of ``seq_len`` tokens: ``input_ids``, ``position_ids``
 (the token's position in its document) and ``pad_mask`` (True on padding: the end of a stream's
-epoch, or a skipped unit's tokens). The stream is endless: iterate for as many steps as you
-train. Samples are placed by arithmetic over the units' token counts
-(:mod:`lakeloader.order.packing`), so the state is the samples delivered, the same on every
-rank: any one rank's ``state_dict()`` resumes every rank, under any world size and any global
-batch, and the global batches are the same under every world size and worker count.
-
-A packed mixture (:mod:`lakeloader.nodes.packed_mixture`) draws each sample's source in the
-weights' proportions; each source packs its own stream.
-
-User code and quarantine (:mod:`lakeloader.pipeline.packed`): a source's ``transform`` makes
-the packing column of each row; the ``collate_fn`` gets the samples, the ``batch_transform`` (a
-LakeDataset's, or ``Mixture(batch_transform=...)``) the packed batch; both in this process. A
-unit skipped (``on_error="skip"``, ``validate``) gives padding in the place of its tokens; it is
-in the state's ``quarantine``, merged across ranks at a save, known to later passes and resumes.
+epoch, or a skipped unit's tokens). The stream is endless; its state is the samples delivered,
+the same on every rank (:mod:`lakeloader.order.packing`).
 """
 
 from __future__ import annotations
@@ -59,7 +47,6 @@ from lakeloader.state.mixture_state import SourceRecord
 from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import RECENT_STEPS, Delivery, ReaderStateTracker, ReaderView
-from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
@@ -81,11 +68,7 @@ class PackingNode(Node):
         dataset: The lake, with a packing.
     """
 
-    @property
-    def what(self) -> str:
-        """``"packed stream"``."""
-        return "packed stream"
-
+    what = "packed stream"
     dataset: Any  # a LakeDataset; a packed mixture's Mixture
 
     def __init__(self, host: Host, dataset: Any) -> None:
@@ -100,7 +83,7 @@ class PackingNode(Node):
     def _init(self, dataset: Any) -> None:
         """Take the dataset in."""
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
-        self._base = self.dataset = dataset
+        self.dataset = dataset
         self._check_column(dataset)
         self._readers = {ONLY: dataset.reader()}
         self._config = self._packing_hash(dataset)
@@ -120,11 +103,7 @@ class PackingNode(Node):
         return config_hash({**ds.config.to_dict(), "packing": packing.to_dict()})
 
     def _source(self, name: str) -> PackedSource:
-        """A source with its stream, its units' token counts and the quarantine so far.
-
-        Its reader is of the snapshot its stream stands on (a followed lake's increment or a
-        lake that grew may have gone on to another one; the replaced one still counts).
-        """
+        """A source with its stream, its reader (``SourceStream.reader``), the quarantine so far."""
         stream = self._streams[name]
         reader = self._readers[name] = stream.reader(self._readers[name])
         ds = stream.known[0][2]
@@ -164,24 +143,22 @@ class PackingNode(Node):
 
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where the state stands."""
-        source = self._source(ONLY)
-        cursor, weights, seed = self._drawn()
-        return self._begin([source], cursor, weights, seed, self.dataset.batch_transform)
+        return self._begin([self._source(ONLY)], self.dataset.batch_transform)
 
     def _begin(
         self,
         sources: list[PackedSource],
-        cursor: MixCursor,
-        weights: MixWeights,
-        seed: int,
         batch_transform: BatchTransform | None,
         source_key: str | None = None,
     ) -> Iterator[Any]:
-        """A pass over ``sources``: this rank's :class:`PackedIterator`."""
+        """A pass over ``sources`` from the cursor: this rank's :class:`PackedIterator`."""
         host, res, packing = self.host, self.host._res, self.dataset.packing
+        cursor, weights, seed = self._drawn()
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
         self._pass_topology = host.topology  # the pass's: what each delivery's runs are over
+        # workers decode only sources that read one snapshot for good (``SourceStream.plain``)
+        decode = host.options.num_workers and all(s.stream.plain for s in sources)
         it = PackedIterator(
             sources,
             packing,
@@ -191,24 +168,13 @@ class PackingNode(Node):
             self._pass_topology,
             host.options,
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
-            self._decoding_pool(sources),
+            self._pool_for(s.reader for s in sources) if decode else None,
             self._delivered,
             BatchRecipe(None, host.options.collate_fn, batch_transform),
             source_key,
         )
         res.iterator = it
         return it
-
-    def _decoding_pool(self, sources: list[PackedSource]) -> WorkerPool | None:
-        """The workers that decode the sources' units, if any.
-
-        Only sources that read one snapshot for good: a decode task names a file by its place
-        in the snapshot its worker knows (not a followed lake's increments, nor a lake that
-        grew while its saved epoch runs on the pinned snapshot).
-        """
-        if not self.host.options.num_workers or not all(s.stream.plain for s in sources):
-            return None
-        return self._pool_for([s.reader for s in sources])
 
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode the lake's units."""
@@ -283,11 +249,7 @@ class PackingNode(Node):
         return states[0].with_quarantine(q for s in states for q in s.quarantine)
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lake of now.
-
-        If the lake changed since the checkpoint, the saved epoch finishes on the snapshot the
-        checkpoint pinned and later epochs take the lake of now (see
-        ``RecoveryCoordinator.resume_source``).
+        """Continue from a checkpoint, on the lake of now (``RecoveryCoordinator.resume_source``).
 
         Raises:
             StateFormatError: If it holds another kind of loader's state.
@@ -295,12 +257,9 @@ class PackingNode(Node):
                 still needs are gone or rewritten.
         """
         saved = self._parsed(dict(ckpt.state_dict))
-        record = SourceRecord(
-            saved.fingerprint, saved.config, 0, saved.increment, saved.start, saved.from_epoch
-        )
         size, count = self._samples_of, saved.samples
         at = coordinator.resume_source(
-            ckpt, ONLY, self.dataset, record, count, size, self._config, exact=True
+            ckpt, ONLY, self.dataset, _record(saved), count, size, self._config, exact=True
         )
         moved = None if at is None else SourceStream(at.dataset, at.start, size, at.epoch)
         self._restore(saved, moved)
@@ -310,10 +269,7 @@ class PackingNode(Node):
         self.host._close_iterator("load_state_dict()")
         stream = moved
         if stream is None:
-            record = SourceRecord(
-                saved.fingerprint, "", 0, saved.increment, saved.start, saved.from_epoch
-            )
-            stream = SourceStream.resumed(self.dataset, record, self._samples_of)
+            stream = SourceStream.resumed(self.dataset, _record(saved), self._samples_of)
             now = stream.record(saved.samples).fingerprint
             if (saved.fingerprint, saved.config) != (now, self._config):
                 raise StateMismatchError(
@@ -330,11 +286,6 @@ class PackingNode(Node):
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
         return self._state
-
-    def checkpoint_state(self, quarantine: Iterable[QuarantineEntry] = ()) -> dict[str, Any]:
-        """The state, every rank's quarantine (from the barrier) merged in: no collective."""
-        self.add_quarantine(quarantine)
-        return self.state()
 
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
         """The units whose tokens these runs' samples took, each of its source's epoch."""
@@ -356,7 +307,10 @@ class PackingNode(Node):
         """The tracker at a restored state: its epoch, the samples delivered, the quarantine."""
         self.tracker.record.restored()
         self.tracker.position = self._drawn()[0].slot
-        self.tracker.epoch, self.tracker.quarantine = self.epoch, tuple(self.quarantine)
+        self.tracker.epoch, self.tracker.quarantine = (
+            self.epoch,
+            tuple(self.barrier_position().quarantine),
+        )
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
         """The samples' cursor, the weights that draw each sample's source, the seed."""
@@ -370,11 +324,6 @@ class PackingNode(Node):
         args = (cursor, weights, seed, topo, self._counts_of, seq_len)
         return packed_view(self.tracker, self._streams, *args)
 
-    @property
-    def quarantine(self) -> list[QuarantineEntry]:
-        """Units skipped so far, sorted; merged across ranks at saves."""
-        return list(self.barrier_position().quarantine)
-
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshot a checkpoint pins: of the epoch the samples stand in."""
         return pinned_datasets(self._streams, {ONLY: self._state.samples}, {ONLY: self.dataset})
@@ -386,3 +335,10 @@ class PackingNode(Node):
             "tokens": self._tokens,
             "padding": self._padding,
         }
+
+
+def _record(saved: PackedState) -> SourceRecord:
+    """The record of a packed state's source: where its stream stands (no rows counted)."""
+    return SourceRecord(
+        saved.fingerprint, saved.config, 0, saved.increment, saved.start, saved.from_epoch
+    )

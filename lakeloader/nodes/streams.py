@@ -1,23 +1,15 @@
 """A source's stream: its epochs end to end, a followed lake's increments.
 
-A mixture counts the rows it has drawn from each source: offset ``j`` of a source's stream is a
-row of one of its epochs (a packed source's stream counts samples: its ``size`` of an epoch is
-the samples the epoch's tokens fill, :mod:`lakeloader.order.packing`). A lake's epochs all hold
-``len(dataset)`` rows, so offset ``j`` is position ``j % n`` of epoch ``j // n``. A followed
-lake's epochs are its increments, of any size, appended while the run goes on:
-:class:`SourceStream` knows the increments from the one its state names on, each with the
-offset it starts at, and waits for the next one when a draw reaches past the last
-(``LakeDataset.for_epoch``; ``CaughtUpError`` when none comes). A lake that grew between a
-checkpoint and its resume is known the same way, epoch by epoch: the saved epoch on the
-snapshot the checkpoint pinned, the later ones on the lake of now, each of its own size (the
-dataset ``RecoveryCoordinator.resume_source`` gives, whose ``for_epoch`` switches). Its
-:meth:`SourceStream.spans` are what :func:`lakeloader.order.mixture.draw_parts` cuts the draws
-with.
+A mixture counts the rows (a packed source: the samples) it has drawn from each source; offset
+``j`` of a source's stream is a row of one of its epochs. A followed lake's epochs are its
+increments, and a lake that grew since a checkpoint runs its saved epoch on the pinned snapshot:
+their epochs are known one by one, each of its own size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -88,11 +80,7 @@ class SourceStream:
         """The stream of ``dataset`` from the increment a saved record names (if any)."""
         if record.increment is None or dataset.follow is None:
             return cls(dataset, record.start, size, record.epoch)
-        increment = Increment.from_list(record.increment)
-        if dataset.snapshot.increment != increment:
-            found = increment_at(dataset.source, increment, dataset.increment_request())
-            dataset = dataset.on_increment(*found)
-        return cls(dataset, record.start, size)
+        return cls(on_increment(dataset, record.increment), record.start, size)
 
     def spans(self) -> Spans:
         """Where its epochs start: ``n`` rows each, or the increments' first offsets."""
@@ -188,6 +176,20 @@ class SourceStream:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""
         while len(self.known) > 1 and self.known[1][1] <= count:
             self.known.pop(0)
+
+
+def on_increment(dataset: LakeDataset, marks: list[Any]) -> LakeDataset:
+    """The followed lake's increment that ``marks`` (``Increment.to_list()``) name, found again.
+
+    Raises:
+        StateMismatchError: If the lake no longer holds that increment.
+    """
+    increment = Increment.from_list(marks)
+    if dataset.snapshot.increment == increment:
+        return dataset
+    return dataset.on_increment(
+        *increment_at(dataset.source, increment, dataset.increment_request())
+    )
 
 
 def pinned_datasets(

@@ -1,12 +1,7 @@
 """Where a mixture or a packed stream leaves every source and rank (``DataLoader.view()``).
 
-Pure functions of a stream node's position (each source's count in its stream of rows or
-samples), its weights and the topology: nothing is read. A source's next row is located as a
-lake's is (:func:`lakeloader.state.view.locate`); a packed source's next sample by the unit its
-first token is in (that unit's first row: a packed position counts tokens, not rows). Each
-rank's share of the next step is the mixture's draw (:meth:`MixCursor.take`), cut as the
-iterators cut it: a mixture's into contiguous slots, a packed step's after its samples are
-sorted by stream (:func:`lakeloader.order.packing.step_shares`).
+Pure functions of a stream node's position, its weights and the topology: nothing is read. A
+packed source's next sample is located by the unit its first token is in.
 """
 
 from __future__ import annotations
