@@ -56,11 +56,7 @@ class Host(Protocol):
 
 
 class Node:
-    """A source of batches (see the module docstring); the defaults suit a stream.
-
-    Args:
-        host: The loader that holds it.
-    """
+    """A source of batches for ``host``, the loader that holds it; the defaults suit a stream."""
 
     #: What it reads (a followed lake: the increment under way).
     dataset: Any

@@ -44,12 +44,7 @@ INCREMENT_KEY = "follow_increment"
 
 
 class LakeNode(Node):
-    """A lake, followed or not (see the module docstring).
-
-    Args:
-        host: The loader.
-        dataset: The lake.
-    """
+    """A lake, followed or not (see the module docstring)."""
 
     dataset: LakeDataset  # the epoch under way's (a followed lake's increment)
 

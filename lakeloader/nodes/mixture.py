@@ -155,16 +155,14 @@ class MixtureNode(Node):
         self.host._close_iterator("a newer iter(loader)")
         if self._state.epoch_done:
             self._state = _next_pass(self._state)
-        res = self.host._res
+        res, opts = self.host._res, self.host.options
         self._follow_streams()
         # workers decode only sources that read one snapshot for good: a task names a file by
         # its place in the snapshot its worker knows
         build = self.workers_build
         decode = not build and all(stream.plain for stream in self._streams.values())
-        pool = None
-        if build:
-            pool = self.host._ensure_pool()
-        elif self.host.options.num_workers and decode:
+        pool = self.host._ensure_pool() if build else None
+        if opts.num_workers and decode:
             pool = self._pool_for(self._readers.values())
         state = self._state
         cursor = MixCursor(state.slot, state.counts)
@@ -172,23 +170,16 @@ class MixtureNode(Node):
         if not isinstance(sources, Stores) or sources.at != cursor:
             if sources is not None:
                 sources.close()
-            unit_dir = res.unit_folder(self.host.options.cache_dir, self.host.options.cache_bytes)
-            sources = Stores(
-                self._leaves(),
-                self.host.options,
-                Topology(1, 0, 0, self.host.options.batch_size),
-                unit_dir,
-                pool,
-                self._layout(),
-                workers_decode=decode,
-            )
+            unit_dir = res.unit_folder(opts.cache_dir, opts.cache_bytes)
+            whole = Topology(1, 0, 0, opts.batch_size)
+            sources = Stores(self._leaves(), opts, whole, unit_dir, pool, self._layout(), decode)
         it = MixtureIterator(
             self.mixture,
             self.mixture.weights,
             cursor,
             self.steps_left(),
             self.host.topology,
-            self.host.options,
+            opts,
             sources,
             pool if build else None,
             self._recipe(),

@@ -66,14 +66,10 @@ class PackedMixtureNode(PackingNode):
 
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode every source's units (a task names its source by index)."""
-        sources = [self.mixture.sources[n] for n in self.mixture.names]
-        readers = [self._readers[n] for n in self.mixture.names]
-        layout = arena_layout(sources, readers[0])
-        return decoding_setup(
-            self.host,
-            [(ds, r, layout) for ds, r in zip(sources, readers, strict=True)],
-            self.mixture.seed,
-        )
+        mix = self.mixture
+        layout = arena_layout(list(mix.sources.values()), self._readers[mix.names[0]])
+        sources = [(ds, self._readers[n], layout) for n, ds in mix.sources.items()]
+        return decoding_setup(self.host, sources, mix.seed)
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
         at, mix = self._mixed.mixture, self.mixture
@@ -87,16 +83,11 @@ class PackedMixtureNode(PackingNode):
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         for name, stream in self._streams.items():
             stream.forget_before(cursor.counts.get(name, 0))
-        mixture = dataclasses.replace(
-            self._mixed.mixture,
-            slot=cursor.slot,
-            counts=dict(cursor.counts),
-            sources={
-                **self._mixed.mixture.sources,
-                **stream_records(self._streams, cursor.counts, self._packing_hash),
-            },
-        )
-        self._mixed = PackedMixtureState(mixture)
+        at = self._mixed.mixture
+        records = stream_records(self._streams, cursor.counts, self._packing_hash)
+        sources, counts = {**at.sources, **records}, dict(cursor.counts)
+        at = dataclasses.replace(at, slot=cursor.slot, counts=counts, sources=sources)
+        self._mixed = PackedMixtureState(at)
         self.add_quarantine(skipped)
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
@@ -127,8 +118,6 @@ class PackedMixtureNode(PackingNode):
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint on the lakes of now, as a Mixture's loader does.
-
-        A source that grew finishes its saved epoch's samples on its pinned snapshot.
 
         Raises:
             StateFormatError: If it holds another kind of loader's state.

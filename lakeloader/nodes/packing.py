@@ -62,10 +62,6 @@ class PackingNode(Node):
     units of a lake read from one snapshot for good (else, and for a followed lake's
     increments or a saved epoch on a pinned snapshot, this process's ``io_threads`` do);
     samples are cut, and the user's code run, in this process.
-
-    Args:
-        host: The loader.
-        dataset: The lake, with a packing.
     """
 
     what = "packed stream"

@@ -117,8 +117,7 @@ class SourceStream:
     def holding(self, count: int) -> tuple[int, int, LakeDataset]:
         """The ``(epoch, first offset, dataset)`` known that holds offset ``count``.
 
-        A followed lake's: or the last increment known, which ``count`` may follow (the next
-        one is not waited for).
+        A followed lake's: or the last increment known (the next one is not waited for).
         """
         if not self.follows:
             self.cover(count)
@@ -131,9 +130,7 @@ class SourceStream:
     def record(self, count: int) -> SourceRecord:
         """What the state records of the source, standing at offset ``count`` of its stream.
 
-        A followed lake's record is of the increment that holds ``count`` (or starts there):
-        its marks and first offset find its files again at a resume; the increments before
-        it are done with.
+        A followed lake's is of the increment that holds ``count`` (or starts there).
         """
         epoch, start, ds = self.holding(count)
         if not self.varies:  # epochs of one size from offset 0
@@ -199,9 +196,8 @@ def pinned_datasets(
 ) -> dict[str, LakeDataset]:
     """What a checkpoint pins of each source, at these counts.
 
-    The snapshot of the epoch its count stands in when its epochs are known one by one (a lake
-    that grew), so that the manifest is of the snapshot its record names; else the dataset as
-    given (a followed lake's increments are found again by their marks).
+    A lake that grew: the snapshot of the epoch its count stands in (the one its record names);
+    else the dataset as given.
     """
     return {
         name: stream.holding(counts.get(name, 0))[2]
@@ -222,11 +218,9 @@ def moved_streams(
 ) -> dict[str, SourceStream]:
     """The streams of a mixture's sources whose lakes changed since ``ckpt``.
 
-    Each is mapped onto the lake of now by ``RecoveryCoordinator.resume_source`` (the saved
-    epoch on the snapshot the checkpoint pinned, the later ones on the lake of now). ``size``:
-    an epoch's offsets (rows, or a packed source's samples); ``config``: what a source's record
-    names as its configuration (None: its order's hash); ``exact``: files gone or rewritten are
-    refused whatever the policy (a packed source's).
+    Each is mapped onto the lake of now by ``RecoveryCoordinator.resume_source``. ``size``: an
+    epoch's offsets; ``config``: what a source's record names as its configuration (None: its
+    order's hash); ``exact``: files gone or rewritten are refused whatever the policy.
     """
     moved = {}
     for name in sorted(set(sources) & set(saved.sources)):
