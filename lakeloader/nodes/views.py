@@ -80,8 +80,7 @@ def source_views(
         found = _epoch_of(stream, count)
         if found is None:
             epoch, start, ds = stream.known[-1]
-            size = stream.size(ds)
-            out.append(SourceView(name, epoch, count - start, size, None))
+            out.append(SourceView(name, epoch, count - start, stream.size(ds), None))
             continue
         epoch, place = found
         ds = stream.dataset(epoch)
