@@ -231,9 +231,8 @@ def make_setup(
     decoders: tuple[UnitDecoder, ...] = (),
 ) -> WorkerSetup:
     """What ``host``'s workers need on the topology of now (see :class:`WorkerSetup`)."""
-    topo, init = host.topology, host.options.worker_init_fn
-    recipe = BatchRecipe() if recipe is None else recipe
-    return WorkerSetup(schema, layout, recipe, init, seed, topo.rank, topo.num_workers, decoders)
+    init, recipe = host.options.worker_init_fn, BatchRecipe() if recipe is None else recipe
+    return WorkerSetup(schema, layout, recipe, init, seed, host.topology.rank, decoders)
 
 
 def decoding_setup(

@@ -57,7 +57,6 @@ class WorkerSetup:
     worker_init_fn: Callable[[int], None] | None
     seed: int
     rank: int
-    num_workers: int
     decoders: tuple[UnitDecoder, ...] = ()
 
 
