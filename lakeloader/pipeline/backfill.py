@@ -1,20 +1,9 @@
 """Fixed-size steps under quarantine (``LakeDataset(on_error="skip", backfill=True)``).
 
-Without backfill, a step is ``G`` global slots and the rows of a quarantined unit are left out
-of it, so the step comes out short. With it, global step ``k`` is the first ``G`` good rows
-(not quarantined) from its position ``p_k``, in slot order, and ``p_(k+1)`` is the slot after
-the last of them: every step keeps its size but an epoch's last, quarantined rows are counted
-(covered by the position) and never delivered, and every other row comes once.
-
-Whether a row is good is known once its unit is decoded, and a rank's share of step ``k``
-depends on every quarantine verdict before it, which other ranks' shares would find. So that
-the steps stay the same under every topology without a collective, every rank decodes every
-unit of each global step (a pass planned for one rank taking the whole global batch: the
-world size times the reads) and takes its share of the ``G`` rows (:func:`rank_bounds`). A
-state's position is ``p_k``: a resume under any world size, worker count or batch size goes on
-with the same steps. Batches are cut and joined column by column (tensors, nested tensors,
-padded lists, Python lists); the dataset's ``batch_transform`` runs on the batch as cut, in
-this process.
+Global step ``k`` is the first ``G`` rows not quarantined from its position ``p_k``, in slot
+order. Every rank reads the whole global step (a one-rank pass) and takes its share
+(:func:`rank_bounds`), so the steps are the same under every topology; batches are cut and
+joined column by column (tensors, nested tensors, padded lists, Python lists).
 """
 
 from __future__ import annotations
@@ -47,10 +36,7 @@ Columns = dict[str, Any]
 class Screen:
     """Which slots of a one-rank step its batch holds: the store's rule, indexed once a pass.
 
-    The store leaves out a piece (a unit's rows in one window of the plan) when one quarantine
-    entry covers all of it (one found decoding it, or one known before), and decodes it whole
-    otherwise; so a slot is left out when an entry covers its whole piece. Entries are looked
-    up by (file, row group), so a step costs its own pieces, not the quarantine's size.
+    A slot is left out when one quarantine entry covers its whole piece.
 
     Args:
         plan: The epoch's plan.
@@ -64,11 +50,7 @@ class Screen:
         self._by_group: dict[tuple[int, int], list[QuarantineEntry]] = {}
 
     def good_slots(self, start: int, stop: int, skipped: tuple[QuarantineEntry, ...]) -> np.ndarray:
-        """The slots of step ``[start, stop)`` that its batch holds, in its row order.
-
-        A one-rank batch holds the step's slots partition-major (:func:`batch_slots`), less
-        those of pieces left out.
-        """
+        """The slots of step ``[start, stop)`` that its batch holds, in its row order."""
         if skipped != self._entries:
             self._entries, self._by_group = skipped, {}
             for q in skipped:
@@ -202,9 +184,8 @@ def backfill_view(
 ) -> ReaderView:
     """Where a backfilled position leaves every rank and worker, as far as it is known.
 
-    Each rank's share of the next step: its part of the step's first ``G`` rows in slot order
-    that the quarantine known so far leaves (units found bad later move it on). Every rank's
-    workers do what a one-rank pass's would: the whole step's units.
+    Each rank's share of the next step is cut from the rows the quarantine known so far
+    leaves; every rank's workers read the whole step's units.
     """
     whole = Topology(1, 0, topology.num_workers, topology.global_batch)
     one = backfill_tracker(tracker, whole).view(plan, snapshot)
@@ -298,9 +279,7 @@ class Backfill:
         self._fill(size + 1)  # one row more: whether the pass ends with this step is known
         n = min(size, len(self._slots))
         total, start = self._plan.num_rows, tracker.position
-        if n == 0 or (n < size and self._drop_last):
-            # the short last step dropped, or only quarantined rows left: counted, the
-            # epoch over
+        if n == 0 or (n < size and self._drop_last):  # the rows left counted dropped
             tracker.rows_dropped = total - start
             raise StopIteration
         assert self._rows is not None

@@ -1,18 +1,9 @@
 """Building batches ahead in a background thread of the loader's process, when that pays.
 
-Whenever this process assembles batches (the default columnar path, with or without workers
-decoding; a ``batch_transform`` without workers), :class:`ThreadBuilder` decides where each
-step is built: the row copy out of the arena, the tensors, the ``batch_transform``, pinning.
-When the training loop spends time of its own between two ``next()`` calls (an accelerator
-step), one thread builds the next ``prefetch_factor`` to twice that many steps meanwhile, and
-``next(loader)`` only hands over a batch that is ready (numpy and torch release the GIL in
-their copies). When the loop asks again at once (it only counts rows, or feeds another
-queue), a thread could not build ahead of it, and handing steps to it and back would only
-add its cost and the two threads' contention for the GIL (a quarter of the epoch's time,
-measured); so ``next()`` builds the step itself. Batches are delivered strictly in step order
-either way, and a step's error is raised when that step is asked for. While the loop computes,
-the thread also plans the pass's next chunk of steps (:meth:`ThreadBuilder.run_ahead`) and
-frees the batches the loop is done with (:meth:`ThreadBuilder.top_up`).
+:class:`ThreadBuilder` builds the next steps in a thread while the training loop spends time
+of its own between ``next()`` calls, and in place when the loop asks again at once (handing
+steps over would then only add cost and GIL contention). Batches are delivered strictly in
+step order either way, and a step's error is raised when that step is asked for.
 """
 
 from __future__ import annotations
@@ -43,18 +34,15 @@ AWAY_WEIGHT: Final = 0.1
 #: Batches handed over that the builder keeps referenced, the newest ones: the loop holds the
 #: last one, and maybe the one before while it rebinds its variable.
 KEPT_HANDED: Final = 2
-#: Longest interval the average takes in, as a multiple of the threshold: one pause of the
-#: loop's (a garbage collection, the scheduler) moves it by at most a fifth of the threshold,
-#: so a loop that asks again at once keeps building in place through pauses of any length,
-#: one in three steps at most.
+#: Longest interval the average takes in, as a multiple of the threshold (so that one pause
+#: of a tight loop moves the average by at most a fifth of the threshold).
 AWAY_CAP: Final = 2.0
 
 
 class Pace:
     """How long the training loop stays away between two ``next()`` calls (moving average).
 
-    Times are passed in (seconds on one monotonic clock), so the rule is a pure function of
-    them. Example:
+    Times are passed in (seconds on one monotonic clock). Example:
 
     >>> pace = Pace()
     >>> for step in range(40):  # 2 ms of compute per step
@@ -85,7 +73,7 @@ class Pace:
 
 
 class ThreadBuilder:
-    """Builds steps with a :class:`LocalBuilder`: ahead in a thread, or in place (see above).
+    """Builds steps with a :class:`LocalBuilder`: ahead in a thread, or in place.
 
     Args:
         spec: The pass.
@@ -104,19 +92,15 @@ class ThreadBuilder:
         #: Steps handed to the thread and not yet taken back.
         self._sent: set[int] = set()
         #: What the thread built, by step: the payload, or the exception the step raised.
-        #: One lock and one dictionary for all steps (no future per step: ``next()`` takes a
-        #: ready batch with a dictionary lookup).
         self._built: dict[int, Payload | BaseException] = {}
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
-        # A daemon thread: one blocked waiting for a unit must not hold up the interpreter's
-        # exit (an executor's threads are joined before atexit handlers close the pass).
+        # A daemon thread: one blocked waiting for a unit must not hold up the interpreter's exit.
         self._thread = threading.Thread(target=self._run, name="lakeloader-build", daemon=True)
         self._thread.start()
         self._next = 0  # the next step to hand to the thread
         self._pace = Pace()
-        #: Batches handed over while building ahead, which the thread lets go of (see
-        #: :meth:`top_up`); appended here, trimmed there (deque operations are atomic).
+        #: Batches handed over while building ahead, which the thread lets go of (see top_up).
         self._handed: deque[Any] = deque()
 
     def asked(self) -> None:
@@ -150,18 +134,10 @@ class ThreadBuilder:
     def top_up(self, next_step: int, batch: Any) -> None:
         """Keep the thread ``prefetch_factor`` to twice that many steps ahead of ``next_step``.
 
-        Called once a batch is handed over, so that the thread builds while the training loop
-        works, not while ``next()`` still has its own bookkeeping to do under the GIL; and only
-        while the loop spends :data:`BUILD_AHEAD_AWAY_SECONDS` or more between calls (its
-        :class:`Pace`). Steps are handed over ``prefetch_factor`` at a time, when only that many
-        remain queued: one wake-up of the thread per ``prefetch_factor`` steps, not one per
-        step.
-
-        While it builds ahead, the thread also frees the batches the loop is done with: the
-        builder keeps a reference to ``batch`` (the one being handed over), so that when the
-        loop drops its own the tensors are not freed inside the loop (tens of microseconds
-        for a batch of a few dozen tensors) but in the thread, while the loop computes. The
-        thread lets go of all but the newest :data:`KEPT_HANDED`.
+        Called once ``batch`` is handed over; does nothing while the loop asks again at once
+        (its :class:`Pace`). Steps are handed over ``prefetch_factor`` at a time. The builder
+        keeps ``batch`` referenced, so that the thread, not the loop, frees the batches the
+        loop is done with (all but the newest :data:`KEPT_HANDED`).
         """
         self._next = max(self._next, next_step)
         self._pace.returned(time.perf_counter())
@@ -188,8 +164,7 @@ class ThreadBuilder:
     def run_ahead(self, work: Callable[[], _T]) -> Future[_T] | None:
         """Run ``work`` in the thread, after the steps handed to it, if the loop stays away.
 
-        For the pass's other work that need not be done inside ``next()`` (planning the next
-        steps): None, and nothing is run, when the loop asks again at once (see above).
+        Returns None, and runs nothing, when the loop asks again at once.
         """
         if not self._pace.builds_ahead:
             return None
@@ -222,11 +197,7 @@ class ThreadBuilder:
             work()
 
     def close(self, wait: bool) -> None:
-        """Drop the steps queued and stop the thread once the step under way ends.
-
-        The thread is not joined: a step under way ends when the pass's store is closed
-        (its units' futures are cancelled), which comes right after this.
-        """
+        """Drop the steps queued and stop the thread once the step under way ends (no join)."""
         with self._ready:
             self._closed = True
             self._ready.notify_all()

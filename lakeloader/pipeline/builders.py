@@ -1,12 +1,8 @@
 """Building a step's batch: in the loader's process, or in the workers for a transform.
 
-Both builders take a step's :class:`~lakeloader.order.batches.BatchSpec`, wait for its units
-in the pass's store, leave quarantined units out (:func:`~lakeloader.cache.screening.screen`)
-and return the payload that :func:`~lakeloader.pipeline.collate.finish_payload` turns into the
-batch. :class:`LocalBuilder` builds in this process: on the default tensor path it is one row
-copy out of the arena. :class:`WorkerBuilder` has the workers build batches, which pays when
-rows go through a transform or a collate_fn one by one: step ``k`` of the pass goes to worker
-``k mod W``, a few steps ahead of delivery.
+A builder waits for a step's units, leaves quarantined units out and returns the payload that
+:func:`~lakeloader.pipeline.recipe.finish_payload` turns into the batch. With workers, step
+``k`` of the pass goes to worker ``k mod W``, a few steps ahead of delivery.
 """
 
 from __future__ import annotations
@@ -127,7 +123,6 @@ class LocalBuilder:
             ready.update(gather_packed(records, screened.rows, spec.layout, fields))
             self.resolve_views(ready, screened.views)
         units = self._opener.open(screened.refs, records) if screened.refs else []
-        # Rows' seeds only feed the user's code.
         seeds = self.seeds(step, screened) if self.user_code else _NO_SEEDS
         payload = build_payload(units, screened.take, self._schema, spec.recipe, ready, seeds)
         return self.seen(payload)
@@ -149,10 +144,8 @@ class LocalBuilder:
 
     def arrow_columns(self, screened: Screened, skip: tuple[str, ...]) -> dict[str, Any]:
         """The step's columns but ``skip`` (gathered elsewhere), through the Arrow path."""
-        units = self._opener.open(screened.refs, self._space.records()) if screened.refs else []
-        placeholder = np.zeros(0)  # never read: these columns are dropped below
-        ready = {name: placeholder for name in skip}
-        columns = gather_columns(units, screened.take, self._schema, ready)
+        ready = dict.fromkeys(skip, np.zeros(0))  # never read: these columns are dropped below
+        columns = gather_columns(self.units(screened), screened.take, self._schema, ready)
         return {name: value for name, value in columns.items() if name not in skip}
 
     def seen(self, payload: Payload) -> Payload:
@@ -164,11 +157,8 @@ class LocalBuilder:
     def empty(self) -> Payload:
         """The payload of an empty share with the user's code: the others' structure, no row.
 
-        torch never calls a collate_fn with no rows (``default_collate([])`` fails), and the
-        structure of a transform's output is only known from a row. So a batch built in this
-        pass is cut to no row (:func:`empty_like`); before any, the first row of the epoch's
-        first piece that is not quarantined goes through the transform, the collate_fn and the
-        batch_transform once. With every piece quarantined there is no row: the empty share is
+        A batch built in this pass cut to no row (:func:`empty_like`); before any, the first
+        row of the epoch that is not quarantined built and cut; with every piece quarantined,
         ``[]``.
         """
         if self._empty is None and self._sample is not None:

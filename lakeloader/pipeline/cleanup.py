@@ -1,15 +1,7 @@
 """Finalisers that never deadlock: a loader collected by the garbage collector closes elsewhere.
 
-Python's cyclic garbage collector runs in whichever thread happens to allocate, holding
-whatever locks that thread holds, and runs the ``weakref.finalize`` callbacks of what it
-collects right there. Closing a pass there can wait forever. Seen: the main thread, inside
-``ThreadPoolExecutor.submit``, held ``concurrent.futures``' global lock while starting a thread;
-the collector ran in that new thread and closed a dead pass, which waited for the dispatcher's
-lock; the dispatcher's receiving thread held it while forking a replacement worker, and the fork
-waited for the executor's global lock (taken before every fork). So a finaliser that the
-collector runs, or that runs off the main thread, only puts the close on a queue that one
-daemon thread of the process empties. One that runs on the main thread because the last
-reference went away (``del loader``), or at interpreter exit, closes in place, at once.
+The collector runs finalisers in whichever thread allocates, holding its locks, where closing
+a pass can deadlock; there a close is only queued for one daemon thread of the process.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Gathering a batch column by column: the default batch, a dict of column name to tensor.
 
-No per-row Python work: numeric, boolean and temporal (as integer ticks) columns become
-``[B]`` tensors (nulls in float columns as NaN), fixed-size lists of numbers ``[B, D1, ...]``
-tensors, lists of numbers jagged nested tensors (or padded, :class:`ListFormat`), everything
-else (strings, other nested types, decimals) a Python list. The row path (a ``transform`` or
-a ``collate_fn``) is :mod:`lakeloader.pipeline.rows`.
-
-Packed columns are gathered from the rank's arena with one row copy per batch, then copied out
-column by column into arrays that tensors wrap without a further copy.
+Numeric, boolean and temporal (as integer ticks) columns become ``[B]`` tensors (nulls in
+float columns as NaN), fixed-size lists ``[B, D1, ...]`` tensors, lists of numbers jagged nested
+tensors (or padded, :class:`ListFormat`), anything else a Python list.
 """
 
 from __future__ import annotations
@@ -54,7 +49,7 @@ class ListFormat:
 
     Attributes:
         kind: ``"jagged"``: a ``torch.nested`` tensor of jagged layout (``.values()``,
-            ``.offsets()``, ``.to_padded_tensor(pad)``). ``"padded"``: a ``[B, max_len, ...]``
+            ``.offsets()``, ``.to_paddedto_tensor(pad)``). ``"padded"``: a ``[B, max_len, ...]``
             tensor padded with ``pad_value``, and the rows' lengths in ``<name>_lengths``.
         pad_value: What pads the short rows.
 
@@ -80,12 +75,6 @@ class ListFormat:
         return f"{name}_lengths"
 
 
-#: Tag of a payload in columnar form (numpy arrays to be turned into tensors).
-COLUMNS = "columns"
-#: Tag of a payload that is already the user's collated batch.
-COLLATED = "collated"
-
-
 def _check_nulls(name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed]) -> None:
     """Raise unless the column's tensor can hold its nulls (floats hold them as NaN).
 
@@ -109,22 +98,6 @@ def _check_nulls(name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Pac
     )
 
 
-def _tensor_view(
-    name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed] = ()
-) -> np.ndarray:
-    """A tensor-typed column as a numpy array fit for a tensor.
-
-    Dates, times, timestamps and durations map to their integer ticks (int32 or int64, in
-    the column's own unit), so that no value is lost to Python's datetime range. Nulls in a
-    float column become NaN; an integer, boolean or temporal tensor cannot hold a null.
-
-    Raises:
-        NullValuesError: If a non-float column holds nulls.
-    """
-    _check_nulls(name, col, units)
-    return tensor_numpy(col)
-
-
 def _arrow_column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> pa.Array:
     """One column of the batch through Arrow (units that packed it give it from their bytes)."""
     parts = []
@@ -146,9 +119,7 @@ def gather_columns(
 ) -> dict[str, Any]:
     """The batch in columnar form: rows ``take`` of the concatenation of ``units``.
 
-    Columns in ``ready`` were already gathered from the arena (one row copy for the whole
-    batch, see :func:`lakeloader.cache.packed.gather_packed`); the others come through Arrow, then
-    as tensors or Python lists.
+    Columns in ``ready`` were already gathered from the arena; the others come through Arrow.
 
     Raises:
         NullValuesError: If an integer, boolean or temporal column holds nulls in the batch.
@@ -190,7 +161,8 @@ def _batch_column(
     field: pa.Field, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed]
 ) -> np.ndarray | Ragged | list[Any] | pa.Array:
     if is_tensor_type(field.type):
-        return _tensor_view(field.name, col, units)
+        _check_nulls(field.name, col, units)
+        return tensor_numpy(col)
     if is_ragged_type(field.type):
         _check_nulls(field.name, col, units)
         return ragged_numpy(col)
@@ -228,21 +200,22 @@ def columns_to_tensors(columns: dict[str, Any], lists: ListFormat) -> dict[str, 
     out: dict[str, Any] = {}
     for name, value in columns.items():
         if isinstance(value, np.ndarray):
-            out[name] = _tensor(value)
+            out[name] = to_tensor(value)
         elif isinstance(value, Ragged):
             if lists.padded:
-                out[name] = _tensor(value.padded(lists.pad_value))
-                out[lists.lengths_of(name)] = _tensor(value.lengths)
+                out[name] = to_tensor(value.padded(lists.pad_value))
+                out[lists.lengths_of(name)] = to_tensor(value.lengths)
             else:
                 out[name] = torch.nested.nested_tensor_from_jagged(
-                    _tensor(value.values), _tensor(value.offsets)
+                    to_tensor(value.values), to_tensor(value.offsets)
                 )
         else:
             out[name] = value
     return out
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
+def to_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over ``array`` (a copy when it is read-only)."""
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
@@ -260,17 +233,12 @@ def pin(batch: Any) -> Any:
 def empty_like(batch: Any) -> Any:
     """A batch of the same structure with no row: tensors and arrays cut to length 0.
 
-    An empty share (the short last global batch holds fewer rows than there are ranks, or all
-    of a step's units are quarantined) still has to be a batch, so that every rank takes
-    every step; on the row path it is made from a batch of one row, by this function.
-
     >>> b = empty_like({"x": torch.ones(3, 2), "tags": ["a", "b", "c"], "pair": (torch.ones(3),)})
     >>> b["x"].shape, b["tags"], b["pair"][0].shape
     (torch.Size([0, 2]), [], torch.Size([0]))
 
     Raises:
-        TypeError: If the batch holds something that has no empty form (a number, a string or
-            an object of the caller's own): say how to make one in the message.
+        TypeError: If the batch holds something that has no empty form.
     """
     if isinstance(batch, torch.Tensor) and batch.is_nested:
         offsets = batch.offsets()  # type: ignore[attr-defined]

@@ -1,12 +1,6 @@
 """One pass over an epoch for one rank: plan ahead, decode ahead, build, deliver in order.
 
-The iterator walks the rank's steps from the start position. It plans steps ahead (each a
-:class:`~lakeloader.order.batches.BatchSpec`, many per call; past the first ones in the build
-thread, while the training loop computes) and asks the pass's unit store to
-decode their units in plan order within the byte budget; a builder
-(:mod:`lakeloader.pipeline.builders`) makes each batch, and batches are yielded strictly in
-step order. Only when a batch is handed to the training loop does the reader-state tracker's
-position move.
+The reader-state tracker's position moves only when a batch is handed to the training loop.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ PLAN_CHUNK: Final = 64
 
 
 class EpochIterator:
-    """Iterator over one rank's batches of one epoch (see the module docstring).
+    """Iterator over one rank's batches of one epoch.
 
     Args:
         stores: The pass's stores, of one leaf: the lake.
@@ -52,8 +46,7 @@ class EpochIterator:
         owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
 
     Attributes:
-        num_steps: Batches this pass delivers in all, from where it starts (a framework
-            that must know the last batch without pulling ahead reads it).
+        num_steps: Batches this pass delivers in all, from where it starts.
     """
 
     def __init__(
@@ -92,8 +85,7 @@ class EpochIterator:
         self._next_plan = self._next_deliver = 0
         self._closed = False
         self._ended_by: str | None = None
-        # An iterator dropped without close() (with its loader) still stops its threads; its
-        # loader's LoaderResources has started the closing thread (cleanup.prepare).
+        # An iterator dropped without close() still stops its threads.
         self._finalizer = weakref.finalize(
             self, close_safely, _close_pass, self._workers, self._stores
         )
@@ -107,19 +99,16 @@ class EpochIterator:
             and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
             and (self._next_plan == self._next_deliver or store.nbytes < spec.options.cache_bytes)
         ):
-            if not self._planned:
-                self._planned.extend(self._chunk_at(self._next_plan))
+            if not self._planned:  # the chunk the build thread planned, or one planned now
+                ahead, self._chunk = self._chunk, None
+                if ahead is not None and ahead[0] == self._next_plan:
+                    self._planned.extend(ahead[1].result())
+                else:
+                    self._planned.extend(self._plan_chunk(self._next_plan))
             step = self._planned.popleft()
             store.request(step.positions)
             self._specs[step.step] = step
             self._next_plan += 1
-
-    def _chunk_at(self, first: int) -> list[BatchSpec]:
-        """The specs of the chunk of steps from ``first``: planned in the thread, or now."""
-        ahead, self._chunk = self._chunk, None
-        if ahead is not None and ahead[0] == first:
-            return ahead[1].result()
-        return self._plan_chunk(first)
 
     def _plan_chunk(self, first: int) -> list[BatchSpec]:
         spec, topo = self.spec, self.spec.topology
@@ -134,12 +123,7 @@ class EpochIterator:
         )
 
     def _plan_next_chunk(self, builder: ThreadBuilder) -> None:
-        """Have the build thread plan the chunk after the steps planned, while the loop works.
-
-        Once half of the planned steps are requested: planning a chunk costs a few
-        milliseconds, which ``next()`` would otherwise spend once every :data:`PLAN_CHUNK`
-        steps.
-        """
+        """Have the build thread plan the next chunk once half the planned steps are requested."""
         first = self._next_plan + len(self._planned)
         if self._chunk is None and first < self.num_steps and len(self._planned) <= PLAN_CHUNK // 2:
             future = builder.run_ahead(functools.partial(self._plan_chunk, first))
@@ -166,10 +150,7 @@ class EpochIterator:
         self._stores.reap()
         self._plan_ahead()
         step = self._specs[index]
-        if self._workers is not None:
-            payload = self._workers.build(step)
-        else:
-            payload = self._local.build(step)
+        payload = (self._workers or self._local).build(step)
         batch = finish_payload(payload, self.spec.recipe)
         if self.spec.options.pin_memory and payload[0] != READY:
             batch = pin(batch)
@@ -218,7 +199,7 @@ class EpochIterator:
         """Stop decoding and building, drop the cached units (idempotent).
 
         Args:
-            wait: Wait for the pass's threads (a finaliser passes False).
+            wait: Wait for the pass's threads.
             ended_by: What ended the pass before its end (``"a newer iter(loader)"``), which
                 a later ``next()`` names in its error; None for the pass's own end.
         """

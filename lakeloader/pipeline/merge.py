@@ -1,9 +1,4 @@
-"""Columns built apart (a mixture's parts of one batch), laid out as one batch.
-
-Each part is a columnar payload (:mod:`lakeloader.pipeline.recipe`: numpy arrays,
-:class:`~lakeloader.cache.arrays.Ragged` lists, Python lists, Arrow arrays) and comes with
-where each of its rows goes in the batch; every row is copied once, to its place.
-"""
+"""Columns built apart (a mixture's parts of one batch), laid out as one batch."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """How rows become the batch the training loop gets: a :class:`BatchRecipe` and its payloads.
 
-The default recipe is columnar (:mod:`lakeloader.pipeline.collate`): a dict of tensors with no
-per-row Python. A ``transform`` or a ``collate_fn`` takes the row path
-(:mod:`lakeloader.pipeline.rows`): ``transform(row)`` per row, then ``collate_fn(rows)``
-(torch's ``default_collate`` when none). A ``batch_transform`` is then called on the collated
-batch. Whoever builds a batch (a worker, or a thread of the loader's process) runs all of it,
-with :mod:`lakeloader.randomness` drawing from the rows' seeds and the global generators seeded
-from the batch's.
-
-A payload is what a builder hands back: ``(COLUMNS, arrays)``, which
-:func:`finish_payload` turns into tensors, ``(COLLATED, batch)``, the batch as it is, or
-``(READY, batch)``, a batch a background thread finished (and pinned) ahead of delivery.
+A payload is what a builder hands back: ``(COLUMNS, arrays)``, which :func:`finish_payload`
+turns into tensors, ``(COLLATED, batch)``, the batch as it is, or ``(READY, batch)``, a batch
+a background thread finished (and pinned) ahead of delivery.
 """
 
 from __future__ import annotations

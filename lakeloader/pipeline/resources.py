@@ -1,13 +1,7 @@
 """What a loader holds outside Python's memory, and its release on every exit but SIGKILL.
 
-A loader with workers holds processes, and every loader holds a folder of decoded units in
-``/dev/shm`` (memory until reboot if nobody deletes it). :class:`LoaderResources` owns them
-and releases them on ``close()``, when the loader is garbage-collected, and at interpreter
-exit (a ``weakref.finalize``, which runs after ``break``, an exception or Ctrl-C ends the
-program). A process ended by ``SIGTERM`` runs no exit handlers by default, so the first loader
-that makes a folder turns ``SIGTERM`` into ``SystemExit`` (exit status 143), when no other
-handler is installed. Only ``SIGKILL`` leaves a folder behind; the next lakeloader process on
-the machine sweeps it, and so does ``lakeloader clean``.
+:class:`LoaderResources` owns a loader's workers and its folder of decoded units, and releases
+them on ``close()``, when the loader is collected, and at interpreter exit.
 """
 
 from __future__ import annotations
@@ -36,20 +30,8 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(SIGTERM_STATUS)
 
 
-def exit_cleanly_on_sigterm() -> None:
-    """Install :func:`_exit_on_sigterm`, unless another handler is set or this is not possible."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-
 class Pass(Protocol):
-    """A pass under way.
-
-    An :class:`~lakeloader.pipeline.iterator.EpochIterator`, or a mixture's
-    :class:`~lakeloader.pipeline.mixing.MixtureIterator`.
-    """
+    """A pass under way (an ``EpochIterator``, a ``MixtureIterator``, a ``PackedIterator``)."""
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
         """End it (see ``EpochIterator.close``)."""
@@ -72,9 +54,7 @@ class Carried(Protocol):
 
 
 class LoaderResources:
-    """The pass, the worker pool and the unit folder of one loader.
-
-    And what a finished pass left for the next (:meth:`carry`), held until taken or released.
+    """The pass, the worker pool and the unit folder of one loader, and what a pass left.
 
     Args:
         owner: The loader; when it is collected, or the interpreter exits, everything is
@@ -82,9 +62,7 @@ class LoaderResources:
     """
 
     def __init__(self, owner: Any) -> None:
-        # Weak: the pass's iterator keeps its loader alive (as torch's does), so that
-        # ``next(iter(DataLoader(...)))`` works; a strong reference from here, which the exit
-        # finaliser holds, would keep both alive until exit.
+        # Weak: the pass's iterator keeps its loader alive (as torch's does).
         self._iterator: weakref.ref[Pass] | None = None
         self.pool: WorkerPool | None = None
         self.unit_dir: str | None = None
@@ -133,11 +111,13 @@ class LoaderResources:
         """The loader's folder for decoded units, made on first use.
 
         In ``/dev/shm`` when it has ``cache_bytes`` free, unless ``cache_dir`` says where;
-        from then on SIGTERM exits cleanly (releasing it).
+        from then on SIGTERM exits cleanly (releasing it), unless another handler is set.
         """
         if self.unit_dir is None:
             self.unit_dir = make_unit_dir(cache_dir or default_cache_dir(cache_bytes))
-            exit_cleanly_on_sigterm()
+            on_main = threading.current_thread() is threading.main_thread()
+            if on_main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self.unit_dir
 
     def shutdown_workers(self, graceful: bool = True) -> None:
@@ -157,12 +137,9 @@ class LoaderResources:
             self.shutdown_workers()
 
     def release(self) -> None:
-        """Release everything without waiting for the loader's own threads.
+        """Release everything without waiting for the loader's own threads (the finaliser's).
 
-        The finaliser runs it through :func:`~lakeloader.pipeline.cleanup.close_safely` (in
-        place, or on the closing thread when the garbage collector found the loader), where
-        waiting for the loader's threads could still hold up others; at interpreter exit,
-        workers are terminated rather than asked.
+        At interpreter exit, workers are terminated rather than asked.
         """
         try:
             self.close_iterator(wait=False)

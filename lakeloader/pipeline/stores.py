@@ -1,16 +1,9 @@
 """The unit stores of one pass: one per epoch of each lake it reads, and what they share.
 
-A pass reads epochs of one or more lakes (its *leaves*): a lake's pass reads one epoch of
-one lake; a mixture's pass reads each of its sources' epochs as the draw reaches them; a
-packed stream reads the epochs its samples lie in. Each epoch of a leaf is a
-:class:`Store` (a unit store over that epoch's plan, and a builder of its slot ranges), opened
-on first use. The stores of a pass share one folder (deleted on close, so that decodes of an
-abandoned pass that a worker finishes late cannot touch the next pass's files), one arena
-(the leaves read the same columns), one pool of decoding threads and, with workers, one
-dispatcher of decode tasks (:class:`~lakeloader.pipeline.workspace.WorkerDecodes`); the
-byte budget is split among the leaves. On the default tensor path the workers decode; with
-a transform, a collate_fn or a batch_transform over a lake they build batches instead, and the
-loader's threads decode.
+A pass reads epochs of one or more lakes (its *leaves*); each epoch of a leaf is a
+:class:`Store`, opened on first use. The stores of a pass share one folder, one arena, one
+pool of decoding threads and, with workers, one dispatcher of decode tasks; the byte budget
+is split among the leaves.
 """
 
 from __future__ import annotations
@@ -119,10 +112,7 @@ class Store:
 
 
 class Stores:
-    """The stores of one pass (see the module docstring).
-
-    Made by the loader for a pass; a mixture's pass that ends at its last step leaves them to
-    the next pass (:attr:`at`). Closed when the pass (or the loader) closes, or collected.
+    """The stores of one pass (closed with the pass, the loader, or when collected).
 
     Args:
         leaves: The lakes the pass reads.
@@ -203,7 +193,7 @@ class Stores:
             )
             decodes: Decodes
             if self.workers is not None:
-                decodes = self.workers.channel(leaf)
+                decodes = StoreDecodes(self.workers, leaf)
             else:
                 decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
                 decodes = LocalDecodes(
@@ -244,11 +234,6 @@ class Stores:
         """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
         if self.workers is not None:
             self.workers.reap()
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
 
     def close(self, wait: bool = True) -> None:
         """Stop decoding; drop every store's units; delete the folder (idempotent)."""

@@ -1,8 +1,7 @@
 """What a pass is (:class:`PassSpec`), and its decodes in the DataLoader's workers.
 
-:class:`WorkerDecodes` is one dispatcher of decode tasks for every unit store a pass reads (a
-lake's epoch, a mixture's source epochs, a packed stream's epochs; see
-:mod:`lakeloader.pipeline.stores`); :class:`StoreDecodes` is one store's share of it.
+:class:`WorkerDecodes` is one dispatcher of decode tasks for every unit store a pass reads;
+:class:`StoreDecodes` is one store's share of it.
 """
 
 from __future__ import annotations
@@ -63,10 +62,7 @@ class PassSpec:
 class WorkerDecodes:
     """Decodes in the DataLoader's worker processes, for every unit store of a pass.
 
-    One dispatcher serves the pass, whatever the number of stores it reads (a lake's epoch, a
-    mixture's source epochs, a packed stream's epochs): a task's key is the store's number
-    times :data:`STORE_KEYS` plus the unit's position, so that the workers' answers, their
-    deaths and the messages name the right unit of the right store.
+    A task's key is the store's number times :data:`STORE_KEYS` plus the unit's position.
 
     Args:
         pool: The workers (started).
@@ -92,14 +88,6 @@ class WorkerDecodes:
 
     def _count(self, key: int, counts: tuple[int, int, int]) -> None:
         self._stores[key // STORE_KEYS][1].add(*counts)
-
-    def channel(self, decoder: int) -> StoreDecodes:
-        """Decodes for a new store of the pass (which :meth:`StoreDecodes.bind` names).
-
-        Args:
-            decoder: The index of its decoder among the workers' (its source).
-        """
-        return StoreDecodes(self, decoder)
 
     def register(self, store: UnitStore, counters: ReadCounters) -> int:
         """Number a store of the pass: the first key of its units."""
@@ -142,11 +130,6 @@ class StoreDecodes:
         self._base = self._workers.register(store, counters)
         self._arena = arena
 
-    @property
-    def generation(self) -> int:
-        """The pass's generation of the pool."""
-        return self._workers.generation
-
     def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
         """Queue ``job`` for the next worker in turn, sent once ``fetch`` (if any) is done."""
         key = self._base + job.position
@@ -160,15 +143,7 @@ class StoreDecodes:
         self._futures.add(future)
         return future
 
-    def reap(self) -> None:
-        """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
-        self._workers.reap()
-
     def close(self, wait: bool) -> None:
-        """Drop this store's queued decodes.
-
-        A decode a worker has under way still answers; it writes only into rows and a folder
-        that the closed store keeps reserved until the pass's arena and folder go.
-        """
+        """Drop this store's queued decodes (one under way still answers)."""
         for future in list(self._futures):
             future.cancel()
