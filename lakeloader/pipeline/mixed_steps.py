@@ -1,15 +1,9 @@
 """Building a mixture's batches from their parts: in the loader's process, or in the workers.
 
-A step of a mixture's pass (:class:`MixedStep`, planned by :mod:`lakeloader.pipeline.mixing`)
-is parts, each a slot range of one source epoch's order, read from that epoch's
-:class:`~lakeloader.pipeline.stores.Store`. Where every column is packed and no code of the
-user's runs, the step is one gather of arena rows planned ahead. Otherwise each part is
-screened by its store (a source's quarantine); on the default path the columns are gathered
-part by part and laid out in slot order; on the row path (a source's ``transform``, the
-``collate_fn``) the parts' units are laid end to end and built as one batch
-(:func:`~lakeloader.pipeline.recipe.build_payload`, each row through its own source's
-transform). With workers and the user's code, the workers build the batches: step ``k`` of the
-pass on worker ``k mod W``, a few steps ahead, as for a lake.
+A step (:class:`MixedStep`) is parts, each a slot range of one source epoch's order read from
+that epoch's :class:`~lakeloader.pipeline.stores.Store`: one gather of arena rows where every
+column is packed and no user code runs; else each part is screened by its store and the
+columns gathered part by part (or, on the row path, the parts' units built as one batch).
 """
 
 from __future__ import annotations
@@ -52,8 +46,6 @@ from lakeloader.workers.shipping import Shipped, receive
 class Part(NamedTuple):
     """A planned part of a step: one source epoch's positions ``[start, stop)``.
 
-    (Tuples, not frozen dataclasses: thousands are made per pass.)
-
     Attributes:
         pair: (source, epoch).
         start: First position in that epoch's order.
@@ -92,6 +84,17 @@ class _Mixed(NamedTuple):
     lost: int
 
 
+#: A step's parts screened (see ``MixedBuilder._screen_parts``).
+_Screens = tuple[
+    list[tuple[Store, Screened]],
+    np.ndarray,
+    list[np.ndarray],
+    np.ndarray,
+    tuple[QuarantineEntry, ...],
+    int,
+]
+
+
 class MixedStep(NamedTuple):
     """A planned step of the rank.
 
@@ -110,13 +113,12 @@ class MixedStep(NamedTuple):
 
 
 class MixedBuilder:
-    """Builds a mixture's batches (see the module docstring).
+    """Builds a mixture's batches.
 
     Args:
         mixture: The mixture.
         sources: The sources' stores.
-        recipe: How the mixed rows become a batch (the loader's ``collate_fn``, the mixture's
-            ``batch_transform``); each source's ``transform`` is its store's.
+        recipe: How the mixed rows become a batch; each source's ``transform`` is its store's.
         options: The loader's options.
         pool: The DataLoader's workers when they build the batches, or None.
     """
@@ -129,12 +131,8 @@ class MixedBuilder:
         options: LoaderOptions,
         pool: WorkerPool | None,
     ) -> None:
-        self._mixture, self._sources, self._recipe, self._options = (
-            mixture,
-            sources,
-            recipe,
-            options,
-        )
+        self._mixture, self._sources = mixture, sources
+        self._recipe, self._options = recipe, options
         self._schema = sources.schema
         self._layout, self._arena = sources.layout, sources.arena
         #: Rows go one by one through a source's transform or the collate_fn.
@@ -180,37 +178,51 @@ class MixedBuilder:
                 units, mixed.take, self._schema, self._recipe, {}, mixed.seeds, *mixed.extra
             )
             return finish_payload(payload, self._recipe), mixed.skipped, mixed.lost
-        screens = [self._screen(part) for part in step.parts]
-        kept = np.sort(np.concatenate([dest for _, _, _, dest in screens]))
-        places = [np.searchsorted(kept, dest) for _, _, _, dest in screens]
-        seeds = np.empty(len(kept), dtype=np.uint64)
-        for (store, spec, screened, _), place in zip(screens, places, strict=True):
-            seeds[place] = store.builder.seeds(spec, screened)
-        skipped = tuple(q for _, _, screened, _ in screens for q in screened.skipped)
-        lost = sum(screened.lost for _, _, screened, _ in screens)
+        screens, kept, places, seeds, skipped, lost = self._screen_parts(step)
         columns = self._columns(screens, places, len(kept))
         columns[key] = sources[kept]
         payload = columns_payload(columns, self._recipe, seeds)
         return finish_payload(payload, self._recipe), skipped, lost
 
+    def _screen_parts(
+        self, step: MixedStep, views: bool = True, deadline: float | None = None
+    ) -> _Screens:
+        """The step's parts screened by their stores (without quarantined units).
+
+        Returns:
+            Each part's store and screened units, the share's rows left (sorted), where each
+            part's rows go among them, each row's seed, the units skipped and the rows they held.
+        """
+        screens: list[tuple[Store, Screened]] = []
+        dests, part_seeds = [], []
+        for part in step.parts:
+            store = self._sources.open[part.pair]
+            spec = part.spec or _spec_of(store.spec.plan, part)
+            screened = store.builder.screened(spec, deadline, views)
+            screens.append((store, screened))
+            dests.append(part.dest if screened.kept is None else part.dest[screened.kept])
+            part_seeds.append(store.builder.seeds(spec, screened))
+        kept = np.sort(np.concatenate(dests))
+        places = [np.searchsorted(kept, dest) for dest in dests]
+        seeds = np.empty(len(kept), dtype=np.uint64)
+        for place, part_seed in zip(places, part_seeds, strict=True):
+            seeds[place] = part_seed
+        skipped = tuple(q for _, screened in screens for q in screened.skipped)
+        lost = sum(screened.lost for _, screened in screens)
+        return screens, kept, places, seeds, skipped, lost
+
     def _mixed(self, step: MixedStep, views: bool, deadline: float | None = None) -> _Mixed:
         """The step's parts screened and laid end to end: one batch's units, rows and seeds."""
-        screens = [self._screen(part, views, deadline) for part in step.parts]
-        kept = np.sort(np.concatenate([dest for _, _, _, dest in screens]))
+        screens, kept, places, seeds, skipped, lost = self._screen_parts(step, views, deadline)
         take = np.empty(len(kept), dtype=np.int64)
-        seeds = np.empty(len(kept), dtype=np.uint64)
         of = np.empty(len(kept), dtype=np.int64)
         refs: list[UnitRef] = []
-        for part, (store, spec, screened, dest) in zip(step.parts, screens, strict=True):
-            place = np.searchsorted(kept, dest)
+        for part, (_, screened), place in zip(step.parts, screens, places, strict=True):
             take[place] = screened.take + sum(r.num_rows for r in refs)
-            seeds[place] = store.builder.seeds(spec, screened)
             of[place] = part.pair[0]
             refs += screened.refs
         transforms = tuple(leaf.recipe.transform for leaf in self._sources.leaves)
         extra = {self._mixture.source_key: step.sources.astype(np.int64)[kept]}
-        skipped = tuple(q for _, _, screened, _ in screens for q in screened.skipped)
-        lost = sum(screened.lost for _, _, screened, _ in screens)
         return _Mixed(refs, take, seeds, (extra, Sources(of, transforms)), skipped, lost)
 
     def _built(
@@ -273,19 +285,9 @@ class MixedBuilder:
     def _describe(self, index: int) -> tuple[str, str]:
         return f"step {index} of a pass over {self._mixture!r}", ""
 
-    def _screen(
-        self, part: Part, views: bool = True, deadline: float | None = None
-    ) -> tuple[Store, BatchSpec, Screened, np.ndarray]:
-        """A part's units without the quarantined ones, and where its rows left go."""
-        store = self._sources.open[part.pair]
-        spec = part.spec or _spec_of(store.spec.plan, part)
-        screened = store.builder.screened(spec, deadline, views)
-        dest = part.dest if screened.kept is None else part.dest[screened.kept]
-        return store, spec, screened, dest
-
     def _columns(
         self,
-        screens: list[tuple[Store, BatchSpec, Screened, np.ndarray]],
+        screens: list[tuple[Store, Screened]],
         dests: list[np.ndarray],
         size: int,
     ) -> dict[str, Any]:
@@ -296,26 +298,26 @@ class MixedBuilder:
         if (
             self._arena is not None
             and layout is not None
-            and all(s.rows is not None for _, _, s, _ in screens)
+            and all(s.rows is not None for _, s in screens)
         ):
-            packed = _common([s.names for _, _, s, _ in screens])
-            views = _common([s.views for _, _, s, _ in screens])
+            packed = _common([s.names for _, s in screens])
+            views = _common([s.views for _, s in screens])
             rows = np.empty(size, dtype=np.int64)
-            for (_, _, screened, _), dest in zip(screens, dests, strict=True):
+            for (_, screened), dest in zip(screens, dests, strict=True):
                 assert screened.rows is not None
                 rows[dest] = screened.rows
             gathered = gather_packed(self._arena.records, rows, layout, packed + views)
             columns.update((name, gathered[name]) for name in packed)
             if views:  # each source's views point into its own buffers
                 resolved = []
-                for (store, _, _, _), dest in zip(screens, dests, strict=True):
+                for (store, _), dest in zip(screens, dests, strict=True):
                     ready = {name: gathered[name][dest] for name in views}
                     store.builder.resolve_views(ready, views)
                     resolved.append(ready)
                 columns.update(merge_columns(resolved, dests, size))
             done = packed + views
         if len(done) < len(self._schema):
-            parts = [store.builder.arrow_columns(s, done) for store, _, s, _ in screens]
+            parts = [store.builder.arrow_columns(s, done) for store, s in screens]
             columns.update(merge_columns(parts, dests, size))
         return {name: columns[name] for name in self._schema.names}
 

@@ -1,13 +1,9 @@
 """One pass over a mixture for one rank: each source's rows read by a pass of its own.
 
-Each global batch is drawn by the mixture's cursor (:mod:`lakeloader.order.mixture`); the
-rank's share is cut into parts, one per source and epoch of that source
-(:func:`~lakeloader.order.mixture.draw_parts`), and each part is a slot range of that epoch's
-order, which a :class:`~lakeloader.pipeline.stores.Store` (a unit store and a builder over one
-epoch of one source) reads; :mod:`lakeloader.pipeline.mixed_steps` builds the step's batch
-from them, with the source of each row. Steps are planned ahead in chunks, so that every
-source decodes ahead in its plan order. A source's pass is closed once all ranks are past its epoch;
-the others outlive a pass that ends at its last step, for the next one to go on with.
+Each global batch is drawn by the mixture's cursor; the rank's share is cut into parts, one
+per source epoch (:func:`~lakeloader.order.mixture.draw_parts`), each read by that epoch's
+:class:`~lakeloader.pipeline.stores.Store`, and :mod:`lakeloader.pipeline.mixed_steps` builds
+the batch from them.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ class Streams(Protocol):
     def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
         """Each source's spans, holding its rows below ``counts`` (in the order of the names).
 
-        None: they do not, and ``wait`` is False (a followed lake asks its lake for more rows
-        only for the step to be delivered next).
+        None: they do not, and ``wait`` is False.
 
         Raises:
             CaughtUpError: If a followed source's lake gives no more rows in time.
@@ -68,7 +63,7 @@ PLAN_CHUNK: Final = 256
 
 
 class MixtureIterator:
-    """Iterator over one rank's batches of one pass over a mixture (see the module docstring).
+    """Iterator over one rank's batches of one pass over a mixture.
 
     Args:
         mixture: The mixture.
@@ -78,17 +73,14 @@ class MixtureIterator:
         topology: The loader's topology.
         options: The loader's options.
         sources: The sources' stores: new, or left by a pass that ended at ``cursor``.
-        pool: The DataLoader's workers when they build the batches (the user's code runs on
-            them: step ``k`` of the pass on worker ``k mod W``, a few steps ahead), or None.
-        recipe: How the mixed rows become a batch (the loader's ``collate_fn``, the mixture's
-            ``batch_transform``); each source's ``transform`` is its store's.
+        pool: The DataLoader's workers when they build the batches, or None.
+        recipe: How the mixed rows become a batch; each source's ``transform`` is its store's.
         delivered: Told the cursor after each batch handed over, with the units it found
             quarantined and the rows of this rank they held.
         ended: Told the sources' passes when this pass ended at its last step (they can go on);
             a pass ended otherwise closes them.
         streams: Where each source's epochs start in its stream, covering the draws to come
-            (a followed lake waits for its next increments; when none comes, the pass ends
-            after the steps planned, and the next ``iter()`` goes on).
+            (when a followed lake gives no more rows, the pass ends after the steps planned).
     """
 
     def __init__(
@@ -116,12 +108,8 @@ class MixtureIterator:
         self._planned_cursor = cursor
         self._planned: deque[MixedStep] = deque()
         self._next_plan = self._next_deliver = 0
-        self._schema = sources.schema
         sources.at = None  # under way
         self._builder = MixedBuilder(mixture, sources, recipe, options, pool)
-        #: Every column packed into the arena and no user code: a step is one gather of rows
-        #: planned ahead.
-        self._fast = self._builder.fast
         self._closed = False
 
     def _plan_ahead(self) -> None:
@@ -145,8 +133,7 @@ class MixtureIterator:
     def _plan_chunk(self, count: int) -> bool:
         """Plan ``count`` steps: draw them, cut the rank's shares, ask each source for its parts.
 
-        Where every column is packed, each row's arena row is worked out here, for all the
-        steps at once, so that a step is then one gather.
+        Returns False, planning nothing, when the sources' spans do not cover them yet.
         """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
@@ -172,7 +159,7 @@ class MixtureIterator:
         lengths = table.stop - table.start
         offsets = np.cumsum(lengths) - lengths  # of each part's rows in ``table.at``
         keys = table.source * (int(table.epoch.max()) + 1) + table.epoch
-        rows = np.full((count, width), -1, dtype=np.int64) if self._fast else None
+        rows = np.full((count, width), -1, dtype=np.int64) if self._builder.fast else None
         made: dict[int, Part] = {}
         for key in np.unique(keys).tolist():
             idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order

@@ -1,25 +1,11 @@
 """A packed stream for one rank: its samples of each step, cut from the units they lie in.
 
-:mod:`lakeloader.order.packing` places every sample (a token range of an epoch of a source)
-before any unit is read; :class:`PackedIterator` draws each step's samples (the mixture's
-cursor, or the one lake's), takes this rank's share, requests the units they lie in ahead of
-use (:class:`~lakeloader.pipeline.unit_tokens.EpochTokens`, decoded in the DataLoader's
-workers when it has them; how far ahead: ``PackedIterator._plan``) and copies each sample's
-tokens out of them. A unit is let go once no step planned needs it and every stream it lies in
-has passed it.
-
-The user's code: a source's row ``transform`` runs on each row before packing (see
-:mod:`~lakeloader.pipeline.unit_tokens`). The loader's ``collate_fn`` gets the list of a
-rank's samples (each a dict of its 1-D tensors, a 0-d one for a mixture's source) instead of
-the default stacking; the ``batch_transform`` gets the batch dict. Their seeds are the
-samples': sample ``n`` of source ``name`` (its place in the source's endless stream) has
-``slot_seeds(its dataset's seed, crc32(name), n)`` (``name`` is ``"lake"`` for one lake), the
-same under any world size. Both run in the loader's process.
-
-Quarantine (``on_error="skip"``, ``validate``): a skipped unit's tokens come as padding (its
-rows counted, never delivered), so no other sample moves. The units skipped are reported with
-the batch that found them, and are known from then on to the epochs the stream opens (and,
-through the state, to later passes and resumes): screened without reading.
+:class:`PackedIterator` draws each step's samples (placed by :mod:`lakeloader.order.packing`),
+takes this rank's share, requests the units they lie in ahead of use and copies each sample's
+tokens out of them. A skipped unit's tokens come as padding, so no other sample moves. The
+user's code (``collate_fn``, ``batch_transform``) runs in the loader's process; sample ``n``
+of source ``name`` has seed ``slot_seeds(its dataset's seed, crc32(name), n)`` (``name`` is
+``"lake"`` for one lake).
 """
 
 from __future__ import annotations
@@ -30,6 +16,7 @@ import logging
 import zlib
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from multiprocessing.pool import ThreadPool
 from typing import Any, Final
 
@@ -76,8 +63,7 @@ PLAN_STEPS: Final = 16
 MAX_CHUNKS: Final = 256
 #: Bytes a unit requested holds per token, about: decoded, then made into tokens and positions.
 UNIT_BYTES_PER_TOKEN: Final = 8
-#: Threads that make decoded units into tokens (one when worker processes decode: on 2 cores,
-#: two beside them gave 42-45 M tokens/s at 16 samples a batch, one 52-60 M).
+#: Threads that make decoded units into tokens (one when worker processes decode).
 TOKEN_THREADS: Final = 2
 
 #: The units each source found skipped in a step: one tuple per source.
@@ -99,8 +85,8 @@ class PackedIterator:
         pool: The DataLoader's workers, which decode the rows; None: this process's threads.
         delivered: Told the cursor, the units each source found skipped, and the tokens and
             padding handed out, after each batch handed over.
-        recipe: The loader's ``collate_fn`` and the ``batch_transform`` (see the module
-            docstring); a row transform is its source's.
+        recipe: The loader's ``collate_fn`` and the ``batch_transform``; a row transform is its
+            source's.
         source_key: The batch's key of each sample's source (an index into ``sources``), or
             None: no such key (a single dataset).
     """
@@ -145,8 +131,7 @@ class PackedIterator:
             workers_decode=True,
         )
         self._epochs: dict[tuple[int, int], EpochTokens] = {}
-        #: Make decoded units into tokens ahead of their use (numpy lets go of the GIL); daemon
-        #: threads, so that a loader left open does not hold up the interpreter's exit.
+        #: Make decoded units into tokens ahead of their use (daemon threads).
         threads = TOKEN_THREADS if pool is None else 1
         self._threads = ThreadPool(threads, initializer=main_thread_only)
         self._streams: dict[tuple[int, int], TokenStream] = {}
@@ -181,29 +166,19 @@ class PackedIterator:
         key = (source, epoch)
         if key not in self._epochs:
             ds = self._sources[source].stream.dataset(epoch)
-
-            def check(unit: int, got: int, expected: int, epoch: int) -> None:
-                check_count(ds, unit, got, expected, epoch)
-
             store, stream = self._stores.get(source, epoch), self._stream(source, epoch)
             self._epochs[key] = EpochTokens(
-                store, stream, self._packing, ds.transform, check, self._threads
+                store, stream, self._packing, ds.transform, partial(check_count, ds), self._threads
             )
         return self._epochs[key]
 
     def _plan(self) -> None:
         """Plan steps and request their units: :data:`AHEAD_STEPS` at least, then more.
 
-        Steps are planned :data:`PLAN_STEPS` at a time (one at a time from a followed lake,
-        whose later steps may wait for rows). Past :data:`AHEAD_STEPS`, more are planned (one
-        chunk a batch; up to :data:`MAX_CHUNKS` while the next step's units are not ready, as
-        the loader would wait for them anyway) while the units requested and not let go hold
-        less than twice what the next
-        :data:`AHEAD_STEPS` steps' units hold (and less than ``cache_bytes``; as tokens:
-        :data:`UNIT_BYTES_PER_TOKEN`), and while a followed lake already holds their samples:
-        so the next unit of each stream this rank reads is decoded while it reads the one
-        before, and the units an epoch's first steps need (which start every stream at once)
-        while the epoch before is delivered.
+        Past :data:`AHEAD_STEPS`, a chunk more a batch (up to :data:`MAX_CHUNKS` while the next
+        step's units are not ready) while the units requested hold less than twice what the
+        next :data:`AHEAD_STEPS` steps' units hold (and less than ``cache_bytes``), and while a
+        followed lake already holds their samples.
         """
         chunk = 1 if any(s.stream.follows for s in self._sources) else PLAN_STEPS
         while len(self._planned) <= AHEAD_STEPS:
@@ -351,8 +326,7 @@ class PackedIterator:
     def _copy(self, epoch: EpochTokens, runs: np.ndarray, out: tuple[Any, ...]) -> None:
         """Copy each run's tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch.
 
-        ``runs``: one ``(start, stop, at)`` a row; each run is copied unit by unit (the
-        pieces' bounds worked out at once, so that the loop only copies).
+        ``runs``: one ``(start, stop, at)`` a row; each run is copied unit by unit.
         """
         ends = epoch.stream.ends
         first, last = np.searchsorted(ends, runs[:, :2] - [0, 1], side="right").T
@@ -388,10 +362,7 @@ class PackedIterator:
         return rows_payload(samples, recipe, seeds)
 
     def _skipped(self) -> Skips:
-        """The units each source found skipped since the last step.
-
-        They are known from now on to the epochs the source opens (screened without reading).
-        """
+        """The units each source found skipped since the last step (known to later epochs)."""
         found: list[list[QuarantineEntry]] = [[] for _ in self._sources]
         for (source, _), epoch in self._epochs.items():
             found[source] += epoch.skipped
@@ -406,8 +377,7 @@ class PackedIterator:
     def _release(self) -> None:
         """Let go of the units that no step planned needs and whose streams have passed them.
 
-        A later step of this rank may take another sample of a stream whose samples went to
-        other ranks for a while. Epochs that hold no unit are closed.
+        Epochs that hold no unit are closed.
         """
         done = self._steps_done - 1
         gone = [k for k, (step, _) in self._last_use.items() if step <= done and self._passed(*k)]
@@ -426,8 +396,7 @@ class PackedIterator:
     def _passed(self, source: int, epoch: int, pos: int) -> bool:
         """Whether every stream that the unit at ``pos`` lies in has passed its last token."""
         tokens, front = self._epochs[(source, epoch)].stream, self._front[(source, epoch)]
-        end = int(tokens.ends[pos])
-        start = end - int(tokens.ends[pos] - (tokens.ends[pos - 1] if pos else 0))
+        start, end = int(tokens.ends[pos - 1]) if pos else 0, int(tokens.ends[pos])
         first = int(np.searchsorted(tokens.bounds, start, side="right")) - 1
         last = int(np.searchsorted(tokens.bounds, end - 1, side="right")) - 1
         first = max(first, 0)  # a stream that ends inside the unit has passed it at its end

@@ -69,12 +69,8 @@ def sample_units(
 
 
 def epoch_samples(dataset: LakeDataset, counts: np.ndarray, packing: Packing) -> int:
-    """Samples in each epoch of a source whose units hold ``counts`` tokens.
-
-    The same every epoch: the units' order moves, the streams' bounds do not.
-    """
-    streams = dataset.config.num_partitions
-    return TokenStream.of(counts, streams, packing.seq_len).num_samples
+    """Samples in each epoch of a source whose units hold ``counts`` tokens (every epoch's)."""
+    return TokenStream.of(counts, dataset.config.num_partitions, packing.seq_len).num_samples
 
 
 def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayout | None:
@@ -107,9 +103,5 @@ def check_some_unit_left(dataset: LakeDataset, known: tuple[QuarantineEntry, ...
 
 
 def decode_threads(io_threads: int) -> int:
-    """Threads that decode a packed stream's units: ``io_threads``, at most the cores less one.
-
-    A unit of a packed stream is one column chunk, which pyarrow decodes in one thread; the
-    loader's thread and the token threads need the rest (on 2 cores, 4 took twice the CPU).
-    """
+    """Threads that decode a packed stream's units: ``io_threads``, at most the cores less one."""
     return max(1, min(io_threads, cores() - 1))

@@ -1,14 +1,8 @@
 """How many tokens each unit of a packed lake holds: from the footers, or counted once.
 
-Packing (:mod:`lakeloader.order.packing`) places every sample before any unit is read, from
-the units' token counts (separators included). A list column's Parquet footer has them: a
-column chunk's value count less its null count is its number of list items (an empty or null
-list is one null level), so the counts come from there when every unit is a whole row group,
-no row is filtered out or deleted, no row transform makes the column, and the footers record
-null counts. Otherwise each unit is read once to be counted (with the source's transform, the
-row seeds of epoch 0), behind a progress bar: a pass over the column, before the first batch.
-Either way, a unit read later is checked against its count
-(:class:`~lakeloader.errors.LakeDataError` naming the file, row group and both counts).
+The footers' value counts less null counts give them when every unit is a whole row group, no
+row is filtered out or deleted, no row transform runs and the footers record null counts;
+otherwise each unit is read once to be counted (its transform run with epoch 0's row seeds).
 """
 
 from __future__ import annotations
@@ -149,7 +143,7 @@ def _list_tokens(col: Any, column: str) -> int:
 
 
 def check_count(ds: LakeDataset, unit: int, got: int, expected: int, epoch: int) -> None:
-    """Refuse a unit whose tokens differ from its count (see the module docstring).
+    """Refuse a unit whose tokens differ from its count.
 
     Raises:
         LakeDataError: Naming the file, the row group, both counts and what to do.

@@ -1,13 +1,8 @@
 """One epoch of a packed source, read unit by unit: each unit's tokens and positions.
 
-An :class:`EpochTokens` requests units from the epoch's unit store (decoded ahead by the
-DataLoader's workers when it has them, else by the loader's threads) and turns each into its
-rows' tokens laid end to end, a separator after each row
-(:func:`~lakeloader.order.packing.separated`), with each token's position in its document:
-from the packing column, or from the row the source's ``transform`` made of it (in this
-process, :func:`lakeloader.rng` drawing from the row's seed: the row's place in the epoch's
-row sequence). A unit skipped (``on_error="skip"``, ``validate``) gives padding in the place
-of its tokens, so every later sample keeps its tokens.
+A unit's rows' tokens are laid end to end, a separator after each row
+(:func:`~lakeloader.order.packing.separated`), from the packing column or from the rows the
+source's ``transform`` made; a skipped unit gives padding in the place of its tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ class UnitTokens(NamedTuple):
 
 
 class EpochTokens:
-    """One epoch of one packed source, read unit by unit (see the module docstring).
+    """One epoch of one packed source, read unit by unit.
 
     Args:
         store: The epoch's unit store (a packed source's plan: one partition, one piece per
@@ -53,9 +48,8 @@ class EpochTokens:
         packing: How samples are cut.
         transform: The source's row transform, or None.
         check: Called with each unit read: (unit, tokens got, tokens counted, epoch).
-        threads: Where a unit requested is made into tokens once it is decoded (ahead of its
-            use, beside the loader's thread): daemon threads, which an exit does not wait for;
-            the row ``transform`` runs in the caller's.
+        threads: Where a unit requested is made into tokens once it is decoded (without a
+            row ``transform``, which runs in the caller's thread).
     """
 
     def __init__(
@@ -137,31 +131,24 @@ class EpochTokens:
         builder, packing = self._store.builder, self._packing
         ends = self.stream.ends
         expected = int(ends[pos] - (ends[pos - 1] if pos else 0))
-        if self._transform is None:
-            screened = builder.screened(spec)
-            skipped = screened.skipped
-            builder.skipped.pop(spec.step)
-            units = [] if skipped else builder.units(screened)
-            if units and packing.column in units[0].table.column_names:
-                # the unit's rows in file order: its Arrow column as it is
-                values, offsets = _arrow_lists(units[0].table[packing.column], packing.column)
-            elif not skipped:  # a fixed-size list packed into the arena
-                kind, columns = builder.build(spec)
-                assert kind == COLUMNS
-                values, offsets = _column_lists(columns[packing.column], packing.column)
-                builder.skipped.pop(spec.step)
-        else:
-            screened = builder.screened(spec)
-            skipped = screened.skipped
-            builder.skipped.pop(spec.step)
-            if not skipped:
-                slots = spec.slot_start + np.arange(spec.num_rows, dtype=np.int64)
-                seeds = slot_seeds(self.plan.seed, self.plan.epoch, slots)
-                rows = transform_rows(builder.rows(screened), self._transform, seeds)
-                values, offsets = row_lists(rows, packing.column)
-        if skipped:
+        screened = builder.screened(spec)
+        builder.skipped.pop(spec.step)
+        if screened.skipped:
             pads = np.full(expected, packing.pad_id, dtype=np.int64)
-            return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True), tuple(skipped)
+            return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True), screened.skipped
+        if self._transform is not None:
+            slots = spec.slot_start + np.arange(spec.num_rows, dtype=np.int64)
+            seeds = slot_seeds(self.plan.seed, self.plan.epoch, slots)
+            rows = transform_rows(builder.rows(screened), self._transform, seeds)
+            values, offsets = row_lists(rows, packing.column)
+        elif (units := builder.units(screened)) and packing.column in units[0].table.column_names:
+            # the unit's rows in file order: its Arrow column as it is
+            values, offsets = _arrow_lists(units[0].table[packing.column], packing.column)
+        else:  # a fixed-size list packed into the arena
+            kind, columns = builder.build(spec)
+            assert kind == COLUMNS
+            values, offsets = _column_lists(columns[packing.column], packing.column)
+            builder.skipped.pop(spec.step)
         tokens, positions = separated(values, offsets, packing.eos_id)
         self._check(int(self.plan.order[pos]), len(tokens), expected, self.plan.epoch)
         self._store.store.drop(spec.positions)  # its tokens are all it is needed for now
