@@ -37,10 +37,6 @@ class Screen:
     """Which slots of a one-rank step its batch holds: the store's rule, indexed once a pass.
 
     A slot is left out when one quarantine entry covers its whole piece.
-
-    Args:
-        plan: The epoch's plan.
-        snapshot: Its snapshot.
     """
 
     def __init__(self, plan: EpochPlan, snapshot: Snapshot) -> None:

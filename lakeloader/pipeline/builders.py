@@ -55,13 +55,7 @@ class Space(Protocol):
 
 
 class LocalBuilder:
-    """Builds batches in the loader's process.
-
-    Args:
-        spec: The pass.
-        space: Its store.
-        schema: The batch's columns.
-    """
+    """Builds batches of the pass ``spec`` from its store ``space``, in the loader's process."""
 
     def __init__(self, spec: PassSpec, space: Space, schema: pa.Schema) -> None:
         self._spec = spec

@@ -49,7 +49,7 @@ class ListFormat:
 
     Attributes:
         kind: ``"jagged"``: a ``torch.nested`` tensor of jagged layout (``.values()``,
-            ``.offsets()``, ``.to_paddedto_tensor(pad)``). ``"padded"``: a ``[B, max_len, ...]``
+            ``.offsets()``, ``.to_padded_tensor(pad)``). ``"padded"``: a ``[B, max_len, ...]``
             tensor padded with ``pad_value``, and the rows' lengths in ``<name>_lengths``.
         pad_value: What pads the short rows.
 

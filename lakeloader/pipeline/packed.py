@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lakeloader.lake.following import CaughtUpError
-from lakeloader.options import LoaderOptions
+from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
@@ -33,7 +33,6 @@ from lakeloader.pipeline.packed_parts import (
     PlannedStep,
     arena_layout,
     check_some_unit_left,
-    decode_threads,
     token_stream,
 )
 from lakeloader.pipeline.recipe import (
@@ -123,7 +122,7 @@ class PackedIterator:
                     (s.stream.known[0][2], BatchRecipe(lists=s.dataset.list_format))
                 ]
             ],
-            dataclasses.replace(options, io_threads=decode_threads(options.io_threads)),
+            dataclasses.replace(options, io_threads=max(1, min(options.io_threads, cores() - 1))),
             Topology(1, 0, 0, options.batch_size),
             unit_dir,
             pool,

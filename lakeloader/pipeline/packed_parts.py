@@ -11,7 +11,6 @@ from lakeloader.cache.packed import RowLayout
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeDataError
 from lakeloader.io.reader import UnitReader
-from lakeloader.options import cores
 from lakeloader.order.mixture import MixCursor
 from lakeloader.order.packing import Share, TokenStream
 from lakeloader.packing import Packing
@@ -100,8 +99,3 @@ def check_some_unit_left(dataset: LakeDataset, known: tuple[QuarantineEntry, ...
         f"{known[0].path}, row group {known[0].row_group}: {known[0].reason}), so packing has "
         "no token left to give: fix the data or the validate function, or leave the source out"
     )
-
-
-def decode_threads(io_threads: int) -> int:
-    """Threads that decode a packed stream's units: ``io_threads``, at most the cores less one."""
-    return max(1, min(io_threads, cores() - 1))

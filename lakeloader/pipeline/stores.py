@@ -60,9 +60,9 @@ class Store:
     Args:
         spec: The epoch's pass.
         reader: Reads its units.
-        folder: The pass's folder.
+        folder: The pass's folder (the store makes its own inside).
         arena: The pass's arena (None when nothing is packed).
-        decodes: Who decodes its units: the workers' decodes of the pass, or threads.
+        decodes: The workers' decodes of the pass, or the loader's threads.
         shares_tables: Whether another process reads the columns that are not packed.
     """
 
@@ -78,12 +78,11 @@ class Store:
         self.spec = spec
         self.dir = tempfile.mkdtemp(prefix="epoch-", dir=folder)
         self.arena = arena
-        #: The workers' decodes of this store, or None (the loader's threads decode).
-        self.remote = decodes if isinstance(decodes, StoreDecodes) else None
+        remote = isinstance(decodes, StoreDecodes)  # else the loader's threads decode
         #: Fetches units ahead of their decode (None: a local lake, which pyarrow reads).
         self.prefetcher: Prefetcher | None = None
         if not is_local(reader.fs):
-            self.prefetcher = Prefetcher(reader, self.dir if self.remote is not None else None)
+            self.prefetcher = Prefetcher(reader, self.dir if remote else None)
         self.store = UnitStore(
             reader,
             spec.plan,
@@ -94,8 +93,8 @@ class Store:
             decodes,
             self.prefetcher,
         )
-        if self.remote is not None:
-            self.remote.bind(self.store, reader.counters, arena)
+        if isinstance(decodes, StoreDecodes):
+            decodes.bind(self.store, reader.counters, arena)
         #: Screens its slot ranges and gathers the columns not in the arena.
         self.builder = LocalBuilder(spec, self, reader.schema)
 
