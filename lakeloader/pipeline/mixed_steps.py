@@ -24,7 +24,6 @@ from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_specs
 from lakeloader.order.mixture import MixCursor
-from lakeloader.order.plan import EpochPlan
 from lakeloader.pipeline.builders import timed_out
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import (
@@ -197,7 +196,10 @@ class MixedBuilder:
         dests, part_seeds = [], []
         for part in step.parts:
             store = self._sources.open[part.pair]
-            spec = part.spec or _spec_of(store.spec.plan, part)
+            spec = part.spec
+            if spec is None:  # planned as one gather, but not every column came back packed
+                bounds = np.array([part.start]), np.array([part.stop])
+                (spec,) = range_specs(store.spec.plan, np.zeros(1, np.int64), *bounds)
             screened = store.builder.screened(spec, deadline, views)
             screens.append((store, screened))
             dests.append(part.dest if screened.kept is None else part.dest[screened.kept])
@@ -325,16 +327,6 @@ class MixedBuilder:
         """Stop handing steps to the workers; cancel those queued."""
         if self._builds is not None:
             self._builds.close(wait)
-
-
-def _spec_of(plan: EpochPlan, part: Part) -> BatchSpec:
-    """A part's range as a step of its source epoch.
-
-    For a step planned as one gather whose units came back without every column packed.
-    """
-    bounds = np.array([part.start]), np.array([part.stop])
-    (spec,) = range_specs(plan, np.zeros(1, np.int64), *bounds)
-    return spec
 
 
 def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
