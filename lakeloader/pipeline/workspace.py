@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Final
@@ -73,7 +72,7 @@ class WorkerDecodes:
     def __init__(self, pool: WorkerPool, options: LoaderOptions, generation: int) -> None:
         self.generation = generation
         self._stores: list[tuple[UnitStore, ReadCounters]] = []
-        self._dispatcher = Dispatcher(
+        self.dispatcher = Dispatcher(
             pool,
             DECODE,
             options.cache_bytes,
@@ -94,20 +93,13 @@ class WorkerDecodes:
         self._stores.append((store, counters))
         return (len(self._stores) - 1) * STORE_KEYS
 
-    def submit(
-        self, key: int, make: Callable[[], DecodeTask], nbytes: int, fetch: Pending | None
-    ) -> Future[Held]:
-        """Queue a decode task under ``key``, sent once ``fetch`` (if any) is done."""
-        ready = fetch.future if fetch is not None else None
-        return self._dispatcher.submit(key, make, nbytes, ready)
-
     def reap(self) -> None:
         """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
-        self._dispatcher.reap()
+        self.dispatcher.reap()
 
     def close(self, wait: bool) -> None:
         """Stop sending; cancel queued decodes."""
-        self._dispatcher.close(wait)
+        self.dispatcher.close(wait)
 
 
 class StoreDecodes:
@@ -139,7 +131,8 @@ class StoreDecodes:
             handle = self._arena.handle if self._arena is not None else None
             return DecodeTask(self._workers.generation, key, task_job, handle, self._decoder)
 
-        future = self._workers.submit(key, make, nbytes, fetch)
+        ready = fetch.future if fetch is not None else None
+        future = self._workers.dispatcher.submit(key, make, nbytes, ready)
         self._futures.add(future)
         return future
 
