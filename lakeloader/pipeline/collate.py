@@ -1,8 +1,8 @@
 """Gathering a batch column by column: the default batch, a dict of column name to tensor.
 
 Numeric, boolean and temporal (as integer ticks) columns become ``[B]`` tensors (nulls in
-float columns as NaN), fixed-size lists ``[B, D1, ...]`` tensors, lists of numbers jagged nested
-tensors (or padded, :class:`ListFormat`), anything else a Python list.
+float columns as NaN), fixed-size lists of numbers ``[B, D1, ...]`` tensors, lists of numbers
+jagged nested tensors (or padded, :class:`ListFormat`), anything else a Python list.
 """
 
 from __future__ import annotations
