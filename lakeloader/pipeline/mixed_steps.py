@@ -112,14 +112,9 @@ class MixedStep(NamedTuple):
 
 
 class MixedBuilder:
-    """Builds a mixture's batches.
+    """Builds a mixture's batches from its sources' stores, with the workers of ``pool`` if any.
 
-    Args:
-        mixture: The mixture.
-        sources: The sources' stores.
-        recipe: How the mixed rows become a batch; each source's ``transform`` is its store's.
-        options: The loader's options.
-        pool: The DataLoader's workers when they build the batches, or None.
+    ``recipe`` makes the mixed rows a batch; each source's ``transform`` is its store's.
     """
 
     def __init__(
