@@ -142,7 +142,14 @@ def gather_columns(
                     out[field.name] = ragged
                     continue
             col = _arrow_column(units, sel, field)
-        out[field.name] = _batch_column(field, col, units)
+        if is_tensor_type(field.type):
+            _check_nulls(field.name, col, units)
+            out[field.name] = tensor_numpy(col)
+        elif is_ragged_type(field.type):
+            _check_nulls(field.name, col, units)
+            out[field.name] = ragged_numpy(col)
+        else:
+            out[field.name] = python_values(col)
     return out
 
 
@@ -155,18 +162,6 @@ def _gather_ragged(units: Sequence[Packed], sel: Selection, name: str) -> Ragged
     runs = np.diff([0, *(b for _, b in sel.bounds)])
     unit = np.repeat(np.asarray(sel.unit, np.int64), runs)[sel.inverse]
     return gather_ragged(parts, unit, sel.local[sel.inverse])
-
-
-def _batch_column(
-    field: pa.Field, col: pa.Array | pa.ChunkedArray, units: Sequence[Packed]
-) -> np.ndarray | Ragged | list[Any] | pa.Array:
-    if is_tensor_type(field.type):
-        _check_nulls(field.name, col, units)
-        return tensor_numpy(col)
-    if is_ragged_type(field.type):
-        _check_nulls(field.name, col, units)
-        return ragged_numpy(col)
-    return python_values(col)
 
 
 def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> pa.Table:

@@ -53,7 +53,9 @@ def _merge(values: list[Any], dests: Sequence[np.ndarray], num_rows: int) -> Any
                 rows[at] = item
         return rows
     if isinstance(first, pa.Array | pa.ChunkedArray):
-        whole = pa.concat_arrays([_array(v) for v in values])
+        whole = pa.concat_arrays(
+            [v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in values]
+        )
         where = np.empty(num_rows, dtype=np.int64)
         where[np.concatenate(list(dests))] = np.arange(num_rows)
         return whole.take(pa.array(where))
@@ -71,7 +73,3 @@ def _merge_ragged(values: list[Ragged], dests: Sequence[np.ndarray], num_rows: i
     for value, dest in zip(values, dests, strict=True):
         out[expand_runs(offsets[dest], value.lengths, 1)] = value.values
     return Ragged(out, offsets)
-
-
-def _array(value: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return value.combine_chunks() if isinstance(value, pa.ChunkedArray) else value
