@@ -77,11 +77,7 @@ class EpochTokens:
             if pos not in self._specs:
                 start, rows = int(offsets[pos]), int(offsets[pos + 1] - offsets[pos])
                 (spec,) = partition_specs(  # labelled by the position: one screening each
-                    self.plan,
-                    np.array([pos]),
-                    np.zeros(1),
-                    np.array([start]),
-                    np.array([rows]),
+                    self.plan, np.array([pos]), np.zeros(1), np.array([start]), np.array([rows])
                 )
                 self._store.store.request(spec.positions)
                 self._specs[pos] = spec

@@ -73,12 +73,7 @@ class WorkerDecodes:
         self.generation = generation
         self._stores: list[tuple[UnitStore, ReadCounters]] = []
         self.dispatcher = Dispatcher(
-            pool,
-            DECODE,
-            options.cache_bytes,
-            options.prefetch_factor,
-            self._describe,
-            self._count,
+            pool, DECODE, options.cache_bytes, options.prefetch_factor, self._describe, self._count
         )
 
     def _describe(self, key: int) -> tuple[str, str]:
