@@ -191,10 +191,7 @@ class MixtureIterator:
                 made[i] = Part(pair, start, stop, positions[p0:p1], where[r0:r1], spec)
                 p0, r0 = p1, r1
         bounds = np.searchsorted(table.step, np.arange(count + 1)).tolist()
-        whole: list[bool] = [False] * count
-        if rows is not None:
-            complete: np.ndarray = np.all(rows >= 0, axis=1)
-            whole = [bool(w) for w in complete.tolist()]
+        whole = np.all(rows >= 0, axis=1).tolist() if rows is not None else [False] * count
         ordered = [made[i] for i in range(len(made))]
         for k, (sources, after_step) in enumerate(zip(table.shares, totals.tolist(), strict=True)):
             counts = {**before.counts, **dict(zip(names, after_step, strict=True))}
