@@ -183,3 +183,36 @@ def test_a_quarantined_piece_of_a_carried_step_is_skipped_alike_on_every_topolog
     ids = [i for b in runs[0] for i in b]
     assert len(set(ids)) == len(ids) and not {44, 50} & set(ids)
     assert len(ids) + sum(e.num_rows for e in skipped) == len(runs[0]) * 8, "slots: rows or holes"
+
+
+def test_a_carried_step_is_one_step_for_fetched_ahead_quarantine_step_and_the_audit(
+    tmp_path: Path,
+) -> None:
+    """The step that opens increment 1 with increment 0's tail: a state fetched ahead of it
+    stands before it (in increment 0) and gives it again; ``quarantine_step`` of it names the
+    units of both increments; it is one step of two runs for the audit ledger."""
+    lake = Lake(tmp_path / "lake", 45)
+    loader = ll.DataLoader(lake.dataset(), batch_size=8, drop_last=True)
+    batches = iter(loader)
+    head = [next(batches)["id"].tolist() for _ in range(5)]
+    lake.add(GROWTH[0])
+    carried = next(batches)["id"].tolist()
+    runs = loader.tracker.record.last
+    assert [(r.epoch, r.start, r.stop) for r in runs] == [(0, 40, 45), (1, 0, 3)]
+    state = loader.state_dict(fetched_ahead=1)
+    assert (state["epoch"], state["position"]) == (0, 40), "before the carried step"
+    with ll.DataLoader(lake.dataset(), batch_size=8, drop_last=True) as again:
+        again.load_state_dict(json.loads(json.dumps(state)))
+        rest = [b["id"].tolist() for b in again]
+    seen = _flat([*head, *rest])
+    assert rest[0] == carried and len(seen) == len(set(seen)) == 56 and set(seen) <= set(range(58))
+    earlier = loader.quarantine_step(4)  # a step of increment 0, asked in increment 1
+    rows = {i // 7 for i in head[4]}
+    assert {(Path(e.path).name, e.row_group) for e in earlier} == {
+        ("part-0000.parquet", rg) for rg in rows
+    }
+    behind = {(Path(e.path).name, e.row_group) for e in loader.quarantine_step(5)}
+    tail = {i // 7 for i in carried if i < 45} - rows
+    assert {rg for name, rg in behind if name == "part-0000.parquet"} == tail
+    assert any(name == "part-0001.parquet" for name, _ in behind)
+    loader.close()

@@ -3,8 +3,8 @@
 With ``drop_last=True`` the rows of an increment that do not fill a last global batch are
 carried into the next one, whose first rows fill the batch. The step is read and built in this
 process, whatever ``num_workers`` is: every rank reads the whole step and keeps its share; each
-row's seed is its slot's in its increment. The tracker records it as the end of one increment
-and the start of the next.
+row's seed is its slot's in its increment. The tracker records it as one step: the end of one
+increment and the start of the next.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import BatchRecipe, build_payload, finish_payload
 from lakeloader.randomness import slot_seeds
 from lakeloader.signals import main_thread_only
+from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.quarantine import QuarantineEntry, drop_pieces
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 
@@ -177,21 +178,24 @@ def _assemble(
 
 
 def _advance(node: Following, parts: Sequence[_Part], reads: Sequence[_Read]) -> None:
-    """Record the carried step: the end of one increment, the start of the next ones."""
+    """Record the carried step, one step: the end of one increment, the start of the next."""
     lo, hi = rank_bounds(
         node.host.global_batch_size, node.host.topology.world_size, node.host.topology.rank
     )
-    at = 0
+    tracker, at, runs = node.tracker, 0, []
+    before = (tracker.epoch, tracker.position, tracker.rows_dropped)
     places = _places(parts, reads)
     for i, (part, read, place) in enumerate(zip(parts, reads, places, strict=True)):
         rows, size = len(part.dataset), part.stop - part.start
         if i:
-            node.tracker.set_epoch(part.epoch, restart=True)
-            node.tracker.settle_tail(rows)
+            tracker.set_epoch(part.epoch, restart=True)
+            tracker.settle_tail(rows)
         share = max(0, min(hi, at + size) - max(lo, at))
         mine = int(((place >= lo) & (place < hi)).sum())
         if size:
             done = Delivery(part.stop, mine, part.stop == rows, read.skipped, share - mine)
-            node.tracker.delivered(done, rows)
+            start = tracker.moved(done, rows)
+            runs.append(DeliveredRun(part.epoch, start, part.stop, rows, tracker.topology))
         at += size
+    tracker.stepped(before, runs)
     node.follow_dataset(parts[-1].epoch)

@@ -51,6 +51,8 @@ class LakeNode(Node):
     def __init__(self, host: Host, dataset: LakeDataset) -> None:
         super().__init__(host)
         self._base = self.dataset = dataset
+        #: A followed lake's increment before the one under way (None: none yet).
+        self._previous: LakeDataset | None = None
         opts = host.options
         #: The reader-state tracker: the position, and where every rank and worker stands.
         self.tracker = ReaderStateTracker(host.topology, drop_last=opts.drop_last)
@@ -173,7 +175,7 @@ class LakeNode(Node):
                 self.dataset.fingerprint,
             )
             self.host._shutdown_workers()  # their schema may have widened
-            self.dataset = current
+            self._previous, self.dataset = self.dataset, current
             self._use_reader(current.reader())
 
     def _use_reader(self, reader: UnitReader) -> None:
@@ -228,18 +230,21 @@ class LakeNode(Node):
         """
         state = self.barrier_position(fetched_ahead).to_dict()
         if self._base.follow:
-            increment = self.dataset.snapshot.increment
+            increment = self._epoch_dataset(state["epoch"]).snapshot.increment
             state[INCREMENT_KEY] = None if increment is None else increment.to_list()
         return state
 
     def _epoch_dataset(self, epoch: int) -> LakeDataset:
         """The dataset ``epoch`` runs on, also before a pass of it began.
 
-        A checkpoint's pinned snapshot for its epoch, then the lake of now; a followed lake's
-        earlier increments are not kept.
+        A checkpoint's pinned snapshot for its epoch, then the lake of now; of a followed lake's
+        earlier increments, the last one is kept (a carried step, a step fetched ahead).
         """
         if self._base.follow and epoch == self.tracker.epoch:
             return self.dataset
+        previous = self._previous
+        if self._base.follow and previous is not None and _increment(previous) == epoch:
+            return previous
         if self._base.follow:
             raise ValueError(
                 f"cannot stand before batches of increment {epoch} of a followed lake from "
@@ -270,6 +275,7 @@ class LakeNode(Node):
         if resumption.dataset is not None:
             self.host._shutdown_workers()
             self._base = self.dataset = resumption.dataset
+            self._previous = None
             self._use_reader(resumption.dataset.reader())
         if resumption.state is None:
             assert resumption.restart_epoch is not None
@@ -326,3 +332,9 @@ class LakeNode(Node):
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Skip these units for good, from the next pass on."""
         self.tracker.merge_quarantine(entries)
+
+
+def _increment(dataset: LakeDataset) -> int:
+    """The number of a followed lake's increment (its epoch)."""
+    increment = dataset.snapshot.increment
+    return 0 if increment is None else increment.index

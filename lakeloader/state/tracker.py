@@ -191,16 +191,29 @@ class ReaderStateTracker:
                 stream's samples); a lake's step moves the position itself.
         """
         self._before.append((self.epoch, self.position, self.rows_dropped))
-        start, self.position = self.position, d.slot_stop
+        start = self.moved(d, num_rows)
         if runs is None:
             runs = (DeliveredRun(self.epoch, start, d.slot_stop, num_rows or 0, self.topology),)
         self.record.step(runs)
+
+    def moved(self, d: Delivery, num_rows: int | None = None) -> int:
+        """Move the position as :meth:`delivered` does, recording no step; where it was."""
+        start, self.position = self.position, d.slot_stop
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
         if d.skipped:
             self.merge_quarantine(d.skipped)
         if d.last and self.drop_last and num_rows is not None:
             self.rows_dropped = num_rows - d.slot_stop
+        return start
+
+    def stepped(self, before: tuple[int, int, int], runs: Sequence[DeliveredRun]) -> None:
+        """A step whose parts were :meth:`moved` (a followed lake's carried step), one step.
+
+        ``before``: (epoch, position, rows dropped) when it began, what :meth:`before` gives.
+        """
+        self._before.append(before)
+        self.record.step(runs)
 
     def restore(self, state: LoaderState) -> None:
         """Take a saved position (checked by the recovery coordinator beforehand).
