@@ -283,3 +283,19 @@ def test_a_lake_whose_every_unit_is_quarantined_is_an_error_not_endless_padding(
         for _ in range(10_000):
             next(batches)
     assert "every unit is bad" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_null_row_of_a_fixed_size_list_column_is_an_empty_document(
+    tmp_path: Path, workers: int
+) -> None:
+    """Its slots are not the row's tokens: every other token once an epoch, the counts agree."""
+    rows = [None if i % 5 == 3 else [i * 4 + j + 1 for j in range(4)] for i in range(60)]
+    column = pa.array(rows, pa.list_(pa.int32(), 4))
+    pq.write_table(pa.table({"tokens": column}), tmp_path / "a.parquet", row_group_size=9)
+    ds = ll.LakeDataset(tmp_path, seed=2, packing=ll.Packing("tokens", 8, eos_id=0))
+    per_epoch = TokenStream.of(token_counts(ds), 16, 8).num_samples
+    with ll.DataLoader(ds, batch_size=per_epoch, num_workers=workers) as loader:
+        epoch = next(iter(loader))["input_ids"].flatten().tolist()
+    assert sorted(t for t in epoch if t) == sorted(t for row in rows if row for t in row)
+    assert epoch.count(0) >= 60, "a separator after each document, the null ones too"

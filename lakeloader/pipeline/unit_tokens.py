@@ -156,6 +156,10 @@ def _arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndar
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if pa.types.is_fixed_size_list(arr.type):
         width = arr.type.list_size
+        if arr.null_count:  # a null row holds no token (its slots are not the row's)
+            sizes = np.where(arr.is_valid().to_numpy(zero_copy_only=False), width, 0)
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            return arr.flatten().to_numpy(zero_copy_only=False), offsets
         values = arr.values.to_numpy(zero_copy_only=False)[arr.offset * width :]
         return values, np.arange(len(arr) + 1, dtype=np.int64) * width
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
