@@ -47,6 +47,7 @@ from lakeloader.state.mixture_state import SourceRecord
 from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import RECENT_STEPS, Delivery, ReaderStateTracker, ReaderView
+from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class PackingNode(Node):
 
     what = "packed stream"
     dataset: Any  # a LakeDataset; a packed mixture's Mixture
+    #: The samples delivered by the last step, until the state is asked for (made then).
+    _pending: int | None = None
+    #: The topology of the pass under way (None: no pass yet).
+    _pass_topology: Topology | None = None
 
     def __init__(self, host: Host, dataset: Any) -> None:
         super().__init__(host)
@@ -120,11 +125,26 @@ class PackingNode(Node):
         return int(self._counts[key])
 
     @property
+    def _state(self) -> PackedState:
+        """The state: the last one set, moved to the samples of the last step delivered."""
+        if self._pending is not None:
+            self._stored, self._pending = self._at(self._pending), None
+        return self._stored
+
+    @_state.setter
+    def _state(self, state: PackedState) -> None:
+        self._stored, self._pending = state, None
+
+    def _samples(self) -> int:
+        """Samples delivered (without making the state)."""
+        return self._stored.samples if self._pending is None else self._pending
+
+    @property
     def epoch(self) -> int:
         """The epoch of the next sample (a followed lake's: of the last one, until known)."""
-        stream, samples = self._streams[ONLY], self._state.samples
+        stream, samples = self._streams[ONLY], self._samples()
         at = samples if stream.covers(samples) else samples - 1
-        return int(stream.locate(np.array([max(at, 0)]))[0][0])
+        return stream.epoch_of(max(at, 0))
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Not supported: a packed stream runs through its epochs by itself.
@@ -184,6 +204,7 @@ class PackingNode(Node):
         """The only place the position moves: a batch was handed over."""
         self._tokens, self._padding = self._tokens + tokens, self._padding + pads
         runs, topo = [], self._pass_topology
+        assert topo is not None, "delivered in a pass"
         for name, stream in self._streams.items():
             first, stop = self._counted().get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, topo)
@@ -194,20 +215,20 @@ class PackingNode(Node):
 
     def _counted(self) -> Mapping[str, int]:
         """Samples each source delivered so far."""
-        return {ONLY: self._state.samples}
+        return {ONLY: self._samples()}
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         # the epochs (increments) that state_dict(fetched_ahead=...) may stand back in are kept
-        back = RECENT_STEPS * self.host.global_batch_size
+        back = RECENT_STEPS * (self._pass_topology or self.host.topology).global_batch
         self._streams[ONLY].forget_before(cursor.slot - back)
-        self._state = self._at(cursor.slot)
+        self._pending = cursor.slot  # the state is made of it when asked for
         self.add_quarantine(skipped)
 
     def _at(self, samples: int) -> PackedState:
         """The state with ``samples`` delivered, of the epoch (or increment) they stand in."""
         at = self._streams[ONLY].record(samples)
         return dataclasses.replace(
-            self._state, samples=samples, fingerprint=at.fingerprint, increment=at.increment,
+            self._stored, samples=samples, fingerprint=at.fingerprint, increment=at.increment,
             start=at.start, from_epoch=at.epoch,
         )  # fmt: skip
 
@@ -310,7 +331,7 @@ class PackingNode(Node):
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
         """The samples' cursor, the weights that draw each sample's source, the seed."""
-        samples = self._state.samples
+        samples = self._samples()
         return MixCursor(samples, {ONLY: samples}), MixWeights.of({ONLY: 1.0}), 0
 
     def view(self) -> ReaderView:

@@ -164,10 +164,17 @@ class SourceStream:
         """The epoch of each offset (known: :meth:`cover` first), and its place in it."""
         spans = self.spans()
         if isinstance(spans, int):
+            spans = max(spans, 1)  # a lake of no token
             return offsets // spans, offsets % spans
         first, starts = spans
         index = np.searchsorted(starts, offsets, side="right") - 1
         return first + index, offsets - starts[index]
+
+    def epoch_of(self, offset: int) -> int:
+        """The epoch of one offset (known: :meth:`cover` first), as :meth:`locate` gives it."""
+        if not self.varies:
+            return offset // max(self.size(self.known[0][2]), 1)  # a lake of no token: 0
+        return int(self.locate(np.array([offset]))[0][0])
 
     def forget_before(self, count: int) -> None:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""
