@@ -1,26 +1,9 @@
 """The exactly-once audit: the committed history of a run, proven epoch by epoch (pure).
 
-The committed history is found backwards from the newest committed checkpoint (the *head*):
-the steps its attempt delivered up to it, then, from that attempt's start, the steps of the
-attempt it resumed from up to the checkpoint it resumed from, and so on to a fresh start. Each
-epoch's committed steps must then tile its global positions ``[0, N)`` with neither gap nor
-overlap; the order is a bijection from positions to rows, so that proves every row was
-trained on exactly once. Steps outside the committed history are *replayed* where the history
-covers their positions again (delivered after a checkpoint by an attempt that then died) and
-*uncommitted* where it does not (delivered after the head: a resume will train on them again).
-
-Where the history begins past the start of epoch 0 (a loader restored with
-``load_state_dict`` rather than ``CheckpointManager.load``, a checkpoint saved without a
-ledger, a start entry lost), the positions before it were not recorded: the audit proves the
-rest and calls the run *unverified* before that point, a verdict of its own, never a row
-missing.
-
-A run moves one or more position streams (``lakeloader.state.journal.stream_name``): a single
-lake's global rows (``""``), each source of a mixture, each partition of a packed stream. The
-committed history is one, found once; then each stream's committed steps are proven on their
-own, epoch by epoch (a mixture's source epoch tiles ``[0, N_source)``, a packed partition's
-epoch its sample indices ``[0, S)``), from where that stream stood at the start and save
-entries. The run is exactly once only if every stream is.
+The committed history runs back from the newest committed checkpoint (the *head*), attempt by
+attempt, to a fresh start; then each stream's committed steps must tile each of its epochs'
+positions ``[0, N)`` with neither gap nor overlap. Positions before the recorded history
+begins are *unverified*, never missing.
 """
 
 from __future__ import annotations
@@ -71,8 +54,7 @@ class EpochVerdict:
     """What the audit found in one epoch.
 
     Attributes:
-        epoch: The epoch.
-        num_rows: Its rows (N).
+        num_rows: The epoch's rows (N).
         trained: Rows of the committed history (each counted once per step).
         complete: Whether the committed history reaches the epoch's end.
         dropped: Rows of the epoch's end left out by ``drop_last`` (less than a step).
@@ -112,7 +94,6 @@ class AttemptLink:
     """One attempt's part of the committed history.
 
     Attributes:
-        attempt: Its id.
         steps: Its committed steps.
         discarded: Its steps outside the committed history.
         resumed_step: The checkpoint it resumed from (-1: a fresh start).
@@ -198,8 +179,7 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
     unverified: list[str] = []
     committed: list[StepEntry] = []
     chain: list[AttemptLink] = []
-    # where the recorded history begins (None: nowhere known), and where the attempt after
-    # this one began
+    # where the recorded history begins (None: unknown), and where the attempt after this began
     origin: Stands | None = dict.fromkeys(streams, (0, 0))
     resumed_at: Stands | None = None
     attempt, step, seen = head_attempt, head_step, set()
@@ -276,11 +256,7 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
 
 
 def _streams(steps: list[StepEntry], head: SaveEntry | None) -> list[str]:
-    """The streams to prove: those of the steps and of the head checkpoint.
-
-    A single lake's stream (``""``, every entry's default) is left out where the ledger
-    names other streams but has no step of it.
-    """
+    """The streams of the steps and of the head (``""`` only if a step names it, or alone)."""
     found = {s.stream for s in steps} | (set(head.streams) if head is not None else set())
     if "" in found and len(found) > 1 and not any(s.stream == "" for s in steps):
         found.discard("")
@@ -300,9 +276,8 @@ def _began(
 ) -> tuple[int, int] | None:
     """Where the recorded history of ``stream`` begins (epoch, position), or None.
 
-    A stream the start (or save) entry where the history begins does not name begins at
-    its first committed step; where that is not the start of epoch 0, the positions before
-    are unverified.
+    A stream that ``origin`` does not name begins at its first committed step (the positions
+    before it are unverified).
     """
     if origin is None or stream in origin:
         return None if origin is None else origin[stream]
@@ -353,9 +328,8 @@ def _verdicts(
 ) -> list[EpochVerdict]:
     """Each epoch's verdict from a stream's committed steps and its steps outside the history.
 
-    ``head`` is where the head checkpoint stands (epoch, position): epochs before its epoch
-    must be complete, and its epoch must reach exactly its position. ``origin`` is where the
-    recorded history begins (epoch, position): the positions before it are unrecorded.
+    ``head`` and ``origin`` are where the head checkpoint stands and where the recorded history
+    begins (epoch, position): the head's epoch must reach exactly its position.
     """
     by_epoch: dict[int, list[StepEntry]] = defaultdict(list)
     for s in committed:

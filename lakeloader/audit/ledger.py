@@ -1,26 +1,13 @@
 """The audit ledger: every delivered step and every committed checkpoint, append-only.
 
-It lives beside the checkpoints, ``<root>/ledger/<attempt>/<first seq>.jsonl``: each attempt (a
-run of the training program) writes its entries in segments that are never rewritten, which
-works the same on a local disk and on object stores that cannot append. A segment is written
-at every checkpoint save (before its ``COMMIT``), every ``flush_seconds`` while steps are
-delivered (in a background thread), and at ``close``. Steps delivered after the last segment
-of a crashed attempt are lost with it; they were not committed by any checkpoint (a save
-writes a segment), so the audit's committed history is whole; only its count of replayed rows
-misses them.
-
-Only rank 0 writes: the loader's position is global, the same on every rank.
-
-A step that moves several position streams (a mixture's sources, a packed stream's partitions)
-is recorded as its runs (``DeliveredRun.stream``), which share its ``seq``; each save entry
-says where every stream the attempt moved stands, as the ledger saw them move (or as the
-caller of :meth:`Ledger.mark` says).
+Each attempt writes ``<root>/ledger/<attempt>/<first seq>.jsonl`` segments that are never
+rewritten: at every save (before its ``COMMIT``), every ``flush_seconds`` while steps are
+delivered (in a background thread), and at ``close``. Only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import os
 import posixpath
 import threading
@@ -43,8 +30,6 @@ from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.io.fetch import url_of
 from lakeloader.signals import main_thread_only
 from lakeloader.state.journal import Runs
-
-logger = logging.getLogger(__name__)
 
 LEDGER_DIR: Final = "ledger"
 
@@ -108,34 +93,19 @@ class Ledger:
         if self._started:
             return
         self._started = True
-        step, attempt = self._resumed
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self._buffer.append(
-            StartEntry(
-                self.attempt,
-                time.time(),
-                world_size,
-                restart,
-                step,
-                attempt,
-                epoch,
-                position,
-                self.seq,
-                self._starts,
-                streams,
-            )
-        )
+        resumed = (*self._resumed, epoch, position, self.seq, self._starts, streams)
+        self._buffer.append(StartEntry(self.attempt, time.time(), world_size, restart, *resumed))
         self._starts += 1
 
     def step(self, runs: Runs, *, committed: bool = True) -> None:
         """Record delivered steps (the tracker's observer; nothing once closed).
 
         Args:
-            runs: The runs of one step, one per stream it moved (a lake's rows, a mixture's
-                sources, a packed stream's sources), or of consecutive steps the loader
-                delivered before the ledger was attached to it (its journal), one step
-                number for them all. A run that covers no position (a stream the step
-                did not move) is not written; it tells where its stream stands.
+            runs: The runs of one step, one per stream it moved, or of consecutive steps the
+                loader delivered before the ledger was attached to it (one step number for
+                them all). A run that covers no position is not written; it tells where its
+                stream stands.
             committed: False for steps that were discarded.
         """
         if self._closed or not runs:
@@ -151,22 +121,9 @@ class Ledger:
                 self._stands[r.stream] = (r.epoch, r.stop)
                 if r.stop == r.start and len(runs) > 1:
                     continue
-                self._buffer.append(
-                    StepEntry(
-                        self.attempt,
-                        self.seq,
-                        r.epoch,
-                        r.start,
-                        r.stop,
-                        r.num_rows,
-                        t.world_size,
-                        t.batch_size,
-                        committed,
-                        r.steps,
-                        r.stream,
-                        r.skipped,
-                    )
-                )
+                span = (r.epoch, r.start, r.stop, r.num_rows, t.world_size, t.batch_size)
+                run = (*span, committed, r.steps, r.stream, r.skipped)
+                self._buffer.append(StepEntry(self.attempt, self.seq, *run))
         if time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
@@ -178,9 +135,6 @@ class Ledger:
         streams: Mapping[str, tuple[int, int]] | None = None,
     ) -> tuple[int, int]:
         """Where a checkpoint taken now stands: (steps delivered, index of the attempt's start).
-
-        Taken when ``save`` is called, in the training loop's thread: a background write
-        finishes while later steps are delivered.
 
         Args:
             epoch: The loader's epoch.
@@ -213,8 +167,9 @@ class Ledger:
         with self._lock:
             entries, self._buffer = self._buffer, []
             self._last_flush = time.monotonic()
-        if entries:
-            name = f"{_first_seq(entries):012d}-{uuid.uuid4().hex[:6]}.jsonl"
+        if entries:  # the first step number it records sorts the attempt's segments
+            first = next((e.seq for e in entries if isinstance(e, StepEntry | SaveEntry)), 0)
+            name = f"{first:012d}-{uuid.uuid4().hex[:6]}.jsonl"
             data = "".join(dump_entry(e) + "\n" for e in entries).encode()
             path = posixpath.join(self.folder, name)
             with self._lock:
@@ -247,19 +202,12 @@ def _named(stands: Stands) -> Stands:
     return dict(stands) if any(stands) else {}
 
 
-def _first_seq(entries: list[Entry]) -> int:
-    """The first step number a segment records (its name sorts segments within an attempt)."""
-    return next((e.seq for e in entries if isinstance(e, StepEntry | SaveEntry)), 0)
-
-
 def read_entries(store: CheckpointStore, root: str) -> tuple[list[Entry], list[str]]:
     """Every entry of every attempt's segments under a checkpoint root.
 
-    A segment cut short by a crash while it was written (its last line incomplete) gives
-    the entries before the cut; the cut is reported.
-
     Returns:
-        The entries, and one line per segment that was cut short.
+        The entries, and one line per segment cut short by a crash (its last line incomplete;
+        the entries before the cut are kept).
 
     Raises:
         CheckpointError: If an entry is malformed anywhere but at a segment's end.

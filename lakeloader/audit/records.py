@@ -1,22 +1,8 @@
 """The entries of the audit ledger, one JSON object per line (no I/O here).
 
-Three kinds, each with the attempt (one run of the training program) that wrote it:
-
-- :class:`StartEntry`: an attempt began, fresh or resumed from a checkpoint (its step and the
-  attempt that saved it);
-- :class:`StepEntry`: a step was delivered to the training loop: its epoch, the global
-  position range ``[start, stop)`` it covered, the epoch's rows, the topology, and whether the
-  step was committed (``False`` only where a fault-tolerant step was discarded);
-- :class:`SaveEntry`: a checkpoint of a step was committed: the steps of its attempt up to
-  ``seq`` are in it.
-
-Positions are counted per *stream* (``lakeloader.state.journal.stream_name``): ``""`` is a
-loader over one lake, whose global rows are its only stream; a mixture moves one stream per
-source, a packed stream one per partition. A step entry covers one stream (the runs of one
-step share its ``seq``); start and save entries say where every stream stood (``streams``,
-``{"": (epoch, position)}`` for a single lake). Entries of a single lake are written as
-version 1, as before streams were recorded, so that an older lakeloader still audits them;
-entries naming a stream are version 2.
+Positions are counted per stream (``lakeloader.state.journal.stream_name``; ``""``: a single
+lake's). A single lake's entries are written as version 1, so that an older lakeloader still
+audits them; entries naming a stream are version 2, those of steps skipped on request 3.
 """
 
 from __future__ import annotations
@@ -27,8 +13,7 @@ from typing import Any, Final, TypeAlias
 
 from lakeloader.errors import CheckpointError
 
-#: Version of the ledger's entries of steps skipped on request (2: entries that name streams;
-#: 1: a single lake's, as before).
+#: The newest version of the ledger's entries (see the module's docstring).
 LEDGER_VERSION: Final = 3
 
 #: Where each stream stands: ``{stream: (epoch, position)}``.
@@ -46,14 +31,11 @@ class StartEntry:
     """An attempt began.
 
     Attributes:
-        attempt: Its id.
         time: Unix seconds.
-        world_size: Ranks of the run.
         restart: torchrun's restart count (0 outside torchrun).
         resumed_step: The checkpoint step it resumed from (-1: a fresh start).
         resumed_attempt: The attempt that saved that checkpoint ("" if unknown).
-        epoch: The epoch it resumed in.
-        position: The position it resumed at.
+        epoch: The epoch it resumed in (``position``: the position).
         seq: Steps the attempt had delivered before (a second load within an attempt).
         index: Its place among the attempt's start entries (0, 1, ...).
         streams: Where each stream stood (default: ``{"": (epoch, position)}``); a stream it
@@ -81,19 +63,15 @@ class StepEntry:
     """A step delivered to the training loop.
 
     Attributes:
-        attempt: The attempt.
         seq: The step's number within its attempt (1, 2, ...).
-        epoch: Its epoch.
-        start: The global position before it.
-        stop: The global position after it.
+        start: The global position before it (``stop``: after it).
         num_rows: Rows in the epoch.
         world_size: Ranks (or fault-tolerant participants) that took the step.
         batch_size: Rows per rank per step.
         committed: False if the step was discarded (a fault-tolerant step that did not
             commit); a step is in the committed history only if a checkpoint also covers it.
         steps: Consecutive steps the entry stands for (more than one where the loader
-            delivered them before the ledger was attached to it, each of ``world_size x
-            batch_size`` rows but an epoch's last).
+            delivered them before the ledger was attached to it).
         stream: The stream whose positions it covers (``""``: a single lake's).
         skipped: Skipped on request (``DataLoader.skip``): covered, not trained on.
     """
@@ -117,11 +95,9 @@ class SaveEntry:
     """A checkpoint committed.
 
     Attributes:
-        attempt: The attempt that saved it.
         step: The checkpoint's step.
         seq: The attempt's last delivered step in it.
-        epoch: The loader's epoch.
-        position: The loader's position.
+        epoch: The loader's epoch (``position``: its position).
         start: The index of the attempt's start entry its history begins at.
         streams: Where each stream stood (default: ``{"": (epoch, position)}``).
     """
@@ -155,19 +131,13 @@ def dump_entry(entry: Entry) -> str:
      "position": 160, "start": 0, "streams": {"web": [1, 4]}}
     """
     d = asdict(entry)
-    if d.get("steps") == 1:
-        del d["steps"]  # a single step, as every step entry was before runs were recorded
-    if d.get("stream") == "":
-        del d["stream"]
+    for key, default in (("steps", 1), ("stream", ""), ("skipped", False)):
+        if key in d and d[key] == default:
+            del d[key]  # as entries were written before the field was
     if "streams" in d and d["streams"] == {"": (d["epoch"], d["position"])}:
         del d["streams"]
-    if d.get("skipped") is False:
-        del d["skipped"]
-    version = 1
-    if "stream" in d or "streams" in d:
-        version = 2
-    if "skipped" in d:
-        version = LEDGER_VERSION
+    named = "stream" in d or "streams" in d
+    version = LEDGER_VERSION if "skipped" in d else (2 if named else 1)
     return json.dumps({"v": version, "type": _NAMES[type(entry)], **d})
 
 

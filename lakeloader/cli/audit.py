@@ -1,12 +1,4 @@
-"""``lakeloader audit``: the exactly-once proof of a run, from its ledger and checkpoints.
-
-The verdict is the command's exit status: 0 when every row of the committed history was trained
-on exactly once, 1 when NOT (a row missing or doubled, located in the lake), 3 when the proof
-is unverified (part of the history was not recorded: the ledger was attached late); 2 is any
-error (no checkpoint, no ledger, a ledger whose segments are cut short or empty). A run that
-moved several position streams (a mixture's sources, a packed stream's partitions) is proven
-stream by stream, and its table has a stream column.
-"""
+"""``lakeloader audit``: the exactly-once proof of a run, from its ledger and checkpoints."""
 
 from __future__ import annotations
 
@@ -43,8 +35,6 @@ def run_audit(
     url: str, storage_options: dict[str, Any], retry: RetryPolicy | None = None
 ) -> tuple[AuditReport, dict[str, Any]]:
     """Audit the run whose checkpoints are under ``url``; the report and its plain form.
-
-    ``retry`` is how long a store that fails transiently is retried (default: 5 minutes).
 
     Raises:
         CheckpointError: If there is no usable checkpoint, no ledger, a ledger with no
@@ -171,44 +161,20 @@ def render_audit_text(info: dict[str, Any]) -> str:
             status = "ERROR"
         elif e["unrecorded"]:
             status = "unverified"
-        rows.append(
-            [e["stream"]] * streams
-            + [
-                e["epoch"],
-                f"{e['num_rows']:,}",
-                f"{e['trained']:,}",
-                f"{e['dropped']:,}",
-                _rows(e["skipped"]),
-                _rows(e["replayed"]),
-                _rows(e["uncommitted"]),
-                ", ".join(f"{w}x{b}" for w, b in e["topologies"]),
-                status,
-            ]
-        )
-    table = format_table(
-        ["stream"] * streams
-        + [
-            "epoch",
-            "rows",
-            "trained",
-            "dropped",
-            "skipped",
-            "replayed",
-            "uncommitted",
-            "ranks x batch",
-            "status",
-        ],
-        rows,
-    )
+        cells = [e["epoch"], f"{e['num_rows']:,}", f"{e['trained']:,}", f"{e['dropped']:,}"]
+        cells += [_rows(e[k]) for k in ("skipped", "replayed", "uncommitted")]
+        cells += [", ".join(f"{w}x{b}" for w, b in e["topologies"]), status]
+        rows.append([e["stream"]] * streams + cells)
+    columns = ["epoch", "rows", "trained", "dropped", "skipped", "replayed", "uncommitted"]
+    table = format_table(["stream"] * streams + columns + ["ranks x batch", "status"], rows)
     lines = [head, table]
     for e in info["epochs"]:
+        name = epoch_name(e["stream"], e["epoch"])
         for key, word in (("missing", "never trained on"), ("doubled", "trained on twice")):
             for start, stop in e[key]:
-                name = epoch_name(e["stream"], e["epoch"])
                 lines.append(f"ERROR {name}: positions [{start}, {stop}) {word}")
         lines += [f"  {where}" for where in e["located"]]
         for start, stop in e["skipped"]:
-            name = epoch_name(e["stream"], e["epoch"])
             lines.append(f"{name}: positions [{start}, {stop}) skipped on request (skip())")
     skips = info["steps_skipped"]
     if skips["done"] or skips["pending"]:

@@ -1,10 +1,6 @@
-"""The checkpoint a command-line path names, or what the path is instead.
+"""The checkpoint a command-line path names, or what the path is instead (and what to pass).
 
-``inspect`` and ``audit`` take the checkpoints' root (``inspect`` also one step folder). The
-newest usable checkpoint is read; newer damaged ones are passed over, each named once. A path
-that holds no committed checkpoint is said to be missing, empty, a file, a lake or a folder of
-something else, with what to pass instead. Paths are shown as the URL a user would pass
-(``s3://bucket/...``), never as the filesystem's stripped path.
+Paths are shown as the URL a user would pass (``s3://bucket/...``).
 """
 
 from __future__ import annotations
@@ -84,12 +80,12 @@ def find_checkpoint(manager: CheckpointManager, step: int | None = None) -> Foun
     url = url_of(manager.fs, manager.root)
     if not steps:
         raise CheckpointError(_nothing_there(manager, url, step))
-    if step is not None and step not in steps:
-        raise CheckpointError(
-            f"no committed checkpoint of step {step} under {url}; steps saved there: "
-            f"{', '.join(map(str, steps))}"
-        )
     if step is not None:
+        if step not in steps:
+            raise CheckpointError(
+                f"no committed checkpoint of step {step} under {url}; steps saved there: "
+                f"{', '.join(map(str, steps))}"
+            )
         try:
             ckpt, skipped = manager.read(step), list[str]()
         except CheckpointError as exc:

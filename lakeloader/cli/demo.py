@@ -1,19 +1,12 @@
 """``lakeloader demo``: generate a lake, train, crash for real, resume elsewhere, prove it.
 
-The demo writes a small hive-partitioned lake, starts a training run in a child process
-(2 simulated ranks x 64 rows, 2 workers each, a checkpoint every few steps), kills it with
-SIGKILL part-way through the first epoch, resumes from the last checkpoint in this process on
-another topology (3 ranks x 48 rows, 1 worker each), runs the rest of the epoch and a second
-one, and checks from the per-step row-id logs that every row of every epoch was trained on
-exactly once (the steps after the last checkpoint, replayed after the crash, count once). The
-checkpoints hold the model and the optimizer (``model=``, ``optimizer=``) beside the loaders'
-position, and the run is proven a second time by its audit ledger, as ``lakeloader audit``
-does (the training code never calls ``attach``: the manager records from the first step).
+A child process trains on 2 simulated ranks and is killed with SIGKILL part-way through the
+first epoch; this process resumes from the last checkpoint on 3 ranks, trains the rest of two
+epochs, and proves every row was trained on exactly once, from its step logs and the audit.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -22,7 +15,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,19 +251,9 @@ def _render(r: dict[str, Any]) -> str:
             ("files", f"{r['work_dir']} is kept for that; remove it with rm -r when done"),
         ]
     )
+    keys = ["epoch", "rows", "delivered", "exactly_once", "missing", "duplicated"]
     table = format_table(
-        ["epoch", "rows", "delivered", "exactly once", "missing", "duplicated"],
-        [
-            [
-                p["epoch"],
-                p["rows"],
-                p["delivered"],
-                p["exactly_once"],
-                p["missing"],
-                p["duplicated"],
-            ]
-            for p in r["epochs"]
-        ],
+        [k.replace("_", " ") for k in keys], [[p[k] for k in keys] for p in r["epochs"]]
     )
     verdict = (
         "every row of every epoch was trained on exactly once, by the step logs and the audit"
@@ -281,13 +263,6 @@ def _render(r: dict[str, Any]) -> str:
     return f"{head}\n\n{table}\n\n{verdict}"
 
 
-def _child_main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lakeloader.cli.demo")
-    for name in ("lake", "ckpt", "log"):
-        parser.add_argument(name, type=Path)
-    args = parser.parse_args(argv)
-    train(args.lake, args.ckpt, args.log, BEFORE)
-
-
-if __name__ == "__main__":
-    _child_main(sys.argv[1:])
+if __name__ == "__main__":  # the training child: python -m lakeloader.cli.demo LAKE CKPT LOG
+    lake, ckpt, log = map(Path, sys.argv[1:4])
+    train(lake, ckpt, log, BEFORE)

@@ -1,9 +1,7 @@
 """What a checkpoint says: position, where every rank and worker resumes, rows consumed and left.
 
-Everything is recomputed from the checkpoint alone (its state and pinned manifest): the epoch's
-plan is rebuilt with :func:`~lakeloader.order.plan.plan_epoch`, and the view is the tracker's
-(a backfilled lake's: ``backfill_view``), so the lake is never touched. The functions return
-plain dicts (JSON-ready); :func:`render_text` turns one into the tables of ``lakeloader inspect``.
+Everything is recomputed from the checkpoint alone (its state and pinned manifest): the lake is
+never touched. The functions return plain dicts (JSON-ready).
 """
 
 from __future__ import annotations
@@ -76,10 +74,7 @@ def _topology_dict(topo: Topology, drop_last: bool) -> dict[str, Any]:
 
 
 def _virtual_of_every_slot(plan: EpochPlan) -> np.ndarray:
-    """``slots_to_virtual(plan, arange(N))`` in O(N): one call per window of each partition.
-
-    A single call over all slots costs O(N x windows) (one mask per window it touches).
-    """
+    """``slots_to_virtual(plan, arange(N))`` in O(N): one call per window of each partition."""
     c_count, width = plan.num_partitions, plan.window
     out = np.empty(plan.num_rows, dtype=np.int64)
     for c in range(c_count):
@@ -102,20 +97,17 @@ def row_ranges(
 ) -> list[dict[str, Any]]:
     """Per non-empty row group, the row ranges consumed, remaining and dropped this epoch.
 
-    Slots ``[0, position)`` are consumed, ``[position, deliver_stop)`` remain to be delivered
-    and ``[deliver_stop, N)`` are (or will be) dropped. Ranges are ``[start, end)`` row
-    offsets inside the row group. All slots are mapped at once (O(N) memory).
+    Slots ``[0, position)`` are consumed, ``[position, deliver_stop)`` remain and
+    ``[deliver_stop, N)`` are (or will be) dropped. Ranges are ``[start, end)`` row offsets
+    inside the row group.
     """
     n = plan.num_rows
     rg_rows = np.array([r for f in snapshot.files for r in f.row_group_rows], dtype=np.int64)
-    rg_file = np.repeat(
-        np.arange(len(snapshot.files)), [len(f.row_group_rows) for f in snapshot.files]
-    )
-    rg_index = np.concatenate(
-        [np.arange(len(f.row_group_rows)) for f in snapshot.files] + [np.zeros(0, np.int64)]
-    )
+    per_file = [len(f.row_group_rows) for f in snapshot.files]
+    rg_file = np.repeat(np.arange(len(per_file)), per_file)
+    first_rg = np.concatenate([[0], np.cumsum(per_file)])
+    rg_index = np.arange(len(rg_rows)) - first_rg[rg_file]
     rg_base = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
-    first_rg = np.concatenate([[0], np.cumsum([len(f.row_group_rows) for f in snapshot.files])])
     unit, offset = unit_offsets(plan, _virtual_of_every_slot(plan))
     flat_rg = first_rg[plan.units.file_index[unit]] + plan.units.row_group[unit]
     lake_row = rg_base[flat_rg] + offset
@@ -247,8 +239,7 @@ def saved_topology(ckpt: Checkpoint) -> Topology:
     """The topology a checkpoint was saved under.
 
     Raises:
-        CheckpointError: If it records none (a Mixture's or a packed loader's checkpoint
-            written before record version 2).
+        CheckpointError: If it records none (written by lakeloader < 0.2).
     """
     if ckpt.context.topology is None:
         raise CheckpointError(f"{ckpt.path} records no topology (written by lakeloader < 0.2)")
@@ -278,10 +269,22 @@ def _dash(row: list[Any]) -> list[Any]:
     return ["-" if v is None else v for v in row]
 
 
+def head_pairs(info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The first lines of every kind of checkpoint's report: its folder, step, when and size."""
+    steps = info["steps_available"]
+    saved = f" (saved: {', '.join(map(str, steps))})" if steps else ""
+    return [
+        ("checkpoint", info["path"]),
+        ("step", f"{info['step']:,}{saved}"),
+        ("created", info["created"] or "-"),
+        ("library version", info["library_version"] or "-"),
+        ("state size", f"{info['state_bytes']:,} bytes"),
+    ]
+
+
 def render_text(info: dict[str, Any]) -> str:
     """The readable report of ``lakeloader inspect`` for a dict from :func:`inspect_checkpoint`."""
     extra, cfg, lake = info["extra"], info["config"], info["lake"]
-    steps = info["steps_available"]
     topo, saved = info["topology"], info["topology_saved"]
     quarantine = info["quarantine"]
     config = " ".join(
@@ -290,15 +293,7 @@ def render_text(info: dict[str, Any]) -> str:
     out = [
         format_pairs(
             [
-                ("checkpoint", info["path"]),
-                (
-                    "step",
-                    f"{info['step']:,}"
-                    + (f" (saved: {', '.join(map(str, steps))})" if steps else ""),
-                ),
-                ("created", info["created"] or "-"),
-                ("library version", info["library_version"] or "-"),
-                ("state size", f"{info['state_bytes']:,} bytes"),
+                *head_pairs(info),
                 ("source", info["source"] or "-"),
                 ("lake", f"{lake['files']:,} files, {lake['row_groups']:,} row groups"),
                 ("fingerprint", info["fingerprint"]),
@@ -384,10 +379,8 @@ def render_text(info: dict[str, Any]) -> str:
 def requested(state: Any) -> dict[str, Any]:
     """What the training loop asked, from a checkpoint's state: skips, units quarantined.
 
-    ``steps_delivered``: the steps handed over in the run; ``steps_skipped``: steps skipped
-    on request (``skip()``) and still to skip; ``quarantined_steps``: the units
-    ``quarantine_step()`` quarantined; ``steps_to_quarantine``: steps it named that have not
-    come yet.
+    ``steps_skipped``: done and still to skip (``skip()``); ``quarantined_steps``: the units
+    ``quarantine_step()`` quarantined; ``steps_to_quarantine``: steps it named still to come.
     """
     requests = Requests.of_state(state)
     within = state.get("mixture", state) if hasattr(state, "get") else {}  # a packed mixture's
@@ -405,10 +398,8 @@ def requested(state: Any) -> dict[str, Any]:
 def requested_text(info: dict[str, Any]) -> list[tuple[str, Any]]:
     """The lines of :func:`requested`'s report (the quarantine's table names the units)."""
     skips = info["steps_skipped"]
-    skipped = (
-        f"{skips['done']:,} (and {skips['pending']:,} to come)"
-        if skips["pending"]
-        else (f"{skips['done']:,}")
+    skipped = f"{skips['done']:,}" + (
+        f" (and {skips['pending']:,} to come)" if skips["pending"] else ""
     )
     return [
         ("steps delivered", f"{info['steps_delivered']:,}"),

@@ -1,24 +1,16 @@
-"""What ``lakeloader inspect`` adds for a table, a filter and a followed lake.
-
-For a checkpoint of a followed lake: the increment it stands in (``k`` increments consumed
-before it), the increment's mark, and the lag: the files and rows appended after that mark and
-not yet consumed (found by asking the source for the following increments, as the loader
-would: a listing for a folder, the log for a Delta table).
-"""
+"""What ``lakeloader inspect`` adds: table, filter, a followed lake's lag, training context."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
+from lakeloader.checkpoint.training import CodeVersion
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.increments import Increment, SourceRequest
 from lakeloader.lake.source import FolderSource, Growing
 from lakeloader.lake.tables.delta import DeltaSource
 from lakeloader.lake.tables.options import delta_options, fsspec_options
-
-logger = logging.getLogger(__name__)
 
 #: Increments looked ahead at most for the lag (a Delta table gives one per commit).
 MAX_LAG_INCREMENTS = 10_000
@@ -27,10 +19,7 @@ MAX_LAG_INCREMENTS = 10_000
 def lake_details(
     ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool, retry: RetryPolicy
 ) -> dict[str, Any]:
-    """The table version, the filter and, for a followed lake, its increment and lag.
-
-    ``retry`` is how long the lake's store is retried while the lag is looked up.
-    """
+    """The table version, the filter and, for a followed lake, its increment and lag."""
     snap = ckpt.snapshot
     out: dict[str, Any] = {
         "table": None if snap.table is None else snap.table.describe(),
@@ -54,12 +43,11 @@ def _lag(
 ) -> dict[str, int]:
     """Files and rows appended after an increment (the increments that would follow it)."""
     source: Growing
-    where = ckpt.source
     if ckpt.snapshot.table is not None and ckpt.snapshot.table.format == "delta":
         options = tuple(sorted(delta_options(storage_options).items()))
         source = DeltaSource(ckpt.snapshot.table.location, None, options)
     else:
-        source = FolderSource.of(where)
+        source = FolderSource.of(ckpt.source)
     request = SourceRequest(fsspec_options(storage_options), None, False, retry, False, "skip")
     files = rows = increments = 0
     now: Increment | None = after
@@ -68,11 +56,9 @@ def _lag(
         if found is None:
             break
         snapshot = found[1]
-        files, rows, increments = (
-            files + len(snapshot.files),
-            rows + snapshot.num_rows,
-            increments + 1,
-        )
+        files += len(snapshot.files)
+        rows += snapshot.num_rows
+        increments += 1
         now = snapshot.increment
     return {"increments": increments, "files": files, "rows": rows}
 
@@ -100,3 +86,29 @@ def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
             )
         )
     return lines
+
+
+def render_training(details: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Lines of the readable report.
+
+    >>> render_training(None)
+    [('training context', 'none (saved without one)')]
+    """
+    if details is None:
+        return [("training context", "none (saved without one)")]
+    held = [name for name in ("model", "optimizer") if details[name]]
+    code = CodeVersion(
+        details["code_commit"], details["code_modified"], details["code_root"]
+    ).describe()
+    cuda = details["rng_cuda_devices"]
+    return [
+        ("weights", " and ".join(held) + " (torch.distributed.checkpoint)" if held else "none"),
+        (
+            "generators",
+            f"{details['rng_ranks']} rank(s): python, numpy, torch"
+            + (f", {cuda} CUDA device(s)" if cuda else ""),
+        ),
+        ("saved by", f"{details['world_size']} rank(s), attempt {details['attempt']}"),
+        ("torch version", details["torch_version"]),
+        ("training code", code),
+    ]

@@ -1,12 +1,8 @@
-"""``lakeloader inspect`` of a Mixture's or a packed loader's checkpoint.
+"""``lakeloader inspect`` of a Mixture's or a packed loader's checkpoint, from its state alone.
 
-A mixture, per source: its epoch, the rows of that epoch consumed and remaining, and its
-realised share against its weight; then the weights' history. A packed mixture: the same table
-in samples (each source's epoch counts samples, its record keeps how many one holds). A packed
-loader: the samples delivered (the same on every rank), which is all its state says of where it
-stands: how many samples an epoch holds follows from the lake's token counts and the packing,
-which the checkpoint does not keep. Every kind: the units quarantined. Everything comes from
-the checkpoint's state (O(sources)): no lake is read.
+A mixture: per source, its epoch, the rows (a packed mixture's samples) consumed and remaining
+and its realised share against its weight, then the weights' history. A packed loader: the
+samples delivered (its epoch's size is not in the checkpoint). Every kind: the quarantine.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
-from lakeloader.cli.inspect import quarantine_text
+from lakeloader.cli.inspect import head_pairs, quarantine_text
 from lakeloader.cli.tables import format_pairs, format_table, lake_url
 from lakeloader.errors import StateFormatError
 from lakeloader.order.mixture import MixWeights
@@ -132,16 +128,8 @@ def _mixture(state: MixtureState, ckpt: Checkpoint, unit: str) -> dict[str, Any]
 
 
 def render_kind_text(info: dict[str, Any]) -> str:
-    """The readable report of a dict from :func:`inspect_kind` (ending in a blank line)."""
-    steps = info["steps_available"]
-    saved = f" (saved: {', '.join(map(str, steps))})" if steps else ""
-    common = [
-        ("checkpoint", info["path"]),
-        ("step", f"{info['step']:,}{saved}"),
-        ("created", info["created"] or "-"),
-        ("library version", info["library_version"] or "-"),
-        ("state size", f"{info['state_bytes']:,} bytes"),
-    ]
+    """The readable report of a dict from :func:`inspect_kind` (ending in a newline)."""
+    common = head_pairs(info)
     if info["kind"] == "packed":
         return _packed_text(info, common) + "\n"
     unit, packed = info["unit"], info["kind"] == "packed-mixture"
@@ -179,20 +167,12 @@ def render_kind_text(info: dict[str, Any]) -> str:
             for c in info["history"]
         ],
     )
-    return (
-        "\n\n".join(
-            [
-                head,
-                f"sources (epoch: the source's own; consumed and remaining: {unit} of that epoch; "
-                f"share: of all {'samples' if packed else 'slots'} drawn)",
-                table,
-                "weights",
-                history,
-                *quarantine_text(info["quarantine"]),
-            ]
-        )
-        + "\n"
+    legend = (
+        f"sources (epoch: the source's own; consumed and remaining: {unit} of that epoch; "
+        f"share: of all {'samples' if packed else 'slots'} drawn)"
     )
+    parts = [head, legend, table, "weights", history, *quarantine_text(info["quarantine"])]
+    return "\n\n".join(parts) + "\n"
 
 
 def _packed_text(info: dict[str, Any], common: list[tuple[str, Any]]) -> str:

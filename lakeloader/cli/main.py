@@ -1,14 +1,7 @@
 """The ``lakeloader`` command: ``plan``, ``inspect``, ``audit``, ``clean`` and ``demo``.
 
-``plan`` shows a lake and the cut of an epoch, ``inspect`` a checkpoint's position under any
-topology, ``audit`` proves exactly-once delivery from a run's ledger, ``clean`` removes the
-shared memory of loaders that were killed, ``demo`` runs the end-to-end job. Bad arguments and
-failures print one line naming the path or URL and exit with status 2 (``--verbose``, before or
-after the subcommand, logs each storage retry and adds the traceback of an unexpected error);
-a store that keeps failing is given up after ``--retry-seconds`` (30 s). ``audit`` exits with
-0 when every row was trained on exactly once, 1 when not (a row missing or doubled), 3 when
-the proof is unverified (part of the history was not recorded: the ledger was attached late).
-Paths are printed as the URLs a user would pass (``s3://bucket/...``).
+Every failure prints one line naming the path or URL and exits with status 2 (``--verbose``
+adds the traceback of an unexpected error); ``audit`` exits with its verdict's status.
 """
 
 from __future__ import annotations
@@ -26,8 +19,6 @@ from lakeloader.cli.tables import format_pairs, format_table, full_urls, to_json
 from lakeloader.errors import LakeError, StorageRetryWarning, StoreUnavailableError
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.units import human_bytes
-
-logger = logging.getLogger(__name__)
 
 #: What ``lakeloader audit`` exits with, by the audit's verdict (2 is any error).
 AUDIT_EXIT = {"exactly once": 0, "NOT exactly once": 1, "unverified": 3}
@@ -67,19 +58,9 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_lake(args: argparse.Namespace, kind: str, **kwargs: Any) -> Any:
-    """The dataset of ``lakeloader plan``'s LAKE: a folder, a Delta or an Iceberg table."""
-    from lakeloader.dataset import LakeDataset
-
-    if kind == "delta":
-        return LakeDataset.from_delta(args.lake, version=args.table_version, **kwargs)
-    if kind == "iceberg":
-        return LakeDataset.from_iceberg(args.lake, snapshot_id=args.table_version, **kwargs)
-    return LakeDataset(args.lake, **kwargs)
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     from lakeloader.cli.describe import describe_plan
+    from lakeloader.dataset import LakeDataset
     from lakeloader.lake.tables.detect import table_kind
 
     options = dict(args.storage_option)
@@ -88,25 +69,34 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--table-version is for a Delta or Iceberg table; {args.lake} is a folder"
         )
-    ds = _open_lake(
-        args,
-        kind,
-        columns=args.columns.split(",") if args.columns else None,
-        storage_options=options,
-        seed=args.seed,
-        shuffle=not args.no_shuffle,
-        num_partitions=args.num_partitions,
-        progress=None if not args.json else False,
-        retry=RetryPolicy(deadline=args.retry_seconds),
+    kwargs: dict[str, Any] = {
+        "columns": args.columns.split(",") if args.columns else None,
+        "storage_options": options,
+        "seed": args.seed,
+        "shuffle": not args.no_shuffle,
+        "num_partitions": args.num_partitions,
+        "progress": None if not args.json else False,
+        "retry": RetryPolicy(deadline=args.retry_seconds),
         **({"window": args.window} if args.window else {}),
-    )
+    }
+    if kind == "delta":
+        ds = LakeDataset.from_delta(args.lake, version=args.table_version, **kwargs)
+    elif kind == "iceberg":
+        ds = LakeDataset.from_iceberg(args.lake, snapshot_id=args.table_version, **kwargs)
+    else:
+        ds = LakeDataset(args.lake, **kwargs)
     info = describe_plan(
         ds, world_size=args.world_size, batch_size=args.batch_size, drop_last=args.drop_last
     )
     if args.json:
         _emit(to_json(info))
         return 0
-    lake, epoch = info["lake"], info["epoch"]
+    lake, epoch, cfg = info["lake"], info["epoch"], info["config"]
+    units = f"{epoch['units']:,} of {epoch['unit_rows_min']:,}..{epoch['unit_rows_max']:,} rows"
+    per_partition = f"{epoch['partition_rows_min']:,}..{epoch['partition_rows_max']:,}"
+    window = f"{cfg['window']:,} rows ({epoch['windows_per_partition']:,} per partition)"
+    batch = f"{epoch['global_batch']:,} = {epoch['world_size']} ranks x {epoch['batch_size']:,}"
+    resident = "about " + human_bytes(epoch["resident_bytes_per_rank_estimate"])
     out = [
         format_pairs(
             [
@@ -126,47 +116,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "",
         format_pairs(
             [
-                (
-                    "units",
-                    f"{epoch['units']:,} of {epoch['unit_rows_min']:,}"
-                    f"..{epoch['unit_rows_max']:,} rows",
-                ),
-                ("seed / shuffle", f"{info['config']['seed']} / {info['config']['shuffle']}"),
-                ("partitions (C)", info["config"]["num_partitions"]),
-                (
-                    "rows per partition",
-                    f"{epoch['partition_rows_min']:,}..{epoch['partition_rows_max']:,}",
-                ),
-                (
-                    "window",
-                    f"{info['config']['window']:,} rows "
-                    f"({epoch['windows_per_partition']:,} per partition)",
-                ),
-                (
-                    "global batch",
-                    f"{epoch['global_batch']:,} = {epoch['world_size']} ranks x "
-                    f"{epoch['batch_size']:,}",
-                ),
+                ("units", units),
+                ("seed / shuffle", f"{cfg['seed']} / {cfg['shuffle']}"),
+                ("partitions (C)", cfg["num_partitions"]),
+                ("rows per partition", per_partition),
+                ("window", window),
+                ("global batch", batch),
                 ("steps per epoch", epoch["steps"]),
                 ("rows in last step", epoch["rows_in_last_step"]),
                 ("rows dropped", epoch["rows_dropped"]),
                 ("C divides batch", epoch["c_divides_global_batch"]),
                 ("partitions per rank", epoch["partitions_per_rank"]),
-                (
-                    "resident per rank",
-                    "about " + human_bytes(epoch["resident_bytes_per_rank_estimate"]),
-                ),
+                ("resident per rank", resident),
             ]
         ),
         "",
     ]
     files = info["files"][: args.files]
-    out.append(
-        format_table(
-            ["file", "bytes", "row groups", "rows"],
-            [[f["path"], f["bytes"], f["row_groups"], f["rows"]] for f in files],
-        )
-    )
+    rows = [[f["path"], f["bytes"], f["row_groups"], f["rows"]] for f in files]
+    out.append(format_table(["file", "bytes", "row groups", "rows"], rows))
     if len(info["files"]) > len(files):
         out.append(f"... {len(info['files']) - len(files):,} more files (--files N shows more)")
     _emit("\n".join(out))
@@ -192,46 +160,33 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         requested_text,
         saved_topology,
     )
-    from lakeloader.cli.inspect_follow import lake_details, render_details
+    from lakeloader.cli.inspect_follow import lake_details, render_details, render_training
     from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
-    from lakeloader.cli.inspect_training import render_training, training_details
 
-    overrides = {
-        "world_size": args.world_size,
-        "num_workers": args.num_workers,
-        "batch_size": args.batch_size,
-        "drop_last": args.drop_last,
-    }
     options, retry = dict(args.storage_option), RetryPolicy(deadline=args.retry_seconds)
     found = open_checkpoint(args.checkpoint, args.step, options, retry)
-    ckpt, steps = found.checkpoint, found.steps
+    ckpt = found.checkpoint
     _warn_skipped(args.command, found.skipped)
     if ckpt.lake is None:  # per source or partition: no topology to map onto
-        report = inspect_kind(ckpt, steps)
-        report["training"] = training_details(ckpt.training)
-        report["skipped_damaged"] = found.skipped
-        report["requests"] = requested(ckpt.state_dict)
-        lines = requested_text(report["requests"]) + render_training(report["training"])
-        text = render_kind_text(report) + "\n" + format_pairs(lines)
-        _emit(to_json(report) if args.json else text)
-        return 0
-    given = {k: v for k, v in overrides.items() if v is not None and k != "drop_last"}
-    topology = dataclasses.replace(saved_topology(ckpt), **given)
-    info = inspect_checkpoint(
-        ckpt,
-        topology=topology,
-        drop_last=args.drop_last,
-        ranges=args.ranges,
-        steps_available=steps,
-    )
+        info = inspect_kind(ckpt, found.steps)
+        head, lines, end = render_kind_text(info), [], ""
+    else:
+        names = ("world_size", "num_workers", "batch_size")
+        given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+        info = inspect_checkpoint(
+            ckpt,
+            topology=dataclasses.replace(saved_topology(ckpt), **given),
+            drop_last=args.drop_last,
+            ranges=args.ranges,
+            steps_available=found.steps,
+        )
+        info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
+        head, lines, end = render_text(info), render_details(details), "\n"
     info["skipped_damaged"] = found.skipped
-    info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
-    info["training"] = training_details(ckpt.training)
+    info["training"] = None if ckpt.training is None else ckpt.training.to_dict()
     info["requests"] = requested(ckpt.state_dict)
-    lines = render_details(details) + requested_text(info["requests"])
-    lines += render_training(info["training"])
-    text = render_text(info) + ("\n" + format_pairs(lines) + "\n" if lines else "")
-    _emit(to_json(info) if args.json else text)
+    lines += requested_text(info["requests"]) + render_training(info["training"])
+    _emit(to_json(info) if args.json else f"{head}\n{format_pairs(lines)}{end}")
     return 0
 
 

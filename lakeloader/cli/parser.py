@@ -1,14 +1,12 @@
-"""The arguments of the ``lakeloader`` command: one parser, one line per usage error.
+"""The arguments of the ``lakeloader`` command: one parser, one line per usage error (status 2).
 
-Every subcommand takes ``-v``/``--verbose`` (before or after its name); those that read a
-store also take ``--storage-option``, ``--retry-seconds`` and ``--json``. A usage error prints
-one line naming the argument and exits with status 2, as every other failure does.
+Every subcommand takes ``-v``/``--verbose`` before or after its name.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from lakeloader._version import __version__
@@ -35,10 +33,6 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     """Defaults in every option's help, examples kept as written."""
 
 
-#: Adds a subcommand: its name, one-line summary and epilog (examples).
-_Command = Callable[[str, str, str], argparse.ArgumentParser]
-
-
 def _count(least: int) -> Any:
     """An argparse type: an integer of at least ``least``."""
 
@@ -51,7 +45,6 @@ def _count(least: int) -> Any:
             raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {least}"
     return parse
 
 
@@ -95,7 +88,27 @@ def _add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _add_plan(command: _Command) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lakeloader`` command (``command`` names the subcommand)."""
+    parser = _Parser(
+        prog="lakeloader",
+        description="Deterministic, exactly-resumable Parquet lakes for PyTorch.",
+        formatter_class=_Help,
+    )
+    parser.add_argument("--version", action="version", version=f"lakeloader {__version__}")
+    verbose = "log at INFO level (each storage retry too); tracebacks of errors"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    common = _Parser(add_help=False)  # --verbose after the subcommand, too
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, summary: str, epilog: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, parents=[common], help=summary, formatter_class=_Help, epilog=epilog
+        )
+
     plan = command(
         "plan",
         "what a lake holds and how an epoch is cut",
@@ -134,8 +147,16 @@ def _add_plan(command: _Command) -> None:
     plan.add_argument("--files", type=_count(0), default=DEFAULT_FILES_SHOWN, help="files to list")
     _add_io_arguments(plan)
 
+    demo = command(
+        "demo",
+        "generate a lake, train, crash, resume on another topology, report",
+        "example:\n  lakeloader demo --rows 20000",
+    )
+    demo.add_argument("--dir", default=None, help="working folder (None: a temporary one, kept)")
+    demo.add_argument("--rows", type=_count(1000), default=60_000, help="rows in the lake")
+    demo.add_argument("--crash-at", type=_count(1), default=None, help="step of the crash")
+    demo.add_argument("--json", action="store_true", help="machine-readable report")
 
-def _add_inspect(command: _Command) -> None:
     inspect = command(
         "inspect",
         "a checkpoint's position: per rank and worker, rows consumed and left",
@@ -167,8 +188,6 @@ def _add_inspect(command: _Command) -> None:
     )
     _add_io_arguments(inspect)
 
-
-def _add_audit(command: _Command) -> None:
     audit = command(
         "audit",
         "prove from the ledger that every row was trained on exactly once (exit status "
@@ -185,41 +204,6 @@ def _add_audit(command: _Command) -> None:
     )
     _add_io_arguments(audit)
 
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``lakeloader`` command (``command`` names the subcommand)."""
-    parser = _Parser(
-        prog="lakeloader",
-        description="Deterministic, exactly-resumable Parquet lakes for PyTorch.",
-        formatter_class=_Help,
-    )
-    parser.add_argument("--version", action="version", version=f"lakeloader {__version__}")
-    verbose = "log at INFO level (each storage retry too); tracebacks of errors"
-    parser.add_argument("-v", "--verbose", action="store_true", help=verbose)
-    common = _Parser(add_help=False)  # --verbose after the subcommand, too
-    common.add_argument(
-        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, summary: str, epilog: str) -> argparse.ArgumentParser:
-        parsed: argparse.ArgumentParser = sub.add_parser(
-            name, parents=[common], help=summary, formatter_class=_Help, epilog=epilog
-        )
-        return parsed
-
-    _add_plan(command)
-    demo = command(
-        "demo",
-        "generate a lake, train, crash, resume on another topology, report",
-        "example:\n  lakeloader demo --rows 20000",
-    )
-    demo.add_argument("--dir", default=None, help="working folder (None: a temporary one, kept)")
-    demo.add_argument("--rows", type=_count(1000), default=60_000, help="rows in the lake")
-    demo.add_argument("--crash-at", type=_count(1), default=None, help="step of the crash")
-    demo.add_argument("--json", action="store_true", help="machine-readable report")
-    _add_inspect(command)
-    _add_audit(command)
     clean = command(
         "clean",
         "remove the shared memory of lakeloader processes that were killed",
