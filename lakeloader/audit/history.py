@@ -203,14 +203,10 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         mine = [s for s in steps[attempt] if low < s.seq <= save.seq and s.committed]
         committed += mine
         recorded = _count(mine)
+        resumed = start.resumed_step if start is not None else -1
+        sizes = tuple(sorted({s.world_size for s in mine}))
         chain.append(
-            AttemptLink(
-                attempt,
-                recorded,
-                _count(steps[attempt]) - recorded,
-                start.resumed_step if start is not None else -1,
-                tuple(sorted({s.world_size for s in mine})),
-            )
+            AttemptLink(attempt, recorded, _count(steps[attempt]) - recorded, resumed, sizes)
         )
         if start is None:
             origin = dict(save.streams)

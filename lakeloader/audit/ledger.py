@@ -136,13 +136,9 @@ class Ledger:
     ) -> tuple[int, int]:
         """Where a checkpoint taken now stands: (steps delivered, index of the attempt's start).
 
-        Args:
-            epoch: The loader's epoch.
-            position: The loader's position.
-            world_size: Its ranks.
-            streams: Where each stream stands (default: where the steps recorded since the
-                attempt began or resumed left them, or ``epoch`` and ``position`` for a
-                single lake's).
+        ``epoch``, ``position`` and ``world_size`` are the loader's; ``streams`` where each
+        stream stands (default: where the steps recorded since the attempt began or resumed
+        left them, or ``epoch`` and ``position`` for a single lake's).
         """
         with self._lock:
             stands = dict(streams) if streams is not None else _named(self._stands)
@@ -218,8 +214,7 @@ def read_entries(store: CheckpointStore, root: str) -> tuple[list[Entry], list[s
     for path in sorted(store.sizes(folder)):
         if not path.endswith(".jsonl"):
             continue
-        text = store.cat(path).decode("utf-8", errors="replace")
-        lines = text.split("\n")
+        lines = store.cat(path).decode("utf-8", errors="replace").split("\n")
         if lines[-1]:  # no newline at the end: the write was cut short
             torn.append(
                 f"{url_of(store.fs, path)}: its last line is incomplete (cut short by a crash)"

@@ -115,10 +115,7 @@ def _plain(report: AuditReport, torn: list[str], ckpt: Checkpoint) -> dict[str, 
 
 
 def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]) -> list[str]:
-    """Where the first positions of each span lie in the lake.
-
-    Only when the epoch ran on the checkpoint's snapshot (the same number of rows).
-    """
+    """Where the first positions of each span lie in the lake (if on the checkpoint's snapshot)."""
     try:
         plan = rebuild_plan(ckpt, epoch)
     except CheckpointError:

@@ -73,9 +73,7 @@ def write_demo_lake(root: Path, rows: int, seed: int = 0) -> int:
 def train(lake: Path, ckpt: Path, log: Path, topo: Topology) -> dict[str, Any]:
     """Train a linear classifier on simulated ranks; log row ids per step; checkpoint.
 
-    It resumes from the newest checkpoint under ``ckpt`` if there is one, as a training
-    script would: the loaders' position, the model, the optimizer and the random generators
-    come back, on whatever topology ``topo`` is.
+    It resumes from the newest checkpoint under ``ckpt`` if there is one, on any ``topo``.
     """
     torch.manual_seed(0)
     # Leave the cores to the loaders' workers (see README: torch's threads compete with them).

@@ -23,9 +23,7 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
     """The report's data (what ``--json`` prints), by the kind of the saved state.
 
     Raises:
-        StateFormatError: If the state is not one this lakeloader reads (a packed mixture's of
-            version 1, a packed state of version 1 taken in the middle of an epoch), naming
-            the checkpoint.
+        StateFormatError: If the state is not one this lakeloader reads, naming the checkpoint.
     """
     kind, state = ckpt.state_dict.get("kind"), ckpt.state_dict
     head = {
@@ -53,18 +51,14 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
 
 def _packed(state: dict[str, Any], ckpt: Checkpoint) -> dict[str, Any]:
     """A packed state's samples; a version 1 state's epoch instead (read at its start only)."""
-    if state.get("version") == 1:
-        read = PackedState.from_dict(state, per_epoch=1)  # samples: the epoch it starts
-        samples, epoch = None, read.samples
-    else:
-        read = PackedState.from_dict(state, per_epoch=0)  # per_epoch reads version 1 only
-        samples, epoch = read.samples, None
+    old = state.get("version") == 1
+    read = PackedState.from_dict(state, per_epoch=1 if old else 0)  # old: samples is the epoch
     return {
         "version": state.get("version"),
         "fingerprint": read.fingerprint,
         "config_hash": read.config,
-        "samples": samples,
-        "epoch": epoch,
+        "samples": None if old else read.samples,
+        "epoch": read.samples if old else None,
         "quarantine": _quarantine(read.quarantine, ckpt),
         "lake": ckpt.sources.get("lake"),
     }
