@@ -46,11 +46,8 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     folders = args.dir or [f for f in (SHM_DIR, tempfile.gettempdir()) if os.path.isdir(f)]
     removed = [(path, size) for folder in folders for path, size in sweep(folder)]
     if args.json:
-        _emit(
-            to_json(
-                {"looked_in": folders, "removed": [{"path": p, "bytes": b} for p, b in removed]}
-            )
-        )
+        listed = [{"path": p, "bytes": b} for p, b in removed]
+        _emit(to_json({"looked_in": folders, "removed": listed}))
     elif removed:
         _emit(format_table(["removed", "bytes"], [[p, human_bytes(b)] for p, b in removed]))
     else:

@@ -129,18 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--table-version",
         type=_count(0),
-        default=None,
         help="Delta version or Iceberg snapshot id (None: the newest)",
     )
     plan.add_argument("--columns", help="comma-separated columns to read")
     plan.add_argument("--seed", type=int, default=0, help="seed of the order")
     plan.add_argument("--no-shuffle", action="store_true", help="path order")
-    plan.add_argument(
-        "--num-partitions", type=_count(1), default=None, help="C (None: the library's default)"
-    )
-    plan.add_argument(
-        "--window", type=_count(1), default=None, help="rows per shuffle window (None: default)"
-    )
+    plan.add_argument("--num-partitions", type=_count(1), help="C (None: the library's default)")
+    plan.add_argument("--window", type=_count(1), help="rows per shuffle window (None: default)")
     plan.add_argument("--world-size", type=_count(1), default=1, help="ranks")
     plan.add_argument("--batch-size", type=_count(1), default=256, help="rows per rank per step")
     plan.add_argument("--drop-last", action="store_true", help="drop a short last global batch")
@@ -152,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generate a lake, train, crash, resume on another topology, report",
         "example:\n  lakeloader demo --rows 20000",
     )
-    demo.add_argument("--dir", default=None, help="working folder (None: a temporary one, kept)")
+    demo.add_argument("--dir", help="working folder (None: a temporary one, kept)")
     demo.add_argument("--rows", type=_count(1000), default=60_000, help="rows in the lake")
-    demo.add_argument("--crash-at", type=_count(1), default=None, help="step of the crash")
+    demo.add_argument("--crash-at", type=_count(1), help="step of the crash")
     demo.add_argument("--json", action="store_true", help="machine-readable report")
 
     inspect = command(
@@ -168,14 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the checkpoints' root folder (the URL given to CheckpointManager), or one step "
         "folder under it",
     )
-    inspect.add_argument("--step", type=_count(0), default=None, help="step (None: the newest)")
-    inspect.add_argument("--world-size", type=_count(1), default=None, help="None: the saved one")
-    inspect.add_argument("--num-workers", type=_count(0), default=None, help="None: the saved one")
-    inspect.add_argument("--batch-size", type=_count(1), default=None, help="None: the saved one")
+    inspect.add_argument("--step", type=_count(0), help="step (None: the newest)")
+    inspect.add_argument("--world-size", type=_count(1), help="None: the saved one")
+    inspect.add_argument("--num-workers", type=_count(0), help="None: the saved one")
+    inspect.add_argument("--batch-size", type=_count(1), help="None: the saved one")
     inspect.add_argument(
         "--drop-last",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="instead of the saved setting",
     )
     inspect.add_argument(
