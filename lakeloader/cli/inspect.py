@@ -290,6 +290,11 @@ def render_text(info: dict[str, Any]) -> str:
     config = " ".join(
         f"{k}={','.join(v) if isinstance(v, list) else str(v).lower()}" for k, v in cfg.items()
     )
+    if extra["keys"] is not None:
+        extras = f"keys: {', '.join(extra['keys']) or '-'}"
+    else:
+        extras = "none" if extra["type"] == "NoneType" else extra["type"]
+    skipped = f"{len(quarantine):,} units, {sum(q['num_rows'] for q in quarantine):,} rows skipped"
     out = [
         format_pairs(
             [
@@ -299,19 +304,8 @@ def render_text(info: dict[str, Any]) -> str:
                 ("fingerprint", info["fingerprint"]),
                 ("config hash", info["config_hash"]),
                 ("config", config),
-                (
-                    "extras",
-                    f"keys: {', '.join(extra['keys']) or '-'}"
-                    if extra["keys"] is not None
-                    else ("none" if extra["type"] == "NoneType" else extra["type"]),
-                ),
-                (
-                    "quarantine",
-                    f"{len(quarantine):,} units, {sum(q['num_rows'] for q in quarantine):,} rows"
-                    " skipped (listed below)"
-                    if quarantine
-                    else "none",
-                ),
+                ("extras", extras),
+                ("quarantine", f"{skipped} (listed below)" if quarantine else "none"),
             ]
         ),
         "",
