@@ -125,7 +125,16 @@ def render_kind_text(info: dict[str, Any]) -> str:
     """The readable report of a dict from :func:`inspect_kind` (ending in a newline)."""
     common = head_pairs(info)
     if info["kind"] == "packed":
-        return _packed_text(info, common) + "\n"
+        if info["samples"] is None:
+            where = f"the start of epoch {info['epoch']} (a version 1 state)"
+        else:
+            where = (
+                f"{info['samples']:,} delivered (the same on every rank; its epoch follows from "
+                "the lake's token counts and the packing, which the checkpoint does not keep)"
+            )
+        pairs = [*common, ("lake", info["lake"] or "-"), ("fingerprint", info["fingerprint"])]
+        pairs += [("config hash", info["config_hash"]), ("samples", where)]
+        return "\n\n".join([format_pairs(pairs), *quarantine_text(info["quarantine"])]) + "\n"
     unit, packed = info["unit"], info["kind"] == "packed-mixture"
     pairs = [*common, ("mixture", f"{len(info['sources'])} sources, seed {info['seed']}")]
     if packed:
@@ -167,23 +176,3 @@ def render_kind_text(info: dict[str, Any]) -> str:
     )
     parts = [head, legend, table, "weights", history, *quarantine_text(info["quarantine"])]
     return "\n\n".join(parts) + "\n"
-
-
-def _packed_text(info: dict[str, Any], common: list[tuple[str, Any]]) -> str:
-    if info["samples"] is None:
-        where = f"the start of epoch {info['epoch']} (a version 1 state)"
-    else:
-        where = (
-            f"{info['samples']:,} delivered (the same on every rank; its epoch follows from the "
-            "lake's token counts and the packing, which the checkpoint does not keep)"
-        )
-    head = format_pairs(
-        [
-            *common,
-            ("lake", info["lake"] or "-"),
-            ("fingerprint", info["fingerprint"]),
-            ("config hash", info["config_hash"]),
-            ("samples", where),
-        ]
-    )
-    return "\n\n".join([head, *quarantine_text(info["quarantine"])])
