@@ -72,19 +72,14 @@ def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(("filter", details["filter"]))
     inc = details["increment"]
     if inc is not None:
-        lines.append(
-            ("increment", f"{inc['index']:,} ({inc['increments_consumed']:,} consumed before it)")
-        )
-        lag = inc["lag"]
-        lines.append(
-            (
-                "lag",
-                "-"
-                if lag is None
-                else f"{lag['files']:,} files, {lag['rows']:,} rows in {lag['increments']:,} "
-                "increments appended after this one",
+        lag, behind = inc["lag"], "-"
+        if lag is not None:
+            behind = (
+                f"{lag['files']:,} files, {lag['rows']:,} rows in {lag['increments']:,} "
+                "increments appended after this one"
             )
-        )
+        consumed = f"{inc['index']:,} ({inc['increments_consumed']:,} consumed before it)"
+        lines += [("increment", consumed), ("lag", behind)]
     return lines
 
 

@@ -60,10 +60,7 @@ def to_json(data: Any) -> str:
 
 
 def full_urls(text: str, url: str) -> str:
-    """``text`` with the paths in ``url``'s bucket written as URLs, as ``url`` is.
-
-    fsspec's paths of an object store drop the protocol (``bucket/key``); a message that
-    names one is shown with it, so that the path can be copied into another command.
+    """``text`` with the paths in ``url``'s bucket (fsspec's ``bucket/key``) written as URLs.
 
     >>> full_urls("b/ckpt/step-000000000001: torn; see 's3://b/x'", "s3://b/ckpt")
     "s3://b/ckpt/step-000000000001: torn; see 's3://b/x'"
