@@ -6,6 +6,7 @@ configured) keeps the details.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -209,3 +210,22 @@ def test_a_retry_storm_warns_once_per_outage(caplog: pytest.LogCaptureFixture) -
     assert len(said) == 2, [str(w.message) for w in said]
     assert "ConnectionRefusedError" in str(said[0].message)
     assert "retried for up to 30 s" in str(said[0].message)
+
+
+def test_a_retry_warning_points_at_the_code_that_asked_for_the_read() -> None:
+    """``RetryPolicy.call``'s warning names its caller's line (where a filter or a user looks)."""
+    failures = iter([ConnectionResetError("reset by peer")])
+
+    def flaky() -> bytes:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return b"ok"
+
+    policy = ll.RetryPolicy(initial_delay=0.001, max_delay=0.001)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        assert policy.call(flaky, "tcp://127.0.0.1/x") == b"ok"
+    [warning] = [w for w in seen if w.category is ll.StorageRetryWarning]
+    assert (warning.filename, warning.lineno) == (__file__, line)

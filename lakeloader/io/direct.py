@@ -69,7 +69,9 @@ class DirectRanges:
         self._lock = threading.Lock()
 
     def read_all(self, path: str, version: str, ranges: Sequence[tuple[int, int]]) -> list[Blob]:
-        """Ranges ``[start, end)`` of ``path`` at ``version``, each in a thread (see :meth:`read`).
+        """Ranges ``[start, end)`` of ``path`` at ``version`` (see :meth:`read`).
+
+        The first is read in this thread, each other in a daemon thread.
 
         Raises:
             Exception: The first range's failure, in the order given (see :meth:`read`).

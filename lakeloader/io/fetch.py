@@ -195,6 +195,8 @@ def fetch_ranges(
     def cat_all() -> list[Blob]:
         blobs = pinned.cat_ranges(fs, path, version, ranges)
         for blob, (start, end) in zip(blobs, ranges, strict=True):
+            if isinstance(blob, BaseException):  # an async fsspec before 2026.6 returns them
+                raise blob
             if len(blob) != end - start:
                 raise ShortReadError(f"{path}: {len(blob)} bytes read for range [{start}, {end})")
         return blobs

@@ -156,7 +156,7 @@ class RetryPolicy:
                                 "raised (RetryPolicy(deadline=...) sets it); each retry is "
                                 "logged by the 'lakeloader' logger",
                                 StorageRetryWarning,
-                                stacklevel=3,  # here, call(), the caller of call()
+                                stacklevel=2,  # call(), the caller of call()
                             )
                     cap = min(self.max_delay, self.initial_delay * 2.0**attempt)
                     delay = min(random.uniform(0.0, cap), self.deadline - elapsed)
