@@ -255,7 +255,8 @@ class DataLoader(TorchNames):
 
         Raises:
             ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
-                position was set, or they cross into another epoch of a followed lake.
+                position was set, or they reach back before the increment a followed lake
+                began or resumed in.
         """
         requests = self._steering.state(fetched_ahead)
         return {**self.root.state(fetched_ahead), REQUESTS_KEY: requests}

@@ -216,3 +216,20 @@ def test_a_carried_step_is_one_step_for_fetched_ahead_quarantine_step_and_the_au
     assert {rg for name, rg in behind if name == "part-0000.parquet"} == tail
     assert any(name == "part-0001.parquet" for name, _ in behind)
     loader.close()
+
+
+def test_a_carried_step_across_three_increments_names_the_units_of_each(tmp_path: Path) -> None:
+    """Increment 1's tail, increment 2 (3 rows: less than the tail lacks) and increment 3's
+    head in one step: ``quarantine_step`` of it names units of the three."""
+    lake = Lake(tmp_path / "lake", 45)
+    with ll.DataLoader(lake.dataset(), batch_size=8, drop_last=True) as loader:
+        steps = len(list(loader))
+        for rows in (13, 3):
+            lake.add(rows)
+            steps += len(list(loader))
+        lake.add(31)
+        carried = next(iter(loader))["id"].tolist()
+        runs = loader.tracker.record.last
+        assert [r.epoch for r in runs] == [1, 2, 3] and len(carried) == 8
+        behind = {Path(e.path).name for e in loader.quarantine_step(steps)}
+    assert behind == {"part-0001.parquet", "part-0002.parquet", "part-0003.parquet"}

@@ -130,3 +130,11 @@ def test_a_checkpoint_is_checked_against_the_dataset_its_epoch_runs_on(tmp_path:
     with pytest.raises(ll.StateMismatchError, match=live.fingerprint):
         manager.load(loader)  # the saved epoch 0 runs on ``pinned`` here, not on ``live``
     loader.close()
+
+
+def test_an_unknown_lake_change_policy_is_refused_where_it_is_applied() -> None:
+    """Set on a coordinator after it was made, a misspelt policy does not restart an epoch."""
+    from lakeloader.recovery.lake_changes import LakeDiff, enforce
+
+    with pytest.raises(ValueError, match="on_lake_change must be one of"):
+        enforce(LakeDiff(gone=("a.parquet",)), "restart", "ckpt", False)  # type: ignore[arg-type]

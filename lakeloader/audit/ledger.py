@@ -104,8 +104,8 @@ class Ledger:
         Args:
             runs: The runs of one step, one per stream it moved, or of consecutive steps the
                 loader delivered before the ledger was attached to it (one step number for
-                them all). A run that covers no position is not written; it tells where its
-                stream stands.
+                them all). A run that covers no position (of a stream the step did not
+                move, beside others) is not written; it tells where its stream stands.
             committed: False for steps that were discarded.
         """
         if self._closed or not runs:

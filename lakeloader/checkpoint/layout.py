@@ -284,7 +284,14 @@ class StateRecord:
             return cls(dict(d["state"]), context, d["extra"], manifests, sources)
         except StateFormatError as exc:
             raise CheckpointError(str(exc)) from exc
-        except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            IndexError,
+            AttributeError,
+            msgpack.UnpackException,
+        ) as exc:
             raise CheckpointError(f"its {STATE_FILE} is corrupt ({exc!r})") from exc
 
 

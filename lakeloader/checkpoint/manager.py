@@ -347,7 +347,8 @@ class CheckpointManager:
         that the rest of the saved epoch needs, ``on_lake_change="error"`` raises listing
         them; ``"skip"`` finishes the epoch without their units (later epochs list the lake
         afresh); ``"restart_epoch"`` lists the lake afresh (pass the same policy to
-        :meth:`load`). Files added since are not seen here.
+        :meth:`load`). Files added since are not seen here: build a :class:`LakeDataset` on the
+        live lake and call :meth:`load`, which lets them join at the next epoch.
 
         Args:
             step: The checkpoint's step (None: the newest usable one).

@@ -9,7 +9,7 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
 import msgpack
@@ -108,8 +108,9 @@ class TrainingRecord:
 
     def to_bytes(self) -> bytes:
         """The record's bytes (msgpack)."""
-        # the version first, then the fields in order; the generators as their to_dict
-        body = {"version": self.version, **asdict(self), "rng": [r.to_dict() for r in self.rng]}
+        # the version first, then the fields in order (not asdict: it deep-copies the generators)
+        body = {"version": self.version, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        body.update(rng=[r.to_dict() for r in self.rng], code=asdict(self.code))
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed
 

@@ -1,9 +1,10 @@
 """A loader for fault-tolerant training with torchft: exact as replica groups come and go.
 
 :class:`FaultTolerantLoader` is one :class:`~lakeloader.DataLoader` re-sliced per quorum, whose
-state moves only when a step commits (see docs/design.md). Limits: groups following a lake
-list it themselves at each increment's end and must see the same new files; a group cannot
-``quarantine_step`` a step committed before it joined.
+state moves only when a step commits (see docs/design.md); it takes whatever a DataLoader takes
+(a lake, a followed lake, a Mixture, a packed stream) with the same arguments. Limits: groups
+following a lake list it themselves at each increment's end and must see the same new files; a
+group cannot ``quarantine_step`` a step committed before it joined.
 """
 
 from __future__ import annotations

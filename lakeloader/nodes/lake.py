@@ -51,8 +51,6 @@ class LakeNode(Node):
     def __init__(self, host: Host, dataset: LakeDataset) -> None:
         super().__init__(host)
         self._base = self.dataset = dataset
-        #: A followed lake's increment before the one under way (None: none yet).
-        self._previous: LakeDataset | None = None
         opts = host.options
         #: The reader-state tracker: the position, and where every rank and worker stands.
         self.tracker = ReaderStateTracker(host.topology, drop_last=opts.drop_last)
@@ -175,7 +173,7 @@ class LakeNode(Node):
                 self.dataset.fingerprint,
             )
             self.host._shutdown_workers()  # their schema may have widened
-            self._previous, self.dataset = self.dataset, current
+            self.dataset = current
             self._use_reader(current.reader())
 
     def _use_reader(self, reader: UnitReader) -> None:
@@ -226,7 +224,8 @@ class LakeNode(Node):
 
         Raises:
             ValueError: If fewer steps than ``fetched_ahead`` were delivered since the
-                position was set, or they cross into another epoch of a followed lake.
+                position was set, or they reach back before the increment a followed lake
+                began or resumed in.
         """
         state = self.barrier_position(fetched_ahead).to_dict()
         if self._base.follow:
@@ -237,18 +236,16 @@ class LakeNode(Node):
     def _epoch_dataset(self, epoch: int) -> LakeDataset:
         """The dataset ``epoch`` runs on, also before a pass of it began.
 
-        A checkpoint's pinned snapshot for its epoch, then the lake of now; of a followed lake's
-        earlier increments, the last one is kept (a carried step, a step fetched ahead).
+        A checkpoint's pinned snapshot for its epoch, then the lake of now; a followed lake's
+        increments since the one it began or resumed in (a carried step's, steps fetched ahead).
         """
         if self._base.follow and epoch == self.tracker.epoch:
             return self.dataset
-        previous = self._previous
-        if self._base.follow and previous is not None and _increment(previous) == epoch:
-            return previous
-        if self._base.follow:
+        if self._base.follow and not _increment(self._base) <= epoch < self.tracker.epoch:
             raise ValueError(
                 f"cannot stand before batches of increment {epoch} of a followed lake from "
-                f"increment {self.tracker.epoch}: save states within an increment"
+                f"increment {self.tracker.epoch}: it began (or resumed) at increment "
+                f"{_increment(self._base)}"
             )
         return self._base.for_epoch(epoch)
 
@@ -275,7 +272,6 @@ class LakeNode(Node):
         if resumption.dataset is not None:
             self.host._shutdown_workers()
             self._base = self.dataset = resumption.dataset
-            self._previous = None
             self._use_reader(resumption.dataset.reader())
         if resumption.state is None:
             assert resumption.restart_epoch is not None

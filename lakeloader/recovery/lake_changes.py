@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: What to do when files of a checkpoint's snapshot that the rest of the saved epoch needs are
 #: gone or rewritten: ``"error"`` refuses, listing them; ``"skip"`` finishes the saved epoch
-#: without their units; ``"restart_epoch"`` runs the saved epoch again on the lake of now.
+#: without their units; ``"restart_epoch"`` runs the saved epoch again on the lake of now (its
+#: rows delivered before the checkpoint come again: at least once for that epoch).
 LakeChangePolicy = Literal["error", "skip", "restart_epoch"]
 POLICIES: Final = ("error", "skip", "restart_epoch")
 #: Files checked at once (one metadata request each).
@@ -61,9 +62,16 @@ def _stamp(f: FileInfo) -> str:
 
 def diff_snapshots(saved: Snapshot, current: Snapshot) -> LakeDiff:
     """Compare a pinned snapshot with a freshly listed one (pure)."""
-    now = {f.path: _stamp(f) for f in current.files}
-    was = {f.path for f in saved.files}
-    return _against(saved.files, now, tuple(p for p in now if p not in was))
+    now = {f.path: f for f in current.files}
+    was = {f.path: f for f in saved.files}
+    gone = tuple(p for p in was if p not in now)
+    changed = tuple(
+        (p, _stamp(f), _stamp(now[p]))
+        for p, f in was.items()
+        if p in now and (f.size, f.version) != (now[p].size, now[p].version)
+    )
+    added = tuple(p for p in now if p not in was)
+    return LakeDiff(gone, changed, added)
 
 
 def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> LakeDiff:
@@ -74,25 +82,20 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
             info = fs.info(f.path)
         except FileNotFoundError:
             return f.path, None
-        return f.path, f"size {int(info.get('size') or 0)}, {version_token(info)}"
+        now = f"size {int(info.get('size') or 0)}, {version_token(info)}"
+        return f.path, now
 
     fs.invalidate_cache()  # a cached listing would answer with the old size and version
     threads = max(1, min(CHECK_THREADS, len(files)))
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
-        return _against(files, dict(pool.map(probe, files)))
-
-
-def _against(
-    files: Sequence[FileInfo], now: Mapping[str, str | None], added: tuple[str, ...] = ()
-) -> LakeDiff:
-    """``files`` against their stamps now (None: gone)."""
-    gone = tuple(f.path for f in files if now.get(f.path) is None)
+        found = dict(pool.map(probe, files))
+    gone = tuple(p for p, now in found.items() if now is None)
     changed = tuple(
-        (f.path, _stamp(f), now[f.path] or "")
+        (f.path, _stamp(f), found[f.path] or "")
         for f in files
-        if now.get(f.path) not in (None, _stamp(f))
+        if found[f.path] is not None and found[f.path] != _stamp(f)
     )
-    return LakeDiff(gone, changed, added)
+    return LakeDiff(gone, changed)
 
 
 def lost_units(snapshot: Snapshot, diff: LakeDiff) -> tuple[QuarantineEntry, ...]:
@@ -134,7 +137,9 @@ def enforce(diff: LakeDiff, policy: LakeChangePolicy, where: str, finished: bool
     Raises:
         LakeChangedError: Under ``"error"``, when files the rest of the epoch needs are gone
             or rewritten.
+        ValueError: For an unknown policy.
     """
+    check_policy(policy)
     if diff.added:
         logger.warning(
             "%d file(s) were added to the lake since %s; they join at the next epoch boundary:\n%s",

@@ -3,7 +3,8 @@
 :class:`ReaderStateTracker` owns a lake loader's position (epoch, ``G`` global rows delivered,
 rows dropped, quarantine), moved only when a batch is handed over; from it the per-rank and
 per-worker view is derived (:meth:`ReaderStateTracker.view`). A mixture's or a packed stream's
-tracker mirrors its node's cursor, which is that loader's state.
+tracker mirrors its node's cursor, which is that loader's state: move it through the loader,
+not by its own methods.
 """
 
 from __future__ import annotations
@@ -197,7 +198,10 @@ class ReaderStateTracker:
         self.record.step(runs)
 
     def moved(self, d: Delivery, num_rows: int | None = None) -> int:
-        """Move the position as :meth:`delivered` does, recording no step; where it was."""
+        """Move the position as :meth:`delivered` does, recording no step; where it was.
+
+        For the parts of a followed lake's carried step, which :meth:`stepped` records.
+        """
         start, self.position = self.position, d.slot_stop
         self.rows_delivered += d.rows
         self.rows_skipped += d.rows_skipped
