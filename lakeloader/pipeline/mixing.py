@@ -9,6 +9,7 @@ the batch from them.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
@@ -28,6 +29,7 @@ from lakeloader.order.mixture import (
     slot_sources,
 )
 from lakeloader.order.plan import batch_runs, expand_runs
+from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.mixed_steps import MixedBuilder, MixedStep, Part
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Stores
@@ -111,6 +113,8 @@ class MixtureIterator:
         sources.at = None  # under way
         self._builder = MixedBuilder(mixture, sources, recipe, options, pool)
         self._closed = False
+        # a pass left without close() (a break, its iterator dropped) closes its stores too
+        self._finalizer = weakref.finalize(self, close_safely, _abandon, self._builder, sources)
 
     def _plan_ahead(self) -> None:
         while (
@@ -220,6 +224,7 @@ class MixtureIterator:
         self._delivered(step.cursor, skipped, lost)
         self._release(step.cursor)
         if self._next_deliver >= self.num_steps:  # the sources go on: the next pass may take them
+            self._finalizer.detach()
             self._builder.close(True)
             self._closed = True
             self._sources.at = step.cursor
@@ -255,7 +260,14 @@ class MixtureIterator:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._sources.close(wait)
+
+
+def _abandon(builder: MixedBuilder, sources: Stores) -> None:
+    """Close what a pass left without ``close()`` held (its finaliser)."""
+    builder.close(False)
+    sources.close(False)
 
 
 def _dests(

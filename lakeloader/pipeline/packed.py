@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
+from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.packed_parts import (
     PackedSource,
     PlannedStep,
@@ -133,6 +135,11 @@ class PackedIterator:
         #: Make decoded units into tokens ahead of their use (daemon threads).
         threads = TOKEN_THREADS if pool is None else 1
         self._threads = ThreadPool(threads, initializer=main_thread_only)
+        # a pass left without close() (a break, its iterator dropped) stops its threads and
+        # closes its stores too (their own finaliser's arguments keep them alive)
+        self._finalizer = weakref.finalize(
+            self, close_safely, _abandon, self._threads, self._stores
+        )
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: Each unit held: the last step (by count of steps planned) that needs it, its bytes.
         self._last_use: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -414,5 +421,11 @@ class PackedIterator:
         """Stop decoding; drop every epoch's units (idempotent)."""
         self._closed = True
         self._epochs.clear()
-        self._threads.terminate()
-        self._stores.close(wait)
+        self._finalizer.detach()
+        _abandon(self._threads, self._stores, wait)
+
+
+def _abandon(threads: ThreadPool, stores: Stores, wait: bool = False) -> None:
+    """Stop a pass's token threads and close its stores (its close, or its finaliser)."""
+    threads.terminate()
+    stores.close(wait)
