@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,10 +18,9 @@ from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
 from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
-from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
-from lakeloader.pipeline.stores import Stores
+from lakeloader.pipeline.stores import Stores, close_pass, pass_finalizer
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 from lakeloader.units import human_bytes
 from lakeloader.workers.pool import WorkerPool
@@ -85,10 +83,7 @@ class EpochIterator:
         self._next_plan = self._next_deliver = 0
         self._closed = False
         self._ended_by: str | None = None
-        # An iterator dropped without close() still stops its threads.
-        self._finalizer = weakref.finalize(
-            self, close_safely, _close_pass, self._workers, self._stores
-        )
+        self._finalizer = pass_finalizer(self, self._workers, self._stores)
         self._budget_warned = False
 
     def _plan_ahead(self) -> None:
@@ -209,14 +204,5 @@ class EpochIterator:
             return
         self._closed = True
         self._finalizer.detach()
-        _close_pass(self._workers, self._stores, wait)
+        close_pass(self._workers, self._stores, wait)
         self._on_finish()
-
-
-def _close_pass(
-    workers: WorkerBuilder | ThreadBuilder | None, stores: Stores, wait: bool = False
-) -> None:
-    """Stop a pass's builders and decodes and delete its files."""
-    if workers is not None:
-        workers.close(wait)
-    stores.close(wait)

@@ -9,7 +9,6 @@ the batch from them.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
@@ -29,10 +28,9 @@ from lakeloader.order.mixture import (
     slot_sources,
 )
 from lakeloader.order.plan import batch_runs, expand_runs
-from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.mixed_steps import MixedBuilder, MixedStep, Part
 from lakeloader.pipeline.recipe import BatchRecipe
-from lakeloader.pipeline.stores import Stores
+from lakeloader.pipeline.stores import Stores, pass_finalizer
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
@@ -113,8 +111,7 @@ class MixtureIterator:
         sources.at = None  # under way
         self._builder = MixedBuilder(mixture, sources, recipe, options, pool)
         self._closed = False
-        # a pass left without close() (a break, its iterator dropped) closes its stores too
-        self._finalizer = weakref.finalize(self, close_safely, _abandon, self._builder, sources)
+        self._finalizer = pass_finalizer(self, self._builder, sources)
 
     def _plan_ahead(self) -> None:
         while (
@@ -262,12 +259,6 @@ class MixtureIterator:
         self._closed = True
         self._finalizer.detach()
         self._sources.close(wait)
-
-
-def _abandon(builder: MixedBuilder, sources: Stores) -> None:
-    """Close what a pass left without ``close()`` held (its finaliser)."""
-    builder.close(False)
-    sources.close(False)
 
 
 def _dests(

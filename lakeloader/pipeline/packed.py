@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -29,7 +28,6 @@ from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
-from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.packed_parts import (
     PackedSource,
     PlannedStep,
@@ -45,7 +43,7 @@ from lakeloader.pipeline.recipe import (
     finish_payload,
     rows_payload,
 )
-from lakeloader.pipeline.stores import Leaf, Stores
+from lakeloader.pipeline.stores import Leaf, Stores, close_pass, pass_finalizer
 from lakeloader.pipeline.token_counts import check_count
 from lakeloader.pipeline.unit_tokens import EpochTokens
 from lakeloader.randomness import slot_seeds
@@ -135,11 +133,7 @@ class PackedIterator:
         #: Make decoded units into tokens ahead of their use (daemon threads).
         threads = TOKEN_THREADS if pool is None else 1
         self._threads = ThreadPool(threads, initializer=main_thread_only)
-        # a pass left without close() (a break, its iterator dropped) stops its threads and
-        # closes its stores too (their own finaliser's arguments keep them alive)
-        self._finalizer = weakref.finalize(
-            self, close_safely, _abandon, self._threads, self._stores
-        )
+        self._finalizer = pass_finalizer(self, _TokenThreads(self._threads), self._stores)
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: Each unit held: the last step (by count of steps planned) that needs it, its bytes.
         self._last_use: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -422,10 +416,15 @@ class PackedIterator:
         self._closed = True
         self._epochs.clear()
         self._finalizer.detach()
-        _abandon(self._threads, self._stores, wait)
+        close_pass(_TokenThreads(self._threads), self._stores, wait)
 
 
-def _abandon(threads: ThreadPool, stores: Stores, wait: bool = False) -> None:
-    """Stop a pass's token threads and close its stores (its close, or its finaliser)."""
-    threads.terminate()
-    stores.close(wait)
+@dataclasses.dataclass(frozen=True)
+class _TokenThreads:
+    """A pass's token threads, as a part :func:`close_pass` stops."""
+
+    pool: ThreadPool
+
+    def close(self, wait: bool) -> None:
+        """Stop the threads (what they were making is not needed)."""
+        self.pool.terminate()

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -261,3 +261,28 @@ def _close(
     if arena is not None:
         arena.close()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+class PassPart(Protocol):
+    """What builds a pass's batches or tokens beside its stores (stopped before them)."""
+
+    def close(self, wait: bool) -> None:
+        """Stop (waiting for work under way when ``wait``)."""
+
+
+def close_pass(part: PassPart | None, stores: Stores, wait: bool = False) -> None:
+    """Stop a pass's builders or threads, then close its stores and delete its files."""
+    if part is not None:
+        part.close(wait)
+    stores.close(wait)
+
+
+def pass_finalizer(
+    iterator: object, part: PassPart | None, stores: Stores
+) -> weakref.finalize[..., object]:
+    """Close a pass when its iterator is collected without ``close()`` (a ``break``).
+
+    Neither ``part`` nor ``stores`` may hold ``iterator`` (it would never be collected); the
+    close runs through :func:`~lakeloader.pipeline.cleanup.close_safely`.
+    """
+    return weakref.finalize(iterator, close_safely, close_pass, part, stores)
