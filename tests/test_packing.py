@@ -258,19 +258,22 @@ def test_samples_tile_each_epochs_tokens_exactly_once(
 
 
 def test_units_are_let_go_once_every_stream_has_passed_them(lake: Path) -> None:
-    """Units that straddle two streams are let go too: what is held does not grow by epoch."""
+    """Units that straddle two streams are let go too: no epoch's unit is held past it."""
     ds = dataset(lake)
     per_epoch = TokenStream.of(token_counts(ds), 16, L).num_samples
     loader = ll.DataLoader(ds, batch_size=8, rank=0, world_size=3)
-    held = []
+    oldest = []  # after each epoch's steps, the oldest epoch of a unit still held
     with loader:
         batches = iter(loader)
         for _ in range(8):
             for _ in range(per_epoch // 24):
                 next(batches)
-            held.append(loader.stats()["cache_bytes"])
-    assert held[-1] > 0
-    assert max(held[3:]) <= 1.2 * max(held[:3]), held  # a leak: 1.5x by the 6th epoch
+            assert loader.stats()["cache_bytes"] > 0
+            # The pass's units, held by (source, epoch, position) until their streams pass
+            # them (what is held in bytes moves with how far decoding ran ahead: not a measure).
+            oldest.append(min(epoch for _, epoch, _ in loader._res.iterator._last_use))
+    # The steps of an epoch (rounded down) end in it or the one before: nothing older is held.
+    assert all(old >= e - 1 for e, old in enumerate(oldest)), oldest
 
 
 def test_a_lake_whose_every_unit_is_quarantined_is_an_error_not_endless_padding(
