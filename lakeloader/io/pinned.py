@@ -71,40 +71,31 @@ async def _gcs_range(fs: Any, path: str, version: str, start: int, end: int) -> 
 def cat_ranges(
     fs: fsspec.AbstractFileSystem, path: str, version: str, ranges: Sequence[tuple[int, int]]
 ) -> list[Blob]:
-    """Read byte ranges ``[start, end)`` of a file, at once, pinned to ``version`` if possible.
+    """Read byte ranges ``[start, end)`` of a file at once, the cheapest way ``fs`` allows.
+
+    Pinned to ``version`` where the store allows it.
 
     Raises:
         LakeChangedError: If the store no longer has that version of the file.
         Exception: Whatever the client raised otherwise (classified by the caller's retry).
     """
-    if not ranges:
-        return []
     try:
-        return _read(fs, path, version, ranges)
+        if (direct := direct_for(fs)) is not None:  # S3 past s3fs (see lakeloader.io.direct)
+            return direct.read_all(path, version, ranges)
+        if not pins(fs, version):
+            starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
+            blobs: list[Blob] = fs.cat_ranges([path] * len(ranges), starts, ends, on_error="raise")
+            return blobs
+        one = _s3_range if _is_s3(fs) else _gcs_range
+
+        async def gather() -> list[Blob]:
+            return list(await asyncio.gather(*(one(fs, path, version, s, e) for s, e in ranges)))
+
+        return sync(fs.loop, gather)  # type: ignore[no-any-return]
     except Exception as exc:
         if pins(fs, version) and is_version_mismatch(exc):
             raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
         raise
-
-
-def _read(
-    fs: fsspec.AbstractFileSystem, path: str, version: str, ranges: Sequence[tuple[int, int]]
-) -> list[Blob]:
-    """The ranges, by the cheapest way the filesystem and the version allow."""
-    direct = direct_for(fs)
-    if direct is not None:  # S3 without s3fs's request pipeline (see lakeloader.io.direct)
-        return direct.read_all(path, version, ranges)
-    if not pins(fs, version):
-        blobs: list[Blob] = fs.cat_ranges(
-            [path] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges], on_error="raise"
-        )
-        return blobs
-    one = _s3_range if _is_s3(fs) else _gcs_range
-
-    async def gather() -> list[Blob]:
-        return list(await asyncio.gather(*(one(fs, path, version, s, e) for s, e in ranges)))
-
-    return sync(fs.loop, gather)  # type: ignore[no-any-return]
 
 
 def is_version_mismatch(exc: BaseException) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,20 +19,15 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import is_local, url_of
 from lakeloader.io.retry import describe
 from lakeloader.lake.files import FileInfo
-from lakeloader.lake.snapshot import PROGRESS_MIN_FILES, Snapshot
-from lakeloader.signals import main_thread_only
+from lakeloader.lake.snapshot import Snapshot, shown_per_file
 from lakeloader.state.quarantine import OnError, QuarantineEntry
 
 logger = logging.getLogger(__name__)
-
-#: Files resolved at once (statistics and counting reads are I/O bound).
-FILTER_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -168,20 +162,9 @@ def filtered(
             f"the snapshot was filtered by {snapshot.row_filter}, this dataset by {wanted}: "
             "pass the filter the checkpoint was taken with"
         )
-    files = snapshot.files
-    show = len(files) >= PROGRESS_MIN_FILES if progress is None else progress
-    threads = max(1, min(FILTER_THREADS, len(files)))
     count = _Counter(fs, snapshot, row_filter, reader, on_error)
-    with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
-        resolved = list(
-            tqdm(
-                pool.map(count.resolve, range(len(files))),
-                total=len(files),
-                desc="applying the filter",
-                unit="file",
-                disable=not show,
-            )
-        )
+    files = range(len(snapshot.files))
+    resolved = shown_per_file(fs, count.resolve, files, progress, "applying the filter")
     kept = sum(f.num_rows for f, _ in resolved)
     logger.info("filter %s keeps %d of %d rows", row_filter.text, kept, snapshot.num_rows)
     unreadable = tuple(e for _, lost in resolved for e in lost)

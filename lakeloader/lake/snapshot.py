@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import msgpack
@@ -28,6 +28,9 @@ from lakeloader.lake.increments import Increment, SourceRequest
 from lakeloader.lake.schema import unify_schemas, without_views
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Version of the snapshot description (affects the fingerprint).
 SNAPSHOT_FORMAT_VERSION = 1
@@ -185,42 +188,48 @@ def build_snapshot(
 ) -> Snapshot:
     """Read every footer in parallel and freeze the result.
 
-    ``request.columns`` are the columns whose types must agree across files (None: all);
-    under ``request.skip_unreadable`` a file whose footer cannot be read is left out.
+    ``request.columns`` are the columns whose types must agree across files (None: all).
 
     Raises:
-        LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
+        LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
         SchemaMismatchError: If the schemas cannot be unified.
     """
-    infos = read_file_infos(fs, found, request.progress, request.retry, request.skip_unreadable)
+    infos = read_file_infos(fs, found, request)
     return assemble_snapshot([i for i in infos if i is not None], request.columns)
 
 
-def read_file_infos(
+def shown_per_file(
     fs: fsspec.AbstractFileSystem,
-    found: Sequence[DiscoveredFile],
-    progress: bool | None = None,
-    retry: RetryPolicy | None = None,
-    skip_unreadable: bool = False,
+    work: Callable[[T], R],
+    items: Sequence[T],
+    progress: bool | None,
+    desc: str,
+) -> list[R]:
+    """``per_file`` under a progress bar (``progress`` None: from ``PROGRESS_MIN_FILES`` on)."""
+    show = len(items) >= PROGRESS_MIN_FILES if progress is None else progress
+    with tqdm(total=len(items), desc=desc, unit="file", disable=not show) as bar:
+        return per_file(fs, work, items, bar.update)
+
+
+def read_file_infos(
+    fs: fsspec.AbstractFileSystem, found: Sequence[DiscoveredFile], request: SourceRequest
 ) -> list[FileInfo | None]:
     """:func:`read_file_info` of every file, in parallel (None: left out, unreadable).
 
     Raises:
-        LakeDataError: If a footer cannot be read (unless ``skip_unreadable``).
+        LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
     """
 
     def read(d: DiscoveredFile) -> FileInfo | None:
         try:
-            return read_file_info(fs, d, retry)
+            return read_file_info(fs, d, request.retry)
         except LakeDataError as exc:
-            if not skip_unreadable:
+            if not request.skip_unreadable:
                 raise
             logger.warning("left out of the snapshot (on_error='skip'): %s", exc)
             return None
 
-    show = len(found) >= PROGRESS_MIN_FILES if progress is None else progress
-    with tqdm(total=len(found), desc="reading footers", unit="file", disable=not show) as bar:
-        return per_file(fs, read, found, bar.update)
+    return shown_per_file(fs, read, found, request.progress, "reading footers")
 
 
 def assemble_snapshot(

@@ -74,7 +74,7 @@ def table_snapshot(
         raise LakeNotFoundError(f"{version.describe()} holds no data file")
     ordered = sorted(files, key=lambda f: f.path)
     found = [DiscoveredFile(f.path, f.partitions) for f in ordered]
-    infos = read_file_infos(fs, found, request.progress, request.retry, request.skip_unreadable)
+    infos = read_file_infos(fs, found, request)
     kept = []
     for listed, info in zip(ordered, infos, strict=True):
         if info is None:
