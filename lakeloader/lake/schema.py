@@ -42,9 +42,7 @@ def is_safe_widening(src: pa.DataType, dst: pa.DataType) -> bool:
         return bool(src.bit_width <= dst.bit_width)
     if pa.types.is_integer(src) and pa.types.is_floating(dst):
         return _int_bits(src) <= _MANTISSA_BITS[dst.bit_width]
-    if pa.types.is_string(src) and pa.types.is_large_string(dst):
-        return True
-    if pa.types.is_binary(src) and pa.types.is_large_binary(dst):
+    if (src, dst) in ((pa.string(), pa.large_string()), (pa.binary(), pa.large_binary())):
         return True
     if pa.types.is_timestamp(src) and pa.types.is_timestamp(dst):
         units = ["s", "ms", "us", "ns"]

@@ -52,24 +52,18 @@ def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return {**implied, **plain}
 
 
-#: object_store's S3 key of each setting.
-_DELTA = {
-    "endpoint": "AWS_ENDPOINT_URL",
-    "key": "AWS_ACCESS_KEY_ID",
-    "secret": "AWS_SECRET_ACCESS_KEY",
-    "token": "AWS_SESSION_TOKEN",
-    "region": "AWS_REGION",
+#: Each S3 setting's object_store key, and its pyiceberg property (after ``s3.``).
+_SPELLINGS = {
+    "endpoint": ("AWS_ENDPOINT_URL", "endpoint"),
+    "key": ("AWS_ACCESS_KEY_ID", "access-key-id"),
+    "secret": ("AWS_SECRET_ACCESS_KEY", "secret-access-key"),
+    "token": ("AWS_SESSION_TOKEN", "session-token"),
+    "region": ("AWS_REGION", "region"),
 }
+_DELTA = {name: key for name, (key, _) in _SPELLINGS.items()}
+_ICEBERG = {name: prop for name, (_, prop) in _SPELLINGS.items()}
 #: object_store's S3 keys, by what they give.
 _OBJECT_STORE = {key: name for name, key in _DELTA.items()} | {"AWS_ENDPOINT": "endpoint"}
-#: pyiceberg's S3 property names (after ``s3.``), by what they give.
-_ICEBERG = {
-    "endpoint": "endpoint",
-    "key": "access-key-id",
-    "secret": "secret-access-key",
-    "token": "session-token",
-    "region": "region",
-}
 
 
 def delta_options(options: Mapping[str, Any]) -> dict[str, str]:
