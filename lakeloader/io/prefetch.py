@@ -6,6 +6,7 @@ sizes; only units the unit store asked for (within its byte budget) are fetched.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from lakeloader.errors import LakeError
 from lakeloader.io.inflight import InFlight
 from lakeloader.io.reader import UnitReader
-from lakeloader.io.sparse import Fetched, spill
+from lakeloader.io.sparse import Fetched
 from lakeloader.signals import main_thread_only
 
 #: What a unit's fetch gives its decoder: the bytes, or the error to raise in its place.
@@ -107,12 +108,13 @@ class Prefetcher:
             return exc
         if self._spill is None:
             return fetched
-        parts = fetched.parts() or []
         path = os.path.join(self._spill, f"fetch-{request.key}.bin")
         with self._lock:  # close() waits for a write under way: none starts after it
             if self._closed:
                 return fetched
-            return spill(fetched.footer, parts, path)
+            with open(path, "wb") as fh:  # the ranges back to back
+                fh.writelines(fetched.blobs or ())
+            return dataclasses.replace(fetched, blobs=None, path=path)
 
     def close(self) -> None:
         """Cancel queued fetches (those under way finish on their own and are dropped)."""

@@ -160,7 +160,7 @@ class UnitReader:
         version deleted are dropped (the range counts the rows that remain).
         """
         meta = fetched.footer if fetched is not None else self._footer(info)
-        expected = info.rows_in_file(row_group)
+        expected = info.file_rows[row_group]
         found = meta.row_group(row_group).num_rows
         if found != expected:
             raise self._changed(info, row_group, found, "in its footer")
@@ -260,7 +260,7 @@ class UnitReader:
         self, info: FileInfo, row_group: int, rows: int, how: str, expected: int | None = None
     ) -> LakeDataError:
         """The error for a row group found with ``rows`` rows, not ``expected`` (the file's)."""
-        said = info.rows_in_file(row_group) if expected is None else expected
+        said = info.file_rows[row_group] if expected is None else expected
         return LakeDataError(
             f"{url_of(self.fs, info.path)}, row group {row_group}: {rows} rows {how} but "
             f"the snapshot says {said}; the file changed after the snapshot was taken: "

@@ -68,14 +68,6 @@ class Fetched:
                 os.unlink(self.path)
 
 
-def spill(footer: pq.FileMetaData, parts: Parts, path: str) -> Fetched:
-    """Write fetched ranges back to back into ``path`` and describe them as :class:`Fetched`."""
-    with open(path, "wb") as fh:
-        for _, blob in parts:
-            fh.write(blob)
-    return Fetched(footer, tuple(s for s, _ in parts), tuple(len(b) for _, b in parts), None, path)
-
-
 class SparseFile:
     """A read-only file for pyarrow of which some ranges are in memory; reads elsewhere are fetched.
 

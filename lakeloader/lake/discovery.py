@@ -196,10 +196,7 @@ def discover_listed(
 
 
 def add_glob_advice(
-    exc: LakeDataError,
-    source: Paths,
-    storage_options: dict[str, Any] | None = None,
-    retry: RetryPolicy | None = None,
+    exc: LakeDataError, source: Paths, storage_options: dict[str, Any], retry: RetryPolicy
 ) -> None:
     """Append to ``exc`` a glob that reads only the Parquet files of the folder ``source``.
 

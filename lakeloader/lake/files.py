@@ -54,10 +54,6 @@ class FileInfo:
         """Rows of every row group in the file itself, deleted ones included."""
         return self.physical_rows or self.row_group_rows
 
-    def rows_in_file(self, row_group: int) -> int:
-        """Rows of a row group in the file itself, deleted ones included."""
-        return self.file_rows[row_group]
-
     def physical_name(self, column: str) -> str:
         """The name a column has in the file.
 

@@ -102,7 +102,7 @@ class Snapshot:
 
 
 def read_file_info(
-    fs: fsspec.AbstractFileSystem, found: DiscoveredFile, retry: RetryPolicy | None = None
+    fs: fsspec.AbstractFileSystem, found: DiscoveredFile, retry: RetryPolicy
 ) -> FileInfo:
     """Read one file's Parquet footer (one ranged request on a store), size and version.
 
@@ -112,7 +112,6 @@ def read_file_info(
         LakeDataError: If the file is not a readable Parquet file.
         StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
-    retry = retry or RetryPolicy()
     size, version = found.size, found.version
     if size is None or version is None:
         try:
