@@ -236,12 +236,7 @@ os.register_at_fork(after_in_child=_drop_inherited)
 
 
 def direct_for(fs: fsspec.AbstractFileSystem) -> DirectRanges | None:
-    """The direct reader of an s3fs filesystem, or None where its requests need s3fs.
-
-    >>> from fsspec.implementations.local import LocalFileSystem
-    >>> direct_for(LocalFileSystem()) is None
-    True
-    """
+    """The direct reader of an s3fs filesystem, or None where its requests need s3fs."""
     if not hasattr(fs, "_call_s3") or not hasattr(fs, "_url") or _proxied(fs):
         return None
     client_kwargs = getattr(fs, "client_kwargs", None) or {}

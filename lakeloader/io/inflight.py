@@ -26,16 +26,7 @@ LATENCY_WEIGHT: Final = 0.2
 
 
 class InFlight:
-    """The number of fetches to keep in flight (see the module docstring); thread-safe.
-
-    Example:
-        >>> sizer = InFlight()
-        >>> for i in range(10):
-        ...     sizer.taken(now=i * 0.01)  # decoders take 100 units/s
-        >>> sizer.fetched(0.08)  # a fetch takes 80 ms
-        >>> sizer.limit()  # 2 x 100/s x 0.08 s + 1
-        17
-    """
+    """The number of fetches to keep in flight (see the module docstring); thread-safe."""
 
     def __init__(self) -> None:
         self._latency: float | None = None

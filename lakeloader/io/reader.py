@@ -309,7 +309,6 @@ class UnitReader:
         if isinstance(fetched, LakeError):
             raise fetched
         info = self.snapshot.files[file_index]
-        partitions = dict(info.partitions)
         file_cols = self._file_columns(info)
         try:
             table = self._read_rows(info, row_group, row_start, num_rows, file_cols, fetched)
@@ -323,10 +322,7 @@ class UnitReader:
             if f.name in file_cols:
                 col = table.column(f.name)
                 arrays.append(col if col.type == f.type else col.cast(f.type))
-            elif f.name in partitions:
-                value = partitions[f.name]
-                arrays.append(pa.repeat(pa.scalar(value).cast(f.type), num_rows))
             else:
-                arrays.append(pa.nulls(num_rows, f.type))
+                arrays.append(info.missing_column(f.name, f.type, num_rows))
         self.counters.add(units=1)
         return pa.Table.from_arrays(arrays, schema=self.schema)

@@ -200,20 +200,6 @@ def response_of(exc: BaseException) -> tuple[int | None, str | None]:
     return (status if isinstance(status, int) else None), (None if code is None else str(code))
 
 
-def _transient_here(exc: BaseException) -> bool:
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return True
-    if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
-        return True
-    if {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__} & TRANSIENT_CLASSES:
-        return True
-    status, s3_code = response_of(exc)
-    code = getattr(exc, "code", None)  # gcsfs
-    return (code if isinstance(code, int) else status) in TRANSIENT_STATUSES or (
-        s3_code in TRANSIENT_S3_CODES
-    )
-
-
 def is_transient(exc: BaseException) -> bool:
     """Whether waiting and retrying could make this failure go away.
 
@@ -232,6 +218,16 @@ def is_transient(exc: BaseException) -> bool:
     for current in causes(exc):
         if isinstance(current, DEFINITIVE):
             return False
-        if _transient_here(current):
+        if isinstance(current, ConnectionError | TimeoutError):
+            return True
+        if isinstance(current, OSError) and current.errno in TRANSIENT_ERRNOS:
+            return True
+        if {f"{c.__module__}.{c.__qualname__}" for c in type(current).__mro__} & TRANSIENT_CLASSES:
+            return True
+        status, s3_code = response_of(current)
+        code = getattr(current, "code", None)  # gcsfs
+        if (code if isinstance(code, int) else status) in TRANSIENT_STATUSES:
+            return True
+        if s3_code in TRANSIENT_S3_CODES:
             return True
     return False

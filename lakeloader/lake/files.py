@@ -64,6 +64,13 @@ class FileInfo:
             return column
         return dict(self.renames).get(column, column)
 
+    def missing_column(self, name: str, typ: pa.DataType, rows: int) -> pa.Array:
+        """``rows`` values of a column the file lacks: its partition value, else nulls."""
+        value = dict(self.partitions).get(name)
+        if value is None:
+            return pa.nulls(rows, typ)
+        return pa.repeat(pa.scalar(value).cast(typ), rows)
+
     def kept(self, row_group: int) -> np.ndarray | None:
         """Which rows of a row group remain (a boolean mask), or None when all do.
 

@@ -85,16 +85,11 @@ class RowFilter:
         Columns the filter reads that ``table`` lacks come from the file's partition values,
         or are nulls (a column the file does not have).
         """
-        partitions = dict(info.partitions)
         for name in self.columns:
-            if name in table.column_names:
-                continue
-            typ = self.fields.field(name).type
-            if name in partitions:
-                column = pa.repeat(pa.scalar(partitions[name]).cast(typ), table.num_rows)
-            else:
-                column = pa.nulls(table.num_rows, typ)
-            table = table.append_column(pa.field(name, typ), column)
+            if name not in table.column_names:
+                typ = self.fields.field(name).type
+                column = info.missing_column(name, typ, table.num_rows)
+                table = table.append_column(pa.field(name, typ), column)
         return table.filter(self.expression)
 
 
