@@ -147,11 +147,8 @@ def discover_listed(
 ) -> tuple[fsspec.AbstractFileSystem, list[tuple[DiscoveredFile, dict[str, Any]]]]:
     """List the data files of a lake, sorted by path, with sizes and versions from the listing.
 
-    Args:
-        source: A folder, glob, file, ``file://``/``s3://``/``gs://`` URL or a list of these
-            (all on one filesystem).
-        storage_options: Options for the fsspec filesystem (credentials, endpoint, ...).
-        retry: Retry policy for transient listing failures (None: the default policy).
+    ``source`` is a folder, glob, file, ``file://``/``s3://``/``gs://`` URL or a list of these
+    (all on one filesystem); ``retry`` None is the default policy.
 
     Returns:
         The filesystem and the data files, sorted by path, without duplicates, each with

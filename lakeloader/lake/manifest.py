@@ -26,10 +26,8 @@ READABLE_VERSIONS: Final = (1, 2)
 def to_manifest(snapshot: Snapshot, source: str | list[str]) -> dict[str, Any]:
     """Describe a snapshot in plain types (msgpack-serialisable; schemas as IPC bytes).
 
-    Args:
-        snapshot: The snapshot.
-        source: The lake's source as given to ``LakeDataset`` (URLs keep their protocol, which
-            the file paths do not), so that the filesystem can be rebuilt without listing.
+    ``source`` is the lake's as given to ``LakeDataset`` (URLs keep their protocol, which the
+    file paths do not), so that the filesystem can be rebuilt without listing.
     """
     schemas: dict[bytes, int] = {}  # each distinct schema once, by its index
     files = []

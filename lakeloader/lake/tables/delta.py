@@ -145,9 +145,18 @@ def _columns(table: Any) -> TableColumns:
 
 
 def _files(fs: fsspec.AbstractFileSystem, uri: str, table: Any) -> list[TableFile]:
-    """The version's data files: paths, row counts, partition values, deleted rows."""
+    """The version's data files: paths, row counts, partition values, deleted rows.
+
+    Deleted rows are those of deletion vectors, as ``deltalake`` decodes them.
+    """
     actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
-    deleted = _deleted(fs, table)
+    deleted: dict[str, tuple[int, ...]] = {}
+    if "deletionVectors" in (table.protocol().reader_features or []):
+        for vector in pa.table(table.deletion_vectors()).to_pylist():
+            keep = np.asarray(vector["selection_vector"], dtype=bool)  # may stop short: kept
+            gone = tuple(np.flatnonzero(~keep).tolist())
+            deleted[fs._strip_protocol(vector["filepath"])] = gone
+        logger.info("deletion vectors: %d files have deleted rows", len(deleted))
     out = []
     for action in actions:
         path = data_path(fs, uri, action["path"])
@@ -165,19 +174,6 @@ def _partition_text(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
-
-
-def _deleted(fs: fsspec.AbstractFileSystem, table: Any) -> dict[str, tuple[int, ...]]:
-    """Each file's rows deleted by deletion vectors (as ``deltalake`` decodes them)."""
-    if "deletionVectors" not in (table.protocol().reader_features or []):
-        return {}
-    vectors = pa.table(table.deletion_vectors()).to_pylist()
-    out = {}
-    for vector in vectors:
-        keep = np.asarray(vector["selection_vector"], dtype=bool)  # may stop short: kept
-        out[fs._strip_protocol(vector["filepath"])] = tuple(np.flatnonzero(~keep).tolist())
-    logger.info("deletion vectors: %d files have deleted rows", len(out))
-    return out
 
 
 def data_path(fs: fsspec.AbstractFileSystem, root: str, path: str) -> str:
