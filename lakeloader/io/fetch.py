@@ -135,6 +135,15 @@ class ShortReadError(ConnectionError):
     """A ranged read returned fewer bytes than asked: a connection cut mid-body (retried)."""
 
 
+def column_chunks(
+    meta: pq.FileMetaData, row_group: int, names: Collection[str]
+) -> list[pq.ColumnChunkMetaData]:
+    """The column chunks of ``names`` (top-level columns) in one row group."""
+    rg = meta.row_group(row_group)
+    chunks = (rg.column(i) for i in range(rg.num_columns))
+    return [c for c in chunks if c.path_in_schema.split(".")[0] in names]
+
+
 def chunk_ranges(meta: pq.FileMetaData, row_group: int, names: Collection[str]) -> Ranges:
     """Byte ranges of the column chunks of ``names`` (top-level columns) in one row group.
 
@@ -145,12 +154,8 @@ def chunk_ranges(meta: pq.FileMetaData, row_group: int, names: Collection[str]) 
     >>> [end > start >= 4 for start, end in chunk_ranges(meta, 0, {"b"})]
     [True]
     """
-    rg = meta.row_group(row_group)
     out: Ranges = []
-    for i in range(rg.num_columns):
-        col = rg.column(i)
-        if col.path_in_schema.split(".")[0] not in names:
-            continue
+    for col in column_chunks(meta, row_group, names):
         offsets = [col.data_page_offset]
         if col.has_dictionary_page and col.dictionary_page_offset:
             offsets.append(col.dictionary_page_offset)

@@ -115,11 +115,7 @@ def is_version_mismatch(exc: BaseException) -> bool:
 
 
 def changed_error(url: str, version: str, exc: BaseException) -> LakeChangedError:
-    """The error for a file whose pinned version is gone: the URL, the version, the remedy.
-
-    >>> str(changed_error("s3://b/a.parquet", 'ETag:"9b"', FileNotFoundError("a")))[:56]
-    's3://b/a.parquet: the file was rewritten or deleted afte'
-    """
+    """The error for a file whose pinned version is gone: the URL, the version, the remedy."""
     return LakeChangedError(
         f"{url}: the file was rewritten or deleted after the snapshot was taken (the snapshot "
         f"pinned {version}; the store answered {describe(exc)}). Rows read from it now would "

@@ -9,6 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lakeloader.io.fetch import column_chunks
+
 #: Most rows decoded at once when a unit that is a row range of its row group is streamed.
 STREAM_BATCH_ROWS = 64 * 1024
 #: Most uncompressed bytes (of the selected columns, by the footer) in one streamed batch.
@@ -33,13 +35,8 @@ def stream_batch_rows(meta: pq.FileMetaData, row_group: int, names: Collection[s
     >>> stream_batch_rows(meta, 0, {"a"}), stream_batch_rows(meta, 0, {"a", "s"}) < 32768
     (65536, True)
     """
-    rg = meta.row_group(row_group)
-    size = sum(
-        rg.column(i).total_uncompressed_size
-        for i in range(rg.num_columns)
-        if rg.column(i).path_in_schema.split(".")[0] in names
-    )
-    row_bytes = max(1.0, size / max(1, rg.num_rows))
+    size = sum(c.total_uncompressed_size for c in column_chunks(meta, row_group, names))
+    row_bytes = max(1.0, size / max(1, meta.row_group(row_group).num_rows))
     rows = max(1, min(STREAM_BATCH_ROWS, int(STREAM_BATCH_BYTES / row_bytes)))
     return 1 << (rows.bit_length() - 1)
 

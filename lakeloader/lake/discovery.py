@@ -70,11 +70,7 @@ class DiscoveredFile:
 
 
 def is_data_name(name: str) -> bool:
-    """Tell whether a file or folder name can hold data.
-
-    >>> [is_data_name(n) for n in ["part-0.parquet", "_SUCCESS", ".part-0.crc", "_tmp"]]
-    [True, False, False, False]
-    """
+    """Tell whether a file or folder name can hold data."""
     return name not in NON_DATA_NAMES and not name.startswith((".", "_"))
 
 

@@ -21,7 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from lakeloader.errors import LakeDataError
-from lakeloader.io.fetch import is_local, url_of
+from lakeloader.io.fetch import column_chunks, is_local, url_of
 from lakeloader.io.retry import describe
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.snapshot import Snapshot, shown_per_file
@@ -267,11 +267,7 @@ def _by_statistics(
 
 def _no_nulls(meta: pq.FileMetaData, rg: int, columns: list[str]) -> bool:
     """Whether the statistics say these columns hold no null in the row group."""
-    group = meta.row_group(rg)
-    for i in range(group.num_columns):
-        chunk = group.column(i)
-        if chunk.path_in_schema.split(".")[0] not in columns:
-            continue
+    for chunk in column_chunks(meta, rg, columns):
         stats = chunk.statistics
         if stats is None or not stats.has_null_count or stats.null_count != 0:
             return False
