@@ -239,12 +239,13 @@ def _files(
             "snapshot"
         ) from exc
     positions: dict[str, set[int]] = defaultdict(set)
-    read: set[str] = set()
-    for task in tasks:
-        for delete in task.delete_files:
-            if delete.file_path not in read:
-                read.add(delete.file_path)
-                _read_positions(fs, delete.file_path, positions)
+    read = dict.fromkeys(delete.file_path for task in tasks for delete in task.delete_files)
+    for path in read:  # a position delete file's (file_path, pos) rows
+        with fs.open(fs._strip_protocol(path), "rb") as handle:
+            deletes = pq.read_table(handle, columns=["file_path", "pos"])
+        for name in pc.unique(deletes.column("file_path")).to_pylist():
+            rows = deletes.filter(pc.equal(deletes.column("file_path"), pa.scalar(name)))
+            positions[name].update(rows.column("pos").to_pylist())
     out = []
     for task in tasks:
         data = task.file
@@ -255,12 +256,3 @@ def _files(
             "position deletes: %d files, %d rows", len(read), sum(map(len, positions.values()))
         )
     return out
-
-
-def _read_positions(fs: fsspec.AbstractFileSystem, path: str, out: dict[str, set[int]]) -> None:
-    """Add the ``(file_path, pos)`` rows of a position delete file to ``out``."""
-    with fs.open(fs._strip_protocol(path), "rb") as handle:
-        table = pq.read_table(handle, columns=["file_path", "pos"])
-    for name in pc.unique(table.column("file_path")).to_pylist():
-        rows = table.filter(pc.equal(table.column("file_path"), pa.scalar(name)))
-        out[name].update(rows.column("pos").to_pylist())
