@@ -48,16 +48,6 @@ class HTTPStatusError(OSError):
         self.code = status
 
 
-def _proxied(fs: Any) -> bool:
-    """Whether a proxy variable is set and ``NO_PROXY`` does not exempt the endpoint."""
-    if not any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES):
-        return False
-    client_kwargs = getattr(fs, "client_kwargs", None) or {}
-    endpoint = client_kwargs.get("endpoint_url") or getattr(fs, "endpoint_url", None)
-    host = urllib.parse.urlsplit(endpoint).hostname if endpoint else None
-    return host is None or not urllib.request.proxy_bypass(host)
-
-
 class DirectRanges:
     """Ranged reads of one s3fs filesystem's objects, on URLs its client presigns."""
 
@@ -237,10 +227,15 @@ os.register_at_fork(after_in_child=_drop_inherited)
 
 def direct_for(fs: fsspec.AbstractFileSystem) -> DirectRanges | None:
     """The direct reader of an s3fs filesystem, or None where its requests need s3fs."""
-    if not hasattr(fs, "_call_s3") or not hasattr(fs, "_url") or _proxied(fs):
+    if not hasattr(fs, "_call_s3") or not hasattr(fs, "_url"):
         return None
     client_kwargs = getattr(fs, "client_kwargs", None) or {}
     config_kwargs = getattr(fs, "config_kwargs", None) or {}
+    if any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARIABLES):
+        endpoint = client_kwargs.get("endpoint_url") or getattr(fs, "endpoint_url", None)
+        host = urllib.parse.urlsplit(endpoint).hostname if endpoint else None
+        if host is None or not urllib.request.proxy_bypass(host):  # NO_PROXY does not exempt it
+            return None
     if (
         client_kwargs.get("verify", True) is not True
         or config_kwargs.get("proxies")
