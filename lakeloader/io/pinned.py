@@ -79,6 +79,8 @@ def cat_ranges(
         LakeChangedError: If the store no longer has that version of the file.
         Exception: Whatever the client raised otherwise (classified by the caller's retry).
     """
+    if not ranges:
+        return []
     try:
         if (direct := direct_for(fs)) is not None:  # S3 past s3fs (see lakeloader.io.direct)
             return direct.read_all(path, version, ranges)
