@@ -1,9 +1,4 @@
-"""One memory-mapped file that holds the packed rows of every unit a rank has decoded.
-
-A batch is then one ``np.take`` of arena rows, and workers see every unit through one map
-(:class:`FileMap`). The file is sparse (in ``/dev/shm`` by default): rows are allocated
-first-fit from the low end, and freed pages above ``keep_rows`` are handed back to the system.
-"""
+"""One memory-mapped file that holds the packed rows of every unit a rank has decoded."""
 
 from __future__ import annotations
 
@@ -44,8 +39,6 @@ class Arena:
     """Packed rows of decoded units in one growable, memory-mapped file (thread-safe).
 
     Args:
-        directory: Folder for the file (the pass's folder).
-        record: The row's structured dtype (:attr:`lakeloader.cache.packed.RowLayout.record`).
         capacity: Rows to start with (grown on demand).
         keep_rows: Freed rows below this mark keep their pages for reuse; above it their
             memory is returned to the system.
@@ -140,11 +133,7 @@ class Arena:
 
 
 class FileMap:
-    """A worker's map of a file the loader shares, remapped when the file or its size changes.
-
-    Args:
-        writable: Map for writing (a worker decoding into the arena) or read-only.
-    """
+    """A worker's map of a file the loader shares, remapped when the file or its size changes."""
 
     def __init__(self, writable: bool) -> None:
         self._writable = writable

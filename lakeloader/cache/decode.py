@@ -1,9 +1,4 @@
-"""Decoding one unit into its cached form: read, screen, pack into the arena, keep the rest.
-
-A :class:`UnitDecoder` runs in worker processes or in the loader's threads
-(:class:`LocalDecodes`). The loader reserves a unit's arena rows (and view buffer indices)
-first, so decoders never allocate and a unit can be decoded again into the same rows.
-"""
+"""Decoding one unit into its cached form: read, screen, pack into the arena, keep the rest."""
 
 from __future__ import annotations
 
@@ -99,10 +94,8 @@ class UnitDecoder:
     """Reads, screens (quarantine) and packs units.
 
     Attributes:
-        reader: Reads units from the lake.
         layout: How to pack tensor-typed columns (None: keep units as Arrow tables).
         on_error: ``"raise"`` or ``"skip"`` (quarantine) a unit that fails or is rejected.
-        validate: The user's check of each decoded unit, or None.
     """
 
     reader: UnitReader
@@ -111,11 +104,7 @@ class UnitDecoder:
     validate: Validate | None
 
     def in_child(self) -> UnitDecoder:
-        """A copy for a forked worker, with a filesystem of its own.
-
-        A filesystem object made in the parent may hold the parent's event loop and
-        connections (s3fs, gcsfs), which do not survive a fork; its pickle makes a new one.
-        """
+        """A copy for a forked worker, with a filesystem of its own (made from its pickle)."""
         child = copy.copy(self)
         child.reader = self.reader.with_fs(pickle.loads(pickle.dumps(self.reader.fs)))
         return child
@@ -250,7 +239,6 @@ class LocalDecodes:
     """Decodes in a thread pool of this process, gated by the bytes each decode holds.
 
     Args:
-        decoder: Does the work.
         threads: Units decoded at once.
         limit: Bytes held by the decodes under way at most (one always runs).
         records: The arena's rows, read at each decode (it may have grown), or None.

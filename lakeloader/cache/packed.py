@@ -1,10 +1,4 @@
-"""Decoded units in the form that makes batch assembly cheap: fixed-width columns as row bytes.
-
-A unit's tensor-typed columns are packed once as rows of a structured dtype in the rank's
-arena (:mod:`lakeloader.cache.arena`), its strings and binaries as Arrow binary views
-(:mod:`lakeloader.cache.views`), so that a batch needs one ``np.take`` of arena rows. Other
-columns, and integer, boolean or temporal columns that hold nulls in the unit, stay Arrow.
-"""
+"""Decoded units in the form that makes batch assembly cheap: fixed-width columns as row bytes."""
 
 from __future__ import annotations
 

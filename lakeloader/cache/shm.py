@@ -1,8 +1,4 @@
-"""The folder of a process's decoded units: shared memory when it has room, and cleanup.
-
-A process killed with ``SIGKILL`` cannot delete its folder, so each new folder is made after
-removing those whose owner is dead (names carry the pid).
-"""
+"""The folder of a process's decoded units: shared memory when it has room, and cleanup."""
 
 from __future__ import annotations
 
@@ -20,11 +16,7 @@ UNIT_DIR_PREFIX = "lakeloader"
 
 
 def default_cache_dir(need_bytes: int) -> str | None:
-    """Shared memory when the machine has room there, else None (the system's temp folder).
-
-    A write to a full ``/dev/shm`` through a memory map is a SIGBUS, so unless ``need_bytes``
-    are free there, this warns and returns None.
-    """
+    """``SHM_DIR`` if it has ``need_bytes`` free, else None (the temp folder; warns if too full)."""
     if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
         return None
     stat = os.statvfs(SHM_DIR)
@@ -51,11 +43,7 @@ def make_unit_dir(root: str | None) -> str:
 
 
 def sweep(base: str) -> list[tuple[str, int]]:
-    """Remove the unit folders under ``base`` whose process is dead; return them with sizes.
-
-    Returns:
-        ``(path, bytes)`` of each folder removed (bytes as allocated on disk or in memory).
-    """
+    """Remove the unit folders under ``base`` whose process is dead; return ``(path, bytes)``."""
     removed = []
     for name in sorted(os.listdir(base)):
         prefix, _, rest = name.partition("-")

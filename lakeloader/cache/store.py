@@ -1,9 +1,4 @@
-"""The decoded-unit cache of one rank: decoded ahead in plan order, evicted once used.
-
-Each unit is fetched and decoded once per rank per epoch, into rows reserved in the rank's
-:class:`~lakeloader.cache.arena.Arena`; its columns that are not packed stay in memory or go
-to an Arrow IPC file beside the arena.
-"""
+"""The decoded-unit cache of one rank: decoded ahead in plan order, evicted once used."""
 
 from __future__ import annotations
 
@@ -52,11 +47,7 @@ class Screening:
 
 
 class UnitOpener:
-    """Opens units for a batch builder, keeping the tables of the previous batch's units only.
-
-    Consecutive batches share most of their units; older tables are dropped so that the memory
-    of evicted units is freed.
-    """
+    """Opens units for a batch builder, keeping the tables of the previous batch's units only."""
 
     def __init__(self) -> None:
         self._open: dict[str, pa.Table] = {}
@@ -98,14 +89,11 @@ class UnitStore:
     """Decoded units of one epoch for one rank.
 
     Args:
-        reader: Reads units from the lake.
-        plan: The epoch's plan.
         layout: How tensor-typed columns are packed (None: units stay Arrow tables).
         arena: Where packed rows go (None when nothing is packed).
         table_dir: Folder for the IPC files of the columns not packed, when another process
             reads them (None: they stay in memory).
         known: Units already quarantined (from the loaded state): skipped without reading.
-        decodes: Runs the decode jobs.
         prefetcher: Fetches each unit's bytes ahead of its decode, in the order units are
             requested (None: decoders read for themselves, as from a local lake).
     """

@@ -1,9 +1,4 @@
-"""String and binary columns as Arrow binary views in the arena, and back to values.
-
-The store reserves a data buffer index per view column of a unit (:class:`ViewBuffers`), the
-decoder writes the views into the unit's arena rows (:func:`write_unit_views`), and once the
-decode completes the store puts each column's data buffer at its index.
-"""
+"""String and binary columns as Arrow binary views in the arena, and back to values."""
 
 from __future__ import annotations
 

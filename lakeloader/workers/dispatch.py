@@ -1,8 +1,4 @@
-"""Handing work to the DataLoader's worker processes, and the one place that sees them die.
-
-The ``j``-th piece of work submitted in a pass goes to worker ``j mod W``; what a dead worker
-owed goes to its replacement by the rule of :mod:`lakeloader.recovery.reassign`.
-"""
+"""Handing work to the DataLoader's worker processes, and the one place that sees them die."""
 
 from __future__ import annotations
 
@@ -74,12 +70,9 @@ class Dispatcher:
     """Runs a pass's work in the worker pool; a thread sends work and completes the futures.
 
     Args:
-        pool: The DataLoader's workers (started).
-        kind: What the work is, for messages.
         limit: Bytes held by the work sent and not answered, at most (one always runs).
         per_worker: Work handed to each worker ahead, at most (a worker that is slow holds
             back only its own work).
-        describe: Names a piece of work by its key, for messages.
         count: Takes what the worker's reader did for a piece of work, by its key (decodes),
             or None.
     """
@@ -133,7 +126,7 @@ class Dispatcher:
                 return future
             worker = self._submitted % self._pool.num_workers
             self._submitted += 1
-            self._queue.append(_Job(key, worker, nbytes, make, future, ready))
+            self._queue.append(_Job(key, worker, min(nbytes, self._limit), make, future, ready))
         if ready is not None:
             ready.add_done_callback(lambda _: self._wake())
         self._wake()
@@ -215,14 +208,13 @@ class Dispatcher:
             if unready or self._owed[head.worker] >= self._per_worker:
                 waiting.append(head)
                 continue
-            nbytes = min(head.nbytes, self._limit)
-            if self._sent and self._in_flight + nbytes > self._limit:
+            if self._sent and self._in_flight + head.nbytes > self._limit:
                 self._queue.appendleft(head)
                 break
             if head.future.set_running_or_notify_cancel():  # else cancelled while queued
                 self._sent[head.key] = head
                 self._owed[head.worker] += 1
-                self._in_flight += nbytes
+                self._in_flight += head.nbytes
                 self._pool.submit(head.make(), head.worker)
         waiting.extend(self._queue)
         self._queue = waiting
@@ -233,20 +225,16 @@ class Dispatcher:
             if item is None:
                 continue
             self._owed[item.worker] -= 1
-            self._in_flight -= min(item.nbytes, self._limit)
+            self._in_flight -= item.nbytes
             if self._count is not None:
                 self._count(item.key, result.counts)
             raised = result.raised()
             if raised is not None:
                 item.future.set_exception(raised)
             elif result.error is not None:
-                what = self._describe(item.key)[0]
-                item.future.set_exception(
-                    WorkerError(
-                        f"worker {result.worker} failed to {self._kind.verb} {what}:\n"
-                        f"{result.error}"
-                    )
-                )
+                what = f"{self._kind.verb} {self._describe(item.key)[0]}"
+                error = WorkerError(f"worker {result.worker} failed to {what}:\n{result.error}")
+                item.future.set_exception(error)
             else:
                 item.future.set_result(result.payload)
         for death in deaths:
@@ -271,7 +259,7 @@ class Dispatcher:
         for key, attempts in decision.given_up:
             item = self._sent.pop(key)
             self._owed[item.worker] -= 1
-            self._in_flight -= min(item.nbytes, self._limit)
+            self._in_flight -= item.nbytes
             what, detail = self._describe(key)
             item.future.set_exception(
                 WorkerError(

@@ -1,8 +1,4 @@
-"""The pool of DataLoader worker processes: start, hand out tasks, collect, replace the dead.
-
-Each worker answers on its own pipe, where its log records and its
-:class:`~lakeloader.errors.LakeWarning` travel too (issued again in the loader's process).
-"""
+"""The pool of DataLoader worker processes: start, hand out tasks, collect, replace the dead."""
 
 from __future__ import annotations
 
@@ -249,16 +245,11 @@ class WorkerPool:
                 continue
             self._drain(slot, results)
             self._count_start_death(worker, slot)
-            step = int(slot.building.value)
-            deaths.append(
-                Death(
-                    worker,
-                    slot.process.pid,
-                    slot.process.exitcode,
-                    list(slot.owed.values()),
-                    step if step != IDLE and step in slot.owed else None,
-                )
-            )
+            step: int | None = int(slot.building.value)
+            if step not in slot.owed:  # idle (keys are never negative), or of an abandoned pass
+                step = None
+            proc = slot.process
+            deaths.append(Death(worker, proc.pid, proc.exitcode, list(slot.owed.values()), step))
             slot.tasks.close()
             slot.results.close()
             self._slots[worker] = self._start(worker)
