@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.cache.packed import RowLayout, compact, pack
-from lakeloader.cache.views import write_unit_views
+from lakeloader.cache.views import write_views
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.prefetch import FetchResult, Pending
@@ -69,7 +69,6 @@ class DecodeJob:
 
     Attributes:
         position: The piece's position in the epoch's virtual sequence.
-        row_start: First row inside the row group.
         start: Arena row to pack into (-1: nothing is packed).
         table_path: IPC file for the columns not packed (None: keep them in memory).
         view_buffers: The data buffer index of each of the layout's view columns (empty:
@@ -140,13 +139,17 @@ class UnitDecoder:
         start = job.start if unit.rows is not None else -1
         rest = unit.table if unit.table.num_columns or start < 0 else None
         kept = _keep_table(rest, job.table_path)
-        views: tuple[str, ...] = ()
+        views = []
         if start >= 0 and job.view_buffers and kept is not None:
             # From the columns as the loader's process will hold them (read back from the
             # IPC file when there is one), so that the views point into its data buffers.
             as_kept = read_ipc(kept) if isinstance(kept, str) else kept
-            views = write_unit_views(as_kept, self.layout.views, job.view_buffers, out)
-        return UnitRef(start, rows, unit.packed, kept, views, where)
+            for name, index in zip(self.layout.views, job.view_buffers, strict=True):
+                if name not in as_kept.column_names or as_kept.column(name).num_chunks != 1:
+                    continue
+                if write_views(as_kept.column(name).chunk(0), out[name], index) is not None:
+                    views.append(name)
+        return UnitRef(start, rows, unit.packed, kept, tuple(views), where)
 
     def _screen(self, job: DecodeJob) -> pa.Table | QuarantineEntry:
         """Read a unit, or say why it is quarantined."""

@@ -134,11 +134,8 @@ class Packed:
 def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> Packed:
     """Pack a unit's tensor-typed columns into row bytes; the others are :func:`compact`-ed.
 
-    Args:
-        table: The decoded unit.
-        layout: Where each column goes in a row.
-        out: A structured array of ``layout.record`` with one element per row to pack into
-            (the unit's slice of the arena); None allocates one.
+    They go into ``out`` (the unit's slice of the arena, one ``layout.record`` a row), or a new
+    array when it is None.
 
     >>> t = pa.table({"id": [1, 2], "x": pa.array([0.5, None], pa.float32()), "s": ["a", "b"]})
     >>> p = pack(t, RowLayout.of(t.schema))

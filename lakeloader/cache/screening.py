@@ -52,16 +52,10 @@ def screen(
     num_columns: int,
     use_views: bool = True,
 ) -> Screened:
-    """Screen one step.
+    """Screen one step: ``held`` is what the store holds for each unit of ``spec.positions``.
 
-    Args:
-        spec: The step.
-        held: What the store holds for each of its units, in ``spec.positions`` order.
-        plan: The epoch's plan.
-        layout: The arena's row layout, or None when there is no arena.
-        num_columns: Columns in a batch.
-        use_views: Whether string columns may come from their views in the arena (else they
-            take the Arrow path).
+    ``layout`` is None when there is no arena; without ``use_views`` string columns take the
+    Arrow path, not their views in the arena.
     """
     refs = [h for h in held if isinstance(h, UnitRef)]
     skipped: tuple[QuarantineEntry, ...] = ()
@@ -91,10 +85,6 @@ def by_all(refs: Sequence[UnitRef], full: tuple[str, ...], kind: str) -> tuple[s
     """The columns of ``full`` that every unit has as ``kind`` ("packed" or "views").
 
     Usually all of them: the store hands out the layout's own tuple then, and ``is`` tells.
-
-    >>> a = UnitRef(0, 1, ("x", "y"), None)
-    >>> by_all([a, UnitRef(1, 1, ("y",), None)], ("x", "y"), "packed")
-    ('y',)
     """
     have = [getattr(r, kind) for r in refs]
     if all(h is full for h in have):

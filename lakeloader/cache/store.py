@@ -37,7 +37,6 @@ class Screening:
 
     Attributes:
         on_error: ``"raise"`` a :class:`LakeDataError`, or ``"skip"`` (quarantine) the unit.
-        validate: The user's check of each decoded unit, or None.
         known: Units already quarantined (from the loaded state): skipped without reading.
     """
 
@@ -138,8 +137,7 @@ class UnitStore:
                 done.set_result(QuarantineEntry(info.path, rg, row_start, rows, known.reason))
                 return _Entry(done, 0, 0, -1, rows)
         layout, arena = self._layout, self._arena
-        packs = layout is not None and bool(layout.names)
-        start = arena.alloc(rows) if arena is not None and packs else -1
+        start = arena.alloc(rows) if arena is not None else -1  # an arena packs some column
         name = f"e{self._plan.epoch}-p{position}.arrow"
         path = None if self._dir is None else os.path.join(self._dir, name)
         views = layout.views if start >= 0 and layout is not None else ()

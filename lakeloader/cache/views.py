@@ -72,23 +72,6 @@ def data_buffer(col: pa.Array) -> pa.Buffer:
     return buffers[2] if len(buffers) > 2 and buffers[2] is not None else EMPTY_BUFFER
 
 
-def write_unit_views(
-    table: pa.Table, names: Sequence[str], indices: Sequence[int], rows: np.ndarray
-) -> tuple[str, ...]:
-    """Write the views of a unit's columns ``names`` into its arena ``rows``; return those written.
-
-    ``table`` holds the columns as the loader's process will (in memory, or read back from the
-    IPC file it will map); ``indices`` are the columns' data buffer indices.
-    """
-    done = []
-    for name, index in zip(names, indices, strict=True):
-        if name not in table.column_names or table.column(name).num_chunks != 1:
-            continue
-        if write_views(table.column(name).chunk(0), rows[name], index) is not None:
-            done.append(name)
-    return tuple(done)
-
-
 def views_array(views: np.ndarray, typ: pa.DataType, buffers: Sequence[pa.Buffer]) -> pa.Array:
     """The values of gathered views (a copy: nulls are rewritten in place) as an Arrow array.
 

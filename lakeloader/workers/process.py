@@ -194,16 +194,14 @@ class _Worker:
         """Do a task and answer it."""
         try:
             result = self._decode(task) if isinstance(task, DecodeTask) else self._build(task)
-        except LakeError as exc:
+        except Exception as exc:
             result = self._failed(task, exc)
-        except Exception:
-            result = Result(task.generation, task.step, self._id, error=traceback.format_exc())
         with self._lock:
             self._results.send(result)
 
-    def _failed(self, task: Work, exc: LakeError) -> Result:
-        """A lakeloader error to raise as it is in the loader, with its cause."""
-        if not _round_trips(exc):  # the loader gets it as a traceback instead
+    def _failed(self, task: Work, exc: Exception) -> Result:
+        """A lakeloader error to raise as it is in the loader, with its cause; else a traceback."""
+        if not (isinstance(exc, LakeError) and _round_trips(exc)):
             return Result(task.generation, task.step, self._id, error=traceback.format_exc())
         cause = exc.__cause__
         if cause is not None and not _round_trips(cause):

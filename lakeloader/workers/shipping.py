@@ -27,12 +27,11 @@ class Slot:
     """Where one tensor or array lies in a shipped file.
 
     Attributes:
-        dtype: Its element type (a ``torch.dtype``, or a numpy dtype string for an array).
         array: Whether it was a numpy array (else a tensor).
     """
 
     offset: int
-    dtype: Any
+    dtype: torch.dtype
     shape: tuple[int, ...]
     array: bool = False
 
@@ -66,8 +65,7 @@ class _Writer:
         at = -(-self.size // ALIGN) * ALIGN
         self.size = at + tensor.numel() * tensor.element_size()
         self.parts.append((at, tensor))
-        dtype = str(tensor.numpy().dtype) if array else tensor.dtype
-        return Slot(at, dtype, tuple(tensor.shape), array)
+        return Slot(at, tensor.dtype, tuple(tensor.shape), array)
 
     def leaf(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
@@ -151,12 +149,11 @@ def receive(shipped: Shipped) -> Any:
             os.unlink(shipped.path)
 
     def tensor(slot: Slot) -> Any:
-        dtype = torch.from_numpy(np.empty(0, slot.dtype)).dtype if slot.array else slot.dtype
         count = int(np.prod(slot.shape, dtype=np.int64))
         if count == 0 or mm is None:
-            out = torch.empty(slot.shape, dtype=dtype)
+            out = torch.empty(slot.shape, dtype=slot.dtype)
         else:
-            out = torch.frombuffer(mm, dtype=dtype, count=count, offset=slot.offset)
+            out = torch.frombuffer(mm, dtype=slot.dtype, count=count, offset=slot.offset)
             out = out.view(slot.shape)
         return out.numpy() if slot.array else out
 
