@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
@@ -10,7 +9,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -197,37 +196,6 @@ def read_ipc(path: str) -> pa.Table:
         return pa.ipc.open_file(source).read_all()
 
 
-class _ByteGate:
-    """Admits decodes while the bytes they hold fit a byte limit (one always runs)."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = max(1, limit)
-        self._used = 0
-        self._cond = threading.Condition()
-        self._closed = False
-
-    @contextlib.contextmanager
-    def admit(self, nbytes: int) -> Iterator[None]:
-        """Hold ``nbytes`` (capped at the limit) of the budget for the ``with`` block."""
-        n = min(max(0, nbytes), self._limit)
-        with self._cond:
-            while self._used and self._used + n > self._limit and not self._closed:
-                self._cond.wait(GATE_POLL_SECONDS)
-            self._used += n
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._used -= n
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        """Let every waiting decode through (the store is closing; its results are dropped)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
 class Decodes(Protocol):
     """Runs decode jobs: the loader's own threads, or the DataLoader's worker processes."""
 
@@ -239,7 +207,7 @@ class Decodes(Protocol):
 
 
 class LocalDecodes:
-    """Decodes in a thread pool of this process, gated by the bytes each decode holds.
+    """Decodes in a thread pool of this process while the bytes they hold fit (one always runs).
 
     Args:
         threads: Units decoded at once.
@@ -264,7 +232,10 @@ class LocalDecodes:
             max_workers=threads, thread_name_prefix="lakeloader-io", initializer=main_thread_only
         )
         self._futures: weakref.WeakSet[Future[Held]] = weakref.WeakSet()
-        self._gate = _ByteGate(limit)
+        self._limit = max(1, limit)
+        self._used = 0  # bytes held by the decodes under way, each capped at the limit
+        self._cond = threading.Condition()
+        self._closed = False  # then every waiting decode goes through: its result is dropped
 
     def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
         """Queue ``job`` for a decoding thread, which waits for ``fetch`` if it is given."""
@@ -276,12 +247,23 @@ class LocalDecodes:
     def _run(self, job: DecodeJob, nbytes: int, fetch: Pending | None) -> Held:
         if fetch is not None:
             job = dataclasses.replace(job, fetched=fetch.claim())
-        with self._gate.admit(nbytes):
+        n = min(max(0, nbytes), self._limit)
+        with self._cond:
+            while self._used and self._used + n > self._limit and not self._closed:
+                self._cond.wait(GATE_POLL_SECONDS)
+            self._used += n
+        try:
             return self._decoder.decode(job, self._records())
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
 
     def close(self, wait: bool) -> None:
         """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
-        self._gate.close()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         if self._owns_pool:
             self._pool.shutdown(wait=wait, cancel_futures=True)
             return

@@ -24,11 +24,7 @@ ALIGN: Final = 64
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one tensor or array lies in a shipped file.
-
-    Attributes:
-        array: Whether it was a numpy array (else a tensor).
-    """
+    """Where one tensor lies in a shipped file (``array``: it was a numpy array)."""
 
     offset: int
     dtype: torch.dtype
@@ -90,10 +86,8 @@ def _rebuild(obj: Any, leaf: Callable[[Any], Any]) -> Any:
         return got
     if type(obj) is dict:
         return {k: _rebuild(v, leaf) for k, v in obj.items()}
-    if type(obj) is list:
-        return [_rebuild(v, leaf) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_rebuild(v, leaf) for v in obj)
+    if type(obj) in (list, tuple):
+        return type(obj)(_rebuild(v, leaf) for v in obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(_rebuild(v, leaf) for v in obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
