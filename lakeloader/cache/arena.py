@@ -105,13 +105,9 @@ class Arena:
             start = self._free.pop(i - 1)[0]
             i -= 1
         self._free.insert(i, (start, stop))
-        self._punch(max(start, self._keep_rows), stop)
-
-    def _punch(self, start: int, stop: int) -> None:
-        """Return the memory of whole pages inside rows ``[start, stop)`` to the system."""
-        size = self.record.itemsize
-        page = mmap.PAGESIZE
-        lo = -(-start * size // page) * page
+        # The memory of whole pages inside rows [max(start, keep_rows), stop) goes back.
+        size, page = self.record.itemsize, mmap.PAGESIZE
+        lo = -(-max(start, self._keep_rows) * size // page) * page
         hi = stop * size // page * page
         if hi <= lo or self._map is None or not hasattr(mmap, "MADV_REMOVE"):
             return

@@ -76,17 +76,21 @@ def blocking_nulls(col: pa.Array | pa.ChunkedArray) -> int:
     arr = _one(col)
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         arr = arr.flatten()  # the values of the non-null lists
-    count = 0
+    levels, leaf = _levels(arr)
+    return int(sum(level.null_count for level in levels) + leaf.null_count)
+
+
+def _levels(arr: pa.Array) -> tuple[list[pa.FixedSizeListArray], pa.Array]:
+    """The fixed-size list levels of ``arr``, outermost first, and the values of the innermost.
+
+    Each level's values are its rows', null rows included, in row order.
+    """
+    levels = []
     while pa.types.is_fixed_size_list(arr.type):
-        count += arr.null_count
-        arr = _fixed_children(arr)
-    return count + int(arr.null_count)
-
-
-def _fixed_children(arr: pa.FixedSizeListArray) -> pa.Array:
-    """The values of a fixed-size list array's rows, null rows included, in row order."""
-    size = arr.type.list_size
-    return arr.values.slice(arr.offset * size, len(arr) * size)
+        levels.append(arr)
+        size = arr.type.list_size
+        arr = arr.values.slice(arr.offset * size, len(arr) * size)
+    return levels, arr
 
 
 def leaf_numpy(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
@@ -107,12 +111,8 @@ def fixed_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """
     shape = fixed_shape(col.type)
     assert shape is not None, col.type
-    arr = _one(col)
-    rows, levels = len(arr), []
-    while pa.types.is_fixed_size_list(arr.type):
-        levels.append(arr)
-        arr = _fixed_children(arr)
-    values = leaf_numpy(arr).reshape(rows, *shape[0])
+    levels, arr = _levels(_one(col))
+    values = leaf_numpy(arr).reshape(len(levels[0]), *shape[0])
     if pa.types.is_floating(arr.type) and any(level.null_count for level in levels):
         values = values if values.flags.writeable else values.copy()
         for level in levels:

@@ -261,12 +261,8 @@ def worker_main(
 ) -> None:
     """A worker's life: set up as torch's DataLoader does, then do tasks until told to stop.
 
-    Args:
-        worker_id: The worker's number.
-        setup: What every worker needs.
-        tasks: Where tasks come from (``None`` asks the worker to exit).
-        results: Where answers and log records go.
-        building: Shared cell: the key of the task under way, read by the pool on a death.
+    A ``None`` task asks it to exit; answers and log records go to ``results``; ``building`` is
+    a shared cell that holds the key of the task under way, read by the pool on a death.
     """
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process reports a Ctrl-C
