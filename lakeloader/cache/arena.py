@@ -95,7 +95,7 @@ class Arena:
             self._release(start, start + rows)
 
     def _release(self, start: int, stop: int) -> None:
-        """Add ``[start, stop)`` to the free list, merged with its neighbours."""
+        """Free rows ``[start, stop)`` (merged); their whole pages above ``keep_rows`` go back."""
         if stop <= start:
             return
         i = bisect.bisect_left(self._free, (start, stop))
@@ -105,7 +105,6 @@ class Arena:
             start = self._free.pop(i - 1)[0]
             i -= 1
         self._free.insert(i, (start, stop))
-        # The memory of whole pages inside rows [max(start, keep_rows), stop) goes back.
         size, page = self.record.itemsize, mmap.PAGESIZE
         lo = -(-max(start, self._keep_rows) * size // page) * page
         hi = stop * size // page * page

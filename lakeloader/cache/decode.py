@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
-import pickle
 import threading
 import weakref
 from collections.abc import Callable
@@ -100,12 +98,6 @@ class UnitDecoder:
     layout: RowLayout | None
     on_error: OnError
     validate: Validate | None
-
-    def in_child(self) -> UnitDecoder:
-        """A copy for a forked worker, with a filesystem of its own (made from its pickle)."""
-        child = copy.copy(self)
-        child.reader = self.reader.with_fs(pickle.loads(pickle.dumps(self.reader.fs)))
-        return child
 
     def decode(self, job: DecodeJob, records: np.ndarray | None) -> Held:
         """Decode a unit, packing it into ``records`` (the arena) at ``job.start``.

@@ -228,9 +228,9 @@ class Dispatcher:
             self._in_flight -= item.nbytes
             if self._count is not None:
                 self._count(item.key, result.counts)
-            raised = result.raised()
-            if raised is not None:
-                item.future.set_exception(raised)
+            if result.exception is not None:  # its cause travels apart: put it back
+                result.exception.__cause__ = result.cause
+                item.future.set_exception(result.exception)
             elif result.error is not None:
                 what = f"{self._kind.verb} {self._describe(item.key)[0]}"
                 error = WorkerError(f"worker {result.worker} failed to {what}:\n{result.error}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import os
@@ -144,12 +145,6 @@ class Result:
     cause: BaseException | None = None
     counts: tuple[int, int, int] = (0, 0, 0)
 
-    def raised(self) -> LakeError | None:
-        """The lakeloader error to raise in the loader's process, with its cause, or None."""
-        if self.exception is not None:
-            self.exception.__cause__ = self.cause
-        return self.exception
-
 
 class _ForwardLogs(logging.Handler):
     """Sends a worker's log records to the loader's process, which logs them as its own."""
@@ -232,8 +227,10 @@ class _Worker:
 
     def _decode(self, task: DecodeTask) -> Result:
         decoder = self._decoders.get(task.decoder)
-        if decoder is None:
-            decoder = self._decoders[task.decoder] = self._setup.decoders[task.decoder].in_child()
+        if decoder is None:  # a copy with a filesystem of its own, made from its pickle
+            decoder = copy.copy(self._setup.decoders[task.decoder])
+            decoder.reader = decoder.reader.with_fs(pickle.loads(pickle.dumps(decoder.reader.fs)))
+            self._decoders[task.decoder] = decoder
         records = self._records(task.arena, decoder.layout)
         before = decoder.reader.counters.totals()
         held = decoder.decode(task.job, records)
