@@ -173,10 +173,7 @@ def _keep_table(table: pa.Table | None, path: str | None) -> pa.Table | str | No
     """The columns a unit did not pack: as they are, or as an IPC file at ``path``."""
     if table is None or path is None:
         return table
-    with (
-        pa.OSFile(path + ".tmp", "wb") as sink,
-        pa.ipc.new_file(sink, table.schema) as writer,
-    ):
+    with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
     os.replace(path + ".tmp", path)
     return path

@@ -261,13 +261,9 @@ class Dispatcher:
             self._owed[item.worker] -= 1
             self._in_flight -= item.nbytes
             what, detail = self._describe(key)
-            item.future.set_exception(
-                WorkerError(
-                    f"{self._kind.lead}{what} killed its worker {attempts} times; giving up. "
-                    + (f"Its units: {detail}. " if detail else "")
-                    + self._kind.advice
-                )
-            )
+            units = f"Its units: {detail}. " if detail else ""
+            error = f"{self._kind.lead}{what} killed its worker {attempts} times; giving up. "
+            item.future.set_exception(WorkerError(error + units + self._kind.advice))
         for key in decision.resend:
             self._pool.submit(self._sent[key].make(), self._sent[key].worker)
 

@@ -206,21 +206,14 @@ class _Worker:
         return self._arena.bytes(arena.path, size).view(layout.record)
 
     def _build(self, task: Task) -> Result:
-        setup = self._setup
-        records = self._records(task.arena, setup.layout)
+        layout, schema, recipe = self._setup.layout, self._setup.schema, self._setup.recipe
+        records = self._records(task.arena, layout)
         ready: dict[str, np.ndarray] = {}
-        if records is not None and task.rows is not None and setup.layout is not None:
-            ready = gather_packed(records, task.rows, setup.layout, task.names)
+        if records is not None and task.rows is not None and layout is not None:
+            ready = gather_packed(records, task.rows, layout, task.names)
         units = self._opener.open(task.refs, records)
         kind, batch = build_payload(
-            units,
-            task.take,
-            setup.schema,
-            setup.recipe,
-            ready,
-            task.seeds,
-            task.extra,
-            task.sources,
+            units, task.take, schema, recipe, ready, task.seeds, task.extra, task.sources
         )
         payload = kind, ship(batch, task.outbox)
         return Result(task.generation, task.step, self._id, payload=payload)

@@ -93,9 +93,8 @@ def _rebuild(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = [f for f in dataclasses.fields(obj) if f.init]
         try:
-            return dataclasses.replace(
-                obj, **{f.name: _rebuild(getattr(obj, f.name), leaf) for f in fields}
-            )
+            changes = {f.name: _rebuild(getattr(obj, f.name), leaf) for f in fields}
+            return dataclasses.replace(obj, **changes)
         except (TypeError, ValueError):
             return obj
     return obj
