@@ -37,10 +37,8 @@ def tensor_dtype(typ: pa.DataType) -> np.dtype:
     >>> tensor_dtype(pa.list_(pa.list_(pa.int8(), 3), 2)), tensor_dtype(pa.timestamp("ms"))
     (dtype(('i1', (2, 3))), dtype('int64'))
     """
-    shape = fixed_shape(typ)
-    if shape is not None:
-        return np.dtype((tensor_numpy(pa.array([], shape[1])).dtype, shape[0]))
-    return np.dtype(tensor_numpy(pa.array([], typ)).dtype)
+    empty = tensor_numpy(pa.array([], typ))
+    return np.dtype((empty.dtype, empty.shape[1:]))
 
 
 def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
