@@ -118,9 +118,7 @@ class ViewBuffers:
     def put(self, index: int, buffer: pa.Buffer) -> None:
         """Make ``buffer`` the one at ``index``."""
         with self._lock:
-            snap = list(self.snapshot)
-            snap[index] = buffer
-            self.snapshot = tuple(snap)
+            self.snapshot = (*self.snapshot[:index], buffer, *self.snapshot[index + 1 :])
 
     def free(self, indices: Sequence[int]) -> None:
         """Drop the buffers at ``indices`` and let the indices be reused."""
