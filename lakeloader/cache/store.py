@@ -46,7 +46,10 @@ class Screening:
 
 
 class UnitOpener:
-    """Opens units for a batch builder, keeping the tables of the previous batch's units only."""
+    """Opens units for a batch builder, keeping the tables of the previous batch's units only.
+
+    Older tables are dropped, so that the memory of evicted units is freed.
+    """
 
     def __init__(self) -> None:
         self._open: dict[str, pa.Table] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -157,11 +158,8 @@ class _ForwardLogs(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         record.msg, record.args = record.getMessage(), None
         record.exc_info, record.exc_text = None, None
-        try:
-            with self._lock:
-                self._results.send(record)
-        except (OSError, ValueError):  # the loader is gone
-            return
+        with contextlib.suppress(OSError, ValueError), self._lock:  # unless the loader is gone
+            self._results.send(record)
 
 
 class _Worker:
