@@ -200,9 +200,8 @@ def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> R
         if part.null_count:  # a null list is an empty row, whatever its offsets say
             valid = np.asarray(part.is_valid().to_numpy(zero_copy_only=False))
             stops[mine] = np.where(valid[local], stops[mine], starts[mine])
-    lengths = stops - starts
     offsets = np.zeros(len(unit) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    np.cumsum(stops - starts, out=offsets[1:])
     bounds = zip(unit.tolist(), starts.tolist(), stops.tolist(), strict=True)
     pieces = [values[u][a:b] for u, a, b in bounds]
     dtype = values[0].dtype if values else np.dtype(np.float32)

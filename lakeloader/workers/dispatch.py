@@ -150,7 +150,22 @@ class Dispatcher:
     def _receive(self) -> None:
         main_thread_only()
         try:
-            self._loop()
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._send()
+                    waitables = [*self._pool.waitables(), self._wake_r]
+                try:
+                    ready = wait(waitables, POLL_SECONDS)
+                except (OSError, ValueError):  # a worker replaced meanwhile: its pipe is closed
+                    continue
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 1 << 16)
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._handle(*self._pool.collect([r for r in ready if r != self._wake_r]))
         except BaseException as exc:  # never leave the loader waiting on futures forever
             logger.exception("the thread receiving the workers' answers failed")
             self._fail(exc)
@@ -159,24 +174,6 @@ class Dispatcher:
                 os.close(self._wake_r)
                 os.close(self._wake_w)
                 self._wake_r = self._wake_w = -1
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                self._send()
-                waitables = [*self._pool.waitables(), self._wake_r]
-            try:
-                ready = wait(waitables, POLL_SECONDS)
-            except (OSError, ValueError):  # a worker replaced meanwhile: its pipe is closed
-                continue
-            if self._wake_r in ready:
-                os.read(self._wake_r, 1 << 16)
-            with self._lock:
-                if self._closed:
-                    return
-                self._handle(*self._pool.collect([r for r in ready if r != self._wake_r]))
 
     def _fail(self, exc: BaseException) -> None:
         """Fail every piece of work not answered yet with ``exc``."""
