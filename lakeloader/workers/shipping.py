@@ -71,7 +71,9 @@ class _Writer:
                 return Jagged(self.slot(obj.values()), self.slot(obj.offsets()))  # type: ignore[attr-defined]
             return self.slot(obj.detach())
         if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
-            return self.slot(torch.from_numpy(np.ascontiguousarray(obj)), array=True)
+            return self.slot(
+                torch.from_numpy(np.ascontiguousarray(obj).reshape(obj.shape)), array=True
+            )
         return _WALK
 
 
