@@ -40,10 +40,7 @@ class ColumnNotFoundError(LakeError, KeyError):
 
     @classmethod
     def of(
-        cls,
-        missing: Sequence[str],
-        available: Sequence[str],
-        lake: object,
+        cls, missing: Sequence[str], available: Sequence[str], lake: object
     ) -> ColumnNotFoundError:
         """The error for ``missing`` columns of ``lake``, whose columns are ``available``."""
 

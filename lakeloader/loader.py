@@ -35,7 +35,7 @@ from lakeloader.state.journal import Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.requests import REQUESTS_KEY
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
-from lakeloader.steering import Steering
+from lakeloader.steering import Steered, Steering
 from lakeloader.workers.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class DataLoader(TorchNames):
             self.set_epoch(self.epoch, restart=True)
         root = self.root
         start = (lambda: Endless(root.begin)) if self.options.endless else root.begin
-        return self._steering.steered(root, start)
+        return Steered(self._steering, root, start)
 
     # --------------------------------------------------------------------- state
     def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:

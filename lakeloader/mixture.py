@@ -146,7 +146,12 @@ class Mixture:
                     "Mixture (every source is then packed alike), not to its sources"
                 )
         if packing is not None:
-            _check_packing(self.sources, packing, self.schema)
+            made = all(ds.transform is not None for ds in self.sources.values())  # a tokenizer's
+            if packing.column not in self.schema.names and not made:
+                raise ColumnNotFoundError(
+                    f"Packing column {packing.column!r} is not among the sources' columns "
+                    f"{self.schema.names}: pass Packing(column=...) one of them"
+                )
             self.sources = {n: ds.packed(packing) for n, ds in self.sources.items()}
         self.batch_transform = _one_batch_transform(self.sources, batch_transform)
 
@@ -195,16 +200,6 @@ def _one_batch_transform(
         f"{len(sources)} sources: a batch mixes every source's rows, so give one "
         "batch_transform to Mixture(batch_transform=...) and none to the sources"
     )
-
-
-def _check_packing(sources: Mapping[str, LakeDataset], packing: Packing, schema: pa.Schema) -> None:
-    """Refuse a packing column the sources do not read (nor make)."""
-    made = all(ds.transform is not None for ds in sources.values())  # e.g. by a tokenizer
-    if packing.column not in schema.names and not made:
-        raise ColumnNotFoundError(
-            f"Packing column {packing.column!r} is not among the sources' columns "
-            f"{schema.names}: pass Packing(column=...) one of them"
-        )
 
 
 def _common_schema(sources: Mapping[str, LakeDataset]) -> pa.Schema:

@@ -46,10 +46,6 @@ class Steering:
         """A copy keeps what was asked, not the runs of steps it did not deliver."""
         return {**self.__dict__, "recent": deque(maxlen=STEPS_KEPT)}
 
-    def steered(self, root: Node, start: Callable[[], Iterator[Any]]) -> Steered:
-        """A pass begun by ``start`` that carries out the requests."""
-        return Steered(self, root, start)
-
     def skip(self, steps: int) -> None:
         """Skip the next ``steps`` steps (see ``DataLoader.skip``).
 
@@ -151,7 +147,11 @@ class Steered:
         while requests.skip_due or requests.bad_step() is not None:
             bad = None if requests.skip_due else requests.bad_step()  # named before it came
             steering.passed_over.append(requests.delivered)
-            self._skip_one(root)
+            root.mark_skipping(True)  # through the pipeline, not handed over
+            try:
+                next(self._pass)
+            finally:
+                root.mark_skipping(False)
             if bad is None:
                 requests.skipped_one()
                 continue
@@ -163,14 +163,6 @@ class Steered:
         steering.recent.append((requests.delivered, root.last_runs()))
         requests.delivered_one()
         return batch
-
-    def _skip_one(self, root: Node) -> None:
-        """Take the next step through the pipeline without handing it over."""
-        root.mark_skipping(True)
-        try:
-            next(self._pass)
-        finally:
-            root.mark_skipping(False)
 
     @property
     def num_steps(self) -> int | None:

@@ -215,8 +215,8 @@ class FaultTolerantLoader:
     def _placed(self, participants: int, rank: int) -> Iterator[Any]:
         """The DataLoader of this slice, standing at the committed state, and its iterator."""
         inner = self._inner
-        if (inner.rank, inner.world_size) != (rank, participants):
-            was = (inner.rank, inner.world_size)
+        was = (inner.rank, inner.world_size)
+        if was != (rank, participants):
             logger.info("re-sliced: rank %d of %d groups (was %d of %d)", rank, participants, *was)
             dataset = inner.dataset  # a resumed checkpoint's pinned snapshot, if any
             inner.close()
