@@ -1,10 +1,7 @@
 """``Mixture``: several lakes drawn from in set proportions, as one dataset of the loader.
 
-A :class:`Mixture` names its sources (each a :class:`~lakeloader.LakeDataset`) and their
-weights. Which source each slot of each global batch comes from is a pure function of the
-mixture's seed, the weights and the slot (:mod:`lakeloader.order.mixture`); each source runs
-through its own epochs in its own order, a small source starting its next epoch by itself.
-``lakeloader.DataLoader(mixture, batch_size=...)`` streams it; its state is O(sources).
+Which source each global slot draws from, and how each source runs through its own epochs,
+is in docs/design.md and :mod:`lakeloader.order.mixture`.
 """
 
 from __future__ import annotations

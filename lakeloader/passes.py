@@ -1,8 +1,4 @@
-"""How ``iter(loader)`` maps onto epochs: one pass, a whole pass every time, or no end.
-
-:class:`Deferred` is a plain ``iter()``, :class:`Endless` is ``endless=True``, and
-:class:`EpochSampler` is where frameworks set the epoch on ``loader.sampler``.
-"""
+"""How ``iter(loader)`` maps onto epochs: one pass, a whole pass every time, or no end."""
 
 from __future__ import annotations
 

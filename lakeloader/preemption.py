@@ -1,9 +1,6 @@
 """Preemption: SIGTERM turns into a checkpoint at the next step boundary and a clean exit.
 
-Inside a :class:`Preemption` block the signal only raises a flag, which
-:meth:`Preemption.requested` tells every rank at the same step. Past the deadline the signal
-is raised again as ``SystemExit`` in the main thread, and :data:`GRACE` seconds later, if the
-main thread could not run it, ``os._exit`` ends the process.
+How the flag, the deadline and :data:`GRACE` work together is in docs/design.md.
 """
 
 from __future__ import annotations

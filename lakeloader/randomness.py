@@ -1,10 +1,7 @@
 """Reproducible randomness in transforms: draws that belong to the row, not to the worker.
 
-A row's seed is a hash of ``(dataset seed, epoch, slot)`` (:func:`slot_seeds`), the same
-whatever the topology or resume. In a ``transform``, :func:`rng` is the row's generator; in a
-``batch_transform``, :func:`row_seeds` and :func:`row_rngs` are the rows' and :func:`rng` the
-batch's. Before a batch's user code runs, torch's, ``random``'s and numpy's global generators
-are seeded from the batch's seed (see docs/design.md).
+A row's seed is a hash of ``(dataset seed, epoch, slot)``, whatever the topology or resume
+(see docs/design.md).
 
 Example:
     >>> with drawing(slot_seeds(0, 1, np.array([5, 9]))):

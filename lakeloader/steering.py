@@ -1,10 +1,7 @@
 """What the training loop asks of the order mid-run: skip steps, quarantine a step's units.
 
-:class:`Steering` is where a :class:`~lakeloader.DataLoader` keeps what was asked (a
-:class:`~lakeloader.state.requests.Requests` record in its state, the same on every rank) and
-:class:`Steered` is the pass iterator that carries it out, whatever the loader reads. Skipped
-steps go through the pipeline but are not handed over; a step's quarantined units are left out
-of this epoch and every later one (see docs/design.md).
+:class:`Steering` keeps what was asked (a record in the loader's state, the same on every
+rank); :class:`Steered` is the pass iterator that carries it out (see docs/design.md).
 """
 
 from __future__ import annotations
