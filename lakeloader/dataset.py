@@ -17,7 +17,8 @@ from typing import Any
 import fsspec
 import pyarrow.compute as pc
 
-from lakeloader.dataset_checks import check_backfill, check_columns, check_lengths_keys
+from lakeloader.dataset_checks import check_backfill, check_lengths_keys
+from lakeloader.errors import ColumnNotFoundError
 from lakeloader.follow import Follow
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import RetryPolicy
@@ -286,7 +287,9 @@ class LakeDataset:
 
     def _pin(self, snapshot: Snapshot) -> None:
         """Take ``snapshot`` as this dataset's files (only while the dataset is being made)."""
-        check_columns(self.config.columns, snapshot, self.source.describe())
+        unknown = [c for c in self.config.columns if c not in snapshot.schema.names]
+        if unknown:
+            raise ColumnNotFoundError.of(unknown, snapshot.column_names, self.source.describe())
         self.snapshot = snapshot
         self.units = make_units(
             [f.row_group_rows for f in snapshot.files], self.config.max_unit_rows

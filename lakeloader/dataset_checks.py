@@ -1,4 +1,4 @@
-"""Checks of a dataset's columns against its snapshot, with errors that say what to do."""
+"""Checks of a dataset's arguments against each other and its schema, saying what to do."""
 
 from __future__ import annotations
 
@@ -8,16 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from lakeloader.cache.arrays import is_ragged_type
-from lakeloader.errors import ColumnNotFoundError
-from lakeloader.lake.snapshot import Snapshot
 from lakeloader.pipeline.collate import ListFormat
-
-
-def check_columns(columns: Sequence[str], snapshot: Snapshot, lake: object) -> None:
-    """Raise ColumnNotFoundError naming the columns of ``lake`` not in the snapshot's schema."""
-    unknown = [c for c in columns if c not in snapshot.schema.names]
-    if unknown:
-        raise ColumnNotFoundError.of(unknown, snapshot.column_names, lake)
 
 
 def check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:
