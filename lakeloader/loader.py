@@ -27,7 +27,6 @@ from lakeloader.options import (
     DEFAULT_PREFETCH_FACTOR,
     LoaderOptions,
 )
-from lakeloader.passes import Deferred, Endless
 from lakeloader.pipeline.collate import Collate
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -35,7 +34,7 @@ from lakeloader.state.journal import Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.requests import REQUESTS_KEY
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
-from lakeloader.steering import Steered, Steering
+from lakeloader.steering import Endless, Steered, Steering
 from lakeloader.workers.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -232,16 +231,15 @@ class DataLoader(TorchNames):
             TopologyError: At the first ``next()``, if the world size is above 1 but this
                 process's rank is unknown.
         """
-        return Deferred(self._begin)
+        root = self.root
+        start = (lambda: Endless(root.begin)) if self.options.endless else root.begin
+        return Steered(self._steering, root, self._placed, start)
 
-    def _begin(self) -> Iterator[Any]:
-        """Begin a pass (or, ``endless``, passes) on the topology of now."""
+    def _placed(self) -> None:
+        """Place the pass (or, ``endless``, passes) on the topology of now."""
         self.root.placed(self._resolve_topology(strict=True))
         if self.options.restart_on_iter:
             self.set_epoch(self.epoch, restart=True)
-        root = self.root
-        start = (lambda: Endless(root.begin)) if self.options.endless else root.begin
-        return Steered(self._steering, root, start)
 
     # --------------------------------------------------------------------- state
     def state_dict(self, *, fetched_ahead: int = 0) -> dict[str, Any]:

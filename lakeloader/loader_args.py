@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,9 +13,31 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CpuContentionWarning, PartitionWarning, warn_user
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
-from lakeloader.passes import EpochSampler
 from lakeloader.pipeline.collate import Collate
 from lakeloader.topology import Topology
+
+
+class EpochSampler:
+    """``loader.sampler``: not a torch ``Sampler``, only where frameworks set the epoch.
+
+    Lightning and Accelerate call ``loader.sampler.set_epoch(epoch)``; this hands it to the
+    loader's ``set_epoch``.
+
+    Args:
+        set_epoch: The loader's ``set_epoch``; None for a loader whose epochs are not the
+            framework's (no ``len()``), which ignores it.
+    """
+
+    def __init__(self, set_epoch: Callable[[int], None] | None) -> None:
+        self._set_epoch = set_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the loader's next pass run ``epoch`` (see ``DataLoader.set_epoch``)."""
+        if self._set_epoch is not None:
+            self._set_epoch(epoch)
+
+    def __repr__(self) -> str:
+        return "EpochSampler(the loader plans its own order; set_epoch reaches the loader)"
 
 
 class TorchNames:

@@ -1,7 +1,8 @@
 """What the training loop asks of the order mid-run: skip steps, quarantine a step's units.
 
 :class:`Steering` keeps what was asked (a record in the loader's state, the same on every
-rank); :class:`Steered` is the pass iterator that carries it out (see docs/design.md).
+rank); :class:`Steered` is the pass iterator that carries it out (see docs/design.md), and
+:class:`Endless` the one of ``endless=True``.
 """
 
 from __future__ import annotations
@@ -121,25 +122,48 @@ class Steering:
 
 
 class Steered:
-    """A pass that carries out its loader's requests (see the module docstring).
+    """``iter(loader)``: a pass that carries out its loader's requests (see the module docstring).
+
+    The pass begins at the first ``next()``, not at ``iter()``: ``iter()`` costs nothing
+    (frameworks call it to test a loader), and a ``set_epoch`` before the first batch moves the
+    pass it will begin. Other attributes (``num_steps``, ...) are the pass's, which asking for
+    begins.
 
     Args:
+        begin: Readies the loader for the pass (at the first ``next()``).
         start: Begins the pass (again, after a ``quarantine_step``).
     """
 
-    def __init__(self, steering: Steering, root: Node, start: Callable[[], Iterator[Any]]) -> None:
+    def __init__(
+        self,
+        steering: Steering,
+        root: Node,
+        begin: Callable[[], None],
+        start: Callable[[], Iterator[Any]],
+    ) -> None:
         self._steering, self._root, self._start = steering, root, start
+        self._begin: Callable[[], None] | None = begin  # None once the pass has begun
         self._restarts = steering.restarts
-        self._pass = start()
+        self._pass: Iterator[Any] = iter(())
+
+    def _restart(self) -> Iterator[Any]:
+        """Begin the pass (readying the loader the first time), or begin it again."""
+        if self._begin is not None:
+            self._begin()
+        self._restarts = self._steering.restarts
+        self._pass, self._begin = self._start(), None
+        return self._pass
+
+    def _begun(self) -> Iterator[Any]:
+        return self._pass if self._begin is None else self._restart()
 
     def __iter__(self) -> Steered:
         return self
 
     def __next__(self) -> Any:
         steering, root = self._steering, self._root
-        if self._restarts != steering.restarts:
-            self._restarts = steering.restarts
-            self._pass = self._start()
+        if self._begin is not None or self._restarts != steering.restarts:
+            self._restart()
         requests = steering.requests
         while requests.skip_due or requests.bad_step() is not None:
             bad = None if requests.skip_due else requests.bad_step()  # named before it came
@@ -164,8 +188,42 @@ class Steered:
     @property
     def num_steps(self) -> int | None:
         """The batches the pass delivers from here (None: not known), less the skips due."""
-        steps: int | None = getattr(self._pass, "num_steps", None)
+        steps: int | None = getattr(self._begun(), "num_steps", None)
         return None if steps is None else max(0, steps - self._steering.requests.pending)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._pass, name)
+        return getattr(self._begun(), name)
+
+
+class Endless:
+    """One iterator over pass after pass: when a pass ends, the next begins.
+
+    Args:
+        start_pass: Starts the next pass (the loader's own, which moves to the next epoch
+            when the one under way is over).
+
+    Example:
+        >>> passes = iter([[1, 2], [3], [4, 5]])
+        >>> it = Endless(lambda: iter(next(passes, [])))
+        >>> [next(it) for _ in range(5)]
+        [1, 2, 3, 4, 5]
+        >>> next(it)  # two passes in a row with nothing in them: the source is spent
+        Traceback (most recent call last):
+        ...
+        StopIteration
+    """
+
+    def __init__(self, start_pass: Callable[[], Iterator[Any]]) -> None:
+        self._start_pass = start_pass
+        self._pass = start_pass()
+
+    def __iter__(self) -> Endless:
+        return self
+
+    def __next__(self) -> Any:
+        for _ in range(2):  # an epoch that delivers nothing, then one more try
+            try:
+                return next(self._pass)
+            except StopIteration:
+                self._pass = self._start_pass()
+        return next(self._pass)  # a third empty pass ends it (an empty lake, a spent stream)
