@@ -107,8 +107,8 @@ class FaultTolerantLoader:
         step_rows: The last step's global rows (samples, packed).
         dataset: What the DataLoader reads (a followed lake's increment under way).
         root: The DataLoader's root node (see :mod:`lakeloader.nodes`).
-        tracker: The DataLoader's tracker; ``view()`` says where the last step left this
-            group's slice (committed or not; see ``DataLoader.view``).
+        tracker: The DataLoader's tracker, and ``view()`` its view (``DataLoader.view``):
+            where the last step left this group's slice, committed or not.
         topology: The last step's slice: ``rank``, this group's rank among its participants
             (0 before the first), and ``world_size``, their count (1 before the first).
         drop_last: The DataLoader's (a short last step of a pass is not taken).
