@@ -236,7 +236,7 @@ class DataLoader(TorchNames):
         return Steered(self._steering, root, self._placed, start)
 
     def _placed(self) -> None:
-        """Place the pass (or, ``endless``, passes) on the topology of now."""
+        """Place the pass on the topology of now (``restart_on_iter``: at its epoch's start)."""
         self.root.placed(self._resolve_topology(strict=True))
         if self.options.restart_on_iter:
             self.set_epoch(self.epoch, restart=True)
