@@ -13,19 +13,21 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
+from lakeloader.ft.quorum import Issued, QuorumManager
 from lakeloader.loader import DataLoader
 from lakeloader.loader_args import has_len
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.steering import STEPS_KEPT, Steering
+from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -34,54 +36,6 @@ STATE_KEY = "lakeloader"
 #: Keys the loader adds to the DataLoader's state: the committed-step count it stands at, and
 #: whether the pass (a lake's epoch, a mixture's pass) is over at it.
 STEP_KEY, OVER_KEY = "ft_step", "ft_pass_over"
-#: What the loader answers with its DataLoader's (that of the last step's slice).
-FORWARDED = frozenset(
-    {"dataset", "root", "drop_last", "workers_build"}  # what it reads, and how
-    | {"tracker", "view", "topology", "rank", "world_size"}  # where the last step left it
-)
-
-
-class QuorumManager(Protocol):
-    """What the loader uses of a ``torchft.Manager``."""
-
-    def start_quorum(self) -> None:
-        """Start the step's quorum."""
-
-    def current_step(self) -> int:
-        """Steps committed so far."""
-
-    def num_participants(self) -> int:
-        """Replica groups taking part in this step (waits for the quorum)."""
-
-    def participating_rank(self) -> int | None:
-        """This group's rank among them, or None (waits for the quorum)."""
-
-    def is_participating(self) -> bool:
-        """Whether this group's gradients count in this step."""
-
-    def register_state_dict_fn(self, key: str, load_state_dict: Any, state_dict: Any) -> None:
-        """Register state that a joining group receives from a healthy peer."""
-
-
-@dataclass(frozen=True)
-class Issued:
-    """A step handed to the training loop, not yet known to have committed.
-
-    Attributes:
-        at_step: The committed-step count when it was handed out; it committed once the
-            count is past it.
-        after: The DataLoader's state after it (the committed state if it commits).
-        over: Whether the pass is over after it.
-        runs: Its global spans, for the ledger (none unless this group was participant 0).
-        step: Its number among the batches handed over in the run, and its runs (every
-            group's: ``quarantine_step`` of it, once committed).
-    """
-
-    at_step: int
-    after: dict[str, Any]
-    over: bool
-    runs: tuple[DeliveredRun, ...]
-    step: tuple[int, tuple[DeliveredRun, ...]]
 
 
 class FaultTolerantLoader:
@@ -105,14 +59,6 @@ class FaultTolerantLoader:
         participants: The last step's participants.
         participating_rank: This group's rank among them (None: not taking part).
         step_rows: The last step's global rows (samples, packed).
-        dataset: What the DataLoader reads (a followed lake's increment under way).
-        root: The DataLoader's root node (see :mod:`lakeloader.nodes`).
-        tracker: The DataLoader's tracker, and ``view()`` its view (``DataLoader.view``):
-            where the last step left this group's slice, committed or not.
-        topology: The last step's slice: ``rank``, this group's rank among its participants
-            (0 before the first), and ``world_size``, their count (1 before the first).
-        drop_last: The DataLoader's (a short last step of a pass is not taken).
-        workers_build: Whether the DataLoader's workers build batches rather than decode.
 
     Raises:
         ValueError: If ``rank`` or ``world_size`` is passed.
@@ -413,11 +359,49 @@ class FaultTolerantLoader:
             for runs in self._journal.take_steps():
                 observer(runs)
 
-    def __getattr__(self, name: str) -> Any:
-        """The DataLoader's attributes of :data:`FORWARDED` (see the class docstring)."""
-        if name in FORWARDED:
-            return getattr(self._inner, name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    @property
+    def workers_build(self) -> bool:
+        """Whether the DataLoader's workers build batches rather than decode."""
+        return self._inner.workers_build
+
+    @property
+    def dataset(self) -> Any:
+        """What the DataLoader reads (a followed lake's increment under way)."""
+        return self._inner.dataset
+
+    @property
+    def root(self) -> Any:
+        """The DataLoader's root node (see :mod:`lakeloader.nodes`)."""
+        return self._inner.root
+
+    @property
+    def tracker(self) -> ReaderStateTracker:
+        """The DataLoader's tracker (where the last step left it, committed or not)."""
+        return self._inner.tracker
+
+    def view(self) -> ReaderView:
+        """Where the last step left this group's slice (see ``DataLoader.view``)."""
+        return self._inner.view()
+
+    @property
+    def topology(self) -> Topology:
+        """The last step's slice: this group's rank among its participants, and their count."""
+        return self._inner.topology
+
+    @property
+    def rank(self) -> int:
+        """This group's rank in the last step's slice (0 before the first)."""
+        return self._inner.rank
+
+    @property
+    def world_size(self) -> int:
+        """The last step's participants (1 before the first)."""
+        return self._inner.world_size
+
+    @property
+    def drop_last(self) -> bool:
+        """The DataLoader's ``drop_last`` (a short last step of a pass is not taken)."""
+        return self._inner.drop_last
 
     def close(self) -> None:
         """Stop the DataLoader's workers and threads."""
