@@ -192,6 +192,8 @@ class Steered:
         return None if steps is None else max(0, steps - self._steering.requests.pending)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "num_steps":  # its property raised AttributeError: begin once, not twice
+            raise AttributeError(name)
         return getattr(self._begun(), name)
 
 
