@@ -219,7 +219,7 @@ class PackedIterator:
                     logger.info("a packed stream caught up with its lake: %s", caught)
                     return False  # the pass ends after the steps planned
                 epochs[mine], places[mine] = source.stream.locate(draw.offsets[mine])
-        pairs = {(int(s), int(e)) for s, e in zip(draw.sources, epochs, strict=True)}
+        pairs = [divmod(k, 1 << 32) for k in np.unique(draw.sources * (1 << 32) + epochs).tolist()]
         streams = {key: self._stream(*key) for key in pairs}
         for (s, e), at in streams.items():  # where every rank's samples have reached
             c, k = at.locate(places[(draw.sources == s) & (epochs == e)])
@@ -289,8 +289,8 @@ class PackedIterator:
             )
             firsts = np.concatenate([[0], np.flatnonzero(cut) + 1])
             lasts = np.concatenate([firsts[1:], [len(mine)]]) - 1
-            runs = zip(start[firsts], stop[lasts], mine[firsts] * L, strict=True)
-            self._copy(epoch, np.array(list(runs)).reshape(-1, 3), flat)
+            runs = np.stack([start[firsts], stop[lasts], mine[firsts] * L], axis=1)
+            self._copy(epoch, runs, flat)
             for row in mine[stop - start < L].tolist():  # a stream's last sample: padded
                 size = int(share.stop[row] - share.start[row])
                 tokens[row, size:], positions[row, size:] = self._packing.pad_id, 0
