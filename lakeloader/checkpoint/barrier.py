@@ -7,39 +7,19 @@ and that no earlier background save failed; an all-gather follows only when some
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from lakeloader.errors import CheckpointError
+from lakeloader.state.loader_state import LoaderState
+from lakeloader.state.mixture_state import MixtureState
+from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 
-
-class Position(Protocol):
-    """Where a loader stands (its ``barrier_position()``: a lake's, a mixture's, a packed one's)."""
-
-    @property
-    def fingerprint(self) -> str:
-        """What it reads (a snapshot's fingerprint, or a digest of the sources')."""
-
-    @property
-    def config_hash(self) -> str:
-        """The hash of what orders it."""
-
-    @property
-    def epoch(self) -> int:
-        """The epoch (or the mixture's pass)."""
-
-    @property
-    def position(self) -> int:
-        """The global slot reached."""
-
-    @property
-    def quarantine(self) -> Sequence[QuarantineEntry]:
-        """Units skipped for good."""
-
+#: Where a loader stands (its ``barrier_position()``): a lake's, a mixture's or a packed one's.
+Position: TypeAlias = LoaderState | MixtureState | PackedState
 
 #: Where one rank stands at the barrier (what it all-gathers): its rank, (fingerprint, config
 #: hash, epoch, position), its previous save's error, its quarantine.
