@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -20,13 +20,6 @@ OnError = Literal["raise", "skip"]
 ON_ERROR_CHOICES: tuple[OnError, ...] = ("raise", "skip")
 #: A user check of a decoded unit: True (or None) keeps it; False or a reason rejects it.
 Validate = Callable[[pa.Table], "bool | str | None"]
-
-# Keys of one quarantine entry in a state dict.
-Q_PATH = "path"
-Q_ROW_GROUP = "row_group"
-Q_ROW_START = "row_start"
-Q_NUM_ROWS = "num_rows"
-Q_REASON = "reason"
 
 
 @dataclass(frozen=True)
@@ -63,23 +56,17 @@ class QuarantineEntry:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types for the state dict."""
-        return {
-            Q_PATH: self.path,
-            Q_ROW_GROUP: self.row_group,
-            Q_ROW_START: self.row_start,
-            Q_NUM_ROWS: self.num_rows,
-            Q_REASON: self.reason,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuarantineEntry:
         """Parse :meth:`to_dict`'s output."""
         return cls(
-            str(d[Q_PATH]),
-            int(d[Q_ROW_GROUP]),
-            int(d[Q_ROW_START]),
-            int(d[Q_NUM_ROWS]),
-            str(d[Q_REASON]),
+            str(d["path"]),
+            int(d["row_group"]),
+            int(d["row_start"]),
+            int(d["num_rows"]),
+            str(d["reason"]),
         )
 
 
