@@ -54,12 +54,9 @@ class DeliveredRun:
     """Consecutive steps of one epoch of one stream under one topology.
 
     Attributes:
-        epoch: The epoch.
         start: The global position before the first step.
         stop: The global position after the last step.
         num_rows: Rows in the epoch.
-        topology: The loader's topology.
-        steps: Steps in the run.
         stream: The position stream it moves (:func:`stream_name`; ``""``: a loader over
             one lake).
         skipped: Skipped on request (``DataLoader.skip``): its positions moved, its rows
@@ -75,22 +72,10 @@ class DeliveredRun:
     stream: str = ""
     skipped: bool = False
 
-    def same_run(self, epoch: int, num_rows: int, topology: Topology, skipped: bool) -> bool:
-        """Whether a step of ``epoch`` may extend this run (its start is checked apart)."""
-        return (
-            epoch == self.epoch
-            and num_rows == self.num_rows
-            and topology == self.topology
-            and skipped == self.skipped
-        )
-
     def continued_by(self, stop: int, run: DeliveredRun) -> bool:
         """Whether ``run`` extends this run, which has reached ``stop``."""
-        return (
-            run.start == stop
-            and run.stream == self.stream
-            and self.same_run(run.epoch, run.num_rows, run.topology, run.skipped)
-        )
+        mine = (stop, self.stream, self.epoch, self.num_rows, self.topology, self.skipped)
+        return mine == (run.start, run.stream, run.epoch, run.num_rows, run.topology, run.skipped)
 
 
 #: What a ledger records as one delivery: the runs of one step (or of consecutive steps, from
