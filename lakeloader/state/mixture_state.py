@@ -35,6 +35,16 @@ class WeightChange:
     weights: Mapping[str, float]
 
 
+def epoch_start(increment: list[Any] | None, start: int, epoch: int) -> dict[str, Any]:
+    """Where a stream's epoch (a followed lake's: its increment) begins, as a state keeps it.
+
+    Both keys always: ``torch.distributed.checkpoint`` fills only the keys a fresh state has.
+    """
+    if increment is not None:
+        return {"increment": increment, "start": start}
+    return {"start": start, "from_epoch": epoch}
+
+
 @dataclass(frozen=True)
 class SourceRecord:
     """What a source was when the state was taken.
@@ -77,17 +87,12 @@ class SourceRecord:
 
     def to_dict(self, count: int) -> dict[str, Any]:
         """Plain types, with where ``count`` stands: its epoch and position (for readers)."""
-        if self.increment is not None:
-            at = {"increment": self.increment, "start": self.start}
-        else:
-            # always: torch.distributed.checkpoint fills only the keys a fresh state has
-            at = {"start": self.start, "from_epoch": self.epoch}
         epoch, position = self.where(count)  # derived from the count, for people reading it
         return {
             "fingerprint": self.fingerprint,
             "config": self.config,
             "rows": self.rows,
-            **at,
+            **epoch_start(self.increment, self.start, self.epoch),
             "epoch": epoch,
             "position": position,
         }

@@ -15,7 +15,7 @@ from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
 from lakeloader.state.loader_state import format_version, quarantine_json, quarantine_of
-from lakeloader.state.mixture_state import MixtureState
+from lakeloader.state.mixture_state import MixtureState, epoch_start
 from lakeloader.state.quarantine import QuarantineEntry, merge
 
 #: The ``kind`` of a packed state.
@@ -88,13 +88,7 @@ class PackedState:
             "config": self.config,
             "samples": self.samples,
             "quarantine": quarantine_json(self.quarantine),
-            # start and from_epoch always: torch.distributed.checkpoint fills only the keys a
-            # fresh loader's state has
-            **(
-                {"increment": self.increment, "start": self.start}
-                if self.increment is not None
-                else {"start": self.start, "from_epoch": self.from_epoch}
-            ),
+            **epoch_start(self.increment, self.start, self.from_epoch),
         }
 
     @classmethod
