@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from lakeloader.lake.snapshot import Snapshot
@@ -225,14 +225,10 @@ class ReaderStateTracker:
         A position at its epoch's end continues with the next epoch, and ``set_epoch`` of
         that epoch keeps it so.
         """
-        self.epoch, self.position, self.rows_dropped = (
-            state.epoch,
-            state.position,
-            state.rows_dropped,
-        )
-        self.quarantine = tuple(merge(state.quarantine))
         if state.at_epoch_end:
-            self.epoch, self.position, self.rows_dropped = state.epoch + 1, 0, 0
+            state = replace(state, epoch=state.epoch + 1, position=0, rows_dropped=0)
+        self.epoch, self.position = state.epoch, state.position
+        self.rows_dropped, self.quarantine = state.rows_dropped, tuple(merge(state.quarantine))
         self._fresh = True
         self.record.restored()
         self._before.clear()
