@@ -18,7 +18,8 @@ from lakeloader.checkpoint.layout import (
     StateRecord,
     sha256,
 )
-from lakeloader.checkpoint.whole import check_parts, read_training
+from lakeloader.checkpoint.training import TRAINING_FILE, TrainingRecord
+from lakeloader.checkpoint.whole import check_parts
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.io.fetch import url_of
 from lakeloader.lake.manifest import from_manifest, unpack_manifest
@@ -50,7 +51,9 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
         }
         lake = _lake(record, manifests)
         check_parts(store, folder, marker.parts)
-        training = read_training(store, folder, marker.parts)
+        training = None  # a checkpoint written before there was a training record has none
+        if TRAINING_FILE in marker.parts:
+            training = TrainingRecord.from_bytes(store.cat(posixpath.join(folder, TRAINING_FILE)))
     except FileNotFoundError as exc:
         where = url_of(store.fs, folder)
         raise CheckpointError(f"{where}: incomplete or missing ({exc})") from exc

@@ -189,15 +189,6 @@ def check_parts(store: CheckpointStore, folder: str, parts: Mapping[str, tuple[i
             raise CheckpointError(f"{name} does not match the SHA-256 its COMMIT records")
 
 
-def read_training(
-    store: CheckpointStore, folder: str, parts: Mapping[str, Any]
-) -> TrainingRecord | None:
-    """The step's training record, or None for a checkpoint written before there was one."""
-    if TRAINING_FILE not in parts:
-        return None
-    return TrainingRecord.from_bytes(store.cat(posixpath.join(folder, TRAINING_FILE)))
-
-
 def restore(
     record: TrainingRecord | None,
     url: str,
