@@ -77,13 +77,9 @@ class CommitRecord:
     """The ``COMMIT`` marker: what a complete checkpoint holds, with sizes and digests.
 
     Attributes:
-        step: The training step.
         state_bytes: Size of ``state.msgpack``.
-        state_sha256: Its SHA-256.
         manifest: Path of a single lake's manifest, relative to the root ("" for a loader
             over several; the state record lists every manifest with its SHA-256).
-        manifest_sha256: The manifest's SHA-256.
-        version: The format version.
         parts: The step folder's other files by path relative to it: ``(size, SHA-256)``,
             the digest empty for the weights' shards.
 
@@ -102,7 +98,7 @@ class CommitRecord:
     parts: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        """The marker's bytes (msgpack)."""
+        """The marker's bytes."""
         files = {name: [size, digest] for name, (size, digest) in self.parts.items()}
         packed: bytes = msgpack.packb(
             {
@@ -154,12 +150,10 @@ class CheckpointContext:
     """The context that produced a checkpoint (information for people and ``inspect``).
 
     Attributes:
-        step: The training step.
         library_version: The lakeloader that wrote it.
         created: When, ISO 8601 in UTC.
         topology: The saving loader's topology (rank 0's), or None in a Mixture's or a packed
             loader's checkpoint written before record version 2 (which did not keep it).
-        drop_last: Whether its short last batch is dropped.
         workers_build: Whether its workers build batches (a transform or collate_fn) rather
             than decode units.
     """
@@ -172,7 +166,7 @@ class CheckpointContext:
     workers_build: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (the topology as its ``to_dict``)."""
+        """Plain types."""
         return asdict(self)
 
     @classmethod
@@ -203,7 +197,6 @@ class StateRecord:
     Attributes:
         state: The loader's state as plain data (``checkpoint_state()``, every rank's
             quarantine merged in).
-        context: The context that produced it.
         extra: The caller's extras (plain, msgpack-able types).
         manifests: ``{leaf path: (its snapshot's manifest, relative to the root; SHA-256)}``.
         sources: ``{leaf path: what its dataset was given as source}``.
@@ -222,7 +215,7 @@ class StateRecord:
     sources: Mapping[str, Any]
 
     def to_bytes(self) -> bytes:
-        """The record's bytes (msgpack), of version :data:`RECORD_VERSION`.
+        """The record's bytes, of version :data:`RECORD_VERSION`.
 
         Raises:
             CheckpointError: If ``extra`` is not msgpack-serialisable.

@@ -38,9 +38,6 @@ class Location:
             source's epoch; None for where a unit starts, which need not be a row the rank
             takes).
         file_index: Its file's index in the snapshot.
-        file: The file.
-        row_group: The row group.
-        row_offset: The row inside the row group.
     """
 
     slot: int | None
@@ -55,7 +52,6 @@ class RankView:
     """What a rank takes next.
 
     Attributes:
-        rank: The rank.
         rows: Rows of its share of the next global batch.
         at: Where the first of them lives, or None when it has no share.
     """
@@ -71,7 +67,7 @@ class SourceView:
 
     Attributes:
         source: Its name (a packed lake's only source: ``"lake"``).
-        epoch: Its epoch (a followed lake's increment).
+        epoch: A followed lake's: its increment.
         position: Rows (a packed source's samples) of that epoch given out.
         num_rows: Rows (samples) in that epoch.
         at: Where its next row lives (a packed source's: the first row of the unit its next
@@ -90,8 +86,6 @@ class WorkerView:
     """What a worker of a rank does first from the position.
 
     Attributes:
-        rank: The rank.
-        worker: The worker.
         role: ``"build"`` (it builds batches: a transform or collate_fn) or ``"decode"`` (it
             decodes units; the rank's process assembles batches).
         step_offset: For ``"build"``: which next step it builds (0 is the next one).
@@ -170,17 +164,8 @@ def first_units(
     """The first ``count`` pieces a rank decodes from ``position``, in the order it does.
 
     The order is that of first need: step by step, each step's new pieces by position. Pieces
-    that ``skipped`` covers are never decoded and are left out.
-
-    Args:
-        plan: The epoch.
-        snapshot: Its snapshot.
-        position: The global slot the pass starts at.
-        steps: Steps left in the epoch from there.
-        topo: The topology (its global batch and world size).
-        rank: The rank.
-        count: Pieces wanted.
-        skipped: Quarantined or lost units.
+    that ``skipped`` (quarantined or lost units) covers are never decoded and are left out;
+    ``steps``: steps left in the epoch from ``position``.
     """
     out: list[int] = []
     seen: set[int] = set()
@@ -229,14 +214,8 @@ def worker_views(
 ) -> list[WorkerView]:
     """What each worker of each rank does first from ``position`` (see the module docstring).
 
-    Args:
-        plan: The epoch.
-        snapshot: Its snapshot.
-        position: The global slot the pass starts at.
-        topo: The topology.
-        steps: Global steps left in the epoch from ``position``.
-        workers_build: Whether workers build batches (else they decode units).
-        skipped: Quarantined or lost units (never decoded).
+    ``steps``: global steps left in the epoch from ``position``; ``workers_build``: whether
+    workers build batches (else they decode units); ``skipped``: units never decoded.
     """
     if workers_build:
         by_step = [
