@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgpack
 
-from lakeloader.checkpoint.training import TrainingRecord
+from lakeloader.checkpoint.training import MALFORMED, TrainingRecord
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.state.loader_state import LoaderState
@@ -141,7 +141,7 @@ class CommitRecord:
                 int(version),
                 parts,
             )
-        except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
+        except MALFORMED as exc:
             raise CheckpointError(f"its COMMIT is corrupt ({exc!r})") from exc
 
 
@@ -277,14 +277,7 @@ class StateRecord:
             return cls(dict(d["state"]), context, d["extra"], manifests, sources)
         except StateFormatError as exc:
             raise CheckpointError(str(exc)) from exc
-        except (
-            KeyError,
-            TypeError,
-            ValueError,
-            IndexError,
-            AttributeError,
-            msgpack.UnpackException,
-        ) as exc:
+        except (*MALFORMED, IndexError) as exc:
             raise CheckpointError(f"its {STATE_FILE} is corrupt ({exc!r})") from exc
 
 

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 TRAINING_FILE: Final = "training.msgpack"
 #: Version of the record below.
 TRAINING_RECORD_VERSION: Final = 1
+#: What reading a malformed msgpack record raises.
+MALFORMED: Final = (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,6 @@ class TrainingRecord:
     """``training.msgpack``: the context that produced a checkpoint's weights.
 
     Attributes:
-        step: The training step.
         rng: Every rank's generators, in rank order.
         torch_version: ``torch.__version__`` of the saving run.
         library_version: The lakeloader that wrote it.
@@ -92,7 +93,6 @@ class TrainingRecord:
         world_size: Ranks that saved it.
         model: Whether the weights folder holds a model's state.
         optimizer: Whether it holds an optimizer's state.
-        version: The record's layout version.
     """
 
     step: int
@@ -107,7 +107,7 @@ class TrainingRecord:
     version: int = TRAINING_RECORD_VERSION
 
     def to_bytes(self) -> bytes:
-        """The record's bytes (msgpack)."""
+        """The record's bytes."""
         # the version first, then the fields in order (not asdict: it deep-copies the generators)
         body = {"version": self.version, **{f.name: getattr(self, f.name) for f in fields(self)}}
         body.update(rng=[r.to_dict() for r in self.rng], code=asdict(self.code))
@@ -140,7 +140,7 @@ class TrainingRecord:
                 model=bool(d["model"]),
                 optimizer=bool(d["optimizer"]),
             )
-        except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
+        except MALFORMED as exc:
             raise CheckpointError(f"its {TRAINING_FILE} is corrupt ({exc!r})") from exc
 
     def to_dict(self) -> dict[str, Any]:
