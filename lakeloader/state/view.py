@@ -181,12 +181,9 @@ def first_units(
             world_size=topo.world_size,
             rank=rank,
         )
-        for spec in specs:
-            for p in spec.positions.tolist():
-                if p not in seen:
-                    seen.add(p)
-                    if not piece_skipped(plan, snapshot, p, skipped):
-                        out.append(p)
+        new = dict.fromkeys(p for s in specs for p in s.positions.tolist() if p not in seen)
+        seen.update(new)
+        out += [p for p in new if not piece_skipped(plan, snapshot, p, skipped)]
         first += n
     return out[:count]
 
