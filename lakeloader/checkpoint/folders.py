@@ -30,11 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointFolders:
-    """Step folders and manifests under one root.
+    """Step folders and manifests under one root (``root``: a path of ``store``'s filesystem).
 
     Args:
-        store: The root's store.
-        root: The root (a path of ``store``'s filesystem).
         keep: Committed checkpoints kept.
     """
 

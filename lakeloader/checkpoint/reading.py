@@ -114,12 +114,9 @@ def _lake(record: StateRecord, manifests: dict[str, dict[str, Any]]) -> Snapshot
 def newest_usable(
     read: Callable[[int], Checkpoint], steps: list[int], url: str
 ) -> tuple[Checkpoint, list[str]]:
-    """The newest checkpoint of ``steps`` that reads, and one line per newer one passed over.
+    """The newest checkpoint of ``steps`` (committed, oldest first) that ``read`` reads.
 
-    Args:
-        read: Reads and verifies one step's checkpoint (raises CheckpointError if unusable).
-        steps: The committed steps, oldest first.
-        url: The checkpoints' root, for the error.
+    Returns it with one line per newer one passed over (``read`` raised CheckpointError).
 
     Raises:
         CheckpointError: Listing every checkpoint, if none is usable (or none is committed).

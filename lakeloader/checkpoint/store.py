@@ -17,9 +17,7 @@ class CheckpointStore:
     """A filesystem's calls for one checkpoint folder, under a retry policy.
 
     Args:
-        fs: The filesystem.
         url: The folder's URL (for messages; it holds no credentials).
-        retry: How transient failures are retried.
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, url: str, retry: RetryPolicy) -> None:

@@ -40,9 +40,6 @@ def reassign(
         building: The key it was working on when it died, or None if it was idle.
         attempts: Attempts so far by key (1 is implied for a key not in it).
 
-    Returns:
-        The work to resend, the work given up, and the updated attempts.
-
     >>> r = reassign([4, 5, 6], building=5, attempts={})
     >>> r.resend, r.given_up, dict(r.attempts)
     ((4, 5, 6), (), {5: 2})

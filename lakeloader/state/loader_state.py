@@ -81,7 +81,6 @@ class LoaderState:
         fingerprint: Fingerprint of the snapshot the position refers to.
         config_hash: Hash of ``config``.
         config: The order-defining configuration (seed, C, window, shuffle, columns, ...).
-        epoch: The epoch.
         position: Global rows of the epoch delivered to the training loop (G).
         rows_dropped: Rows of the epoch dropped by ``drop_last`` (counted, never silent).
         num_rows: Rows in the epoch (N), for reports.

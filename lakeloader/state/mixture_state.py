@@ -28,7 +28,6 @@ class WeightChange:
 
     Attributes:
         start: The first slot they apply to.
-        weights: ``{name: weight}``.
     """
 
     start: int
@@ -50,7 +49,6 @@ class SourceRecord:
     """What a source was when the state was taken.
 
     Attributes:
-        fingerprint: Its snapshot's fingerprint.
         config: The hash of its order configuration.
         rows: Rows in one of its epochs.
         increment: A followed lake's: the marks of the increment its count stands in (the
@@ -103,7 +101,6 @@ class MixtureState:
     """A mixture loader's position (see the module docstring).
 
     Attributes:
-        seed: The mixture's seed.
         slot: Global slots delivered since the start of the run.
         counts: ``{name: slots drawn from it}``, sources removed at a resume included (one
             added back continues from its count).

@@ -34,7 +34,6 @@ class PackedState:
     """A packed lake's position (see the module docstring).
 
     Attributes:
-        fingerprint: The snapshot's fingerprint.
         config: Hash of the order configuration and the packing.
         samples: Samples delivered, its epochs one after the other.
         quarantine: Units skipped for good, sorted (their tokens delivered as padding).

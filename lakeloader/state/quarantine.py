@@ -28,7 +28,6 @@ class QuarantineEntry:
 
     Attributes:
         path: The file (as the snapshot names it).
-        row_group: The row group.
         row_start: First row of the unit in the row group.
         num_rows: Rows skipped.
         reason: Why: the decoding error, or the validator's verdict.
