@@ -8,7 +8,7 @@ in every loader's state (a state without it reads as nothing asked).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
@@ -32,6 +32,7 @@ class Skip:
     steps: int
 
 
+@dataclass(eq=False)
 class Requests:
     """The steps a loader delivered and skipped on request over the run (mutable, like a tracker).
 
@@ -44,23 +45,16 @@ class Requests:
         True
     """
 
-    def __init__(
-        self,
-        delivered: int = 0,
-        pending: int = 0,
-        skips: tuple[Skip, ...] = (),
-        bad_steps: tuple[tuple[int, int], ...] = (),
-    ) -> None:
-        #: Steps delivered to the training loop over the run (the next step's number).
-        self.delivered = delivered
-        #: Steps still to skip (the next ones the loader would deliver).
-        self.pending = pending
-        #: Every skip asked, in order.
-        self.skips = skips
-        #: Steps not delivered yet (after a restore from before them) whose units are to be
-        #: quarantined when they come (``quarantine_step``): ``(number it comes as, number it
-        #: was named by)``, sorted (a dropped step's number is taken by the next batch).
-        self.bad_steps = bad_steps
+    #: Steps delivered to the training loop over the run (the next step's number).
+    delivered: int = 0
+    #: Steps still to skip (the next ones the loader would deliver).
+    pending: int = 0
+    #: Every skip asked, in order.
+    skips: tuple[Skip, ...] = ()
+    #: Steps not delivered yet (after a restore from before them) whose units are to be
+    #: quarantined when they come (``quarantine_step``): ``(number it comes as, number it
+    #: was named by)``, sorted (a dropped step's number is taken by the next batch).
+    bad_steps: tuple[tuple[int, int], ...] = ()
 
     def delivered_one(self) -> None:
         """A step was handed to the training loop."""
@@ -75,7 +69,7 @@ class Requests:
         """
         if not self.pending:
             return False
-        done = sum(s.steps for s in self.skips) - self.pending
+        done = self.skipped
         for skip in self.skips:
             if done < skip.steps:
                 return self.delivered >= skip.at
@@ -104,7 +98,7 @@ class Requests:
 
     def back(self, steps: int) -> Requests:
         """The record as it stood ``steps`` deliveries ago (``state_dict(fetched_ahead=...)``)."""
-        return Requests(self.delivered - steps, self.pending, self.skips, self.bad_steps)
+        return replace(self, delivered=self.delivered - steps)
 
     @property
     def skipped(self) -> int:
