@@ -27,12 +27,6 @@ class RngState:
         numpy: ``np.random.get_state()``: (name, the 624 keys, pos, has_gauss, cached_gaussian).
         torch: ``torch.get_rng_state()`` as bytes.
         cuda: ``torch.cuda.get_rng_state_all()`` as bytes, one per device (empty without CUDA).
-
-    Example:
-        >>> import random
-        >>> saved = RngState.capture(); first = random.random()
-        >>> RngState.from_dict(saved.to_dict()).restore(); random.random() == first
-        True
     """
 
     python: tuple[Any, ...]

@@ -39,12 +39,6 @@ def reassign(
             (work answered or abandoned meanwhile must be left out by the caller).
         building: The key it was working on when it died, or None if it was idle.
         attempts: Attempts so far by key (1 is implied for a key not in it).
-
-    >>> r = reassign([4, 5, 6], building=5, attempts={})
-    >>> r.resend, r.given_up, dict(r.attempts)
-    ((4, 5, 6), (), {5: 2})
-    >>> reassign([5], building=5, attempts={5: 3}).given_up
-    ((5, 3),)
     """
     after = dict(attempts)
     resend: list[int] = []

@@ -72,12 +72,7 @@ class PackedState:
         return replace(self, quarantine=tuple(merge(self.quarantine, entries)))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types.
-
-        >>> s = PackedState("f", "c", 24).with_quarantine([QuarantineEntry("a", 1, 0, 8, "bad")])
-        >>> PackedState.from_dict(s.to_dict(), per_epoch=10) == s
-        True
-        """
+        """Plain types."""
         return {
             "kind": PACKED_KIND,
             "version": PACKED_EPOCH_VERSION

@@ -73,11 +73,6 @@ def merge(*groups: Iterable[QuarantineEntry]) -> list[QuarantineEntry]:
     """Union of entries (one per unit), sorted by file, row group and row: the same on all ranks.
 
     An entry within another's rows (a piece of a unit quarantined whole) is left out.
-
-    >>> a = QuarantineEntry("f", 1, 0, 10, "bad page")
-    >>> b = QuarantineEntry("e", 0, 5, 5, "all NaN")
-    >>> [e.path for e in merge([a], [b, a], [QuarantineEntry("f", 1, 2, 3, "bad page")])]
-    ['e', 'f']
     """
     unique = {e.key: e for group in groups for e in group}
     out: list[QuarantineEntry] = []
@@ -112,9 +107,6 @@ def drop_pieces(take: np.ndarray, sizes: Sequence[int], bad: Sequence[bool]) -> 
 
     ``take`` indexes the concatenation of the pieces (of ``sizes`` rows each); the result
     indexes the concatenation of the pieces that are not ``bad``, in the same order.
-
-    >>> drop_pieces(np.array([4, 0, 2, 3]), [2, 3], [True, False]).tolist()
-    [2, 0, 1]
     """
     sizes_a = np.asarray(sizes, dtype=np.int64)
     bad_a = np.asarray(bad, dtype=bool)
