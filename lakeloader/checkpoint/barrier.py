@@ -1,8 +1,4 @@
-"""Rank agreement at a checkpoint's sync barrier.
-
-One all-reduce of five integers checks that every rank holds the same position and quarantine
-and that no earlier background save failed; an all-gather follows only when something differs.
-"""
+"""Rank agreement at a checkpoint's sync barrier (see docs/design.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def confirm_same_position(
 ) -> list[QuarantineEntry] | None:
     """Check that every rank stands at the same position and that no earlier save failed.
 
-    Every rank raises alike, so none is left waiting in a collective; only the ranks where the
-    previous background save failed return, for their caller to raise that failure.
+    After a failed background save, the ranks where it failed return (their caller raises it).
 
     Returns:
         The quarantine entries of all ranks (unmerged; one rank's when all hold the same), or
@@ -78,11 +73,7 @@ def _digest(value: object) -> int:
 
 
 def _all_alike(where: int, quarantine: int, failed: bool) -> bool:
-    """Whether every rank stands at the same digests and none failed: one all-reduce.
-
-    The maximum of ``(d, -d)`` over ranks is ``(max d, -min d)``: the ranks agree where the
-    two meet.
-    """
+    """Whether every rank stands at the same digests and none failed: one all-reduce."""
     values = [where, -where, quarantine, -quarantine, int(failed)]
     mine = torch.tensor(values, dtype=torch.int64, device=collective_device())
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)

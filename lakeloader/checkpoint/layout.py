@@ -1,8 +1,6 @@
-"""The checkpoint format on disk: names, and the typed records behind each file.
+"""The checkpoint format on disk (see docs/design.md): names, and the typed records of each file.
 
-``manifests/<fingerprint>.msgpack`` (a pinned snapshot, shared), ``step-<step>/state.msgpack``
-(a :class:`StateRecord`) and ``step-<step>/COMMIT`` (a :class:`CommitRecord`, written last: a
-checkpoint is visible only once it exists). Nothing here does I/O.
+Nothing here does I/O.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The checkpoint manager: whole checkpoints saved at a sync barrier to any fsspec URL.
-
-Every kind of loader is saved and loaded alike, through the methods the manager calls on it
-(``barrier_position``, ``checkpoint_state``, ``checkpoint_datasets``, ``restore_checkpoint``,
-``observe_steps``).
-"""
+"""The checkpoint manager: whole checkpoints saved at a sync barrier to any fsspec URL."""
 
 from __future__ import annotations
 

@@ -136,11 +136,7 @@ def newest_usable(
 
 
 def agreed_checkpoint(newest: Callable[[int | None], Checkpoint], step: int | None) -> Checkpoint:
-    """Rank 0's choice of checkpoint, read on every rank.
-
-    Rank 0 alone walks the checkpoints (``newest(step)``); its choice, or its error, goes to
-    every rank, which reads that step (``newest(chosen)``), so that all of them load the same
-    step or raise alike.
+    """Rank 0's choice of checkpoint (``newest(step)``), read on every rank (``newest(chosen)``).
 
     Raises:
         CheckpointError: On every rank, if rank 0 found none.

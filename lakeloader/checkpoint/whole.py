@@ -1,8 +1,7 @@
-"""The training side of a whole checkpoint: weights, optimizer, generators and context.
+"""The training side of a whole checkpoint: weights (through DCP, resharded at a load), generators.
 
-The weights go through ``torch.distributed.checkpoint`` (DCP): each rank writes its shards into
-a step's ``weights/`` folder, and a load reshards. :func:`capture` runs on every rank at a
-save, :func:`restore` on every rank at a load (after the loader's position).
+:func:`capture` runs on every rank at a save, :func:`restore` on every rank at a load (after the
+loader's position).
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The recovery coordinator: a saved position onto the lake and topology of now; dead workers.
-
-A saved position does not depend on the topology, so resuming it is about the lake: the
-coordinator compares the checkpoint's pinned snapshot with the lake of now and applies the
-``on_lake_change`` policy. A dead worker's work goes by :mod:`lakeloader.recovery.reassign`.
-"""
+"""The recovery coordinator: a saved position onto the lake and topology of now; dead workers."""
 
 from __future__ import annotations
 

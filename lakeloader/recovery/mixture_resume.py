@@ -1,8 +1,4 @@
-"""A saved mixture state onto the mixture of now (a pure function; the loader applies it).
-
-Each source continues from its own count, whatever sources were added or removed; new weights
-apply from the saved slot on and are recorded in the state's history.
-"""
+"""A saved mixture state onto the mixture of now (a pure function; the loader applies it)."""
 
 from __future__ import annotations
 

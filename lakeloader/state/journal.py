@@ -1,10 +1,4 @@
-"""The delivery journal: the runs of steps a loader delivered, until the audit ledger attaches.
-
-Consecutive steps of one epoch of one position stream (:func:`stream_name`) under one topology
-form a *run* ``[start, stop)``; a step's runs, one per stream it moved, are one delivery. The
-journal keeps them (a handful per epoch) so that a loop audited late is audited from its first
-step.
-"""
+"""The delivery journal: the runs of steps a loader delivered, until the audit ledger attaches."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""A lake loader's position as versioned plain data, and what every kind of state shares.
-
-A lake's whole position is ``(epoch, G)``: ``G`` global rows of the epoch delivered (see
-docs/design.md); with the snapshot's fingerprint and the configuration's hash it restores the
-exact global sequence under any world size, worker count or batch size.
-"""
+"""A lake loader's position ``(epoch, G)`` as versioned plain data; what every state shares."""
 
 from __future__ import annotations
 

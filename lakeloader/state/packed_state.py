@@ -1,11 +1,4 @@
-"""Where a packed loader stands, as versioned plain data: one number per source.
-
-A packed source's samples are placed by arithmetic (:mod:`lakeloader.order.packing`), so its
-position is the samples delivered (its epochs end to end), the same on every rank: any rank's
-state resumes every rank, under any world size and batch. A packed mixture's state is a
-:class:`~lakeloader.state.mixture_state.MixtureState` whose counts are samples. A version 1
-state (per-partition packing) loads only if taken at an epoch's start.
-"""
+"""Where a packed loader stands, as versioned plain data: one number per source."""
 
 from __future__ import annotations
 

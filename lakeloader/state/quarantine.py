@@ -1,9 +1,4 @@
-"""Quarantine: units that cannot be read, or that the user's validator rejects, skipped alike.
-
-A skipped unit's rows are dropped from the batches that would have held them and every other
-row keeps its place, so the sequence is the same for every topology and resume; every rank
-reaches the same verdict on its own, and the entries travel in the state (merged at a save).
-"""
+"""Quarantine: units that cannot be read, or that the user's validator rejects, skipped alike."""
 
 from __future__ import annotations
 

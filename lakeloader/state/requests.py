@@ -1,9 +1,4 @@
-"""What the training loop asked of the order mid-run: steps counted, steps skipped on request.
-
-The steps delivered over the run (a step's number, resumes included), the skips asked
-(``DataLoader.skip``) and the steps named by ``quarantine_step`` still to come: one JSON string
-in every loader's state (a state without it reads as nothing asked).
-"""
+"""What the training loop asked of the order mid-run: steps counted, steps skipped on request."""
 
 from __future__ import annotations
 
