@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
@@ -169,8 +169,7 @@ class RecoveryCoordinator:
                 f"were, whatever on_lake_change says:\n{diff.describe()}\nrestore the files, or "
                 "start the packed stream afresh on the lake as it is now"
             )
-        epoch, position = divmod(count - record.start, max(record.rows or size(pinned), 1))
-        epoch += record.epoch
+        epoch, position = replace(record, rows=record.rows or size(pinned)).where(count)
         start = count - position
         if not enforce(diff, self.on_lake_change, where, position == 0):
             return SourceResumption(live, epoch, count)
