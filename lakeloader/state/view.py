@@ -104,8 +104,7 @@ class WorkerView:
 
     def to_dict(self) -> dict[str, object]:
         """Plain types, the location's fields inline (None when it has none)."""
-        out = {k: v for k, v in asdict(self).items() if k != "at"}
-        return {**out, **_location_dict(self.at)}
+        return rank_dict(self)
 
 
 def _location_dict(at: Location | None) -> dict[str, object]:
@@ -114,9 +113,10 @@ def _location_dict(at: Location | None) -> dict[str, object]:
     return asdict(at)
 
 
-def rank_dict(view: RankView) -> dict[str, object]:
-    """A :class:`RankView` as plain types, the location's fields inline."""
-    return {"rank": view.rank, "rows": view.rows, **_location_dict(view.at)}
+def rank_dict(view: RankView | WorkerView) -> dict[str, object]:
+    """A rank's or a worker's view as plain types, the location's fields inline."""
+    out = {k: v for k, v in asdict(view).items() if k != "at"}
+    return {**out, **_location_dict(view.at)}
 
 
 def locate(plan: EpochPlan, snapshot: Snapshot, slots: np.ndarray) -> list[Location]:
