@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import fsspec
@@ -13,17 +14,17 @@ from lakeloader.io.retry import RetryPolicy
 T = TypeVar("T")
 
 
+@dataclass(eq=False)
 class CheckpointStore:
     """A filesystem's calls for one checkpoint folder, under a retry policy.
 
-    Args:
+    Attributes:
         url: The folder's URL (for messages; it holds no credentials).
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, url: str, retry: RetryPolicy) -> None:
-        self.fs = fs
-        self.url = url
-        self.retry = retry
+    fs: fsspec.AbstractFileSystem
+    url: str
+    retry: RetryPolicy
 
     def _call(self, fn: Callable[[], T], path: str, needs: str) -> T:
         where = self._url(path)
