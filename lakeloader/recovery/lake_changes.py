@@ -82,8 +82,7 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
             info = fs.info(f.path)
         except FileNotFoundError:
             return f.path, None
-        now = f"size {int(info.get('size') or 0)}, {version_token(info)}"
-        return f.path, now
+        return f.path, f"size {int(info.get('size') or 0)}, {version_token(info)}"
 
     fs.invalidate_cache()  # a cached listing would answer with the old size and version
     threads = max(1, min(CHECK_THREADS, len(files)))
