@@ -92,7 +92,6 @@ class CommitRecord:
     state_sha256: str
     manifest: str
     manifest_sha256: str
-    version: int = CHECKPOINT_FORMAT_VERSION
     parts: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
@@ -100,7 +99,7 @@ class CommitRecord:
         files = {name: [size, digest] for name, (size, digest) in self.parts.items()}
         packed: bytes = msgpack.packb(
             {
-                "version": self.version,
+                "version": CHECKPOINT_FORMAT_VERSION,
                 "step": self.step,
                 "files": {STATE_FILE: [self.state_bytes, self.state_sha256], **files},
                 "manifest": self.manifest,
@@ -136,7 +135,6 @@ class CommitRecord:
                 str(digest),
                 str(d["manifest"]),
                 str(d["manifest_sha256"]),
-                int(version),
                 parts,
             )
         except MALFORMED as exc:
