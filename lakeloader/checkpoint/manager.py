@@ -194,20 +194,17 @@ class CheckpointManager:
         # the steps in this checkpoint, taken now: the loop goes on during a background write
         mark = self.ledger.mark(*position, captured.record.world_size) if recorded else (0, 0)
 
-        def record() -> tuple[bytes, tuple[str, str]]:
+        def write() -> None:
+            parts = captured.parts(self.store, folder)
+            if recorded:  # before COMMIT: no committed step goes unrecorded
+                self.ledger.saved(step, mark, *position)
             sources = {leaf: ds.source.describe() for leaf, ds in datasets.items()}
             manifests = {
                 leaf: self.folders.manifest(ds.snapshot, sources[leaf])
                 for leaf, ds in datasets.items()
             }
             payload = StateRecord(state, context, extra, manifests, sources).to_bytes()
-            return payload, manifests.get(ROOT, ("", ""))
-
-        def write() -> None:
-            parts = captured.parts(self.store, folder)
-            if recorded:  # before COMMIT: no committed step goes unrecorded
-                self.ledger.saved(step, mark, *position)
-            self.folders.commit(step, *record(), parts)
+            self.folders.commit(step, payload, manifests.get(ROOT, ("", "")), parts)
 
         if self.async_save:
             self._pending = self._writer.submit(write)
