@@ -24,7 +24,7 @@ PACKED_EPOCH_VERSION: Final = 3
 
 @dataclass(frozen=True)
 class PackedState:
-    """A packed lake's position (see the module docstring).
+    """A packed lake's position (see docs/design.md).
 
     Attributes:
         config: Hash of the order configuration and the packing.
@@ -112,7 +112,7 @@ class PackedState:
 
 
 def _epoch_start(partitions: Mapping[str, Any]) -> int:
-    """The epoch a version 1 state's partitions all start (see the module docstring)."""
+    """The epoch a version 1 state's partitions all start at (one taken mid-epoch is refused)."""
     at = {(int(x[0]), int(x[1]), int(x[2])) for x in partitions.values()}
     if len(at) != 1 or next(iter(at))[1:] != (0, 0):
         raise StateFormatError(
