@@ -16,11 +16,7 @@ T = TypeVar("T")
 
 @dataclass(eq=False)
 class CheckpointStore:
-    """A filesystem's calls for one checkpoint folder, under a retry policy.
-
-    Attributes:
-        url: The folder's URL (for messages; it holds no credentials).
-    """
+    """A filesystem's calls for one checkpoint folder at ``url`` (no credentials), retried."""
 
     fs: fsspec.AbstractFileSystem
     url: str

@@ -24,11 +24,7 @@ MIXTURE_VERSIONS: Final = (1, 2)
 
 @dataclass(frozen=True)
 class WeightChange:
-    """Weights in force from a global slot on, as the user gave them.
-
-    Attributes:
-        start: The first slot they apply to.
-    """
+    """Weights in force from global slot ``start`` on, as the user gave them."""
 
     start: int
     weights: Mapping[str, float]

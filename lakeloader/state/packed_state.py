@@ -126,11 +126,7 @@ def _epoch_start(partitions: Mapping[str, Any]) -> int:
 
 @dataclass(frozen=True)
 class PackedMixtureState:
-    """A packed mixture's position: the samples' cursor (a mixture's state, in samples).
-
-    Attributes:
-        mixture: The cursor, weights history, sources and quarantine.
-    """
+    """A packed mixture's position: the samples' cursor (a mixture's state, in samples)."""
 
     mixture: MixtureState
 
