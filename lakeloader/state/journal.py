@@ -33,12 +33,8 @@ def epoch_runs(
     out = []
     while first < stop:
         epoch = first // rows
-        end = min(stop, (epoch + 1) * rows)
-        out.append(
-            DeliveredRun(
-                epoch, first - epoch * rows, end - epoch * rows, rows, topology, stream=stream
-            )
-        )
+        base, end = epoch * rows, min(stop, (epoch + 1) * rows)
+        out.append(DeliveredRun(epoch, first - base, end - base, rows, topology, stream=stream))
         first = end
     return out
 
