@@ -39,6 +39,9 @@ def reassign(
             (work answered or abandoned meanwhile must be left out by the caller).
         building: The key it was working on when it died, or None if it was idle.
         attempts: Attempts so far by key (1 is implied for a key not in it).
+
+    Returns:
+        The work to resend, the work given up, and the updated attempts.
     """
     after = dict(attempts)
     resend: list[int] = []

@@ -30,7 +30,7 @@ class WeightChange:
     weights: Mapping[str, float]
 
 
-def epoch_start(increment: list[Any] | None, start: int, epoch: int) -> dict[str, Any]:
+def epoch_start_keys(increment: list[Any] | None, start: int, epoch: int) -> dict[str, Any]:
     """Where a stream's epoch (a followed lake's: its increment) begins, as a state keeps it.
 
     Both keys always: ``torch.distributed.checkpoint`` fills only the keys a fresh state has.
@@ -86,7 +86,7 @@ class SourceRecord:
             "fingerprint": self.fingerprint,
             "config": self.config,
             "rows": self.rows,
-            **epoch_start(self.increment, self.start, self.epoch),
+            **epoch_start_keys(self.increment, self.start, self.epoch),
             "epoch": epoch,
             "position": position,
         }

@@ -8,7 +8,7 @@ from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
 from lakeloader.state.loader_state import format_version, quarantine_json, quarantine_of
-from lakeloader.state.mixture_state import MixtureState, epoch_start
+from lakeloader.state.mixture_state import MixtureState, epoch_start_keys
 from lakeloader.state.quarantine import QuarantineEntry, merge
 
 #: The ``kind`` of a packed state.
@@ -75,7 +75,7 @@ class PackedState:
             "config": self.config,
             "samples": self.samples,
             "quarantine": quarantine_json(self.quarantine),
-            **epoch_start(self.increment, self.start, self.from_epoch),
+            **epoch_start_keys(self.increment, self.start, self.from_epoch),
         }
 
     @classmethod

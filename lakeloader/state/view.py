@@ -67,7 +67,7 @@ class SourceView:
 
     Attributes:
         source: Its name (a packed lake's only source: ``"lake"``).
-        epoch: A followed lake's: its increment.
+        epoch: Its epoch (a followed lake's increment).
         position: Rows (a packed source's samples) of that epoch given out.
         num_rows: Rows (samples) in that epoch.
         at: Where its next row lives (a packed source's: the first row of the unit its next
