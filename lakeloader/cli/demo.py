@@ -81,11 +81,7 @@ def train(lake: Path, ckpt: Path, log: Path, topo: Topology) -> dict[str, Any]:
     ds = LakeDataset(lake, columns=["id", *FEATURES, "label"], seed=0)
     loaders = [
         DataLoader(
-            ds,
-            batch_size=topo.batch_size,
-            num_workers=topo.num_workers,
-            rank=r,
-            world_size=topo.world_size,
+            ds, topo.batch_size, num_workers=topo.num_workers, rank=r, world_size=topo.world_size
         )
         for r in range(topo.world_size)
     ]
@@ -121,7 +117,7 @@ def train(lake: Path, ckpt: Path, log: Path, topo: Topology) -> dict[str, Any]:
     manager.close()
     for loader in loaders:
         loader.close()
-    return {"steps": step, "losses": losses, "state_bytes": state_bytes, "rows": len(ds)}
+    return {"steps": step, "losses": losses, "state_bytes": state_bytes}
 
 
 def _read_log(log: Path) -> list[tuple[int, int, list[int]]]:

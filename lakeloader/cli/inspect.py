@@ -265,10 +265,6 @@ def _unit_rows(w: dict[str, Any]) -> str:
     return f"[{w['row_offset']:,}, {w['row_offset'] + w['rows']:,})"
 
 
-def _dash(row: list[Any]) -> list[Any]:
-    return ["-" if v is None else v for v in row]
-
-
 def head_pairs(info: dict[str, Any]) -> list[tuple[str, Any]]:
     """The first lines of every kind of checkpoint's report: its folder, step, when and size."""
     steps = info["steps_available"]
@@ -337,13 +333,12 @@ def render_text(info: dict[str, Any]) -> str:
         loc = ["file", "row group", "row offset", "slot"]
         keys = ["file", "row_group", "row_offset", "slot"]
         out.append("next step, per rank (where its first row comes from):")
-        rows = [_dash([r["rank"], r["rows"]] + [r[k] for k in keys]) for r in info["ranks"]]
+        rows = [[r[k] for k in ["rank", "rows", *keys]] for r in info["ranks"]]
         out.append(format_table(["rank", "rows", *loc], rows))
         if info["workers"] and info["workers_build"]:
             out += ["", "per worker (worker k builds the k-th next step of its rank):"]
             rows = [
-                _dash([w["rank"], w["worker"], f"+{w['step_offset']}", w["rows"]])
-                + _dash([w[k] for k in keys])
+                [w["rank"], w["worker"], f"+{w['step_offset']}", *[w[k] for k in ["rows", *keys]]]
                 for w in info["workers"]
             ]
             out.append(format_table(["rank", "worker", "step", "rows", *loc], rows))
@@ -353,10 +348,8 @@ def render_text(info: dict[str, Any]) -> str:
                 "per worker (workers decode units in the order their rank first needs them, "
                 "the j-th to worker j mod W; the first of each):",
             ]
-            rows = [
-                [*_dash([w["rank"], w["worker"], w["file"], w["row_group"]]), _unit_rows(w)]
-                for w in info["workers"]
-            ]
+            keys = ["rank", "worker", "file", "row_group"]
+            rows = [[*[w[k] for k in keys], _unit_rows(w)] for w in info["workers"]]
             out.append(format_table(["rank", "worker", "file", "row group", "rows"], rows))
     if quarantine:
         out += ["", *quarantine_text(quarantine)]

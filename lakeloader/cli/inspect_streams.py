@@ -152,10 +152,7 @@ def render_kind_text(info: dict[str, Any]) -> str:
             f"{s['weight']:.3f}",
             f"{s['realised_share']:.3f}",
             s["drawn"],
-            *[
-                "-" if s[k] is None else s[k]
-                for k in ("epoch", f"{unit}_consumed", f"{unit}_remaining")
-            ],
+            *[s[k] for k in ("epoch", f"{unit}_consumed", f"{unit}_remaining")],
             s["url"] or "-",
         ]
         for s in info["sources"]

@@ -9,7 +9,7 @@ from typing import Any
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Align columns; numbers right-aligned with thousands separators.
+    """Align columns; numbers right-aligned with thousands separators, None as a dash.
 
     >>> print(format_table(["file", "rows"], [["a.parquet", 1200], ["b.parquet", 7]]))
     file        rows
@@ -45,6 +45,8 @@ def format_pairs(pairs: Sequence[tuple[str, Any]]) -> str:
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, int):
