@@ -1,10 +1,4 @@
-"""The exactly-once audit: the committed history of a run, proven epoch by epoch (pure).
-
-The committed history runs back from the newest committed checkpoint (the *head*), attempt by
-attempt, to a fresh start; then each stream's committed steps must tile each of its epochs'
-positions ``[0, N)`` with neither gap nor overlap. Positions before the recorded history
-begins are *unverified*, never missing.
-"""
+"""The exactly-once audit: the committed history of a run, proven epoch by epoch (pure)."""
 
 from __future__ import annotations
 
@@ -145,10 +139,8 @@ class AuditReport:
 def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditReport:
     """Prove (or refute) exactly-once delivery in the committed history ending at a checkpoint.
 
-    Args:
-        entries: Every ledger entry of the run, any order.
-        head_step: The step of the newest committed checkpoint.
-        head_attempt: The attempt that saved it.
+    ``entries`` are every ledger entry of the run, in any order; ``head_step`` is the step of
+    the newest committed checkpoint, saved by ``head_attempt``.
 
     Example:
         >>> from lakeloader.audit.records import StartEntry, StepEntry, SaveEntry

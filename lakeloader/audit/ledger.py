@@ -1,9 +1,4 @@
-"""The audit ledger: every delivered step and every committed checkpoint, append-only.
-
-Each attempt writes ``<root>/ledger/<attempt>/<first seq>.jsonl`` segments that are never
-rewritten: at every save (before its ``COMMIT``), every ``flush_seconds`` while steps are
-delivered (in a background thread), and at ``close``. Only rank 0 writes.
-"""
+"""The audit ledger: every delivered step and every committed checkpoint, append-only."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ import posixpath
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
@@ -127,21 +121,15 @@ class Ledger:
         if time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
-    def mark(
-        self,
-        epoch: int,
-        position: int,
-        world_size: int,
-        streams: Mapping[str, tuple[int, int]] | None = None,
-    ) -> tuple[int, int]:
+    def mark(self, epoch: int, position: int, world_size: int) -> tuple[int, int]:
         """Where a checkpoint taken now stands: (steps delivered, index of the attempt's start).
 
-        ``epoch``, ``position`` and ``world_size`` are the loader's; ``streams`` where each
-        stream stands (default: where the steps recorded since the attempt began or resumed
-        left them, or ``epoch`` and ``position`` for a single lake's).
+        ``epoch``, ``position`` and ``world_size`` are the loader's; each stream stands where
+        the steps recorded since the attempt began or resumed left it (a single lake: at
+        ``epoch`` and ``position``).
         """
         with self._lock:
-            stands = dict(streams) if streams is not None else _named(self._stands)
+            stands = _named(self._stands)
             self._start(epoch, position, world_size, stands)
             mark = (self.seq, self._starts - 1)
             self._marks[mark] = stands

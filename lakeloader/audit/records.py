@@ -1,8 +1,7 @@
 """The entries of the audit ledger, one JSON object per line (no I/O here).
 
-Positions are counted per stream (``lakeloader.state.journal.stream_name``; ``""``: a single
-lake's). A single lake's entries are written as version 1, so that an older lakeloader still
-audits them; entries naming a stream are version 2, those of steps skipped on request 3.
+A single lake's entries are version 1, entries naming a stream version 2, those of steps
+skipped on request 3.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Any, Final, TypeAlias
 
 from lakeloader.errors import CheckpointError
 
-#: The newest version of the ledger's entries (see the module's docstring).
+#: The newest version of the ledger's entries.
 LEDGER_VERSION: Final = 3
 
 #: Where each stream stands: ``{stream: (epoch, position)}``.

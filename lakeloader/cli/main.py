@@ -7,17 +7,38 @@ adds the traceback of an unexpected error); ``audit`` exits with its verdict's s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from lakeloader.cache.shm import SHM_DIR, sweep
+from lakeloader.cli.audit import render_audit_text, run_audit
+from lakeloader.cli.checkpoints import open_checkpoint
+from lakeloader.cli.demo import run_demo
+from lakeloader.cli.inspect import (
+    inspect_checkpoint,
+    render_text,
+    requested,
+    requested_text,
+    saved_topology,
+)
+from lakeloader.cli.inspect_follow import lake_details, render_details, render_training
+from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
 from lakeloader.cli.parser import UsageError, parse
 from lakeloader.cli.tables import format_pairs, format_table, full_urls, to_json
+from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeError, StorageRetryWarning, StoreUnavailableError
+from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.tables.detect import table_kind
+from lakeloader.order.plan import steps_in_epoch
 from lakeloader.units import human_bytes
 
 #: What ``lakeloader audit`` exits with, by the audit's verdict (2 is any error).
@@ -34,10 +55,6 @@ def _emit(text: str, *, error: bool = False) -> None:
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from lakeloader.cache.shm import SHM_DIR, sweep
-
     sweeps = "clean sweeps local folders: /dev/shm, the temporary folder, a loader's cache_dir"
     for folder in args.dir:
         if not os.path.isdir(folder):
@@ -55,11 +72,77 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from lakeloader.cli.describe import describe_plan
-    from lakeloader.dataset import LakeDataset
-    from lakeloader.lake.tables.detect import table_kind
+def describe_plan(
+    ds: LakeDataset, *, world_size: int, batch_size: int, drop_last: bool = False
+) -> dict[str, Any]:
+    """Summarise a lake and the cut of its epochs under one topology (plain types).
 
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> tmp = tempfile.TemporaryDirectory(); root = tmp.name
+        >>> pq.write_table(pa.table({"id": range(1000)}), f"{root}/a.parquet", row_group_size=100)
+        >>> d = describe_plan(LakeDataset(root), world_size=2, batch_size=32)
+        >>> d["lake"]["rows"], d["epoch"]["steps"], d["epoch"]["partitions_per_rank"]
+        (1000, 16, 8.0)
+        >>> tmp.cleanup()
+    """
+    snap, cfg = ds.snapshot, ds.config
+    n = len(ds)
+    global_batch = world_size * batch_size
+    sizes = np.diff(ds.plan(0).starts)
+    bytes_per_row = sum(sum(f.row_group_bytes) for f in snap.files) / max(1, n)
+    open_windows = cfg.num_partitions / world_size
+    unit_rows = ds.units.num_rows
+    steps = steps_in_epoch(0, n, global_batch, drop_last)
+    return {
+        "lake": {
+            "source": ds.source.describe(),
+            "files": len(snap.files),
+            "row_groups": snap.num_row_groups,
+            "empty_row_groups": sum(r == 0 for f in snap.files for r in f.row_group_rows),
+            "rows": n,
+            "bytes": sum(f.size for f in snap.files),
+            "fingerprint": snap.fingerprint,
+            "partition_columns": [k for k, _ in snap.partition_types],
+            "table": None if snap.table is None else snap.table.describe(),
+            "deleted_rows": sum(len(f.deleted) for f in snap.files),
+        },
+        "schema": {f.name: str(f.type) for f in snap.schema},
+        "config": cfg.to_dict(),
+        "config_hash": ds.config_hash,
+        "epoch": {
+            "units": len(ds.units),
+            "unit_rows_min": int(unit_rows.min()) if len(unit_rows) else 0,
+            "unit_rows_max": int(unit_rows.max()) if len(unit_rows) else 0,
+            "partition_rows_min": int(sizes.min()),
+            "partition_rows_max": int(sizes.max()),
+            "windows_per_partition": int(-(-int(sizes.max()) // cfg.window)),
+            "world_size": world_size,
+            "batch_size": batch_size,
+            "global_batch": global_batch,
+            "steps": steps,
+            "rows_in_last_step": n - (steps - 1) * global_batch if steps else 0,
+            "rows_dropped": n - steps * global_batch if drop_last else 0,
+            "c_divides_global_batch": global_batch % cfg.num_partitions == 0,
+            "partitions_per_rank": open_windows,
+            "resident_bytes_per_rank_estimate": int(
+                open_windows * min(cfg.window, int(sizes.max())) * bytes_per_row
+            ),
+        },
+        "files": [
+            {
+                "path": url_of(ds.fs, f.path),
+                "bytes": f.size,
+                "row_groups": len(f.row_group_rows),
+                "rows": f.num_rows,
+                "partitions": dict(f.partitions),
+            }
+            for f in snap.files
+        ],
+    }
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
     options = dict(args.storage_option)
     kind = table_kind(args.lake, options) if args.table == "auto" else args.table
     if args.table_version is not None and kind == "folder":
@@ -139,27 +222,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from lakeloader.cli.demo import run_demo
-
     report = run_demo(args.dir, rows=args.rows, steps_before_crash=args.crash_at)
     _emit(to_json(report) if args.json else report["text"])
     return 0 if report["ok"] else 1
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from lakeloader.cli.checkpoints import open_checkpoint
-    from lakeloader.cli.inspect import (
-        inspect_checkpoint,
-        render_text,
-        requested,
-        requested_text,
-        saved_topology,
-    )
-    from lakeloader.cli.inspect_follow import lake_details, render_details, render_training
-    from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
-
     options, retry = dict(args.storage_option), RetryPolicy(deadline=args.retry_seconds)
     found = open_checkpoint(args.checkpoint, args.step, options, retry)
     ckpt = found.checkpoint
@@ -188,8 +256,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from lakeloader.cli.audit import render_audit_text, run_audit
-
     retry = RetryPolicy(deadline=args.retry_seconds)
     report, info = run_audit(args.checkpoint, dict(args.storage_option), retry)
     _warn_skipped(args.command, info["skipped_damaged"])
