@@ -121,27 +121,20 @@ def row_ranges(
     run_start = np.flatnonzero(boundary)
     run_stop = np.append(run_start[1:], n)
     run_rg = np.searchsorted(rg_base, run_start, side="right") - 1
-    out: dict[int, dict[str, Any]] = {}
-    for s, e, g, c in zip(
-        run_start.tolist(),
-        run_stop.tolist(),
-        run_rg.tolist(),
-        category[run_start].tolist(),
-        strict=True,
-    ):
-        entry = out.get(g)
-        if entry is None:
-            f = int(rg_file[g])
-            entry = out[g] = {
-                "file_index": f,
-                "file": snapshot.files[f].path,
-                "row_group": int(rg_index[g]),
-                "rows": int(rg_rows[g]),
-            }
-            entry.update({name: [] for name in _CATEGORIES})
+    out = {
+        g: {
+            "file_index": int(rg_file[g]),
+            "file": snapshot.files[rg_file[g]].path,
+            "row_group": int(rg_index[g]),
+            "rows": int(rg_rows[g]),
+            **{name: [] for name in _CATEGORIES},
+        }
+        for g in np.flatnonzero(rg_rows > 0).tolist()
+    }
+    for s, e, g, c in np.stack([run_start, run_stop, run_rg, category[run_start]], 1).tolist():
         base = int(rg_base[g])
-        entry[_CATEGORIES[c]].append([s - base, e - base])
-    return [out[g] for g in sorted(out)]
+        out[g][_CATEGORIES[c]].append([s - base, e - base])
+    return list(out.values())
 
 
 def inspect_checkpoint(

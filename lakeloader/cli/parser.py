@@ -6,7 +6,7 @@ Every subcommand takes ``-v``/``--verbose`` before or after its name.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from lakeloader._version import __version__
@@ -33,30 +33,20 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     """Defaults in every option's help, examples kept as written."""
 
 
-def _count(least: int) -> Any:
-    """An argparse type: an integer of at least ``least``."""
+def _count(least: int, kind: Callable[[str], float] = int, what: str = "an integer") -> Any:
+    """An argparse type: a number of at least ``least`` (``kind`` of the text, ``what`` it is)."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> float:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= least:  # NaN seconds too
+            shown = value if kind is int else text
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {shown}")
         return value
 
     return parse
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -79,7 +69,7 @@ def _add_io_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--retry-seconds",
-        type=_seconds,
+        type=_count(0, float, "seconds"),
         default=DEFAULT_RETRY_SECONDS,
         metavar="S",
         help="give up on a store that keeps failing (down, unreachable, 5xx) after S seconds "
@@ -168,9 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--num-workers", type=_count(0), help="None: the saved one")
     inspect.add_argument("--batch-size", type=_count(1), help="None: the saved one")
     inspect.add_argument(
-        "--drop-last",
-        action=argparse.BooleanOptionalAction,
-        help="instead of the saved setting",
+        "--drop-last", action=argparse.BooleanOptionalAction, help="instead of the saved setting"
     )
     inspect.add_argument(
         "--ranges", action="store_true", help="row ranges consumed and remaining per row group"
