@@ -45,6 +45,8 @@ from lakeloader.units import human_bytes
 AUDIT_EXIT = {"exactly once": 0, "NOT exactly once": 1, "unverified": 3}
 #: The logger of each storage retry: shown with ``--verbose`` only (the error says it all).
 RETRY_LOGGER = "lakeloader.io.retry"
+#: What a command gives: its data (what ``--json`` prints), its readable text, its exit status.
+Result = tuple[Any, str, int]
 
 
 def _emit(text: str, *, error: bool = False) -> None:
@@ -54,7 +56,7 @@ def _emit(text: str, *, error: bool = False) -> None:
     stream.flush()
 
 
-def _cmd_clean(args: argparse.Namespace) -> int:
+def _cmd_clean(args: argparse.Namespace) -> Result:
     sweeps = "clean sweeps local folders: /dev/shm, the temporary folder, a loader's cache_dir"
     for folder in args.dir:
         if not os.path.isdir(folder):
@@ -62,14 +64,11 @@ def _cmd_clean(args: argparse.Namespace) -> int:
             raise UsageError(f"{what} ({sweeps})")
     folders = args.dir or [f for f in (SHM_DIR, tempfile.gettempdir()) if os.path.isdir(f)]
     removed = [(path, size) for folder in folders for path, size in sweep(folder)]
-    if args.json:
-        listed = [{"path": p, "bytes": b} for p, b in removed]
-        _emit(to_json({"looked_in": folders, "removed": listed}))
-    elif removed:
-        _emit(format_table(["removed", "bytes"], [[p, human_bytes(b)] for p, b in removed]))
-    else:
-        _emit(f"nothing to remove in {', '.join(folders)}: no folder of a dead lakeloader process")
-    return 0
+    listed = [{"path": p, "bytes": b} for p, b in removed]
+    text = f"nothing to remove in {', '.join(folders)}: no folder of a dead lakeloader process"
+    if removed:
+        text = format_table(["removed", "bytes"], [[p, human_bytes(b)] for p, b in removed])
+    return {"looked_in": folders, "removed": listed}, text, 0
 
 
 def describe_plan(
@@ -142,7 +141,7 @@ def describe_plan(
     }
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def _cmd_plan(args: argparse.Namespace) -> Result:
     options = dict(args.storage_option)
     kind = table_kind(args.lake, options) if args.table == "auto" else args.table
     if args.table_version is not None and kind == "folder":
@@ -168,9 +167,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     info = describe_plan(
         ds, world_size=args.world_size, batch_size=args.batch_size, drop_last=args.drop_last
     )
-    if args.json:
-        _emit(to_json(info))
-        return 0
     lake, epoch, cfg = info["lake"], info["epoch"], info["config"]
     units = f"{epoch['units']:,} of {epoch['unit_rows_min']:,}..{epoch['unit_rows_max']:,} rows"
     per_partition = f"{epoch['partition_rows_min']:,}..{epoch['partition_rows_max']:,}"
@@ -217,17 +213,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     out.append(format_table(["file", "bytes", "row groups", "rows"], rows))
     if len(info["files"]) > len(files):
         out.append(f"... {len(info['files']) - len(files):,} more files (--files N shows more)")
-    _emit("\n".join(out))
-    return 0
+    return info, "\n".join(out), 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace) -> Result:
     report = run_demo(args.dir, rows=args.rows, steps_before_crash=args.crash_at)
-    _emit(to_json(report) if args.json else report["text"])
-    return 0 if report["ok"] else 1
+    return report, report["text"], 0 if report["ok"] else 1
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
+def _cmd_inspect(args: argparse.Namespace) -> Result:
     options, retry = dict(args.storage_option), RetryPolicy(deadline=args.retry_seconds)
     found = open_checkpoint(args.checkpoint, args.step, options, retry)
     ckpt = found.checkpoint
@@ -251,16 +245,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     info["training"] = None if ckpt.training is None else ckpt.training.to_dict()
     info["requests"] = requested(ckpt.state_dict)
     lines += requested_text(info["requests"]) + render_training(info["training"])
-    _emit(to_json(info) if args.json else f"{head}\n{format_pairs(lines)}{end}")
-    return 0
+    return info, f"{head}\n{format_pairs(lines)}{end}", 0
 
 
-def _cmd_audit(args: argparse.Namespace) -> int:
+def _cmd_audit(args: argparse.Namespace) -> Result:
     retry = RetryPolicy(deadline=args.retry_seconds)
     report, info = run_audit(args.checkpoint, dict(args.storage_option), retry)
     _warn_skipped(args.command, info["skipped_damaged"])
-    _emit(to_json(info) if args.json else render_audit_text(info))
-    return AUDIT_EXIT[report.verdict]
+    return info, render_audit_text(info), AUDIT_EXIT[report.verdict]
 
 
 def _warn_skipped(command: str, skipped: list[str]) -> None:
@@ -269,7 +261,7 @@ def _warn_skipped(command: str, skipped: list[str]) -> None:
         _emit(f"lakeloader {command}: warning: damaged checkpoint passed over: {line}", error=True)
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace], Result]] = {
     "plan": _cmd_plan,
     "demo": _cmd_demo,
     "inspect": _cmd_inspect,
@@ -309,7 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = show
             if not args.verbose:  # the error names the store, the attempts and the deadline
                 warnings.simplefilter("ignore", StorageRetryWarning)
-            return COMMANDS[args.command](args)
+            data, text, status = COMMANDS[args.command](args)
+            _emit(to_json(data) if args.json else text)
+            return status
     except (LakeError, KeyError, ValueError, OSError) as exc:  # what bad input raises
         message = str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
         if isinstance(exc, StoreUnavailableError):
