@@ -65,11 +65,7 @@ def _lag(
 
 def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
     """The report's lines for :func:`lake_details` (none for a plain folder)."""
-    lines = []
-    if details["table"]:
-        lines.append(("table", details["table"]))
-    if details["filter"]:
-        lines.append(("filter", details["filter"]))
+    lines = [(key, details[key]) for key in ("table", "filter") if details[key]]
     inc = details["increment"]
     if inc is not None:
         lag, behind = inc["lag"], "-"

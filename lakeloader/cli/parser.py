@@ -154,9 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         "folder under it",
     )
     inspect.add_argument("--step", type=_count(0), help="step (None: the newest)")
-    inspect.add_argument("--world-size", type=_count(1), help="None: the saved one")
-    inspect.add_argument("--num-workers", type=_count(0), help="None: the saved one")
-    inspect.add_argument("--batch-size", type=_count(1), help="None: the saved one")
+    for flag, least in (("--world-size", 1), ("--num-workers", 0), ("--batch-size", 1)):
+        inspect.add_argument(flag, type=_count(least), help="None: the saved one")
     inspect.add_argument(
         "--drop-last", action=argparse.BooleanOptionalAction, help="instead of the saved setting"
     )
