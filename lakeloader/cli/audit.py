@@ -122,18 +122,12 @@ def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]
         return []
     if plan.num_rows != num_rows:
         return []
+    slots = np.concatenate([np.arange(s.start, min(s.stop, s.start + LOCATED)) for s in spans])
+    units, offsets = unit_offsets(plan, slots_to_virtual(plan, slots))
     out = []
-    files = ckpt.snapshot.files
-    for span in spans:
-        slots = np.arange(span.start, min(span.stop, span.start + LOCATED), dtype=np.int64)
-        units, offsets = unit_offsets(plan, slots_to_virtual(plan, slots))
-        for slot, unit, offset in zip(
-            slots.tolist(), units.tolist(), offsets.tolist(), strict=True
-        ):
-            f = files[int(plan.units.file_index[unit])]
-            rg = int(plan.units.row_group[unit])
-            where = lake_url(ckpt.source, f.path)
-            out.append(f"position {slot}: {where} row group {rg} row {offset}")
+    for slot, unit, offset in np.stack([slots, units, offsets], 1).tolist():
+        where = lake_url(ckpt.source, ckpt.snapshot.files[plan.units.file_index[unit]].path)
+        out.append(f"position {slot}: {where} row group {plan.units.row_group[unit]} row {offset}")
     return out
 
 
