@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lakeloader.audit.records import Entry, SaveEntry, Stands, StartEntry, StepEntry
 
@@ -120,8 +120,8 @@ class AuditReport:
     head_attempt: str
     chain: tuple[AttemptLink, ...]
     epochs: tuple[EpochVerdict, ...]
-    problems: tuple[str, ...] = field(default=())
-    unverified: tuple[str, ...] = field(default=())
+    problems: tuple[str, ...] = ()
+    unverified: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
