@@ -1,7 +1,6 @@
 """What a checkpoint says: position, where every rank and worker resumes, rows consumed and left.
 
-Everything is recomputed from the checkpoint alone (its state and pinned manifest): the lake is
-never touched. The functions return plain dicts (JSON-ready).
+From the checkpoint alone (the lake is never touched), as plain dicts (JSON-ready).
 """
 
 from __future__ import annotations
