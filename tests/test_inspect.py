@@ -340,3 +340,20 @@ def test_ranges_of_a_million_rows() -> None:
     assert counts == {"consumed": 400_000, "remaining": 590_000}
     assert sum(e - s for rg in out for s, e in rg["dropped"]) == 10_000
     assert np.all([rg["rows"] == 50_000 for rg in out]) and len(out) == 20
+
+
+def test_ranges_of_a_lake_without_rows() -> None:
+    """Row groups of no row give no range (the run ends once outnumbered the run starts)."""
+    from lakeloader.cli.inspect import row_ranges
+    from lakeloader.lake.files import FileInfo
+    from lakeloader.order.plan import make_units, plan_epoch
+
+    rows = [[0, 0], [0]]
+    files = tuple(
+        FileInfo(f"f{i}", 1, "v", tuple(r), tuple(r), (), None) for i, r in enumerate(rows)
+    )
+    snapshot: Any = SimpleNamespace(files=files)
+    plan = plan_epoch(
+        make_units(rows, 65_536), seed=1, epoch=0, shuffle=True, num_partitions=16, window=16_384
+    )
+    assert row_ranges(plan, snapshot, 0, 0) == []

@@ -101,6 +101,8 @@ def row_ranges(
     inside the row group.
     """
     n = plan.num_rows
+    if not n:  # a lake without rows: no range
+        return []
     rg_rows = np.array([r for f in snapshot.files for r in f.row_group_rows], dtype=np.int64)
     per_file = [len(f.row_group_rows) for f in snapshot.files]
     rg_file = np.repeat(np.arange(len(per_file)), per_file)
@@ -115,8 +117,7 @@ def row_ranges(
     category[lake_row[deliver_stop:]] = _DROPPED
     boundary = np.zeros(n, dtype=bool)
     boundary[rg_base[:-1][rg_rows > 0]] = True
-    if n:
-        boundary[1:] |= category[1:] != category[:-1]
+    boundary[1:] |= category[1:] != category[:-1]
     run_start = np.flatnonzero(boundary)
     run_stop = np.append(run_start[1:], n)
     run_rg = np.searchsorted(rg_base, run_start, side="right") - 1
