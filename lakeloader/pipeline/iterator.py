@@ -20,7 +20,7 @@ from lakeloader.pipeline.background import ThreadBuilder
 from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
-from lakeloader.pipeline.stores import Stores, close_pass, pass_finalizer
+from lakeloader.pipeline.stores import PassPart, Stores, close_pass, pass_finalizer
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 from lakeloader.units import human_bytes
 from lakeloader.workers.pool import WorkerPool
@@ -31,7 +31,76 @@ LOOKAHEAD_STEPS: Final = 256
 PLAN_CHUNK: Final = 64
 
 
-class EpochIterator:
+class PassIterator:
+    """A pass's skeleton: plan steps ahead within a byte budget, deliver them in order, close.
+
+    A kind of pass gives :meth:`_plan_more` and :meth:`_deliver`, :meth:`cache_bytes` and
+    :meth:`cache_peak_bytes`, and its :attr:`lookahead`; ``part`` (its builders or threads)
+    and ``stores`` are closed with it, or when it is collected unclosed.
+    """
+
+    #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
+    lookahead: int = LOOKAHEAD_STEPS
+
+    def __init__(self, num_steps: int, budget: int, part: PassPart | None, stores: Stores) -> None:
+        #: Batches this pass delivers in all, from where it starts.
+        self.num_steps = num_steps
+        self._budget, self._part, self._stores = budget, part, stores
+        self._next_plan = self._next_deliver = 0
+        self._closed = False
+        self._finalizer = pass_finalizer(self, part, stores)
+
+    def _plan_ahead(self) -> None:
+        """Plan steps while the lookahead and the budget allow (the next step always)."""
+        while (
+            self._next_plan < self.num_steps
+            and self._next_plan < self._next_deliver + self.lookahead
+            and (self._next_plan == self._next_deliver or self.cache_bytes() < self._budget)
+        ):
+            if not self._plan_more():
+                return
+
+    def _plan_more(self) -> bool:
+        """Plan one step or more; False: none can be now."""
+        raise NotImplementedError
+
+    def _deliver(self) -> Any:
+        """The next step's batch, the position moved past it."""
+        raise NotImplementedError
+
+    def __iter__(self) -> PassIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed or self._next_deliver >= self.num_steps:
+            self.close()
+            raise StopIteration
+        self._plan_ahead()
+        return self._deliver()
+
+    def cache_bytes(self) -> int:
+        """Bytes of decoded units held now."""
+        return self._stores.held_bytes()
+
+    def cache_peak_bytes(self) -> int:
+        """Most bytes held at once by a store open."""
+        return self._stores.peak_bytes()
+
+    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
+        """Stop decoding and building, drop the cached units (idempotent).
+
+        Args:
+            wait: Wait for the pass's threads.
+            ended_by: What ended the pass before its end (see ``EpochIterator.close``).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        close_pass(self._part, self._stores, wait)
+
+
+class EpochIterator(PassIterator):
     """Iterator over one rank's batches of one epoch.
 
     Args:
@@ -57,14 +126,13 @@ class EpochIterator:
         on_finish: Callable[[], None],
         owner: object = None,
     ) -> None:
-        self._stores = stores
         self._space = space = stores.get(0, epoch)
         self.spec = spec = dataclasses.replace(space.spec, start=start)
         self._owner = owner
         self._tracker = tracker
         self._on_finish = on_finish
         topo = spec.topology
-        self.num_steps = steps_in_epoch(
+        num_steps = steps_in_epoch(
             spec.start, spec.plan.num_rows, topo.global_batch, spec.options.drop_last
         )
         self._local = LocalBuilder(spec, space, stores.schema)
@@ -80,30 +148,27 @@ class EpochIterator:
         elif not spec.recipe.rows_path:  # this process assembles batches: a thread, ahead
             self._workers = ThreadBuilder(spec, self._local, self._specs.get)
         self._thread = self._workers if isinstance(self._workers, ThreadBuilder) else None
-        self._next_plan = self._next_deliver = 0
-        self._closed = False
         self._ended_by: str | None = None
-        self._finalizer = pass_finalizer(self, self._workers, self._stores)
         self._budget_warned = False
+        super().__init__(num_steps, spec.options.cache_bytes, self._workers, stores)
 
     def _plan_ahead(self) -> None:
-        """Plan steps and request their units, while the lookahead and the budget allow."""
-        spec, store = self.spec, self._space.store
-        while (
-            self._next_plan < self.num_steps
-            and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
-            and (self._next_plan == self._next_deliver or store.nbytes < spec.options.cache_bytes)
-        ):
-            if not self._planned:  # the chunk the build thread planned, or one planned now
-                ahead, self._chunk = self._chunk, None
-                if ahead is not None and ahead[0] == self._next_plan:
-                    self._planned.extend(ahead[1].result())
-                else:
-                    self._planned.extend(self._plan_chunk(self._next_plan))
-            step = self._planned.popleft()
-            store.request(step.positions)
-            self._specs[step.step] = step
-            self._next_plan += 1
+        self._stores.reap()
+        super()._plan_ahead()
+
+    def _plan_more(self) -> bool:
+        """Plan the next step and request its units."""
+        if not self._planned:  # the chunk the build thread planned, or one planned now
+            ahead, self._chunk = self._chunk, None
+            if ahead is not None and ahead[0] == self._next_plan:
+                self._planned.extend(ahead[1].result())
+            else:
+                self._planned.extend(self._plan_chunk(self._next_plan))
+        step = self._planned.popleft()
+        self._space.store.request(step.positions)
+        self._specs[step.step] = step
+        self._next_plan += 1
+        return True
 
     def _plan_chunk(self, first: int) -> list[BatchSpec]:
         spec, topo = self.spec, self.spec.topology
@@ -125,25 +190,19 @@ class EpochIterator:
             if future is not None:
                 self._chunk = (first, future)
 
-    def __iter__(self) -> EpochIterator:
-        return self
-
     def __next__(self) -> Any:
-        thread = self._thread
-        if thread is not None:
-            thread.asked()
+        if self._thread is not None:
+            self._thread.asked()
         if self._ended_by is not None:
             raise RuntimeError(
                 f"this iterator over epoch {self.spec.plan.epoch} was ended by "
                 f"{self._ended_by}: iterate the newest iter(loader), which continues from the "
                 "last batch delivered"
             )
-        if self._closed or self._next_deliver >= self.num_steps:
-            self.close()
-            raise StopIteration
-        index = self._next_deliver
-        self._stores.reap()
-        self._plan_ahead()
+        return super().__next__()
+
+    def _deliver(self) -> Any:
+        thread, index = self._thread, self._next_deliver
         step = self._specs[index]
         payload = (self._workers or self._local).build(step)
         batch = finish_payload(payload, self.spec.recipe)
@@ -179,7 +238,7 @@ class EpochIterator:
             f"{human_bytes(2 * held)}, or build the dataset with a smaller max_unit_rows (this "
             "changes the order; row groups larger than it then cost more decoding)",
             CacheBudgetWarning,
-            stacklevel=3,
+            stacklevel=5,
         )
 
     def cache_bytes(self) -> int:
@@ -200,9 +259,6 @@ class EpochIterator:
         """
         if ended_by is not None and not self._closed and self._next_deliver < self.num_steps:
             self._ended_by = ended_by
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        close_pass(self._workers, self._stores, wait)
-        self._on_finish()
+        if not self._closed:
+            super().close(wait)
+            self._on_finish()

@@ -28,9 +28,10 @@ from lakeloader.order.mixture import (
     slot_sources,
 )
 from lakeloader.order.plan import batch_runs, expand_runs
+from lakeloader.pipeline.iterator import PassIterator
 from lakeloader.pipeline.mixed_steps import MixedBuilder, MixedStep, Part
 from lakeloader.pipeline.recipe import BatchRecipe
-from lakeloader.pipeline.stores import Stores, pass_finalizer
+from lakeloader.pipeline.stores import Stores
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
@@ -56,13 +57,11 @@ class Streams(Protocol):
 
 logger = logging.getLogger(__name__)
 
-#: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
-LOOKAHEAD_STEPS: Final = 512
 #: Steps planned by one call.
 PLAN_CHUNK: Final = 256
 
 
-class MixtureIterator:
+class MixtureIterator(PassIterator):
     """Iterator over one rank's batches of one pass over a mixture.
 
     Args:
@@ -83,6 +82,8 @@ class MixtureIterator:
             (when a followed lake gives no more rows, the pass ends after the steps planned).
     """
 
+    lookahead = 512
+
     def __init__(
         self,
         mixture: Mixture,
@@ -99,37 +100,24 @@ class MixtureIterator:
         streams: Streams,
     ) -> None:
         self._mixture, self._weights, self._topology = mixture, weights, topology
-        self._options, self._sources = options, sources
         self._delivered, self._ended = delivered, ended
         self._streams = streams
         self._spans: list[Spans] = []
         self._caught_up = False
-        self.num_steps = num_steps
         self._planned_cursor = cursor
         self._planned: deque[MixedStep] = deque()
-        self._next_plan = self._next_deliver = 0
         sources.at = None  # under way
         self._builder = MixedBuilder(mixture, sources, recipe, options, pool)
-        self._closed = False
-        self._finalizer = pass_finalizer(self, self._builder, sources)
+        super().__init__(num_steps, options.cache_bytes, self._builder, sources)
 
-    def _plan_ahead(self) -> None:
-        while (
-            self._next_plan < self.num_steps
-            and self._next_plan < self._next_deliver + LOOKAHEAD_STEPS
-            and (
-                self._next_plan == self._next_deliver
-                or self._sources.held_bytes() < self._options.cache_bytes
-            )
-        ):
-            chunk = 1 if self._streams.follows else PLAN_CHUNK  # wait for no more than a step
-            try:
-                if not self._plan_chunk(min(chunk, self.num_steps - self._next_plan)):
-                    return  # the increments known end before: planned once they are needed
-            except CaughtUpError as caught:
-                logger.info("a followed source of the mixture caught up with its lake: %s", caught)
-                self._caught_up = True
-                return
+    def _plan_more(self) -> bool:
+        chunk = 1 if self._streams.follows else PLAN_CHUNK  # wait for no more than a step
+        try:  # False: the increments known end before (planned once they are needed)
+            return self._plan_chunk(min(chunk, self.num_steps - self._next_plan))
+        except CaughtUpError as caught:
+            logger.info("a followed source of the mixture caught up with its lake: %s", caught)
+            self._caught_up = True
+            return False
 
     def _plan_chunk(self, count: int) -> bool:
         """Plan ``count`` steps: draw them, cut the rank's shares, ask each source for its parts.
@@ -165,7 +153,7 @@ class MixtureIterator:
         for key in np.unique(keys).tolist():
             idx = np.flatnonzero(keys == key)  # this source epoch's parts, in step order
             pair = (int(table.source[idx[0]]), int(table.epoch[idx[0]]))
-            source_pass = self._sources.get(*pair)
+            source_pass = self._stores.get(*pair)
             plan, store = source_pass.spec.plan, source_pass.store
             starts, stops = table.start[idx], table.stop[idx]
             specs: list[BatchSpec] | list[None]
@@ -204,14 +192,7 @@ class MixtureIterator:
         self._next_plan += count
         return True
 
-    def __iter__(self) -> MixtureIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._closed or self._next_deliver >= self.num_steps:
-            self.close()
-            raise StopIteration
-        self._plan_ahead()
+    def _deliver(self) -> Any:
         if not self._planned and self._caught_up:  # a followed source has no row for it yet
             self.close()
             raise StopIteration
@@ -224,14 +205,14 @@ class MixtureIterator:
             self._finalizer.detach()
             self._builder.close(True)
             self._closed = True
-            self._sources.at = step.cursor
-            self._ended(self._sources)
+            self._stores.at = step.cursor
+            self._ended(self._stores)
         return batch
 
     def _release(self, cursor: MixCursor) -> None:
         """Evict what ``cursor`` is past in every source epoch open; close those it is done with."""
         names, spans = self._mixture.names, self._spans
-        for source, epoch in list(self._sources.open):
+        for source, epoch in list(self._stores.open):
             rows = spans[source]
             if isinstance(rows, int):  # a lake's epochs: n rows each
                 first, end = epoch * rows, (epoch + 1) * rows
@@ -241,24 +222,7 @@ class MixtureIterator:
                 )
                 first, end = bounds.tolist()
             count = cursor.counts.get(names[source], 0)
-            self._sources.release(source, epoch, min(max(count - first, 0), end - first))
-
-    def cache_bytes(self) -> int:
-        """Bytes of decoded units held now."""
-        return self._sources.held_bytes()
-
-    def cache_peak_bytes(self) -> int:
-        """Most bytes held at once by a source's pass open."""
-        return self._sources.peak_bytes()
-
-    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
-        """Stop decoding and building; drop every source's units (idempotent)."""
-        self._builder.close(wait)
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        self._sources.close(wait)
+            self._stores.release(source, epoch, min(max(count - first, 0), end - first))
 
 
 def _dests(
