@@ -26,7 +26,14 @@ from lakeloader.nodes.base import (
     read_counts,
     row_units,
 )
-from lakeloader.nodes.streams import SourceStream, moved_streams, pinned_datasets
+from lakeloader.nodes.streams import (
+    SourceStream,
+    first_state,
+    moved_streams,
+    moved_to,
+    pinned_datasets,
+    resume_streams,
+)
 from lakeloader.nodes.views import mixture_view
 from lakeloader.order.mixture import MixCursor, Spans
 from lakeloader.order.plan import rank_bounds
@@ -34,9 +41,9 @@ from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import MixtureResumption, records, resume_mixture
+from lakeloader.recovery.mixture_resume import MixtureResumption, records
 from lakeloader.state.journal import DeliveredRun
-from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
+from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
@@ -45,7 +52,81 @@ from lakeloader.workers.process import WorkerSetup
 logger = logging.getLogger(__name__)
 
 
-class MixtureNode(Node):
+class CursorNode(Node):
+    """A node whose position is a mixture's cursor over its sources' streams.
+
+    It restores through :meth:`_parse` and :meth:`_resumed`.
+    """
+
+    mixture: Mixture
+    _streams: dict[str, SourceStream]
+    _readers: dict[str, UnitReader]
+    #: Whether a checkpoint's files gone or rewritten are refused whatever the policy.
+    _exact = False
+
+    def _counting(self) -> tuple[Callable[[LakeDataset], int], Callable[[LakeDataset], str] | None]:
+        """An epoch's offsets, and a source's configuration in its record (None: order's hash)."""
+        return len, None
+
+    def _cursor_state(self) -> MixtureState:
+        """The cursor as a mixture's state, at the last batch delivered."""
+        raise NotImplementedError
+
+    def _parse(self, state_dict: Any) -> MixtureState:
+        """The cursor of a saved state."""
+        raise NotImplementedError
+
+    def _resumed(self, resumed: MixtureResumption) -> None:
+        """Stand where ``resumed`` says (the mixture and its streams are the resumed ones)."""
+        raise NotImplementedError
+
+    def restore(self, state_dict: Any) -> None:
+        """Continue from a state taken under any topology, with this mixture's weights.
+
+        A packed mixture's: any rank's state, or a list of every rank's.
+
+        Raises:
+            StateFormatError: If it is not this kind of loader's state of a known version.
+            StateMismatchError: If a source or the seed differs from the saved one.
+        """
+        self._resume(self._parse(state_dict), {})
+
+    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
+        """Continue from a checkpoint, on the lakes of now (``moved_streams``).
+
+        Raises:
+            StateFormatError: If it holds another kind of loader's state.
+            LakeChangedError: Under ``on_lake_change="error"``, when files a source's saved
+                epoch still needs are gone or rewritten.
+        """
+        saved, sources = self._parse(dict(ckpt.state_dict)), self.mixture.sources
+        args = (*self._counting(), self._exact)
+        self._resume(saved, moved_streams(ckpt, coordinator, saved, sources, *args))
+
+    def _resume(self, saved: MixtureState, moved: Mapping[str, SourceStream]) -> None:
+        """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
+        self.host._close_iterator("load_state_dict()")
+        self.host._res.drop_carried()
+        size, config = self._counting()
+        mixture, self._streams, resumed = resume_streams(self.mixture, saved, moved, size, config)
+        self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
+        self._resumed(resumed)
+
+    def barrier_position(self) -> Position:
+        """What the checkpoint barrier compares across ranks: the cursor (the same on all)."""
+        return self._cursor_state()
+
+    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
+        """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
+        return pinned_datasets(self._streams, self._cursor_state().counts, self.mixture.sources)
+
+    def _decoding(self, layout: RowLayout | None) -> WorkerSetup:
+        """Workers that decode every source's units (a task names its source by index)."""
+        sources = [(ds, self._readers[n], layout) for n, ds in self.mixture.sources.items()]
+        return decoding_setup(self.host, sources, self.mixture.seed)
+
+
+class MixtureNode(CursorNode):
     """A :class:`~lakeloader.Mixture`'s batches (see the module docstring).
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
@@ -78,15 +159,8 @@ class MixtureNode(Node):
         """The position: the last state set, moved to the cursor of the last batch delivered."""
         if self._cursor is not None:
             cursor, self._cursor = self._cursor, None
-            counts = dict(cursor.counts)
-            sources = dict(self._stored.sources)
-            if self.varies:
-                for name, stream in self._streams.items():
-                    stream.forget_before(counts.get(name, 0))
-                sources.update(stream_records(self._streams, counts))
-            self._stored = dataclasses.replace(
-                self._stored, slot=cursor.slot, counts=counts, sources=sources
-            )
+            streams = self._streams if self.varies else {}  # else the records never change
+            self._stored = moved_to(self._stored, streams, cursor)
         return self._stored
 
     @_state.setter
@@ -232,9 +306,7 @@ class MixtureNode(Node):
         """Workers that build the mixed batches, or decode every source's units."""
         if self.workers_build:
             return make_setup(self.host, self._reader().schema, self.mixture.seed, self._recipe())
-        layout = self._layout()
-        sources = [(ds, self._readers[n], layout) for n, ds in self.mixture.sources.items()]
-        return decoding_setup(self.host, sources, self.mixture.seed)
+        return self._decoding(self._layout())
 
     def _delivered(
         self, cursor: MixCursor, skipped: tuple[QuarantineEntry, ...], lost: int
@@ -272,48 +344,20 @@ class MixtureNode(Node):
         self.varies = any(stream.varies for stream in self._streams.values())
         self.follows = any(stream.follows for stream in self._streams.values())
 
-    def restore(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a mixture state taken under any topology, with this mixture's weights.
+    def _cursor_state(self) -> MixtureState:
+        return self._state
 
-        Raises:
-            StateFormatError: If the dict is not a mixture state of a known version.
-            StateMismatchError: If a source or the seed differs from the saved one.
-        """
-        self._restore(MixtureState.from_dict(state_dict), {})
+    def _parse(self, state_dict: Any) -> MixtureState:
+        return MixtureState.from_dict(state_dict)
 
-    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lakes of now (``moved_streams``).
-
-        Raises:
-            StateFormatError: If it holds another kind of loader's state.
-            LakeChangedError: Under ``on_lake_change="error"``, when files a source's saved
-                epoch still needs are gone or rewritten.
-        """
-        saved = MixtureState.from_dict(dict(ckpt.state_dict))
-        self._restore(saved, moved_streams(ckpt, coordinator, saved, self.mixture.sources))
-
-    def _restore(self, saved: MixtureState, moved: Mapping[str, SourceStream]) -> None:
-        """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
-        self.host._close_iterator("load_state_dict()")
-        self.host._res.drop_carried()
-        mixture, streams, resumed = resume_streams(self.mixture, saved, moved)
+    def _resumed(self, resumed: MixtureResumption) -> None:
         self.tracker.record.restored()
         self._counts = dict(resumed.state.counts)
-        self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
-        self._streams = streams
         self._streams_known()
         self._follow_streams()
         for change in resumed.changes:
             logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
         self._state = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
-
-    def barrier_position(self) -> Position:
-        """What the checkpoint barrier compares across ranks (the same on every rank)."""
-        return self._state
-
-    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
-        return pinned_datasets(self._streams, self._state.counts, self.mixture.sources)
 
     def view(self) -> ReaderView:
         """The pass under way, each rank's share of the next step, where each source stands."""
@@ -331,67 +375,3 @@ class MixtureNode(Node):
 def _next_pass(state: MixtureState) -> MixtureState:
     """The state at the start of the next pass (where the last one ended)."""
     return dataclasses.replace(state, epoch=state.epoch + 1, epoch_start=state.slot)
-
-
-def first_state(
-    mixture: Mixture, sources: dict[str, SourceRecord], topology: dict[str, int]
-) -> MixtureState:
-    """A mixture's state before its first row: its weights from slot 0, every count 0."""
-    return MixtureState(
-        seed=mixture.seed,
-        slot=0,
-        counts={n: 0 for n in mixture.names},
-        history=(WeightChange(0, dict(mixture.raw_weights)),),
-        epoch=0,
-        epoch_start=0,
-        epoch_rows=mixture.epoch_rows,
-        sources=sources,
-        topology=topology,
-    )
-
-
-def stream_records(
-    streams: Mapping[str, SourceStream],
-    counts: Mapping[str, int],
-    config: Callable[[LakeDataset], str] | None = None,
-) -> dict[str, SourceRecord]:
-    """Each source's record at its count (none given: where its stream is known from).
-
-    ``config``: what a record names as the source's configuration (None: its order's hash).
-    """
-    out = {}
-    for name, stream in streams.items():
-        at = stream.record(counts.get(name, stream.known[0][1]))
-        if config is not None:
-            at = dataclasses.replace(at, config=config(stream.known[0][2]))
-        out[name] = at
-    return out
-
-
-def resume_streams(
-    mixture: Mixture,
-    saved: MixtureState,
-    moved: Mapping[str, SourceStream],
-    size: Callable[[LakeDataset], int] = len,
-    config: Callable[[LakeDataset], str] | None = None,
-) -> tuple[Mixture, dict[str, SourceStream], MixtureResumption]:
-    """A mixture's resume from ``saved``: the mixture read now, its sources' streams, the state.
-
-    The ``moved`` sources' streams are the recovery coordinator's (``moved_streams``), and
-    the mixture reads their lakes of now; the others go on from their saved records, or start.
-
-    Raises:
-        StateMismatchError: If a source or the seed differs from the saved one.
-    """
-    if moved:
-        mixture = mixture.with_sources({n: stream.base for n, stream in moved.items()})
-    streams = {
-        n: moved[n]
-        if n in moved
-        else SourceStream.resumed(ds, saved.sources[n], size)
-        if n in saved.sources
-        else SourceStream(ds, size=size)
-        for n, ds in mixture.sources.items()
-    }
-    now = stream_records(streams, {}, config)
-    return mixture, streams, resume_mixture(saved, mixture, now, frozenset(moved))

@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from lakeloader.checkpoint.barrier import Position
-from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader_args import refuse_fetched_ahead
 from lakeloader.mixture import Mixture
-from lakeloader.nodes.base import decoding_setup
-from lakeloader.nodes.mixture import first_state, resume_streams, stream_records
+from lakeloader.nodes.mixture import CursorNode
 from lakeloader.nodes.packing import PackingNode
-from lakeloader.nodes.streams import SourceStream, moved_streams, pinned_datasets
+from lakeloader.nodes.streams import SourceStream, first_state, moved_to, stream_records
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.pipeline.packed_parts import arena_layout
-from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.recovery.mixture_resume import MixtureResumption
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.packed_state import PackedMixtureState
 from lakeloader.state.quarantine import QuarantineEntry, merge
@@ -32,7 +29,7 @@ from lakeloader.workers.process import WorkerSetup
 logger = logging.getLogger(__name__)
 
 
-class PackedMixtureNode(PackingNode):
+class PackedMixtureNode(CursorNode, PackingNode):
     """Packed samples of a Mixture with a packing: each sample's source drawn by weight.
 
     ``batch_size`` counts samples. ``state_dict()`` is the samples' cursor (a mixture's state,
@@ -41,6 +38,9 @@ class PackedMixtureNode(PackingNode):
     """
 
     what = "packed mixture"
+    _exact = True
+    #: The samples' cursor.
+    _mixed: MixtureState
 
     def _init(self, dataset: Any) -> None:
         """Take the mixture in."""
@@ -53,11 +53,14 @@ class PackedMixtureNode(PackingNode):
             n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
         }
         sources = stream_records(self._streams, {}, self._packing_hash)
-        self._mixed = PackedMixtureState(first_state(dataset, sources, self._topology()))
+        self._mixed = first_state(dataset, sources, self._topology())
 
     def _topology(self) -> dict[str, int]:
         """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
         return {**self.host.topology.to_dict(), "rank": 0}
+
+    def _counting(self) -> tuple[Callable[[LakeDataset], int], Callable[[LakeDataset], str] | None]:
+        return self._samples_of, self._packing_hash
 
     @property
     def epoch(self) -> int:
@@ -67,12 +70,10 @@ class PackedMixtureNode(PackingNode):
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode every source's units (a task names its source by index)."""
         mix = self.mixture
-        layout = arena_layout(list(mix.sources.values()), self._readers[mix.names[0]])
-        sources = [(ds, self._readers[n], layout) for n, ds in mix.sources.items()]
-        return decoding_setup(self.host, sources, mix.seed)
+        return self._decoding(arena_layout(list(mix.sources.values()), self._readers[mix.names[0]]))
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
-        at, mix = self._mixed.mixture, self.mixture
+        at, mix = self._mixed, self.mixture
         return MixCursor(at.slot, at.counts), mix.weights, mix.seed
 
     def begin(self) -> Iterator[Any]:
@@ -81,34 +82,16 @@ class PackedMixtureNode(PackingNode):
         return self._begin(sources, self.mixture.batch_transform, self.mixture.source_key)
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
-        for name, stream in self._streams.items():
-            stream.forget_before(cursor.counts.get(name, 0))
-        at = self._mixed.mixture
-        records = stream_records(self._streams, cursor.counts, self._packing_hash)
-        sources, counts = {**at.sources, **records}, dict(cursor.counts)
-        at = dataclasses.replace(at, slot=cursor.slot, counts=counts, sources=sources)
-        self._mixed = PackedMixtureState(at)
+        self._mixed = moved_to(self._mixed, self._streams, cursor, self._packing_hash)
         self.add_quarantine(skipped)
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the cursor (entries name their files)."""
-        mixture = self._mixed.mixture
-        merged = tuple(merge(mixture.quarantine, entries))
-        self._mixed = PackedMixtureState(dataclasses.replace(mixture, quarantine=merged))
+        merged = tuple(merge(self._mixed.quarantine, entries))
+        self._mixed = dataclasses.replace(self._mixed, quarantine=merged)
         self.tracker.quarantine = merged
 
-    def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from a state (any rank's; a list of every rank's is taken too).
-
-        Raises:
-            StateFormatError: If it is not a packed mixture's state of a known version.
-            StateMismatchError: If a source or the seed differs from the saved one.
-        """
-        self._resume_cursor(self._saved_cursor(state_dict), {})
-
-    def _saved_cursor(
-        self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-    ) -> MixtureState:
+    def _parse(self, state_dict: Any) -> MixtureState:
         """The cursor of a state (or of every rank's), their quarantines merged."""
         given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
         states = [PackedMixtureState.from_dict(s).mixture for s in given]
@@ -116,44 +99,19 @@ class PackedMixtureNode(PackingNode):
             states[0], quarantine=tuple(merge(*(s.quarantine for s in states)))
         )
 
-    def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint on the lakes of now, as a Mixture's loader does.
-
-        Raises:
-            StateFormatError: If it holds another kind of loader's state.
-            LakeChangedError: Under ``"error"``, when a source's saved epoch needs files gone.
-        """
-        saved = self._saved_cursor(dict(ckpt.state_dict))
-        sources, size, config = self.mixture.sources, self._samples_of, self._packing_hash
-        self._resume_cursor(
-            saved, moved_streams(ckpt, coordinator, saved, sources, size, config, True)
-        )
-
-    def _resume_cursor(self, saved: MixtureState, moved: Mapping[str, SourceStream]) -> None:
-        """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
-        self.host._close_iterator("load_state_dict()")
-        size, config = self._samples_of, self._packing_hash
-        mixture, self._streams, resumed = resume_streams(self.mixture, saved, moved, size, config)
-        self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
+    def _resumed(self, resumed: MixtureResumption) -> None:
         for change in resumed.changes:
             logger.info("packed mixture resumed at sample %d: %s", resumed.state.slot, change)
-        self._mixed = PackedMixtureState(
-            dataclasses.replace(resumed.state, topology=self._topology())
-        )
+        self._mixed = dataclasses.replace(resumed.state, topology=self._topology())
         self._restored()
 
+    def _cursor_state(self) -> MixtureState:
+        return self._mixed
+
     def _counted(self) -> Mapping[str, int]:
-        return self._mixed.mixture.counts
-
-    def barrier_position(self) -> Position:
-        """What the checkpoint barrier compares across ranks: the samples' cursor."""
-        return self._mixed.mixture
-
-    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
-        return pinned_datasets(self._streams, self._mixed.mixture.counts, self.mixture.sources)
+        return self._mixed.counts
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The samples' cursor: plain types, the same on every rank."""
         refuse_fetched_ahead(fetched_ahead, "a packed mixture")
-        return self._mixed.to_dict()
+        return PackedMixtureState(self._mixed).to_dict()

@@ -8,6 +8,7 @@ their epochs are known one by one, each of its own size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,10 +19,12 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.lake.following import increment_at
 from lakeloader.lake.increments import Increment
-from lakeloader.order.mixture import Spans
+from lakeloader.mixture import Mixture
+from lakeloader.order.mixture import MixCursor, Spans
 from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.recovery.mixture_resume import MixtureResumption, resume_mixture
 from lakeloader.state.journal import DeliveredRun, epoch_runs
-from lakeloader.state.mixture_state import MixtureState, SourceRecord
+from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.topology import Topology
 
 
@@ -238,3 +241,81 @@ def moved_streams(
         if at is not None:
             moved[name] = SourceStream(at.dataset, at.start, size, at.epoch)
     return moved
+
+
+def first_state(
+    mixture: Mixture, sources: dict[str, SourceRecord], topology: dict[str, int]
+) -> MixtureState:
+    """A mixture's state before its first row: its weights from slot 0, every count 0."""
+    return MixtureState(
+        seed=mixture.seed,
+        slot=0,
+        counts={n: 0 for n in mixture.names},
+        history=(WeightChange(0, dict(mixture.raw_weights)),),
+        epoch=0,
+        epoch_start=0,
+        epoch_rows=mixture.epoch_rows,
+        sources=sources,
+        topology=topology,
+    )
+
+
+def moved_to(
+    state: MixtureState,
+    streams: Mapping[str, SourceStream],
+    cursor: MixCursor,
+    config: Callable[[LakeDataset], str] | None = None,
+) -> MixtureState:
+    """``state`` at ``cursor``: each of ``streams`` forgets what it is past, its record moved."""
+    counts = dict(cursor.counts)
+    for name, stream in streams.items():
+        stream.forget_before(counts.get(name, 0))
+    sources = {**state.sources, **stream_records(streams, counts, config)}
+    return dataclasses.replace(state, slot=cursor.slot, counts=counts, sources=sources)
+
+
+def stream_records(
+    streams: Mapping[str, SourceStream],
+    counts: Mapping[str, int],
+    config: Callable[[LakeDataset], str] | None = None,
+) -> dict[str, SourceRecord]:
+    """Each source's record at its count (none given: where its stream is known from).
+
+    ``config``: what a record names as the source's configuration (None: its order's hash).
+    """
+    out = {}
+    for name, stream in streams.items():
+        at = stream.record(counts.get(name, stream.known[0][1]))
+        if config is not None:
+            at = dataclasses.replace(at, config=config(stream.known[0][2]))
+        out[name] = at
+    return out
+
+
+def resume_streams(
+    mixture: Mixture,
+    saved: MixtureState,
+    moved: Mapping[str, SourceStream],
+    size: Callable[[LakeDataset], int] = len,
+    config: Callable[[LakeDataset], str] | None = None,
+) -> tuple[Mixture, dict[str, SourceStream], MixtureResumption]:
+    """A mixture's resume from ``saved``: the mixture read now, its sources' streams, the state.
+
+    The ``moved`` sources' streams are the recovery coordinator's (``moved_streams``), and
+    the mixture reads their lakes of now; the others go on from their saved records, or start.
+
+    Raises:
+        StateMismatchError: If a source or the seed differs from the saved one.
+    """
+    if moved:
+        mixture = mixture.with_sources({n: stream.base for n, stream in moved.items()})
+    streams = {
+        n: moved[n]
+        if n in moved
+        else SourceStream.resumed(ds, saved.sources[n], size)
+        if n in saved.sources
+        else SourceStream(ds, size=size)
+        for n, ds in mixture.sources.items()
+    }
+    now = stream_records(streams, {}, config)
+    return mixture, streams, resume_mixture(saved, mixture, now, frozenset(moved))
