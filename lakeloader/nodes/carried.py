@@ -101,11 +101,6 @@ def _packed(ref: UnitRef) -> Packed:
     return Packed(None, (), ref.table, ref.where)
 
 
-def _cast(unit: Packed, schema: pa.Schema) -> Packed:
-    """A unit of an earlier increment in the later one's (widened) types."""
-    return Packed(None, (), unit.table.cast(schema), unit.where)
-
-
 def carried_step(node: Following) -> Any:
     """The step that opens the next increment with this one's tail (None: no tail).
 
@@ -129,8 +124,11 @@ def carried_step(node: Following) -> Any:
         parts.append(_Part(ds, epoch, 0, min(need, len(ds))))
         need -= parts[-1].stop
     reads = [_read(node, part) for part in parts]
-    out = _assemble(node, parts, reads, parts[-1].dataset.reader().schema)
-    _advance(node, parts, reads)
+    topo = node.host.topology
+    lo, hi = rank_bounds(node.host.global_batch_size, topo.world_size, topo.rank)
+    mine = [(place >= lo) & (place < hi) for place in _places(parts, reads)]
+    out = _assemble(node, reads, mine, parts[-1].dataset.reader().schema)
+    _advance(node, parts, reads, mine, (lo, hi))
     return out
 
 
@@ -158,42 +156,42 @@ def _read(node: Following, part: _Part) -> _Read:
 
 
 def _assemble(
-    node: Following, parts: Sequence[_Part], reads: Sequence[_Read], schema: pa.Schema
+    node: Following, reads: Sequence[_Read], mine: Sequence[np.ndarray], schema: pa.Schema
 ) -> Any:
-    """This rank's share of the carried step, built by the loader's recipe."""
-    lo, hi = rank_bounds(
-        node.host.global_batch_size, node.host.topology.world_size, node.host.topology.rank
-    )
+    """This rank's share of the carried step (``mine``: each part's rows in it), built."""
     units: list[Packed] = []
     takes, seeds = [], []
-    for read, place in zip(reads, _places(parts, reads), strict=True):
-        mine = (place >= lo) & (place < hi)
-        takes.append(read.take[mine] + sum(u.num_rows for u in units))
-        seeds.append(read.seeds[mine])
-        units += [u if u.table.schema.equals(schema) else _cast(u, schema) for u in read.units]
+    for read, rows in zip(reads, mine, strict=True):
+        takes.append(read.take[rows] + sum(u.num_rows for u in units))
+        seeds.append(read.seeds[rows])
+        for u in read.units:  # an earlier increment's in the later one's (widened) types
+            same = u.table.schema.equals(schema)
+            units.append(u if same else Packed(None, (), u.table.cast(schema), u.where))
     recipe = node.recipe()
     take, seed = np.concatenate(takes), np.concatenate(seeds)
     batch = finish_payload(build_payload(units, take, schema, recipe, {}, seed), recipe)
     return pin(batch) if node.host.options.pin_memory else batch
 
 
-def _advance(node: Following, parts: Sequence[_Part], reads: Sequence[_Read]) -> None:
+def _advance(
+    node: Following,
+    parts: Sequence[_Part],
+    reads: Sequence[_Read],
+    mine: Sequence[np.ndarray],
+    bounds: tuple[int, int],
+) -> None:
     """Record the carried step, one step: the end of one increment, the start of the next."""
-    lo, hi = rank_bounds(
-        node.host.global_batch_size, node.host.topology.world_size, node.host.topology.rank
-    )
-    tracker, at, runs = node.tracker, 0, []
+    (lo, hi), tracker, at, runs = bounds, node.tracker, 0, []
     before = (tracker.epoch, tracker.position, tracker.rows_dropped)
-    places = _places(parts, reads)
-    for i, (part, read, place) in enumerate(zip(parts, reads, places, strict=True)):
+    for i, (part, read, rows_mine) in enumerate(zip(parts, reads, mine, strict=True)):
         rows, size = len(part.dataset), part.stop - part.start
         if i:
             tracker.set_epoch(part.epoch, restart=True)
             tracker.settle_tail(rows)
         share = max(0, min(hi, at + size) - max(lo, at))
-        mine = int(((place >= lo) & (place < hi)).sum())
+        kept = int(rows_mine.sum())
         if size:
-            done = Delivery(part.stop, mine, part.stop == rows, read.skipped, share - mine)
+            done = Delivery(part.stop, kept, part.stop == rows, read.skipped, share - kept)
             start = tracker.moved(done, rows)
             runs.append(DeliveredRun(part.epoch, start, part.stop, rows, tracker.topology))
         at += size

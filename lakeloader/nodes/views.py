@@ -29,35 +29,6 @@ def row_at(ds: LakeDataset, epoch: int, position: int) -> Location:
     return locate(ds.plan(epoch), ds.snapshot, np.array([position]))[0]
 
 
-def token_streams(
-    counts_of: Callable[[LakeDataset], np.ndarray], seq_len: int
-) -> Callable[[LakeDataset, int], TokenStream]:
-    """The :class:`TokenStream` of an epoch of a packed source's dataset, each made once."""
-    made: dict[tuple[str, int], TokenStream] = {}
-
-    def tokens_of(ds: LakeDataset, epoch: int) -> TokenStream:
-        key = (ds.fingerprint, epoch)
-        if key not in made:
-            made[key] = token_stream(ds, epoch, counts_of(ds), seq_len)
-        return made[key]
-
-    return tokens_of
-
-
-def sample_at(tokens_of: Callable[[LakeDataset, int], TokenStream]) -> Where:
-    """Where sample ``position`` of a packed source's epoch begins: its first token's unit."""
-
-    def where(ds: LakeDataset, epoch: int, position: int) -> Location:
-        tokens = tokens_of(ds, epoch)
-        first = int(tokens.spans(*tokens.locate(np.array([position])))[0][0])
-        unit = int(ds.plan(epoch).order[tokens.units(first, first + 1)[0]])
-        u, f = ds.units, int(ds.units.file_index[unit])
-        path = ds.snapshot.files[f].path
-        return Location(None, f, path, int(u.row_group[unit]), int(u.row_start[unit]))
-
-    return where
-
-
 def _epoch_of(stream: SourceStream, offset: int) -> tuple[int, int] | None:
     """The epoch of ``offset`` of a source's stream and its place in it (None: not known yet)."""
     if not stream.covers(offset):
@@ -123,8 +94,24 @@ def packed_view(
     A rank's share is located where its first sample begins; ranks have no location while a
     followed lake's next samples are not in.
     """
-    tokens_of = token_streams(counts_of, seq_len)
-    size, where = topology.global_batch, sample_at(tokens_of)
+    made: dict[tuple[str, int], TokenStream] = {}
+
+    def tokens_of(ds: LakeDataset, epoch: int) -> TokenStream:
+        key = (ds.fingerprint, epoch)
+        if key not in made:
+            made[key] = token_stream(ds, epoch, counts_of(ds), seq_len)
+        return made[key]
+
+    def where(ds: LakeDataset, epoch: int, position: int) -> Location:
+        """Where sample ``position`` of an epoch begins: its first token's unit."""
+        tokens = tokens_of(ds, epoch)
+        first = int(tokens.spans(*tokens.locate(np.array([position])))[0][0])
+        unit = int(ds.plan(epoch).order[tokens.units(first, first + 1)[0]])
+        u, f = ds.units, int(ds.units.file_index[unit])
+        path = ds.snapshot.files[f].path
+        return Location(None, f, path, int(u.row_group[unit]), int(u.row_start[unit]))
+
+    size = topology.global_batch
     draw, _ = cursor.take(weights, seed, size)
     ordered = [streams[n] for n in weights.names]
     found = [
