@@ -128,8 +128,6 @@ class LakeNode(Node):
         stores = Stores([leaf], opts, topology, unit_dir, pool, layout, not tracker.workers_build)
         it: EpochIterator | Backfill = EpochIterator(
             stores,
-            tracker.epoch,
-            tracker.position,
             tracker,
             pool,
             functools.partial(res.pass_ended, opts.persistent_workers),

@@ -249,7 +249,6 @@ class MixtureNode(CursorNode):
             sources = Stores(self._leaves(), opts, whole, unit_dir, pool, self._layout(), decode)
         it = MixtureIterator(
             self.mixture,
-            self.mixture.weights,
             cursor,
             self.steps_left(),
             self.host.topology,

@@ -91,7 +91,8 @@ class PassIterator:
 
         Args:
             wait: Wait for the pass's threads.
-            ended_by: What ended the pass before its end (see ``EpochIterator.close``).
+            ended_by: What ended the pass before its end (``"a newer iter(loader)"``), which
+                an epoch's pass names in a later ``next()``'s error; None for its own end.
         """
         if self._closed:
             return
@@ -105,29 +106,23 @@ class EpochIterator(PassIterator):
 
     Args:
         stores: The pass's stores, of one leaf: the lake.
-        epoch: The epoch.
-        start: The global slot the pass starts at (the position G).
-        tracker: Told of each batch as it is handed over.
+        tracker: Where the pass starts (its epoch, its position G); told of each batch as it
+            is handed over.
         pool: The workers, or None (everything in this process).
         on_finish: Called once when the pass ends (or is closed).
         owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
-
-    Attributes:
-        num_steps: Batches this pass delivers in all, from where it starts.
     """
 
     def __init__(
         self,
         stores: Stores,
-        epoch: int,
-        start: int,
         tracker: ReaderStateTracker,
         pool: WorkerPool | None,
         on_finish: Callable[[], None],
         owner: object = None,
     ) -> None:
-        self._space = space = stores.get(0, epoch)
-        self.spec = spec = dataclasses.replace(space.spec, start=start)
+        self._space = space = stores.get(0, tracker.epoch)
+        self.spec = spec = dataclasses.replace(space.spec, start=tracker.position)
         self._owner = owner
         self._tracker = tracker
         self._on_finish = on_finish
@@ -250,13 +245,7 @@ class EpochIterator(PassIterator):
         return self._space.store.peak_bytes
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
-        """Stop decoding and building, drop the cached units (idempotent).
-
-        Args:
-            wait: Wait for the pass's threads.
-            ended_by: What ended the pass before its end (``"a newer iter(loader)"``), which
-                a later ``next()`` names in its error; None for the pass's own end.
-        """
+        """Close the pass (see ``PassIterator.close``); a later ``next()`` names ``ended_by``."""
         if ended_by is not None and not self._closed and self._next_deliver < self.num_steps:
             self._ended_by = ended_by
         if not self._closed:

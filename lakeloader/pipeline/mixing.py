@@ -21,7 +21,6 @@ from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_rows, range_specs
 from lakeloader.order.mixture import (
     MixCursor,
-    MixWeights,
     Spans,
     draw_parts,
     epoch_first,
@@ -65,8 +64,7 @@ class MixtureIterator(PassIterator):
     """Iterator over one rank's batches of one pass over a mixture.
 
     Args:
-        mixture: The mixture.
-        weights: The weights in force.
+        mixture: The mixture (its weights in force).
         cursor: Where the mixture stands (delivered).
         num_steps: Steps in this pass.
         topology: The loader's topology.
@@ -87,7 +85,6 @@ class MixtureIterator(PassIterator):
     def __init__(
         self,
         mixture: Mixture,
-        weights: MixWeights,
         cursor: MixCursor,
         num_steps: int,
         topology: Topology,
@@ -99,7 +96,7 @@ class MixtureIterator(PassIterator):
         ended: Callable[[Stores], None],
         streams: Streams,
     ) -> None:
-        self._mixture, self._weights, self._topology = mixture, weights, topology
+        self._mixture, self._topology = mixture, topology
         self._delivered, self._ended = delivered, ended
         self._streams = streams
         self._spans: list[Spans] = []
@@ -127,7 +124,9 @@ class MixtureIterator(PassIterator):
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
         if self._streams.varies or not self._spans:  # a lake's epochs: n rows each, always
-            drawn = slot_sources(self._weights, self._mixture.seed, before.slot, count * size)
+            drawn = slot_sources(
+                self._mixture.weights, self._mixture.seed, before.slot, count * size
+            )
             ahead = np.bincount(drawn, minlength=len(names))
             need = [before.counts.get(n, 0) + ahead[i] for i, n in enumerate(names)]
             spans = self._streams.cover(need, wait=self._next_plan == self._next_deliver)
@@ -136,7 +135,7 @@ class MixtureIterator(PassIterator):
             self._spans = spans
         table, after, totals = draw_parts(
             before,
-            self._weights,
+            self._mixture.weights,
             self._mixture.seed,
             count,
             size,
