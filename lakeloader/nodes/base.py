@@ -249,9 +249,5 @@ def decoding_setup(
 
 def read_counts(counters: Iterable[ReadCounters]) -> dict[str, int]:
     """What readers did, by their counters, summed: units decoded, bytes read, requests."""
-    counters = list(counters)
-    return {
-        "units_decoded": sum(c.units_decoded for c in counters),
-        "bytes_read": sum(c.bytes_read for c in counters),
-        "requests": sum(c.requests for c in counters),
-    }
+    counters, names = list(counters), ("units_decoded", "bytes_read", "requests")
+    return {name: sum(getattr(c, name) for c in counters) for name in names}

@@ -29,14 +29,14 @@ from lakeloader.nodes.base import (
 from lakeloader.nodes.streams import SourceStream, pinned_datasets
 from lakeloader.nodes.views import packed_view
 from lakeloader.order.mixture import MixCursor, MixWeights
+from lakeloader.order.packing import TokenStream
 from lakeloader.order.plan import rank_bounds
 from lakeloader.pipeline.collate import BatchTransform
 from lakeloader.pipeline.packed import PackedIterator
 from lakeloader.pipeline.packed_parts import (
     PackedSource,
     arena_layout,
-    epoch_samples,
-    sample_units,
+    token_stream,
 )
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
@@ -121,7 +121,9 @@ class PackingNode(Node):
         packing, key = self.dataset.packing, ("samples", ds.fingerprint)
         assert packing is not None
         if key not in self._counts:
-            self._counts[key] = np.array(epoch_samples(ds, self._counts_of(ds), packing))
+            counts = self._counts_of(ds)  # every epoch's, whatever its order
+            streams = TokenStream.of(counts, ds.config.num_partitions, packing.seq_len)
+            self._counts[key] = np.array(streams.num_samples)
         return int(self._counts[key])
 
     @property
@@ -309,7 +311,9 @@ class PackingNode(Node):
         out, seq_len = [], self.dataset.packing.seq_len
         for r in runs:
             ds = self._streams[r.stream].dataset(r.epoch)
-            out += unit_entries(ds, sample_units(ds, self._counts_of(ds), seq_len, r), reason)
+            tokens = token_stream(ds, r.epoch, self._counts_of(ds), seq_len)
+            units = ds.plan(r.epoch).order[tokens.sample_units(r.start, r.stop)]
+            out += unit_entries(ds, np.asarray(units, dtype=np.int64), reason)
         return out
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
@@ -324,10 +328,8 @@ class PackingNode(Node):
         """The tracker at a restored state: its epoch, the samples delivered, the quarantine."""
         self.tracker.record.restored()
         self.tracker.position = self._drawn()[0].slot
-        self.tracker.epoch, self.tracker.quarantine = (
-            self.epoch,
-            tuple(self.barrier_position().quarantine),
-        )
+        self.tracker.epoch = self.epoch
+        self.tracker.quarantine = tuple(self.barrier_position().quarantine)
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
         """The samples' cursor, the weights that draw each sample's source, the seed."""

@@ -13,8 +13,6 @@ from lakeloader.errors import LakeDataError
 from lakeloader.io.reader import UnitReader
 from lakeloader.order.mixture import MixCursor
 from lakeloader.order.packing import Share, TokenStream
-from lakeloader.packing import Packing
-from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.quarantine import QuarantineEntry
 
 if TYPE_CHECKING:
@@ -57,19 +55,6 @@ class PlannedStep(NamedTuple):
 def token_stream(dataset: LakeDataset, epoch: int, counts: np.ndarray, seq_len: int) -> TokenStream:
     """Where the tokens of ``epoch`` of ``dataset`` lie (``counts``: its units', path order)."""
     return TokenStream.of(counts[dataset.plan(epoch).order], dataset.config.num_partitions, seq_len)
-
-
-def sample_units(
-    dataset: LakeDataset, counts: np.ndarray, seq_len: int, run: DeliveredRun
-) -> np.ndarray:
-    """The units (indices into ``dataset.units``) whose tokens a run of samples took."""
-    positions = token_stream(dataset, run.epoch, counts, seq_len).sample_units(run.start, run.stop)
-    return np.asarray(dataset.plan(run.epoch).order[positions], dtype=np.int64)
-
-
-def epoch_samples(dataset: LakeDataset, counts: np.ndarray, packing: Packing) -> int:
-    """Samples in each epoch of a source whose units hold ``counts`` tokens (every epoch's)."""
-    return TokenStream.of(counts, dataset.config.num_partitions, packing.seq_len).num_samples
 
 
 def arena_layout(datasets: Sequence[LakeDataset], reader: UnitReader) -> RowLayout | None:
