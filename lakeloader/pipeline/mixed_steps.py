@@ -99,7 +99,6 @@ class MixedStep(NamedTuple):
 
     Attributes:
         sources: The source of each row.
-        parts: Its parts.
         cursor: The mixture's cursor after it.
         rows: The arena row of each row, when every column of every piece is packed into the
             arena (else None).

@@ -66,9 +66,6 @@ class MixtureIterator(PassIterator):
     Args:
         mixture: The mixture (its weights in force).
         cursor: Where the mixture stands (delivered).
-        num_steps: Steps in this pass.
-        topology: The loader's topology.
-        options: The loader's options.
         sources: The sources' stores: new, or left by a pass that ended at ``cursor``.
         pool: The DataLoader's workers when they build the batches, or None.
         recipe: How the mixed rows become a batch; each source's ``transform`` is its store's.

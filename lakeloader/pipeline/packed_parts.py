@@ -25,7 +25,6 @@ class PackedSource(NamedTuple):
     Attributes:
         dataset: The dataset (its ``transform``, ``on_error`` and ``validate`` apply to its
             rows).
-        reader: Reads its units.
         stream: Its epochs (a followed lake's increments) and the samples each holds.
         counts_of: Tokens of each unit of an epoch's dataset, in path order
             (:mod:`~lakeloader.pipeline.token_counts`).
