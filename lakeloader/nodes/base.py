@@ -106,8 +106,15 @@ class Node:
         raise NotImplementedError
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
-        """Make the next pass run ``epoch`` (see ``DataLoader.set_epoch``)."""
-        raise NotImplementedError
+        """Make the next pass run ``epoch`` (see ``DataLoader.set_epoch``).
+
+        Raises:
+            TypeError: For a packed stream, which runs through its epochs by itself.
+        """
+        raise TypeError(
+            "a packed stream is endless, running through its epochs by itself: iterate it for "
+            "as many steps as you train, without set_epoch()"
+        )
 
     def placed(self, topology: Topology) -> None:
         """Take the topology a pass starts on."""

@@ -150,8 +150,6 @@ class MixtureNode(CursorNode):
         self._streams_known()
         #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
-        #: Each source's rows delivered (the counts of the last step handed over).
-        self._counts: dict[str, int] = {n: 0 for n in mixture.names}
         self._state = first_state(mixture, records(mixture), host.topology.to_dict())
 
     @property
@@ -311,12 +309,12 @@ class MixtureNode(CursorNode):
         self, cursor: MixCursor, skipped: tuple[QuarantineEntry, ...], lost: int
     ) -> None:
         """The only place the position moves: a batch was handed over."""
+        before = self._stored.counts if self._cursor is None else self._cursor.counts
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
         topology, runs = self.host.topology, []
         for name, stream in self._streams.items():
-            first, stop = self._counts.get(name, 0), cursor.counts.get(name, 0)
+            first, stop = before.get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, topology)
-        self._counts = dict(cursor.counts)
         lo, hi = rank_bounds(topology.global_batch, topology.world_size, topology.rank)
         at = cursor.slot - self._stored.epoch_start
         self.tracker.delivered(Delivery(at, hi - lo - lost, False, (), lost), runs=runs)
@@ -351,7 +349,6 @@ class MixtureNode(CursorNode):
 
     def _resumed(self, resumed: MixtureResumption) -> None:
         self.tracker.record.restored()
-        self._counts = dict(resumed.state.counts)
         self._streams_known()
         self._follow_streams()
         for change in resumed.changes:

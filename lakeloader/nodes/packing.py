@@ -148,17 +148,6 @@ class PackingNode(Node):
         at = samples if stream.covers(samples) else samples - 1
         return stream.epoch_of(max(at, 0))
 
-    def set_epoch(self, epoch: int, restart: bool) -> None:
-        """Not supported: a packed stream runs through its epochs by itself.
-
-        Raises:
-            TypeError: Always.
-        """
-        raise TypeError(
-            "a packed stream is endless, running through its epochs by itself: iterate it for "
-            "as many steps as you train, without set_epoch()"
-        )
-
     def begin(self) -> Iterator[Any]:
         """The endless stream of samples from where the state stands."""
         return self._begin([self._source(ONLY)], self.dataset.batch_transform)
