@@ -76,13 +76,6 @@ class _Read(NamedTuple):
     skipped: tuple[QuarantineEntry, ...]
 
 
-def _places(parts: Sequence[_Part], reads: Sequence[_Read]) -> list[np.ndarray]:
-    """Where each part's rows stand in the carried step (the parts end to end)."""
-    sizes = [p.stop - p.start for p in parts]
-    firsts = np.cumsum([0, *sizes[:-1]])
-    return [read.kept + int(first) for read, first in zip(reads, firsts, strict=True)]
-
-
 def _decode(
     decoder: UnitDecoder, plan: EpochPlan, position: int, known: Sequence[QuarantineEntry]
 ) -> Held:
@@ -126,7 +119,9 @@ def carried_step(node: Following) -> Any:
     reads = [_read(node, part) for part in parts]
     topo = node.host.topology
     lo, hi = rank_bounds(node.host.global_batch_size, topo.world_size, topo.rank)
-    mine = [(place >= lo) & (place < hi) for place in _places(parts, reads)]
+    firsts = np.cumsum([0, *(p.stop - p.start for p in parts[:-1])])  # the parts end to end
+    places = [read.kept + int(first) for read, first in zip(reads, firsts, strict=True)]
+    mine = [(place >= lo) & (place < hi) for place in places]
     out = _assemble(node, reads, mine, parts[-1].dataset.reader().schema)
     _advance(node, parts, reads, mine, (lo, hi))
     return out

@@ -177,14 +177,6 @@ class EpochIterator(PassIterator):
             rank=topo.rank,
         )
 
-    def _plan_next_chunk(self, builder: ThreadBuilder) -> None:
-        """Have the build thread plan the next chunk once half the planned steps are requested."""
-        first = self._next_plan + len(self._planned)
-        if self._chunk is None and first < self.num_steps and len(self._planned) <= PLAN_CHUNK // 2:
-            future = builder.run_ahead(functools.partial(self._plan_chunk, first))
-            if future is not None:
-                self._chunk = (first, future)
-
     def __next__(self) -> Any:
         if self._thread is not None:
             self._thread.asked()
@@ -215,7 +207,15 @@ class EpochIterator(PassIterator):
         store.release(step.slot_stop)
         if thread is not None:  # steps planned: LOOKAHEAD_STEPS ahead
             thread.top_up(self._next_deliver, batch)
-            self._plan_next_chunk(thread)
+            # the build thread plans the next chunk once half the planned steps are requested
+            first, half = (
+                self._next_plan + len(self._planned),
+                len(self._planned) <= PLAN_CHUNK // 2,
+            )
+            if self._chunk is None and first < self.num_steps and half:
+                future = thread.run_ahead(functools.partial(self._plan_chunk, first))
+                if future is not None:
+                    self._chunk = (first, future)
         return batch
 
     def _warn_budget(self, step: BatchSpec) -> None:
