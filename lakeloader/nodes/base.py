@@ -102,8 +102,8 @@ class Node:
 
     @property
     def epoch(self) -> int:
-        """The epoch (or pass) the node is in."""
-        raise NotImplementedError
+        """The epoch (a mixture's pass) the node is in, or has just finished: its tracker's."""
+        return self.tracker.epoch
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Make the next pass run ``epoch`` (see ``DataLoader.set_epoch``).

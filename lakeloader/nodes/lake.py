@@ -83,11 +83,6 @@ class LakeNode(Node):
         opts = self.host.options
         return steps_in_epoch(0, len(self.dataset), self.host.global_batch_size, opts.drop_last)
 
-    @property
-    def epoch(self) -> int:
-        """The epoch the loader is in (or has just finished)."""
-        return self.tracker.epoch
-
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Make the next pass run ``epoch`` from its start (see ``DataLoader.set_epoch``)."""
         if self.tracker.set_epoch(epoch, restart=restart):

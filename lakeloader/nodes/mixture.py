@@ -191,11 +191,6 @@ class MixtureNode(CursorNode):
         """Global steps that ``rows`` rows fill (the last one may be short)."""
         return -(-max(rows, 0) // self.host.global_batch_size)
 
-    @property
-    def epoch(self) -> int:
-        """The pass over the mixture under way (or just finished)."""
-        return self._state.epoch
-
     def steps_left(self) -> int:
         """Global steps left in the pass under way, for the topology of now."""
         state = self._state
