@@ -15,7 +15,7 @@ import pyarrow as pa
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
 from lakeloader.checkpoint.barrier import Position
-from lakeloader.checkpoint.layout import Checkpoint
+from lakeloader.checkpoint.layout import ROOT, Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import ReadCounters, UnitReader
 from lakeloader.options import LoaderOptions
@@ -56,7 +56,7 @@ class Host(Protocol):
 
 
 class Node:
-    """A source of batches for ``host``, the loader that holds it; the defaults suit a stream."""
+    """A source of batches for ``host``, the loader that holds it; a kind overrides what differs."""
 
     #: What it reads (a followed lake: the increment under way).
     dataset: Any
@@ -130,8 +130,10 @@ class Node:
         Raises:
             TypeError: For a stream with no end.
         """
-        self.pass_steps()
-        raise NotImplementedError
+        self.pass_steps()  # no end, no steps left to count
+        steps = self.view().steps_remaining
+        assert steps is not None  # a pass with a length has an end
+        return steps
 
     def worker_setup(self) -> WorkerSetup:
         """What the loader's workers need."""
@@ -170,8 +172,8 @@ class Node:
         return self.state()
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshots a checkpoint pins, by leaf path."""
-        raise NotImplementedError
+        """The snapshots a checkpoint pins, by leaf path (a lake's: its own, at the root)."""
+        return {ROOT: self.dataset}
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint's state, as ``restore`` does.
@@ -205,7 +207,7 @@ class Node:
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Skip these units for good, from the next pass on (``quarantine_step``)."""
-        raise NotImplementedError
+        self.tracker.merge_quarantine(entries)
 
 
 def row_units(dataset: LakeDataset, run: DeliveredRun, reason: str) -> list[QuarantineEntry]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
-from lakeloader.checkpoint.layout import ROOT, Checkpoint
+from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.lake.following import CaughtUpError
@@ -202,13 +202,6 @@ class LakeNode(Node):
         schema, seed = self.reader.schema, ds.config.seed
         return make_setup(self.host, schema, seed, self.recipe(), layout, decoders)
 
-    def steps_left(self) -> int:
-        """Global steps left in the epoch under way, for the topology of now."""
-        self.pass_steps()  # no end, no steps left to count
-        steps = self.view().steps_remaining
-        assert steps is not None  # a lake's epoch has an end
-        return steps
-
     # ------------------------------------------------------------------ state
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The position of the training loop: plain types, O(1) in the size of the lake.
@@ -301,10 +294,6 @@ class LakeNode(Node):
         ds = self._epoch_dataset(self.tracker.before(back)[0])
         return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds), back=back)
 
-    def checkpoint_datasets(self) -> dict[str, LakeDataset]:
-        """The snapshot a checkpoint pins, by leaf path: the lake's, at the root."""
-        return {ROOT: self.dataset}
-
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``).
 
@@ -317,10 +306,6 @@ class LakeNode(Node):
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
         """The units whose rows these runs took (every rank's share of the step)."""
         return [e for r in runs for e in row_units(self._epoch_dataset(r.epoch), r, reason)]
-
-    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
-        """Skip these units for good, from the next pass on."""
-        self.tracker.merge_quarantine(entries)
 
 
 def _increment(dataset: LakeDataset) -> int:
