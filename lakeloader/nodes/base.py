@@ -41,10 +41,6 @@ class Host(Protocol):
     def topology(self) -> Topology:
         """Rank, world size, workers and batch size as of now."""
 
-    @property
-    def global_batch_size(self) -> int:
-        """Rows all ranks together consume in one step."""
-
     def _ensure_pool(self) -> WorkerPool:
         """The loader's workers, started."""
 

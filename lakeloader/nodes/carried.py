@@ -100,7 +100,7 @@ def carried_step(node: Following) -> Any:
     Raises:
         CaughtUpError: If too few rows come within the follow timeout (nothing moves).
     """
-    start, rows, batch = node.tracker.position, len(node.dataset), node.host.global_batch_size
+    start, rows, batch = node.tracker.position, len(node.dataset), node.host.topology.global_batch
     if not node.host.options.drop_last or not 0 < rows - start < batch:
         return None
     parts = [_Part(node.dataset, node.tracker.epoch, start, rows)]
@@ -118,7 +118,7 @@ def carried_step(node: Following) -> Any:
         need -= parts[-1].stop
     reads = [_read(node, part) for part in parts]
     topo = node.host.topology
-    lo, hi = rank_bounds(node.host.global_batch_size, topo.world_size, topo.rank)
+    lo, hi = rank_bounds(topo.global_batch, topo.world_size, topo.rank)
     firsts = np.cumsum([0, *(p.stop - p.start for p in parts[:-1])])  # the parts end to end
     places = [read.kept + int(first) for read, first in zip(reads, firsts, strict=True)]
     mine = [(place >= lo) & (place < hi) for place in places]

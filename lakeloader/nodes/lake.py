@@ -81,7 +81,7 @@ class LakeNode(Node):
         if self._base.follow:
             raise TypeError("a followed lake is endless: it has no len(); see loader.dataset's")
         opts = self.host.options
-        return steps_in_epoch(0, len(self.dataset), self.host.global_batch_size, opts.drop_last)
+        return steps_in_epoch(0, len(self.dataset), self.host.topology.global_batch, opts.drop_last)
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
         """Make the next pass run ``epoch`` from its start (see ``DataLoader.set_epoch``)."""

@@ -168,10 +168,7 @@ class MixtureNode(CursorNode):
         self.tracker.quarantine = state.quarantine
 
     def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
-        """Each source's spans, reaching past ``counts``; None: they do not, and not ``wait``.
-
-        A followed source waits for its lake's next increment only when ``wait`` (the step to
-        be delivered next needs it).
+        """See ``Streams.cover``: a followed source waits for its lake only when ``wait``.
 
         Raises:
             CaughtUpError: If a followed source's lake gives no more rows in time.
@@ -189,7 +186,7 @@ class MixtureNode(CursorNode):
 
     def _steps(self, rows: int) -> int:
         """Global steps that ``rows`` rows fill (the last one may be short)."""
-        return -(-max(rows, 0) // self.host.global_batch_size)
+        return -(-max(rows, 0) // self.host.topology.global_batch)
 
     def steps_left(self) -> int:
         """Global steps left in the pass under way, for the topology of now."""

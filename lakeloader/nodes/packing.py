@@ -230,11 +230,12 @@ class PackingNode(Node):
             ValueError: If ``fetched_ahead`` steps were not delivered (or more than are kept).
         """
         if fetched_ahead:
-            back = fetched_ahead * self.host.global_batch_size
+            size = self.host.topology.global_batch
+            back = fetched_ahead * size
             if not 0 <= back <= self._state.samples or fetched_ahead > RECENT_STEPS:
                 raise ValueError(
                     f"state_dict(fetched_ahead={fetched_ahead}): only "
-                    f"{self._state.samples // self.host.global_batch_size} steps were delivered "
+                    f"{self._state.samples // size} steps were delivered "
                     f"(at most {RECENT_STEPS} steps back are kept)"
                 )
             return self._at(self._state.samples - back).to_dict()

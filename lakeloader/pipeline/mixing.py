@@ -47,7 +47,7 @@ class Streams(Protocol):
     def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
         """Each source's spans, holding its rows below ``counts`` (in the order of the names).
 
-        None: they do not, and ``wait`` is False.
+        None: they do not, and ``wait`` is False (the step delivered next does not need them).
 
         Raises:
             CaughtUpError: If a followed source's lake gives no more rows in time.
