@@ -29,10 +29,9 @@ from lakeloader.nodes.base import (
 from lakeloader.nodes.streams import (
     SourceStream,
     first_state,
-    moved_streams,
     moved_to,
     pinned_datasets,
-    resume_streams,
+    stream_records,
 )
 from lakeloader.nodes.views import mixture_view
 from lakeloader.order.mixture import MixCursor, Spans
@@ -41,7 +40,7 @@ from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import MixtureResumption, records
+from lakeloader.recovery.mixture_resume import MixtureResumption, records, resume_mixture
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry, merge
@@ -92,24 +91,52 @@ class CursorNode(Node):
         self._resume(self._parse(state_dict), {})
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lakes of now (``moved_streams``).
+        """Continue from a checkpoint, on the lakes of now.
+
+        The streams of the sources whose lakes changed since ``ckpt`` are mapped onto the lakes
+        of now by ``RecoveryCoordinator.resume_source``.
 
         Raises:
             StateFormatError: If it holds another kind of loader's state.
             LakeChangedError: Under ``on_lake_change="error"``, when files a source's saved
                 epoch still needs are gone or rewritten.
         """
-        saved, sources = self._parse(dict(ckpt.state_dict)), self.mixture.sources
-        args = (*self._counting(), self._exact)
-        self._resume(saved, moved_streams(ckpt, coordinator, saved, sources, *args))
+        saved, sources, moved = self._parse(dict(ckpt.state_dict)), self.mixture.sources, {}
+        size, config = self._counting()
+        for name in sorted(set(sources) & set(saved.sources)):
+            live, count, record = sources[name], saved.counts.get(name, 0), saved.sources[name]
+            expected = None if config is None else config(live)
+            args = (live, record, count, size, expected, self._exact)
+            at = coordinator.resume_source(ckpt, name, *args)
+            if at is not None:
+                moved[name] = SourceStream(at.dataset, at.start, size, at.epoch)
+        self._resume(saved, moved)
 
     def _resume(self, saved: MixtureState, moved: Mapping[str, SourceStream]) -> None:
-        """Continue from ``saved``; the ``moved`` sources' streams are the coordinator's."""
+        """Continue from ``saved``; the mixture reads the ``moved`` sources' lakes of now.
+
+        The other sources go on from their saved records, or start.
+
+        Raises:
+            StateMismatchError: If a source or the seed differs from the saved one.
+        """
         self.host._close_iterator("load_state_dict()")
         self.host._res.drop_carried()
-        size, config = self._counting()
-        mixture, self._streams, resumed = resume_streams(self.mixture, saved, moved, size, config)
+        (size, config), mixture = self._counting(), self.mixture
+        if moved:
+            mixture = mixture.with_sources({n: stream.base for n, stream in moved.items()})
+        streams = {
+            n: moved[n]
+            if n in moved
+            else SourceStream.resumed(ds, saved.sources[n], size)
+            if n in saved.sources
+            else SourceStream(ds, size=size)
+            for n, ds in mixture.sources.items()
+        }
+        now = stream_records(streams, {}, config)
+        resumed = resume_mixture(saved, mixture, now, frozenset(moved))
         self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
+        self._streams = streams
         self._resumed(resumed)
 
     def barrier_position(self) -> Position:

@@ -14,15 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
 from lakeloader.lake.following import increment_at
 from lakeloader.lake.increments import Increment
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor, Spans
-from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import MixtureResumption, resume_mixture
 from lakeloader.state.journal import DeliveredRun, epoch_runs
 from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.topology import Topology
@@ -217,32 +214,6 @@ def pinned_datasets(
     }
 
 
-def moved_streams(
-    ckpt: Checkpoint,
-    coordinator: RecoveryCoordinator,
-    saved: MixtureState,
-    sources: Mapping[str, LakeDataset],
-    size: Callable[[LakeDataset], int] = len,
-    config: Callable[[LakeDataset], str] | None = None,
-    exact: bool = False,
-) -> dict[str, SourceStream]:
-    """The streams of a mixture's sources whose lakes changed since ``ckpt``.
-
-    Each is mapped onto the lake of now by ``RecoveryCoordinator.resume_source``. ``size``: an
-    epoch's offsets; ``config``: what a source's record names as its configuration (None: its
-    order's hash); ``exact``: files gone or rewritten are refused whatever the policy.
-    """
-    moved = {}
-    for name in sorted(set(sources) & set(saved.sources)):
-        live, count = sources[name], saved.counts.get(name, 0)
-        expected = None if config is None else config(live)
-        record = saved.sources[name]
-        at = coordinator.resume_source(ckpt, name, live, record, count, size, expected, exact)
-        if at is not None:
-            moved[name] = SourceStream(at.dataset, at.start, size, at.epoch)
-    return moved
-
-
 def first_state(
     mixture: Mixture, sources: dict[str, SourceRecord], topology: dict[str, int]
 ) -> MixtureState:
@@ -290,32 +261,3 @@ def stream_records(
             at = dataclasses.replace(at, config=config(stream.known[0][2]))
         out[name] = at
     return out
-
-
-def resume_streams(
-    mixture: Mixture,
-    saved: MixtureState,
-    moved: Mapping[str, SourceStream],
-    size: Callable[[LakeDataset], int] = len,
-    config: Callable[[LakeDataset], str] | None = None,
-) -> tuple[Mixture, dict[str, SourceStream], MixtureResumption]:
-    """A mixture's resume from ``saved``: the mixture read now, its sources' streams, the state.
-
-    The ``moved`` sources' streams are the recovery coordinator's (``moved_streams``), and
-    the mixture reads their lakes of now; the others go on from their saved records, or start.
-
-    Raises:
-        StateMismatchError: If a source or the seed differs from the saved one.
-    """
-    if moved:
-        mixture = mixture.with_sources({n: stream.base for n, stream in moved.items()})
-    streams = {
-        n: moved[n]
-        if n in moved
-        else SourceStream.resumed(ds, saved.sources[n], size)
-        if n in saved.sources
-        else SourceStream(ds, size=size)
-        for n, ds in mixture.sources.items()
-    }
-    now = stream_records(streams, {}, config)
-    return mixture, streams, resume_mixture(saved, mixture, now, frozenset(moved))
