@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -42,8 +43,11 @@ class PassIterator:
     #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
     lookahead: int = LOOKAHEAD_STEPS
 
-    def __init__(self, num_steps: int, budget: int, part: PassPart | None, stores: Stores) -> None:
-        #: Batches this pass delivers in all, from where it starts.
+    def __init__(
+        self, num_steps: int | None, budget: int, part: PassPart | None, stores: Stores
+    ) -> None:
+        #: Batches this pass delivers in all, from where it starts (None: endless, a packed
+        #: stream's: it plans its own way, and its ``_deliver`` ends it).
         self.num_steps = num_steps
         self._budget, self._part, self._stores = budget, part, stores
         self._next_plan = self._next_deliver = 0
@@ -52,6 +56,7 @@ class PassIterator:
 
     def _plan_ahead(self) -> None:
         """Plan steps while the lookahead and the budget allow (the next step always)."""
+        assert self.num_steps is not None
         while (
             self._next_plan < self.num_steps
             and self._next_plan < self._next_deliver + self.lookahead
@@ -72,7 +77,8 @@ class PassIterator:
         return self
 
     def __next__(self) -> Any:
-        if self._closed or self._next_deliver >= self.num_steps:
+        end = sys.maxsize if self.num_steps is None else self.num_steps
+        if self._closed or self._next_deliver >= end:
             self.close()
             raise StopIteration
         self._plan_ahead()
@@ -112,6 +118,8 @@ class EpochIterator(PassIterator):
         on_finish: Called once when the pass ends (or is closed).
         owner: Kept alive as long as the iterator (the loader, as torch's iterators do).
     """
+
+    num_steps: int
 
     def __init__(
         self,

@@ -77,6 +77,8 @@ class MixtureIterator(PassIterator):
             (when a followed lake gives no more rows, the pass ends after the steps planned).
     """
 
+    num_steps: int
+
     lookahead = 512
 
     def __init__(

@@ -28,6 +28,7 @@ from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, step_shares
 from lakeloader.packing import Packing
+from lakeloader.pipeline.iterator import PassIterator
 from lakeloader.pipeline.packed_parts import (
     PackedSource,
     PlannedStep,
@@ -43,7 +44,7 @@ from lakeloader.pipeline.recipe import (
     finish_payload,
     rows_payload,
 )
-from lakeloader.pipeline.stores import Leaf, Stores, close_pass, pass_finalizer
+from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.pipeline.token_counts import check_count
 from lakeloader.pipeline.unit_tokens import EpochTokens
 from lakeloader.randomness import slot_seeds
@@ -69,7 +70,7 @@ TOKEN_THREADS: Final = 2
 Skips = list[tuple[QuarantineEntry, ...]]
 
 
-class PackedIterator:
+class PackedIterator(PassIterator):
     """Endless iterator over one rank's packed batches, from one source or a mixture's.
 
     Args:
@@ -134,7 +135,7 @@ class PackedIterator:
         #: Make decoded units into tokens ahead of their use (daemon threads).
         threads = TOKEN_THREADS if pool is None else 1
         self._threads = ThreadPool(threads, initializer=main_thread_only)
-        self._finalizer = pass_finalizer(self, _TokenThreads(self._threads), self._stores)
+        super().__init__(None, options.cache_bytes, _TokenThreads(self._threads), self._stores)
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: Each unit held: the last step (by count of steps planned) that needs it, its bytes.
         self._last_use: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -149,7 +150,6 @@ class PackedIterator:
             (s.dataset.config.seed, zlib.crc32(name.encode()))
             for s, name in zip(sources, weights.names, strict=True)
         ]
-        self._closed = False
 
     def _stream(self, source: int, epoch: int) -> TokenStream:
         """Where the tokens of ``epoch`` of ``source`` lie (the last few kept)."""
@@ -262,13 +262,10 @@ class PackedIterator:
         ends = self._stream(source, epoch).ends
         return int(ends[pos] - (ends[pos - 1] if pos else 0)) * UNIT_BYTES_PER_TOKEN
 
-    def __iter__(self) -> PackedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
+    def _plan_ahead(self) -> None:
         self._plan()
+
+    def _deliver(self) -> Any:
         if not self._planned:  # caught up with a followed lake
             raise StopIteration
         cursor, share, by_epoch, _ = self._planned.popleft()
@@ -408,16 +405,10 @@ class PackedIterator:
         """Bytes of decoded units held now, and of the tokens made of them."""
         return self._stores.held_bytes() + sum(e.nbytes for e in list(self._epochs.values()))
 
-    def cache_peak_bytes(self) -> int:
-        """Most bytes held at once by an epoch's store."""
-        return self._stores.peak_bytes()
-
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
         """Stop decoding; drop every epoch's units (idempotent)."""
-        self._closed = True
         self._epochs.clear()
-        self._finalizer.detach()
-        close_pass(_TokenThreads(self._threads), self._stores, wait)
+        super().close(wait, ended_by)
 
 
 @dataclasses.dataclass(frozen=True)
