@@ -76,7 +76,6 @@ class ThreadBuilder:
     """Builds steps with a :class:`LocalBuilder`: ahead in a thread, or in place.
 
     Args:
-        spec: The pass.
         local: Builds a step (in the thread).
         planned: The step of a given index, once planned (None before).
     """

@@ -175,11 +175,8 @@ class WorkerBuilder:
     """Has the workers build batches, ``prefetch_factor`` steps per worker ahead.
 
     Args:
-        spec: The pass.
         space: Its store (the loader's threads decode into it).
         local: Screens steps (in this process, so that quarantine is decided in one place).
-        pool: The workers.
-        generation: The pass's generation of the pool.
         planned: The step of a given index, once planned (None before).
     """
 

@@ -98,8 +98,8 @@ def _check_nulls(name: str, col: pa.Array | pa.ChunkedArray, units: Sequence[Pac
     )
 
 
-def _arrow_column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> pa.Array:
-    """One column of the batch through Arrow (units that packed it give it from their bytes)."""
+def unit_parts(units: Sequence[Packed], field: pa.Field) -> list[pa.Array]:
+    """Each unit's column ``field`` as one Arrow array (units that packed it: from its bytes)."""
     parts = []
     for unit in units:
         at = unit.table.schema.get_field_index(field.name)  # not column_names: a new list
@@ -108,7 +108,7 @@ def _arrow_column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> p
             parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
         else:
             parts.append(to_arrow(column_of(unit, field.name), field.type))
-    return gather_arrow(parts, sel)
+    return parts
 
 
 def gather_columns(
@@ -136,12 +136,13 @@ def gather_columns(
             col = pa.array([], field.type)
         else:
             sel = sel or select([u.num_rows for u in units], take)
+            parts = unit_parts(units, field)
             if is_ragged_type(field.type):
-                ragged = _gather_ragged(units, sel, field.name)
+                ragged = _gather_ragged(parts, sel)
                 if ragged is not None:
                     out[field.name] = ragged
                     continue
-            col = _arrow_column(units, sel, field)
+            col = gather_arrow(parts, sel)
         if is_tensor_type(field.type):
             _check_nulls(field.name, col, units)
             out[field.name] = tensor_numpy(col)
@@ -153,24 +154,11 @@ def gather_columns(
     return out
 
 
-def _gather_ragged(units: Sequence[Packed], sel: Selection, name: str) -> Ragged | None:
+def _gather_ragged(parts: list[pa.Array], sel: Selection) -> Ragged | None:
     """A list column's rows with one copy of their values (None: the general path)."""
-    parts = []
-    for unit in units:
-        col = unit.table.column(name)  # never packed
-        parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
     runs = np.diff([0, *(b for _, b in sel.bounds)])
     unit = np.repeat(np.asarray(sel.unit, np.int64), runs)[sel.inverse]
     return gather_ragged(parts, unit, sel.local[sel.inverse])
-
-
-def gather_table(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) -> pa.Table:
-    """The batch as an Arrow table with the columns' own types (for the row path)."""
-    sel = select([u.num_rows for u in units], take)
-    arrays = [
-        _arrow_column(units, sel, field) if units else pa.array([], field.type) for field in schema
-    ]
-    return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:

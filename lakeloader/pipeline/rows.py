@@ -15,7 +15,7 @@ import torch
 
 from lakeloader.cache.arrays import blocking_nulls, fixed_shape, is_ragged_type, ragged_numpy
 from lakeloader.cache.packed import Packed, Selection, gather_arrow, select, tensor_numpy
-from lakeloader.pipeline.collate import Transform, gather_table, python_values, to_tensor
+from lakeloader.pipeline.collate import Transform, python_values, to_tensor, unit_parts
 from lakeloader.randomness import drawing
 
 
@@ -48,8 +48,8 @@ def gather_rows(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) ->
 
     A number column without nulls goes through numpy (the same values as ``to_pylist``).
     """
-    if any(u.rows is not None for u in units) or not units:  # none on the row path
-        return to_rows(gather_table(units, take, schema))
+    if not units:
+        return []
     sel = select([u.num_rows for u in units], take)
     columns = [_column(units, sel, field) for field in schema]
     names = schema.names  # once: pyarrow builds this list anew at each access
@@ -58,10 +58,7 @@ def gather_rows(units: Sequence[Packed], take: np.ndarray, schema: pa.Schema) ->
 
 def _column(units: Sequence[Packed], sel: Selection, field: pa.Field) -> list[Any]:
     """One column's values for the batch's rows, in batch order."""
-    chunks = []
-    for unit in units:
-        col = unit.table.column(field.name)
-        chunks.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
+    chunks = unit_parts(units, field)
     typ = field.type
     numbers = pa.types.is_integer(typ) or pa.types.is_float32(typ) or pa.types.is_float64(typ)
     if numbers and not any(c.null_count for c in chunks):

@@ -58,8 +58,6 @@ class Store:
     """One epoch of one leaf: its unit store, and a builder of its slot ranges.
 
     Args:
-        spec: The epoch's pass.
-        reader: Reads its units.
         folder: The pass's folder (the store makes its own inside).
         arena: The pass's arena (None when nothing is packed).
         decodes: The workers' decodes of the pass, or the loader's threads.
@@ -114,12 +112,9 @@ class Stores:
     """The stores of one pass (closed with the pass, the loader, or when collected).
 
     Args:
-        leaves: The lakes the pass reads.
-        options: The loader's options.
         topology: The topology the stores' steps are cut for (a mixture's or a packed
             stream's stores read slot ranges: one rank of one).
         unit_dir: The loader's folder for decoded units.
-        pool: The DataLoader's workers, or None.
         layout: How rows are packed into the arena (the same for every leaf), or None: rows
             go to the user's code and nothing is packed.
         workers_decode: Whether the workers decode (else, with a pool, they build batches).
