@@ -55,11 +55,6 @@ class MixWeights:
         total = float(sum(weights[n] for n in names))
         return cls(names, tuple(float(weights[n]) / total for n in names))
 
-    def thresholds(self) -> np.ndarray:
-        """Upper ends of the sources' shares of ``[0, 2**64)``, as uint64 (the last is open)."""
-        ends = np.cumsum(self.shares)[:-1] * _ONE
-        return np.minimum(ends, _ONE - 1).astype(np.uint64)
-
 
 def _positive(value: object) -> bool:
     """Whether a weight is a finite number above 0 (booleans are not weights)."""
@@ -91,7 +86,8 @@ def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.n
     index = np.arange(first, first + count, dtype=np.uint64)
     with np.errstate(over="ignore"):  # wrapping is the point: arithmetic modulo 2**64
         x = index * GOLDEN_STEP + phase(seed)
-    return count_reached(x, weights.thresholds(), scan_up_to=8)
+    ends = np.cumsum(weights.shares)[:-1] * _ONE  # the sources' shares of [0, 2**64)
+    return count_reached(x, np.minimum(ends, _ONE - 1).astype(np.uint64), scan_up_to=8)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,7 @@
 """Fixed-size steps under quarantine (``LakeDataset(on_error="skip", backfill=True)``).
 
-Global step ``k`` is the first ``G`` rows not quarantined from its position ``p_k``, in slot
-order. Every rank reads the whole global step (a one-rank pass) and takes its share
-(:func:`rank_bounds`), so the steps are the same under every topology; batches are cut and
-joined column by column (tensors, nested tensors, padded lists, Python lists).
+Each rank cuts its share of a one-rank pass over the whole global steps (see docs/design.md);
+batches are cut and joined column by column (tensors, nested tensors, padded lists, lists).
 """
 
 from __future__ import annotations
@@ -209,8 +207,6 @@ class Backfill:
         inner: The one-rank pass (``G`` slots a step, quarantined rows left out).
         inner_tracker: Its tracker (its position is the end of the steps it gave).
         tracker: The loader's tracker, moved by this pass's steps.
-        plan: The epoch's plan.
-        snapshot: The epoch's snapshot.
         topology: The loader's topology (its share of each step).
         drop_last: Whether a short last step is left out (its rows counted dropped).
         list_format: How list columns are laid out.

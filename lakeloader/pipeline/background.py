@@ -1,9 +1,7 @@
 """Building batches ahead in a background thread of the loader's process, when that pays.
 
-:class:`ThreadBuilder` builds the next steps in a thread while the training loop spends time
-of its own between ``next()`` calls, and in place when the loop asks again at once (handing
-steps over would then only add cost and GIL contention). Batches are delivered strictly in
-step order either way, and a step's error is raised when that step is asked for.
+Batches are delivered in step order either way, a step's error raised when that step is asked
+for; docs/design.md says when the thread builds ahead and why.
 """
 
 from __future__ import annotations
@@ -94,7 +92,6 @@ class ThreadBuilder:
         self._built: dict[int, Payload | BaseException] = {}
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
-        # A daemon thread: one blocked waiting for a unit must not hold up the interpreter's exit.
         self._thread = threading.Thread(target=self._run, name="lakeloader-build", daemon=True)
         self._thread.start()
         self._next = 0  # the next step to hand to the thread

@@ -1,7 +1,6 @@
 """Finalisers that never deadlock: a loader collected by the garbage collector closes elsewhere.
 
-The collector runs finalisers in whichever thread allocates, holding its locks, where closing
-a pass can deadlock; there a close is only queued for one daemon thread of the process.
+See docs/design.md (Release) for why a close is queued for one daemon thread of the process.
 """
 
 from __future__ import annotations

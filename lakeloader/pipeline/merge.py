@@ -17,11 +17,7 @@ def merge_columns(
 ) -> dict[str, Any]:
     """One batch of ``num_rows`` rows: row ``r`` of part ``j`` goes to row ``dests[j][r]``.
 
-    Args:
-        parts: Columnar payloads with the same columns.
-        dests: For each part, the batch row of each of its rows (together a permutation of
-            ``range(num_rows)``).
-        num_rows: Rows of the batch.
+    The parts have the same columns; ``dests`` together are a permutation of ``range(num_rows)``.
 
     >>> a = {"x": np.array([10, 11]), "s": ["p", "q"]}
     >>> b = {"x": np.array([20]), "s": ["r"]}
@@ -45,7 +41,15 @@ def _merge(values: list[Any], dests: Sequence[np.ndarray], num_rows: int) -> Any
             out[dest] = value
         return out
     if isinstance(first, Ragged):
-        return _merge_ragged(values, dests, num_rows)
+        lengths = np.zeros(num_rows, dtype=np.int64)
+        for value, dest in zip(values, dests, strict=True):
+            lengths[dest] = value.lengths
+        offsets = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        inner = np.empty((int(offsets[-1]), *first.values.shape[1:]), dtype=first.values.dtype)
+        for value, dest in zip(values, dests, strict=True):
+            inner[expand_runs(offsets[dest], value.lengths, 1)] = value.values
+        return Ragged(inner, offsets)
     if isinstance(first, list):
         rows: list[Any] = [None] * num_rows
         for value, dest in zip(values, dests, strict=True):
@@ -60,16 +64,3 @@ def _merge(values: list[Any], dests: Sequence[np.ndarray], num_rows: int) -> Any
         where[np.concatenate(list(dests))] = np.arange(num_rows)
         return whole.take(pa.array(where))
     raise TypeError(f"cannot merge a batch column of type {type(first).__name__}")
-
-
-def _merge_ragged(values: list[Ragged], dests: Sequence[np.ndarray], num_rows: int) -> Ragged:
-    lengths = np.zeros(num_rows, dtype=np.int64)
-    for value, dest in zip(values, dests, strict=True):
-        lengths[dest] = value.lengths
-    offsets = np.zeros(num_rows + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    inner = values[0].values
-    out = np.empty((int(offsets[-1]), *inner.shape[1:]), dtype=inner.dtype)
-    for value, dest in zip(values, dests, strict=True):
-        out[expand_runs(offsets[dest], value.lengths, 1)] = value.values
-    return Ragged(out, offsets)

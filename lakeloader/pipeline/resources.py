@@ -1,8 +1,4 @@
-"""What a loader holds outside Python's memory, and its release on every exit but SIGKILL.
-
-:class:`LoaderResources` owns a loader's workers and its folder of decoded units, and releases
-them on ``close()``, when the loader is collected, and at interpreter exit.
-"""
+"""What a loader holds outside Python's memory, and its release on every exit but SIGKILL."""
 
 from __future__ import annotations
 

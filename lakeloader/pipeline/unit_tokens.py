@@ -45,8 +45,6 @@ class EpochTokens:
         store: The epoch's unit store (a packed source's plan: one partition, one piece per
             unit, rows in file order).
         stream: Where the epoch's units' tokens lie.
-        packing: How samples are cut.
-        transform: The source's row transform, or None.
         check: Called with each unit read: (unit, tokens got, tokens counted, epoch).
         threads: Where a unit requested is made into tokens once it is decoded (without a
             row ``transform``, which runs in the caller's thread).

@@ -66,7 +66,6 @@ class WorkerDecodes:
     Args:
         pool: The workers (started).
         options: The loader's options (the byte budget, work per worker ahead).
-        generation: The pass's generation of the pool.
     """
 
     def __init__(self, pool: WorkerPool, options: LoaderOptions, generation: int) -> None:
@@ -101,7 +100,6 @@ class StoreDecodes:
     """One unit store's decodes through the pass's :class:`WorkerDecodes`.
 
     Args:
-        workers: The pass's worker decodes.
         decoder: The index of the store's decoder among the workers'.
     """
 
