@@ -74,13 +74,7 @@ def phase(seed: int) -> np.uint64:
 
 
 def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.ndarray:
-    """The source (an index into ``weights.names``) of slots ``first .. first + count - 1``.
-
-    >>> w = MixWeights.of({"a": 0.5, "b": 0.3, "c": 0.2})
-    >>> s = slot_sources(w, seed=0, first=0, count=10_000)
-    >>> [round(float((s == k).mean()), 3) for k in range(3)]
-    [0.5, 0.3, 0.2]
-    """
+    """The source (an index into ``weights.names``) of slots ``first .. first + count - 1``."""
     if first < 0 or count < 0:
         raise ValueError(f"slots must be non-negative; got first={first}, count={count}")
     index = np.arange(first, first + count, dtype=np.uint64)
@@ -106,13 +100,7 @@ class MixCursor:
     counts: Mapping[str, int]
 
     def take(self, weights: MixWeights, seed: int, count: int) -> tuple[MixDraw, MixCursor]:
-        """Draw the next ``count`` slots under ``weights``; the draw and the cursor after it.
-
-        >>> w = MixWeights.of({"a": 1, "b": 1})
-        >>> draw, after = MixCursor(0, {}).take(w, seed=0, count=6)
-        >>> after.slot, sum(after.counts.values())
-        (6, 6)
-        """
+        """Draw the next ``count`` slots under ``weights``; the draw and the cursor after it."""
         sources = slot_sources(weights, seed, self.slot, count)
         names = weights.names
         # Each slot's offset: its source's count so far plus its rank among that source's slots.
@@ -148,10 +136,6 @@ class MixDraw:
 
         A source that runs out goes on with its next epoch: offset ``j`` of a source of ``n``
         rows is position ``j % n`` of its epoch ``j // n``.
-
-        >>> draw, _ = MixCursor(0, {"a": 3}).take(MixWeights.of({"a": 1}), seed=0, count=4)
-        >>> [e.tolist() for e in draw.epochs([4])]
-        [[0, 1, 1, 1], [3, 0, 1, 2]]
         """
         sizes = np.asarray(rows, dtype=np.int64)[self.sources]
         if (sizes <= 0).any():

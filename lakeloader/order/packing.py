@@ -41,12 +41,6 @@ class TokenStream:
         ends: Token end of each unit, in the epoch's unit order (its counts summed up).
         bounds: First token of each stream, plus ``T``.
         seq_len: Tokens per sample (``L``).
-
-    >>> s = TokenStream.of(np.array([5, 4, 6]), streams=2, seq_len=4)
-    >>> s.bounds.tolist(), s.sizes.tolist(), s.num_samples
-    ([0, 7, 15], [2, 2], 4)
-    >>> [x.tolist() for x in s.spans(*s.locate(np.arange(4)))]
-    [[0, 7, 4, 11], [4, 11, 7, 15]]
     """
 
     ends: np.ndarray

@@ -48,12 +48,7 @@ class Units:
 
 
 def make_units(row_group_rows: Sequence[Sequence[int]], max_unit_rows: int) -> Units:
-    """Cut every row group into units of at most ``max_unit_rows`` rows.
-
-    >>> u = make_units([[5, 0], [], [3]], max_unit_rows=2)
-    >>> u.file_index.tolist(), u.row_start.tolist(), u.num_rows.tolist()
-    ([0, 0, 0, 2, 2], [0, 2, 4, 0, 2], [2, 2, 1, 2, 1])
-    """
+    """Cut every row group into units of at most ``max_unit_rows`` rows."""
     if max_unit_rows < 1:
         raise ValueError(f"max_unit_rows must be >= 1, got {max_unit_rows}")
     counts = [len(rgs) for rgs in row_group_rows]
@@ -94,20 +89,13 @@ def partition_starts(num_rows: int, num_partitions: int) -> np.ndarray:
     """Virtual-row start of each partition, plus ``num_rows`` at the end.
 
     Partition ``c`` holds ``ceil((N - c) / C)`` rows, so sizes differ by at most one.
-
-    >>> partition_starts(10, 4).tolist()
-    [0, 3, 6, 8, 10]
     """
     sizes = partition_consumed(num_rows, num_partitions)
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 def partition_consumed(position: int, num_partitions: int) -> np.ndarray:
-    """Rows each partition has given after ``position`` global slots: ``#{j < G : j % C == c}``.
-
-    >>> partition_consumed(10, 4).tolist()
-    [3, 3, 2, 2]
-    """
+    """Rows each partition has given after ``position`` global slots: ``#{j < G : j % C == c}``."""
     c = np.arange(num_partitions, dtype=np.int64)
     return np.maximum(position - c + num_partitions - 1, 0) // num_partitions
 
@@ -296,13 +284,7 @@ def batch_runs(
 
 
 def batch_slots(start: int, stop: int, num_partitions: int) -> np.ndarray:
-    """Slots of the global batch ``[start, stop)``, partition-major (partition 0's first).
-
-    >>> batch_slots(4, 12, 4).tolist()
-    [4, 8, 5, 9, 6, 10, 7, 11]
-    >>> batch_slots(5, 12, 4).tolist()
-    [8, 5, 9, 6, 10, 7, 11]
-    """
+    """Slots of the global batch ``[start, stop)``, partition-major (partition 0's first)."""
     first, counts = batch_runs(np.array([start]), np.array([stop]), num_partitions)
     return expand_runs(first[0], counts[0], num_partitions)
 
@@ -321,20 +303,13 @@ def rank_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
 
     A full batch splits in equal blocks; a short last batch as evenly as possible (the first
     ``length % world_size`` ranks get one row more).
-
-    >>> [rank_bounds(10, 4, r) for r in range(4)]
-    [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
     lo, hi = rank_bounds_many(length, world_size, rank)
     return int(lo), int(hi)
 
 
 def steps_in_epoch(position: int, num_rows: int, global_batch: int, drop_last: bool) -> int:
-    """Global steps left from ``position`` (a short last batch counts unless dropped).
-
-    >>> [steps_in_epoch(g, 10, 4, drop) for g, drop in [(0, False), (0, True), (10, False)]]
-    [3, 2, 0]
-    """
+    """Global steps left from ``position`` (a short last batch counts unless dropped)."""
     left = max(0, num_rows - position)
     return left // global_batch if drop_last else -(-left // global_batch)
 

@@ -40,14 +40,7 @@ AWAY_CAP: Final = 2.0
 class Pace:
     """How long the training loop stays away between two ``next()`` calls (moving average).
 
-    Times are passed in (seconds on one monotonic clock). Example:
-
-    >>> pace = Pace()
-    >>> for step in range(40):  # 2 ms of compute per step
-    ...     pace.returned(step * 0.002)
-    ...     pace.asked(step * 0.002 + 0.00195)
-    >>> pace.builds_ahead
-    True
+    Times are passed in (seconds on one monotonic clock).
     """
 
     def __init__(self) -> None:

@@ -63,11 +63,7 @@ def _after_fork_in_child() -> None:
 
 
 def prepare() -> None:
-    """Start the closing thread if it is not running (never from a finaliser: it starts one).
-
-    >>> prepare(); done = threading.Event(); close_safely(done.set); done.wait(5)
-    True
-    """
+    """Start the closing thread if it is not running (never from a finaliser: it starts one)."""
     if _state.thread is None or not _state.thread.is_alive():
         _state.thread = threading.Thread(
             target=_serve, args=(_state.queue,), name="lakeloader-close", daemon=True
