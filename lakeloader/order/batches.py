@@ -123,16 +123,6 @@ def batch_specs(
 
     Raises:
         ValueError: On a bad argument, or a step that has no slot of the epoch.
-
-    >>> from lakeloader.order.plan import make_units, plan_epoch
-    >>> plan = plan_epoch(
-    ...     make_units([[3, 4]], 4), seed=0, epoch=0, shuffle=False, num_partitions=2, window=2
-    ... )
-    >>> specs = batch_specs(
-    ...     plan, first_step=1, num_steps=2, start=1, global_batch=2, world_size=1, rank=0
-    ... )
-    >>> [(s.step, s.positions.tolist(), s.take.tolist(), s.row.tolist()) for s in specs]
-    [(1, [0, 2], [2, 4], [2, 1]), (2, [1, 2], [0, 3], [0, 2])]
     """
     if global_batch < 1 or num_steps < 0:
         raise ValueError(f"need global_batch >= 1, num_steps >= 0: {global_batch}, {num_steps}")

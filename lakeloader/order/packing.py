@@ -135,17 +135,10 @@ def step_shares(
     """A rank's samples of consecutive global steps.
 
     Each step's samples are sorted by source, epoch, stream and sample, so that a share reads
-    few units, and the rank takes its :func:`~lakeloader.order.plan.rank_bounds` slice.
-
-    Args:
-        sources: The source of each of the steps' samples, as drawn: ``global_batch`` a step.
-        offsets: Each sample's index in its source's endless stream.
-        epochs: Each sample's epoch of its source.
-        places: Its index among that epoch's samples.
-        stream_of: The :class:`TokenStream` of each ``(source, epoch)`` the steps reach.
-        global_batch: Samples of a step.
-        world_size: Ranks.
-        rank: This rank.
+    few units, and the rank takes its :func:`~lakeloader.order.plan.rank_bounds` slice. Each
+    sample drawn (``global_batch`` a step) has its source, its index in that source's endless
+    stream (``offsets``), its epoch of the source and its index among that epoch's samples
+    (``places``); ``stream_of`` holds the stream of each ``(source, epoch)`` the steps reach.
 
     >>> s = TokenStream.of(np.array([8, 8]), streams=2, seq_len=4)
     >>> (share,) = step_shares(*[np.zeros(4, int), np.arange(4)] * 2, {(0, 0): s}, 4, 2, 1)

@@ -227,7 +227,7 @@ class Stores:
     def reap(self) -> None:
         """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
         if self.workers is not None:
-            self.workers.reap()
+            self.workers.dispatcher.reap()
 
     def close(self, wait: bool = True) -> None:
         """Stop decoding; drop every store's units; delete the folder (idempotent)."""
@@ -251,7 +251,7 @@ def _close(
         store.close(wait)
     stores.clear()
     if workers is not None:
-        workers.close(wait)
+        workers.dispatcher.close(wait)  # stop sending; cancel queued decodes
     threads.shutdown(wait=wait, cancel_futures=True)
     if arena is not None:
         arena.close()

@@ -47,12 +47,9 @@ def _footers(ds: LakeDataset) -> np.ndarray | None:
     """The counts from the footers, or None where they cannot say."""
     assert ds.packing is not None
     units, files, column = ds.units, ds.snapshot.files, ds.packing.column
-    whole = units.row_start == 0
-    for i in np.flatnonzero(whole):
-        whole[i] = (
-            units.num_rows[i] == files[units.file_index[i]].row_group_rows[units.row_group[i]]
-        )
-    if not whole.all() or any(f.deleted for f in files):
+    groups = list(zip(units.file_index.tolist(), units.row_group.tolist(), strict=True))
+    whole = units.num_rows.tolist() == [files[f].row_group_rows[g] for f, g in groups]
+    if units.row_start.any() or not whole or any(f.deleted for f in files):
         return None
 
     def of_file(index: int) -> list[int] | None:
@@ -78,15 +75,8 @@ def _footers(ds: LakeDataset) -> np.ndarray | None:
     found = per_file(ds.fs, of_file, range(len(files)))
     if any(f is None for f in found):
         return None
-    by_group = {(i, rg): n for i, counts in enumerate(found) for rg, n in enumerate(counts or ())}
-    values = np.fromiter(
-        (
-            by_group[(int(f), int(g))]
-            for f, g in zip(units.file_index, units.row_group, strict=True)
-        ),
-        dtype=np.int64,
-        count=len(units),
-    )
+    counts = [c or [] for c in found]
+    values = np.array([counts[f][g] for f, g in groups], dtype=np.int64)
     out: np.ndarray = values + units.num_rows * (ds.packing.eos_id is not None)
     return out
 

@@ -87,14 +87,6 @@ class WorkerDecodes:
         self._stores.append((store, counters))
         return (len(self._stores) - 1) * STORE_KEYS
 
-    def reap(self) -> None:
-        """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
-        self.dispatcher.reap()
-
-    def close(self, wait: bool) -> None:
-        """Stop sending; cancel queued decodes."""
-        self.dispatcher.close(wait)
-
 
 class StoreDecodes:
     """One unit store's decodes through the pass's :class:`WorkerDecodes`.
