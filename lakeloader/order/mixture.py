@@ -1,8 +1,6 @@
 """Which source each global slot of a mixture comes from: a pure function of seed, weights, slot.
 
-Slot ``i`` goes to the source whose share of ``[0, 1)`` holds ``frac(i * g + theta)`` (``g`` the
-golden ratio's conjugate, ``theta`` from the seed), in 64-bit fixed point: a Kronecker
-sequence, the same whatever the world size, workers or batch split (see docs/design.md).
+The sequence (a Kronecker sequence in 64-bit fixed point) is described in docs/design.md.
 """
 
 from __future__ import annotations

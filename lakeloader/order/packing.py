@@ -1,9 +1,6 @@
 """Packed token streams: which tokens make each sample, under any world size and batch (pure).
 
-An epoch's tokens (units in the epoch's order, rows in file order, each row's tokens then
-``eos_id``) are cut into ``C`` contiguous streams, each stream into samples of ``L`` tokens.
-Sample ``j`` is sample ``j // C`` of stream ``j % C`` while every stream has one, then the
-longer streams' last samples (see docs/design.md).
+The streams and their samples are described in docs/design.md (Packed streams).
 """
 
 from __future__ import annotations

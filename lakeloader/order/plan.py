@@ -1,9 +1,4 @@
-"""The order of an epoch: pure functions over numpy arrays, no I/O (see docs/design.md).
-
-Units are permuted by ``(seed, epoch)`` into a virtual sequence of ``N`` rows, cut into ``C``
-partitions; global slot ``j`` is position ``j // C`` of partition ``j % C``, positions shuffled
-within windows of ``window`` rows. A global batch is a slot range, ordered partition-major.
-"""
+"""The order of an epoch: pure functions over numpy arrays, no I/O (see docs/design.md)."""
 
 from __future__ import annotations
 

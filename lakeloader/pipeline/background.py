@@ -25,12 +25,11 @@ from lakeloader.signals import main_thread_only
 _T = TypeVar("_T")
 
 #: The loop's time between ``next()`` calls (a moving average) from which steps are built in
-#: the thread: below it, building in place is faster than handing steps over.
+#: the thread.
 BUILD_AHEAD_AWAY_SECONDS: Final = 250e-6
 #: Weight of the latest interval in that moving average.
 AWAY_WEIGHT: Final = 0.1
-#: Batches handed over that the builder keeps referenced, the newest ones: the loop holds the
-#: last one, and maybe the one before while it rebinds its variable.
+#: Batches handed over that the builder keeps referenced (the newest ones; see docs/design.md).
 KEPT_HANDED: Final = 2
 #: Longest interval the average takes in, as a multiple of the threshold (so that one pause
 #: of a tight loop moves the average by at most a fifth of the threshold).
@@ -123,10 +122,8 @@ class ThreadBuilder:
     def top_up(self, next_step: int, batch: Any) -> None:
         """Keep the thread ``prefetch_factor`` to twice that many steps ahead of ``next_step``.
 
-        Called once ``batch`` is handed over; does nothing while the loop asks again at once
-        (its :class:`Pace`). Steps are handed over ``prefetch_factor`` at a time. The builder
-        keeps ``batch`` referenced, so that the thread, not the loop, frees the batches the
-        loop is done with (all but the newest :data:`KEPT_HANDED`).
+        Called once ``batch`` is handed over (kept referenced: see :data:`KEPT_HANDED`); does
+        nothing while the loop asks again at once (its :class:`Pace`).
         """
         self._next = max(self._next, next_step)
         self._pace.returned(time.perf_counter())

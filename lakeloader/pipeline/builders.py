@@ -1,8 +1,7 @@
 """Building a step's batch: in the loader's process, or in the workers for a transform.
 
-A builder waits for a step's units, leaves quarantined units out and returns the payload that
-:func:`~lakeloader.pipeline.recipe.finish_payload` turns into the batch. When the workers
-build, step ``k`` of the pass goes to worker ``k mod W``, a few steps ahead of delivery.
+A builder returns the payload that :func:`~lakeloader.pipeline.recipe.finish_payload` turns
+into the batch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The row path: rows as dicts, as torch's DataLoader hands them to a ``transform``.
-
-A row's array columns are tensors (views of the batch's arrays), its other values Python
-values; an array column holding nulls its tensor cannot hold comes as Python lists.
-"""
+"""The row path: rows as dicts, as torch's DataLoader hands them to a ``transform``."""
 
 from __future__ import annotations
 

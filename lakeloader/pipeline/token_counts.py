@@ -1,8 +1,7 @@
 """How many tokens each unit of a packed lake holds: from the footers, or counted once.
 
-The footers' value counts less null counts give them when every unit is a whole row group, no
-row is filtered out or deleted, no row transform runs and the footers record null counts;
-otherwise each unit is read once to be counted (its transform run with epoch 0's row seeds).
+When the footers can say is given in docs/design.md (Packed streams); a count read runs the
+unit's transform with epoch 0's row seeds.
 """
 
 from __future__ import annotations

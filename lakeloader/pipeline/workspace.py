@@ -1,8 +1,4 @@
-"""What a pass is (:class:`PassSpec`), and its decodes in the DataLoader's workers.
-
-:class:`WorkerDecodes` is one dispatcher of decode tasks for every unit store a pass reads;
-:class:`StoreDecodes` is one store's share of it.
-"""
+"""What a pass is (:class:`PassSpec`), and its decodes in the DataLoader's workers."""
 
 from __future__ import annotations
 
@@ -39,10 +35,7 @@ class PassSpec:
     """What one pass over an epoch is: the plan, where it starts, and how it runs.
 
     Attributes:
-        plan: The epoch's plan.
         start: The global slot the pass starts at (the position G).
-        options: The loader's options.
-        topology: The loader's topology.
         screening: What to do with units that fail or are rejected, and those known skipped.
         layout: How tensor-typed columns are packed (None: rows go to a transform or a
             collate_fn and nothing is packed).
