@@ -17,6 +17,7 @@ from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
+    expand_runs,
     rank_bounds,
     slots_to_virtual,
     virtual_to_piece,
@@ -121,10 +122,8 @@ def _take_nested(value: Any, rows: np.ndarray) -> torch.Tensor:
     """Rows of a jagged nested tensor, from its values and offsets (no row by row work)."""
     offsets = value.offsets().numpy()
     starts, lengths = offsets[rows], np.diff(offsets)[rows]
-    ends = np.cumsum(lengths)
-    within = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)
-    values = value.values()[torch.from_numpy(np.repeat(starts, lengths) + within)]
-    edges = torch.from_numpy(np.concatenate([[0], ends]).astype(np.int64))
+    values = value.values()[torch.from_numpy(expand_runs(starts, lengths, 1))]
+    edges = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     return torch.nested.nested_tensor_from_jagged(values, edges)
 
 
