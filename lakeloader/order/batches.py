@@ -77,10 +77,8 @@ _DENSE_SPAN_PER_VALUE = 16
 def _unique_inverse(values: np.ndarray, span: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(values, return_inverse=True)`` by one sort, or no sort at all.
 
-    Args:
-        values: Integers to make unique.
-        span: If given, every value lies in ``[0, span)``; when that range is small, the values
-            are found by flagging them rather than by sorting them.
+    With ``span``, every value lies in ``[0, span)``; when that range is small, the values are
+    found by flagging them rather than by sorting them.
     """
     if span is not None and span <= _DENSE_SPAN_PER_VALUE * len(values) + 4096:
         seen = np.zeros(span, dtype=bool)

@@ -201,7 +201,6 @@ class PartTable:
     Attributes:
         shares: The source of each row of each share, ``(steps, rows of a share)``.
         step: Each part's step (index among the steps planned).
-        source: Its source.
         epoch: Its source's epoch.
         start: Its first position in that epoch's order.
         stop: One past its last.

@@ -109,7 +109,6 @@ class EpochPlan:
         piece_start: First row of each piece inside its unit.
         offsets: Virtual start row of each piece, plus N at the end.
         starts: Virtual start row of each partition, plus N at the end.
-        shuffle: Whether windows are shuffled.
     """
 
     units: Units

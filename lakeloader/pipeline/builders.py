@@ -80,12 +80,9 @@ class LocalBuilder:
     ) -> Screened:
         """The step's units without quarantined ones, its rows renumbered to match.
 
-        Args:
-            step: The step.
-            deadline: When waiting for its units must end (``time.monotonic()``), or None:
-                the loader's ``timeout`` from now.
-            views: Whether string columns may come from their views in the arena (only this
-                process holds the buffers they point into).
+        Waits for the units until ``deadline`` (``time.monotonic()``; None: the loader's
+        ``timeout`` from now). ``views``: whether string columns may come from their views in
+        the arena (only this process holds the buffers they point into).
 
         Raises:
             RuntimeError: If the units are not decoded within the loader's ``timeout``.

@@ -45,7 +45,6 @@ class Leaf(NamedTuple):
             epoch is read from its successor, ``dataset.for_epoch(epoch)``).
         reader: Reads its units (its counters are the loader's).
         known: Units already quarantined (from the loaded state): skipped without reading.
-        recipe: How its rows become a batch.
     """
 
     dataset: LakeDataset
@@ -114,7 +113,6 @@ class Stores:
     Args:
         topology: The topology the stores' steps are cut for (a mixture's or a packed
             stream's stores read slot ranges: one rank of one).
-        unit_dir: The loader's folder for decoded units.
         layout: How rows are packed into the arena (the same for every leaf), or None: rows
             go to the user's code and nothing is packed.
         workers_decode: Whether the workers decode (else, with a pool, they build batches).
