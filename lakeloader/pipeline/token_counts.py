@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
 from lakeloader.errors import LakeDataError
@@ -20,7 +18,7 @@ from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.per_file import per_file
 from lakeloader.lake.snapshot import PROGRESS_MIN_FILES
 from lakeloader.pipeline.rows import to_rows, transform_rows
-from lakeloader.pipeline.unit_tokens import row_lists
+from lakeloader.pipeline.unit_tokens import arrow_lists, row_lists
 from lakeloader.randomness import slot_seeds
 from lakeloader.signals import main_thread_only
 
@@ -102,10 +100,9 @@ def _counted(ds: LakeDataset) -> np.ndarray:
             seeds = slot_seeds(ds.config.seed, 0, starts[u] + np.arange(len(table), dtype=np.int64))
             lists = transform_rows(to_rows(table), ds.transform, seeds)
             _, offsets = row_lists(lists, packing.column)
-            tokens = int(offsets[-1])
-        else:
-            tokens = _list_tokens(table.column(packing.column), packing.column)
-        return tokens + len(table) * (packing.eos_id is not None)
+        else:  # a null list holds no token
+            _, offsets = arrow_lists(table.column(packing.column), packing.column)
+        return int(offsets[-1] - offsets[0]) + len(table) * (packing.eos_id is not None)
 
     show = len(units) >= PROGRESS_MIN_FILES
     with ThreadPoolExecutor(COUNT_THREADS, initializer=main_thread_only) as pool:
@@ -119,16 +116,6 @@ def _counted(ds: LakeDataset) -> np.ndarray:
             )
         )
     return np.asarray(counted, dtype=np.int64)
-
-
-def _list_tokens(col: Any, column: str) -> int:
-    """Items in a list column (a null list holds none)."""
-    typ = col.type
-    if pa.types.is_fixed_size_list(typ):
-        return int(typ.list_size) * (len(col) - int(col.null_count))
-    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
-        return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
-    raise TypeError(f"packing needs a list column of integers; {column!r} is {typ}")
 
 
 def check_count(ds: LakeDataset, unit: int, got: int, expected: int, epoch: int) -> None:

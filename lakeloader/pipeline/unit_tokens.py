@@ -137,7 +137,7 @@ class EpochTokens:
             values, offsets = row_lists(rows, packing.column)
         elif (units := builder.units(screened)) and packing.column in units[0].table.column_names:
             # the unit's rows in file order: its Arrow column as it is
-            values, offsets = _arrow_lists(units[0].table[packing.column], packing.column)
+            values, offsets = arrow_lists(units[0].table[packing.column], packing.column)
         else:  # a fixed-size list packed into the arena
             kind, columns = builder.build(spec)
             assert kind == COLUMNS
@@ -149,7 +149,7 @@ class EpochTokens:
         return UnitTokens(tokens, positions, False), ()
 
 
-def _arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarray]:
+def arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarray]:
     """A unit's list column of integers, without a copy: values end to end, and offsets."""
     arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if pa.types.is_fixed_size_list(arr.type):
