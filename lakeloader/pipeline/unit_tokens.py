@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from lakeloader.cache.arrays import Ragged
 from lakeloader.errors import ColumnNotFoundError
 from lakeloader.order.batches import BatchSpec, partition_specs
 from lakeloader.order.packing import TokenStream, separated
@@ -138,10 +137,17 @@ class EpochTokens:
         elif (units := builder.units(screened)) and packing.column in units[0].table.column_names:
             # the unit's rows in file order: its Arrow column as it is
             values, offsets = arrow_lists(units[0].table[packing.column], packing.column)
-        else:  # a fixed-size list packed into the arena
+        else:  # a fixed-size list packed into the arena (a list column never is)
             kind, columns = builder.build(spec)
             assert kind == COLUMNS
-            values, offsets = _column_lists(columns[packing.column], packing.column)
+            value = columns[packing.column]
+            if not isinstance(value, np.ndarray) or value.ndim != 2:
+                raise TypeError(
+                    f"packing needs a list column of integers; {packing.column!r} is "
+                    f"{type(value).__name__} in the batch"
+                )
+            values = value.reshape(-1)
+            offsets = np.arange(len(value) + 1, dtype=np.int64) * value.shape[1]
             builder.skipped.pop(spec.step)
         tokens, positions = separated(values, offsets, packing.eos_id)
         self._check(int(self.plan.order[pos]), len(tokens), expected, self.plan.epoch)
@@ -163,19 +169,6 @@ def arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarr
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         raise TypeError(f"packing needs a list column of integers; {column!r} is {arr.type}")
     return arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy()
-
-
-def _column_lists(value: Any, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """A batch's list column of integers: values end to end, and offsets."""
-    if isinstance(value, Ragged):
-        return value.values.reshape(len(value.values)), value.offsets
-    if isinstance(value, np.ndarray) and value.ndim == 2:  # a fixed-size list
-        width = value.shape[1]
-        return value.reshape(-1), np.arange(len(value) + 1, dtype=np.int64) * width
-    raise TypeError(
-        f"packing needs a list column of integers; {column!r} is {type(value).__name__} in "
-        "the batch"
-    )
 
 
 def row_lists(rows: Sequence[Any], column: str) -> tuple[np.ndarray, np.ndarray]:
