@@ -137,8 +137,10 @@ def gather_columns(
         else:
             sel = sel or select([u.num_rows for u in units], take)
             parts = unit_parts(units, field)
-            if is_ragged_type(field.type):
-                ragged = _gather_ragged(parts, sel)
+            if is_ragged_type(field.type):  # one copy of the values (None: the general path)
+                runs = np.diff([0, *(b for _, b in sel.bounds)])
+                unit = np.repeat(np.asarray(sel.unit, np.int64), runs)[sel.inverse]
+                ragged = gather_ragged(parts, unit, sel.local[sel.inverse])
                 if ragged is not None:
                     out[field.name] = ragged
                     continue
@@ -152,13 +154,6 @@ def gather_columns(
         else:
             out[field.name] = python_values(col)
     return out
-
-
-def _gather_ragged(parts: list[pa.Array], sel: Selection) -> Ragged | None:
-    """A list column's rows with one copy of their values (None: the general path)."""
-    runs = np.diff([0, *(b for _, b in sel.bounds)])
-    unit = np.repeat(np.asarray(sel.unit, np.int64), runs)[sel.inverse]
-    return gather_ragged(parts, unit, sel.local[sel.inverse])
 
 
 def python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
