@@ -158,10 +158,6 @@ def cut_pieces(
     Returns:
         For each piece: its index in the unit sequence, its first row inside that unit, and
         the virtual start offsets (plus N at the end).
-
-    >>> seq, first, offsets = cut_pieces(np.array([4, 4]), np.array([0, 3, 6, 8]))
-    >>> seq.tolist(), first.tolist(), offsets.tolist()
-    ([0, 0, 1, 1], [0, 3, 0, 2], [0, 3, 4, 6, 8])
     """
     unit_offsets = np.concatenate([[0], np.cumsum(unit_rows)]).astype(np.int64)
     total = int(unit_offsets[-1])
