@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -19,13 +20,13 @@ logger = logging.getLogger(__name__)
 _Close = tuple[Callable[..., None], tuple[Any, ...]]
 
 
+@dataclass
 class _State:
     """The process's closing thread and its queue, and whether a collection is under way."""
 
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[_Close] = queue.SimpleQueue()  # put() is reentrant
-        self.thread: threading.Thread | None = None
-        self.collecting = False
+    queue: queue.SimpleQueue[_Close] = field(default_factory=queue.SimpleQueue)  # reentrant put
+    thread: threading.Thread | None = None
+    collecting: bool = False
 
 
 _state = _State()
