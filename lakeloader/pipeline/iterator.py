@@ -35,9 +35,10 @@ PLAN_CHUNK: Final = 64
 class PassIterator:
     """A pass's skeleton: plan steps ahead within a byte budget, deliver them in order, close.
 
-    A kind of pass gives :meth:`_plan_more` and :meth:`_deliver`, :meth:`cache_bytes` and
-    :meth:`cache_peak_bytes`, and its :attr:`lookahead`; ``part`` (its builders or threads)
-    and ``stores`` are closed with it, or when it is collected unclosed.
+    A kind of pass gives :meth:`_plan_more` (or its own :meth:`_plan_ahead`) and
+    :meth:`_deliver`, and may change :attr:`lookahead` and what :meth:`cache_bytes` counts;
+    ``part`` (its builders or threads) and ``stores`` are closed with it, or when it is
+    collected unclosed.
     """
 
     #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
