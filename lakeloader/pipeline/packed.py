@@ -123,8 +123,7 @@ class PackedIterator(PassIterator):
                     (s.stream.known[0][2], BatchRecipe(lists=s.dataset.list_format))
                 ]
             ],
-            # A thread a core: a pass begins with every stream's unit at once, and waits.
-            dataclasses.replace(options, io_threads=min(options.io_threads, cores())),
+            dataclasses.replace(options, io_threads=max(1, min(options.io_threads, cores() - 1))),
             Topology(1, 0, 0, options.batch_size),
             unit_dir,
             pool,
