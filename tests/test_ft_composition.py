@@ -482,6 +482,9 @@ def test_quarantine_step_of_a_committed_step_taken_on_another_slice(
             assert set(map(str, found[0])) <= set(map(str, loader.tracker.quarantine))
         with pytest.raises(ValueError, match=r"quarantine_step\(99\)"):
             groups.loaders["a"].quarantine_step(99)
+        for bad_step in (True, 1.0, "1"):  # True == 1: it named step 1 before
+            with pytest.raises(ValueError, match="takes a step number"):
+                groups.loaders["a"].quarantine_step(bad_step)  # type: ignore[arg-type]
         done = len(groups.committed)
         groups.run((("a", True), ("ab", False)), max_steps=200)
         rest = committed_ids(groups, done)

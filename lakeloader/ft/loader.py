@@ -262,8 +262,11 @@ class FaultTolerantLoader:
         state. Every group asks the same.
 
         Raises:
-            ValueError: If ``step`` is neither one of the last 64 committed nor to come.
+            ValueError: If ``step`` is not an int, or neither one of the last 64 committed nor
+                to come.
         """
+        if isinstance(step, bool) or not isinstance(step, int):  # True would be step 1
+            raise ValueError(f"quarantine_step(step) takes a step number, got {step!r}")
         with self._lock:
             self._settle(rollback=True)
             self._at_committed()
