@@ -357,3 +357,20 @@ def test_ranges_of_a_lake_without_rows() -> None:
         make_units(rows, 65_536), seed=1, epoch=0, shuffle=True, num_partitions=16, window=16_384
     )
     assert row_ranges(plan, snapshot, 0, 0) == []
+
+
+@pytest.mark.parametrize("kind", ["plain", "mixture"])
+def test_an_unknown_creation_time_and_version_are_null_in_json_for_every_kind(kind: str) -> None:
+    """A checkpoint without them (written before they were recorded) says null, not ""."""
+    import dataclasses
+
+    from lakeloader.cli.checkpoints import open_checkpoint
+    from lakeloader.cli.inspect import inspect_checkpoint
+    from lakeloader.cli.inspect_streams import inspect_kind
+
+    found = open_checkpoint(str(Path(__file__).parent / "fixtures" / "checkpoints" / kind))
+    ckpt = found.checkpoint
+    context = dataclasses.replace(ckpt.context, created="", library_version="")
+    ckpt = dataclasses.replace(ckpt, context=context)
+    info = inspect_checkpoint(ckpt) if kind == "plain" else inspect_kind(ckpt, [ckpt.step])
+    assert info["created"] is None and info["library_version"] is None

@@ -31,8 +31,8 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
         "path": ckpt.path,
         "step": ckpt.step,
         "steps_available": steps_available,
-        "created": ckpt.context.created,
-        "library_version": ckpt.context.library_version,
+        "created": ckpt.context.created or None,  # as a lake's report: null when unknown
+        "library_version": ckpt.context.library_version or None,
         "state_bytes": ckpt.nbytes,
         "extra_type": type(ckpt.extra).__name__,
     }
