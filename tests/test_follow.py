@@ -176,6 +176,27 @@ def test_a_delta_table_is_followed_and_compaction_delivers_nothing_twice(
     loader.close()
 
 
+def test_inspect_says_when_it_stopped_counting_the_lag(
+    table: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lakeloader.cli import inspect_follow
+    from lakeloader.cli.main import main as cli_main
+
+    loader = ll.DataLoader(ll.LakeDataset.from_delta(table, follow=FAST, **ORDER), batch_size=10)
+    next(iter(loader))
+    ll.CheckpointManager(str(tmp_path / "ckpt")).save(1, loader)
+    loader.close()
+    for k in range(3):  # three versions: three increments after the checkpoint's
+        _delta_append(table, 100 + 10 * k, 10)
+    monkeypatch.setattr(inspect_follow, "MAX_LAG_INCREMENTS", 2)
+    assert cli_main(["inspect", str(tmp_path / "ckpt")]) == 0
+    assert "in 2+ increments appended after this one" in capsys.readouterr().out
+    monkeypatch.setattr(inspect_follow, "MAX_LAG_INCREMENTS", 3)  # all of them: exact
+    assert cli_main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    lag = json.loads(capsys.readouterr().out)["lake_details"]["increment"]["lag"]
+    assert lag == {"increments": 3, "files": 6, "rows": 30, "capped": False}
+
+
 def test_a_rewrite_is_refused_under_on_rewrite_error(table: str) -> None:
     follow = ll.Follow(poll_interval=0.02, timeout=0.2, on_rewrite="error")
     loader = ll.DataLoader(ll.LakeDataset.from_delta(table, follow=follow), batch_size=10)

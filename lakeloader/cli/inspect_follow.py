@@ -40,8 +40,11 @@ def lake_details(
 
 def _lag(
     ckpt: Checkpoint, after: Increment, storage_options: dict[str, Any], retry: RetryPolicy
-) -> dict[str, int]:
-    """Files and rows appended after an increment (the increments that would follow it)."""
+) -> dict[str, Any]:
+    """Files and rows appended after an increment (the increments that would follow it).
+
+    Counting stops after :data:`MAX_LAG_INCREMENTS` increments; ``capped`` then says so.
+    """
     source: Growing
     if ckpt.snapshot.table is not None and ckpt.snapshot.table.format == "delta":
         options = tuple(sorted(delta_options(storage_options).items()))
@@ -60,7 +63,9 @@ def _lag(
         rows += snapshot.num_rows
         increments += 1
         now = snapshot.increment
-    return {"increments": increments, "files": files, "rows": rows}
+    capped = now is not None and increments == MAX_LAG_INCREMENTS
+    capped = capped and source.increment(now, request) is not None  # one more after the last
+    return {"increments": increments, "files": files, "rows": rows, "capped": capped}
 
 
 def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
@@ -70,9 +75,10 @@ def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
     if inc is not None:
         lag, behind = inc["lag"], "-"
         if lag is not None:
+            more = "+" if lag["capped"] else ""  # counting stopped: at least that many
             behind = (
-                f"{lag['files']:,} files, {lag['rows']:,} rows in {lag['increments']:,} "
-                "increments appended after this one"
+                f"{lag['files']:,}{more} files, {lag['rows']:,}{more} rows in "
+                f"{lag['increments']:,}{more} increments appended after this one"
             )
         consumed = f"{inc['index']:,} ({inc['increments_consumed']:,} consumed before it)"
         lines += [("increment", consumed), ("lag", behind)]
