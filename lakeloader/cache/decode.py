@@ -24,7 +24,6 @@ from lakeloader.io.prefetch import FetchResult, Pending
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.retry import describe
 from lakeloader.io.sparse import Fetched
-from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import OnError, QuarantineEntry, Validate, verdict
 
 logger = logging.getLogger(__name__)
@@ -199,27 +198,22 @@ class LocalDecodes:
     """Decodes in a thread pool of this process while the bytes they hold fit (one always runs).
 
     Args:
-        threads: Units decoded at once.
         limit: Bytes held by the decodes under way at most (one always runs).
         records: The arena's rows, read at each decode (it may have grown), or None.
         pool: Threads shared with other decodes (a mixture's sources), which this one neither
-            starts nor stops; None: ``threads`` of its own.
+            starts nor stops.
     """
 
     def __init__(
         self,
         decoder: UnitDecoder,
-        threads: int,
         limit: int,
         records: Callable[[], np.ndarray | None],
-        pool: ThreadPoolExecutor | None = None,
+        pool: ThreadPoolExecutor,
     ) -> None:
         self._decoder = decoder
         self._records = records
-        self._owns_pool = pool is None
-        self._pool = pool or ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="lakeloader-io", initializer=main_thread_only
-        )
+        self._pool = pool
         self._futures: weakref.WeakSet[Future[Held]] = weakref.WeakSet()
         self._limit = max(1, limit)
         self._used = 0  # bytes held by the decodes under way, each capped at the limit
@@ -229,8 +223,7 @@ class LocalDecodes:
     def submit(self, job: DecodeJob, nbytes: int, fetch: Pending | None = None) -> Future[Held]:
         """Queue ``job`` for a decoding thread, which waits for ``fetch`` if it is given."""
         future = self._pool.submit(self._run, job, nbytes, fetch)
-        if not self._owns_pool:
-            self._futures.add(future)
+        self._futures.add(future)
         return future
 
     def _run(self, job: DecodeJob, nbytes: int, fetch: Pending | None) -> Held:
@@ -249,13 +242,10 @@ class LocalDecodes:
                 self._cond.notify_all()
 
     def close(self, wait: bool) -> None:
-        """Stop the threads (waiting for decodes underway unless ``wait`` is False)."""
+        """Cancel the queued decodes (waiting for those underway unless ``wait`` is False)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._owns_pool:
-            self._pool.shutdown(wait=wait, cancel_futures=True)
-            return
         running = [f for f in list(self._futures) if not f.cancel()]  # queued ones are dropped
         if wait:
             wait_futures(running)

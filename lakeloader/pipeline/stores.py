@@ -188,9 +188,7 @@ class Stores:
                 decodes = StoreDecodes(self.workers, leaf)
             else:
                 decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
-                decodes = LocalDecodes(
-                    decoder, opts.io_threads, budget, self.records, self._threads
-                )
+                decodes = LocalDecodes(decoder, budget, self.records, self._threads)
             self.open[key] = Store(spec, reader, self.dir, self.arena, decodes, self._shares_tables)
         return self.open[key]
 
