@@ -55,7 +55,8 @@ def _leaf(typ: pa.DataType) -> pa.DataType:
     return typ
 
 
-def _one(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+def one_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """The column as one Arrow array (its only chunk as it is, else the chunks combined)."""
     if isinstance(col, pa.ChunkedArray):
         return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return col
@@ -73,7 +74,7 @@ def blocking_nulls(col: pa.Array | pa.ChunkedArray) -> int:
     """
     if pa.types.is_floating(_leaf(col.type)):
         return 0
-    arr = _one(col)
+    arr = one_array(col)
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         arr = arr.flatten()  # the values of the non-null lists
     levels, leaf = _levels(arr)
@@ -111,7 +112,7 @@ def fixed_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """
     shape = fixed_shape(col.type)
     assert shape is not None, col.type
-    levels, arr = _levels(_one(col))
+    levels, arr = _levels(one_array(col))
     values = leaf_numpy(arr).reshape(len(levels[0]), *shape[0])
     if pa.types.is_floating(arr.type) and any(level.null_count for level in levels):
         values = values if values.flags.writeable else values.copy()
@@ -219,7 +220,7 @@ def ragged_numpy(col: pa.Array | pa.ChunkedArray) -> Ragged:
     >>> r.values.tolist(), r.offsets.tolist()
     ([1, 2, 3], [0, 2, 2, 3])
     """
-    arr = _one(col)
+    arr = one_array(col)
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
     offsets = np.zeros(len(arr) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -20,6 +20,7 @@ from lakeloader.cache.arrays import (
     blocking_nulls,
     gather_ragged,
     is_ragged_type,
+    one_array,
     ragged_numpy,
     to_arrow,
 )
@@ -105,7 +106,7 @@ def unit_parts(units: Sequence[Packed], field: pa.Field) -> list[pa.Array]:
         at = unit.table.schema.get_field_index(field.name)  # not column_names: a new list
         if at >= 0:
             col = unit.table.column(at)  # one chunk: combined when decoded
-            parts.append(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
+            parts.append(one_array(col))
         else:
             parts.append(to_arrow(column_of(unit, field.name), field.type))
     return parts
@@ -165,7 +166,7 @@ def python_values(col: pa.Array | pa.ChunkedArray) -> list[Any] | pa.Array:
     try:
         values: list[Any] = col.to_pylist()
     except (OverflowError, ValueError, pa.ArrowException):
-        return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        return one_array(col)
     return values
 
 

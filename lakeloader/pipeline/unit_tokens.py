@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from lakeloader.cache.arrays import one_array
 from lakeloader.errors import ColumnNotFoundError
 from lakeloader.order.batches import BatchSpec, partition_specs
 from lakeloader.order.packing import TokenStream, separated
@@ -157,7 +158,7 @@ class EpochTokens:
 
 def arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarray]:
     """A unit's list column of integers, without a copy: values end to end, and offsets."""
-    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    arr = one_array(col)
     if pa.types.is_fixed_size_list(arr.type):
         width = arr.type.list_size
         if arr.null_count:  # a null row holds no token (its slots are not the row's)
