@@ -396,9 +396,6 @@ class DataLoader(TorchNames):
     def _close_iterator(self, ended_by: str) -> None:
         self._res.close_iterator(True, ended_by)
 
-    def _shutdown_workers(self) -> None:
-        self._res.shutdown_workers()
-
     def close(self) -> None:
         """Stop workers and threads and delete cached units.
 
@@ -407,7 +404,7 @@ class DataLoader(TorchNames):
         iterated: it starts what it needs again.
         """
         self._close_iterator("loader.close()")
-        self._shutdown_workers()
+        self._res.shutdown_workers()
 
     def __enter__(self: L) -> L:
         return self

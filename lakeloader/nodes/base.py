@@ -47,9 +47,6 @@ class Host(Protocol):
     def _close_iterator(self, ended_by: str) -> None:
         """End the pass under way, if any."""
 
-    def _shutdown_workers(self) -> None:
-        """Stop the workers and release the unit folder."""
-
 
 class Node:
     """A source of batches for ``host``, the loader that holds it; a kind overrides what differs."""
@@ -74,7 +71,7 @@ class Node:
         """
         snapshots = tuple(reader.snapshot.fingerprint for reader in readers)
         if self._pool_snapshots not in (None, snapshots):
-            self.host._shutdown_workers()
+            self.host._res.shutdown_workers()
         self._pool_snapshots = snapshots
         return self.host._ensure_pool()
 

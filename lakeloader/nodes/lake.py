@@ -92,7 +92,7 @@ class LakeNode(Node):
         """Take the topology a pass starts on (workers of another rank are stopped)."""
         if topology != self.tracker.topology:
             self.host._close_iterator("a pass on another topology")
-            self.host._shutdown_workers()
+            self.host._res.shutdown_workers()
             self.tracker.topology = topology
         if topology != self._warned:  # once a topology
             self._warned = topology
@@ -165,7 +165,7 @@ class LakeNode(Node):
                 current.fingerprint,
                 self.dataset.fingerprint,
             )
-            self.host._shutdown_workers()  # their schema may have widened
+            self.host._res.shutdown_workers()  # their schema may have widened
             self.dataset = current
             self._use_reader(current.reader())
 
@@ -256,7 +256,7 @@ class LakeNode(Node):
         """Apply what the recovery coordinator decided (the one way a position is restored)."""
         self.host._close_iterator("load_state_dict() or CheckpointManager.load()")
         if resumption.dataset is not None:
-            self.host._shutdown_workers()
+            self.host._res.shutdown_workers()
             self._base = self.dataset = resumption.dataset
             self._use_reader(resumption.dataset.reader())
         if resumption.state is None:
