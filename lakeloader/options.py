@@ -74,3 +74,13 @@ class LoaderOptions:
             raise ValueError(
                 f"io_threads ({self.io_threads}) and cache_bytes ({self.cache_bytes}) must be >= 1"
             )
+
+    @property
+    def prefetch(self) -> int:
+        """Work handed to each worker ahead: ``prefetch_factor``, 0 counting as 1."""
+        return max(1, self.prefetch_factor)
+
+    @property
+    def wait_timeout(self) -> float | None:
+        """``timeout`` as waits take it: None (wait for ever) for 0."""
+        return self.timeout or None

@@ -76,7 +76,7 @@ class ThreadBuilder:
         self._spec = spec
         self._build = functools.partial(_finished, local, spec)
         self._planned = planned
-        self._ahead = max(1, spec.options.prefetch_factor)
+        self._ahead = spec.options.prefetch
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         #: Steps handed to the thread and not yet taken back.
         self._sent: set[int] = set()
@@ -109,7 +109,7 @@ class ThreadBuilder:
         built = self._built.pop(index, None)
         if built is None:
             with self._ready:
-                timeout = self._spec.options.timeout or None
+                timeout = self._spec.options.wait_timeout
                 if not self._ready.wait_for(lambda: index in self._built or self._closed, timeout):
                     raise timed_out(self._spec, index)
                 if index not in self._built:  # closed meanwhile, from another thread

@@ -89,7 +89,7 @@ class LocalBuilder:
             LakeDataError: If a unit cannot be read (and is not to be skipped).
         """
         spec = self._spec
-        timeout = spec.options.timeout or None
+        timeout = spec.options.wait_timeout
         if deadline is not None and timeout is not None:
             timeout = max(0.0, deadline - time.monotonic())
         try:
@@ -155,7 +155,7 @@ class LocalBuilder:
             self._empty, self._sample = (COLLATED, empty_like(self._sample[1])), None
         if self._empty is None:
             self._empty = COLLATED, []
-            store, timeout = self._space.store, self._spec.options.timeout or None
+            store, timeout = self._space.store, self._spec.options.wait_timeout
             for piece in range(self._spec.plan.num_pieces):
                 (held,) = store.get(np.array([piece]), timeout)
                 if isinstance(held, UnitRef):
@@ -190,7 +190,7 @@ class WorkerBuilder:
         self._local = local
         self._planned = planned
         self._generation = generation
-        self._ahead = spec.options.num_workers * max(1, spec.options.prefetch_factor)
+        self._ahead = spec.options.num_workers * spec.options.prefetch
         self._dispatcher = Dispatcher(pool, BUILD, 1, spec.options.prefetch_factor, self._describe)
         self._futures: dict[int, Future[Any]] = {}
         self._next = 0  # the next step to hand out

@@ -140,7 +140,7 @@ class MixedBuilder:
         self._ahead = 0
         if pool is not None:
             self._builds = Dispatcher(pool, BUILD, 1, options.prefetch_factor, self._describe)
-            self._ahead = options.num_workers * max(1, options.prefetch_factor)
+            self._ahead = options.num_workers * options.prefetch
 
     def build(
         self, index: int, step: MixedStep, upcoming: Sequence[MixedStep]
@@ -151,7 +151,7 @@ class MixedBuilder:
         """
         key, sources = self._mixture.source_key, step.sources.astype(np.int64)
         if step.rows is not None and self._arena is not None and self._layout is not None:
-            timeout, full, held = self._options.timeout or None, self._layout.names, []
+            timeout, full, held = self._options.wait_timeout, self._layout.names, []
             for part in step.parts:
                 source_pass = self._sources.open[part.pair]
                 try:
