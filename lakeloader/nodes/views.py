@@ -147,10 +147,7 @@ def _view(
         epoch=tracker.epoch,
         position=tracker.position,
         num_rows=num_rows,
-        rows_dropped=0,
         steps_remaining=steps,
-        rows_to_drop=0,
         ranks=tuple(ranks),
-        workers=(),
         sources=sources,
     )

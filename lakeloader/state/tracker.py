@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from lakeloader.lake.snapshot import Snapshot
@@ -71,11 +71,11 @@ class ReaderView:
     epoch: int
     position: int
     num_rows: int | None
-    rows_dropped: int
+    rows_dropped: int = field(default=0, kw_only=True)
     steps_remaining: int | None
-    rows_to_drop: int
+    rows_to_drop: int = field(default=0, kw_only=True)
     ranks: tuple[RankView, ...]
-    workers: tuple[WorkerView, ...]
+    workers: tuple[WorkerView, ...] = field(default=(), kw_only=True)
     sources: tuple[SourceView, ...] = ()
 
 
