@@ -37,7 +37,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeError, StorageRetryWarning, StoreUnavailableError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.lake.tables.detect import table_kind
+from lakeloader.lake.tables.sources import table_kind
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.units import human_bytes
 

@@ -1,9 +1,11 @@
-"""The sources of ``LakeDataset.from_delta`` and ``from_iceberg``, with their storage options."""
+"""The sources of ``LakeDataset.from_delta`` and ``from_iceberg``; what a lake URL names."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
+
+from fsspec.core import url_to_fs
 
 from lakeloader.lake.snapshot import TableVersion
 from lakeloader.lake.tables.delta import DeltaSource
@@ -14,6 +16,8 @@ from lakeloader.lake.tables.options import (
     fsspec_options,
     iceberg_properties,
 )
+
+TableKind = Literal["folder", "delta", "iceberg"]
 
 
 def delta_source(
@@ -62,3 +66,23 @@ def iceberg_source(
             options = from_iceberg_properties(properties)
     found = IcebergSource(location, snapshot_id, tuple(sorted(properties.items())))
     return found, fsspec_options(options)
+
+
+def table_kind(url: str, storage_options: dict[str, Any]) -> TableKind:
+    """What ``url`` names (one metadata request at most).
+
+    ``"iceberg"`` for a ``*.metadata.json`` file, ``"delta"`` for a folder with a
+    ``_delta_log/``, else ``"folder"`` (also when the store cannot be asked: reading the URL
+    as a folder then reports why).
+
+    >>> table_kind("warehouse/t/metadata/00002-ab.metadata.json", {})
+    'iceberg'
+    """
+    if url.endswith(".metadata.json"):
+        return "iceberg"
+    try:
+        fs, path = url_to_fs(url, **storage_options)
+        delta = fs.isdir(f"{path.rstrip('/')}/_delta_log")
+    except Exception:  # unreachable or refused: reading it as a folder says what went wrong
+        return "folder"
+    return "delta" if delta else "folder"
