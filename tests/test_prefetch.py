@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lakeloader as ll
-from lakeloader.io.inflight import CEILING, FLOOR, START, InFlight
+from lakeloader.io.prefetch import CEILING, FLOOR, START, InFlight
 from tests.conftest import write_lake
 from tests.faultproxy import Faults
 

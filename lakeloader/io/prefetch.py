@@ -1,24 +1,75 @@
 """Fetching units from an object store ahead of their decode, in plan order, many at once.
 
-Fetches run on daemon threads, as many at once as :class:`~lakeloader.io.inflight.InFlight`
-sizes; only units the unit store asked for (within its byte budget) are fetched.
+Fetches run on daemon threads, as many at once as :class:`InFlight` sizes; only units the unit
+store asked for (within its byte budget) are fetched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Final
 
 from lakeloader.errors import LakeError
-from lakeloader.io.inflight import InFlight
 from lakeloader.io.reader import UnitReader
 from lakeloader.io.sparse import Fetched
 from lakeloader.signals import main_thread_only
+
+#: Fetches in flight before anything is measured.
+START: Final = 8
+#: Fewest and most fetches in flight.
+FLOOR: Final = 2
+CEILING: Final = 64
+#: In flight per unit of (demand x latency): room for bursts and for the estimates' lag.
+HEADROOM: Final = 2.0
+#: Takes over which the demand rate is measured.
+RATE_WINDOW: Final = 32
+#: Weight of the newest fetch in the latency's exponential average.
+LATENCY_WEIGHT: Final = 0.2
+
+
+class InFlight:
+    """The number of fetches to keep in flight (Little's law over measured latency and demand).
+
+    The limit is ``HEADROOM x demand (units/s) x fetch time (s) + 1``, within
+    ``[FLOOR, CEILING]``: the fetch time an exponential average, the demand the rate of the last
+    ``RATE_WINDOW`` takes. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._latency: float | None = None
+        self._takes: deque[float] = deque(maxlen=RATE_WINDOW)
+        self._lock = threading.Lock()
+
+    def fetched(self, seconds: float) -> None:
+        """Record that one fetch took ``seconds`` from request to last byte."""
+        with self._lock:
+            if self._latency is None:
+                self._latency = seconds
+            else:
+                self._latency += LATENCY_WEIGHT * (seconds - self._latency)
+
+    def taken(self, now: float | None = None) -> None:
+        """Record that a decoder took a fetched unit (at ``now``, ``time.monotonic()``)."""
+        with self._lock:
+            self._takes.append(time.monotonic() if now is None else now)
+
+    def limit(self) -> int:
+        """Fetches to keep in flight now."""
+        with self._lock:
+            if self._latency is None or len(self._takes) < 4:
+                return START
+            span = self._takes[-1] - self._takes[0]
+            rate = (len(self._takes) - 1) / span if span > 0 else math.inf
+            want = min(HEADROOM * rate * self._latency + 1, float(CEILING))
+        return max(FLOOR, math.ceil(want - 1e-9))  # 17.000000000000004 is 17
+
 
 #: What a unit's fetch gives its decoder: the bytes, or the error to raise in its place.
 FetchResult = Fetched | LakeError
