@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lakeloader as ll
-from lakeloader.io import fetch, reader, streaming
+from lakeloader.io import fetch, reader
 from lakeloader.lake.files import FileInfo
 
 #: Proxy memory pools made by :func:`_peak_bytes`. Kept for the life of the process: a
@@ -108,7 +108,7 @@ def test_any_row_range_streams_like_the_row_group_read_whole(
 ) -> None:
     with (
         tempfile.TemporaryDirectory() as root,
-        mock.patch.object(streaming, "stream_batch_rows", lambda *_: batch_rows),
+        mock.patch.object(reader, "stream_batch_rows", lambda *_: batch_rows),
     ):
         _write_mixed(Path(root), [row_groups])
         ds = ll.LakeDataset(root, max_unit_rows=unit_rows)
@@ -204,7 +204,7 @@ def test_a_stream_that_ends_early_fails_naming_file_and_row_group(
     def short(self: pq.ParquetFile, **kwargs: Any) -> Iterator[pa.RecordBatch]:
         yield next(iter_batches(self, **kwargs))  # pages that end before the footer says
 
-    monkeypatch.setattr(streaming, "stream_batch_rows", lambda *_: 100)
+    monkeypatch.setattr(reader, "stream_batch_rows", lambda *_: 100)
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", short)
     _streamed_unit_fails(ds, path, 0, "100 rows in its stream but the snapshot says 1000")
 
