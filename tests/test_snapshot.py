@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import lakeloader as ll
+from lakeloader.io.per_file import PROGRESS_MIN_FILES
 from lakeloader.lake.discovery import discover
-from lakeloader.lake.snapshot import PROGRESS_MIN_FILES, snapshot_lake
+from lakeloader.lake.snapshot import snapshot_lake
 from tests.conftest import write_lake
 
 # ------------------------------------------------------------------------------------ helpers

@@ -22,9 +22,10 @@ import pyarrow.parquet as pq
 
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import column_chunks, is_local, url_of
+from lakeloader.io.per_file import per_file
 from lakeloader.io.retry import describe
 from lakeloader.lake.files import FileInfo
-from lakeloader.lake.snapshot import Snapshot, shown_per_file
+from lakeloader.lake.snapshot import Snapshot
 from lakeloader.state.quarantine import OnError, QuarantineEntry
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def filtered(
         )
     count = _Counter(fs, snapshot, row_filter, reader, on_error)
     files = range(len(snapshot.files))
-    resolved = shown_per_file(fs, count.resolve, files, progress, "applying the filter")
+    resolved = per_file(fs, count.resolve, files, "applying the filter", progress)
     kept = sum(f.num_rows for f, _ in resolved)
     logger.info("filter %s keeps %d of %d rows", row_filter.text, kept, snapshot.num_rows)
     unreadable = tuple(e for _, lost in resolved for e in lost)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 import msgpack
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from lakeloader.errors import LakeDataError, SchemaMismatchError
 from lakeloader.io.fetch import read_footer, url_of
@@ -29,13 +28,8 @@ from lakeloader.lake.schema import unify_schemas, without_views
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-R = TypeVar("R")
-
 #: Version of the snapshot description (affects the fingerprint).
 SNAPSHOT_FORMAT_VERSION = 1
-#: From this many files on, footer reading shows a progress bar (on stderr, terminal or not).
-PROGRESS_MIN_FILES = 64
 _INT_RE = re.compile(r"-?[0-9]+")
 
 
@@ -193,19 +187,6 @@ def build_snapshot(
     return assemble_snapshot([i for i in infos if i is not None], request.columns)
 
 
-def shown_per_file(
-    fs: fsspec.AbstractFileSystem,
-    work: Callable[[T], R],
-    items: Sequence[T],
-    progress: bool | None,
-    desc: str,
-) -> list[R]:
-    """``per_file`` under a progress bar (``progress`` None: from ``PROGRESS_MIN_FILES`` on)."""
-    show = len(items) >= PROGRESS_MIN_FILES if progress is None else progress
-    with tqdm(total=len(items), desc=desc, unit="file", disable=not show) as bar:
-        return per_file(fs, work, items, bar.update)
-
-
 def read_file_infos(
     fs: fsspec.AbstractFileSystem, found: Sequence[DiscoveredFile], request: SourceRequest
 ) -> list[FileInfo | None]:
@@ -224,7 +205,7 @@ def read_file_infos(
             logger.warning("left out of the snapshot (on_error='skip'): %s", exc)
             return None
 
-    return shown_per_file(fs, read, found, request.progress, "reading footers")
+    return per_file(fs, read, found, "reading footers", request.progress)
 
 
 def assemble_snapshot(

@@ -7,20 +7,16 @@ unit's transform with epoch 0's row seeds.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.per_file import per_file
-from lakeloader.lake.snapshot import PROGRESS_MIN_FILES
 from lakeloader.pipeline.rows import to_rows, transform_rows
 from lakeloader.pipeline.unit_tokens import arrow_lists, row_lists
 from lakeloader.randomness import slot_seeds
-from lakeloader.signals import main_thread_only
 
 if TYPE_CHECKING:
     from lakeloader.dataset import LakeDataset
@@ -104,17 +100,9 @@ def _counted(ds: LakeDataset) -> np.ndarray:
             _, offsets = arrow_lists(table.column(packing.column), packing.column)
         return int(offsets[-1] - offsets[0]) + len(table) * (packing.eos_id is not None)
 
-    show = len(units) >= PROGRESS_MIN_FILES
-    with ThreadPoolExecutor(COUNT_THREADS, initializer=main_thread_only) as pool:
-        counted = list(
-            tqdm(
-                pool.map(count, range(len(units))),
-                total=len(units),
-                desc="counting tokens",
-                unit="unit",
-                disable=not show,
-            )
-        )
+    counted = per_file(
+        ds.fs, count, range(len(units)), "counting tokens", unit="unit", threads=COUNT_THREADS
+    )
     return np.asarray(counted, dtype=np.int64)
 
 
