@@ -224,7 +224,7 @@ def test_recovery_never_lists_the_lake_or_reads_footers(
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("recovery listed the lake or read a footer")
 
-    monkeypatch.setattr(lakeloader.lake.snapshot, "discover", forbidden)
+    monkeypatch.setattr(lakeloader.lake.snapshot, "discover_listed", forbidden)
     monkeypatch.setattr(lakeloader.lake.snapshot, "read_file_info", forbidden)
     ds = ckpt.dataset()
     assert ds.fingerprint == loader.dataset.fingerprint

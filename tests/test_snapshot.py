@@ -19,7 +19,7 @@ import pytest
 
 import lakeloader as ll
 from lakeloader.io.per_file import PROGRESS_MIN_FILES
-from lakeloader.lake.discovery import discover
+from lakeloader.lake.discovery import discover_listed
 from lakeloader.lake.snapshot import snapshot_lake
 from tests.conftest import write_lake
 
@@ -34,7 +34,7 @@ def put(path: Path, table: pa.Table | dict[str, Any], **kwargs: Any) -> Path:
 
 
 def found_paths(source: Any) -> list[str]:
-    return [f.path for f in discover(source)[1]]
+    return [f.path for f, _ in discover_listed(source)[1]]
 
 
 def stream(ds: ll.LakeDataset, batch_size: int = 4) -> list[dict[str, Any]]:

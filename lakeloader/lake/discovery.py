@@ -126,16 +126,6 @@ def _keep(path: str, root: str) -> bool:
     return all(is_data_name(part) for part in relative.split("/") if part)
 
 
-def discover(
-    source: Paths,
-    storage_options: dict[str, Any] | None = None,
-    retry: RetryPolicy | None = None,
-) -> tuple[fsspec.AbstractFileSystem, list[DiscoveredFile]]:
-    """List the data files of a lake (see :func:`discover_listed`)."""
-    fs, listed = discover_listed(source, storage_options, retry)
-    return fs, [d for d, _ in listed]
-
-
 def discover_listed(
     source: Paths,
     storage_options: dict[str, Any] | None = None,

@@ -21,7 +21,7 @@ from lakeloader.errors import LakeDataError, SchemaMismatchError
 from lakeloader.io.fetch import read_footer, url_of
 from lakeloader.io.per_file import per_file
 from lakeloader.io.retry import RetryPolicy, describe
-from lakeloader.lake.discovery import DiscoveredFile, Paths, discover, version_token
+from lakeloader.lake.discovery import DiscoveredFile, Paths, discover_listed, version_token
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.increments import Increment, SourceRequest
 from lakeloader.lake.schema import unify_schemas, without_views
@@ -238,5 +238,5 @@ def snapshot_lake(
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
     """Discover a lake and read its footers: the one call that pins a lake."""
     request = request or SourceRequest({}, None, None, RetryPolicy(), False)
-    fs, found = discover(source, request.storage_options, request.retry)
-    return fs, build_snapshot(fs, found, request)
+    fs, listed = discover_listed(source, request.storage_options, request.retry)
+    return fs, build_snapshot(fs, [d for d, _ in listed], request)
