@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lakeloader.errors import LakeDataError
-from lakeloader.io.fetch import read_footer, url_of
+from lakeloader.io.fetch import column_chunks, read_footer, url_of
 from lakeloader.io.per_file import per_file
 from lakeloader.pipeline.rows import to_rows, transform_rows
 from lakeloader.pipeline.unit_tokens import arrow_lists, row_lists
@@ -50,19 +50,15 @@ def _footers(ds: LakeDataset) -> np.ndarray | None:
         if not info.row_group_rows:
             return []
         meta = read_footer(ds.fs, info.path, info.size, ds.retry, version=info.version)
-        name = info.physical_name(column)
-        leaves = [
-            i for i in range(meta.num_columns) if meta.schema.column(i).path.split(".")[0] == name
-        ]
-        if len(leaves) != 1:
-            return None  # a partition column, or a nested type: counted
         out = []
         for rg in range(meta.num_row_groups):
-            chunk = meta.row_group(rg).column(leaves[0])
-            stats = chunk.statistics
+            chunks = column_chunks(meta, rg, {info.physical_name(column)})
+            if len(chunks) != 1:
+                return None  # a partition column, or a nested type: counted
+            stats = chunks[0].statistics
             if stats is None or not stats.has_null_count:
                 return None
-            out.append(chunk.num_values - stats.null_count)
+            out.append(chunks[0].num_values - stats.null_count)
         return out
 
     found = per_file(ds.fs, of_file, range(len(files)))
