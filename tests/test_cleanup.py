@@ -95,3 +95,27 @@ def test_passes_left_by_a_break_stop_their_threads_and_free_their_folders(
         time.sleep(0.05)
     assert not io and not passes, (io, passes)
     loader.close()
+
+
+def test_stores_dropped_unclosed_are_collected_and_their_folder_removed(tmp_path: Path) -> None:
+    """A pass's stores left unclosed (no pass finaliser) go with the garbage collector."""
+    from lakeloader.options import LoaderOptions
+    from lakeloader.pipeline.recipe import BatchRecipe
+    from lakeloader.pipeline.stores import Leaf, Stores
+    from lakeloader.topology import Topology
+
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    pq.write_table(pa.table({"id": list(range(100))}), lake / "a.parquet", row_group_size=25)
+    ds = ll.LakeDataset(lake)
+    leaf = Leaf(ds, ds.reader(), (), BatchRecipe())
+    units = tmp_path / "units"
+    units.mkdir()
+    stores = Stores(
+        [leaf], LoaderOptions(batch_size=4), Topology(1, 0, 0, 4), str(units), None, None, False
+    )
+    stores.get(0, 0)  # a store decoding in this process (it held the stores before)
+    folder, collected = Path(stores.dir), weakref.ref(stores)
+    del stores
+    gc.collect()
+    assert collected() is None and not folder.exists()

@@ -9,6 +9,7 @@ is split among the leaves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import tempfile
 import weakref
@@ -107,6 +108,11 @@ class Store:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _arena_rows(arena: Arena | None) -> np.ndarray | None:
+    """An arena's rows now (it may have grown since the last call), or None."""
+    return arena.records if arena is not None else None
+
+
 class Stores:
     """The stores of one pass (closed with the pass, the loader, or when collected).
 
@@ -188,13 +194,15 @@ class Stores:
                 decodes = StoreDecodes(self.workers, leaf)
             else:
                 decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
-                decodes = LocalDecodes(decoder, budget, self.records, self._threads)
+                # bound to the arena, not to self: what the finaliser holds must not keep self alive
+                records = functools.partial(_arena_rows, self.arena)
+                decodes = LocalDecodes(decoder, budget, records, self._threads)
             self.open[key] = Store(spec, reader, self.dir, self.arena, decodes, self._shares_tables)
         return self.open[key]
 
     def records(self) -> np.ndarray | None:
         """The arena's rows now (it may have grown since the last call), or None."""
-        return self.arena.records if self.arena is not None else None
+        return _arena_rows(self.arena)
 
     def release(self, leaf: int, epoch: int, delivered: int) -> None:
         """Evict what slot ``delivered`` of that epoch is past; close it once past its end."""
