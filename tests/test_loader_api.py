@@ -178,8 +178,9 @@ def test_a_budget_below_one_steps_pieces_warns_once_and_stays_exact(
         seen = [b["id"].tolist() for b in small]
     assert seen == reference
     assert len([w for w in record if w.category is ll.CacheBudgetWarning]) == 1
-    message = str(next(w.message for w in record if w.category is ll.CacheBudgetWarning))
-    assert "max_unit_rows" in message and "up to 128 rows each" in message
+    warned = next(w for w in record if w.category is ll.CacheBudgetWarning)
+    assert "max_unit_rows" in str(warned.message) and "up to 128 rows each" in str(warned.message)
+    assert warned.filename == __file__  # the user's line that asked for the batch
 
 
 def test_no_budget_warning_when_a_step_fits(dataset: ll.LakeDataset) -> None:

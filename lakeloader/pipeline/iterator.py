@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final
 
-from lakeloader.errors import CacheBudgetWarning
+from lakeloader.errors import CacheBudgetWarning, warn_user
 from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
@@ -234,7 +233,7 @@ class EpochIterator(PassIterator):
         self._budget_warned = True
         held, budget = self._space.store.nbytes, self.spec.options.cache_bytes
         most = int(self.spec.plan.piece_rows(step.positions).max())
-        warnings.warn(
+        warn_user(
             f"this step's {len(step.positions)} decoded pieces (up to {most:,} rows each) hold "
             f"{human_bytes(held)}, more than cache_bytes={human_bytes(budget)}: a step draws "
             "from about C pieces, each decoded whole, so the loader holds them whatever the "
@@ -242,7 +241,6 @@ class EpochIterator(PassIterator):
             f"{human_bytes(2 * held)}, or build the dataset with a smaller max_unit_rows (this "
             "changes the order; row groups larger than it then cost more decoding)",
             CacheBudgetWarning,
-            stacklevel=5,
         )
 
     def cache_bytes(self) -> int:
