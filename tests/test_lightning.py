@@ -52,6 +52,10 @@ GROWTH = (200, 100)  # rows of the increments appended to the followed lake
 # ------------------------------------------------------------------------- running the child
 
 
+#: Where POSIX named semaphores live (multiprocessing's locks and queues).
+SHM = Path("/dev/shm")
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of the group ``pgid`` is still running (zombies are not)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -90,6 +94,7 @@ def _train(
     tag, ranks = cfg["tag"], cfg["devices"]
     env = _launch_env()
     log = out / f"{tag}.log"
+    semaphores = set(SHM.glob("sem.mp-*"))  # the killed group's own are unlinked after it
     with log.open("w") as fh:
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.lightning_child", json.dumps(cfg)],
@@ -115,11 +120,15 @@ def _train(
             return None
         assert child.poll() is None, f"run {tag} ended before step {hold}: {_tail(log)}"
     finally:
-        if child.poll() is None:
+        killed = child.poll() is None
+        if killed:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
         while _group_alive(child.pid):
             time.sleep(0.01)
+        if killed:  # the SIGKILL took the spawned ranks' resource tracker: their semaphores stay
+            for left in set(SHM.glob("sem.mp-*")) - semaphores:
+                left.unlink(missing_ok=True)
     return Path(shutil.copy(out / "ckpt" / "last.ckpt", out / f"{tag}.ckpt"))
 
 
