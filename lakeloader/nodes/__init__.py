@@ -12,8 +12,7 @@ from lakeloader.mixture import Mixture
 from lakeloader.nodes.base import Host, Node
 from lakeloader.nodes.lake import LakeNode
 from lakeloader.nodes.mixture import MixtureNode
-from lakeloader.nodes.packed_mixture import PackedMixtureNode
-from lakeloader.nodes.packing import PackingNode
+from lakeloader.nodes.packing import PackedMixtureNode, PackingNode
 
 
 def as_node(host: Host, dataset: Any) -> Node:

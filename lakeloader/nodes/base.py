@@ -118,11 +118,7 @@ class Node:
         raise NotImplementedError
 
     def steps_left(self) -> int:
-        """Global steps left in the pass under way, for the topology of now.
-
-        Raises:
-            TypeError: For a stream with no end.
-        """
+        """Global steps left in the pass under way, for the topology of now (see pass_steps)."""
         self.pass_steps()  # no end, no steps left to count
         steps = self.view().steps_remaining
         assert steps is not None  # a pass with a length has an end
@@ -169,12 +165,8 @@ class Node:
         return {ROOT: self.dataset}
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint's state, as ``restore`` does.
-
-        Raises:
-            StateFormatError: If it holds another kind of loader's state.
-        """
-        self.restore(dict(ckpt.state_dict))
+        """Continue from a checkpoint's state, on the lakes of now."""
+        raise NotImplementedError
 
     def observe_steps(self, observer: Callable[[Runs], None]) -> None:
         """Tell ``observer`` of every step delivered (each stream's runs of rows or samples)."""
@@ -240,10 +232,9 @@ def make_setup(
 def decoding_setup(
     host: Host, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout | None]], seed: int
 ) -> WorkerSetup:
-    """Workers that decode the units of ``sources`` (a mixture's, a packed stream's).
+    """Workers that decode the units of ``sources`` (a task names its source by index).
 
-    A decode task names its source by its index in ``sources``; each is packed by its
-    layout (the one its unit store packs by).
+    Each is packed by its layout (the one its unit store packs by).
     """
     decoders = (UnitDecoder(r, layout, ds.on_error, ds.validate) for ds, r, layout in sources)
     return make_setup(host, sources[0][1].schema, seed, decoders=tuple(decoders))

@@ -236,13 +236,7 @@ class LakeNode(Node):
         return self._base.for_epoch(epoch)
 
     def restore(self, state: Any) -> None:
-        """Continue from a state taken under any world size, worker count or batch size.
-
-        Raises:
-            StateFormatError: If the dict is not a lakeloader state of a known version.
-            StateMismatchError: If it belongs to another lake snapshot or configuration, or
-                the lake no longer holds a followed state's increment.
-        """
+        """Continue from a state taken under any world size, worker count or batch size."""
         saved = state.get(INCREMENT_KEY) if self._base.follow else None
         if saved is None:
             self.resume(RecoveryCoordinator().resume_state(state, self._base))
@@ -295,11 +289,7 @@ class LakeNode(Node):
         return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds), back=back)
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``).
-
-        Raises:
-            StateFormatError: If it holds another kind of loader's state.
-        """
+        """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``)."""
         self.resume(coordinator.resume(ckpt, self.dataset))
 
     # ------------------------------------------------- what the training loop asks

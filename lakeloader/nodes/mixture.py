@@ -40,10 +40,10 @@ from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import MixtureResumption, records, resume_mixture
+from lakeloader.recovery.mixture_resume import records, resume_mixture
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import MixtureState
-from lakeloader.state.quarantine import QuarantineEntry, merge
+from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
@@ -52,54 +52,41 @@ logger = logging.getLogger(__name__)
 
 
 class CursorNode(Node):
-    """A node whose position is a mixture's cursor over its sources' streams.
-
-    It restores through :meth:`_parse` and :meth:`_resumed`.
-    """
+    """A node whose position is a mixture's cursor over its sources' streams."""
 
     mixture: Mixture
     _streams: dict[str, SourceStream]
     _readers: dict[str, UnitReader]
+    #: The cursor: a mixture's state, at the last batch delivered.
+    _mixed: MixtureState
     #: Whether a checkpoint's files gone or rewritten are refused whatever the policy.
     _exact = False
+    #: What the cursor's slots are, as the log names them.
+    _slots = "slot"
 
     def _counting(self) -> tuple[Callable[[LakeDataset], int], Callable[[LakeDataset], str] | None]:
         """An epoch's offsets, and a source's configuration in its record (None: order's hash)."""
         return len, None
 
-    def _cursor_state(self) -> MixtureState:
-        """The cursor as a mixture's state, at the last batch delivered."""
-        raise NotImplementedError
-
     def _parse(self, state_dict: Any) -> MixtureState:
         """The cursor of a saved state."""
         raise NotImplementedError
 
-    def _resumed(self, resumed: MixtureResumption) -> None:
-        """Stand where ``resumed`` says (the mixture and its streams are the resumed ones)."""
+    def _resumed(self, state: MixtureState) -> None:
+        """Stand at ``state`` (the mixture and its streams are the resumed ones)."""
         raise NotImplementedError
 
     def restore(self, state_dict: Any) -> None:
         """Continue from a state taken under any topology, with this mixture's weights.
 
         A packed mixture's: any rank's state, or a list of every rank's.
-
-        Raises:
-            StateFormatError: If it is not this kind of loader's state of a known version.
-            StateMismatchError: If a source or the seed differs from the saved one.
         """
         self._resume(self._parse(state_dict), {})
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lakes of now.
+        """Continue from a checkpoint, each source whose lake changed mapped onto its lake of now.
 
-        The streams of the sources whose lakes changed since ``ckpt`` are mapped onto the lakes
-        of now by ``RecoveryCoordinator.resume_source``.
-
-        Raises:
-            StateFormatError: If it holds another kind of loader's state.
-            LakeChangedError: Under ``on_lake_change="error"``, when files a source's saved
-                epoch still needs are gone or rewritten.
+        See ``RecoveryCoordinator.resume_source``.
         """
         saved, sources, moved = self._parse(dict(ckpt.state_dict)), self.mixture.sources, {}
         size, config = self._counting()
@@ -116,9 +103,6 @@ class CursorNode(Node):
         """Continue from ``saved``; the mixture reads the ``moved`` sources' lakes of now.
 
         The other sources go on from their saved records, or start.
-
-        Raises:
-            StateMismatchError: If a source or the seed differs from the saved one.
         """
         self.host._close_iterator("load_state_dict()")
         self.host._res.drop_carried()
@@ -135,17 +119,19 @@ class CursorNode(Node):
         }
         now = stream_records(streams, {}, config)
         resumed = resume_mixture(saved, mixture, now, frozenset(moved))
+        for change in resumed.changes:
+            logger.info("%s resumed at %s %d: %s", self.what, self._slots, saved.slot, change)
         self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
         self._streams = streams
-        self._resumed(resumed)
+        self._resumed(resumed.state)
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: the cursor (the same on all)."""
-        return self._cursor_state()
+        return self._mixed
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
-        return pinned_datasets(self._streams, self._cursor_state().counts, self.mixture.sources)
+        return pinned_datasets(self._streams, self._mixed.counts, self.mixture.sources)
 
     def _decoding(self, layout: RowLayout | None) -> WorkerSetup:
         """Workers that decode every source's units (a task names its source by index)."""
@@ -177,10 +163,10 @@ class MixtureNode(CursorNode):
         self._streams_known()
         #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
-        self._state = first_state(mixture, records(mixture), host.topology.to_dict())
+        self._mixed = first_state(mixture, records(mixture), host.topology.to_dict())
 
     @property
-    def _state(self) -> MixtureState:
+    def _mixed(self) -> MixtureState:
         """The position: the last state set, moved to the cursor of the last batch delivered."""
         if self._cursor is not None:
             cursor, self._cursor = self._cursor, None
@@ -188,8 +174,8 @@ class MixtureNode(CursorNode):
             self._stored = moved_to(self._stored, streams, cursor)
         return self._stored
 
-    @_state.setter
-    def _state(self, state: MixtureState) -> None:
+    @_mixed.setter
+    def _mixed(self, state: MixtureState) -> None:
         self._stored, self._cursor = state, None
         self.tracker.epoch, self.tracker.position = state.epoch, state.slot - state.epoch_start
         self.tracker.quarantine = state.quarantine
@@ -209,7 +195,7 @@ class MixtureNode(CursorNode):
 
     def pass_steps(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
-        return self._steps(self._state.epoch_rows)
+        return self._steps(self._mixed.epoch_rows)
 
     def _steps(self, rows: int) -> int:
         """Global steps that ``rows`` rows fill (the last one may be short)."""
@@ -217,7 +203,7 @@ class MixtureNode(CursorNode):
 
     def steps_left(self) -> int:
         """Global steps left in the pass under way, for the topology of now."""
-        state = self._state
+        state = self._mixed
         return self._steps(state.epoch_rows - (state.slot - state.epoch_start))
 
     def set_epoch(self, epoch: int, restart: bool) -> None:
@@ -227,7 +213,7 @@ class MixtureNode(CursorNode):
             ValueError: If ``epoch`` is neither the pass under way nor the next one, or with
                 ``restart=True`` (a mixture's sources cannot be rewound).
         """
-        state = self._state
+        state = self._mixed
         if restart or epoch not in (state.epoch, state.epoch + 1):
             raise ValueError(
                 f"a mixture streams on: set_epoch({epoch}) while in pass {state.epoch} "
@@ -239,13 +225,13 @@ class MixtureNode(CursorNode):
             )
         if epoch != state.epoch:
             self.host._close_iterator("set_epoch()")
-            self._state = _next_pass(state)
+            self._mixed = _next_pass(state)
 
     def begin(self) -> Iterator[Any]:
         """One pass of ``epoch_rows`` rows, going on with the stores the last one left."""
         self.host._close_iterator("a newer iter(loader)")
-        if self._state.epoch_done:
-            self._state = _next_pass(self._state)
+        if self._mixed.epoch_done:
+            self._mixed = _next_pass(self._mixed)
         res, opts = self.host._res, self.host.options
         self._follow_streams()
         # workers decode only sources that read one snapshot for good: a task names a file by
@@ -255,7 +241,7 @@ class MixtureNode(CursorNode):
         pool = self.host._ensure_pool() if build else None
         if opts.num_workers and decode:
             pool = self._pool_for(self._readers.values())
-        state = self._state
+        state = self._mixed
         cursor = MixCursor(state.slot, state.counts)
         sources = res.take_carried()
         if not isinstance(sources, Stores) or sources.at != cursor:
@@ -286,7 +272,7 @@ class MixtureNode(CursorNode):
 
     def _leaves(self) -> list[Leaf]:
         """Each source's lake and reader, in the order of the mixture's names."""
-        known, leaves = self._state.quarantine, []
+        known, leaves = self._mixed.quarantine, []
         for name, ds in self.mixture.sources.items():
             recipe = BatchRecipe(ds.transform, lists=ds.list_format)
             leaves.append(Leaf(self._streams[name].known[0][2], self._readers[name], known, recipe))
@@ -347,36 +333,30 @@ class MixtureNode(CursorNode):
 
     def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
         """Add units skipped for good to the state (merged, sorted)."""
-        state = self._state
-        self._state = dataclasses.replace(state, quarantine=tuple(merge(state.quarantine, entries)))
+        self._mixed = self._mixed.with_quarantine(entries)
 
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The mixture's position: plain types, O(sources)."""
         refuse_fetched_ahead(fetched_ahead, "a mixture")
-        return self._state.to_dict()
+        return self._mixed.to_dict()
 
     def _streams_known(self) -> None:
         """Whether any source's epochs are known one by one, and whether any follows its lake."""
         self.varies = any(stream.varies for stream in self._streams.values())
         self.follows = any(stream.follows for stream in self._streams.values())
 
-    def _cursor_state(self) -> MixtureState:
-        return self._state
-
     def _parse(self, state_dict: Any) -> MixtureState:
         return MixtureState.from_dict(state_dict)
 
-    def _resumed(self, resumed: MixtureResumption) -> None:
+    def _resumed(self, state: MixtureState) -> None:
         self.tracker.record.restored()
         self._streams_known()
         self._follow_streams()
-        for change in resumed.changes:
-            logger.info("mixture resumed at slot %d: %s", resumed.state.slot, change)
-        self._state = dataclasses.replace(resumed.state, topology=self.host.topology.to_dict())
+        self._mixed = dataclasses.replace(state, topology=self.host.topology.to_dict())
 
     def view(self) -> ReaderView:
         """The pass under way, each rank's share of the next step, where each source stands."""
-        state, mix = self._state, self.mixture
+        state, mix = self._mixed, self.mixture
         cursor, topo = MixCursor(state.slot, state.counts), self.host.topology
         return mixture_view(
             self.tracker, self._streams, cursor, mix.weights, mix.seed, topo, self.steps_left()

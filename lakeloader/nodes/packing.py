@@ -2,15 +2,16 @@
 
 Each batch is ``batch_size`` samples of ``seq_len`` tokens: ``input_ids``, ``position_ids``
 (the token's position in its document) and ``pad_mask`` (True on padding: the end of a stream's
-epoch, or a skipped unit's tokens). The stream is endless; its state is the samples delivered,
+epoch, or a skipped unit's tokens); a packed Mixture's also ``mixture.source_key``, each
+sample's source, drawn by weight (each source packs its own stream as a packed lake does). The
+stream is endless; its state is the samples delivered (a mixture's: its cursor, in samples),
 the same on every rank (:mod:`lakeloader.order.packing`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,14 +20,17 @@ from lakeloader.checkpoint.barrier import Position
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
-from lakeloader.nodes.base import (
-    Host,
-    Node,
-    decoding_setup,
-    read_counts,
-    unit_entries,
+from lakeloader.loader_args import refuse_fetched_ahead
+from lakeloader.mixture import Mixture
+from lakeloader.nodes.base import Host, Node, decoding_setup, read_counts, unit_entries
+from lakeloader.nodes.mixture import CursorNode
+from lakeloader.nodes.streams import (
+    SourceStream,
+    first_state,
+    moved_to,
+    pinned_datasets,
+    stream_records,
 )
-from lakeloader.nodes.streams import SourceStream, pinned_datasets
 from lakeloader.nodes.views import packed_view
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import TokenStream
@@ -42,15 +46,13 @@ from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun
-from lakeloader.state.loader_state import config_hash
-from lakeloader.state.mixture_state import SourceRecord
-from lakeloader.state.packed_state import PackedState
+from lakeloader.state.loader_state import config_hash, every_rank
+from lakeloader.state.mixture_state import MixtureState, SourceRecord
+from lakeloader.state.packed_state import PackedMixtureState, PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import RECENT_STEPS, Delivery, ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
 from lakeloader.workers.process import WorkerSetup
-
-logger = logging.getLogger(__name__)
 
 #: The name of a single dataset's only source, in the samples' cursor.
 ONLY = "lake"
@@ -242,29 +244,16 @@ class PackingNode(Node):
         return self._state.to_dict()
 
     def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Continue from a state (any rank's; a list of every rank's is taken too).
-
-        Raises:
-            StateFormatError: If it is not a packed state of a known version.
-            StateMismatchError: If it belongs to another snapshot or configuration.
-        """
+        """Continue from a state (any rank's; a list of every rank's is taken too)."""
         self._restore(self._parsed(state_dict), None)
 
     def _parsed(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> PackedState:
         """A state (or every rank's), their quarantines merged."""
-        given = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
         per_epoch = self._samples_of(self.dataset)
-        states = [PackedState.from_dict(s, per_epoch) for s in given]
-        return states[0].with_quarantine(q for s in states for q in s.quarantine)
+        return every_rank(state_dict, lambda s: PackedState.from_dict(s, per_epoch))
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
-        """Continue from a checkpoint, on the lake of now (``RecoveryCoordinator.resume_source``).
-
-        Raises:
-            StateFormatError: If it holds another kind of loader's state.
-            LakeChangedError: Under ``on_lake_change="error"``, when files the saved epoch
-                still needs are gone or rewritten.
-        """
+        """Continue from a checkpoint, on the lake of now (see ``coordinator.resume_source``)."""
         saved = self._parsed(dict(ckpt.state_dict))
         size, count = self._samples_of, saved.samples
         at = coordinator.resume_source(
@@ -274,7 +263,11 @@ class PackingNode(Node):
         self._restore(saved, moved)
 
     def _restore(self, saved: PackedState, moved: SourceStream | None) -> None:
-        """Continue from ``saved``; ``moved``: the stream the recovery coordinator mapped."""
+        """Continue from ``saved``; ``moved``: the stream the recovery coordinator mapped.
+
+        Raises:
+            StateMismatchError: If ``saved`` is of another snapshot, configuration or packing.
+        """
         self.host._close_iterator("load_state_dict()")
         stream = moved
         if stream is None:
@@ -351,3 +344,80 @@ def _record(saved: PackedState) -> SourceRecord:
     return SourceRecord(
         saved.fingerprint, saved.config, 0, saved.increment, saved.start, saved.from_epoch
     )
+
+
+class PackedMixtureNode(CursorNode, PackingNode):
+    """Packed samples of a Mixture with a packing: each sample's source drawn by weight.
+
+    ``batch_size`` counts samples. ``state_dict()`` is the samples' cursor (a mixture's state,
+    the same on every rank); ``load_state_dict`` continues under any world size and batch,
+    and new weights or sources.
+    """
+
+    what = "packed mixture"
+    _exact = True
+    _slots = "sample"
+
+    def _init(self, dataset: Any) -> None:
+        """Take the mixture in."""
+        assert isinstance(dataset, Mixture) and dataset.packing is not None
+        self.mixture = self.dataset = dataset
+        for ds in dataset.sources.values():
+            self._check_column(ds)
+        self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
+        self._streams = {
+            n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
+        }
+        sources = stream_records(self._streams, {}, self._packing_hash)
+        self._mixed = first_state(dataset, sources, self._topology())
+
+    def _topology(self) -> dict[str, int]:
+        """The run's shape as the state records it: rank 0's, so that every rank's is equal."""
+        return {**self.host.topology.to_dict(), "rank": 0}
+
+    def _counting(self) -> tuple[Callable[[LakeDataset], int], Callable[[LakeDataset], str] | None]:
+        return self._samples_of, self._packing_hash
+
+    @property
+    def epoch(self) -> int:
+        """0: each source runs through its own epochs (see ``state_dict()``)."""
+        return 0
+
+    def worker_setup(self) -> WorkerSetup:
+        """Workers that decode every source's units (a task names its source by index)."""
+        mix = self.mixture
+        return self._decoding(arena_layout(list(mix.sources.values()), self._readers[mix.names[0]]))
+
+    def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
+        at, mix = self._mixed, self.mixture
+        return MixCursor(at.slot, at.counts), mix.weights, mix.seed
+
+    def begin(self) -> Iterator[Any]:
+        """The endless stream of samples from where the cursor stands."""
+        sources = [self._source(n) for n in self.mixture.names]
+        return self._begin(sources, self.mixture.batch_transform, self.mixture.source_key)
+
+    def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
+        self._mixed = moved_to(self._mixed, self._streams, cursor, self._packing_hash)
+        self.add_quarantine(skipped)
+
+    def add_quarantine(self, entries: Iterable[QuarantineEntry]) -> None:
+        """Add units skipped for good to the cursor (entries name their files)."""
+        self._mixed = self._mixed.with_quarantine(entries)
+        self.tracker.quarantine = self._mixed.quarantine
+
+    def _parse(self, state_dict: Any) -> MixtureState:
+        """The cursor of a state (or of every rank's), their quarantines merged."""
+        return every_rank(state_dict, lambda s: PackedMixtureState.from_dict(s).mixture)
+
+    def _resumed(self, state: MixtureState) -> None:
+        self._mixed = dataclasses.replace(state, topology=self._topology())
+        self._restored()
+
+    def _counted(self) -> Mapping[str, int]:
+        return self._mixed.counts
+
+    def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
+        """The samples' cursor: plain types, the same on every rank."""
+        refuse_fetched_ahead(fetched_ahead, "a packed mixture")
+        return PackedMixtureState(self._mixed).to_dict()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import Field, dataclass, replace
+from typing import Any, ClassVar, Final, TypeVar
 
 import msgpack
 
 from lakeloader.errors import StateFormatError, StateMismatchError
-from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
 
 #: The ``kind`` of a lake's state (a mixture's is ``"mixture"``, a packed stream's ``"packed"``).
@@ -68,19 +68,40 @@ def quarantine_of(value: Any) -> tuple[QuarantineEntry, ...]:
     return tuple(QuarantineEntry.from_dict(q) for q in entries)
 
 
+class Quarantined:
+    """What every state (a frozen dataclass) has: a quarantine, merged and sorted."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+    quarantine: tuple[QuarantineEntry, ...]
+
+    def with_quarantine(self: Q, entries: Iterable[QuarantineEntry]) -> Q:
+        """This state with ``entries`` added to its quarantine (merged, sorted)."""
+        return replace(self, quarantine=tuple(merge(self.quarantine, entries)))
+
+
+Q = TypeVar("Q", bound=Quarantined)
+
+
+def every_rank(
+    given: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    parse: Callable[[Mapping[str, Any]], Q],
+) -> Q:
+    """A state (or the first of a list of every rank's), with all their quarantines merged."""
+    states = [parse(s) for s in ([given] if isinstance(given, Mapping) else given)]
+    return states[0].with_quarantine(q for s in states for q in s.quarantine)
+
+
 @dataclass(frozen=True)
-class LoaderState:
+class LoaderState(Quarantined):
     """A lake loader's position, with what it is valid for.
 
     Attributes:
-        fingerprint: Fingerprint of the snapshot the position refers to.
-        config_hash: Hash of ``config``.
+        fingerprint: Of the snapshot the position refers to.
         config: The order-defining configuration (seed, C, window, shuffle, columns, ...).
         position: Global rows of the epoch delivered to the training loop (G).
         rows_dropped: Rows of the epoch dropped by ``drop_last`` (counted, never silent).
         num_rows: Rows in the epoch (N), for reports.
         topology: The topology the state was taken under (information, not a constraint).
-        quarantine: Units skipped for good (``on_error="skip"``), merged and sorted.
     """
 
     fingerprint: str

@@ -8,6 +8,7 @@ from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
 from lakeloader.state.loader_state import (
+    Quarantined,
     config_hash,
     format_version,
     quarantine_json,
@@ -93,7 +94,7 @@ class SourceRecord:
 
 
 @dataclass(frozen=True)
-class MixtureState:
+class MixtureState(Quarantined):
     """A mixture loader's position (see the module docstring).
 
     Attributes:
@@ -103,11 +104,9 @@ class MixtureState:
         history: Weight changes, the first at slot 0.
         epoch: The pass over the mixture under way (or just finished).
         epoch_start: The slot that pass started at.
-        epoch_rows: Rows of a pass.
-        sources: ``{name: SourceRecord}`` of the sources in the mixture now.
+        sources: Those of the mixture now.
         topology: The topology of the loader that took the state (for reports).
-        quarantine: Units of the sources skipped for good (``on_error="skip"``, ``validate``),
-            merged and sorted (entries name their files, so one list serves every source).
+        quarantine: Of every source (entries name their files).
     """
 
     seed: int
@@ -175,8 +174,7 @@ class MixtureState:
         """Read a state back.
 
         Raises:
-            StateFormatError: If it is not a mixture state of this version, or a field is
-                missing or of the wrong type (named).
+            StateFormatError: If it is not a mixture state of a known version, or is malformed.
         """
         refusal = (
             "not a mixture state (no kind='mixture'): a single lake's state cannot be "

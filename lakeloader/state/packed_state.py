@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from lakeloader.errors import StateFormatError
-from lakeloader.state.loader_state import format_version, quarantine_json, quarantine_of
+from lakeloader.state.loader_state import (
+    Quarantined,
+    format_version,
+    quarantine_json,
+    quarantine_of,
+)
 from lakeloader.state.mixture_state import MixtureState, epoch_start_keys
-from lakeloader.state.quarantine import QuarantineEntry, merge
+from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a packed state.
 PACKED_KIND: Final = "packed"
@@ -23,13 +28,13 @@ PACKED_EPOCH_VERSION: Final = 3
 
 
 @dataclass(frozen=True)
-class PackedState:
+class PackedState(Quarantined):
     """A packed lake's position (see docs/design.md).
 
     Attributes:
         config: Hash of the order configuration and the packing.
         samples: Samples delivered, its epochs one after the other.
-        quarantine: Units skipped for good, sorted (their tokens delivered as padding).
+        quarantine: Units skipped for good (their tokens delivered as padding).
         increment: A followed lake's: the marks of the increment ``samples`` stands in (its
             ``fingerprint`` is that increment's), or None.
         start: The samples before that increment; or, for a lake that grew at a resume, before
@@ -59,10 +64,6 @@ class PackedState:
     def position(self) -> int:
         """Samples delivered (the same on every rank)."""
         return self.samples
-
-    def with_quarantine(self, entries: Iterable[QuarantineEntry]) -> PackedState:
-        """This state with ``entries`` added to its quarantine (merged, sorted)."""
-        return replace(self, quarantine=tuple(merge(self.quarantine, entries)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types."""
@@ -140,7 +141,7 @@ class PackedMixtureState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PackedMixtureState:
-        """Read a state back.
+        """Read a state back (version 1 is refused: see the remedy).
 
         Raises:
             StateFormatError: If it is not a packed mixture's state of this version.
