@@ -87,19 +87,21 @@ class PackingNode(Node):
         """Take the dataset in."""
         assert isinstance(dataset, LakeDataset) and dataset.packing is not None
         self.dataset = dataset
-        self._check_column(dataset)
-        self._readers = {ONLY: dataset.reader()}
+        self._take({ONLY: dataset})
         self._config = self._packing_hash(dataset)
-        self._streams = {ONLY: SourceStream(dataset, size=self._samples_of)}
         self._state = PackedState(dataset.fingerprint, self._config, 0)
 
-    def _check_column(self, dataset: LakeDataset) -> None:
+    def _take(self, sources: Mapping[str, LakeDataset]) -> None:
+        """Each source's reader and stream of samples (its packing column checked first)."""
         column = self.dataset.packing.column
-        if dataset.transform is None and column not in dataset.config.columns:
-            raise KeyError(
-                f"Packing column {column!r} is not among the dataset's columns "
-                f"{list(dataset.config.columns)}: read it, or give a transform that makes it"
-            )
+        for ds in sources.values():
+            if ds.transform is None and column not in ds.config.columns:
+                raise KeyError(
+                    f"Packing column {column!r} is not among the dataset's columns "
+                    f"{list(ds.config.columns)}: read it, or give a transform that makes it"
+                )
+        self._readers = {n: ds.reader() for n, ds in sources.items()}
+        self._streams = {n: SourceStream(ds, size=self._samples_of) for n, ds in sources.items()}
 
     def _packing_hash(self, ds: LakeDataset) -> str:
         packing = self.dataset.packing if ds.packing is None else ds.packing
@@ -362,12 +364,7 @@ class PackedMixtureNode(CursorNode, PackingNode):
         """Take the mixture in."""
         assert isinstance(dataset, Mixture) and dataset.packing is not None
         self.mixture = self.dataset = dataset
-        for ds in dataset.sources.values():
-            self._check_column(ds)
-        self._readers = {n: ds.reader() for n, ds in dataset.sources.items()}
-        self._streams = {
-            n: SourceStream(ds, size=self._samples_of) for n, ds in dataset.sources.items()
-        }
+        self._take(dataset.sources)
         sources = stream_records(self._streams, {}, self._packing_hash)
         self._mixed = first_state(dataset, sources, self._topology())
 
