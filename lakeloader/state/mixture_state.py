@@ -18,9 +18,6 @@ from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a mixture state.
 MIXTURE_KIND: Final = "mixture"
-#: Version 2: a source record names the epoch it stands in (``start``, ``from_epoch``: a lake
-#: grew at a resume), which an older lakeloader refuses to misread; else version 1.
-MIXTURE_VERSIONS: Final = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -150,6 +147,8 @@ class MixtureState(Quarantined):
         >>> MixtureState.from_dict(s.to_dict()) == s
         True
         """
+        # version 2: a source record names the epoch it stands in (``start``, ``from_epoch``: a
+        # lake grew at a resume), which an older lakeloader refuses to misread
         return {
             "kind": MIXTURE_KIND,
             "version": 2
@@ -180,7 +179,7 @@ class MixtureState(Quarantined):
             "not a mixture state (no kind='mixture'): a single lake's state cannot be "
             "loaded into a loader over a Mixture, nor the other way round"
         )
-        format_version(data, MIXTURE_KIND, MIXTURE_VERSIONS, refusal)
+        format_version(data, MIXTURE_KIND, (1, 2), refusal)
         try:
             history = tuple(
                 WeightChange(int(c["start"]), {str(k): float(v) for k, v in c["weights"].items()})
