@@ -236,7 +236,10 @@ class LakeNode(Node):
         return self._base.for_epoch(epoch)
 
     def restore(self, state: Any) -> None:
-        """Continue from a state taken under any world size, worker count or batch size."""
+        """Continue from a state taken under any world size, worker count or batch size.
+
+        A followed lake's state whose increment the lake no longer holds: ``StateMismatchError``.
+        """
         saved = state.get(INCREMENT_KEY) if self._base.follow else None
         if saved is None:
             self.resume(RecoveryCoordinator().resume_state(state, self._base))

@@ -86,7 +86,8 @@ class CursorNode(Node):
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint, each source whose lake changed mapped onto its lake of now.
 
-        See ``RecoveryCoordinator.resume_source``.
+        See ``RecoveryCoordinator.resume_source`` (``LakeChangedError`` under
+        ``on_lake_change="error"``).
         """
         saved, sources, moved = self._parse(dict(ckpt.state_dict)), self.mixture.sources, {}
         size, config = self._counting()
@@ -119,11 +120,11 @@ class CursorNode(Node):
         }
         now = stream_records(streams, {}, config)
         resumed = resume_mixture(saved, mixture, now, frozenset(moved))
-        for change in resumed.changes:
-            logger.info("%s resumed at %s %d: %s", self.what, self._slots, saved.slot, change)
         self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
         self._streams = streams
         self._resumed(resumed.state)
+        for change in resumed.changes:
+            logger.info("%s resumed at %s %d: %s", self.what, self._slots, saved.slot, change)
 
     def barrier_position(self) -> Position:
         """What the checkpoint barrier compares across ranks: the cursor (the same on all)."""

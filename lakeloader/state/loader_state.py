@@ -69,7 +69,10 @@ def quarantine_of(value: Any) -> tuple[QuarantineEntry, ...]:
 
 
 class Quarantined:
-    """What every state (a frozen dataclass) has: a quarantine, merged and sorted."""
+    """What every state but a packed mixture's (it wraps a MixtureState) has: a quarantine.
+
+    Its entries are units skipped for good (``on_error="skip"``, ``validate=``), merged, sorted.
+    """
 
     __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
     quarantine: tuple[QuarantineEntry, ...]

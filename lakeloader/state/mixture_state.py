@@ -101,9 +101,9 @@ class MixtureState(Quarantined):
         history: Weight changes, the first at slot 0.
         epoch: The pass over the mixture under way (or just finished).
         epoch_start: The slot that pass started at.
-        sources: Those of the mixture now.
+        sources: Those of the mixture now, by name.
         topology: The topology of the loader that took the state (for reports).
-        quarantine: Of every source (entries name their files).
+        quarantine: Units of every source skipped for good (entries name their files).
     """
 
     seed: int
