@@ -74,13 +74,13 @@ def share_slots(spec: BatchSpec, num_partitions: int, world_size: int, rank: int
 _DENSE_SPAN_PER_VALUE = 16
 
 
-def _unique_inverse(values: np.ndarray, span: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _unique_inverse(values: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(values, return_inverse=True)`` by one sort, or no sort at all.
 
-    With ``span``, every value lies in ``[0, span)``; when that range is small, the values are
-    found by flagging them rather than by sorting them.
+    Every value lies in ``[0, span)``; when that range is small, the values are found by
+    flagging them rather than by sorting them.
     """
-    if span is not None and span <= _DENSE_SPAN_PER_VALUE * len(values) + 4096:
+    if span <= _DENSE_SPAN_PER_VALUE * len(values) + 4096:
         seen = np.zeros(span, dtype=bool)
         seen[values] = True
         return np.flatnonzero(seen), (np.cumsum(seen, dtype=np.int64) - 1)[values]
@@ -131,8 +131,7 @@ def batch_specs(
         raise ValueError(f"steps {first_step}..{first_step + num_steps - 1} leave the epoch")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size: {rank}, {world_size}")
-    runs, share = _share_runs(plan, starts, stops, world_size, rank)
-    return _run_specs(plan, steps, starts, stops, runs, share)
+    return _run_specs(plan, steps, starts, stops, world_size, rank)
 
 
 def range_specs(
@@ -140,8 +139,8 @@ def range_specs(
 ) -> list[BatchSpec]:
     """Specs of the slot ranges ``[starts[i], stops[i])`` of one epoch, labelled ``steps[i]``.
 
-    For ranges of any length (a mixture's part of a rank's share); each spec's rows come in
-    the partition-major order of its range.
+    For ranges of any length (a mixture's part of a rank's share, a packed plan's unit); each
+    spec's rows come in the partition-major order of its range.
 
     >>> from lakeloader.order.plan import make_units, plan_epoch
     >>> plan = plan_epoch(make_units([[6]], 6), seed=0, epoch=0, shuffle=False,
@@ -157,40 +156,7 @@ def range_specs(
     stops = np.asarray(stops, dtype=np.int64)
     if np.any(starts < 0) or np.any(stops <= starts) or np.any(stops > plan.num_rows):
         raise ValueError(f"slot ranges must be non-empty and within {plan.num_rows} rows")
-    runs, share = _share_runs(plan, starts, stops, 1, 0)
-    return _run_specs(plan, np.asarray(steps, dtype=np.int64), starts, stops, runs, share)
-
-
-def partition_specs(
-    plan: EpochPlan, steps: np.ndarray, parts: np.ndarray, starts: np.ndarray, lengths: np.ndarray
-) -> list[BatchSpec]:
-    """Specs of runs of one partition each, rows in position order.
-
-    Run ``i`` is positions ``[starts[i], starts[i] + lengths[i])`` of partition ``parts[i]``,
-    labelled ``steps[i]``: what a packed stream reads (:mod:`lakeloader.order.packing`), a
-    partition's rows one after the other. A spec's ``slot_start`` and ``slot_stop`` are the
-    run's first slot and one past its last (the slots between belong to other partitions).
-
-    >>> from lakeloader.order.plan import make_units, plan_epoch
-    >>> plan = plan_epoch(make_units([[8]], 8), seed=0, epoch=0, shuffle=False,
-    ...                   num_partitions=2, window=4)
-    >>> [s.take.tolist() for s in partition_specs(plan, np.array([0, 1]), np.array([1, 0]),
-    ...                                            np.array([1, 0]), np.array([3, 2]))]
-    [[1, 2, 3], [0, 1]]
-
-    Raises:
-        ValueError: If a run is empty or leaves its partition.
-    """
-    steps, parts, starts, lengths = (
-        np.asarray(a, dtype=np.int64) for a in (steps, parts, starts, lengths)
-    )
-    sizes = np.diff(plan.starts)
-    if np.any(lengths < 1) or np.any(starts < 0) or np.any(starts + lengths > sizes[parts]):
-        raise ValueError("partition runs must be non-empty and within their partition")
-    C = plan.num_partitions
-    first, last = parts + starts * C, parts + (starts + lengths - 1) * C
-    runs = (np.arange(len(steps), dtype=np.int64), parts, starts, lengths)
-    return _run_specs(plan, steps, first, last + 1, runs, lengths)
+    return _run_specs(plan, np.asarray(steps, dtype=np.int64), starts, stops, 1, 0)
 
 
 def _run_specs(
@@ -198,10 +164,11 @@ def _run_specs(
     steps: np.ndarray,
     starts: np.ndarray,
     stops: np.ndarray,
-    runs: Runs,
-    share: np.ndarray,
+    world_size: int,
+    rank: int,
 ) -> list[BatchSpec]:
-    """Specs of steps made of runs, ``share`` rows each."""
+    """Specs of the rank's shares of the global batches ``[starts[i], stops[i])``."""
+    runs, share = _share_runs(plan, starts, stops, world_size, rank)
     positions, per_step, key_step, piece, row = _run_core(plan, len(steps), runs)
     first = (np.cumsum(per_step) - per_step)[key_step]  # first key of each key's step
     offset = np.cumsum(plan.piece_rows(positions))

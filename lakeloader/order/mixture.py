@@ -61,23 +61,14 @@ def _positive(value: object) -> bool:
     return math.isfinite(value) and value > 0
 
 
-def phase(seed: int) -> np.uint64:
-    """The sequence's offset ``theta`` (in 64-bit fixed point) for a seed.
-
-    >>> bool(phase(0) == phase(0)), bool(phase(0) == phase(1))
-    (True, False)
-    """
-    drawn: np.uint64 = _rng(seed, 0x4D4958).integers(0, 2**64, dtype=np.uint64)
-    return drawn
-
-
 def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.ndarray:
     """The source (an index into ``weights.names``) of slots ``first .. first + count - 1``."""
     if first < 0 or count < 0:
         raise ValueError(f"slots must be non-negative; got first={first}, count={count}")
     index = np.arange(first, first + count, dtype=np.uint64)
+    theta = _rng(seed, 0x4D4958).integers(0, 2**64, dtype=np.uint64)  # the seed's offset
     with np.errstate(over="ignore"):  # wrapping is the point: arithmetic modulo 2**64
-        x = index * GOLDEN_STEP + phase(seed)
+        x = index * GOLDEN_STEP + theta
     ends = np.cumsum(weights.shares)[:-1] * _ONE  # the sources' shares of [0, 2**64)
     return count_reached(x, np.minimum(ends, _ONE - 1).astype(np.uint64), scan_up_to=8)
 
@@ -105,13 +96,19 @@ class MixCursor:
         order = np.argsort(_small(sources, len(names)), kind="stable")
         drawn = np.bincount(sources, minlength=len(names))
         first = np.cumsum(drawn) - drawn  # where each source's slots start in ``order``
-        base = np.array([self.counts.get(n, 0) for n in names], dtype=np.int64)
+        base = self.counts_of(names)
         offsets = np.empty(count, dtype=np.int64)
         offsets[order] = np.arange(count, dtype=np.int64) - np.repeat(first - base, drawn)
-        counts = dict(self.counts)
-        counts.update((n, int(b + d)) for n, b, d in zip(names, base, drawn, strict=True))
-        draw = MixDraw(self.slot, names, sources, offsets)
-        return draw, MixCursor(self.slot + count, counts)
+        return MixDraw(self.slot, names, sources, offsets), self.after(count, names, base + drawn)
+
+    def counts_of(self, names: Sequence[str]) -> np.ndarray:
+        """The count of each of ``names`` (0 for a source not drawn from yet)."""
+        return np.array([self.counts.get(n, 0) for n in names], dtype=np.int64)
+
+    def after(self, slots: int, names: Sequence[str], counts: np.ndarray) -> MixCursor:
+        """The cursor ``slots`` slots on, where ``names`` have reached ``counts``."""
+        counts_after = dict(zip(names, counts.tolist(), strict=True))
+        return MixCursor(self.slot + slots, {**self.counts, **counts_after})
 
 
 @dataclass(frozen=True)
@@ -201,9 +198,7 @@ class PartTable:
     Attributes:
         shares: The source of each row of each share, ``(steps, rows of a share)``.
         step: Each part's step (index among the steps planned).
-        epoch: Its source's epoch.
-        start: Its first position in that epoch's order.
-        stop: One past its last.
+        start: Its first position in its source's epoch's order (``stop``: one past its last).
         at: Where its rows stand in their share, all parts end to end (``stop - start`` each).
     """
 
@@ -242,8 +237,7 @@ def draw_parts(
     width = hi - lo
     step_of = np.arange(steps, dtype=np.int64)[:, None] * S
     full = np.bincount((step_of + drawn).ravel(), minlength=steps * S).reshape(steps, S)
-    before = np.array([cursor.counts.get(n, 0) for n in names], dtype=np.int64)
-    after_step = before + np.cumsum(full, axis=0)
+    after_step = cursor.counts_of(names) + np.cumsum(full, axis=0)
     ahead = np.bincount((step_of + drawn[:, :lo]).ravel(), minlength=steps * S).reshape(steps, S)
     share = drawn[:, lo:hi]
     mine = np.bincount((step_of + share).ravel(), minlength=steps * S).reshape(steps, S)
@@ -272,6 +266,4 @@ def draw_parts(
         stop=(hi_off - base)[kept],
         at=order % max(width, 1),
     )
-    counts = dict(cursor.counts)
-    counts.update((name, int(c)) for name, c in zip(names, after_step[-1], strict=True))
-    return table, MixCursor(cursor.slot + steps * size, counts), after_step
+    return table, cursor.after(steps * size, names, after_step[-1]), after_step

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lakeloader.order.plan import EpochPlan, Units, plan_epoch, rank_bounds
+from lakeloader.order.plan import EpochPlan, Units, expand_runs, plan_epoch, rank_bounds
 
 #: Rows of a packed plan's windows: they are not shuffled, so any size orders alike; this one
 #: keeps a unit's rows in few windows and the identity permutation of one small.
@@ -84,17 +84,16 @@ class TokenStream:
         >>> TokenStream.of(np.array([5, 4, 6]), streams=2, seq_len=4).sample_units(1, 2).tolist()
         [1, 2]
         """
-        if stop <= start:
-            return np.zeros(0, dtype=np.int64)
-        first, last = self.spans(*self.locate(np.arange(start, stop, dtype=np.int64)))
-        lo = np.searchsorted(self.ends, first, side="right")
-        hi = np.searchsorted(self.ends, last - 1, side="right") + 1
-        return np.unique(np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]))
+        return self.units(*self.spans(*self.locate(np.arange(start, stop, dtype=np.int64))))
 
-    def units(self, start: int, stop: int) -> range:
-        """The positions of the units that tokens ``[start, stop)`` lie in."""
-        first = int(np.searchsorted(self.ends, start, side="right"))
-        return range(first, int(np.searchsorted(self.ends, stop - 1, side="right")) + 1)
+    def units(self, start: int | np.ndarray, stop: int | np.ndarray) -> np.ndarray:
+        """The positions of the units that tokens ``[start, stop)`` lie in (sorted, each once).
+
+        ``start`` and ``stop`` may be arrays of ranges, all non-empty.
+        """
+        first = np.searchsorted(self.ends, np.atleast_1d(start), side="right")
+        last = np.searchsorted(self.ends, np.atleast_1d(stop) - 1, side="right")
+        return np.unique(expand_runs(first, last - first + 1, 1))
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,12 @@ class Share:
 
     def __len__(self) -> int:
         return len(self.source)
+
+
+def source_epochs(sources: np.ndarray, epochs: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """The indices of the samples of each (source, epoch) pair, pairs in sorted order."""
+    keys = sources * (1 << 32) + epochs
+    return {divmod(k, 1 << 32): np.flatnonzero(keys == k) for k in np.unique(keys).tolist()}
 
 
 def step_shares(
@@ -143,9 +148,8 @@ def step_shares(
     ([8, 12], [12, 16])
     """
     stream, index, start, stop = (np.empty(len(sources), dtype=np.int64) for _ in range(4))
-    for source, epoch in {(int(s), int(e)) for s, e in zip(sources, epochs, strict=True)}:
-        mine = (sources == source) & (epochs == epoch)
-        tokens = stream_of[(source, epoch)]
+    for key, mine in source_epochs(sources, epochs).items():
+        tokens = stream_of[key]
         stream[mine], index[mine] = tokens.locate(places[mine])
         start[mine], stop[mine] = tokens.spans(stream[mine], index[mine])
     step = np.arange(len(sources), dtype=np.int64) // global_batch

@@ -26,7 +26,8 @@ import torch
 from lakeloader.lake.following import CaughtUpError
 from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
-from lakeloader.order.packing import Share, TokenStream, step_shares
+from lakeloader.order.packing import Share, TokenStream, source_epochs, step_shares
+from lakeloader.order.plan import expand_runs
 from lakeloader.packing import Packing
 from lakeloader.pipeline.iterator import PassIterator
 from lakeloader.pipeline.packed_parts import (
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 #: Steps whose units are requested ahead of the one delivered, at least.
 AHEAD_STEPS: Final = 4
-#: Steps planned at once (see ``PackedIterator._plan``).
+#: Steps planned at once (see ``PackedIterator._plan_ahead``).
 PLAN_STEPS: Final = 16
 #: Chunks of :data:`PLAN_STEPS` planned ahead at most while the next step waits for its units.
 MAX_CHUNKS: Final = 256
@@ -77,10 +78,8 @@ class PackedIterator(PassIterator):
         sources: The sources, in the order the cursor's weights name them.
         packing: How samples are cut (the same for every source).
         cursor: Samples drawn so far (in all, and from each source).
-        weights: The weights of the sources' samples.
         seed: The seed of the samples' interleaving.
         topology: The loader's topology (its ``batch_size`` counts samples).
-        options: The loader's options.
         unit_dir: The loader's folder for decoded units.
         pool: The DataLoader's workers, which decode the rows; None: this process's threads.
         delivered: Told the cursor, the units each source found skipped, and the tokens and
@@ -143,7 +142,7 @@ class PackedIterator(PassIterator):
         self._planned: deque[PlannedStep] = deque()
         self._plan_cursor, self._steps_planned, self._steps_done = cursor, 0, 0
         self._options = options
-        #: Bytes the units requested and not let go hold, about (see ``_plan``).
+        #: Bytes the units requested and not let go hold, about (see ``_plan_ahead``).
         self._held_bytes = 0
         self._sample_keys = [
             (s.dataset.config.seed, zlib.crc32(name.encode()))
@@ -172,7 +171,7 @@ class PackedIterator(PassIterator):
             )
         return self._epochs[key]
 
-    def _plan(self) -> None:
+    def _plan_ahead(self) -> None:
         """Plan steps and request their units: :data:`AHEAD_STEPS` at least, then more.
 
         Past :data:`AHEAD_STEPS`, a chunk more a batch (up to :data:`MAX_CHUNKS` while the next
@@ -218,11 +217,12 @@ class PackedIterator(PassIterator):
                     logger.info("a packed stream caught up with its lake: %s", caught)
                     return False  # the pass ends after the steps planned
                 epochs[mine], places[mine] = source.stream.locate(draw.offsets[mine])
-        pairs = [divmod(k, 1 << 32) for k in np.unique(draw.sources * (1 << 32) + epochs).tolist()]
-        streams = {key: self._stream(*key) for key in pairs}
-        for (s, e), at in streams.items():  # where every rank's samples have reached
-            c, k = at.locate(places[(draw.sources == s) & (epochs == e)])
-            front = self._front.setdefault((s, e), at.bounds[:-1].copy())
+        groups = source_epochs(draw.sources, epochs)
+        streams = {pair: self._stream(*pair) for pair in groups}
+        for pair, mine in groups.items():  # where every rank's samples have reached
+            at = streams[pair]
+            c, k = at.locate(places[mine])
+            front = self._front.setdefault(pair, at.bounds[:-1].copy())
             np.maximum.at(front, c, at.spans(c, k)[1])
         shares = step_shares(
             draw.sources,
@@ -237,20 +237,22 @@ class PackedIterator(PassIterator):
         names, G = self._weights.names, topo.global_batch
         step_of = np.repeat(np.arange(count), G) * len(names) + draw.sources
         drawn = np.bincount(step_of, minlength=count * len(names)).reshape(count, -1).cumsum(0)
-        for step, share in enumerate(shares):  # the cursor after each step: its draws added
-            counts = dict(cursor.counts)
-            base = [cursor.counts.get(n, 0) for n in names]
-            counts.update(zip(names, (base + drawn[step]).tolist(), strict=True))
-            by_epoch = self._by_epoch(share)
-            units = [(s, e, pos) for (s, e), (_, held) in by_epoch.items() for pos in held]
+        drawn += cursor.counts_of(names)  # each source's count after each step
+        for step, share in enumerate(shares):
+            by_epoch = source_epochs(share.source, share.epoch)
+            units = [
+                (s, e, pos)
+                for (s, e), mine in by_epoch.items()
+                for pos in self._stream(s, e).units(share.start[mine], share.stop[mine]).tolist()
+            ]
             for key in units:
                 nbytes = self._last_use[key][1] if key in self._last_use else 0
                 if not nbytes:
-                    self._epoch(*key[:2]).request((key[2],))
+                    self._epoch(*key[:2]).request(key[2])
                     nbytes = self._unit_bytes(*key)
                     self._held_bytes += nbytes
                 self._last_use[key] = (self._steps_planned, nbytes)
-            after = MixCursor(cursor.slot + (step + 1) * G, counts)
+            after = cursor.after((step + 1) * G, names, drawn[step])
             self._planned.append(PlannedStep(after, share, by_epoch, units))
             self._steps_planned += 1
         self._plan_cursor = self._planned[-1].after
@@ -261,9 +263,6 @@ class PackedIterator(PassIterator):
         ends = self._stream(source, epoch).ends
         return int(ends[pos] - (ends[pos - 1] if pos else 0)) * UNIT_BYTES_PER_TOKEN
 
-    def _plan_ahead(self) -> None:
-        self._plan()
-
     def _deliver(self) -> Any:
         if not self._planned:  # caught up with a followed lake
             raise StopIteration
@@ -273,7 +272,7 @@ class PackedIterator(PassIterator):
         positions = np.empty((n, L), dtype=np.int64)
         pads = np.zeros((n, L), dtype=bool)  # True where a skipped unit or a tail pads
         flat = (tokens.reshape(-1), positions.reshape(-1), pads.reshape(-1))
-        for (s, e), (mine, _) in by_epoch.items():
+        for (s, e), mine in by_epoch.items():
             epoch = self._epoch(s, e)
             start, stop = share.start[mine], share.stop[mine]
             # Runs of samples whose tokens follow each other in the epoch and in the batch
@@ -302,24 +301,6 @@ class PackedIterator(PassIterator):
         self._release()
         return batch
 
-    def _by_epoch(self, share: Share) -> dict[tuple[int, int], tuple[np.ndarray, list[int]]]:
-        """The share's samples by (source, epoch): their indices, and the units they lie in."""
-        out = {}
-        keys = share.source * (1 << 32) + share.epoch
-        for key in np.unique(keys).tolist():
-            mine = np.flatnonzero(keys == key)
-            s, e = divmod(key, 1 << 32)
-            ends = self._stream(s, e).ends
-            first = np.searchsorted(ends, share.start[mine], side="right")
-            last = np.searchsorted(ends, share.stop[mine] - 1, side="right")
-            span = [
-                range(a, b + 1)
-                for a, b in zip(first[last > first], last[last > first], strict=True)
-            ]
-            units = sorted(set(first.tolist()).union(*span))
-            out[(s, e)] = (mine, units)
-        return out
-
     def _copy(self, epoch: EpochTokens, runs: np.ndarray, out: tuple[Any, ...]) -> None:
         """Copy each run's tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch.
 
@@ -329,7 +310,7 @@ class PackedIterator(PassIterator):
         first, last = np.searchsorted(ends, runs[:, :2] - [0, 1], side="right").T
         spans = last - first + 1  # the units each run lies in
         run = np.repeat(np.arange(len(runs)), spans)
-        pos = np.arange(len(run)) - np.repeat(np.cumsum(spans) - spans, spans) + first[run]
+        pos = expand_runs(first, spans, 1)
         starts = np.where(pos > 0, ends[pos - 1], 0)  # each unit's first token in the epoch
         a = np.maximum(runs[run, 0], starts)
         b = np.minimum(runs[run, 1], ends[pos])

@@ -41,13 +41,13 @@ class PackedSource(NamedTuple):
 class PlannedStep(NamedTuple):
     """A step planned: the cursor after it, this rank's share, and the units the share needs.
 
-    ``by_epoch``: the share's samples by (source, epoch), and the units they lie in;
-    ``units``: the same units as (source, epoch, position).
+    ``by_epoch``: the indices of the share's samples by (source, epoch); ``units``: the units
+    they lie in, as (source, epoch, position).
     """
 
     after: MixCursor
     share: Share
-    by_epoch: dict[tuple[int, int], tuple[np.ndarray, list[int]]]
+    by_epoch: dict[tuple[int, int], np.ndarray]
     units: list[tuple[int, int, int]]
 
 

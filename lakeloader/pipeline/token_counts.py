@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Threads that count units by reading them.
-COUNT_THREADS = 16
-
 
 def token_counts(ds: LakeDataset) -> np.ndarray:
     """Tokens (separators included) of each unit of ``ds``, in the units' path order."""
@@ -96,9 +93,7 @@ def _counted(ds: LakeDataset) -> np.ndarray:
             _, offsets = arrow_lists(table.column(packing.column), packing.column)
         return int(offsets[-1] - offsets[0]) + len(table) * (packing.eos_id is not None)
 
-    counted = per_file(
-        ds.fs, count, range(len(units)), "counting tokens", unit="unit", threads=COUNT_THREADS
-    )
+    counted = per_file(ds.fs, count, range(len(units)), "counting tokens", unit="unit", threads=16)
     return np.asarray(counted, dtype=np.int64)
 
 

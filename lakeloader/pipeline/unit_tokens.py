@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from lakeloader.cache.arrays import one_array
 from lakeloader.errors import ColumnNotFoundError
-from lakeloader.order.batches import BatchSpec, partition_specs
+from lakeloader.order.batches import BatchSpec, range_specs
 from lakeloader.order.packing import TokenStream, separated
 from lakeloader.packing import Packing
 from lakeloader.pipeline.collate import Transform
@@ -68,25 +68,22 @@ class EpochTokens:
         #: Units found skipped since the caller last took them.
         self.skipped: list[QuarantineEntry] = []
 
-    def request(self, positions: Iterable[int]) -> None:
-        """Start decoding the units at these positions of the epoch (if not yet)."""
-        offsets = self.plan.offsets
-        for pos in positions:
-            if pos not in self._specs:
-                start, rows = int(offsets[pos]), int(offsets[pos + 1] - offsets[pos])
-                (spec,) = partition_specs(  # labelled by the position: one screening each
-                    self.plan, np.array([pos]), np.zeros(1), np.array([start]), np.array([rows])
-                )
-                self._store.store.request(spec.positions)
-                self._specs[pos] = spec
-                if self._transform is None:
-                    self._made[pos] = self._threads.apply_async(self._read, (spec, pos))
+    def request(self, pos: int) -> None:
+        """Start decoding the unit at ``pos`` of the epoch (if not yet)."""
+        if pos in self._specs:
+            return
+        at = np.array([pos])  # the spec's step: one screening each
+        (spec,) = range_specs(self.plan, at, self.plan.offsets[at], self.plan.offsets[at + 1])
+        self._store.store.request(spec.positions)
+        self._specs[pos] = spec
+        if self._transform is None:
+            self._made[pos] = self._threads.apply_async(self._read, (spec, pos))
 
     def unit(self, pos: int) -> UnitTokens:
         """The tokens of the unit at ``pos`` (requested first if it was not)."""
         held = self._units.get(pos)
         if held is None:
-            self.request((pos,))
+            self.request(pos)
             made = self._made.pop(pos, None)
             held, skipped = made.get() if made else self._read(self._specs[pos], pos)
             self._units[pos] = held
