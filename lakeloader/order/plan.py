@@ -49,12 +49,10 @@ def make_units(row_group_rows: Sequence[Sequence[int]], max_unit_rows: int) -> U
     counts = [len(rgs) for rgs in row_group_rows]
     rg_rows = np.fromiter((n for rgs in row_group_rows for n in rgs), dtype=np.int64)
     rg_file = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    rg_index = np.concatenate([np.zeros(0, np.int64), *map(np.arange, counts)])
+    rg_index = expand_runs(np.zeros(len(counts), np.int64), np.array(counts, np.int64), 1)
     pieces = -(-rg_rows // max_unit_rows)  # ceil; 0 for empty row groups
     unit_rg = np.repeat(np.arange(len(rg_rows)), pieces)
-    first_unit = np.cumsum(pieces) - pieces
-    piece = np.arange(len(unit_rg)) - np.repeat(first_unit, pieces)
-    row_start = piece * max_unit_rows
+    row_start = expand_runs(np.zeros(len(rg_rows), np.int64), pieces, max_unit_rows)
     num_rows = np.minimum(rg_rows[unit_rg] - row_start, max_unit_rows)
     return Units(
         file_index=rg_file[unit_rg].astype(np.int64),
