@@ -1,8 +1,6 @@
 """Array columns as numpy: fixed-size lists as dense blocks, lists as values plus offsets.
 
-A fixed-size list column becomes a ``(rows, D1, ...)`` array, a list column :class:`Ragged`.
-Float nulls become NaN and a null list an empty row; other nulls block the batch
-(:func:`blocking_nulls`).
+Float nulls become NaN and a null list an empty row; other nulls block the batch.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import pyarrow.compute as pc
 
 
 def is_number(typ: pa.DataType) -> bool:
-    """Whether ``typ`` is an integer, floating point or boolean type."""
+    """Whether ``typ`` is an integer, float or boolean type."""
     return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ))
 
 
@@ -56,16 +54,14 @@ def _leaf(typ: pa.DataType) -> pa.DataType:
 
 
 def one_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """The column as one Arrow array (its only chunk as it is, else the chunks combined)."""
+    """The column as one Arrow array (its only chunk uncopied)."""
     if isinstance(col, pa.ChunkedArray):
         return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return col
 
 
 def blocking_nulls(col: pa.Array | pa.ChunkedArray) -> int:
-    """Nulls in a tensor-bound column that its tensor cannot hold (0 for float columns).
-
-    Null lists of a variable-length column never count (they become empty rows).
+    """Nulls in a tensor-bound column that its tensor cannot hold (null lists never count).
 
     >>> blocking_nulls(pa.array([[1, None], [2, 3]], pa.list_(pa.int8(), 2)))
     1
@@ -82,10 +78,7 @@ def blocking_nulls(col: pa.Array | pa.ChunkedArray) -> int:
 
 
 def _levels(arr: pa.Array) -> tuple[list[pa.FixedSizeListArray], pa.Array]:
-    """The fixed-size list levels of ``arr``, outermost first, and the values of the innermost.
-
-    Each level's values are its rows', null rows included, in row order.
-    """
+    """The fixed-size list levels of ``arr``, outermost first, and the innermost's values."""
     levels = []
     while pa.types.is_fixed_size_list(arr.type):
         levels.append(arr)
@@ -104,11 +97,8 @@ def leaf_numpy(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
 def fixed_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A (nested) fixed-size list column as a ``(rows, D1, D2, ...)`` array.
 
-    Float nulls, of elements or of whole lists, become NaN. The caller checks
-    :func:`blocking_nulls` first for other element types.
-
-    >>> fixed_numpy(pa.array([[1.0, 2.0], None], pa.list_(pa.float32(), 2))).tolist()
-    [[1.0, 2.0], [nan, nan]]
+    Float nulls, of elements or of whole lists, become NaN; the caller checks
+    :func:`blocking_nulls` for other element types.
     """
     shape = fixed_shape(col.type)
     assert shape is not None, col.type
@@ -140,12 +130,9 @@ def to_arrow(values: np.ndarray, typ: pa.DataType) -> pa.Array:
 
 @dataclass(frozen=True)
 class Ragged:
-    """A batch's variable-length column: every row's values end to end, and the offsets.
+    """A batch's variable-length column: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
-    Attributes:
-        values: ``(total, *inner)``: the elements of row ``i`` are
-            ``values[offsets[i]:offsets[i + 1]]``.
-        offsets: ``rows + 1`` int64 offsets, starting at 0.
+    ``offsets`` holds ``rows + 1`` int64 offsets, starting at 0.
     """
 
     values: np.ndarray
@@ -172,13 +159,8 @@ class Ragged:
 def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> Ragged | None:
     """Rows of a list-of-numbers column spread over units, in one copy of their values.
 
-    Returns None (the caller takes the general path) when the elements are not plain numbers
-    or hold a null.
-
-    Args:
-        parts: The column of each unit (one chunk each).
-        unit: The unit of each batch row, in batch order.
-        row: Its row inside that unit.
+    ``parts`` is the column of each unit (one chunk each); ``unit`` and ``row`` say where each
+    batch row is. None (the general path) when the elements are not plain numbers or hold a null.
 
     >>> a = pa.array([[1, 2], None, [3]], pa.list_(pa.int32()))
     >>> b = pa.array([[7], [8, 9]], pa.list_(pa.int32())).slice(1)
@@ -213,8 +195,7 @@ def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> R
 def ragged_numpy(col: pa.Array | pa.ChunkedArray) -> Ragged:
     """A list column of numbers (or of fixed-size lists) as values and int64 offsets.
 
-    Null lists become empty rows; float null elements NaN. The caller checks
-    :func:`blocking_nulls` first for other element types.
+    Null lists become empty rows, float null elements NaN (see :func:`fixed_numpy`).
 
     >>> r = ragged_numpy(pa.array([[1, 2], None, [3]], pa.large_list(pa.int16())))
     >>> r.values.tolist(), r.offsets.tolist()

@@ -44,7 +44,6 @@ class UnitRef:
             another process needs them), or None when every column is packed.
         views: Its string and binary columns whose views are in its arena rows (they stay
             in ``table`` too: the views point into their data buffers).
-        where: Its file, row group and rows, for error messages.
     """
 
     start: int
@@ -64,13 +63,12 @@ class DecodeJob:
     """One unit to decode, and where its decoded form goes.
 
     Attributes:
-        position: The piece's position in the epoch's virtual sequence.
         start: Arena row to pack into (-1: nothing is packed).
         table_path: IPC file for the columns not packed (None: keep them in memory).
         view_buffers: The data buffer index of each of the layout's view columns (empty:
             write no views).
-        fetched: The unit's bytes fetched ahead (:mod:`lakeloader.io.prefetch`), or the
-            error fetching them raised; None: the decoder fetches them itself.
+        fetched: The unit's bytes fetched ahead, or the error fetching them raised; None:
+            the decoder fetches them itself.
     """
 
     position: int
@@ -86,12 +84,7 @@ class DecodeJob:
 
 @dataclass(eq=False)
 class UnitDecoder:
-    """Reads, screens (quarantine) and packs units.
-
-    Attributes:
-        layout: How to pack tensor-typed columns (None: keep units as Arrow tables).
-        on_error: ``"raise"`` or ``"skip"`` (quarantine) a unit that fails or is rejected.
-    """
+    """Reads, screens (quarantine) and packs units (no ``layout``: keeps Arrow tables)."""
 
     reader: UnitReader
     layout: RowLayout | None
@@ -103,7 +96,6 @@ class UnitDecoder:
 
         Raises:
             LakeDataError: If the unit cannot be read or is rejected (``on_error="raise"``).
-            StoreUnavailableError: If the store stays down past the retry deadline.
         """
         try:
             held = self._decode(job, records)
@@ -198,10 +190,10 @@ class LocalDecodes:
     """Decodes in a thread pool of this process while the bytes they hold fit (one always runs).
 
     Args:
-        limit: Bytes held by the decodes under way at most (one always runs).
+        limit: Bytes held by the decodes under way at most.
         records: The arena's rows, read at each decode (it may have grown), or None.
-        pool: Threads shared with other decodes (a mixture's sources), which this one neither
-            starts nor stops.
+        pool: Threads shared with other decodes (a mixture's sources), not started or stopped
+            here.
     """
 
     def __init__(

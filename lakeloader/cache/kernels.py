@@ -20,11 +20,7 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def sliced_nested_take_is_wrong() -> bool:
-    """Whether this pyarrow's ``take`` is wrong on a sliced fixed-size list of fixed-size lists.
-
-    >>> isinstance(sliced_nested_take_is_wrong(), bool)
-    True
-    """
+    """Whether this pyarrow's ``take`` is wrong on a sliced fixed-size list of fixed-size lists."""
     values = pa.array(range(48), pa.float32())
     nested = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(values, 2), 2)
     sliced = nested.slice(3, 6)

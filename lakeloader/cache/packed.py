@@ -20,10 +20,7 @@ SLACK_BYTES = 64 << 10
 
 
 def is_tensor_type(typ: pa.DataType) -> bool:
-    """Whether a column of this type becomes a dense tensor.
-
-    Numbers, booleans and temporal values (as ticks) become ``[B]``; fixed-size lists of
-    numbers (nested or not) ``[B, D1, D2, ...]``.
+    """Whether a column becomes a dense tensor: numbers, temporals, fixed-size lists of numbers.
 
     >>> [is_tensor_type(t) for t in (pa.date32(), pa.list_(pa.float32(), 8), pa.string())]
     [True, True, False]
@@ -42,10 +39,9 @@ def tensor_dtype(typ: pa.DataType) -> np.dtype:
 
 
 def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A tensor-typed column as a numpy array (the caller checks :func:`blocking_nulls`).
+    """A tensor-typed column as numpy, temporal values as ticks in their own unit.
 
-    Temporal values become their integer ticks in the column's own unit; float nulls NaN;
-    a fixed-size list column a ``(rows, D1, ...)`` array.
+    The caller checks :func:`blocking_nulls`; float nulls become NaN.
     """
     typ = col.type
     if pa.types.is_fixed_size_list(typ):
@@ -57,13 +53,10 @@ def tensor_numpy(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Where each packed column sits in a row of the byte matrix.
+    """Where each packed column (in schema order) sits in a row of the byte matrix.
 
-    Attributes:
-        names: Packed columns, in schema order.
-        offsets: Byte offset of each inside a row.
-        row_bytes: Bytes per row (the packed columns, then the views).
-        views: String and binary columns kept as Arrow binary views, after the packed ones.
+    ``views`` are the string and binary columns kept as Arrow binary views, after the packed
+    ones; ``row_bytes`` counts both.
     """
 
     names: tuple[str, ...]
@@ -110,12 +103,11 @@ class Packed:
     """A decoded unit: packed row bytes plus the columns left in Arrow form.
 
     Attributes:
-        rows: The unit's rows as a structured array of ``layout.record`` (a slice of the
-            rank's :class:`~lakeloader.cache.arena.Arena`), or None when nothing is packed.
-        packed: Names of the columns in ``rows`` (a column of the layout that holds nulls in
-            this unit and is not a float column stays in ``table`` instead).
-        table: The other columns.
-        where: Where the unit comes from (file, row group, rows), for error messages.
+        rows: The unit's rows of ``layout.record`` (a slice of the rank's arena), or None when
+            nothing is packed.
+        packed: The columns in ``rows`` (a non-float column of the layout that holds nulls in
+            this unit stays in ``table`` instead).
+        where: The unit's file, row group and rows, for error messages.
     """
 
     rows: np.ndarray | None
@@ -130,10 +122,7 @@ class Packed:
 
 
 def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> Packed:
-    """Pack a unit's tensor-typed columns into row bytes; the others are :func:`compact`-ed.
-
-    They go into ``out`` (the unit's slice of the arena, one ``layout.record`` a row), or a new
-    array when it is None.
+    """Pack a unit's tensor-typed columns into ``out`` (or a new array); compact the others.
 
     >>> t = pa.table({"id": [1, 2], "x": pa.array([0.5, None], pa.float32()), "s": ["a", "b"]})
     >>> p = pack(t, RowLayout.of(t.schema))
@@ -156,9 +145,8 @@ def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> P
 def compact(table: pa.Table) -> pa.Table:
     """The table in one chunk per column that owns only its own rows' memory.
 
-    A table whose buffers hold more than twice its own bytes (plus ``SLACK_BYTES``), such as a
-    slice of a larger batch, is copied; affected columns are copied to offset 0
-    (:func:`~lakeloader.cache.kernels.unsliced_table`).
+    Buffers over twice its own bytes plus ``SLACK_BYTES`` (a slice of a larger batch) are
+    copied; affected columns are copied to offset 0 (:mod:`lakeloader.cache.kernels`).
 
     >>> big = pa.table({"s": ["x" * 100] * 10_000})
     >>> compact(big.slice(0, 10)).get_total_buffer_size() < 2_000
@@ -182,11 +170,9 @@ class Selection:
     """Rows of a batch grouped by unit: ``take`` sorted by unit, and the way back.
 
     Attributes:
-        unit: Unit index of each run of rows.
-        bounds: ``[start, stop)`` of each run in the sorted order.
+        unit: Unit of each run of rows; ``bounds`` the run's ``[start, stop)`` when sorted.
         local: Row inside its unit, in the sorted order.
-        inverse: Position in the sorted order of each batch row.
-        order: Batch position of each row of the sorted order.
+        inverse: Position in the sorted order of each batch row (``order``: the reverse).
     """
 
     unit: tuple[int, ...]

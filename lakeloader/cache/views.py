@@ -28,25 +28,15 @@ EMPTY_BUFFER = pa.py_buffer(b"")
 
 
 def write_views(col: pa.Array, out: np.ndarray, buffer_index: int) -> pa.Buffer | None:
-    """Write a string or binary column's Arrow binary views into ``out`` (its arena field).
+    """Write a unit's string or binary column's Arrow binary views into ``out`` (its arena field).
 
-    A null is a length of -1 (the arena has no room for a validity bitmap).
-
-    Args:
-        col: The unit's column, one chunk.
-        out: The unit's rows of the column's field in the arena.
-        buffer_index: The index the data buffer will have in :func:`views_array`.
+    A null is a length of -1 (the arena has no room for a validity bitmap); the views point
+    into the data buffer of index ``buffer_index`` in :func:`views_array`.
 
     Returns:
         The data buffer the views point into, the column's own (an empty one when every
         value is inline), or None, writing nothing, when the values do not fit one
         int32-addressed buffer or the cast had to copy them.
-
-    >>> col = pa.array(["a", None, "a rather longer value"])
-    >>> out = np.zeros(3, dtype=VIEW_DTYPE)
-    >>> data = write_views(col, out, buffer_index=1)
-    >>> views_array(out.copy(), pa.string(), [EMPTY_BUFFER, data]).to_pylist()
-    ['a', None, 'a rather longer value']
     """
     views = col.cast(VIEW_TYPES[col.type])
     buffers = views.buffers()
@@ -73,12 +63,9 @@ def data_buffer(col: pa.Array) -> pa.Buffer:
 
 
 def views_array(views: np.ndarray, typ: pa.DataType, buffers: Sequence[pa.Buffer]) -> pa.Array:
-    """The values of gathered views (a copy: nulls are rewritten in place) as an Arrow array.
+    """Gathered views (a copy: nulls are rewritten in it) as an Arrow array of ``typ``'s values.
 
-    Args:
-        views: One view per batch row (``VIEW_DTYPE``), as :func:`write_views` wrote them.
-        typ: The column's type in the lake.
-        buffers: Every data buffer a view may point into, by its index.
+    ``buffers`` holds every data buffer a view may point into, by its index.
     """
     ints = views.view(np.int32).reshape(-1, 4)
     nulls = ints[:, 0] < 0

@@ -13,11 +13,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
-from typing import Any, TextIO
+from typing import Any
 
-from lakeloader.errors import LakeWarning, WorkerError, WorkerWarning
+from lakeloader.errors import WorkerError, WorkerWarning
 from lakeloader.recovery.reassign import MAX_ATTEMPTS
-from lakeloader.workers.process import IDLE, LOGGER, Result, Started, Work, WorkerSetup, worker_main
+from lakeloader.workers.process import (
+    IDLE,
+    WARNING_ATTR,
+    Result,
+    Started,
+    Work,
+    WorkerSetup,
+    worker_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,35 +36,8 @@ REAP_SECONDS = 0.5
 #: fcntl command to set a pipe's capacity (Linux), and the capacity asked for.
 F_SETPIPE_SZ = 1031
 PIPE_BYTES = 1 << 20
-#: Attribute of a worker's log record that carries a LakeWarning's category to the loader.
-WARNING_ATTR = "lake_warning"
 #: Warnings registry of what workers sent: the same warning of several workers is said once.
 _FORWARDED: dict[Any, Any] = {}
-
-
-def _worker_process(*args: Any) -> None:
-    """A worker's process: :func:`worker_main`, with its lakeloader warnings sent home."""
-    show = warnings.showwarning
-
-    def send(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: TextIO | None = None,
-        line: str | None = None,
-    ) -> None:
-        home = [h for h in logging.getLogger(LOGGER).handlers if type(h) is not logging.NullHandler]
-        if not (issubclass(category, LakeWarning) and home):  # not ours, or not set up yet
-            show(message, category, filename, lineno, file, line)
-            return
-        record = logging.LogRecord(LOGGER, logging.WARNING, filename, lineno, message, None, None)
-        setattr(record, WARNING_ATTR, category)
-        for handler in home:  # the pipe to the loader, whatever the logger's level
-            handler.handle(record)
-
-    warnings.showwarning = send
-    worker_main(*args)
 
 
 def _handle_record(record: logging.LogRecord) -> None:
@@ -126,7 +107,7 @@ class WorkerPool:
             logger.debug("could not widen the result pipe to %d bytes", PIPE_BYTES)
         building = self._ctx.Value("q", IDLE, lock=False)
         proc = self._ctx.Process(
-            target=_worker_process,
+            target=worker_main,
             args=(worker_id, self._setup, task_reader, writer, building),
             name=f"lakeloader-worker-{worker_id}",
             daemon=True,

@@ -12,10 +12,11 @@ import random
 import signal
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeAlias
+from typing import Any, TextIO, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +26,7 @@ from lakeloader.cache.arena import ArenaHandle, FileMap
 from lakeloader.cache.decode import DecodeJob, UnitDecoder, UnitRef
 from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import UnitOpener
-from lakeloader.errors import LakeError
+from lakeloader.errors import LakeError, LakeWarning
 from lakeloader.io.retry import describe
 from lakeloader.pipeline.recipe import BatchRecipe, Sources, build_payload
 from lakeloader.signals import process_receives
@@ -37,6 +38,8 @@ WATCHDOG_SECONDS = 1.0
 IDLE = -1
 #: The package's logger: what workers forward to the loader's process.
 LOGGER = "lakeloader"
+#: Attribute of a worker's log record that carries a LakeWarning's category to the loader.
+WARNING_ATTR = "lake_warning"
 
 
 @dataclass(frozen=True)
@@ -148,12 +151,30 @@ class Result:
 
 
 class _ForwardLogs(logging.Handler):
-    """Sends a worker's log records to the loader's process, which logs them as its own."""
+    """Sends a worker's log records and lakeloader warnings to the loader's process."""
 
     def __init__(self, results: Connection, lock: threading.Lock) -> None:
         super().__init__()
         self._results = results
         self._lock = lock
+        self._show = warnings.showwarning
+
+    def showwarning(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        """Send a LakeWarning home (whatever the logger's level); show the others here."""
+        if not issubclass(category, LakeWarning):
+            self._show(message, category, filename, lineno, file, line)
+            return
+        record = logging.LogRecord(LOGGER, logging.WARNING, filename, lineno, message, None, None)
+        setattr(record, WARNING_ATTR, category)
+        self.handle(record)
 
     def emit(self, record: logging.LogRecord) -> None:
         record.msg, record.args = record.getMessage(), None
@@ -177,6 +198,7 @@ class _Worker:
         forward.setLevel(logging.getLogger(LOGGER).getEffectiveLevel())
         root = logging.getLogger(LOGGER)
         root.handlers, root.propagate = [forward], False
+        warnings.showwarning = forward.showwarning
 
     def run(self, task: Work) -> None:
         """Do a task and answer it."""
