@@ -7,7 +7,7 @@ import heapq
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -35,9 +35,7 @@ _NO_COLUMNS = pa.table({})
 class Screening:
     """What to do with units that fail to decode or that the user's validator rejects.
 
-    Attributes:
-        on_error: ``"raise"`` a :class:`LakeDataError`, or ``"skip"`` (quarantine) the unit.
-        known: Units already quarantined (from the loaded state): skipped without reading.
+    ``known`` units are quarantined already (by the loaded state): skipped without reading.
     """
 
     on_error: OnError = "raise"
@@ -46,10 +44,7 @@ class Screening:
 
 
 class UnitOpener:
-    """Opens units for a batch builder, keeping the tables of the previous batch's units only.
-
-    Older tables are dropped, so that the memory of evicted units is freed.
-    """
+    """Opens a batch's units, keeping only the previous batch's tables (so evicted ones free)."""
 
     def __init__(self) -> None:
         self._open: dict[str, pa.Table] = {}
@@ -91,8 +86,6 @@ class UnitStore:
     """Decoded units of one epoch for one rank.
 
     Args:
-        layout: How tensor-typed columns are packed (None: units stay Arrow tables).
-        arena: Where packed rows go (None when nothing is packed).
         table_dir: Folder for the IPC files of the columns not packed, when another process
             reads them (None: they stay in memory).
         known: Units already quarantined (from the loaded state): skipped without reading.
@@ -239,20 +232,11 @@ class UnitStore:
         return any(f.done() and not f.cancelled() and f.exception() for f in futures)
 
     def get(self, positions: np.ndarray, timeout: float | None = None) -> list[Held]:
-        """Wait for the units at these positions (requesting them if needed).
-
-        Args:
-            positions: Virtual-sequence positions of the units.
-            timeout: Seconds to wait for all of them (None: forever).
-
-        Returns:
-            Each unit, or its quarantine entry when it is skipped.
+        """Each unit at these positions, or its quarantine entry (requesting them if needed).
 
         Raises:
-            LakeDataError: If a unit cannot be read (and ``on_error`` is ``"raise"``).
-            StoreUnavailableError: If the store stays down past the retry deadline.
             concurrent.futures.TimeoutError: If they are not all decoded within ``timeout``
-                seconds.
+                seconds (None: wait forever).
         """
         wanted = positions.tolist()
         held = [self._held.get(p) for p in wanted]
@@ -279,16 +263,13 @@ class UnitStore:
 
     def release(self, delivered: int) -> None:
         """Evict every unit whose last use lies before global slot ``delivered``."""
-        entries = []
+        due = []
         with self._lock:
             while self._releases and self._releases[0][0] <= delivered:
-                _, pos = heapq.heappop(self._releases)
-                if pos in self._entries:  # not dropped already
-                    entries.append(self._pop(pos))
-        for entry in entries:
-            self._discard(entry)
+                due.append(heapq.heappop(self._releases)[1])
+        self.drop(due)
 
-    def drop(self, positions: np.ndarray) -> None:
+    def drop(self, positions: Iterable[int]) -> None:
         """Evict the units at these positions now (a reader that knows its own last uses)."""
         with self._lock:
             entries = [self._pop(int(p)) for p in positions if int(p) in self._entries]

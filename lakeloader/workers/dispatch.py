@@ -29,9 +29,8 @@ POLL_SECONDS: Final = 0.5
 class WorkKind:
     """How a kind of work is named in messages.
 
-    Attributes:
-        advice: What to check when the work keeps killing its worker.
-        lead: Put before a piece of work's name when it is the subject of a message.
+    ``advice`` says what to check when the work keeps killing its worker; ``lead`` goes before
+    a piece of work's name when it is the subject of a message.
     """
 
     verb: str
@@ -73,8 +72,7 @@ class Dispatcher:
         limit: Bytes held by the work sent and not answered, at most (one always runs).
         per_worker: Work handed to each worker ahead, at most (a worker that is slow holds
             back only its own work).
-        count: Takes what the worker's reader did for a piece of work, by its key (decodes),
-            or None.
+        count: Takes what the worker's reader did for a decode, by its key.
     """
 
     def __init__(
@@ -116,8 +114,8 @@ class Dispatcher:
             key: The work's key in the pass (a unit's position, or a step).
             make: Makes the task when it is sent (a decode then takes the arena's handle).
             nbytes: Bytes it holds while it runs (0: not budgeted).
-            ready: Send it only once this is done (a decode: once its unit is fetched); the
-                work of other workers, and the worker's later work, do not wait for it.
+            ready: Send it only once this is done (a decode: once its unit is fetched); other
+                work does not wait for it.
         """
         future: Future[Any] = Future()
         with self._lock:

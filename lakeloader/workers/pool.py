@@ -62,13 +62,9 @@ class _Slot:
 
 @dataclass(frozen=True)
 class Death:
-    """A worker that died, with the tasks it still owed.
+    """A worker that died, with the tasks it still owed, in the order they were handed out.
 
-    Attributes:
-        exitcode: Its exit code (``-9`` for SIGKILL).
-        owed: The tasks it had not answered, in the order they were handed out.
-        building: The key of the task under way when it died (a step, or a unit's
-            position), or None if it was idle.
+    ``building`` is the key of the task under way when it died, or None if it was idle.
     """
 
     worker: int
@@ -79,11 +75,7 @@ class Death:
 
 
 class WorkerPool:
-    """A fixed number of worker processes, each with a task queue and a result pipe.
-
-    Args:
-        context: A multiprocessing context or its name (None: the platform default).
-    """
+    """A fixed number of worker processes, each with a task queue and a result pipe."""
 
     def __init__(
         self, setup: WorkerSetup, num_workers: int, context: BaseContext | str | None
@@ -164,11 +156,9 @@ class WorkerPool:
             return
 
     def _started(self, slot: _Slot, message: Started) -> None:
-        """A worker reports that it is set up, or raises why it could not be.
+        """Note a worker as set up, or raise why it failed to start (with its traceback).
 
-        Raises:
-            WorkerError: With the worker's traceback, when it failed to start (the user's
-                ``worker_init_fn`` raised, say): starting it again would fail again.
+        The user's ``worker_init_fn`` raised, say: starting it again would fail again.
         """
         if message.error is not None:
             self._failure = WorkerError(
@@ -194,12 +184,8 @@ class WorkerPool:
     def collect(self, ready: Sequence[Any]) -> tuple[list[Result], list[Death]]:
         """Take the results that arrived and replace the workers that died.
 
-        Args:
-            ready: What a :func:`multiprocessing.connection.wait` over :meth:`waitables`
-                returned (it may be stale: objects of workers replaced since are ignored).
-
-        Raises:
-            WorkerError: When workers cannot start (then at every later call too).
+        ``ready`` is what a ``wait`` over :meth:`waitables` returned (maybe stale: objects of
+        workers replaced since are ignored). Once workers cannot start, every call raises why.
         """
         if self._failure is not None:
             raise self._failure
@@ -241,11 +227,9 @@ class WorkerPool:
         return results, deaths
 
     def _count_start_death(self, worker: int, slot: _Slot) -> None:
-        """Give up on a worker that keeps dying by itself (not by ``SIGKILL``) before it is set up.
+        """Give up on a worker after ``MAX_ATTEMPTS`` deaths in a row before it is set up.
 
-        Raises:
-            WorkerError: After :data:`~lakeloader.recovery.reassign.MAX_ATTEMPTS` such deaths
-                in a row, naming the worker and its exit code.
+        Deaths by ``SIGKILL`` (from outside) do not count.
         """
         code = slot.process.exitcode
         if slot.started or code == -signal.SIGKILL:
@@ -260,11 +244,9 @@ class WorkerPool:
             raise self._failure
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Ask every worker to exit, then terminate those that do not.
+        """Ask every worker to exit (``graceful``: a ``None`` task), then terminate the rest.
 
-        Args:
-            graceful: Ask first (a ``None`` task). A finaliser passes False, and so does an
-                interpreter that is shutting down.
+        A finaliser passes False, and so does an interpreter that is shutting down.
         """
         graceful = graceful and not sys.is_finalizing()
         for slot in self._slots:

@@ -47,11 +47,7 @@ class WorkerSetup:
     """What every worker needs, sent once when it starts (pickled for spawn contexts).
 
     Attributes:
-        layout: How the units' tensor-typed columns are packed (None: not packed).
-        recipe: How rows become a batch (transform, collate_fn, batch_transform, lists).
-        worker_init_fn: Called with the worker id once the worker has started, as in torch.
-        seed: The dataset's seed (any integer the plan accepts).
-        rank: The loader's rank (worker ``i`` is seeded with ``worker_seed(seed, rank, i)``).
+        seed: The dataset's seed (worker ``i`` is seeded with ``worker_seed(seed, rank, i)``).
         decoders: One per source read (a mixture's in order), named by a
             :class:`DecodeTask`'s index; empty when workers only build batches.
     """
@@ -86,15 +82,11 @@ class Task:
 
     Attributes:
         generation: The pass (answers to an abandoned pass are dropped).
-        refs: Units the Arrow path takes columns from.
-        take: Row indices into their concatenation, in batch order.
-        seeds: Each row's seed, in batch order.
+        refs: Units the Arrow path takes columns from; ``take`` indexes their concatenation.
         outbox: The folder the batch is shipped through (:mod:`lakeloader.workers.shipping`).
-        rows: Arena row of each batch row, or None (nothing packed).
-        names: The packed columns to gather from those rows.
-        arena: The arena's handle as it was when the task was sent, or None.
-        extra: Columns computed, in batch order (a mixture's source of each row), or None.
-        sources: A mixed batch's rows' sources and their transforms, or None.
+        rows: Arena row of each batch row (None: nothing packed), for the packed ``names``.
+        arena: The arena's handle as it was when the task was sent.
+        extra: Columns computed, in batch order (a mixture's source of each row).
     """
 
     generation: int
@@ -112,10 +104,7 @@ class Task:
 
 @dataclass(frozen=True)
 class DecodeTask:
-    """Decode one unit into the loader's arena (the default tensor path).
-
-    ``step`` is the task's key in the pass; ``decoder`` indexes :attr:`WorkerSetup.decoders`.
-    """
+    """Decode one unit into the loader's arena; ``decoder`` indexes the setup's decoders."""
 
     generation: int
     step: int
@@ -130,10 +119,9 @@ Work: TypeAlias = "Task | DecodeTask"
 
 @dataclass(frozen=True)
 class Result:
-    """A worker's answer: the payload, or its failure.
+    """A worker's answer: the payload (a batch's, or a decoded unit), or its failure.
 
     Attributes:
-        payload: A batch's payload, or a decoded unit (:data:`~lakeloader.cache.decode.Held`).
         error: The formatted traceback of a failure.
         exception: A lakeloader error to raise as it is (bad data, a store that is down).
         cause: That error's cause (pickling drops ``__cause__``; the loader puts it back).
