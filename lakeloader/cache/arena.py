@@ -40,8 +40,7 @@ class Arena:
 
     Args:
         capacity: Rows to start with (grown on demand).
-        keep_rows: Freed rows below this mark keep their pages for reuse; above it their
-            memory is returned to the system.
+        keep_rows: Freed rows below this mark keep their pages for reuse.
     """
 
     def __init__(self, directory: str, record: np.dtype, capacity: int, keep_rows: int) -> None:

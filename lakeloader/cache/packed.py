@@ -219,14 +219,7 @@ def gather_arrow(columns: Sequence[pa.Array], sel: Selection) -> pa.Array:
 def gather_packed(
     records: np.ndarray, rows: np.ndarray, layout: RowLayout, names: Sequence[str]
 ) -> dict[str, np.ndarray]:
-    """Columns ``names`` of arena ``rows``: one row copy, then one contiguous copy per column.
-
-    >>> t = pa.table({"id": [1, 2, 3], "x": [0.5, 1.5, 2.5]})
-    >>> lay = RowLayout.of(t.schema)
-    >>> out = gather_packed(pack(t, lay).rows, np.array([2, 0]), lay, ("id", "x"))
-    >>> {k: v.tolist() for k, v in out.items()}
-    {'id': [3, 1], 'x': [2.5, 0.5]}
-    """
+    """Columns ``names`` of arena ``rows``: one row copy, then one contiguous copy per column."""
     taken = np.take(records.view(layout.void), rows).view(layout.record)
     # .copy(), not ascontiguousarray: a one-row field view counts as contiguous but keeps the
     # row's stride, which torch.from_numpy refuses.

@@ -23,14 +23,11 @@ class Screened:
     """A step's decoded units and row indices once quarantined units are left out.
 
     Attributes:
-        refs: The units that the columns in neither ``names`` nor ``views`` come from
-            (empty when no column is left for the Arrow path).
-        take: Row indices into the concatenation of ``refs``.
-        rows: Arena row of each batch row (the packed columns), or None.
-        names: The packed columns every unit of the step has.
-        views: The string and binary columns every unit of the step has views of.
-        skipped: The step's quarantined units.
-        lost: This rank's rows of the step that they held.
+        refs: The units the Arrow path takes its columns from (empty when it has none);
+            ``take`` indexes their concatenation.
+        rows: Arena row of each batch row, for ``names`` (the packed columns every unit of
+            the step has) and ``views`` (the string columns every unit has views of).
+        lost: This rank's rows of the step that the ``skipped`` (quarantined) units held.
         kept: Which of the step's rows (in batch order) remain, or None: all of them.
     """
 

@@ -75,7 +75,6 @@ class UnitOpener:
 @dataclass
 class _Entry:
     future: Future[Held]
-    release: int
     nbytes: int
     start: int  # first of the arena rows reserved for the unit, or -1
     rows: int
@@ -123,7 +122,7 @@ class UnitStore:
         self.peak_bytes = 0
 
     def _start(self, position: int) -> _Entry:
-        """Start a unit's decode (its entry's release slot is filled in by the caller)."""
+        """Start a unit's decode."""
         file_index, rg, row_start, rows = piece_span(self._plan, position)
         info = self._reader.snapshot.files[file_index]
         estimate = int(info.row_group_bytes[rg] * rows / max(1, info.row_group_rows[rg]))
@@ -131,7 +130,7 @@ class UnitStore:
             if known.covers(info.path, rg, row_start, rows):
                 done: Future[Held] = Future()
                 done.set_result(QuarantineEntry(info.path, rg, row_start, rows, known.reason))
-                return _Entry(done, 0, 0, -1, rows)
+                return _Entry(done, 0, -1, rows)
         layout, arena = self._layout, self._arena
         start = arena.alloc(rows) if arena is not None else -1  # an arena packs some column
         name = f"e{self._plan.epoch}-p{position}.arrow"
@@ -145,7 +144,7 @@ class UnitStore:
         fetch = None if prefetcher is None else prefetcher.fetch(position, file_index, rg)
         future = self._decodes.submit(job, info.row_group_bytes[rg] if whole else estimate, fetch)
         future.add_done_callback(lambda f: self._decoded(position, f))
-        return _Entry(future, 0, estimate, start, rows, buffers)
+        return _Entry(future, estimate, start, rows, buffers)
 
     def _decoded(self, position: int, future: Future[Held]) -> None:
         """Count a decoded unit's real size (called as its decode finishes)."""
@@ -203,7 +202,6 @@ class UnitStore:
         releases = release_slots(self._plan, np.asarray(missing, dtype=np.int64))
         for pos, rel in zip(missing, releases.tolist(), strict=True):
             entry = self._start(pos)
-            entry.release = rel
             with self._lock:
                 entries[pos] = entry
                 heapq.heappush(self._releases, (rel, pos))

@@ -125,15 +125,7 @@ def ship(batch: Any, folder: str) -> Shipped:
 
 
 def receive(shipped: Shipped) -> Any:
-    """The batch a worker shipped: its tensors map the file, which is unlinked here.
-
-    >>> import tempfile
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     got = receive(ship({"x": torch.arange(3), "n": [np.ones(2)], "s": "a"}, d))
-    ...     left = os.listdir(d)
-    >>> got["x"].tolist(), got["n"][0].tolist(), got["s"], left
-    ([0, 1, 2], [1.0, 1.0], 'a', [])
-    """
+    """The batch a worker shipped: its tensors map the file, which is unlinked here."""
     mm: mmap.mmap | None = None
     if shipped.path is not None:
         fd = os.open(shipped.path, os.O_RDWR)
