@@ -95,8 +95,6 @@ class Arena:
 
     def _release(self, start: int, stop: int) -> None:
         """Free rows ``[start, stop)`` (merged); their whole pages above ``keep_rows`` go back."""
-        if stop <= start:
-            return
         i = bisect.bisect_left(self._free, (start, stop))
         if i < len(self._free) and self._free[i][0] == stop:
             stop = self._free.pop(i)[1]

@@ -144,11 +144,7 @@ class Ragged:
         return np.diff(self.offsets)
 
     def padded(self, pad: float | int) -> np.ndarray:
-        """The rows padded with ``pad`` to the longest: ``(rows, max_len, *inner)``.
-
-        >>> Ragged(np.arange(3), np.array([0, 2, 2, 3])).padded(-1).tolist()
-        [[0, 1], [-1, -1], [2, -1]]
-        """
+        """The rows padded with ``pad`` to the longest: ``(rows, max_len, *inner)``."""
         lengths = self.lengths
         width = int(lengths.max()) if len(lengths) else 0
         out = np.full((len(lengths), width, *self.values.shape[1:]), pad, self.values.dtype)
@@ -161,12 +157,6 @@ def gather_ragged(parts: list[pa.Array], unit: np.ndarray, row: np.ndarray) -> R
 
     ``parts`` is the column of each unit (one chunk each); ``unit`` and ``row`` say where each
     batch row is. None (the general path) when the elements are not plain numbers or hold a null.
-
-    >>> a = pa.array([[1, 2], None, [3]], pa.list_(pa.int32()))
-    >>> b = pa.array([[7], [8, 9]], pa.list_(pa.int32())).slice(1)
-    >>> r = gather_ragged([a, b], np.array([1, 0, 0, 0]), np.array([0, 2, 1, 0]))
-    >>> r.values.tolist(), r.offsets.tolist()
-    ([8, 9, 3, 1, 2], [0, 2, 3, 3, 5])
     """
     values, starts, stops = [], np.zeros(len(unit), np.int64), np.zeros(len(unit), np.int64)
     for u, part in enumerate(parts):
@@ -196,10 +186,6 @@ def ragged_numpy(col: pa.Array | pa.ChunkedArray) -> Ragged:
     """A list column of numbers (or of fixed-size lists) as values and int64 offsets.
 
     Null lists become empty rows, float null elements NaN (see :func:`fixed_numpy`).
-
-    >>> r = ragged_numpy(pa.array([[1, 2], None, [3]], pa.large_list(pa.int16())))
-    >>> r.values.tolist(), r.offsets.tolist()
-    ([1, 2, 3], [0, 2, 2, 3])
     """
     arr = one_array(col)
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)

@@ -121,15 +121,8 @@ class Packed:
         return self.table.num_rows if self.rows is None else len(self.rows)
 
 
-def pack(table: pa.Table, layout: RowLayout, out: np.ndarray | None = None) -> Packed:
-    """Pack a unit's tensor-typed columns into ``out`` (or a new array); compact the others.
-
-    >>> t = pa.table({"id": [1, 2], "x": pa.array([0.5, None], pa.float32()), "s": ["a", "b"]})
-    >>> p = pack(t, RowLayout.of(t.schema))
-    >>> p.packed, p.rows.shape, p.rows["id"].tolist(), p.table.column_names
-    (('id', 'x'), (2,), [1, 2], ['s'])
-    """
-    rows = np.empty(table.num_rows, dtype=layout.record) if out is None else out
+def pack(table: pa.Table, layout: RowLayout, rows: np.ndarray) -> Packed:
+    """Pack a unit's tensor-typed columns into its arena ``rows``; compact the others."""
     packed: list[str] = []
     for name in layout.names:
         col = table.column(name)
