@@ -15,8 +15,6 @@ logger = logging.getLogger(__name__)
 
 #: Rows the arena starts with at least (address space only: pages are allocated on write).
 MIN_CAPACITY_ROWS = 1 << 16
-#: Name of the arena file inside the pass's folder.
-ARENA_FILE = "arena.rows"
 
 
 def unlink_quietly(path: str) -> None:
@@ -45,7 +43,7 @@ class Arena:
 
     def __init__(self, directory: str, record: np.dtype, capacity: int, keep_rows: int) -> None:
         self.record = record
-        self.path = os.path.join(directory, ARENA_FILE)
+        self.path = os.path.join(directory, "arena.rows")
         self._keep_rows = max(0, keep_rows)
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -190,7 +190,6 @@ class LocalDecodes:
     """Decodes in a thread pool of this process while the bytes they hold fit (one always runs).
 
     Args:
-        limit: Bytes held by the decodes under way at most.
         records: The arena's rows, read at each decode (it may have grown), or None.
         pool: Threads shared with other decodes (a mixture's sources), not started or stopped
             here.

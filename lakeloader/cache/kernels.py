@@ -1,10 +1,9 @@
 """Arrow kernels that give wrong values on some inputs, and how the loader avoids them.
 
-pyarrow 26.0.1's ``take`` and ``filter`` return wrong values, silently, from a sliced
-array whose type holds a fixed-size list of fixed-size lists; a copy to offset 0 is taken
-right. Such columns are copied once per unit (:func:`unsliced_table`) and checked before each
-take (:func:`unsliced`), only if the installed pyarrow has the bug (reproducer and kernels:
-``docs/pyarrow-sliced-nested-take.md``).
+pyarrow 26.0.1's ``take`` and ``filter`` silently return wrong values from a sliced array
+whose type holds a fixed-size list of fixed-size lists (``docs/pyarrow-sliced-nested-take.md``).
+If the installed pyarrow has the bug, such columns are copied to offset 0 once per unit and
+checked before each take.
 """
 
 from __future__ import annotations

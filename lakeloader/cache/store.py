@@ -87,7 +87,7 @@ class UnitStore:
     Args:
         table_dir: Folder for the IPC files of the columns not packed, when another process
             reads them (None: they stay in memory).
-        known: Units already quarantined (from the loaded state): skipped without reading.
+        known: Units quarantined already (see :class:`Screening`).
         prefetcher: Fetches each unit's bytes ahead of its decode, in the order units are
             requested (None: decoders read for themselves, as from a local lake).
     """
