@@ -130,9 +130,7 @@ def pack(table: pa.Table, layout: RowLayout, rows: np.ndarray) -> Packed:
             continue  # nulls an integer tensor cannot hold: the batch decides (NullValuesError)
         rows[name] = tensor_numpy(col)
         packed.append(name)
-    # The layout's own tuple when everything is packed: batch builders test it with ``is``.
-    names = layout.names if len(packed) == len(layout.names) else tuple(packed)
-    return Packed(rows if packed else None, names, compact(table.drop_columns(packed)))
+    return Packed(rows if packed else None, tuple(packed), compact(table.drop_columns(packed)))
 
 
 def compact(table: pa.Table) -> pa.Table:

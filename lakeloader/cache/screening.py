@@ -79,12 +79,9 @@ def screen(
 
 
 def by_all(refs: Sequence[UnitRef], full: tuple[str, ...], kind: str) -> tuple[str, ...]:
-    """The columns of ``full`` that every unit has as ``kind`` ("packed" or "views").
-
-    Usually all of them: the store hands out the layout's own tuple then, and ``is`` tells.
-    """
+    """The columns of ``full`` that every unit has as ``kind`` ("packed" or "views")."""
     have = [getattr(r, kind) for r in refs]
-    if all(h is full for h in have):
+    if all(h == full for h in have):  # the usual case: ``full`` itself (compared with ``is``)
         return full
     common = set(full).intersection(*have)
     return tuple(n for n in full if n in common)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import os
@@ -151,11 +150,6 @@ class UnitStore:
         if future.cancelled() or future.exception() is not None:
             return
         held = future.result()
-        full = self._layout.names if self._layout is not None else ()
-        if isinstance(held, UnitRef) and held.packed is not full and held.packed == full:
-            # A unit from a worker arrives with a copy of the names: make it the layout's own
-            # tuple again, so that a step can tell with ``is`` that everything is packed.
-            held = dataclasses.replace(held, packed=full)
         with self._lock:
             entry = self._entries.get(position)
             if entry is None or entry.future is not future:
@@ -163,13 +157,13 @@ class UnitStore:
             # Measured under the lock: an eviction removes the entry before it deletes files.
             size = 0 if isinstance(held, QuarantineEntry) else self._size(held)
             if isinstance(held, UnitRef) and held.views:
-                held = self._register_views(held, entry)
+                self._register_views(held, entry)
             self.nbytes += size - entry.nbytes
             entry.nbytes = size
             self.peak_bytes = max(self.peak_bytes, self.nbytes)
             self._held[position] = held
 
-    def _register_views(self, ref: UnitRef, entry: _Entry) -> UnitRef:
+    def _register_views(self, ref: UnitRef, entry: _Entry) -> None:
         """Hold the data buffers a decoded unit's views point into, at the indices reserved."""
         assert self._layout is not None
         full = self._layout.views
@@ -178,8 +172,6 @@ class UnitStore:
         for name in ref.views:
             index = entry.buffers[full.index(name)]
             self._views.put(index, data_buffer(table.column(name).chunk(0)))
-        # The layout's own tuple when every column has views: steps test it with ``is``.
-        return dataclasses.replace(ref, views=full) if ref.views == full else ref
 
     @property
     def view_buffers(self) -> tuple[pa.Buffer, ...]:
