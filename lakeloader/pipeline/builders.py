@@ -129,7 +129,7 @@ class LocalBuilder:
         return self._opener.open(screened.refs, self._space.records()) if screened.refs else []
 
     def rows(self, screened: Screened) -> list[Any]:
-        """The step's rows as dicts, in its order (for the row path of a mixed batch)."""
+        """The step's rows as dicts, in its order."""
         return gather_rows(self.units(screened), screened.take, self._schema)
 
     def arrow_columns(self, screened: Screened, skip: tuple[str, ...]) -> dict[str, Any]:

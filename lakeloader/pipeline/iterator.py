@@ -8,19 +8,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from lakeloader.errors import CacheBudgetWarning, warn_user
 from lakeloader.order.batches import BatchSpec, batch_specs
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.background import ThreadBuilder
-from lakeloader.pipeline.builders import LocalBuilder, WorkerBuilder
+from lakeloader.pipeline.builders import WorkerBuilder
+from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.collate import pin
 from lakeloader.pipeline.recipe import READY, finish_payload
-from lakeloader.pipeline.stores import PassPart, Stores, close_pass, pass_finalizer
+from lakeloader.pipeline.stores import Stores
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 from lakeloader.units import human_bytes
 from lakeloader.workers.pool import WorkerPool
@@ -29,6 +31,20 @@ from lakeloader.workers.pool import WorkerPool
 LOOKAHEAD_STEPS: Final = 256
 #: Steps planned by one call (planning is vectorised across steps; see batches.batch_specs).
 PLAN_CHUNK: Final = 64
+
+
+class PassPart(Protocol):
+    """What builds a pass's batches or tokens beside its stores (stopped before them)."""
+
+    def close(self, wait: bool) -> None:
+        """Stop (waiting for work under way when ``wait``)."""
+
+
+def close_pass(part: PassPart | None, stores: Stores, wait: bool = False) -> None:
+    """Stop a pass's builders or threads, then close its stores and delete its files."""
+    if part is not None:
+        part.close(wait)
+    stores.close(wait)
 
 
 class PassIterator:
@@ -52,7 +68,9 @@ class PassIterator:
         self._budget, self._part, self._stores = budget, part, stores
         self._next_plan = self._next_deliver = 0
         self._closed = False
-        self._finalizer = pass_finalizer(self, part, stores)
+        # closes the pass when collected unclosed (a ``break``): neither part nor stores may
+        # hold the iterator, which would then never be collected
+        self._finalizer = weakref.finalize(self, close_safely, close_pass, part, stores)
 
     def _plan_ahead(self) -> None:
         """Plan steps while the lookahead and the budget allow (the next step always)."""
@@ -138,7 +156,7 @@ class EpochIterator(PassIterator):
         num_steps = steps_in_epoch(
             spec.start, spec.plan.num_rows, topo.global_batch, spec.options.drop_last
         )
-        self._local = LocalBuilder(spec, space, stores.schema)
+        self._local = space.builder
         self._planned: deque[BatchSpec] = deque()
         #: The chunk of steps after ``_planned`` (its first step), planned in the build thread.
         self._chunk: tuple[int, Future[list[BatchSpec]]] | None = None

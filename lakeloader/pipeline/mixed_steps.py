@@ -43,16 +43,11 @@ from lakeloader.workers.shipping import Shipped, receive
 
 
 class Part(NamedTuple):
-    """A planned part of a step: one source epoch's positions ``[start, stop)``.
+    """A planned part of a step: positions ``[start, stop)`` of the epoch ``pair`` (source, epoch).
 
-    Attributes:
-        pair: (source, epoch).
-        start: First position in that epoch's order.
-        stop: One past the last.
-        positions: The pieces it reads.
-        dest: Where each of its rows (partition-major in its range) goes in the share.
-        spec: Its range as a step of its source epoch, for the builder to screen and gather
-            (None where every column is packed: a step is then one gather of arena rows).
+    ``dest``: where each of its rows (partition-major in its range) goes in the share;
+    ``spec``: its range as a step of its source epoch, for the builder to screen and gather
+    (None where every column is packed: a step is then one gather of arena rows).
     """
 
     pair: tuple[int, int]
@@ -66,13 +61,9 @@ class Part(NamedTuple):
 class _Mixed(NamedTuple):
     """A step's parts laid end to end, as one batch is built from them.
 
-    Attributes:
-        refs: The units, part after part.
-        take: Each row's index into their concatenation, in batch order.
-        seeds: Each row's seed, in batch order.
-        extra: The source of each row (as a column), and the sources' row transforms.
-        skipped: The units found quarantined.
-        lost: This rank's rows they held.
+    ``take`` indexes the concatenation of ``refs`` (part after part) in batch order; ``extra``
+    is the source of each row (as a column) and the sources' row transforms; ``skipped``, the
+    units found quarantined, held ``lost`` rows of this rank.
     """
 
     refs: list[UnitRef]
@@ -95,13 +86,10 @@ _Screens = tuple[
 
 
 class MixedStep(NamedTuple):
-    """A planned step of the rank.
+    """A planned step of the rank: each row's source, and the mixture's cursor after it.
 
-    Attributes:
-        sources: The source of each row.
-        cursor: The mixture's cursor after it.
-        rows: The arena row of each row, when every column of every piece is packed into the
-            arena (else None).
+    ``rows``: the arena row of each row, when every column of every piece is packed into the
+    arena (else None).
     """
 
     sources: np.ndarray

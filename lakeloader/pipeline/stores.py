@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -39,13 +39,11 @@ from lakeloader.workers.pool import WorkerPool
 
 
 class Leaf(NamedTuple):
-    """A lake a pass reads.
+    """A lake a pass reads, its reader (whose counters are the loader's) and its recipe.
 
-    Attributes:
-        dataset: The dataset (a followed lake's: its first increment the pass reads; a later
-            epoch is read from its successor, ``dataset.for_epoch(epoch)``).
-        reader: Reads its units (its counters are the loader's).
-        known: Units already quarantined (from the loaded state): skipped without reading.
+    A followed lake's ``dataset`` is the first increment the pass reads (a later epoch is read
+    from its successor, ``dataset.for_epoch(epoch)``); ``known``: units already quarantined
+    (from the loaded state), skipped without reading.
     """
 
     dataset: LakeDataset
@@ -57,11 +55,8 @@ class Leaf(NamedTuple):
 class Store:
     """One epoch of one leaf: its unit store, and a builder of its slot ranges.
 
-    Args:
-        folder: The pass's folder (the store makes its own inside).
-        arena: The pass's arena (None when nothing is packed).
-        decodes: The workers' decodes of the pass, or the loader's threads.
-        shares_tables: Whether another process reads the columns that are not packed.
+    It makes its own folder inside the pass's ``folder``; ``shares_tables``: whether another
+    process reads the columns that are not packed.
     """
 
     def __init__(
@@ -98,7 +93,7 @@ class Store:
 
     def records(self) -> np.ndarray | None:
         """The arena's rows now (it may have grown since the last call), or None."""
-        return self.arena.records if self.arena is not None else None
+        return _arena_rows(self.arena)
 
     def close(self, wait: bool = True) -> None:
         """Stop fetching and decoding, drop every unit and delete the store's folder."""
@@ -122,12 +117,6 @@ class Stores:
         layout: How rows are packed into the arena (the same for every leaf), or None: rows
             go to the user's code and nothing is packed.
         workers_decode: Whether the workers decode (else, with a pool, they build batches).
-
-    Attributes:
-        generation: The pass's generation of the pool (answers of other passes are dropped).
-        arena: The arena (None when no column is packed).
-        at: Where a mixture stands when a pass ended at its last step with these stores: the
-            next pass may continue with them from there (None while a pass is under way).
     """
 
     def __init__(
@@ -148,6 +137,7 @@ class Stores:
             budget = max(options.cache_bytes // layout.row_bytes, 1)
             self.arena = Arena(self.dir, layout.record, min(budget, ARENA_START_ROWS), budget)
         self.workers: WorkerDecodes | None = None
+        #: The pass's generation of the pool (answers of other passes are dropped).
         self.generation = pool.new_generation() if pool is not None else 0
         if pool is not None and workers_decode:
             self.workers = WorkerDecodes(pool, options, self.generation)
@@ -158,6 +148,8 @@ class Stores:
             initializer=main_thread_only,
         )
         self.open: dict[tuple[int, int], Store] = {}
+        #: Where a mixture stands when a pass ended at its last step with these stores: the
+        #: next pass may continue with them from there (None while a pass is under way).
         self.at: Any = None
         self._closed = False
         self._finalizer = weakref.finalize(
@@ -260,28 +252,3 @@ def _close(
     if arena is not None:
         arena.close()
     shutil.rmtree(folder, ignore_errors=True)
-
-
-class PassPart(Protocol):
-    """What builds a pass's batches or tokens beside its stores (stopped before them)."""
-
-    def close(self, wait: bool) -> None:
-        """Stop (waiting for work under way when ``wait``)."""
-
-
-def close_pass(part: PassPart | None, stores: Stores, wait: bool = False) -> None:
-    """Stop a pass's builders or threads, then close its stores and delete its files."""
-    if part is not None:
-        part.close(wait)
-    stores.close(wait)
-
-
-def pass_finalizer(
-    iterator: object, part: PassPart | None, stores: Stores
-) -> weakref.finalize[..., object]:
-    """Close a pass when its iterator is collected without ``close()`` (a ``break``).
-
-    Neither ``part`` nor ``stores`` may hold ``iterator`` (it would never be collected); the
-    close runs through :func:`~lakeloader.pipeline.cleanup.close_safely`.
-    """
-    return weakref.finalize(iterator, close_safely, close_pass, part, stores)

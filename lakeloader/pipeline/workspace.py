@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
@@ -39,7 +39,6 @@ class PassSpec:
         screening: What to do with units that fail or are rejected, and those known skipped.
         layout: How tensor-typed columns are packed (None: rows go to a transform or a
             collate_fn and nothing is packed).
-        recipe: How rows become a batch.
     """
 
     plan: EpochPlan
@@ -48,17 +47,13 @@ class PassSpec:
     topology: Topology
     screening: Screening
     layout: RowLayout | None
-    recipe: BatchRecipe = field(default_factory=BatchRecipe)
+    recipe: BatchRecipe
 
 
 class WorkerDecodes:
     """Decodes in the DataLoader's worker processes, for every unit store of a pass.
 
     A task's key is the store's number times :data:`STORE_KEYS` plus the unit's position.
-
-    Args:
-        pool: The workers (started).
-        options: The loader's options (the byte budget, work per worker ahead).
     """
 
     def __init__(self, pool: WorkerPool, options: LoaderOptions, generation: int) -> None:
@@ -84,8 +79,7 @@ class WorkerDecodes:
 class StoreDecodes:
     """One unit store's decodes through the pass's :class:`WorkerDecodes`.
 
-    Args:
-        decoder: The index of the store's decoder among the workers'.
+    ``decoder``: the index of the store's decoder among the workers'.
     """
 
     def __init__(self, workers: WorkerDecodes, decoder: int) -> None:
