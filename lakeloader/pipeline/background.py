@@ -65,9 +65,7 @@ class Pace:
 class ThreadBuilder:
     """Builds steps with a :class:`LocalBuilder`: ahead in a thread, or in place.
 
-    Args:
-        local: Builds a step (in the thread).
-        planned: The step of a given index, once planned (None before).
+    ``planned``: the step of a given index, once planned (None before).
     """
 
     def __init__(

@@ -56,7 +56,6 @@ class PassIterator:
     collected unclosed.
     """
 
-    #: Steps planned ahead of delivery at most (the byte budget usually stops it earlier).
     lookahead: int = LOOKAHEAD_STEPS
 
     def __init__(

@@ -40,12 +40,7 @@ Payload = tuple[str, Any]
 
 @dataclass(frozen=True)
 class Sources:
-    """A mixed batch's rows' sources, each with its own row transform.
-
-    Attributes:
-        of: The index of each row's source, in batch order.
-        transforms: Each source's row transform, or None.
-    """
+    """A mixed batch's rows' sources: each row's (``of``, in batch order), and their transforms."""
 
     of: np.ndarray
     transforms: tuple[Transform | None, ...]

@@ -13,6 +13,7 @@ from typing import Any, Final, Protocol
 
 from lakeloader.cache.shm import default_cache_dir, make_unit_dir
 from lakeloader.pipeline.cleanup import close_safely, prepare
+from lakeloader.pipeline.stores import Stores
 from lakeloader.workers.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -39,16 +40,6 @@ class Pass(Protocol):
         """Most bytes of decoded units held at once."""
 
 
-class Carried(Protocol):
-    """What a pass that ended left for the next one (a mixture's open sources)."""
-
-    def close(self, wait: bool = True) -> None:
-        """Release it."""
-
-    def held_bytes(self) -> int:
-        """Bytes of decoded units it holds."""
-
-
 class LoaderResources:
     """The pass, the worker pool and the unit folder of one loader, and what a pass left.
 
@@ -63,7 +54,8 @@ class LoaderResources:
         self.pool: WorkerPool | None = None
         self.unit_dir: str | None = None
         self.worker_restarts = 0
-        self._carried: Carried | None = None
+        #: What a pass that ended left for the next one (a mixture's open sources).
+        self._carried: Stores | None = None
         prepare()
         self._finalizer = weakref.finalize(owner, close_safely, self.release)
 
@@ -83,12 +75,12 @@ class LoaderResources:
             it.close(wait, ended_by)
         self._iterator = None
 
-    def carry(self, kept: Carried) -> None:
+    def carry(self, kept: Stores) -> None:
         """Keep what a pass left for the next one (released with the loader if never taken)."""
         self.drop_carried()
         self._carried = kept
 
-    def take_carried(self) -> Carried | None:
+    def take_carried(self) -> Stores | None:
         """What the last pass left, if anything (the caller owns it from now on)."""
         kept, self._carried = self._carried, None
         return kept
