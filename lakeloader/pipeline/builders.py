@@ -49,8 +49,10 @@ class Space(Protocol):
     store: UnitStore
     arena: Arena | None
 
-    def records(self) -> np.ndarray | None:
-        """The arena's rows now, or None."""
+
+def arena_rows(arena: Arena | None) -> np.ndarray | None:
+    """An arena's rows now (it may have grown since the last call), or None."""
+    return arena.records if arena is not None else None
 
 
 class LocalBuilder:
@@ -106,7 +108,7 @@ class LocalBuilder:
         spec, screened = self._spec, self.screened(step)
         if self.user_code and step.num_rows == screened.lost:
             return self.empty()
-        records = self._space.records()
+        records = arena_rows(self._space.arena)
         ready: dict[str, Any] = {}
         if screened.rows is not None and records is not None and spec.layout is not None:
             fields = screened.names + screened.views
@@ -126,7 +128,8 @@ class LocalBuilder:
 
     def units(self, screened: Screened) -> list[Packed]:
         """The step's decoded units (not quarantined), opened."""
-        return self._opener.open(screened.refs, self._space.records()) if screened.refs else []
+        records = arena_rows(self._space.arena)
+        return self._opener.open(screened.refs, records) if screened.refs else []
 
     def rows(self, screened: Screened) -> list[Any]:
         """The step's rows as dicts, in its order."""
@@ -159,7 +162,7 @@ class LocalBuilder:
             for piece in range(self._spec.plan.num_pieces):
                 (held,) = store.get(np.array([piece]), timeout)
                 if isinstance(held, UnitRef):
-                    units = self._opener.open([held], self._space.records())
+                    units = self._opener.open([held], arena_rows(self._space.arena))
                     one, seeds = np.zeros(1, np.int64), np.zeros(1, np.uint64)
                     _, batch = build_payload(units, one, self._schema, self._spec.recipe, {}, seeds)
                     self._empty = COLLATED, empty_like(batch)

@@ -24,7 +24,7 @@ from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_specs
 from lakeloader.order.mixture import MixCursor
-from lakeloader.pipeline.builders import timed_out
+from lakeloader.pipeline.builders import arena_rows, timed_out
 from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import (
     COLUMNS,
@@ -154,7 +154,7 @@ class MixedBuilder:
             return self._built(index, step, upcoming)
         if self._rows_path:
             mixed = self._mixed(step, views=True)
-            units = self._opener.open(mixed.refs, self._sources.records())
+            units = self._opener.open(mixed.refs, arena_rows(self._arena))
             payload = build_payload(
                 units, mixed.take, self._schema, self._recipe, {}, mixed.seeds, *mixed.extra
             )

@@ -16,7 +16,6 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-import numpy as np
 import pyarrow as pa
 
 from lakeloader.cache.arena import Arena
@@ -28,7 +27,7 @@ from lakeloader.io.fetch import is_local
 from lakeloader.io.prefetch import Prefetcher
 from lakeloader.io.reader import UnitReader
 from lakeloader.options import LoaderOptions
-from lakeloader.pipeline.builders import LocalBuilder
+from lakeloader.pipeline.builders import LocalBuilder, arena_rows
 from lakeloader.pipeline.cleanup import close_safely
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.workspace import ARENA_START_ROWS, PassSpec, StoreDecodes, WorkerDecodes
@@ -91,21 +90,12 @@ class Store:
         #: Screens its slot ranges and gathers the columns not in the arena.
         self.builder = LocalBuilder(spec, self, reader.schema)
 
-    def records(self) -> np.ndarray | None:
-        """The arena's rows now (it may have grown since the last call), or None."""
-        return _arena_rows(self.arena)
-
     def close(self, wait: bool = True) -> None:
         """Stop fetching and decoding, drop every unit and delete the store's folder."""
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.store.close(wait)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _arena_rows(arena: Arena | None) -> np.ndarray | None:
-    """An arena's rows now (it may have grown since the last call), or None."""
-    return arena.records if arena is not None else None
 
 
 class Stores:
@@ -187,14 +177,10 @@ class Stores:
             else:
                 decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
                 # bound to the arena, not to self: what the finaliser holds must not keep self alive
-                records = functools.partial(_arena_rows, self.arena)
+                records = functools.partial(arena_rows, self.arena)
                 decodes = LocalDecodes(decoder, budget, records, self._threads)
             self.open[key] = Store(spec, reader, self.dir, self.arena, decodes, self._shares_tables)
         return self.open[key]
-
-    def records(self) -> np.ndarray | None:
-        """The arena's rows now (it may have grown since the last call), or None."""
-        return _arena_rows(self.arena)
 
     def release(self, leaf: int, epoch: int, delivered: int) -> None:
         """Evict what slot ``delivered`` of that epoch is past; close it once past its end."""
