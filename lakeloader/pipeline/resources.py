@@ -9,10 +9,12 @@ import sys
 import threading
 import weakref
 from types import FrameType
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from lakeloader.cache.shm import default_cache_dir, make_unit_dir
+from lakeloader.pipeline.backfill import Backfill
 from lakeloader.pipeline.cleanup import close_safely, prepare
+from lakeloader.pipeline.iterator import PassIterator
 from lakeloader.pipeline.stores import Stores
 from lakeloader.workers.pool import WorkerPool
 
@@ -21,23 +23,14 @@ logger = logging.getLogger(__name__)
 #: Exit status of a process ended by ``SIGTERM`` (128 + 15), as the shell reports it.
 SIGTERM_STATUS: Final = 128 + signal.SIGTERM
 
+#: A pass under way (an ``EpochIterator``, a ``MixtureIterator``, a ``PackedIterator``, or
+#: an epoch's pass backfilled).
+Pass = PassIterator | Backfill
+
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     """Turn ``SIGTERM`` into ``SystemExit``, so that exit handlers release what loaders hold."""
     raise SystemExit(SIGTERM_STATUS)
-
-
-class Pass(Protocol):
-    """A pass under way (an ``EpochIterator``, a ``MixtureIterator``, a ``PackedIterator``)."""
-
-    def close(self, wait: bool = True, ended_by: str | None = None) -> None:
-        """End it (see ``EpochIterator.close``)."""
-
-    def cache_bytes(self) -> int:
-        """Bytes of decoded units held now."""
-
-    def cache_peak_bytes(self) -> int:
-        """Most bytes of decoded units held at once."""
 
 
 class LoaderResources:
