@@ -24,9 +24,6 @@ def merge_columns(
     >>> out = merge_columns([a, b], [np.array([0, 2]), np.array([1])], 3)
     >>> out["x"].tolist(), out["s"]
     ([10, 20, 11], ['p', 'r', 'q'])
-
-    Raises:
-        TypeError: If a column holds something no part of a batch holds.
     """
     if len(parts) == 1 and np.array_equal(dests[0], np.arange(num_rows)):
         return dict(parts[0])
@@ -56,11 +53,10 @@ def _merge(values: list[Any], dests: Sequence[np.ndarray], num_rows: int) -> Any
             for at, item in zip(dest.tolist(), value, strict=True):
                 rows[at] = item
         return rows
-    if isinstance(first, pa.Array | pa.ChunkedArray):
-        whole = pa.concat_arrays(
-            [v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in values]
-        )
-        where = np.empty(num_rows, dtype=np.int64)
-        where[np.concatenate(list(dests))] = np.arange(num_rows)
-        return whole.take(pa.array(where))
-    raise TypeError(f"cannot merge a batch column of type {type(first).__name__}")
+    # else Arrow values that Python cannot hold (see collate.python_values)
+    whole = pa.concat_arrays(
+        [v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in values]
+    )
+    where = np.empty(num_rows, dtype=np.int64)
+    where[np.concatenate(list(dests))] = np.arange(num_rows)
+    return whole.take(pa.array(where))
