@@ -171,12 +171,10 @@ class LocalBuilder:
 
 
 class WorkerBuilder:
-    """Has the workers build batches, ``prefetch_factor`` steps per worker ahead.
+    """Has the workers build the batches of ``space``, ``prefetch_factor`` steps per worker ahead.
 
-    Args:
-        space: Its store (the loader's threads decode into it).
-        local: Screens steps (in this process, so that quarantine is decided in one place).
-        planned: The step of a given index, once planned (None before).
+    ``local`` screens the steps (in this process, so that quarantine is decided in one place);
+    ``planned``: the step of a given index, once planned (None before).
     """
 
     def __init__(

@@ -50,11 +50,9 @@ class Sources:
 class BatchRecipe:
     """What turns a step's rows into its batch.
 
-    Attributes:
-        transform: Called on each row (a dict), or None.
-        collate_fn: Makes a batch of the transformed rows (None: ``default_collate``).
-        batch_transform: Called on each collated batch, or None.
-        lists: How list columns appear on the columnar path.
+    ``transform`` is called on each row (a dict), ``collate_fn`` (None: ``default_collate``)
+    makes a batch of them, ``batch_transform`` is called on it; ``lists``: how list columns
+    appear on the columnar path.
     """
 
     transform: Transform | None = None

@@ -36,9 +36,7 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 class LoaderResources:
     """The pass, the worker pool and the unit folder of one loader, and what a pass left.
 
-    Args:
-        owner: The loader; when it is collected, or the interpreter exits, everything is
-            released.
+    All are released when ``owner`` (the loader) is collected, or the interpreter exits.
     """
 
     def __init__(self, owner: Any) -> None:
