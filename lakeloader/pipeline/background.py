@@ -72,7 +72,7 @@ class ThreadBuilder:
         self, spec: PassSpec, local: LocalBuilder, planned: Callable[[int], BatchSpec | None]
     ) -> None:
         self._spec = spec
-        self._local = local
+        self._build = functools.partial(_finished, local, spec)
         self._planned = planned
         self._ahead = spec.options.prefetch
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -156,11 +156,6 @@ class ThreadBuilder:
         self._queue.put(functools.partial(_run_into, work, future))
         return future
 
-    def _build(self, step: BatchSpec) -> Payload:
-        """Build a step and finish its batch (tensors, pinned if asked)."""
-        batch = finish_payload(self._local.build(step), self._spec.recipe)
-        return READY, pin(batch) if self._spec.options.pin_memory else batch
-
     def _build_steps(self, steps: list[BatchSpec]) -> None:
         for step in steps:
             if self._closed:
@@ -204,3 +199,9 @@ def _run_into(work: Callable[[], _T], future: Future[_T]) -> None:
         future.set_result(work())
     except BaseException as exc:  # raised where the result is waited for
         future.set_exception(exc)
+
+
+def _finished(local: LocalBuilder, spec: PassSpec, step: BatchSpec) -> Payload:
+    """Build a step and finish its batch (tensors, pinned if asked), in the thread."""
+    batch = finish_payload(local.build(step), spec.recipe)
+    return READY, pin(batch) if spec.options.pin_memory else batch
