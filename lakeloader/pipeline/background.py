@@ -82,8 +82,7 @@ class ThreadBuilder:
         self._built: dict[int, Payload | BaseException] = {}
         self._ready = threading.Condition(threading.Lock())
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="lakeloader-build", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="lakeloader-build", daemon=True).start()
         self._next = 0  # the next step to hand to the thread
         self._pace = Pace()
         #: Batches handed over while building ahead, which the thread lets go of (see top_up).

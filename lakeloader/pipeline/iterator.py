@@ -173,7 +173,8 @@ class EpochIterator(PassIterator):
         super().__init__(num_steps, spec.options.cache_bytes, self._workers, stores)
 
     def _plan_ahead(self) -> None:
-        self._stores.reap()
+        if self._stores.workers is not None:  # notice dead decoding workers now
+            self._stores.workers.dispatcher.reap()
         super()._plan_ahead()
 
     def _plan_more(self) -> bool:

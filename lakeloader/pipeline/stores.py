@@ -206,11 +206,6 @@ class Stores:
         """Most bytes held at once by one of the stores open."""
         return max((s.store.peak_bytes for s in self.open.values()), default=0)
 
-    def reap(self) -> None:
-        """Notice dead workers now (see :meth:`Dispatcher.reap`)."""
-        if self.workers is not None:
-            self.workers.dispatcher.reap()
-
     def close(self, wait: bool = True) -> None:
         """Stop decoding; drop every store's units; delete the folder (idempotent)."""
         if self._closed:
