@@ -123,7 +123,8 @@ def columns_payload(columns: dict[str, Any], recipe: BatchRecipe, seeds: np.ndar
     """A batch's columns, through the recipe's ``batch_transform`` if it has one."""
     if recipe.batch_transform is None:
         return COLUMNS, columns
-    return _batch_transformed(columns_to_tensors(columns, recipe.lists), recipe, seeds)
+    batch = columns_to_tensors(columns, recipe.lists)
+    return _batch_transformed(batch, recipe.batch_transform, seeds)
 
 
 def rows_payload(rows: list[Any], recipe: BatchRecipe, seeds: np.ndarray) -> Payload:
@@ -135,14 +136,13 @@ def rows_payload(rows: list[Any], recipe: BatchRecipe, seeds: np.ndarray) -> Pay
     batch = (recipe.collate_fn or default_collate)(rows) if rows else []
     if recipe.batch_transform is None:
         return COLLATED, batch
-    return _batch_transformed(batch, recipe, seeds)
+    return _batch_transformed(batch, recipe.batch_transform, seeds)
 
 
-def _batch_transformed(batch: Any, recipe: BatchRecipe, seeds: np.ndarray) -> Payload:
-    assert recipe.batch_transform is not None
+def _batch_transformed(batch: Any, transform: BatchTransform, seeds: np.ndarray) -> Payload:
     seed_globals(batch_seed(seeds))
     with drawing(seeds):
-        return COLLATED, recipe.batch_transform(batch)
+        return COLLATED, transform(batch)
 
 
 def finish_payload(payload: Payload, recipe: BatchRecipe) -> Any:
