@@ -88,7 +88,6 @@ class LocalBuilder:
 
         Raises:
             RuntimeError: If the units are not decoded within the loader's ``timeout``.
-            LakeDataError: If a unit cannot be read (and is not to be skipped).
         """
         spec = self._spec
         timeout = spec.options.wait_timeout
@@ -246,7 +245,6 @@ class WorkerBuilder:
 
         Raises:
             RuntimeError: If it takes longer than the loader's ``timeout``.
-            WorkerError: If the worker failed, or the step kept killing its workers.
         """
         timeout = self._spec.options.timeout
         deadline = time.monotonic() + timeout if timeout else None
