@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import msgpack
 
-from lakeloader.checkpoint.training import MALFORMED, TrainingRecord
+from lakeloader.checkpoint.training import MALFORMED, TrainingRecord, check_version
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.state.loader_state import LoaderState
@@ -117,12 +117,10 @@ class CommitRecord:
         """
         try:
             d = msgpack.unpackb(data)
-            version = d.get("version")
-            if version != CHECKPOINT_FORMAT_VERSION:
-                raise CheckpointError(
-                    f"its COMMIT has format version {version!r}; this lakeloader reads version "
-                    f"{CHECKPOINT_FORMAT_VERSION}. Load it with the lakeloader that wrote it"
-                )
+            remedy = ". Load it with the lakeloader that wrote it"
+            check_version(
+                COMMIT_FILE, d.get("version"), CHECKPOINT_FORMAT_VERSION, "format version", remedy
+            )
             size, digest = d["files"][STATE_FILE]
             parts = {
                 str(name): (int(n), str(sha))
@@ -248,29 +246,21 @@ class StateRecord:
         try:
             d = msgpack.unpackb(data, raw=False)
             if RECORD_KEY in d:
-                if d[RECORD_KEY] != RECORD_VERSION:
-                    raise CheckpointError(
-                        f"its {STATE_FILE} has record version {d[RECORD_KEY]!r}; this "
-                        f"lakeloader reads version {RECORD_VERSION} and the records before it"
-                    )
-                context = CheckpointContext.from_dict(d["context"])
-            elif "kind" in d:  # a Mixture's or a packed loader's: it kept no topology
-                if d.get("version") != 1:
-                    raise CheckpointError(
-                        f"its {d['kind']} record has version {d.get('version')!r}; this "
-                        "lakeloader reads version 1"
-                    )
-                context = CheckpointContext(
-                    int(d["step"]), str(d["library_version"]), str(d["created"]), None
-                )
-            else:
-                LoaderState.from_dict(d["loader"])  # a lake's record: its state checked now
-                context = CheckpointContext.from_dict(d["context"])
-                sources = {ROOT: d["context"]["source"]}
-                return cls(dict(d["loader"]), context, d["extra"], {ROOT: root_manifest}, sources)
+                before = " and the records before it"
+                check_version(STATE_FILE, d[RECORD_KEY], RECORD_VERSION, "record version", before)
+            elif "kind" in d:  # a Mixture's or a packed loader's: its context at the top
+                check_version(f"{d['kind']} record", d.get("version"), 1)
+                d = {**d, "context": {**d, "topology": None}}  # it kept no topology
+            else:  # a lake's: its state checked now, its manifest the one COMMIT names
+                LoaderState.from_dict(d["loader"])
+                lake = {
+                    "manifests": {ROOT: root_manifest},
+                    "sources": {ROOT: d["context"]["source"]},
+                }
+                d = {**d, "state": d["loader"], **lake}
             manifests = {str(leaf): (str(p[0]), str(p[1])) for leaf, p in d["manifests"].items()}
-            sources = dict(d["sources"])
-            return cls(dict(d["state"]), context, d["extra"], manifests, sources)
+            context = CheckpointContext.from_dict(d["context"])
+            return cls(dict(d["state"]), context, d["extra"], manifests, dict(d["sources"]))
         except StateFormatError as exc:
             raise CheckpointError(str(exc)) from exc
         except (*MALFORMED, IndexError) as exc:

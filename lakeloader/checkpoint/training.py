@@ -27,6 +27,14 @@ TRAINING_RECORD_VERSION: Final = 1
 MALFORMED: Final = (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException)
 
 
+def check_version(name: str, found: Any, reads: int, what: str = "version", more: str = "") -> None:
+    """Refuse a checkpoint file's record (``name``) of a version this lakeloader does not read."""
+    if found != reads:
+        raise CheckpointError(
+            f"its {name} has {what} {found!r}; this lakeloader reads version {reads}{more}"
+        )
+
+
 @dataclass(frozen=True)
 class CodeVersion:
     """The git commit of the training code, when it runs from a repository.
@@ -123,11 +131,7 @@ class TrainingRecord:
         """
         try:
             d = msgpack.unpackb(data, raw=False)
-            if d.get("version") != TRAINING_RECORD_VERSION:
-                raise CheckpointError(
-                    f"its {TRAINING_FILE} has version {d.get('version')!r}; this lakeloader "
-                    f"reads version {TRAINING_RECORD_VERSION}"
-                )
+            check_version(TRAINING_FILE, d.get("version"), TRAINING_RECORD_VERSION)
             code = d["code"]
             return cls(
                 step=int(d["step"]),
