@@ -19,11 +19,7 @@ def epoch_name(stream: str, epoch: int) -> str:
 
 
 def _at(stands: Stands) -> str:
-    """Where streams stood, in words.
-
-    >>> _at({"": (1, 40)}), _at({"web": (0, 4), "code": (1, 0)})
-    ('epoch 1, position 40', 'web: epoch 0, position 4; code: epoch 1, position 0')
-    """
+    """Where streams stood, in words ("web: epoch 0, position 4; ...", a single lake's unnamed)."""
     return "; ".join(
         (f"{s}: " if s else "") + f"epoch {e}, position {p}" for s, (e, p) in stands.items()
     )
@@ -37,18 +33,12 @@ class Span:
     start: int
     stop: int
 
-    @property
-    def rows(self) -> int:
-        """Positions in the span."""
-        return self.stop - self.start
-
 
 @dataclass(frozen=True)
 class EpochVerdict:
     """What the audit found in one epoch.
 
     Attributes:
-        num_rows: The epoch's rows (N).
         trained: Rows of the committed history (each counted once per step).
         complete: Whether the committed history reaches the epoch's end.
         dropped: Rows of the epoch's end left out by ``drop_last`` (less than a step).
@@ -58,7 +48,7 @@ class EpochVerdict:
         replayed: Positions delivered outside the committed history and again inside it.
         uncommitted: Positions delivered after the head checkpoint.
         topologies: ``(world size, batch size)`` of its committed steps, in order of use.
-        stream: The stream whose epoch it is (``""``: a single lake's).
+        stream: ``""`` for a single lake's.
         skipped: Positions of the committed history skipped on request (``DataLoader.skip``):
             accounted for, not trained on (``trained`` leaves them out).
     """
@@ -88,10 +78,8 @@ class AttemptLink:
     """One attempt's part of the committed history.
 
     Attributes:
-        steps: Its committed steps.
         discarded: Its steps outside the committed history.
         resumed_step: The checkpoint it resumed from (-1: a fresh start).
-        world_sizes: World sizes of its committed steps.
     """
 
     attempt: str
@@ -106,8 +94,7 @@ class AuditReport:
     """The audit of a run's ledger.
 
     Attributes:
-        head_step: The newest committed checkpoint's step.
-        head_attempt: The attempt that saved it.
+        head_step: The newest committed checkpoint's step (``head_attempt`` saved it).
         chain: The attempts of the committed history, oldest first.
         epochs: Each epoch's verdict, stream by stream (in order of their names).
         problems: What contradicts exactly-once besides the epochs' missing and doubled
@@ -141,18 +128,6 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
 
     ``entries`` are every ledger entry of the run, in any order; ``head_step`` is the step of
     the newest committed checkpoint, saved by ``head_attempt``.
-
-    Example:
-        >>> from lakeloader.audit.records import StartEntry, StepEntry, SaveEntry
-        >>> a = [StartEntry("a", 0.0, 1, 0, -1, "", 0, 0)]
-        >>> a += [StepEntry("a", i + 1, 0, 4 * i, 4 * i + 4, 12, 1, 4) for i in range(3)]
-        >>> a += [SaveEntry("a", 1, 1, 0, 4)]   # a checkpoint after step 1, then a crash
-        >>> b = [StartEntry("b", 1.0, 2, 1, 1, "a", 0, 4)]   # resumed on 2 ranks
-        >>> b += [StepEntry("b", 1, 0, 4, 8, 12, 2, 2), StepEntry("b", 2, 0, 8, 12, 12, 2, 2)]
-        >>> b += [SaveEntry("b", 3, 2, 0, 12)]
-        >>> report = audit(a + b, 3, "b")
-        >>> report.ok, report.epochs[0].trained, report.epochs[0].replayed
-        (True, 12, (Span(epoch=0, start=4, stop=12),))
     """
     steps: dict[str, list[StepEntry]] = defaultdict(list)
     saves: dict[tuple[str, int], SaveEntry] = {}

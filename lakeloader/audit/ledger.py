@@ -28,16 +28,6 @@ from lakeloader.state.journal import Runs
 LEDGER_DIR: Final = "ledger"
 
 
-def new_attempt_id() -> str:
-    """A new attempt's id: its start time (UTC, so that ids sort by time) and 8 random hex.
-
-    >>> len(new_attempt_id().split("-")[1])
-    8
-    """
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-    return f"{now}-{uuid.uuid4().hex[:8]}"
-
-
 class Ledger:
     """The entries of one attempt, written in immutable segments.
 
@@ -45,7 +35,8 @@ class Ledger:
         store: The checkpoint folder's store.
         root: The checkpoint root (a path of ``store``'s filesystem).
         flush_seconds: Longest time delivered steps wait in memory (0: a segment per step).
-        attempt: The attempt's id (default: a new one).
+        attempt: The attempt's id (default: a new one, its start time in UTC so that ids
+            sort by time, and 8 random hex digits).
     """
 
     def __init__(
@@ -59,7 +50,8 @@ class Ledger:
         if flush_seconds < 0:
             raise ValueError(f"ledger_flush_seconds must be >= 0, got {flush_seconds}")
         self.store = store
-        self.attempt = attempt or new_attempt_id()
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        self.attempt = attempt or f"{now}-{uuid.uuid4().hex[:8]}"
         self.folder = posixpath.join(root, LEDGER_DIR, self.attempt)
         self.flush_seconds = flush_seconds
         self.seq = 0

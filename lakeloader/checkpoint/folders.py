@@ -18,7 +18,6 @@ from lakeloader.checkpoint.layout import (
     STATE_FILE,
     STEP_DIR_RE,
     CommitRecord,
-    manifest_name,
     sha256,
     step_dir_name,
 )
@@ -67,7 +66,7 @@ class CheckpointFolders:
 
     def manifest(self, snapshot: Snapshot, source: Any) -> tuple[str, str]:
         """Write the snapshot's manifest unless an intact one is there; (relative path, sha)."""
-        rel = manifest_name(snapshot.fingerprint)
+        rel = posixpath.join(MANIFEST_DIR, f"{snapshot.fingerprint}.msgpack")
         known = self._manifests.get(rel)
         if known is not None:
             return rel, known

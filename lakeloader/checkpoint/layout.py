@@ -47,15 +47,6 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
 
-def manifest_name(fingerprint: str) -> str:
-    """Path of a snapshot's manifest, relative to the root.
-
-    >>> manifest_name("ab12")
-    'manifests/ab12.msgpack'
-    """
-    return posixpath.join(MANIFEST_DIR, f"{fingerprint}.msgpack")
-
-
 def split_checkpoint_path(path: str) -> tuple[str, int | None]:
     """Split a checkpoint path into (root, step); the step is None for a root folder.
 
@@ -80,11 +71,6 @@ class CommitRecord:
             over several; the state record lists every manifest with its SHA-256).
         parts: The step folder's other files by path relative to it: ``(size, SHA-256)``,
             the digest empty for the weights' shards.
-
-    Example:
-        >>> c = CommitRecord(7, 10, "ab", "manifests/f.msgpack", "cd")
-        >>> CommitRecord.from_bytes(c.to_bytes()) == c
-        True
     """
 
     step: int
@@ -194,12 +180,6 @@ class StateRecord:
         extra: The caller's extras (plain, msgpack-able types).
         manifests: ``{leaf path: (its snapshot's manifest, relative to the root; SHA-256)}``.
         sources: ``{leaf path: what its dataset was given as source}``.
-
-    Example:
-        >>> ctx = CheckpointContext(3, "0.1", "now", Topology(1, 0, 0, 4))
-        >>> rec = StateRecord({"kind": "mixture"}, ctx, None, {"web": ("m", "ab")}, {"web": "/w"})
-        >>> StateRecord.from_bytes(rec.to_bytes()) == rec
-        True
     """
 
     state: Mapping[str, Any]

@@ -74,11 +74,7 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
 
 
 def _manifest(folders: CheckpointFolders, leaf: str, rel: str, digest: str) -> dict[str, Any]:
-    """A leaf's manifest, checked against the SHA-256 that the record holds.
-
-    Raises:
-        CheckpointError: Naming the manifest (and its leaf) that is missing or differs.
-    """
+    """A leaf's manifest, checked against the SHA-256 that the record holds."""
     name = f"manifest {rel}" + (f" of {leaf!r}" if leaf else "")
     try:
         data = folders.store.cat(folders.path(rel))
@@ -92,12 +88,7 @@ def _manifest(folders: CheckpointFolders, leaf: str, rel: str, digest: str) -> d
 
 
 def _lake(record: StateRecord, manifests: dict[str, dict[str, Any]]) -> Snapshot | None:
-    """The snapshot of a loader over one lake, which its state must refer to (else None).
-
-    Raises:
-        CheckpointError: If the state and the manifest describe different snapshots.
-        StateFormatError: If the state is not a lake's, or the manifest is malformed.
-    """
+    """The snapshot of a loader over one lake, which its state must refer to (else None)."""
     manifest = manifests.get(ROOT)
     if manifest is None:
         return None
