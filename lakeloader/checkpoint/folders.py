@@ -85,9 +85,8 @@ class CheckpointFolders:
         self._manifests[rel] = digest
         return rel, digest
 
-    def uncommit(self, step: int) -> None:
-        """Make an earlier checkpoint of ``step`` invisible, then remove it (before a save)."""
-        folder = self.step_folder(step)
+    def uncommit(self, folder: str) -> None:
+        """Make a step folder's checkpoint invisible, then remove the folder."""
         commit = posixpath.join(folder, COMMIT_FILE)
         if self.store.exists(commit):
             self.store.rm(commit)
@@ -120,7 +119,4 @@ class CheckpointFolders:
         committed = self.committed(dirs)
         doomed = committed[: -self.keep] + [s for s in dirs if s not in committed and s != current]
         for s in doomed:
-            commit = posixpath.join(dirs[s], COMMIT_FILE)
-            if self.store.exists(commit):
-                self.store.rm(commit)  # invisible before it is incomplete
-            self.store.rm(dirs[s], recursive=True)
+            self.uncommit(dirs[s])

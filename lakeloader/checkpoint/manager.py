@@ -24,6 +24,7 @@ from lakeloader.checkpoint.training import CodeVersion, code_version
 from lakeloader.checkpoint.whole import capture, process_rank, restore
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import CheckpointError, StateFormatError, StoreAccessError
+from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.loader import DataLoader
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -115,12 +116,6 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def _url(self, path: str) -> str:
-        """The URL of a path of the checkpoint's filesystem (what DCP's writers open)."""
-        if "://" not in self.url:
-            return path  # a local path, user folder expanded
-        return str(self.fs.unstrip_protocol(path))
-
     def attach(self, loader: DataLoader) -> bool:
         """Record every step ``loader`` delivers in the audit ledger (on rank 0).
 
@@ -169,11 +164,11 @@ class CheckpointManager:
         recorded = self.attach(loader)
         folder = self.folders.step_folder(step)
         if process_rank() == 0:
-            self.folders.uncommit(step)  # invisible before any rank writes into the folder
+            self.folders.uncommit(folder)  # invisible before any rank writes into the folder
         captured = capture(
             step,
             folder,
-            self._url(folder),
+            url_of(self.fs, folder),
             model=model,
             optimizer=optimizer,
             attempt=self.ledger.attempt,
@@ -183,8 +178,7 @@ class CheckpointManager:
             async_group=self._group() if self.async_save and model is not None else None,
         )
         if process_rank() != 0:
-            if captured.pending is not None:
-                self._pending = captured.pending  # the next save waits for this rank's shards
+            self._pending = captured.pending  # the next save waits for this rank's shards
             return
         created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         context = CheckpointContext(
@@ -315,7 +309,7 @@ class CheckpointManager:
             ) from exc
         restore(
             ckpt.training,
-            self._url(ckpt.path),
+            url_of(self.fs, ckpt.path),
             model=model,
             optimizer=optimizer,
             rng=rng,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -60,18 +60,24 @@ def _stamp(f: FileInfo) -> str:
     return f"size {f.size}, {f.version}"
 
 
+def _diff(
+    files: Sequence[FileInfo], now: Mapping[str, str | None], added: tuple[str, ...] = ()
+) -> LakeDiff:
+    """The pinned ``files`` against their stamps now, by path (None or absent: gone)."""
+    gone = tuple(f.path for f in files if now.get(f.path) is None)
+    changed = tuple(
+        (f.path, _stamp(f), stamp)
+        for f in files
+        if (stamp := now.get(f.path)) is not None and stamp != _stamp(f)
+    )
+    return LakeDiff(gone, changed, added)
+
+
 def diff_snapshots(saved: Snapshot, current: Snapshot) -> LakeDiff:
     """Compare a pinned snapshot with a freshly listed one (pure)."""
-    now = {f.path: f for f in current.files}
-    was = {f.path: f for f in saved.files}
-    gone = tuple(p for p in was if p not in now)
-    changed = tuple(
-        (p, _stamp(f), _stamp(now[p]))
-        for p, f in was.items()
-        if p in now and (f.size, f.version) != (now[p].size, now[p].version)
-    )
-    added = tuple(p for p in now if p not in was)
-    return LakeDiff(gone, changed, added)
+    now = {f.path: _stamp(f) for f in current.files}
+    was = {f.path for f in saved.files}
+    return _diff(saved.files, now, tuple(p for p in now if p not in was))
 
 
 def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> LakeDiff:
@@ -88,13 +94,7 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
     threads = max(1, min(CHECK_THREADS, len(files)))
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
         found = dict(pool.map(probe, files))
-    gone = tuple(p for p, now in found.items() if now is None)
-    changed = tuple(
-        (f.path, _stamp(f), found[f.path] or "")
-        for f in files
-        if found[f.path] is not None and found[f.path] != _stamp(f)
-    )
-    return LakeDiff(gone, changed)
+    return _diff(files, found)
 
 
 def lost_units(snapshot: Snapshot, diff: LakeDiff) -> tuple[QuarantineEntry, ...]:
