@@ -112,12 +112,12 @@ class TrainingRecord:
     world_size: int
     model: bool
     optimizer: bool
-    version: int = TRAINING_RECORD_VERSION
 
     def to_bytes(self) -> bytes:
         """The record's bytes."""
         # the version first, then the fields in order (not asdict: it deep-copies the generators)
-        body = {"version": self.version, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        body: dict[str, Any] = {"version": TRAINING_RECORD_VERSION}
+        body.update({f.name: getattr(self, f.name) for f in fields(self)})
         body.update(rng=[r.to_dict() for r in self.rng], code=asdict(self.code))
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed

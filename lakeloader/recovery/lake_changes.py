@@ -25,8 +25,6 @@ logger = logging.getLogger(__name__)
 #: rows delivered before the checkpoint come again: at least once for that epoch).
 LakeChangePolicy = Literal["error", "skip", "restart_epoch"]
 POLICIES: Final = ("error", "skip", "restart_epoch")
-#: Files checked at once (one metadata request each).
-CHECK_THREADS = 32
 
 
 @dataclass(frozen=True)
@@ -91,7 +89,7 @@ def check_files(fs: fsspec.AbstractFileSystem, files: Sequence[FileInfo]) -> Lak
         return f.path, f"size {int(info.get('size') or 0)}, {version_token(info)}"
 
     fs.invalidate_cache()  # a cached listing would answer with the old size and version
-    threads = max(1, min(CHECK_THREADS, len(files)))
+    threads = max(1, min(32, len(files)))  # files checked at once
     with ThreadPoolExecutor(max_workers=threads, initializer=main_thread_only) as pool:
         found = dict(pool.map(probe, files))
     return _diff(files, found)
