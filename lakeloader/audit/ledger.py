@@ -32,7 +32,6 @@ class Ledger:
     """The entries of one attempt, written in immutable segments.
 
     Args:
-        store: The checkpoint folder's store.
         root: The checkpoint root (a path of ``store``'s filesystem).
         flush_seconds: Longest time delivered steps wait in memory (0: a segment per step).
         attempt: The attempt's id (default: a new one, its start time in UTC so that ids

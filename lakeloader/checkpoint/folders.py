@@ -29,11 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointFolders:
-    """Step folders and manifests under one root (``root``: a path of ``store``'s filesystem).
-
-    Args:
-        keep: Committed checkpoints kept.
-    """
+    """Step folders and manifests under one root (``root``: a path of ``store``'s filesystem)."""
 
     def __init__(self, store: CheckpointStore, root: str, keep: int) -> None:
         self.store = store

@@ -66,7 +66,6 @@ class CommitRecord:
     """The ``COMMIT`` marker: what a complete checkpoint holds, with sizes and digests.
 
     Attributes:
-        state_bytes: Size of ``state.msgpack``.
         manifest: Path of a single lake's manifest, relative to the root ("" for a loader
             over several; the state record lists every manifest with its SHA-256).
         parts: The step folder's other files by path relative to it: ``(size, SHA-256)``,
@@ -130,7 +129,6 @@ class CheckpointContext:
     """The context that produced a checkpoint (information for people and ``inspect``).
 
     Attributes:
-        library_version: The lakeloader that wrote it.
         created: When, ISO 8601 in UTC.
         topology: The saving loader's topology (rank 0's), or None in a Mixture's or a packed
             loader's checkpoint written before record version 2 (which did not keep it).

@@ -28,11 +28,7 @@ from lakeloader.state.loader_state import LoaderState
 
 
 def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
-    """Read and verify one checkpoint: its state, manifests and every part ``COMMIT`` lists.
-
-    Raises:
-        CheckpointError: If it is missing, incomplete, truncated or corrupt.
-    """
+    """:meth:`CheckpointManager.read <lakeloader.CheckpointManager.read>`."""
     folder = folders.step_folder(step)
     store = folders.store
     try:

@@ -94,11 +94,7 @@ class TrainingRecord:
 
     Attributes:
         rng: Every rank's generators, in rank order.
-        torch_version: ``torch.__version__`` of the saving run.
-        library_version: The lakeloader that wrote it.
-        code: The training code's git commit.
         attempt: The run attempt that saved it (see :mod:`lakeloader.audit.ledger`).
-        world_size: Ranks that saved it.
         model: Whether the weights folder holds a model's state.
         optimizer: Whether it holds an optimizer's state.
     """
