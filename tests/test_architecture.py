@@ -82,7 +82,7 @@ def test_the_three_parts_are_public_objects() -> None:
 
 
 #: Record modules of the checkpoint room that the layout may use: value objects, leaves too.
-CHECKPOINT_RECORDS = {"lakeloader.checkpoint.training", "lakeloader.checkpoint.rng"}
+CHECKPOINT_RECORDS = {"lakeloader.checkpoint.training"}
 
 
 def test_the_checkpoint_layout_is_a_leaf() -> None:

@@ -16,8 +16,7 @@ import torch
 
 import lakeloader as ll
 from lakeloader.checkpoint.layout import step_dir_name
-from lakeloader.checkpoint.rng import RngState
-from lakeloader.checkpoint.training import TRAINING_FILE
+from lakeloader.checkpoint.training import TRAINING_FILE, RngState
 from lakeloader.cli.main import main as cli
 from tests.conftest import layout_dataset
 

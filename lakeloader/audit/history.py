@@ -10,11 +10,7 @@ from lakeloader.audit.records import Entry, SaveEntry, Stands, StartEntry, StepE
 
 
 def epoch_name(stream: str, epoch: int) -> str:
-    """How reports name an epoch of a stream.
-
-    >>> epoch_name("", 2), epoch_name("web/p3", 2)
-    ('epoch 2', 'stream web/p3, epoch 2')
-    """
+    """How reports name an epoch of a stream ("epoch 2", "stream web, epoch 2")."""
     return f"stream {stream}, epoch {epoch}" if stream else f"epoch {epoch}"
 
 

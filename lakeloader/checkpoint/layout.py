@@ -39,11 +39,7 @@ def sha256(data: bytes) -> str:
 
 
 def step_dir_name(step: int) -> str:
-    """Folder name of a step's checkpoint (zero-padded so that names sort by step).
-
-    >>> step_dir_name(1200)
-    'step-000000001200'
-    """
+    """Folder name of a step's checkpoint (zero-padded so that names sort by step)."""
     return f"step-{step:012d}"
 
 
@@ -149,11 +145,7 @@ class CheckpointContext:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckpointContext:
-        """Parse :meth:`to_dict`'s output, or an older context (its other keys are ignored).
-
-        Raises:
-            KeyError: If a required key is missing.
-        """
+        """Parse :meth:`to_dict`'s output, or an older context (its other keys are ignored)."""
         topo = d["topology"]
         return cls(
             step=int(d["step"]),
