@@ -100,25 +100,18 @@ class RecoveryCoordinator:
             StateMismatchError: If the order configuration differs.
         """
         saved = ckpt.state
-        if live.follow is not None:  # the increment pinned, later ones from its mark
-            saved.check_matches(saved.fingerprint, live.config.to_dict())
-            if ckpt.snapshot.increment is None:
-                raise StateMismatchError(
-                    f"{ckpt.path} was taken without follow=, and this dataset follows its lake: "
-                    "load it into a dataset made without follow="
-                )
-            pinned = live.pinned_to(ckpt.snapshot)
-            diff = check_files(live.fs, ckpt.snapshot.files)
-            if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
-                return Resumption(None, dataset=pinned, restart_epoch=saved.epoch)
-            pinned.lost = () if saved.at_epoch_end else tuple(lost_units(pinned.snapshot, diff))
-            return Resumption(saved, dataset=pinned)
-        if saved.fingerprint == live.fingerprint:
+        follow = live.follow is not None  # the increment pinned, later ones from its mark
+        if not follow and saved.fingerprint == live.fingerprint:
             return _checked(saved, live)
-        diff = _lake_diff(ckpt.snapshot, live)
         saved.check_matches(saved.fingerprint, live.config.to_dict())
+        if follow and ckpt.snapshot.increment is None:
+            raise StateMismatchError(
+                f"{ckpt.path} was taken without follow=, and this dataset follows its lake: "
+                "load it into a dataset made without follow="
+            )
+        diff = _lake_diff(ckpt.snapshot, live)
         if not enforce(diff, self.on_lake_change, ckpt.path, saved.at_epoch_end):
-            return Resumption(None, restart_epoch=saved.epoch)
+            return Resumption(None, saved.epoch, live.pinned_to(ckpt.snapshot) if follow else None)
         pinned = _finish_on_pinned(live.pinned_to(ckpt.snapshot), live, saved, diff)
         return Resumption(saved, dataset=pinned)
 
@@ -215,9 +208,10 @@ class RecoveryCoordinator:
 
 def _lake_diff(pinned: Snapshot, live: LakeDataset) -> LakeDiff:
     """What changed in the lake that ``live`` sees since the ``pinned`` snapshot."""
-    if live.snapshot.table is None:
+    if live.snapshot.table is None and live.follow is None:
         return diff_snapshots(pinned, live.snapshot)
-    # a table's old version keeps files that its newer versions no longer list
+    # a table's old version keeps files that its newer versions no longer list; a followed
+    # lake lists its newest increment, not the pinned one
     return check_files(live.fs, pinned.files)
 
 
@@ -231,6 +225,12 @@ def _checked(saved: LoaderState, dataset: LakeDataset) -> Resumption:
 def _finish_on_pinned(
     pinned: LakeDataset, live: LakeDataset, saved: LoaderState, diff: LakeDiff
 ) -> LakeDataset:
-    """``pinned`` for the saved epoch (without the lost units), ``live`` after it."""
+    """``pinned`` for the saved epoch (without the lost units), ``live`` after it.
+
+    A followed lake's ``pinned`` finds the increments after it by their marks itself.
+    """
     lost = () if saved.at_epoch_end else lost_units(pinned.snapshot, diff)
+    if live.follow is not None:
+        pinned.lost = tuple(lost)
+        return pinned
     return pinned.followed_by(saved.epoch + 1, live, lost)
