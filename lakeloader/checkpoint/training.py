@@ -25,7 +25,7 @@ from lakeloader.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 TRAINING_FILE: Final = "training.msgpack"
-#: Version of the record below.
+#: Version of :class:`TrainingRecord`'s layout.
 TRAINING_RECORD_VERSION: Final = 1
 #: What reading a malformed msgpack record raises.
 MALFORMED: Final = (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException)
