@@ -44,7 +44,7 @@ class EpochVerdict:
         replayed: Positions delivered outside the committed history and again inside it.
         uncommitted: Positions delivered after the head checkpoint.
         topologies: ``(world size, batch size)`` of its committed steps, in order of use.
-        stream: ``""`` for a single lake's.
+        stream: The stream whose epoch it is (``""``: a single lake's).
         skipped: Positions of the committed history skipped on request (``DataLoader.skip``):
             accounted for, not trained on (``trained`` leaves them out).
     """

@@ -220,7 +220,8 @@ class StateRecord:
                 check_version(STATE_FILE, d[RECORD_KEY], RECORD_VERSION, "record version", before)
             elif "kind" in d:  # a Mixture's or a packed loader's: its context at the top
                 check_version(f"{d['kind']} record", d.get("version"), 1)
-                d = {**d, "context": {**d, "topology": None}}  # it kept no topology
+                keys = ("step", "library_version", "created")  # it kept no topology
+                d = {**d, "context": {k: d[k] for k in keys if k in d} | {"topology": None}}
             else:  # a lake's: its state checked now, its manifest the one COMMIT names
                 LoaderState.from_dict(d["loader"])
                 lake = {

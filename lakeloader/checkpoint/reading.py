@@ -70,7 +70,11 @@ def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
 
 
 def _manifest(folders: CheckpointFolders, leaf: str, rel: str, digest: str) -> dict[str, Any]:
-    """A leaf's manifest, checked against the SHA-256 that the record holds."""
+    """A leaf's manifest, checked against the SHA-256 that the record holds.
+
+    Raises:
+        CheckpointError: If it is missing or its digest differs.
+    """
     name = f"manifest {rel}" + (f" of {leaf!r}" if leaf else "")
     try:
         data = folders.store.cat(folders.path(rel))
@@ -84,7 +88,11 @@ def _manifest(folders: CheckpointFolders, leaf: str, rel: str, digest: str) -> d
 
 
 def _lake(record: StateRecord, manifests: dict[str, dict[str, Any]]) -> Snapshot | None:
-    """The snapshot of a loader over one lake, which its state must refer to (else None)."""
+    """The snapshot of a loader over one lake, which its state must refer to (else None).
+
+    Raises:
+        CheckpointError: If the manifest's fingerprint is not the state's.
+    """
     manifest = manifests.get(ROOT)
     if manifest is None:
         return None

@@ -32,7 +32,11 @@ MALFORMED: Final = (KeyError, TypeError, ValueError, AttributeError, msgpack.Unp
 
 
 def check_version(name: str, found: Any, reads: int, what: str = "version", more: str = "") -> None:
-    """Refuse a checkpoint file's record (``name``) of a version this lakeloader does not read."""
+    """Refuse a checkpoint file's record (``name``) of a version this lakeloader does not read.
+
+    Raises:
+        CheckpointError: Naming the file, the version found and the version read.
+    """
     if found != reads:
         raise CheckpointError(
             f"its {name} has {what} {found!r}; this lakeloader reads version {reads}{more}"
@@ -200,6 +204,9 @@ class TrainingRecord:
 
     Attributes:
         rng: Every rank's generators, in rank order.
+        torch_version: ``torch.__version__`` of the saving run.
+        library_version: The lakeloader that wrote it.
+        code: The git commit of the training code (see :func:`code_version`).
         attempt: The run attempt that saved it (see :mod:`lakeloader.audit.ledger`).
         model: Whether the weights folder holds a model's state.
         optimizer: Whether it holds an optimizer's state.
@@ -214,12 +221,12 @@ class TrainingRecord:
     world_size: int
     model: bool
     optimizer: bool
+    version: int = TRAINING_RECORD_VERSION
 
     def to_bytes(self) -> bytes:
         """The record's bytes."""
         # the version first, then the fields in order (not asdict: it deep-copies the generators)
-        body: dict[str, Any] = {"version": TRAINING_RECORD_VERSION}
-        body.update({f.name: getattr(self, f.name) for f in fields(self)})
+        body = {"version": self.version, **{f.name: getattr(self, f.name) for f in fields(self)}}
         body.update(rng=[r.to_dict() for r in self.rng], code=asdict(self.code))
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         return packed

@@ -85,6 +85,7 @@ class Captured:
     Attributes:
         record: The training record (rank 0 writes it).
         weights: The weights folder's path, or None without a model.
+        pending: The future of an asynchronous weights save, or None.
     """
 
     record: TrainingRecord
