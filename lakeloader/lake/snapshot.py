@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,39 +173,35 @@ def fingerprint(files: Sequence[FileInfo], table: TableVersion | None = None) ->
 
 
 def build_snapshot(
-    fs: fsspec.AbstractFileSystem, found: Sequence[DiscoveredFile], request: SourceRequest
+    fs: fsspec.AbstractFileSystem,
+    found: Sequence[DiscoveredFile],
+    request: SourceRequest,
+    table: TableVersion | None = None,
+    check: Callable[[FileInfo], FileInfo] | None = None,
 ) -> Snapshot:
     """Read every footer in parallel and freeze the result.
 
     ``request.columns`` are the columns whose types must agree across files (None: all).
+    ``check`` makes each footer's info the snapshot's (a table's names and deleted rows); what
+    it raises counts as an unreadable file.
 
     Raises:
         LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
         SchemaMismatchError: If the schemas cannot be unified.
     """
-    infos = read_file_infos(fs, found, request)
-    return assemble_snapshot([i for i in infos if i is not None], request.columns)
-
-
-def read_file_infos(
-    fs: fsspec.AbstractFileSystem, found: Sequence[DiscoveredFile], request: SourceRequest
-) -> list[FileInfo | None]:
-    """:func:`read_file_info` of every file, in parallel (None: left out, unreadable).
-
-    Raises:
-        LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
-    """
 
     def read(d: DiscoveredFile) -> FileInfo | None:
         try:
-            return read_file_info(fs, d, request.retry)
+            info = read_file_info(fs, d, request.retry)
+            return info if check is None else check(info)
         except LakeDataError as exc:
             if not request.skip_unreadable:
                 raise
             logger.warning("left out of the snapshot (on_error='skip'): %s", exc)
             return None
 
-    return per_file(fs, read, found, "reading footers", request.progress)
+    infos = per_file(fs, read, found, "reading footers", request.progress)
+    return assemble_snapshot([i for i in infos if i is not None], request.columns, table)
 
 
 def assemble_snapshot(

@@ -66,11 +66,9 @@ def open_table(uri: str, version: int | None, options: dict[str, str]) -> Any:
 
 @dataclass(frozen=True)
 class DeltaSource:
-    """A version of a Delta Lake table (None: the newest when the dataset is made).
+    """A version of a Delta Lake table's folder (None: the newest when the dataset is made).
 
-    Attributes:
-        uri: The table's folder (local path or URL).
-        options: ``deltalake`` storage options (from :func:`.options.delta_options`).
+    ``options`` are ``deltalake``'s storage options (from :func:`.options.delta_options`).
     """
 
     uri: str
@@ -103,10 +101,7 @@ class DeltaSource:
     def increment(
         self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
-        """The first increment is the version; then what later commits appended.
-
-        Each commit that appends rows is an increment of its own (the next after ``after``'s
-        version, up to ``upto``'s), so every rank that looks at the log finds the same.
+        """The first increment is the version; then each later commit that appends rows.
 
         Raises:
             LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.
@@ -145,10 +140,7 @@ def _columns(table: Any) -> TableColumns:
 
 
 def _files(fs: fsspec.AbstractFileSystem, uri: str, table: Any) -> list[TableFile]:
-    """The version's data files: paths, row counts, partition values, deleted rows.
-
-    Deleted rows are those of deletion vectors, as ``deltalake`` decodes them.
-    """
+    """The version's data files, with the rows its deletion vectors delete."""
     actions = pa.table(table.get_add_actions(flatten=True)).to_pylist()
     deleted: dict[str, tuple[int, ...]] = {}
     if "deletionVectors" in (table.protocol().reader_features or []):
@@ -189,12 +181,10 @@ def next_append(
     """The first commit after version ``after`` (up to ``newest``) that appends rows.
 
     ``root`` is the table's filesystem path. Commits that append nothing (compactions) are
-    passed over, and so are those that remove data (a ``remove`` with ``dataChange`` true),
-    under ``on_rewrite="skip"`` with a warning.
+    passed over, and so are those that remove data, under ``on_rewrite="skip"``.
 
     Returns:
-        Its version and the files it added with ``dataChange`` true, or None if there is none
-        yet.
+        Its version and the files it added with ``dataChange`` true, or None if there is none.
 
     Raises:
         LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.

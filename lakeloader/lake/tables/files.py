@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,12 +15,10 @@ from lakeloader.io.fetch import url_of
 from lakeloader.lake.discovery import DiscoveredFile
 from lakeloader.lake.files import FileInfo
 from lakeloader.lake.increments import SourceRequest
-from lakeloader.lake.snapshot import Snapshot, TableVersion, assemble_snapshot, read_file_infos
+from lakeloader.lake.snapshot import Snapshot, TableVersion, build_snapshot
 
 #: Field metadata key of a Parquet field id (written by Iceberg and Delta column mapping).
 FIELD_ID = b"PARQUET:field_id"
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,25 +69,20 @@ def table_snapshot(
     """
     if not files:
         raise LakeNotFoundError(f"{version.describe()} holds no data file")
-    ordered = sorted(files, key=lambda f: f.path)
-    found = [DiscoveredFile(f.path, f.partitions) for f in ordered]
-    infos = read_file_infos(fs, found, request)
-    kept = []
-    for listed, info in zip(ordered, infos, strict=True):
-        if info is None:
-            continue
-        if listed.rows is not None and info.num_rows != listed.rows:
-            error = LakeDataError(
-                f"{url_of(fs, listed.path)}: {info.num_rows} rows in its footer but "
-                f"{listed.rows} in the metadata of {version.describe()}; the file was replaced "
+    listed = {f.path: f for f in files}
+
+    def check(info: FileInfo) -> FileInfo:
+        said = listed[info.path]
+        if said.rows is not None and info.num_rows != said.rows:
+            raise LakeDataError(
+                f"{url_of(fs, said.path)}: {info.num_rows} rows in its footer but "
+                f"{said.rows} in the metadata of {version.describe()}; the file was replaced "
                 "or the table is corrupt: repair the table (or pass on_error='skip')"
             )
-            if not request.skip_unreadable:
-                raise error
-            logger.warning("left out of the snapshot (on_error='skip'): %s", error)
-            continue
-        kept.append(as_table_file(info, listed, table))
-    return assemble_snapshot(kept, request.columns, version)
+        return as_table_file(info, said, table)
+
+    found = [DiscoveredFile(f.path, f.partitions) for f in sorted(files, key=lambda f: f.path)]
+    return build_snapshot(fs, found, request, version, check)
 
 
 def as_table_file(info: FileInfo, listed: TableFile, table: TableColumns) -> FileInfo:

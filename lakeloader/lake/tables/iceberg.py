@@ -52,11 +52,9 @@ def open_table(location: str, properties: dict[str, str]) -> Any:
 
 @dataclass(frozen=True)
 class IcebergSource:
-    """A snapshot of an Iceberg table (None: the current one when the dataset is made).
+    """A snapshot of the Iceberg table of a metadata file (None: the current one).
 
-    Attributes:
-        location: The table's metadata file.
-        properties: pyiceberg FileIO properties (endpoint, credentials).
+    ``properties`` are pyiceberg's FileIO properties (endpoint, credentials).
     """
 
     location: str
@@ -80,11 +78,7 @@ class IcebergSource:
             LakeDataError: If the snapshot has equality deletes, or a footer cannot be read.
         """
         table = open_table(self.location, dict(self.properties))
-        snap = (
-            table.current_snapshot()
-            if self.snapshot_id is None
-            else table.snapshot_by_id(self.snapshot_id)
-        )
+        snap = _at(table, self.snapshot_id)
         if snap is None:
             known = [s.snapshot_id for s in table.snapshots()]
             raise LakeNotFoundError(
@@ -103,7 +97,6 @@ class IcebergSource:
         files: list[TableFile],
         request: SourceRequest,
     ) -> Snapshot:
-        """The snapshot of ``files``, read with the columns and version of ``snap``."""
         version = TableVersion(
             "iceberg", self.location, str(table.metadata.table_uuid), int(snap.snapshot_id)
         )
@@ -118,8 +111,6 @@ class IcebergSource:
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The first increment is the snapshot; then each later one that appends files.
 
-        Later table versions are found as the newest metadata file beside this one.
-
         Raises:
             LakeChangedError: Under ``on_rewrite="error"``, naming a snapshot that rewrote data.
         """
@@ -133,7 +124,7 @@ class IcebergSource:
             assert snapshot.table is not None
             head = table.snapshot_by_id(snapshot.table.version)
             return fs, dataclasses.replace(snapshot, increment=Increment(0, _mark(head)))
-        head = table.current_snapshot() if upto is None else table.snapshot_by_id(int(upto.path))
+        head = _at(table, None if upto is None else int(upto.path))
         if head is None:
             return None
         found = next_append(table, int(after.upto.path), head, request.on_rewrite, fs)
@@ -159,6 +150,11 @@ def newest_metadata(fs: fsspec.AbstractFileSystem, location: str) -> str:
     if not numbered:
         return location
     return f"{folder}/{max(numbered, key=numbered.__getitem__)}"
+
+
+def _at(table: Any, snapshot_id: int | None) -> Any:
+    """The table's snapshot of that id (None: the current one), or None."""
+    return table.current_snapshot() if snapshot_id is None else table.snapshot_by_id(snapshot_id)
 
 
 def _added_files(table: Any, snap: Any, fs: fsspec.AbstractFileSystem) -> list[TableFile]:
