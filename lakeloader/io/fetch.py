@@ -91,41 +91,35 @@ def read_footer(
     meta = _FOOTERS.get(key)
     if meta is not None:
         return meta
-    if is_local(fs):
-        try:
-            meta = pq.read_metadata(path)
-        except Exception as exc:
+    source: str | pa.BufferReader = path
+    if not is_local(fs):
+
+        def cat(start: int, end: int) -> Blob:
+            return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
+
+        start = max(0, size - FOOTER_TAIL_BYTES)
+        tail = cat(start, size)
+        if size < 12 or tail[-4:] != PARQUET_MAGIC:
             raise LakeDataError(
-                f"{path}: cannot read the Parquet footer ({describe(exc)}); "
-                "repair or remove the file, or move it out of the lake"
-            ) from exc
-        _FOOTERS.put(key, meta)
-        return meta
-
-    def cat(start: int, end: int) -> Blob:
-        return fetch_ranges(fs, path, [(start, end)], retry, on_request, version)[0][1]
-
-    start = max(0, size - FOOTER_TAIL_BYTES)
-    tail = cat(start, size)
-    if size < 12 or tail[-4:] != PARQUET_MAGIC:
-        raise LakeDataError(
-            f"{url}: not a Parquet file: it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r} "
-            f"({size} bytes); a truncated or half-written file looks like this. Repair it, "
-            "remove it, or move it out of the lake"
-        )
-    length = int.from_bytes(tail[-8:-4], "little")
-    if length + 8 > size - 4:
-        raise LakeDataError(
-            f"{url}: its footer claims {length} bytes but the file has {size}; the file is "
-            "truncated or corrupt. Repair or remove it"
-        )
-    if length + 8 > len(tail):
-        tail = cat(size - length - 8, start) + tail
+                f"{url}: not a Parquet file: it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r} "
+                f"({size} bytes); a truncated or half-written file looks like this. Repair it, "
+                "remove it, or move it out of the lake"
+            )
+        length = int.from_bytes(tail[-8:-4], "little")
+        if length + 8 > size - 4:
+            raise LakeDataError(
+                f"{url}: its footer claims {length} bytes but the file has {size}; the file is "
+                "truncated or corrupt. Repair or remove it"
+            )
+        if length + 8 > len(tail):
+            tail = cat(size - length - 8, start) + tail
+        source = pa.BufferReader(tail[len(tail) - length - 8 :])
     try:
-        meta = pq.read_metadata(pa.BufferReader(tail[len(tail) - length - 8 :]))
+        meta = pq.read_metadata(source)
     except Exception as exc:
         raise LakeDataError(
-            f"{url}: cannot parse the Parquet footer ({describe(exc)}); repair or remove the file"
+            f"{url}: cannot read the Parquet footer ({describe(exc)}); repair or remove the "
+            "file, or move it out of the lake"
         ) from exc
     _FOOTERS.put(key, meta)
     return meta

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 import fsspec
 from fsspec.asyn import sync
@@ -19,9 +19,6 @@ from lakeloader.io.direct import direct_for
 from lakeloader.io.retry import causes, describe, response_of
 from lakeloader.io.sparse import Blob
 from lakeloader.lake.discovery import version_value
-
-#: HTTP status of a failed precondition (a rewritten object under ``If-Match``).
-PRECONDITION_FAILED: Final = 412
 
 
 def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
@@ -71,9 +68,7 @@ async def _gcs_range(fs: Any, path: str, version: str, start: int, end: int) -> 
 def cat_ranges(
     fs: fsspec.AbstractFileSystem, path: str, version: str, ranges: Sequence[tuple[int, int]]
 ) -> list[Blob]:
-    """Read byte ranges ``[start, end)`` of a file at once, the cheapest way ``fs`` allows.
-
-    Pinned to ``version`` where the store allows it.
+    """Read byte ranges ``[start, end)`` of a file at once, pinned to ``version`` if possible.
 
     Raises:
         LakeChangedError: If the store no longer has that version of the file.
@@ -96,7 +91,15 @@ def cat_ranges(
         return sync(fs.loop, gather)  # type: ignore[no-any-return]
     except Exception as exc:
         if pins(fs, version) and is_version_mismatch(exc):
-            raise changed_error(str(fs.unstrip_protocol(path)), version, exc) from exc
+            raise LakeChangedError(
+                f"{fs.unstrip_protocol(path)}: the file was rewritten or deleted after the "
+                f"snapshot was taken (the snapshot pinned {version}; the store answered "
+                f"{describe(exc)}). Rows read from it now would not be the rows this epoch's "
+                "order was planned over. Restore the file as it was, or rebuild the dataset "
+                "and resume from the last checkpoint with CheckpointManager.load(..., "
+                "on_lake_change='skip') (the epoch finishes without the file's units) or "
+                "'restart_epoch'"
+            ) from exc
         raise
 
 
@@ -110,19 +113,6 @@ def is_version_mismatch(exc: BaseException) -> bool:
         if isinstance(seen, FileNotFoundError):
             return True
         status, s3_code = response_of(seen)
-        code = getattr(seen, "code", None)
-        if s3_code == "PreconditionFailed" or PRECONDITION_FAILED in (status, code):
+        if s3_code == "PreconditionFailed" or status == 412:  # a rewritten object, If-Match
             return True
     return False
-
-
-def changed_error(url: str, version: str, exc: BaseException) -> LakeChangedError:
-    """The error for a file whose pinned version is gone: the URL, the version, the remedy."""
-    return LakeChangedError(
-        f"{url}: the file was rewritten or deleted after the snapshot was taken (the snapshot "
-        f"pinned {version}; the store answered {describe(exc)}). Rows read from it now would "
-        "not be the rows this epoch's order was planned over. Restore the file as it was, or "
-        "rebuild the dataset and resume from the last checkpoint with "
-        "CheckpointManager.load(..., on_lake_change='skip') (the epoch finishes without the "
-        "file's units) or 'restart_epoch'"
-    )

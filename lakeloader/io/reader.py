@@ -78,15 +78,14 @@ def stream_rows(
     num_rows: int,
     columns: list[str],
 ) -> tuple[list[pa.RecordBatch], int]:
-    """Rows ``[row_start, row_start + num_rows)`` of a row group, streamed.
+    """Rows ``[row_start, row_start + num_rows)`` of a row group's top-level ``columns``.
 
-    ``source`` is a local path or a file object; ``columns`` are top-level. Decoded in batches
-    of :func:`stream_batch_rows` rows, those before ``row_start`` dropped; the stream stops
-    after the range's last row, so the row group is never held whole.
+    Decoded in batches of :func:`stream_batch_rows` rows, those before ``row_start`` dropped;
+    the stream stops after the range's last row, so the row group is never held whole.
 
     Returns:
-        The range's batches (the first and last sliced to it), and the rows of the row group
-        streamed: fewer than ``row_start + num_rows`` when the row group ended early.
+        The range's batches, and the rows of the row group streamed: fewer than
+        ``row_start + num_rows`` when the row group ended early.
     """
     stop = row_start + num_rows
     batch_rows = min(stream_batch_rows(meta, row_group, columns), stop)
@@ -139,14 +138,11 @@ class ReadCounters:
 class UnitReader:
     """Reads units of one snapshot, conformed to its schema; safe to call from several threads.
 
-    Selected columns only, missing columns as nulls, hive partition values as constant
-    columns, so that units of different files concatenate into one batch.
-
-    Args:
-        columns: Columns to return (file columns and partition columns), in this order.
-        row_filter: The dataset's filter (the snapshot's counts are its matching rows).
-        mirrors: Other copies of the lake (``LakeDataset(mirrors=...)``): when the copy reads
-            go to keeps failing past the retry deadline, they go on from the next, with a warning.
+    ``columns`` only (file and partition columns, in this order), missing ones as nulls,
+    partition values as constant columns, so that units of different files concatenate.
+    When the copy reads go to keeps failing past the retry deadline, they go on from the
+    next of ``mirrors`` (``LakeDataset(mirrors=...)``), with a warning. ``row_filter`` is the
+    dataset's (the snapshot's counts are its matching rows).
     """
 
     def __init__(
@@ -171,10 +167,7 @@ class UnitReader:
         self._copy = 0  # the copy reads go to: 0 this one, i the mirror i - 1
 
     def with_fs(self, fs: fsspec.AbstractFileSystem) -> UnitReader:
-        """The same reader over another filesystem object, with counters of its own.
-
-        Each mirror's filesystem is made anew from its pickle too; reads go to the same copy.
-        """
+        """The same reader over another filesystem object (the mirrors' too), own counters."""
         copies = [(pickle.loads(pickle.dumps(m.fs)), m.snapshot) for m in self.mirrors]
         twin = UnitReader(fs, self.snapshot, self.columns, self.retry, self.row_filter, copies)
         twin._copy = self._copy
@@ -231,10 +224,9 @@ class UnitReader:
         file_cols: list[str],
         fetched: Fetched | None,
     ) -> pa.Table:
-        """Rows ``[row_start, row_start + num_rows)`` of a row group's ``file_cols``.
+        """Rows of a row group's ``file_cols``: a whole row group at once, a range streamed.
 
-        A whole row group is read at once; a row range of one is streamed. Rows a table
-        version deleted are dropped (the range counts the rows that remain).
+        Rows a table version deleted are dropped (the range counts the rows that remain).
         """
         meta = fetched.footer if fetched is not None else self._footer(info)
         expected = info.file_rows[row_group]
@@ -290,7 +282,6 @@ class UnitReader:
         return table.rename_columns([logical.get(n, n) for n in table.column_names])
 
     def _fetch(self, info: FileInfo, ranges: list[tuple[int, int]]) -> list[tuple[int, Blob]]:
-        """Byte ranges of a snapshot file, fetched at once."""
         on_request = self.counters.add_request
         return fetch_ranges(self.fs, info.path, ranges, self.retry, on_request, info.version)
 
@@ -352,15 +343,10 @@ class UnitReader:
         num_rows: int,
         fetched: Fetched | LakeError | None = None,
     ) -> pa.Table:
-        """Read rows ``[row_start, row_start + num_rows)`` of one row group.
+        """Read rows ``[row_start, row_start + num_rows)`` of one row group of a snapshot file.
 
-        Args:
-            file_index: The file, in the snapshot.
-            row_group: The row group.
-            row_start: First row inside the row group.
-            num_rows: Rows.
-            fetched: The row group's bytes fetched ahead (:meth:`fetch`), or the error that
-                fetching them raised (raised here, as if reading had); None: fetch them now.
+        ``fetched`` is the row group's bytes fetched ahead (:meth:`fetch`), or the error that
+        fetching them raised (raised here, as if reading had); None: fetch them now.
 
         Raises:
             LakeDataError: Naming the file's URL, the row group and pyarrow's error, if the

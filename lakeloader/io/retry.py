@@ -191,13 +191,17 @@ def causes(exc: BaseException) -> Iterator[BaseException]:
 
 
 def response_of(exc: BaseException) -> tuple[int | None, str | None]:
-    """The HTTP status and the S3 error code of a botocore error's ``response`` (or None)."""
+    """The HTTP status and the S3 error code of an error (or None).
+
+    The status is an int ``code`` (gcsfs, direct reads), else a botocore ``response``'s.
+    """
     response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None, None
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    code = response.get("Error", {}).get("Code")
-    return (status if isinstance(status, int) else None), (None if code is None else str(code))
+    response = response if isinstance(response, dict) else {}
+    status = getattr(exc, "code", None)
+    if not isinstance(status, int):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    s3 = response.get("Error", {}).get("Code")
+    return (status if isinstance(status, int) else None), (None if s3 is None else str(s3))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -225,9 +229,6 @@ def is_transient(exc: BaseException) -> bool:
         if {f"{c.__module__}.{c.__qualname__}" for c in type(current).__mro__} & TRANSIENT_CLASSES:
             return True
         status, s3_code = response_of(current)
-        code = getattr(current, "code", None)  # gcsfs
-        if (code if isinstance(code, int) else status) in TRANSIENT_STATUSES:
-            return True
-        if s3_code in TRANSIENT_S3_CODES:
+        if status in TRANSIENT_STATUSES or s3_code in TRANSIENT_S3_CODES:
             return True
     return False

@@ -27,12 +27,8 @@ Parts = Sequence[tuple[int, Chunk]]
 class Fetched:
     """The footer and the coalesced column-chunk ranges of one unit, fetched ahead.
 
-    Attributes:
-        footer: The file's parsed footer (it pickles as its Thrift bytes).
-        starts: Offset in the file of each range.
-        lengths: Length of each range.
-        blobs: The ranges' bytes, when they are held in memory.
-        path: Else the file holding them back to back (in the pass's folder).
+    The ranges' bytes are in memory (``blobs``), else back to back in the file ``path`` (in
+    the pass's folder). The footer pickles as its Thrift bytes.
     """
 
     footer: pq.FileMetaData

@@ -54,24 +54,15 @@ def version_value(version: str, key: str) -> str | None:
 
 @dataclass(frozen=True)
 class DiscoveredFile:
-    """A data file found by discovery.
+    """A data file found by discovery (its path without protocol).
 
-    Attributes:
-        path: The path as the filesystem names it (no protocol), used to open the file.
-        partitions: Hive partition values from ``key=value`` folders, outermost first.
-        size: Size in bytes from the listing (None when the listing did not say).
-        version: Version token from the listing (None when the listing did not say).
+    Hive partition values outermost first; size and version None unless the listing gave them.
     """
 
     path: str
     partitions: tuple[tuple[str, str], ...]
     size: int | None = None
     version: str | None = None
-
-
-def is_data_name(name: str) -> bool:
-    """Tell whether a file or folder name can hold data."""
-    return name not in NON_DATA_NAMES and not name.startswith((".", "_"))
 
 
 def hive_partitions(relative_dir: str) -> tuple[tuple[str, str], ...]:
@@ -123,7 +114,8 @@ def _expand_one(fs: fsspec.AbstractFileSystem, item: str) -> tuple[str, Listing]
 
 def _keep(path: str, root: str) -> bool:
     relative = path[len(root) :].lstrip("/") if path.startswith(root) else posixpath.basename(path)
-    return all(is_data_name(part) for part in relative.split("/") if part)
+    parts = [part for part in relative.split("/") if part]
+    return not any(p in NON_DATA_NAMES or p.startswith((".", "_")) for p in parts)
 
 
 def discover_listed(
@@ -134,11 +126,8 @@ def discover_listed(
     """List the data files of a lake, sorted by path, with sizes and versions from the listing.
 
     ``source`` is a folder, glob, file, ``file://``/``s3://``/``gs://`` URL or a list of these
-    (all on one filesystem); ``retry`` None is the default policy.
-
-    Returns:
-        The filesystem and the data files, sorted by path, without duplicates, each with
-        its listing entry.
+    (all on one filesystem); ``retry`` None is the default policy. Each file comes with its
+    listing entry.
 
     Raises:
         LakeNotFoundError: If the source holds no data file.

@@ -33,11 +33,7 @@ class CaughtUpError(Exception):
 
 
 def growing(source: Source) -> Growing:
-    """``source`` as a source of increments.
-
-    Raises:
-        TypeError: If it cannot be followed (naming it).
-    """
+    """``source`` as a source of increments (a TypeError naming it if it cannot be)."""
     if not isinstance(source, Growing):
         raise TypeError(
             f"follow=True needs a folder, a Delta or an Iceberg table; {source!r} is neither"
@@ -79,11 +75,7 @@ def _agreed(source: Source, after: Increment | None, decide: Any, request: Sourc
 def first_increment(
     source: Source, follow: Follow, request: SourceRequest
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
-    """Increment 0: the lake as it is now (as rank 0 sees it).
-
-    Raises:
-        LakeNotFoundError: If it holds no data file.
-    """
+    """Increment 0: the lake as it is now (as rank 0 sees it)."""
     request = dataclasses.replace(request, on_rewrite=follow.on_rewrite)
     found = _agreed(source, None, lambda _: None, request)
     assert found is not None, "the first increment of a lake holds its files"
@@ -112,11 +104,7 @@ def increment_at(
 def next_increment(
     source: Source, follow: Follow, now: Increment | None, request: SourceRequest
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
-    """The increment after ``now``, waiting for one to be appended.
-
-    Raises:
-        CaughtUpError: If none comes within the follow timeout.
-    """
+    """The increment after ``now``, waiting for one (CaughtUpError past the follow timeout)."""
     assert now is not None, "a followed dataset's snapshot is an increment"
     deadline = None if follow.timeout is None else time.monotonic() + follow.timeout
 

@@ -37,10 +37,7 @@ class Mark:
 class Increment:
     """Which increment a snapshot is: what comes after one mark, up to another.
 
-    Attributes:
-        index: The increment (the epoch it is delivered as).
-        upto: Its mark: the next increment is what comes after it.
-        after: The mark it starts after (None: the first increment).
+    ``index`` is the epoch it is delivered as; ``after`` None is the first increment.
     """
 
     index: int
@@ -76,7 +73,6 @@ class SourceRequest:
         columns: The columns read (None: all).
         progress: Progress bar while reading footers (None: from 64 files on).
         skip_unreadable: Leave out files whose footer cannot be read.
-        on_rewrite: What a rewrite of data already taken in does (see ``Follow``).
         upto: The last mark to take (another rank's increment); None: all there is now.
     """
 
@@ -93,7 +89,7 @@ def rewritten(where: str, on_rewrite: OnRewrite) -> None:
     """Apply the rewrite policy to a commit or snapshot that rewrote data (``where`` names it).
 
     Raises:
-        LakeChangedError: Under ``"error"``; under ``"skip"`` it is logged as a warning.
+        LakeChangedError: Under ``"error"`` (``"skip"`` logs a warning).
     """
     if on_rewrite == "error":
         raise LakeChangedError(

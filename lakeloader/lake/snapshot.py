@@ -40,7 +40,7 @@ class TableVersion:
     Attributes:
         format: ``"delta"`` or ``"iceberg"``.
         location: The table's URI (Delta) or metadata file (Iceberg) as given.
-        table_id: The table's own identity (Delta table id, Iceberg table UUID).
+        table_id: The Delta table id, or the Iceberg table UUID.
         version: The Delta version or the Iceberg snapshot id.
     """
 
@@ -50,7 +50,7 @@ class TableVersion:
     version: int
 
     def describe(self) -> str:
-        """``format table_id@version``, for messages and ``inspect``.
+        """The table version, for messages and ``inspect``.
 
         >>> TableVersion("delta", "s3://b/t", "1f2e", 3).describe()
         'delta table s3://b/t (id 1f2e) at version 3'
@@ -65,13 +65,12 @@ class Snapshot:
     Attributes:
         files: The data files, sorted by path.
         schema: The unified schema of the selected columns, partition columns last.
-        partition_types: Arrow type of each hive partition column.
         column_names: Every column of every file, then the partition keys.
         fingerprint: Hash of the files and the table version (:func:`fingerprint`); equal
             fingerprints mean the same data.
         table: The table version the files are of (None for a folder).
-        row_filter: The filter whose matching rows ``row_group_rows`` count (None: all rows;
-            see :mod:`lakeloader.lake.filtering`). Not in the fingerprint: the lake is the same.
+        row_filter: The filter whose matching rows ``row_group_rows`` count (None: all rows).
+            Not in the fingerprint: the lake is the same.
         increment: Which increment of a followed lake it is (None: not following).
     """
 
@@ -98,9 +97,7 @@ class Snapshot:
 def read_file_info(
     fs: fsspec.AbstractFileSystem, found: DiscoveredFile, retry: RetryPolicy
 ) -> FileInfo:
-    """Read one file's Parquet footer (one ranged request on a store), size and version.
-
-    The size and version come from the listing when it gave them (no extra request).
+    """Read one file's Parquet footer, and its size and version unless the listing gave them.
 
     Raises:
         LakeDataError: If the file is not a readable Parquet file.
@@ -232,7 +229,7 @@ def assemble_snapshot(
 def snapshot_lake(
     source: Paths, request: SourceRequest | None = None
 ) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
-    """Discover a lake and read its footers: the one call that pins a lake."""
+    """Discover a lake and read its footers."""
     request = request or SourceRequest({}, None, None, RetryPolicy(), False)
     fs, listed = discover_listed(source, request.storage_options, request.retry)
     return fs, build_snapshot(fs, [d for d, _ in listed], request)

@@ -44,10 +44,7 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class FolderSource:
-    """A folder, glob or file, or a list of them: local paths or any fsspec URL.
-
-    Attributes:
-        paths: The URL, or the URLs, as given.
+    """A folder, glob or file, or a list of them: local paths or any fsspec URL, as given.
 
     Example:
         >>> FolderSource.of(["a/", "b/"]).describe()
@@ -74,7 +71,7 @@ class FolderSource:
         return fs
 
     def snapshot(self, request: SourceRequest) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
-        """List the files and read their footers in parallel (see ``snapshot_lake``).
+        """List the files and read their footers in parallel.
 
         Raises:
             StoreAccessError: If the store refuses access, naming the URL.
@@ -94,8 +91,7 @@ class FolderSource:
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
         """The files listed with a modification time after ``after``'s mark (up to ``upto``).
 
-        A folder cannot tell a rewritten file from a new one (``on_rewrite`` does not apply):
-        files must be written once, under new names.
+        A folder cannot tell a rewritten file from a new one (``on_rewrite`` does not apply).
 
         Raises:
             LakeNotFoundError: If the first increment holds no data file, or the listing

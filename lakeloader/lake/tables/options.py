@@ -12,6 +12,16 @@ from typing import Any
 
 #: The region given when none is: object_store and pyarrow otherwise ask AWS for it.
 DEFAULT_REGION = "us-east-1"
+#: Each S3 setting's object_store key and pyiceberg property.
+_SPELLINGS = {
+    "endpoint": ("AWS_ENDPOINT_URL", "s3.endpoint"),
+    "key": ("AWS_ACCESS_KEY_ID", "s3.access-key-id"),
+    "secret": ("AWS_SECRET_ACCESS_KEY", "s3.secret-access-key"),
+    "token": ("AWS_SESSION_TOKEN", "s3.session-token"),
+    "region": ("AWS_REGION", "s3.region"),
+}
+#: object_store's S3 keys, by what they give.
+_OBJECT_STORE = {key: name for name, (key, _) in _SPELLINGS.items()} | {"AWS_ENDPOINT": "endpoint"}
 
 
 def _s3_settings(options: Mapping[str, Any]) -> dict[str, str]:
@@ -27,9 +37,30 @@ def _s3_settings(options: Mapping[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in found.items() if v}
 
 
-def _own(options: Mapping[str, Any], upper: bool) -> dict[str, Any]:
-    """The keys already spelled for a table library: upper-case ones, or dotted ones."""
-    return {k: v for k, v in options.items() if (k.isupper() if upper else "." in k)}
+def _spelled(options: Mapping[str, Any], upper: bool) -> dict[str, str]:
+    """The S3 settings of s3fs options as object_store keys (``upper``) or pyiceberg ones.
+
+    The region defaults to :data:`DEFAULT_REGION`; keys already in the library's own spelling
+    (upper-case, or dotted) are added as they are.
+    """
+    at = 0 if upper else 1
+    out = {_SPELLINGS[k][at]: v for k, v in _s3_settings(options).items()}
+    if out:
+        out.setdefault(_SPELLINGS["region"][at], DEFAULT_REGION)
+    if upper and out.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+        out["AWS_ALLOW_HTTP"] = "true"
+    own = {k: str(v) for k, v in options.items() if (k.isupper() if upper else "." in k)}
+    return {**out, **own}
+
+
+def _as_fsspec(found: Mapping[str, Any]) -> dict[str, Any]:
+    """s3fs options from S3 settings by name (endpoint and region go in ``client_kwargs``)."""
+    out: dict[str, Any] = {k: found[k] for k in ("key", "secret", "token") if k in found}
+    client_keys = {"endpoint_url": "endpoint", "region_name": "region"}
+    client = {k: found[name] for k, name in client_keys.items() if name in found}
+    if client:
+        out["client_kwargs"] = client
+    return out
 
 
 def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,7 +68,7 @@ def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
     Endpoint, credentials and region given only as object_store keys (``AWS_*``, as
     ``deltalake`` takes them) or pyiceberg properties (``s3.*``) serve s3fs too; fsspec's own
-    keys win over them.
+    keys win over them, and pyiceberg's over object_store's.
 
     >>> fsspec_options({"key": "k", "s3.region": "x"})
     {'client_kwargs': {'region_name': 'x'}, 'key': 'k'}
@@ -45,25 +76,9 @@ def fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
     {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
     """
     plain = {k: v for k, v in options.items() if not k.isupper() and "." not in k}
-    upper = _own(options, upper=True)
-    spelled = {name: upper[key] for key, name in _OBJECT_STORE.items() if key in upper}
-    dotted = {f"s3.{_ICEBERG[name]}": value for name, value in spelled.items()}
-    implied = from_iceberg_properties({**dotted, **_own(options, upper=False)})
-    return {**implied, **plain}
-
-
-#: Each S3 setting's object_store key, and its pyiceberg property (after ``s3.``).
-_SPELLINGS = {
-    "endpoint": ("AWS_ENDPOINT_URL", "endpoint"),
-    "key": ("AWS_ACCESS_KEY_ID", "access-key-id"),
-    "secret": ("AWS_SECRET_ACCESS_KEY", "secret-access-key"),
-    "token": ("AWS_SESSION_TOKEN", "session-token"),
-    "region": ("AWS_REGION", "region"),
-}
-_DELTA = {name: key for name, (key, _) in _SPELLINGS.items()}
-_ICEBERG = {name: prop for name, (_, prop) in _SPELLINGS.items()}
-#: object_store's S3 keys, by what they give.
-_OBJECT_STORE = {key: name for name, key in _DELTA.items()} | {"AWS_ENDPOINT": "endpoint"}
+    found = {name: options[key] for key, name in _OBJECT_STORE.items() if key in options}
+    found |= {name: options[prop] for name, (_, prop) in _SPELLINGS.items() if prop in options}
+    return {**_as_fsspec(found), **plain}
 
 
 def delta_options(options: Mapping[str, Any]) -> dict[str, str]:
@@ -74,14 +89,7 @@ def delta_options(options: Mapping[str, Any]) -> dict[str, str]:
     {'AWS_ENDPOINT_URL': 'http://127.0.0.1:9', 'AWS_ACCESS_KEY_ID': 'k',
      'AWS_SECRET_ACCESS_KEY': 's', 'AWS_REGION': 'us-east-1', 'AWS_ALLOW_HTTP': 'true'}
     """
-    s3 = _s3_settings(options)
-    out = {_DELTA[k]: v for k, v in s3.items()}
-    if s3:
-        out.setdefault("AWS_REGION", DEFAULT_REGION)
-    if s3.get("endpoint", "").startswith("http://"):
-        out["AWS_ALLOW_HTTP"] = "true"
-    out.update({k: str(v) for k, v in _own(options, upper=True).items()})
-    return out
+    return _spelled(options, upper=True)
 
 
 def iceberg_properties(options: Mapping[str, Any]) -> dict[str, str]:
@@ -90,12 +98,7 @@ def iceberg_properties(options: Mapping[str, Any]) -> dict[str, str]:
     >>> iceberg_properties({"key": "k", "secret": "s"})
     {'s3.access-key-id': 'k', 's3.secret-access-key': 's', 's3.region': 'us-east-1'}
     """
-    s3 = _s3_settings(options)
-    out = {f"s3.{_ICEBERG[k]}": v for k, v in s3.items()}
-    if s3:
-        out.setdefault("s3.region", DEFAULT_REGION)
-    out.update({k: str(v) for k, v in _own(options, upper=False).items()})
-    return out
+    return _spelled(options, upper=False)
 
 
 def from_iceberg_properties(properties: Mapping[str, str]) -> dict[str, Any]:
@@ -104,10 +107,4 @@ def from_iceberg_properties(properties: Mapping[str, str]) -> dict[str, Any]:
     >>> from_iceberg_properties({"s3.endpoint": "http://127.0.0.1:9", "s3.access-key-id": "k"})
     {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
     """
-    keys = {name: f"s3.{_ICEBERG[name]}" for name in ("key", "secret", "token")}
-    out: dict[str, Any] = {k: properties[p] for k, p in keys.items() if p in properties}
-    client_keys = {"endpoint_url": "s3.endpoint", "region_name": "s3.region"}
-    client = {k: properties[p] for k, p in client_keys.items() if p in properties}
-    if client:
-        out["client_kwargs"] = client
-    return out
+    return _as_fsspec({n: properties[p] for n, (_, p) in _SPELLINGS.items() if p in properties})
