@@ -43,8 +43,8 @@ _PROXY_VARIABLES: Final = ("http_proxy", "https_proxy", "all_proxy")
 class HTTPStatusError(OSError):
     """The store answered a ranged GET with another status than 206 (``code``: the status)."""
 
-    def __init__(self, url: str, status: int, body: str) -> None:
-        super().__init__(f"{url}: HTTP {status} {body}".strip())
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
         self.code = status
 
 
@@ -59,12 +59,10 @@ class DirectRanges:
         self._lock = threading.Lock()
 
     def read_all(self, path: str, version: str, ranges: Sequence[tuple[int, int]]) -> list[Blob]:
-        """Ranges ``[start, end)`` of ``path`` at ``version`` (see :meth:`read`).
-
-        The first is read in this thread, each other in a daemon thread.
+        """Ranges of ``path`` (see :meth:`read`): the first in this thread, others in threads.
 
         Raises:
-            Exception: The first range's failure, in the order given (see :meth:`read`).
+            Exception: The first failure, in the order of the ranges (see :meth:`read`).
         """
         out: list[bytearray | BaseException] = [bytearray()] * len(ranges)  # each set below
 
@@ -177,11 +175,12 @@ def _status_error(url: str, response: http.client.HTTPResponse) -> OSError:
     """The exception for an answer that is not the range asked for."""
     body = " ".join(response.read(2048).decode("utf-8", "replace").split())
     status = response.status
+    message = f"{url}: HTTP {status} {body}".strip()
     if status == http.client.NOT_FOUND:
-        return FileNotFoundError(f"{url}: HTTP 404 {body}".strip())
+        return FileNotFoundError(message)
     if status in (http.client.UNAUTHORIZED, http.client.FORBIDDEN):
-        return PermissionError(f"{url}: HTTP {status} {body}".strip())
-    return HTTPStatusError(url, status, body)
+        return PermissionError(message)
+    return HTTPStatusError(message, status)
 
 
 def _read_into(response: http.client.HTTPResponse, length: int, url: str) -> bytearray:

@@ -84,7 +84,6 @@ def read_footer(
     Raises:
         LakeDataError: If the file is not a Parquet file, is truncated, or its footer does
             not parse; names the URL and the cause.
-        StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
     url = url_of(fs, path)
     key = (url, size, version)
@@ -185,10 +184,6 @@ def fetch_ranges(
 
     Returns:
         ``(start, bytes)`` of each range, in the order given.
-
-    Raises:
-        LakeChangedError: If the store no longer has that version of the file.
-        StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
 
     def cat_all() -> list[Blob]:

@@ -56,7 +56,7 @@ class InFlight:
                 self._latency += LATENCY_WEIGHT * (seconds - self._latency)
 
     def taken(self, now: float | None = None) -> None:
-        """Record that a decoder took a fetched unit (at ``now``, ``time.monotonic()``)."""
+        """Record that a decoder took a fetched unit (``now``: ``time.monotonic()`` if None)."""
         with self._lock:
             self._takes.append(time.monotonic() if now is None else now)
 
@@ -99,10 +99,8 @@ class Pending:
 class Prefetcher:
     """Fetches units ahead in the order asked, as many at once as the sizing allows.
 
-    Args:
-        reader: Reads the footers and ranges (its counters count the requests).
-        spill_dir: Folder to write each unit's bytes to, for worker processes to map; None:
-            keep them in memory (the loader's own threads decode).
+    Each unit's bytes are written to a file in ``spill_dir`` for worker processes to map, or
+    with None kept in memory (the loader's own threads decode).
     """
 
     def __init__(self, reader: UnitReader, spill_dir: str | None) -> None:

@@ -296,11 +296,7 @@ class UnitReader:
     def fetch_here(self, file_index: int, row_group: int) -> Fetched:
         """Fetch a row group's selected column chunks (and its file's footer), to decode later.
 
-        Raises:
-            LakeDataError: Naming the file and the row group, if the footer is unreadable.
-            LakeChangedError: If the store no longer has the snapshot's version of the file.
-            StoreAccessError: If the store refuses the read (credentials, permissions).
-            StoreUnavailableError: If the store keeps failing past the retry deadline.
+        It raises the errors :meth:`read` raises.
         """
         info = self.snapshot.files[file_index]
         try:

@@ -131,7 +131,6 @@ def discover_listed(
 
     Raises:
         LakeNotFoundError: If the source holds no data file.
-        StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
     retry = retry or RetryPolicy()
     items = [os.fspath(s) for s in ([source] if isinstance(source, str | os.PathLike) else source)]
@@ -144,17 +143,13 @@ def discover_listed(
         path = url_to_fs(item, **(storage_options or {}))[1]
         root, listing = retry.call(functools.partial(_expand_one, fs, path), path)
         for p, info in listing.items():
-            if _keep(p, root) and p not in found:
-                size, version = info.get("size"), version_token(info)
-                found[p] = (
-                    DiscoveredFile(
-                        p,
-                        hive_partitions(_relative_dir(p, root)),
-                        None if size is None else int(size),
-                        None if version == "none" else version,
-                    ),
-                    info,
-                )
+            if not _keep(p, root) or p in found:
+                continue
+            size, version = info.get("size"), version_token(info)
+            partitions = hive_partitions(_relative_dir(p, root))
+            size = None if size is None else int(size)
+            listed = DiscoveredFile(p, partitions, size, None if version == "none" else version)
+            found[p] = (listed, info)
     if not found:
         raise LakeNotFoundError(
             f"no data file under {source!r} (after skipping _SUCCESS, _metadata, "

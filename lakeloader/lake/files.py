@@ -13,11 +13,9 @@ import pyarrow as pa
 
 @dataclass(frozen=True)
 class FileInfo:
-    """One data file of a snapshot.
+    """One data file of a snapshot (its path without protocol, its size in bytes).
 
     Attributes:
-        path: Filesystem path (no protocol).
-        size: Size in bytes.
         version: A token that changes when the file is rewritten (GCS generation, else ETag,
             version id or modification time: see ``discovery.version_token``).
         row_group_rows: Row count of every row group, in file order (rows that remain, when

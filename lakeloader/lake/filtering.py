@@ -33,12 +33,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RowFilter:
-    """A validated filter.
+    """A validated filter, kept in the order configuration as ``text``.
 
-    Attributes:
-        expression: The pyarrow expression.
-        fields: The columns it reads (data and partition columns, selected or not).
-        text: Its text, kept in the order configuration.
+    ``fields`` are the columns it reads (data and partition columns, selected or not).
     """
 
     expression: pc.Expression
@@ -103,10 +100,7 @@ def _evaluation_error(expression: pc.Expression, schema: pa.Schema) -> str | Non
 
 
 def lake_schema(snapshot: Snapshot) -> pa.Schema:
-    """Every column of the lake, selected or not: the files' own, then partition columns.
-
-    A column's type is the first file's that has it.
-    """
+    """Every column of the lake, selected or not (typed as the first file that has it)."""
     fields: dict[str, pa.Field] = {}
     for info in snapshot.files:
         for field in info.schema or ():
@@ -139,8 +133,6 @@ def filtered(
     reader: ReaderFactory,
 ) -> tuple[Snapshot, Unreadable]:
     """``snapshot`` with ``row_filter``'s counts (made once: a manifest's snapshot has them).
-
-    The fingerprint stays the lake's: the filter is part of the order configuration.
 
     Returns:
         The snapshot, and the row groups quarantined whole because they could not be counted
@@ -214,11 +206,7 @@ class _Counter:
         return resolved, tuple(lost)
 
     def _count(self, index: int, rg: int) -> int:
-        """Rows of a row group that match, from its filter columns (deleted rows left out).
-
-        Raises:
-            LakeDataError: If the row group cannot be read (naming the file and row group).
-        """
+        """Rows of a row group that match, from its filter columns (deleted rows left out)."""
         info = self.snapshot.files[index]
         rows = info.row_group_rows[rg]
         assert info.schema is not None

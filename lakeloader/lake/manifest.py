@@ -121,11 +121,7 @@ def pack_manifest(snapshot: Snapshot, source: str | list[str]) -> bytes:
 
 
 def unpack_manifest(data: bytes) -> dict[str, Any]:
-    """Parse manifest bytes (see :func:`from_manifest` for validation).
-
-    Raises:
-        StateFormatError: If the bytes are not msgpack.
-    """
+    """Parse manifest bytes (a StateFormatError if not msgpack; :func:`from_manifest` checks)."""
     try:
         value: dict[str, Any] = msgpack.unpackb(data, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:

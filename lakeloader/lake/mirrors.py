@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 #: A mirror as ``LakeDataset(mirrors=...)`` takes it: a URL (the dataset's storage options),
 #: or ``(url, storage_options)``.
 MirrorSpec: TypeAlias = "str | tuple[str, dict[str, Any]]"
+_REMEDY = "the copies must hold the same files: sync them, or leave the mirror out"
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,6 @@ def open_mirrors(
 
     ``pinned``: the primary's snapshot is an earlier one (a checkpoint's): the mirror must
     hold its files, and may hold files added since.
-
-    Raises:
-        LakeDataError: If a mirror holds other files than the primary, naming the file and
-            both values.
     """
     copies = []
     for spec in mirrors:
@@ -107,10 +104,7 @@ def check_same(
     where = f"{url_of(mirror_fs, _root(mirror.files))} (of {url_of(fs, _root(primary.files))})"
     for name in sorted(set(ours) - set(theirs) if pinned else set(ours) ^ set(theirs)):
         side = "the mirror" if name in ours else "the primary"
-        raise LakeDataError(
-            f"mirror {where}: {name} is missing from {side}; the copies must hold the same "
-            "files: sync them, or leave the mirror out"
-        )
+        raise LakeDataError(f"mirror {where}: {name} is missing from {side}; {_REMEDY}")
     for name, info in ours.items():
         other = theirs[name]
         for what, a, b in (
@@ -121,8 +115,7 @@ def check_same(
             if a != b:
                 raise LakeDataError(
                     f"mirror {where}: {name} differs in {what}: {a} on the primary, {b} on "
-                    "the mirror; the copies must hold the same files: sync them, or leave "
-                    "the mirror out"
+                    f"the mirror; {_REMEDY}"
                 )
 
 

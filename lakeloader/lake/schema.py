@@ -127,20 +127,14 @@ def unify_schemas(files: Sequence[FileInfo], columns: Sequence[str] | None = Non
 def _check_missing(
     files: Sequence[FileInfo], unified: pa.Schema, columns: Sequence[str] | None
 ) -> None:
+    selected = [(f.path, _selected(f, columns)) for f in files]
     for field in unified:
         if field.nullable:
             continue
-        lacking = [f.path for f in files if field.name not in _selected(f, columns).names]
+        lacking = [path for path, schema in selected if field.name not in schema.names]
         if lacking:
-            requiring = next(
-                (
-                    f.path
-                    for f in files
-                    if field.name in _selected(f, columns).names
-                    and not _selected(f, columns).field(field.name).nullable
-                ),
-                "a file",
-            )
+            held = [(p, s.field(field.name)) for p, s in selected if field.name in s.names]
+            requiring = next((p for p, f in held if not f.nullable), "a file")
             raise SchemaMismatchError(
                 f"column {field.name!r} is required (not nullable) in {requiring}, but "
                 f"{len(lacking)} file(s) lack it, e.g. {lacking[:3]}; nulls cannot stand in for "

@@ -101,7 +101,6 @@ def read_file_info(
 
     Raises:
         LakeDataError: If the file is not a readable Parquet file.
-        StoreUnavailableError: If the store keeps failing past the retry deadline.
     """
     size, version = found.size, found.version
     if size is None or version is None:
@@ -184,7 +183,6 @@ def build_snapshot(
 
     Raises:
         LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
-        SchemaMismatchError: If the schemas cannot be unified.
     """
 
     def read(d: DiscoveredFile) -> FileInfo | None:

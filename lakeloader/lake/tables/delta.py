@@ -85,12 +85,7 @@ class DeltaSource:
         return fs
 
     def snapshot(self, request: SourceRequest) -> tuple[fsspec.AbstractFileSystem, Snapshot]:
-        """Pin the version: its add actions, deletion vectors and schema; then the footers.
-
-        Raises:
-            LakeNotFoundError: If there is no table or version, or it holds no data file.
-            LakeDataError: If a footer cannot be read or disagrees with the metadata.
-        """
+        """Pin the version: its add actions, deletion vectors and schema; then the footers."""
         table = open_table(self.uri, self.version, dict(self.options))
         fs = self.filesystem(request.storage_options)
         version = TableVersion("delta", self.uri, str(table.metadata().id), int(table.version()))
@@ -101,11 +96,7 @@ class DeltaSource:
     def increment(
         self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
-        """The first increment is the version; then each later commit that appends rows.
-
-        Raises:
-            LakeChangedError: Under ``on_rewrite="error"``, naming a commit that rewrote data.
-        """
+        """The first increment is the version; then each later commit that appends rows."""
         upto = request.upto
         if after is None:
             source = self if upto is None else dataclasses.replace(self, version=upto.position)

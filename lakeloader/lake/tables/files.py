@@ -23,14 +23,10 @@ FIELD_ID = b"PARQUET:field_id"
 
 @dataclass(frozen=True)
 class TableFile:
-    """A data file as a table version lists it.
+    """A data file as a table version lists it (its path without protocol).
 
-    Attributes:
-        path: Filesystem path (no protocol).
-        rows: Rows the table's metadata says the file holds (deleted ones included; None
-            when it does not say).
-        partitions: Partition values ``(column, value)`` from the table's metadata.
-        deleted: Positions of the file's rows that the version deleted (sorted).
+    ``rows`` counts deleted rows too (None: the metadata does not say); ``deleted`` are the
+    sorted positions of the rows the version deleted.
     """
 
     path: str
@@ -41,12 +37,10 @@ class TableFile:
 
 @dataclass(frozen=True)
 class TableColumns:
-    """The columns of a table version.
+    """The data columns of a table version (partition columns that files lack left out).
 
-    Attributes:
-        names: The data columns (partition columns that files do not hold excluded).
-        by_field_id: The name of each field id, when files are matched by field id (Iceberg,
-            Delta column mapping); None matches them by name.
+    ``by_field_id`` names each field id when files match by it (Iceberg, Delta column
+    mapping); None matches them by name.
     """
 
     names: tuple[str, ...]
@@ -65,7 +59,6 @@ def table_snapshot(
     Raises:
         LakeNotFoundError: If the version holds no data file.
         LakeDataError: If a footer cannot be read, or a file's rows differ from the metadata.
-        SchemaMismatchError: If file schemas conflict.
     """
     if not files:
         raise LakeNotFoundError(f"{version.describe()} holds no data file")

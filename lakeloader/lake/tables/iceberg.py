@@ -74,8 +74,7 @@ class IcebergSource:
         """Pin the snapshot: its scan plan, position deletes and schema; then the footers.
 
         Raises:
-            LakeNotFoundError: If there is no such table or snapshot, or it holds no data.
-            LakeDataError: If the snapshot has equality deletes, or a footer cannot be read.
+            LakeNotFoundError: If there is no such snapshot.
         """
         table = open_table(self.location, dict(self.properties))
         snap = _at(table, self.snapshot_id)
@@ -109,11 +108,7 @@ class IcebergSource:
     def increment(
         self, after: Increment | None, request: SourceRequest
     ) -> tuple[fsspec.AbstractFileSystem, Snapshot] | None:
-        """The first increment is the snapshot; then each later one that appends files.
-
-        Raises:
-            LakeChangedError: Under ``on_rewrite="error"``, naming a snapshot that rewrote data.
-        """
+        """The first increment is the snapshot; then each later one that appends files."""
         upto = request.upto
         fs = self.filesystem(request.storage_options)
         table = open_table(newest_metadata(fs, self.location), dict(self.properties))
@@ -191,11 +186,8 @@ def next_append(
     snap = head
     while snap is not None and snap.snapshot_id != after:
         chain.append(snap)
-        snap = (
-            None
-            if snap.parent_snapshot_id is None
-            else table.snapshot_by_id(snap.parent_snapshot_id)
-        )
+        parent = snap.parent_snapshot_id
+        snap = None if parent is None else table.snapshot_by_id(parent)
     if snap is None:
         raise LakeChangedError(
             f"snapshot {after} is no longer an ancestor of snapshot {head.snapshot_id}: the "
