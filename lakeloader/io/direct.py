@@ -61,8 +61,7 @@ class DirectRanges:
     def read_all(self, path: str, version: str, ranges: Sequence[tuple[int, int]]) -> list[Blob]:
         """Ranges of ``path`` (see :meth:`read`): the first in this thread, others in threads.
 
-        Raises:
-            Exception: The first failure, in the order of the ranges (see :meth:`read`).
+        The first failure, in the order of the ranges, is raised.
         """
         out: list[bytearray | BaseException] = [bytearray()] * len(ranges)  # each set below
 

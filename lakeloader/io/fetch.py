@@ -180,11 +180,7 @@ def fetch_ranges(
     on_request: Callable[[int], None] | None = None,
     version: str = "",
 ) -> list[tuple[int, Blob]]:
-    """Fetch byte ranges of a file at once, pinned to ``version`` where the store allows it.
-
-    Returns:
-        ``(start, bytes)`` of each range, in the order given.
-    """
+    """``(start, bytes)`` of byte ranges of a file, fetched at once (pinned where possible)."""
 
     def cat_all() -> list[Blob]:
         blobs = pinned.cat_ranges(fs, path, version, ranges)

@@ -102,7 +102,7 @@ def iceberg_properties(options: Mapping[str, Any]) -> dict[str, str]:
 
 
 def from_iceberg_properties(properties: Mapping[str, str]) -> dict[str, Any]:
-    """s3fs options from pyiceberg's S3 properties (the endpoint and credentials).
+    """s3fs options from pyiceberg's S3 properties (endpoint, credentials, region).
 
     >>> from_iceberg_properties({"s3.endpoint": "http://127.0.0.1:9", "s3.access-key-id": "k"})
     {'key': 'k', 'client_kwargs': {'endpoint_url': 'http://127.0.0.1:9'}}
