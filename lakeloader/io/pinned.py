@@ -33,10 +33,7 @@ def pins(fs: fsspec.AbstractFileSystem, version: str) -> bool:
     False
     """
     if _is_s3(fs):
-        return (
-            version_value(version, "ETag") is not None
-            or version_value(version, "version_id") is not None
-        )
+        return any(version_value(version, key) is not None for key in ("ETag", "version_id"))
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     gcs = "gs" in protocol and hasattr(fs, "_cat_file")
     return gcs and version_value(version, "generation") is not None

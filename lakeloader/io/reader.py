@@ -290,14 +290,14 @@ class UnitReader:
         return [c for c in self.columns if info.schema is not None and c in info.schema.names]
 
     def fetch(self, file_index: int, row_group: int) -> Fetched:
-        """:meth:`fetch_here` on the copy of the lake reads go to (see ``mirrors``)."""
-        return self._on_copies(lambda r: r.fetch_here(file_index, row_group))
-
-    def fetch_here(self, file_index: int, row_group: int) -> Fetched:
         """Fetch a row group's selected column chunks (and its file's footer), to decode later.
 
-        It raises the errors :meth:`read` raises.
+        From the copy of the lake reads go to (see ``mirrors``); it raises what :meth:`read`
+        raises.
         """
+        return self._on_copies(lambda r: r._fetch_unit(file_index, row_group))
+
+    def _fetch_unit(self, file_index: int, row_group: int) -> Fetched:
         info = self.snapshot.files[file_index]
         try:
             meta = self._footer(info)

@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.core import url_to_fs
 
@@ -231,9 +229,9 @@ def _files(
     for path in read:  # a position delete file's (file_path, pos) rows
         with fs.open(fs._strip_protocol(path), "rb") as handle:
             deletes = pq.read_table(handle, columns=["file_path", "pos"])
-        for name in pc.unique(deletes.column("file_path")).to_pylist():
-            rows = deletes.filter(pc.equal(deletes.column("file_path"), pa.scalar(name)))
-            positions[name].update(rows.column("pos").to_pylist())
+        names = deletes.column("file_path").to_pylist()
+        for name, pos in zip(names, deletes.column("pos").to_pylist(), strict=True):
+            positions[name].add(pos)
     out = []
     for task in tasks:
         data = task.file
