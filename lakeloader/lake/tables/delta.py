@@ -28,11 +28,6 @@ from lakeloader.lake.tables.files import TableColumns, TableFile, table_snapshot
 
 logger = logging.getLogger(__name__)
 
-#: Table property that turns on column mapping (``name`` or ``id``: files match by field id).
-COLUMN_MAPPING = "delta.columnMapping.mode"
-#: Field metadata key of a column's id under column mapping.
-MAPPING_ID = b"delta.columnMapping.id"
-
 
 def open_table(uri: str, version: int | None, options: dict[str, str]) -> Any:
     """The ``deltalake.DeltaTable`` at ``version`` (None: the newest).
@@ -123,10 +118,10 @@ def _columns(table: Any) -> TableColumns:
     schema = pa.schema(table.schema().to_arrow())
     parts = set(table.metadata().partition_columns)
     names = tuple(f.name for f in schema if f.name not in parts)
-    mode = table.metadata().configuration.get(COLUMN_MAPPING, "none")
-    if mode not in ("name", "id"):
+    mode = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+    if mode not in ("name", "id"):  # no column mapping: files match by name
         return TableColumns(names)
-    ids = {int(f.metadata[MAPPING_ID]): f.name for f in schema if f.metadata}
+    ids = {int(f.metadata[b"delta.columnMapping.id"]): f.name for f in schema if f.metadata}
     return TableColumns(names, ids)
 
 
