@@ -86,7 +86,9 @@ class FaultTolerantLoader:
         self._kwargs = dict(loader_kwargs, batch_size=batch_size)
         self._lock = threading.Lock()  # torchft asks for the state from its quorum thread
         self._runs: list[DeliveredRun] = []  # the global spans of the step being taken
-        self._inner = self._loader(dataset, 0, 1)
+        #: The one DataLoader, re-placed on each step's slice (its rank among participants).
+        self._inner = DataLoader(dataset, rank=0, world_size=1, **self._kwargs)
+        self._inner.observe_steps(self._runs.extend)
         #: The DataLoader's state after the last committed step, and the state it stands at.
         self._committed: dict[str, Any] = self._inner.state_dict()
         self._at: dict[str, Any] | None = self._committed
@@ -103,12 +105,6 @@ class FaultTolerantLoader:
         self.participating_rank: int | None = None
         self.step_rows = 0
         manager.register_state_dict_fn(STATE_KEY, self.load_state_dict, self.state_dict)
-
-    def _loader(self, dataset: Any, rank: int, world_size: int) -> DataLoader:
-        """A DataLoader of this rank and world size, telling this loader of its steps."""
-        loader = DataLoader(dataset, rank=rank, world_size=world_size, **self._kwargs)
-        loader.observe_steps(self._runs.extend)
-        return loader
 
     def __iter__(self) -> FaultTolerantLoader:
         return self
@@ -159,14 +155,13 @@ class FaultTolerantLoader:
         return batch
 
     def _placed(self, participants: int, rank: int) -> Iterator[Any]:
-        """The DataLoader of this slice, standing at the committed state, and its iterator."""
+        """The DataLoader placed on this slice, standing at the committed state; its iterator."""
         inner = self._inner
         was = (inner.rank, inner.world_size)
         if was != (rank, participants):
             logger.info("re-sliced: rank %d of %d groups (was %d of %d)", rank, participants, *was)
-            dataset = inner.dataset  # a resumed checkpoint's pinned snapshot, if any
-            inner.close()
-            self._inner, self._at = self._loader(dataset, rank, participants), None
+            inner.close()  # its pass, and its workers, were of the other slice
+            inner._placement, self._at = (rank, participants), None
             self._at_committed(f"rank {rank} of {participants} groups")
         else:
             self._at_committed()
