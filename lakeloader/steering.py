@@ -74,9 +74,10 @@ class Steering:
             kept = f"{self.recent[0][0]} to {self.recent[-1][0]}" if self.recent else "none"
             raise ValueError(
                 f"quarantine_step({step!r}): this loader knows the units of its last "
-                f"{STEPS_KEPT} steps delivered since it began or was restored ({kept}; the next "
-                f"is {requests.delivered}), and those to come once restored from a state: call "
-                "it right after the step, or after restoring a checkpoint from before it"
+                f"{STEPS_KEPT} steps delivered (with torchft: committed) since it began or was "
+                f"restored ({kept}; the next is {requests.delivered}), and those to come once "
+                "restored from a state: call it right after the step (with torchft: once it "
+                "commits), or after restoring a checkpoint from before it"
             )
         entries = self.quarantined(root, runs, step)
         self.restarts += 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -26,7 +25,6 @@ from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
-from lakeloader.steering import STEPS_KEPT, Steering
 from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -98,9 +96,6 @@ class FaultTolerantLoader:
         self._issued: Issued | None = None
         self._observer: Callable[..., None] | None = None  # the ledger's Ledger.step
         self._journal = DeliveryJournal()  # steps committed before an observer came
-        #: The number and runs of the last steps committed (``quarantine_step``).
-        self._recent: deque[tuple[int, tuple[DeliveredRun, ...]]] = deque(maxlen=STEPS_KEPT)
-        self._restored = False  # from a checkpoint: steps to come may be quarantined
         self.participants = 0
         self.participating_rank: int | None = None
         self.step_rows = 0
@@ -170,9 +165,15 @@ class FaultTolerantLoader:
         return self._it
 
     def _at_committed(self, where: str = "the rolled back step's slice") -> None:
-        """Make the DataLoader stand at the committed state (rolling a step back)."""
+        """Make the DataLoader stand at the committed state (rolling a step back).
+
+        Its steering keeps the committed steps for ``quarantine_step`` (not the rolled back
+        ones), and whether a checkpoint was restored (steps to come may be quarantined).
+        """
         if self._at is self._committed:
             return
+        steering = self._inner._steering
+        recent, restored = list(steering.recent), steering.restored_before
         try:
             self._inner.load_state_dict(self._committed)
         except StateMismatchError as exc:
@@ -180,6 +181,8 @@ class FaultTolerantLoader:
                 f"the committed state cannot be restored at {where}: {exc}. Every replica "
                 "group must read the same dataset with the same settings"
             ) from exc
+        steering.recent.extend(s for s in recent if s[0] < steering.requests.delivered)
+        steering.restored_before = restored
         self._at, self._it = self._committed, None
 
     def _settle(self, *, rollback: bool) -> None:
@@ -195,7 +198,9 @@ class FaultTolerantLoader:
             )
         if step > issued.at_step:
             self._committed, self._over = issued.after, issued.over
-            self._recent.append(issued.step)
+            recent = self._inner._steering.recent  # a barrier may have rolled it out of there
+            if not recent or recent[-1][0] < issued.step[0]:
+                recent.append(issued.step)
         elif not rollback:
             return  # it may commit yet
         self._record(issued.runs, committed=step > issued.at_step)
@@ -260,24 +265,10 @@ class FaultTolerantLoader:
             ValueError: If ``step`` is not an int, or neither one of the last 64 committed nor
                 to come.
         """
-        if isinstance(step, bool) or not isinstance(step, int):  # True would be step 1
-            raise ValueError(f"quarantine_step(step) takes a step number, got {step!r}")
         with self._lock:
             self._settle(rollback=True)
             self._at_committed()
-            runs = dict(self._recent).get(step)
-            if runs is None and not self._restored:
-                kept = [n for n, _ in self._recent][:: max(len(self._recent) - 1, 1)]
-                raise ValueError(
-                    f"quarantine_step({step!r}): not one of the last {STEPS_KEPT} steps committed "
-                    f"({kept or 'none'}): call it right after the step commits, or after "
-                    "restoring a checkpoint from before it"
-                )
-            if runs is None:  # a step to come
-                entries = self._inner.quarantine_step(step)
-            else:
-                entries = Steering.quarantined(self._inner.root, runs, step)
-            self._inner._close_iterator(f"quarantine_step({step})")
+            entries = self._inner.quarantine_step(step)
             self._committed = self._at = self._inner.state_dict()
             self._it = None
             return entries
@@ -343,8 +334,6 @@ class FaultTolerantLoader:
             self._committed = self._at = self._inner.state_dict()
             self._it, self._issued, self._over = None, None, False
             self._journal.take_steps()  # what came before is not this attempt's history
-            self._recent.clear()
-            self._restored = True
 
     def observe_steps(self, observer: Callable[..., None]) -> None:
         """Tell ``observer`` of every step once it is settled: ``observer(runs, committed=)``.
