@@ -31,14 +31,14 @@ from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.cli.main import main as cli
 from lakeloader.errors import CheckpointError
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.state.journal import DeliveredRun, DeliveryJournal, stream_name
+from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.topology import Topology
 
 #: Rows of each source's epoch: sizes that differ, small enough to cross epochs often.
 SIZES = {"web": 23, "code": 10}
 #: A packed stream's partitions and the samples of each partition's epoch.
 PARTITIONS, SAMPLES = 4, 7
-PACKED = {stream_name("lake", p): SAMPLES for p in range(PARTITIONS)}
+PACKED = {f"lake/p{p}": SAMPLES for p in range(PARTITIONS)}
 
 
 def open_ledger(root: Path, attempt: str | None = None) -> Ledger:

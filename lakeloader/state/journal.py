@@ -9,19 +9,6 @@ from typing import Any, TypeAlias
 from lakeloader.topology import Topology
 
 
-def stream_name(source: str = "", partition: int | None = None) -> str:
-    """The name of a position stream: a leaf path as in ``checkpoint_datasets()``.
-
-    ``""``: one lake's global rows; a mixture's source name; ``"lake"``: a packed lake's
-    samples; ``"<source>/p<partition>"``: ledgers of the older per-partition packing.
-
-    >>> stream_name(), stream_name("web"), stream_name("web", 3), stream_name("", 3)
-    ('', 'web', 'web/p3', 'p3')
-    """
-    part = "" if partition is None else f"p{partition}"
-    return "/".join(x for x in (source, part) if x)
-
-
 def epoch_runs(
     first: int, stop: int, rows: int, stream: str, topology: Topology
 ) -> list[DeliveredRun]:
@@ -47,8 +34,9 @@ class DeliveredRun:
         start: The global position before the first step.
         stop: The global position after the last step.
         num_rows: Rows in the epoch.
-        stream: The position stream it moves (:func:`stream_name`; ``""``: a loader over
-            one lake).
+        stream: The position stream it moves, a leaf path as in ``checkpoint_datasets()``:
+            ``""`` one lake's global rows, a mixture's source name, ``"lake"`` a packed lake's
+            samples (``"<source>/p<partition>"`` in ledgers of the older per-partition packing).
         skipped: Skipped on request (``DataLoader.skip``): its positions moved, its rows
             were not handed to the training loop.
     """
