@@ -215,7 +215,7 @@ def inspect_checkpoint(
         "topology": _topology_dict(topo, drop),
         "workers_build": ctx.workers_build,
         "ranks": [{**rank_dict(r), "steps_remaining": view.steps_remaining} for r in view.ranks],
-        "workers": [w.to_dict() for w in view.workers],
+        "workers": [rank_dict(w) for w in view.workers],
     }
     if ranges:
         deliver_stop = g + remaining - view.rows_to_drop

@@ -140,15 +140,16 @@ class ReaderStateTracker:
         The epoch under way keeps its position while it is not over; ``restart=True`` drops
         it in any case.
         """
-        over = self._num_rows is not None and self.position + self.rows_dropped >= self._num_rows
-        if epoch == self.epoch and not restart and (self._fresh or not over):
+        if epoch == self.epoch and not restart and not self.epoch_over(self._num_rows):
             return False
         self.epoch, self.position, self.rows_dropped, self._fresh = int(epoch), 0, 0, True
         self._before.clear()
         return True
 
-    def epoch_over(self, num_rows: int) -> bool:
-        """Whether the epoch under way (of ``num_rows`` rows) has begun and is all delivered."""
+    def epoch_over(self, num_rows: int | None) -> bool:
+        """Whether the epoch under way (of ``num_rows`` rows, None: not known) is begun and out."""
+        if num_rows is None:
+            return False
         return not self._fresh and self.position + self.rows_dropped >= num_rows
 
     def start_pass(self) -> int:
@@ -156,8 +157,7 @@ class ReaderStateTracker:
 
         A pass left early does not end an epoch; one whose rows are delivered or dropped does.
         """
-        over = self._num_rows is not None and self.position + self.rows_dropped >= self._num_rows
-        if not self._fresh and over:
+        if self.epoch_over(self._num_rows):
             self.epoch, self.position, self.rows_dropped = self.epoch + 1, 0, 0
         elif not self._fresh:
             logger.info(

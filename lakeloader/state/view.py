@@ -102,21 +102,12 @@ class WorkerView:
     rows: int
     at: Location | None
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain types, the location's fields inline (None when it has none)."""
-        return rank_dict(self)
-
-
-def _location_dict(at: Location | None) -> dict[str, object]:
-    if at is None:
-        return dict.fromkeys(("slot", "file_index", "file", "row_group", "row_offset"))
-    return asdict(at)
-
 
 def rank_dict(view: RankView | WorkerView) -> dict[str, object]:
-    """A rank's or a worker's view as plain types, the location's fields inline."""
-    out = {k: v for k, v in asdict(view).items() if k != "at"}
-    return {**out, **_location_dict(view.at)}
+    """A rank's or a worker's view as plain types, the location's fields inline (None without)."""
+    out = asdict(view)
+    at = out.pop("at") or dict.fromkeys(("slot", "file_index", "file", "row_group", "row_offset"))
+    return {**out, **at}
 
 
 def locate(plan: EpochPlan, snapshot: Snapshot, slots: np.ndarray) -> list[Location]:
