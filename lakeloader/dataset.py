@@ -17,7 +17,7 @@ from typing import Any
 import fsspec
 import pyarrow.compute as pc
 
-from lakeloader.dataset_checks import check_backfill, check_lengths_keys
+from lakeloader.dataset_checks import check_backfill, check_lengths_keys, checked_seed
 from lakeloader.errors import ColumnNotFoundError
 from lakeloader.follow import Follow
 from lakeloader.io.reader import UnitReader
@@ -188,15 +188,10 @@ class LakeDataset:
         #: The row filter, or None.
         self.row_filter = None if filter is None else RowFilter.of(filter, lake_schema(snapshot))
         snapshot, unreadable = self._filtered(fs, snapshot, progress)
-        if not -(2**63) <= int(seed) < 2**64:
-            raise ValueError(
-                f"seed must be an integer in [-2**63, 2**64) (it is kept in states and "
-                f"checkpoints as a 64-bit integer), got {seed}"
-            )
         if num_partitions is None:
             num_partitions = DEFAULT_NUM_PARTITIONS if shuffle else 1
         self.config = OrderConfig(
-            seed=int(seed),
+            seed=checked_seed(seed),
             shuffle=bool(shuffle),
             num_partitions=int(num_partitions),
             window=int(window),
@@ -302,8 +297,7 @@ class LakeDataset:
     def packed(self, packing: Packing) -> LakeDataset:
         """A twin of this dataset packed by ``packing`` (a packed Mixture's source)."""
         twin = copy.copy(self)
-        twin.packing = packing
-        twin._plan_cached = functools.lru_cache(maxsize=PLAN_CACHE_EPOCHS)(twin._plan)
+        twin.packing = packing  # copied through __setstate__: its plan cache is its own
         return twin
 
     def __getitem__(self, index: object) -> None:

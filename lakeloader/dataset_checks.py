@@ -23,6 +23,16 @@ def check_lengths_keys(columns: Sequence[str], schema: pa.Schema) -> None:
             )
 
 
+def checked_seed(seed: int) -> int:
+    """``seed`` as an int, raising if states and checkpoints cannot keep it (64 bits)."""
+    if not -(2**63) <= int(seed) < 2**64:
+        raise ValueError(
+            f"seed must be an integer in [-2**63, 2**64) (it is kept in states and "
+            f"checkpoints as a 64-bit integer), got {seed}"
+        )
+    return int(seed)
+
+
 def check_backfill(backfill: bool, on_error: str, packing: Any, follow: Any) -> None:
     """Raise if ``backfill=True`` is asked where it cannot apply, saying what to do."""
     if not backfill:

@@ -338,7 +338,8 @@ class DataLoader(TorchNames):
         (:mod:`lakeloader.steering`). Every rank must ask the same.
 
         Raises:
-            ValueError: If ``step`` came before the last 64 since the loader began or restored.
+            ValueError: If ``step`` is not an int, or came before the last 64 since the loader
+                began or restored.
         """
         return self._steering.quarantine_step(self.root, step)
 

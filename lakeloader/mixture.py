@@ -14,6 +14,7 @@ from typing import Any, Final
 import pyarrow as pa
 
 from lakeloader.dataset import LakeDataset
+from lakeloader.dataset_checks import checked_seed
 from lakeloader.errors import ColumnNotFoundError, SchemaMismatchError
 from lakeloader.order.mixture import MixWeights
 from lakeloader.packing import Packing
@@ -119,11 +120,14 @@ class Mixture:
                     f"mixture source {name!r} has backfill=True, which keeps a lake loader's "
                     "steps whole; a mixture's steps do not take it: leave it out"
                 )
+            if sources[name].packing is not None:
+                raise ValueError(
+                    f"mixture source {name!r} has its own packing: give packing= to the "
+                    "Mixture (every source is then packed alike), not to its sources"
+                )
         self.sources: dict[str, LakeDataset] = {n: sources[n] for n in self.names}
         self.raw_weights: dict[str, float] = {n: float(weights[n]) for n in self.names}
-        if not -(2**63) <= int(seed) < 2**64:
-            raise ValueError(f"seed must be a 64-bit integer, got {seed}")
-        self.seed = int(seed)
+        self.seed = checked_seed(seed)
         total = sum(len(ds) for ds in self.sources.values())
         self.epoch_rows = total if epoch_rows is None else int(epoch_rows)
         if self.epoch_rows < 1:
@@ -136,12 +140,6 @@ class Mixture:
             )
         self.source_key = source_key
         self.packing = packing
-        for name, ds in self.sources.items():
-            if ds.packing is not None:
-                raise ValueError(
-                    f"mixture source {name!r} has its own packing: give packing= to the "
-                    "Mixture (every source is then packed alike), not to its sources"
-                )
         if packing is not None:
             made = all(ds.transform is not None for ds in self.sources.values())  # a tokenizer's
             if packing.column not in self.schema.names and not made:

@@ -45,11 +45,7 @@ class Steering:
         return {**self.__dict__, "recent": deque(maxlen=STEPS_KEPT)}
 
     def skip(self, steps: int) -> None:
-        """Skip the next ``steps`` steps (see ``DataLoader.skip``).
-
-        Raises:
-            ValueError: If ``steps`` is not a non-negative int.
-        """
+        """Skip the next ``steps`` steps (see ``DataLoader.skip``, and the ValueError it raises)."""
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"skip(steps=...) takes a number of steps >= 0, got {steps!r}")
         if steps:
@@ -57,12 +53,7 @@ class Steering:
             logger.info("%d steps to skip on request from step %d", steps, self.requests.delivered)
 
     def quarantine_step(self, root: Node, step: int) -> list[QuarantineEntry]:
-        """Quarantine the units behind delivered ``step`` (see ``DataLoader.quarantine_step``).
-
-        Raises:
-            ValueError: If ``step`` is not one of the last :data:`STEPS_KEPT` steps this
-                loader delivered (since it began or was restored).
-        """
+        """Quarantine the units behind delivered ``step`` (see ``DataLoader.quarantine_step``)."""
         requests = self.requests
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"quarantine_step(step) takes a step number, got {step!r}")
