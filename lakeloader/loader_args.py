@@ -46,10 +46,7 @@ class TorchNames:
     options: LoaderOptions
     #: The ``rank`` and ``world_size`` arguments as given (None: resolved when needed).
     _placement: tuple[int | None, int | None]
-
-    def set_epoch(self, epoch: int, *, restart: bool = False) -> None:
-        """The loader's (see ``DataLoader.set_epoch``)."""
-        raise NotImplementedError
+    set_epoch: Callable[[int], None]  # the loader's (see ``DataLoader.set_epoch``)
 
     @property
     def topology(self) -> Topology:

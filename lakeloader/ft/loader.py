@@ -81,11 +81,10 @@ class FaultTolerantLoader:
         self.manager = manager
         self.batch_size = batch_size
         self._start_quorum = start_quorum
-        self._kwargs = dict(loader_kwargs, batch_size=batch_size)
         self._lock = threading.Lock()  # torchft asks for the state from its quorum thread
         self._runs: list[DeliveredRun] = []  # the global spans of the step being taken
         #: The one DataLoader, re-placed on each step's slice (its rank among participants).
-        self._inner = DataLoader(dataset, rank=0, world_size=1, **self._kwargs)
+        self._inner = DataLoader(dataset, batch_size, rank=0, world_size=1, **loader_kwargs)
         self._inner.observe_steps(self._runs.extend)
         #: The DataLoader's state after the last committed step, and the state it stands at.
         self._committed: dict[str, Any] = self._inner.state_dict()
