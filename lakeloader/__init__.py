@@ -1,11 +1,4 @@
-"""lakeloader: deterministic, exactly-resumable streaming of Parquet lakes into PyTorch.
-
->>> import lakeloader as ll
->>> names = ('DataLoader', 'LakeDataset', 'CheckpointManager', 'ReaderStateTracker',
-...          'RecoveryCoordinator')
->>> [n for n in names if n not in ll.__all__]
-[]
-"""
+"""lakeloader: deterministic, exactly-resumable streaming of Parquet lakes into PyTorch."""
 
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ def test_no_module_is_large() -> None:
 
 
 def test_the_three_parts_are_public_objects() -> None:
-    for name in ("ReaderStateTracker", "CheckpointManager", "RecoveryCoordinator", "Topology"):
+    names = ("DataLoader", "LakeDataset", "ReaderStateTracker", "CheckpointManager")
+    for name in (*names, "RecoveryCoordinator", "Topology"):
         assert name in ll.__all__ and isinstance(getattr(ll, name), type)
     assert ll.ReaderStateTracker.__module__ == "lakeloader.state.tracker"
     assert ll.RecoveryCoordinator.__module__ == "lakeloader.recovery.coordinator"
