@@ -7,7 +7,6 @@ Each iteration is one epoch; ``state_dict()`` says how far the training loop got
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -36,9 +35,6 @@ from lakeloader.state.requests import REQUESTS_KEY
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.steering import Endless, Steered, Steering
 from lakeloader.workers.pool import WorkerPool
-
-logger = logging.getLogger(__name__)
-
 
 L = TypeVar("L", bound="DataLoader")
 

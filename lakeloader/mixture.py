@@ -7,9 +7,8 @@ is in docs/design.md and :mod:`lakeloader.order.mixture`.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any
 
 import pyarrow as pa
 
@@ -19,11 +18,6 @@ from lakeloader.errors import ColumnNotFoundError, SchemaMismatchError
 from lakeloader.order.mixture import MixWeights
 from lakeloader.packing import Packing
 from lakeloader.pipeline.collate import BatchTransform
-
-logger = logging.getLogger(__name__)
-
-#: Key of the tensor that says which source each row of a batch came from.
-DEFAULT_SOURCE_KEY: Final = "source"
 
 
 class Mixture:
@@ -95,7 +89,7 @@ class Mixture:
         *,
         seed: int = 0,
         epoch_rows: int | None = None,
-        source_key: str = DEFAULT_SOURCE_KEY,
+        source_key: str = "source",
         packing: Packing | None = None,
         batch_transform: BatchTransform | None = None,
     ) -> None:
