@@ -36,7 +36,7 @@ class Requests:
         >>> r.delivered_one(); r.ask_skip(3); r.skipped_one()
         >>> r.delivered, r.pending, r.skips, r.skip_due, r.back(1).skip_due
         (1, 2, (Skip(at=1, steps=3),), True, False)
-        >>> Requests.from_json(r.to_json()).to_json() == r.to_json()
+        >>> Requests.of_state({REQUESTS_KEY: r.to_json()}).to_json() == r.to_json()
         True
     """
 
@@ -113,12 +113,16 @@ class Requests:
         )
 
     @classmethod
-    def from_json(cls, value: Any) -> Requests:
-        """Read the record back (None: a state written before the record existed).
+    def of_state(cls, state: Any) -> Requests:
+        """The record in a state (of a list of ranks' states, the first's: they are equal).
+
+        A state written before the record existed has none: nothing was asked.
 
         Raises:
             StateFormatError: If it is not such a record.
         """
+        first = state[0] if isinstance(state, list | tuple) and state else state
+        value = first.get(REQUESTS_KEY) if hasattr(first, "get") else None
         if value is None:
             return cls()
         try:
@@ -132,9 +136,3 @@ class Requests:
                 'of {"delivered": n, "pending": n, "skips": [[at, steps], ...], '
                 '"bad_steps": [[at, named], ...]}'
             ) from exc
-
-    @classmethod
-    def of_state(cls, state: Any) -> Requests:
-        """The record in a state (of a list of ranks' states, the first's: they are equal)."""
-        first = state[0] if isinstance(state, list | tuple) and state else state
-        return cls.from_json(first.get(REQUESTS_KEY) if hasattr(first, "get") else None)
