@@ -72,12 +72,11 @@ class Steering:
             )
         entries = self.quarantined(root, runs, step)
         self.restarts += 1
-        root.host._close_iterator(f"quarantine_step({step})")
         return entries
 
     @staticmethod
     def quarantined(root: Node, runs: tuple[DeliveredRun, ...], step: int) -> list[QuarantineEntry]:
-        """Quarantine the units behind the runs of ``step``; the entries added."""
+        """Quarantine the units behind the runs of ``step`` and end the pass; the entries added."""
         known = root.quarantine
         found = root.units_behind(runs, f"{QUARANTINE_STEP}({step})")
         entries = [e for e in found if not any(q.covers(*e.key) for q in known)]
@@ -87,6 +86,7 @@ class Steering:
             step,
             len(entries),
         )
+        root.host._close_iterator(f"quarantine_step({step})")
         return entries
 
     def restored(self, state: Any) -> None:
@@ -170,7 +170,6 @@ class Steered:
                 continue
             requests.dropped()
             steering.quarantined(root, root.last_runs(), bad)
-            root.host._close_iterator(f"quarantine_step({bad})")
             self._pass = self._start()
         batch = next(self._pass)
         steering.recent.append((requests.delivered, root.last_runs()))
