@@ -147,11 +147,7 @@ def check_unsupported(
 
 
 def refuse_fetched_ahead(fetched_ahead: int, what: str) -> None:
-    """Raise for a state asked to stand before batches fetched ahead, where it cannot.
-
-    Raises:
-        ValueError: If ``fetched_ahead`` is not 0.
-    """
+    """Raise ValueError for a state asked to stand before batches fetched ahead (``what``'s)."""
     if fetched_ahead:
         raise ValueError(
             f"state_dict(fetched_ahead={fetched_ahead}) of {what}: its position cannot stand "
@@ -162,10 +158,7 @@ def refuse_fetched_ahead(fetched_ahead: int, what: str) -> None:
 
 
 def warn_partitions(num_partitions: int, topology: Topology) -> None:
-    """Warn when ranks will re-read each other's units: C does not divide the global batch.
-
-    With one rank nothing is read twice, so nothing is warned of.
-    """
+    """Warn when ranks will re-read each other's units: C does not divide the global batch."""
     c, b = num_partitions, topology.global_batch
     if b % c and topology.world_size > 1:
         divisors = [d for d in range(1, b + 1) if b % d == 0 and d <= c]

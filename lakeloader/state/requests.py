@@ -20,7 +20,6 @@ class Skip:
 
     Attributes:
         at: Steps delivered when it was asked (the step it skips from).
-        steps: Steps it skips.
     """
 
     at: int
