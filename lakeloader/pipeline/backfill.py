@@ -25,7 +25,7 @@ from lakeloader.order.plan import (
 from lakeloader.pipeline.collate import BatchTransform, ListFormat, pin
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
-from lakeloader.state.view import RankView, locate, piece_skipped
+from lakeloader.state.view import piece_skipped, rank_shares
 from lakeloader.topology import Topology
 
 #: A columnar batch: column name to tensor, nested tensor or list.
@@ -188,11 +188,7 @@ def backfill_view(
     slots = np.sort(screen.good_slots(tracker.position, stop, known))[: whole.global_batch]
     if not one.steps_remaining:
         slots = slots[:0]
-    ranks = []
-    for rank in range(topology.world_size):
-        lo, hi = rank_bounds(len(slots), topology.world_size, rank)
-        at = locate(plan, snapshot, slots[lo : lo + 1])[0] if hi > lo else None
-        ranks.append(RankView(rank, hi - lo, at))
+    ranks = rank_shares(plan, snapshot, slots, topology.world_size)
     workers = [
         dataclasses.replace(w, rank=r) for r in range(topology.world_size) for w in one.workers
     ]

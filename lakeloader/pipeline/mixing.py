@@ -180,9 +180,8 @@ class MixtureIterator(PassIterator):
         bounds = np.searchsorted(table.step, np.arange(count + 1)).tolist()
         whole = np.all(rows >= 0, axis=1).tolist() if rows is not None else [False] * count
         ordered = [made[i] for i in range(len(made))]
-        for k, (sources, after_step) in enumerate(zip(table.shares, totals.tolist(), strict=True)):
-            counts = {**before.counts, **dict(zip(names, after_step, strict=True))}
-            cursor = MixCursor(before.slot + (k + 1) * size, counts)
+        for k, sources in enumerate(table.shares):
+            cursor = before.after((k + 1) * size, names, totals[k])
             packed = rows[k] if rows is not None and whole[k] else None
             parts = tuple(ordered[bounds[k] : bounds[k + 1]])
             self._planned.append(MixedStep(sources, parts, cursor, packed))

@@ -135,7 +135,14 @@ def step_shares(
     start = position + step * topo.global_batch
     stop = min(start + topo.global_batch, plan.num_rows)
     slots = batch_slots(start, stop, plan.num_partitions) if step < steps else np.zeros(0, int)
-    bounds = [rank_bounds(len(slots), topo.world_size, r) for r in range(topo.world_size)]
+    return rank_shares(plan, snapshot, slots, topo.world_size)
+
+
+def rank_shares(
+    plan: EpochPlan, snapshot: Snapshot, slots: np.ndarray, world_size: int
+) -> list[RankView]:
+    """Each rank's share of a global batch's ``slots`` (in batch order), where it begins."""
+    bounds = [rank_bounds(len(slots), world_size, r) for r in range(world_size)]
     where = iter(locate(plan, snapshot, slots[[lo for lo, hi in bounds if hi > lo]]))
     return [
         RankView(r, hi - lo, next(where) if hi > lo else None) for r, (lo, hi) in enumerate(bounds)
