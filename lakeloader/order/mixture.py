@@ -198,6 +198,8 @@ class PartTable:
     Attributes:
         shares: The source of each row of each share, ``(steps, rows of a share)``.
         step: Each part's step (index among the steps planned).
+        source: Its source (an index into the names).
+        epoch: Its source's epoch.
         start: Its first position in its source's epoch's order (``stop``: one past its last).
         at: Where its rows stand in their share, all parts end to end (``stop - start`` each).
     """

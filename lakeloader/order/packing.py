@@ -120,7 +120,7 @@ class Share:
 
 def source_epochs(sources: np.ndarray, epochs: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
     """The indices of the samples of each (source, epoch) pair, pairs in sorted order."""
-    keys = sources * (1 << 32) + epochs
+    keys = np.asarray(sources, dtype=np.int64) * (1 << 32) + epochs
     return {divmod(k, 1 << 32): np.flatnonzero(keys == k) for k in np.unique(keys).tolist()}
 
 

@@ -27,7 +27,6 @@ from lakeloader.lake.following import CaughtUpError
 from lakeloader.options import LoaderOptions, cores
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import Share, TokenStream, source_epochs, step_shares
-from lakeloader.order.plan import expand_runs
 from lakeloader.packing import Packing
 from lakeloader.pipeline.iterator import PassIterator
 from lakeloader.pipeline.packed_parts import (
@@ -77,9 +76,11 @@ class PackedIterator(PassIterator):
     Args:
         sources: The sources, in the order the cursor's weights name them.
         packing: How samples are cut (the same for every source).
+        weights: The weights of the sources' samples.
         cursor: Samples drawn so far (in all, and from each source).
         seed: The seed of the samples' interleaving.
         topology: The loader's topology (its ``batch_size`` counts samples).
+        options: The loader's options.
         unit_dir: The loader's folder for decoded units.
         pool: The DataLoader's workers, which decode the rows; None: this process's threads.
         delivered: Told the cursor, the units each source found skipped, and the tokens and
@@ -310,7 +311,7 @@ class PackedIterator(PassIterator):
         first, last = np.searchsorted(ends, runs[:, :2] - [0, 1], side="right").T
         spans = last - first + 1  # the units each run lies in
         run = np.repeat(np.arange(len(runs)), spans)
-        pos = expand_runs(first, spans, 1)
+        pos = np.arange(len(run)) - np.repeat(np.cumsum(spans) - spans, spans) + first[run]
         starts = np.where(pos > 0, ends[pos - 1], 0)  # each unit's first token in the epoch
         a = np.maximum(runs[run, 0], starts)
         b = np.minimum(runs[run, 1], ends[pos])
