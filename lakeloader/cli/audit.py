@@ -12,7 +12,7 @@ from lakeloader.audit.history import AuditReport, Span, audit, epoch_name
 from lakeloader.audit.ledger import LEDGER_DIR, read_entries
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
-from lakeloader.cli.checkpoints import find_checkpoint, open_manager
+from lakeloader.cli.checkpoints import find_checkpoint
 from lakeloader.cli.inspect import rebuild_plan, requested, unit_offsets
 from lakeloader.cli.tables import format_pairs, format_table, full_urls, lake_url
 from lakeloader.errors import CheckpointError
@@ -37,10 +37,9 @@ def run_audit(
     """Audit the run whose checkpoints are under ``url``; the report and its plain form.
 
     Raises:
-        CheckpointError: If there is no usable checkpoint, no ledger, a ledger with no
-            complete entry, or a ledger entry is malformed.
+        CheckpointError: If the run has no ledger, or a ledger with no complete entry.
     """
-    manager = open_manager(url, storage_options, retry or RetryPolicy())
+    manager = CheckpointManager(url, storage_options=storage_options, retry=retry, ledger=False)
     try:
         found = find_checkpoint(manager)
         ckpt = found.checkpoint

@@ -17,9 +17,6 @@ from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
 
-#: Names in a folder that make it a lake (or a table) rather than a checkpoint root.
-_LAKE_SUFFIXES = (".parquet", ".parq")
-_LAKE_NAMES = ("_delta_log", "metadata")
 #: Names of a folder listed in the message that it holds no checkpoint.
 NAMES_SHOWN = 5
 #: What a command takes, for the messages.
@@ -28,24 +25,14 @@ ROOT_HINT = "the checkpoints' root folder, the URL given to CheckpointManager"
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """A checkpoint a command opened.
+    """A checkpoint a command opened (its ``path`` is its folder's URL), and its root's steps.
 
-    Attributes:
-        checkpoint: The checkpoint; its ``path`` is its folder's URL.
-        steps: The committed steps under its root.
-        skipped: One line per newer checkpoint passed over as damaged.
+    ``steps``: the committed ones; ``skipped``: a line per newer checkpoint passed over as damaged.
     """
 
     checkpoint: Checkpoint
     steps: list[int]
     skipped: list[str]
-
-
-def open_manager(
-    url: str, storage_options: dict[str, Any], retry: RetryPolicy
-) -> CheckpointManager:
-    """A manager that only reads the checkpoints under ``url`` (it keeps no ledger)."""
-    return CheckpointManager(url, storage_options=storage_options, retry=retry, ledger=False)
 
 
 def open_checkpoint(
@@ -57,13 +44,12 @@ def open_checkpoint(
     """Read the checkpoint a path names: a step folder, or a root (newest usable, or ``step``).
 
     Raises:
-        CheckpointError: If there is no usable checkpoint there (saying what the path is
-            instead), or ``step`` contradicts the step folder given.
+        CheckpointError: If ``step`` contradicts the step folder given.
     """
     root, folder_step = split_checkpoint_path(path)
     if folder_step is not None and step is not None and step != folder_step:
         raise CheckpointError(f"{path} is the checkpoint of step {folder_step}, not {step}")
-    manager = open_manager(root, storage_options or {}, retry or RetryPolicy())
+    manager = CheckpointManager(root, storage_options=storage_options, retry=retry, ledger=False)
     try:
         return find_checkpoint(manager, folder_step if folder_step is not None else step)
     finally:
@@ -114,7 +100,11 @@ def _nothing_there(manager: CheckpointManager, url: str, step: int | None) -> st
     names = sorted(posixpath.basename(p) for p in paths if p != root)
     if not names:
         return f"{url} is empty: no checkpoint was saved here; give {ROOT_HINT}"
-    if any(n.endswith(_LAKE_SUFFIXES) or n in _LAKE_NAMES or "=" in n for n in names):
+    # Parquet files, a table's folders or hive partitions: a lake rather than a checkpoint root
+    if any(
+        n.endswith((".parquet", ".parq")) or n in ("_delta_log", "metadata") or "=" in n
+        for n in names
+    ):
         return (
             f"{url} is a lake (Parquet files), not a checkpoint folder: `lakeloader plan "
             f"{url}` describes it; inspect and audit take {ROOT_HINT}"

@@ -26,7 +26,7 @@ import torch
 
 from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.audit import run_audit
-from lakeloader.cli.tables import format_pairs, format_table
+from lakeloader.cli.tables import format_pairs, record_table
 from lakeloader.dataset import LakeDataset
 from lakeloader.loader import DataLoader
 from lakeloader.topology import Topology
@@ -246,9 +246,7 @@ def _render(r: dict[str, Any]) -> str:
         ]
     )
     keys = ["epoch", "rows", "delivered", "exactly_once", "missing", "duplicated"]
-    table = format_table(
-        [k.replace("_", " ") for k in keys], [[p[k] for k in keys] for p in r["epochs"]]
-    )
+    table = record_table(r["epochs"], keys)
     verdict = (
         "every row of every epoch was trained on exactly once, by the step logs and the audit"
         if r["ok"]

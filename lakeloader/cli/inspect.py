@@ -5,13 +5,14 @@ From the checkpoint alone (the lake is never touched), as plain dicts (JSON-read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import numpy as np
 
 from lakeloader.checkpoint.layout import Checkpoint
-from lakeloader.cli.tables import format_pairs, format_table, lake_url
+from lakeloader.cli.tables import format_pairs, format_table, lake_url, record_table
 from lakeloader.errors import CheckpointError
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.order.plan import (
@@ -140,31 +141,27 @@ def row_ranges(
 def inspect_checkpoint(
     ckpt: Checkpoint,
     *,
-    topology: Topology | None = None,
     drop_last: bool | None = None,
     ranges: bool = False,
     steps_available: list[int] | None = None,
+    **topology: int,
 ) -> dict[str, Any]:
     """Describe a checkpoint: position, per-rank and per-worker locations, metadata.
 
-    Args:
-        ckpt: The checkpoint.
-        topology: Look at the position under this topology (default: the saved one).
-        drop_last: And with this ``drop_last`` (default: the saved one).
-        ranges: Also list, per row group, the row ranges consumed, remaining and dropped.
-        steps_available: Committed steps under the checkpoint's root, for the report.
-
-    Returns:
-        A JSON-ready dict. ``rows_remaining`` is ``N - G - rows_dropped``; of those,
-        ``rows_to_drop`` will be dropped by ``drop_last`` under the topology used (for a
-        followed lake: ``rows_to_carry`` open the next increment's first step instead).
+    ``topology`` (``world_size``, ``num_workers``, ``batch_size``) and ``drop_last`` override
+    the saved ones; ``ranges`` adds, per row group, the row ranges consumed, remaining and
+    dropped. ``rows_remaining`` is ``N - G - rows_dropped``; of those, ``rows_to_drop`` will be
+    dropped by ``drop_last`` under the topology used (for a followed lake: ``rows_to_carry``
+    open the next increment's first step instead).
 
     Raises:
-        CheckpointError: If the state and its manifest disagree.
+        CheckpointError: If it records no topology (written by lakeloader < 0.2).
     """
+    saved = ckpt.context.topology
+    if saved is None:
+        raise CheckpointError(f"{ckpt.path} records no topology (written by lakeloader < 0.2)")
     state, ctx, plan = ckpt.state, ckpt.context, rebuild_plan(ckpt)
-    saved = saved_topology(ckpt)
-    topo = topology or saved
+    topo = dataclasses.replace(saved, **topology)
     drop = ctx.drop_last if drop_last is None else drop_last
     tracker = ReaderStateTracker.standing_at(
         state, topo, drop_last=drop, workers_build=ctx.workers_build
@@ -228,17 +225,6 @@ def inspect_checkpoint(
     return info
 
 
-def saved_topology(ckpt: Checkpoint) -> Topology:
-    """The topology a checkpoint was saved under.
-
-    Raises:
-        CheckpointError: If it records none (written by lakeloader < 0.2).
-    """
-    if ckpt.context.topology is None:
-        raise CheckpointError(f"{ckpt.path} records no topology (written by lakeloader < 0.2)")
-    return ckpt.context.topology
-
-
 def _topology_text(t: dict[str, Any]) -> str:
     return (
         f"{t['world_size']} ranks x {t['batch_size']:,} rows = {t['global_batch']:,} per step, "
@@ -297,7 +283,6 @@ def render_text(info: dict[str, Any]) -> str:
                 ("quarantine", f"{skipped} (listed below)" if quarantine else "none"),
             ]
         ),
-        "",
         format_pairs(
             [
                 ("epoch", info["epoch"]),
@@ -315,55 +300,44 @@ def render_text(info: dict[str, Any]) -> str:
                 ("steps remaining", info["steps_remaining"]),
             ]
         ),
-        "",
     ]
+    where, workers = ["file", "row_group", "row_offset", "slot"], info["workers"]
     if info["finished"]:
         out.append(
             f"epoch {info['epoch']} has no step left under this topology: a resumed loader "
             f"goes on with epoch {info['epoch'] + 1}"
         )
     else:
-        loc = ["file", "row group", "row offset", "slot"]
-        keys = ["file", "row_group", "row_offset", "slot"]
-        out.append("next step, per rank (where its first row comes from):")
-        rows = [[r[k] for k in ["rank", "rows", *keys]] for r in info["ranks"]]
-        out.append(format_table(["rank", "rows", *loc], rows))
-        if info["workers"] and info["workers_build"]:
-            out += ["", "per worker (worker k builds the k-th next step of its rank):"]
-            rows = [
-                [w["rank"], w["worker"], f"+{w['step_offset']}", *[w[k] for k in ["rows", *keys]]]
-                for w in info["workers"]
-            ]
-            out.append(format_table(["rank", "worker", "step", "rows", *loc], rows))
-        elif info["workers"]:
-            out += [
-                "",
+        title = "next step, per rank (where its first row comes from):"
+        out.append(record_table(info["ranks"], ["rank", "rows", *where], title))
+        if workers and info["workers_build"]:
+            title = "per worker (worker k builds the k-th next step of its rank):"
+            steps = [{**w, "step": f"+{w['step_offset']}"} for w in workers]
+            out.append(record_table(steps, ["rank", "worker", "step", "rows", *where], title))
+        elif workers:
+            title = (
                 "per worker (workers decode units in the order their rank first needs them, "
-                "the j-th to worker j mod W; the first of each):",
-            ]
-            keys = ["rank", "worker", "file", "row_group"]
-            rows = [[*[w[k] for k in keys], _unit_rows(w)] for w in info["workers"]]
-            out.append(format_table(["rank", "worker", "file", "row group", "rows"], rows))
+                "the j-th to worker j mod W; the first of each):"
+            )
+            units = [{**w, "rows": _unit_rows(w)} for w in workers]
+            out.append(record_table(units, ["rank", "worker", "file", "row_group", "rows"], title))
     if quarantine:
-        out += ["", *quarantine_text(quarantine)]
+        out.append("\n".join(quarantine_text(quarantine)))
     if "ranges" in info:
-        rows = [
-            [r["file"], r["row_group"], r["rows"]] + [_ranges_text(r[c]) for c in _CATEGORIES]
-            for r in info["ranges"]
-        ]
-        out += ["", "row ranges this epoch ([start, end) inside each row group; --json lists all):"]
-        out.append(format_table(["file", "row group", "rows", *_CATEGORIES], rows))
-    return "\n".join(out)
+        title = "row ranges this epoch ([start, end) inside each row group; --json lists all):"
+        ranges = [{**r, **{c: _ranges_text(r[c]) for c in _CATEGORIES}} for r in info["ranges"]]
+        out.append(record_table(ranges, ["file", "row_group", "rows", *_CATEGORIES], title))
+    return "\n\n".join(out)
 
 
-def requested(state: Any) -> dict[str, Any]:
+def requested(state: dict[str, Any]) -> dict[str, Any]:
     """What the training loop asked, from a checkpoint's state: skips, units quarantined.
 
     ``steps_skipped``: done and still to skip (``skip()``); ``quarantined_steps``: the units
     ``quarantine_step()`` quarantined; ``steps_to_quarantine``: steps it named still to come.
     """
     requests = Requests.of_state(state)
-    within = state.get("mixture", state) if hasattr(state, "get") else {}  # a packed mixture's
+    within = state.get("mixture", state)  # a packed mixture's quarantine is its mixture's
     entries = json.loads(within.get("quarantine") or "[]")
     return {
         "steps_delivered": requests.delivered,

@@ -7,7 +7,6 @@ adds the traceback of an unexpected error); ``audit`` exits with its verdict's s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -27,12 +26,11 @@ from lakeloader.cli.inspect import (
     render_text,
     requested,
     requested_text,
-    saved_topology,
 )
 from lakeloader.cli.inspect_follow import lake_details, render_details, render_training
 from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
 from lakeloader.cli.parser import UsageError, parse
-from lakeloader.cli.tables import format_pairs, format_table, full_urls, to_json
+from lakeloader.cli.tables import format_pairs, format_table, full_urls, record_table, to_json
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeError, StorageRetryWarning, StoreUnavailableError
 from lakeloader.io.fetch import url_of
@@ -43,17 +41,8 @@ from lakeloader.units import human_bytes
 
 #: What ``lakeloader audit`` exits with, by the audit's verdict (2 is any error).
 AUDIT_EXIT = {"exactly once": 0, "NOT exactly once": 1, "unverified": 3}
-#: The logger of each storage retry: shown with ``--verbose`` only (the error says it all).
-RETRY_LOGGER = "lakeloader.io.retry"
 #: What a command gives: its data (what ``--json`` prints), its readable text, its exit status.
 Result = tuple[Any, str, int]
-
-
-def _emit(text: str, *, error: bool = False) -> None:
-    """Write command output (the library itself only logs)."""
-    stream = sys.stderr if error else sys.stdout
-    stream.write(text + "\n")
-    stream.flush()
 
 
 def _cmd_clean(args: argparse.Namespace) -> Result:
@@ -173,6 +162,8 @@ def _cmd_plan(args: argparse.Namespace) -> Result:
     window = f"{cfg['window']:,} rows ({epoch['windows_per_partition']:,} per partition)"
     batch = f"{epoch['global_batch']:,} = {epoch['world_size']} ranks x {epoch['batch_size']:,}"
     resident = "about " + human_bytes(epoch["resident_bytes_per_rank_estimate"])
+    files = [{**f, "file": f["path"]} for f in info["files"][: args.files]]
+    more = len(info["files"]) - len(files)
     out = [
         format_pairs(
             [
@@ -187,9 +178,7 @@ def _cmd_plan(args: argparse.Namespace) -> Result:
                 ("partition columns", ", ".join(lake["partition_columns"]) or "-"),
             ]
         ),
-        "",
         format_table(["column", "type"], list(info["schema"].items())),
-        "",
         format_pairs(
             [
                 ("units", units),
@@ -206,14 +195,11 @@ def _cmd_plan(args: argparse.Namespace) -> Result:
                 ("resident per rank", resident),
             ]
         ),
-        "",
+        record_table(files, ["file", "bytes", "row_groups", "rows"]),
     ]
-    files = info["files"][: args.files]
-    rows = [[f["path"], f["bytes"], f["row_groups"], f["rows"]] for f in files]
-    out.append(format_table(["file", "bytes", "row groups", "rows"], rows))
-    if len(info["files"]) > len(files):
-        out.append(f"... {len(info['files']) - len(files):,} more files (--files N shows more)")
-    return info, "\n".join(out), 0
+    if more > 0:
+        out[-1] += f"\n... {more:,} more files (--files N shows more)"
+    return info, "\n\n".join(out), 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> Result:
@@ -225,19 +211,18 @@ def _cmd_inspect(args: argparse.Namespace) -> Result:
     options, retry = dict(args.storage_option), RetryPolicy(deadline=args.retry_seconds)
     found = open_checkpoint(args.checkpoint, args.step, options, retry)
     ckpt = found.checkpoint
-    _warn_skipped(args.command, found.skipped)
+    _warn_skipped(args, found.skipped)
     if ckpt.lake is None:  # per source or partition: no topology to map onto
         info = inspect_kind(ckpt, found.steps)
         head, lines, end = render_kind_text(info), [], ""
     else:
         names = ("world_size", "num_workers", "batch_size")
-        given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
         info = inspect_checkpoint(
             ckpt,
-            topology=dataclasses.replace(saved_topology(ckpt), **given),
             drop_last=args.drop_last,
             ranges=args.ranges,
             steps_available=found.steps,
+            **{k: getattr(args, k) for k in names if getattr(args, k) is not None},
         )
         info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
         head, lines, end = render_text(info), render_details(details), "\n"
@@ -251,14 +236,14 @@ def _cmd_inspect(args: argparse.Namespace) -> Result:
 def _cmd_audit(args: argparse.Namespace) -> Result:
     retry = RetryPolicy(deadline=args.retry_seconds)
     report, info = run_audit(args.checkpoint, dict(args.storage_option), retry)
-    _warn_skipped(args.command, info["skipped_damaged"])
+    _warn_skipped(args, info["skipped_damaged"])
     return info, render_audit_text(info), AUDIT_EXIT[report.verdict]
 
 
-def _warn_skipped(command: str, skipped: list[str]) -> None:
+def _warn_skipped(args: argparse.Namespace, skipped: list[str]) -> None:
     """One line per newer checkpoint passed over as damaged."""
     for line in skipped:
-        _emit(f"lakeloader {command}: warning: damaged checkpoint passed over: {line}", error=True)
+        _say(args, "warning", f"damaged checkpoint passed over: {line}")
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], Result]] = {
@@ -274,13 +259,22 @@ def _log_to_stderr(verbose: bool) -> None:
     """Log to stderr (INFO with ``--verbose``); storage retries only with ``--verbose``."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    if not verbose:
-        handler.addFilter(lambda record: record.name != RETRY_LOGGER)
+    if not verbose:  # the error names the store, the attempts and the deadline
+        handler.addFilter(lambda record: record.name != "lakeloader.io.retry")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
 
 
 def _one_line(text: str) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _say(args: argparse.Namespace, kind: str, message: object) -> None:
+    """A warning or an error in one line on stderr, paths of the command's store as URLs."""
+    target = getattr(args, "lake", None) or getattr(args, "checkpoint", None) or ""
+    sys.stderr.write(
+        f"lakeloader {args.command}: {kind}: {_one_line(full_urls(str(message), target))}\n"
+    )
+    sys.stderr.flush()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -290,35 +284,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a bad argument (one line, status 2)
         return exc.code if isinstance(exc.code, int) else 2
     _log_to_stderr(args.verbose)
-    target = getattr(args, "lake", None) or getattr(args, "checkpoint", None) or ""
-
-    def show(message: Warning | str, *_: Any, **__: Any) -> None:
-        text = _one_line(full_urls(str(message), target))
-        _emit(f"lakeloader {args.command}: warning: {text}", error=True)
-
     try:
         with warnings.catch_warnings():
-            warnings.showwarning = show
+            warnings.showwarning = lambda message, *_, **__: _say(args, "warning", message)
             if not args.verbose:  # the error names the store, the attempts and the deadline
                 warnings.simplefilter("ignore", StorageRetryWarning)
             data, text, status = COMMANDS[args.command](args)
-            _emit(to_json(data) if args.json else text)
+            sys.stdout.write((to_json(data) if args.json else text) + "\n")
+            sys.stdout.flush()
             return status
     except (LakeError, KeyError, ValueError, OSError) as exc:  # what bad input raises
         message = str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
         if isinstance(exc, StoreUnavailableError):
             message += f" (here: --retry-seconds, now {args.retry_seconds:g})"
-        text = _one_line(full_urls(message, target))
-        _emit(f"lakeloader {args.command}: error: {text}", error=True)
+        _say(args, "error", message)
         return 2
     except Exception as exc:
         if args.verbose:
             raise
-        _emit(
-            f"lakeloader {args.command}: error: {type(exc).__name__}: {_one_line(str(exc))} "
-            "(run with --verbose for the traceback)",
-            error=True,
-        )
+        hint = "(run with --verbose for the traceback)"
+        _say(args, "error", f"{type(exc).__name__}: {_one_line(str(exc))} {hint}")
         return 2
 
 

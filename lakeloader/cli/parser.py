@@ -12,11 +12,6 @@ from typing import Any, NoReturn
 from lakeloader._version import __version__
 from lakeloader.errors import LakeError
 
-#: Files listed by ``lakeloader plan`` unless ``--files`` asks for more.
-DEFAULT_FILES_SHOWN = 20
-#: Seconds a command retries a store that fails transiently (``--retry-seconds``).
-DEFAULT_RETRY_SECONDS = 30.0
-
 
 class UsageError(LakeError, ValueError):
     """A command-line argument names nothing the command can use (exit status 2)."""
@@ -70,7 +65,7 @@ def _add_io_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retry-seconds",
         type=_count(0, float, "seconds"),
-        default=DEFAULT_RETRY_SECONDS,
+        default=30.0,
         metavar="S",
         help="give up on a store that keeps failing (down, unreachable, 5xx) after S seconds "
         "of retries; --verbose logs each retry",
@@ -129,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=_count(1), default=1, help="ranks")
     plan.add_argument("--batch-size", type=_count(1), default=256, help="rows per rank per step")
     plan.add_argument("--drop-last", action="store_true", help="drop a short last global batch")
-    plan.add_argument("--files", type=_count(0), default=DEFAULT_FILES_SHOWN, help="files to list")
+    plan.add_argument("--files", type=_count(0), default=20, help="files to list")
     _add_io_arguments(plan)
 
     demo = command(

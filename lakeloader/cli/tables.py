@@ -33,6 +33,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
+def record_table(records: Sequence[dict[str, Any]], keys: Sequence[str], title: str = "") -> str:
+    """The table of the records' ``keys`` (headed by the keys, ``_`` as space), under ``title``."""
+    headers = [key.replace("_", " ") for key in keys]
+    table = format_table(headers, [[r[k] for k in keys] for r in records])
+    return f"{title}\n{table}" if title else table
+
+
 def format_pairs(pairs: Sequence[tuple[str, Any]]) -> str:
     """Key/value lines with aligned values.
 
