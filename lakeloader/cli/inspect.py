@@ -176,13 +176,8 @@ def inspect_checkpoint(
     remaining = max(0, n - g - dropped)
     extra = ckpt.extra
     info: dict[str, Any] = {
-        "path": ckpt.path,
-        "step": ckpt.step,
-        "steps_available": steps_available,
-        "created": ctx.created or None,
-        "library_version": ctx.library_version or None,
+        **head_info(ckpt, steps_available),
         "source": ckpt.source,
-        "state_bytes": ckpt.nbytes,
         "fingerprint": state.fingerprint,
         "config": state.config,
         "config_hash": state.config_hash,
@@ -242,6 +237,18 @@ def _unit_rows(w: dict[str, Any]) -> str:
     if w["row_offset"] is None:
         return "-"
     return f"[{w['row_offset']:,}, {w['row_offset'] + w['rows']:,})"
+
+
+def head_info(ckpt: Checkpoint, steps_available: list[int] | None) -> dict[str, Any]:
+    """What :func:`head_pairs` shows, of every kind of checkpoint (null when unknown)."""
+    return {
+        "path": ckpt.path,
+        "step": ckpt.step,
+        "steps_available": steps_available,
+        "created": ckpt.context.created or None,
+        "library_version": ckpt.context.library_version or None,
+        "state_bytes": ckpt.nbytes,
+    }
 
 
 def head_pairs(info: dict[str, Any]) -> list[tuple[str, Any]]:

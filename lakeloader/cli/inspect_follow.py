@@ -20,22 +20,17 @@ def lake_details(
     ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool, retry: RetryPolicy
 ) -> dict[str, Any]:
     """The table version, the filter and, for a followed lake, its increment and lag."""
-    snap = ckpt.snapshot
-    out: dict[str, Any] = {
-        "table": None if snap.table is None else snap.table.describe(),
-        "filter": snap.row_filter,
-        "increment": None,
-    }
-    if snap.increment is None:
-        return out
-    inc = snap.increment
-    out["increment"] = {
-        "index": inc.index,
-        "increments_consumed": inc.index,
-        "mark": [inc.upto.position, inc.upto.path],
-        "lag": _lag(ckpt, inc, storage_options, retry) if lag else None,
-    }
-    return out
+    snap, inc = ckpt.snapshot, ckpt.snapshot.increment
+    increment = None
+    if inc is not None:
+        increment = {
+            "index": inc.index,
+            "increments_consumed": inc.index,
+            "mark": [inc.upto.position, inc.upto.path],
+            "lag": _lag(ckpt, inc, storage_options, retry) if lag else None,
+        }
+    table = None if snap.table is None else snap.table.describe()
+    return {"table": table, "filter": snap.row_filter, "increment": increment}
 
 
 def _lag(

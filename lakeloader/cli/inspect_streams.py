@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lakeloader.checkpoint.layout import Checkpoint
-from lakeloader.cli.inspect import head_pairs, quarantine_text
+from lakeloader.cli.inspect import head_info, head_pairs, quarantine_text
 from lakeloader.cli.tables import format_pairs, format_table, lake_url
 from lakeloader.errors import StateFormatError
 from lakeloader.order.mixture import MixWeights
@@ -28,12 +28,7 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
     kind, state = ckpt.state_dict.get("kind"), ckpt.state_dict
     head = {
         "kind": kind,
-        "path": ckpt.path,
-        "step": ckpt.step,
-        "steps_available": steps_available,
-        "created": ckpt.context.created or None,  # as a lake's report: null when unknown
-        "library_version": ckpt.context.library_version or None,
-        "state_bytes": ckpt.nbytes,
+        **head_info(ckpt, steps_available),
         "extra_type": type(ckpt.extra).__name__,
     }
     try:
