@@ -17,6 +17,9 @@ from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
 
+#: Names in a folder that make it a lake (or a table) rather than a checkpoint root.
+_LAKE_SUFFIXES = (".parquet", ".parq")
+_LAKE_NAMES = ("_delta_log", "metadata")
 #: Names of a folder listed in the message that it holds no checkpoint.
 NAMES_SHOWN = 5
 #: What a command takes, for the messages.
@@ -100,11 +103,7 @@ def _nothing_there(manager: CheckpointManager, url: str, step: int | None) -> st
     names = sorted(posixpath.basename(p) for p in paths if p != root)
     if not names:
         return f"{url} is empty: no checkpoint was saved here; give {ROOT_HINT}"
-    # Parquet files, a table's folders or hive partitions: a lake rather than a checkpoint root
-    if any(
-        n.endswith((".parquet", ".parq")) or n in ("_delta_log", "metadata") or "=" in n
-        for n in names
-    ):
+    if any(n.endswith(_LAKE_SUFFIXES) or n in _LAKE_NAMES or "=" in n for n in names):
         return (
             f"{url} is a lake (Parquet files), not a checkpoint folder: `lakeloader plan "
             f"{url}` describes it; inspect and audit take {ROOT_HINT}"
