@@ -56,6 +56,7 @@ class PassIterator:
     collected unclosed.
     """
 
+    #: Steps planned ahead at most (see LOOKAHEAD_STEPS).
     lookahead: int = LOOKAHEAD_STEPS
 
     def __init__(

@@ -43,11 +43,12 @@ from lakeloader.workers.shipping import Shipped, receive
 
 
 class Part(NamedTuple):
-    """A planned part of a step: positions ``[start, stop)`` of the epoch ``pair`` (source, epoch).
+    """A planned part of a step: ``[start, stop)`` of the order of epoch ``pair`` (source, epoch).
 
-    ``dest``: where each of its rows (partition-major in its range) goes in the share;
-    ``spec``: its range as a step of its source epoch, for the builder to screen and gather
-    (None where every column is packed: a step is then one gather of arena rows).
+    ``positions``: the pieces it reads; ``dest``: where each of its rows (partition-major in
+    its range) goes in the share; ``spec``: its range as a step of its source epoch, for the
+    builder to screen and gather (None where every column is packed: a step is then one gather
+    of arena rows).
     """
 
     pair: tuple[int, int]

@@ -40,7 +40,10 @@ Payload = tuple[str, Any]
 
 @dataclass(frozen=True)
 class Sources:
-    """A mixed batch's rows' sources: each row's (``of``, in batch order), and their transforms."""
+    """A mixed batch's rows' sources and their row transforms.
+
+    ``of``: each row's source's index, in batch order; ``transforms``: each source's (or None).
+    """
 
     of: np.ndarray
     transforms: tuple[Transform | None, ...]
