@@ -184,3 +184,5 @@ def test_by_all_keeps_the_layout_order_of_the_common_columns() -> None:
     assert by_all(refs, full, "packed") == ("a", "c")
     same = [UnitRef(0, 1, full, None), UnitRef(1, 1, full, None)]
     assert by_all(same, full, "packed") is full
+    copies = [UnitRef(0, 1, tuple(full), None), UnitRef(1, 1, ("a", "b", "c"), None)]
+    assert by_all(copies, full, "packed") is full  # units decoded elsewhere hold equal copies

@@ -38,7 +38,8 @@ class Arena:
 
     Args:
         capacity: Rows to start with (grown on demand).
-        keep_rows: Freed rows below this mark keep their pages for reuse.
+        keep_rows: Freed rows below this mark keep their pages for reuse; above it their
+            memory is returned to the system.
     """
 
     def __init__(self, directory: str, record: np.dtype, capacity: int, keep_rows: int) -> None:

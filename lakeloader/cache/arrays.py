@@ -61,7 +61,7 @@ def one_array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 
 def blocking_nulls(col: pa.Array | pa.ChunkedArray) -> int:
-    """Nulls in a tensor-bound column that its tensor cannot hold (null lists never count).
+    """Nulls in a tensor-bound column that its tensor cannot hold (0 for float columns).
 
     >>> blocking_nulls(pa.array([[1, None], [2, 3]], pa.list_(pa.int8(), 2)))
     1

@@ -44,6 +44,7 @@ class UnitRef:
             another process needs them), or None when every column is packed.
         views: Its string and binary columns whose views are in its arena rows (they stay
             in ``table`` too: the views point into their data buffers).
+        where: Its file, row group and rows, for error messages.
     """
 
     start: int
@@ -63,6 +64,7 @@ class DecodeJob:
     """One unit to decode, and where its decoded form goes.
 
     Attributes:
+        position: The piece's position in the epoch's virtual sequence.
         start: Arena row to pack into (-1: nothing is packed).
         table_path: IPC file for the columns not packed (None: keep them in memory).
         view_buffers: The data buffer index of each of the layout's view columns (empty:

@@ -136,8 +136,9 @@ def pack(table: pa.Table, layout: RowLayout, rows: np.ndarray) -> Packed:
 def compact(table: pa.Table) -> pa.Table:
     """The table in one chunk per column that owns only its own rows' memory.
 
-    Buffers over twice its own bytes plus ``SLACK_BYTES`` (a slice of a larger batch) are
-    copied; affected columns are copied to offset 0 (:mod:`lakeloader.cache.kernels`).
+    A table whose buffers hold more than twice its own bytes (plus ``SLACK_BYTES``), such as a
+    slice of a larger batch, is copied; affected columns are copied to offset 0
+    (:mod:`lakeloader.cache.kernels`).
 
     >>> big = pa.table({"s": ["x" * 100] * 10_000})
     >>> compact(big.slice(0, 10)).get_total_buffer_size() < 2_000

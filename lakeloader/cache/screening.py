@@ -26,7 +26,7 @@ class Screened:
         refs: The units the Arrow path takes its columns from (empty when it has none);
             ``take`` indexes their concatenation.
         rows: Arena row of each batch row, for ``names`` (the packed columns every unit of
-            the step has) and ``views`` (the string columns every unit has views of).
+            the step has) and ``views`` (the string and binary columns every unit has views of).
         lost: This rank's rows of the step that the ``skipped`` (quarantined) units held.
         kept: Which of the step's rows (in batch order) remain, or None: all of them.
     """
@@ -81,7 +81,9 @@ def screen(
 def by_all(refs: Sequence[UnitRef], full: tuple[str, ...], kind: str) -> tuple[str, ...]:
     """The columns of ``full`` that every unit has as ``kind`` ("packed" or "views")."""
     have = [getattr(r, kind) for r in refs]
-    if all(h == full for h in have):  # the usual case: ``full`` itself (compared with ``is``)
+    # a unit's columns are some of ``full`` (each once): as many as ``full`` means all of them,
+    # the usual case, answered with ``full`` itself (mixed_steps._common compares with ``is``)
+    if all(len(h) == len(full) for h in have):
         return full
     common = set(full).intersection(*have)
     return tuple(n for n in full if n in common)

@@ -114,8 +114,8 @@ class Dispatcher:
             key: The work's key in the pass (a unit's position, or a step).
             make: Makes the task when it is sent (a decode then takes the arena's handle).
             nbytes: Bytes it holds while it runs (0: not budgeted).
-            ready: Send it only once this is done (a decode: once its unit is fetched); other
-                work does not wait for it.
+            ready: Send it only once this is done (a decode: once its unit is fetched); the
+                work of other workers, and the worker's later work, do not wait for it.
         """
         future: Future[Any] = Future()
         with self._lock:

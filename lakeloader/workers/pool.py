@@ -64,7 +64,8 @@ class _Slot:
 class Death:
     """A worker that died, with the tasks it still owed, in the order they were handed out.
 
-    ``building`` is the key of the task under way when it died, or None if it was idle.
+    ``exitcode`` is -9 for SIGKILL; ``building`` is the key of the task under way when it died
+    (a step, or a unit's position), or None if it was idle.
     """
 
     worker: int
@@ -75,7 +76,10 @@ class Death:
 
 
 class WorkerPool:
-    """A fixed number of worker processes, each with a task queue and a result pipe."""
+    """A fixed number of worker processes, each with a task queue and a result pipe.
+
+    ``context``: a multiprocessing context or its name (None: the platform default).
+    """
 
     def __init__(
         self, setup: WorkerSetup, num_workers: int, context: BaseContext | str | None

@@ -85,8 +85,9 @@ class Task:
         refs: Units the Arrow path takes columns from; ``take`` indexes their concatenation.
         outbox: The folder the batch is shipped through (:mod:`lakeloader.workers.shipping`).
         rows: Arena row of each batch row (None: nothing packed), for the packed ``names``.
-        arena: The arena's handle as it was when the task was sent.
-        extra: Columns computed, in batch order (a mixture's source of each row).
+        arena: The arena's handle as it was when the task was sent, or None.
+        extra: Columns computed, in batch order (a mixture's source of each row), or None.
+        sources: A mixed batch's rows' sources and their transforms, or None.
     """
 
     generation: int
