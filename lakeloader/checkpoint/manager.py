@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,7 +43,7 @@ class CheckpointManager:
     keeps the audit ledger beside the checkpoints (:mod:`lakeloader.audit`).
 
     Args:
-        url: Root folder, any fsspec URL (a local path, ``s3://``, ``gs://``, ...).
+        url: Root folder, any fsspec URL (a local path or ``Path``, ``s3://``, ``gs://``, ...).
         keep: Complete checkpoints kept; older ones are deleted after each save.
         async_save: Write in the background; ``save`` returns once the state is captured
             (the model's and optimizer's copied to memory by DCP's ``async_save``). A second
@@ -73,7 +74,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        url: str,
+        url: str | os.PathLike[str],
         *,
         keep: int = 3,
         async_save: bool = False,
@@ -84,7 +85,7 @@ class CheckpointManager:
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.url = url
+        self.url = url = os.fspath(url)
         self.keep = keep
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
