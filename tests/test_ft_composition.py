@@ -502,6 +502,35 @@ def test_quarantine_step_of_a_committed_step_taken_on_another_slice(
     assert sorted(epoch_1) == sorted(set(ref) - bad)
 
 
+def test_quarantine_of_a_step_to_come_ends_the_pass_under_way(
+    lakes: dict[str, Lake], tmp_path: Path
+) -> None:
+    """Its pass is begun again with the step left out: the one under way lets its units go."""
+    ds, cache, ckpt = lake_dataset(lakes["main"]), tmp_path / "cache", tmp_path / "ckpt"
+    cache.mkdir()
+    make = lambda q: ll.FaultTolerantLoader(ds, q, B, cache_dir=str(cache))  # noqa: E731
+    groups = Groups(make)
+    try:
+        groups.run((("ab", True), ("ab", True)), max_steps=2)
+        with ll.CheckpointManager(ckpt) as manager:
+            manager.save(2, groups.loaders["a"])
+    finally:
+        groups.close()
+    groups = Groups(make)
+    try:
+        for name, loader in groups.loaders.items():
+            groups.quorums[name].step = 2
+            with ll.CheckpointManager(ckpt) as manager:
+                manager.load(loader)
+        groups.step("ab", True)
+        assert len(list(cache.iterdir())) == 2  # each group's pass holds its units' folder
+        for loader in groups.loaders.values():
+            assert loader.quarantine_step(5) == []  # to come: left out as it comes
+        assert list(cache.iterdir()) == []
+    finally:
+        groups.close()
+
+
 def test_backfilled_steps_keep_their_size_as_groups_come_and_go(
     lakes: dict[str, Lake], tmp_path: Path
 ) -> None:

@@ -268,6 +268,7 @@ class FaultTolerantLoader:
             self._settle(rollback=True)
             self._at_committed()
             entries = self._inner.quarantine_step(step)
+            self._inner._close_iterator(f"quarantine_step({step})")  # a step to come, too
             self._committed = self._at = self._inner.state_dict()
             self._it = None
             return entries
