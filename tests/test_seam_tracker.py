@@ -195,6 +195,8 @@ def test_decoding_workers_do_what_the_view_says(lake: Path, tmp_path: Path) -> N
         assert w.role == "decode" and w.at is not None
         j = first_id[int(base[rg_index[w.at.file_index, w.at.row_group]]) + w.at.row_offset]
         assert j == w.worker, "worker k decodes the k-th unit first"
+        plain = w.to_dict()  # what inspect --json prints for it
+        assert plain["file"] == w.at.file and plain["row_offset"] == w.at.row_offset
 
 
 def test_building_workers_do_what_the_view_says(dataset: ll.LakeDataset) -> None:
