@@ -205,3 +205,12 @@ def test_presigned_urls_are_kept_for_the_newest_files_only(
     for path, data, version in objects:
         assert bytes(reader.read(path, version, 0, 8)) == data[:8]
     assert list(reader._urls) == [(p, v) for p, _, v in objects[1:]]
+
+
+def test_a_status_error_crosses_to_the_loader_process_whole() -> None:
+    """A worker sends its error home pickled: the status must come with the message."""
+    import pickle
+
+    sent = direct.HTTPStatusError("GET s3://b/k bytes=0-9: status 404", 404)
+    back = pickle.loads(pickle.dumps(sent))
+    assert (type(back), str(back), back.code) == (type(sent), str(sent), 404)

@@ -47,6 +47,9 @@ class HTTPStatusError(OSError):
         super().__init__(message)
         self.code = status
 
+    def __reduce__(self) -> tuple[type[HTTPStatusError], tuple[str, int]]:
+        return type(self), (str(self), self.code)  # a worker sends it home pickled
+
 
 class DirectRanges:
     """Ranged reads of one s3fs filesystem's objects, on URLs its client presigns."""

@@ -73,6 +73,7 @@ class SourceRequest:
         columns: The columns read (None: all).
         progress: Progress bar while reading footers (None: from 64 files on).
         skip_unreadable: Leave out files whose footer cannot be read.
+        on_rewrite: What a rewrite of data already taken in does (see ``Follow``).
         upto: The last mark to take (another rank's increment); None: all there is now.
     """
 

@@ -65,6 +65,7 @@ class Snapshot:
     Attributes:
         files: The data files, sorted by path.
         schema: The unified schema of the selected columns, partition columns last.
+        partition_types: Arrow type of each hive partition column.
         column_names: Every column of every file, then the partition keys.
         fingerprint: Hash of the files and the table version (:func:`fingerprint`); equal
             fingerprints mean the same data.
@@ -178,11 +179,12 @@ def build_snapshot(
     """Read every footer in parallel and freeze the result.
 
     ``request.columns`` are the columns whose types must agree across files (None: all).
-    ``check`` makes each footer's info the snapshot's (a table's names and deleted rows); what
-    it raises counts as an unreadable file.
+    ``check`` makes each footer's info the snapshot's (a table's names and deleted rows); a
+    ``LakeDataError`` it raises counts as an unreadable file.
 
     Raises:
-        LakeDataError: If a footer cannot be read (unless ``request.skip_unreadable``).
+        LakeDataError: If a footer cannot be read or ``check`` rejects it (unless
+            ``request.skip_unreadable``).
     """
 
     def read(d: DiscoveredFile) -> FileInfo | None:

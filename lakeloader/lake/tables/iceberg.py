@@ -229,9 +229,9 @@ def _files(
     for path in read:  # a position delete file's (file_path, pos) rows
         with fs.open(fs._strip_protocol(path), "rb") as handle:
             deletes = pq.read_table(handle, columns=["file_path", "pos"])
-        names = deletes.column("file_path").to_pylist()
-        for name, pos in zip(names, deletes.column("pos").to_pylist(), strict=True):
-            positions[name].add(pos)
+        by_file = deletes.group_by("file_path").aggregate([("pos", "list")])
+        for name, pos in zip(*by_file.to_pydict().values(), strict=True):
+            positions[name].update(pos)
     out = []
     for task in tasks:
         data = task.file
