@@ -278,3 +278,17 @@ def test_skip_leaves_a_file_with_an_unreadable_footer_out(
     ds = ll.LakeDataset(sources, on_error="skip", shuffle=False)
     assert [Path(f.path).name for f in ds.snapshot.files] == ["file-0000.parquet"]
     assert "left out of the snapshot" in caplog.text and "Map keys" in caplog.text
+
+
+@pytest.mark.parametrize(("data", "why"), [(b"PAR1", "shorter than"), (b"x" * 40, "it ends with")])
+def test_a_remote_file_too_short_or_not_parquet_says_which(data: bytes, why: str) -> None:
+    """A store's file is read by ranges: the refusal names the file and what is wrong with it."""
+    import fsspec
+
+    from lakeloader.io.fetch import read_footer
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/bad-input/f.parquet", data)
+    with pytest.raises(ll.LakeDataError, match=rf"f\.parquet: not a Parquet file: {why}"):
+        read_footer(fs, "/bad-input/f.parquet", len(data), ll.RetryPolicy())
+    fs.rm("/bad-input", recursive=True)

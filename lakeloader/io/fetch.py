@@ -99,10 +99,12 @@ def read_footer(
         start = max(0, size - FOOTER_TAIL_BYTES)
         tail = cat(start, size)
         if size < 12 or tail[-4:] != PARQUET_MAGIC:
+            why = "shorter than a Parquet file's 12 bytes of magic and footer length"
+            if tail[-4:] != PARQUET_MAGIC:
+                why = f"it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r}"
             raise LakeDataError(
-                f"{url}: not a Parquet file: it ends with {tail[-4:]!r}, not {PARQUET_MAGIC!r} "
-                f"({size} bytes); a truncated or half-written file looks like this. Repair it, "
-                "remove it, or move it out of the lake"
+                f"{url}: not a Parquet file: {why} ({size} bytes); a truncated or half-written "
+                "file looks like this. Repair it, remove it, or move it out of the lake"
             )
         length = int.from_bytes(tail[-8:-4], "little")
         if length + 8 > size - 4:
