@@ -215,7 +215,12 @@ _OPEN: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
 
 
 def _drop_inherited() -> None:
-    """In a forked child: close its copies of the parent's sockets (the parent's stay open)."""
+    """In a forked child: close the copies of the parent's sockets, take a lock of its own.
+
+    The parent's sockets stay open; a thread of the parent may hold the parent's lock.
+    """
+    global _DIRECT_LOCK
+    _DIRECT_LOCK = threading.Lock()
     for conn in list(_OPEN):
         if conn.sock is not None:
             conn.sock.close()

@@ -6,6 +6,7 @@ footer read and column chunk); local files are read by pyarrow natively.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -49,6 +50,10 @@ class _FooterCache:
         self._items: OrderedDict[tuple[str, int, str], pq.FileMetaData] = OrderedDict()
         self._lock = threading.Lock()
 
+    def unlock(self) -> None:
+        """In a forked child: a lock of its own (a thread of the parent may hold the parent's)."""
+        self._lock = threading.Lock()
+
     def get(self, key: tuple[str, int, str]) -> pq.FileMetaData | None:
         with self._lock:
             meta = self._items.get(key)
@@ -66,6 +71,7 @@ class _FooterCache:
 #: Footers kept per process (a few KB each for ordinary schemas).
 FOOTER_CACHE_FILES = 4096
 _FOOTERS = _FooterCache(FOOTER_CACHE_FILES)
+os.register_at_fork(after_in_child=_FOOTERS.unlock)
 
 
 def read_footer(
