@@ -124,30 +124,75 @@ def left_in(folders: Sequence[Path]) -> set[str]:
     return {str(p) for folder in folders for pattern in TMP_PATTERNS for p in folder.glob(pattern)}
 
 
-def _ours_in_tmp() -> set[str]:
-    """What ``left_in`` finds in /tmp and the temporary folder, and the gRPC sockets that the
-    weed servers of this session left in /tmp."""
-    found = left_in(sorted({Path("/tmp"), Path(tempfile.gettempdir())}))
+def _ours_in_tmp(names: bool = True) -> set[str]:
+    """What ``left_in`` finds in /tmp and the temporary folder (``names``), and the gRPC
+    sockets that the weed servers of this process left in /tmp."""
+    found = left_in(sorted({Path("/tmp"), Path(tempfile.gettempdir())})) if names else set()
     stores = sys.modules.get("tests.stores")
     if stores is not None:
         found |= {str(sock) for sock in stores.weed_sockets(stores.WEED_PORTS)}
     return found
 
 
+def _in_xdist(config: pytest.Config) -> bool:
+    """Whether pytest-xdist runs the tests in worker processes (``-n``)."""
+    return hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None) not in (
+        None,
+        0,
+    )
+
+
+def _left(before: set[str], after: set[str]) -> str | None:
+    """What a session left in the temporary folder, said, or None."""
+    left = sorted(after - before)
+    if not left:
+        return None
+    return (
+        f"the test session left in the temporary folder: {', '.join(left)}; whatever makes "
+        "them should write under tmp_path (if other test sessions ran meanwhile, some may be "
+        "theirs)"
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _leaves_nothing_in_tmp() -> Iterator[None]:
+def _leaves_nothing_in_tmp(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the session if it leaves in /tmp what its servers, torchrun runs, examples or
-    benchmarks make (pytest's own ``tmp_path`` folders, which it cleans, are not looked at)."""
-    before = _ours_in_tmp()
+    benchmarks make (pytest's own ``tmp_path`` folders, which it cleans, are not looked at).
+
+    Under pytest-xdist a worker checks only its own servers' sockets (the other workers'
+    tests are under way meanwhile): the names are compared once all workers are done, by
+    :func:`pytest_sessionfinish` in the controlling process.
+    """
+    names = not _in_xdist(request.config)
+    before = _ours_in_tmp(names)
     yield
-    left = sorted(_ours_in_tmp() - before)
+    left = _left(before, _ours_in_tmp(names))
     if left:
-        pytest.fail(
-            f"the test session left in the temporary folder: {', '.join(left)}; whatever "
-            "makes them should write under tmp_path (if other test sessions ran meanwhile, "
-            "some may be theirs)",
-            pytrace=False,
-        )
+        pytest.fail(left, pytrace=False)
+
+
+_BEFORE = pytest.StashKey[set[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under pytest-xdist, note what the temporary folder holds before any worker starts."""
+    if _in_xdist(session.config) and not hasattr(session.config, "workerinput"):
+        session.config.stash[_BEFORE] = left_in([Path("/tmp"), Path(tempfile.gettempdir())])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist, fail the run if the workers left in the temporary folder what
+    ``TMP_PATTERNS`` names (the workers are done by now)."""
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    left = _left(before, left_in([Path("/tmp"), Path(tempfile.gettempdir())]))
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write(f"\nFAILED {left}\n", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def write_lake(
@@ -390,7 +435,7 @@ def running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or between open and read
         return False
 
 
