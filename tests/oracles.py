@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lakeloader.order.batches import BatchSpec
-from lakeloader.order.mixture import MixDraw, PartTable, _small
+from lakeloader.order.mixture import MixDraw, PartTable, _epoch_of, _small, epoch_first
 from lakeloader.order.plan import (
     EpochPlan,
     batch_slots,
@@ -164,16 +164,15 @@ def part_table(
     size = len(draw.sources) // steps
     lo, hi = rank_bounds(size, world_size, rank)
     sources = draw.sources.reshape(steps, size)[:, lo:hi]
-    share = MixDraw(
-        draw.first, draw.names, sources.ravel(), draw.offsets.reshape(steps, size)[:, lo:hi].ravel()
-    )
-    epoch, position = share.epochs(rows)
+    flat, offsets = sources.ravel(), draw.offsets.reshape(steps, size)[:, lo:hi].ravel()
+    epoch = _epoch_of(rows, flat, offsets)
+    position = offsets - epoch_first(rows, flat, epoch)
     width = hi - lo
     step = np.repeat(np.arange(steps, dtype=np.int64), width)
     # One key per (step, source, epoch): a stable sort groups the parts, each in slot order.
     low = int(epoch.min()) if len(epoch) else 0
     span = int(epoch.max()) - low + 1 if len(epoch) else 1
-    combined = (step * len(draw.names) + share.sources) * span + (epoch - low)
+    combined = (step * len(draw.names) + flat) * span + (epoch - low)
     order = np.argsort(_small(combined, steps * len(draw.names) * span), kind="stable")
     ordered = combined[order]
     first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
@@ -182,7 +181,7 @@ def part_table(
     return PartTable(
         shares=sources,
         step=step[head],
-        source=share.sources[head],
+        source=flat[head],
         epoch=epoch[head],
         start=position[head],
         stop=position[tail] + 1,

@@ -13,7 +13,9 @@ from lakeloader.order.mixture import (
     MixCursor,
     MixDraw,
     MixWeights,
+    _epoch_of,
     draw_parts,
+    epoch_first,
     slot_sources,
 )
 from tests.conftest import FAST
@@ -108,7 +110,8 @@ def test_a_weight_change_continues_every_source_from_its_own_count() -> None:
 def test_a_small_source_runs_through_its_epochs_one_after_the_other() -> None:
     w = MixWeights.of({"big": 0.9, "small": 0.1})
     draw, _ = MixCursor(0, {}).take(w, 0, 10_000)
-    epochs, rows = draw.epochs([100_000, 30])
+    epochs = _epoch_of([100_000, 30], draw.sources, draw.offsets)
+    rows = draw.offsets - epoch_first([100_000, 30], draw.sources, epochs)
     small = draw.sources == w.names.index("small")
     e, r = epochs[small], rows[small]
     assert e.max() >= 3  # upsampled through several epochs
@@ -176,7 +179,6 @@ def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(c: Chunk
         chunked = rank_parts_many(draw, rows, steps, world, rank)
         for k, (sources, parts) in enumerate(chunked):
             one = MixDraw(
-                draw.first + k * size,
                 draw.names,
                 draw.sources[k * size : (k + 1) * size],
                 draw.offsets[k * size : (k + 1) * size],

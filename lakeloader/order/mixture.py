@@ -99,7 +99,7 @@ class MixCursor:
         base = self.counts_of(names)
         offsets = np.empty(count, dtype=np.int64)
         offsets[order] = np.arange(count, dtype=np.int64) - np.repeat(first - base, drawn)
-        return MixDraw(self.slot, names, sources, offsets), self.after(count, names, base + drawn)
+        return MixDraw(names, sources, offsets), self.after(count, names, base + drawn)
 
     def counts_of(self, names: Sequence[str]) -> np.ndarray:
         """The count of each of ``names`` (0 for a source not drawn from yet)."""
@@ -121,22 +121,9 @@ class MixDraw:
         offsets: Each slot's index in its source's stream (its epochs one after the other).
     """
 
-    first: int
     names: tuple[str, ...]
     sources: np.ndarray
     offsets: np.ndarray
-
-    def epochs(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Each slot's epoch of its source and row position in it, given each source's rows.
-
-        A source that runs out goes on with its next epoch: offset ``j`` of a source of ``n``
-        rows is position ``j % n`` of its epoch ``j // n``.
-        """
-        sizes = np.asarray(rows, dtype=np.int64)[self.sources]
-        if (sizes <= 0).any():
-            empty = sorted({self.names[k] for k in self.sources[sizes <= 0].tolist()})
-            raise ValueError(f"mixture source(s) {empty} have no rows to draw from")
-        return self.offsets // sizes, self.offsets % sizes
 
 
 #: Where a source's epochs start in its stream: ``n`` rows each (a lake), or ``(e0, starts)``
