@@ -63,6 +63,7 @@ class LocalBuilder:
         self._space = space
         self._schema = schema
         self._opener = UnitOpener()
+        #: What the steps built for a lake's pass lost (by step), until their delivery pops it.
         self.skipped: dict[int, Skipped] = {}
         #: Batches run the user's code (an empty share is then cut from a sample batch).
         self.user_code = spec.recipe.user_code
@@ -98,13 +99,12 @@ class LocalBuilder:
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise timed_out(spec, step.step) from None
         layout = spec.layout if self._space.arena is not None else None
-        screened = screen(step, held, spec.plan, layout, len(self._schema), views)
-        self.skipped[step.step] = (screened.skipped, screened.lost)
-        return screened
+        return screen(step, held, spec.plan, layout, len(self._schema), views)
 
     def build(self, step: BatchSpec) -> Payload:
         """Build a step's payload here."""
         spec, screened = self._spec, self.screened(step)
+        self.skipped[step.step] = (screened.skipped, screened.lost)
         if self.user_code and step.num_rows == screened.lost:
             return self.empty()
         records = arena_rows(self._space.arena)
@@ -214,6 +214,7 @@ class WorkerBuilder:
     def _submit(self, step: BatchSpec, deadline: float | None = None) -> None:
         local, space = self._local, self._space
         screened = local.screened(step, deadline, views=False)
+        local.skipped[step.step] = (screened.skipped, screened.lost)
         if local.user_code and step.num_rows == screened.lost:  # empty: built here, once a pass
             done: Future[Any] = Future()
             done.set_result(local.empty())

@@ -123,7 +123,6 @@ class EpochTokens:
         ends = self.stream.ends
         expected = int(ends[pos] - (ends[pos - 1] if pos else 0))
         screened = builder.screened(spec)
-        builder.skipped.pop(spec.step)
         if screened.skipped:
             pads = np.full(expected, packing.pad_id, dtype=np.int64)
             return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True), screened.skipped
