@@ -144,12 +144,14 @@ def inspect_checkpoint(
     drop_last: bool | None = None,
     ranges: bool = False,
     steps_available: list[int] | None = None,
-    **topology: int,
+    world_size: int | None = None,
+    num_workers: int | None = None,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Describe a checkpoint: position, per-rank and per-worker locations, metadata.
 
-    ``topology`` (``world_size``, ``num_workers``, ``batch_size``) and ``drop_last`` override
-    the saved ones; ``ranges`` adds, per row group, the row ranges consumed, remaining and
+    ``world_size``, ``num_workers``, ``batch_size`` and ``drop_last`` override the saved ones
+    (None: the saved one); ``ranges`` adds, per row group, the row ranges consumed, remaining and
     dropped. ``rows_remaining`` is ``N - G - rows_dropped``; of those, ``rows_to_drop`` will be
     dropped by ``drop_last`` under the topology used (for a followed lake: ``rows_to_carry``
     open the next increment's first step instead).
@@ -161,7 +163,8 @@ def inspect_checkpoint(
     if saved is None:
         raise CheckpointError(f"{ckpt.path} records no topology (written by lakeloader < 0.2)")
     state, ctx, plan = ckpt.state, ckpt.context, rebuild_plan(ckpt)
-    topo = dataclasses.replace(saved, **topology)
+    given = {"world_size": world_size, "num_workers": num_workers, "batch_size": batch_size}
+    topo = dataclasses.replace(saved, **{k: v for k, v in given.items() if v is not None})
     drop = ctx.drop_last if drop_last is None else drop_last
     tracker = ReaderStateTracker.standing_at(
         state, topo, drop_last=drop, workers_build=ctx.workers_build

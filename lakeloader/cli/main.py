@@ -216,13 +216,14 @@ def _cmd_inspect(args: argparse.Namespace) -> Result:
         info = inspect_kind(ckpt, found.steps)
         head, lines, end = render_kind_text(info), [], ""
     else:
-        names = ("world_size", "num_workers", "batch_size")
         info = inspect_checkpoint(
             ckpt,
             drop_last=args.drop_last,
             ranges=args.ranges,
             steps_available=found.steps,
-            **{k: getattr(args, k) for k in names if getattr(args, k) is not None},
+            world_size=args.world_size,
+            num_workers=args.num_workers,
+            batch_size=args.batch_size,
         )
         info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
         head, lines, end = render_text(info), render_details(details), "\n"
