@@ -88,12 +88,11 @@ def train(lake: Path, ckpt: Path, log: Path, topo: Topology) -> dict[str, Any]:
     model = torch.nn.Linear(len(FEATURES), CLASSES)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     step, losses = 0, []
-    manager = CheckpointManager(str(ckpt))
-    if manager.latest() is not None:  # every simulated rank restores the same position
-        step = manager.load(loaders[0], model=model, optimizer=optim)["step"]
-        for loader in loaders[1:]:
-            manager.load(loader)
-    with log.open("ab") as out:
+    with CheckpointManager(str(ckpt)) as manager, log.open("ab") as out:
+        if manager.latest() is not None:  # every simulated rank restores the same position
+            step = manager.load(loaders[0], model=model, optimizer=optim)["step"]
+            for loader in loaders[1:]:
+                manager.load(loader)
         for _ in range(EPOCHS):
             for shares in zip(*loaders, strict=True):
                 x = torch.cat([torch.stack([s[f] for f in FEATURES], 1) for s in shares])
@@ -114,7 +113,6 @@ def train(lake: Path, ckpt: Path, log: Path, topo: Topology) -> dict[str, Any]:
             if loaders[0].epoch >= EPOCHS - 1:
                 break
     state_bytes = len(msgpack.packb(loaders[0].state_dict()))
-    manager.close()
     for loader in loaders:
         loader.close()
     return {"steps": step, "losses": losses, "state_bytes": state_bytes}
@@ -169,7 +167,8 @@ def run_demo(
     log.unlink(missing_ok=True)
     write_demo_lake(lake, rows)
     killed_at, child_seconds = _run_child(lake, ckpt, log, crash_at)
-    saved_step = CheckpointManager(str(ckpt), ledger=False).latest() or 0
+    with CheckpointManager(str(ckpt), ledger=False) as manager:
+        saved_step = manager.latest() or 0
     manifest_bytes = sum(p.stat().st_size for p in (ckpt / "manifests").glob("*"))
     t0 = time.monotonic()
     resumed = train(lake, ckpt, log, AFTER)
@@ -191,7 +190,8 @@ def run_demo(
         for epoch, c in enumerate(counts)
     ]
     audited, _ = run_audit(str(ckpt), {})
-    head = CheckpointManager(str(ckpt), ledger=False).load_checkpoint()
+    with CheckpointManager(str(ckpt), ledger=False) as manager:
+        head = manager.load_checkpoint()
     ok = all(p["exactly_once"] == rows and p["missing"] == p["duplicated"] == 0 for p in per_epoch)
     report: dict[str, Any] = {
         "ok": ok and audited.verdict == "exactly once",
