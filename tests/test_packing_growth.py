@@ -143,9 +143,9 @@ def test_a_checkpoint_after_the_resume_continues_with_the_same_samples(
 def test_a_later_checkpoint_loads_into_the_loader_that_resumed_and_states_say_their_version(
     tmp_path: Path, mixed: bool
 ) -> None:
-    """A loader that resumed after the growth takes a later checkpoint of its own run (as a
-    FaultTolerantLoader's re-slice does, made on ``loader.dataset``): the lake did not change
-    since. Its states name their epoch, in a version an older lakeloader refuses."""
+    """A later checkpoint of a run that resumed after the growth loads into the loader that
+    resumed and into a new one made on its ``loader.dataset``: the lake did not change since.
+    Its states name their epoch, in a version an older lakeloader refuses (packed 3, mixture 2)."""
     root, ckpt, _ = _grown(tmp_path, mixed)
     loaders = _loaded(root, ckpt, 1, 6, mixed)
     head = _steps(loaders, 30)
