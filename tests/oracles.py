@@ -133,7 +133,7 @@ def rank_parts(
 
     Args:
         draw: The global batch's slots.
-        rows: Rows of one epoch of each source, in the order of ``draw.names``.
+        rows: Rows of one epoch of each source, in the order of the weights' names.
         world_size: Ranks sharing the batch.
         rank: This rank.
 
@@ -172,8 +172,8 @@ def part_table(
     # One key per (step, source, epoch): a stable sort groups the parts, each in slot order.
     low = int(epoch.min()) if len(epoch) else 0
     span = int(epoch.max()) - low + 1 if len(epoch) else 1
-    combined = (step * len(draw.names) + flat) * span + (epoch - low)
-    order = np.argsort(_small(combined, steps * len(draw.names) * span), kind="stable")
+    combined = (step * len(rows) + flat) * span + (epoch - low)
+    order = np.argsort(_small(combined, steps * len(rows) * span), kind="stable")
     ordered = combined[order]
     first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
     last = np.concatenate([first[1:], [len(order)]]) - 1

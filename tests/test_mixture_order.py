@@ -179,9 +179,7 @@ def test_a_rank_s_parts_cover_its_share_exactly_in_chunks_as_one_by_one(c: Chunk
         chunked = rank_parts_many(draw, rows, steps, world, rank)
         for k, (sources, parts) in enumerate(chunked):
             one = MixDraw(
-                draw.names,
-                draw.sources[k * size : (k + 1) * size],
-                draw.offsets[k * size : (k + 1) * size],
+                draw.sources[k * size : (k + 1) * size], draw.offsets[k * size : (k + 1) * size]
             )
             alone_sources, alone = rank_parts(one, rows, world, rank)
             assert sources.tolist() == alone_sources.tolist()

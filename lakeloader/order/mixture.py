@@ -99,7 +99,7 @@ class MixCursor:
         base = self.counts_of(names)
         offsets = np.empty(count, dtype=np.int64)
         offsets[order] = np.arange(count, dtype=np.int64) - np.repeat(first - base, drawn)
-        return MixDraw(names, sources, offsets), self.after(count, names, base + drawn)
+        return MixDraw(sources, offsets), self.after(count, names, base + drawn)
 
     def counts_of(self, names: Sequence[str]) -> np.ndarray:
         """The count of each of ``names`` (0 for a source not drawn from yet)."""
@@ -116,12 +116,10 @@ class MixDraw:
     """Consecutive global slots of a mixture: each one's source and its place in that source.
 
     Attributes:
-        names: The sources, in the order ``sources`` indexes.
-        sources: Each slot's source.
+        sources: Each slot's source (an index into the weights' names).
         offsets: Each slot's index in its source's stream (its epochs one after the other).
     """
 
-    names: tuple[str, ...]
     sources: np.ndarray
     offsets: np.ndarray
 
