@@ -33,7 +33,7 @@ from lakeloader.state.journal import Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.requests import REQUESTS_KEY
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
-from lakeloader.steering import Endless, Steered, Steering
+from lakeloader.steering import Endless, Steered, Steering, Step
 from lakeloader.workers.pool import WorkerPool
 
 L = TypeVar("L", bound="DataLoader")
@@ -375,6 +375,14 @@ class DataLoader(TorchNames):
     def workers_build(self) -> bool:
         """Whether workers build batches (a transform or collate_fn) rather than decode."""
         return self.root.workers_build
+
+    def _reslice(self, rank: int, world_size: int) -> None:
+        """Place the next pass on ``rank`` of ``world_size`` (FaultTolerantLoader: per quorum)."""
+        self._placement = (rank, world_size)
+
+    def _roll_back(self, state: dict[str, Any], kept: Step | None) -> None:
+        """Stand at FaultTolerantLoader's committed ``state`` (see ``Steering.rolled_back``)."""
+        self._steering.rolled_back(self.root, state, kept)
 
     # ------------------------------------------------------------------ resources
     def _ensure_pool(self) -> WorkerPool:

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 #: Delivered steps whose runs are kept for ``quarantine_step``.
 STEPS_KEPT = 64
 
+#: A step delivered: its number among the batches handed over in the run, and its runs.
+Step = tuple[int, tuple[DeliveredRun, ...]]
+
 
 class Steering:
     """The requests of one loader and the runs of its last steps (see the module docstring)."""
@@ -31,7 +34,7 @@ class Steering:
     def __init__(self) -> None:
         self.requests = Requests()
         #: ``(step, runs)`` of the last :data:`STEPS_KEPT` steps delivered.
-        self.recent: deque[tuple[int, tuple[DeliveredRun, ...]]] = deque(maxlen=STEPS_KEPT)
+        self.recent: deque[Step] = deque(maxlen=STEPS_KEPT)
         #: Passes begun again on request: a pass iterator of an older count begins again.
         self.restarts = 0
         #: Whether the loader was restored from a state (steps to come may be quarantined).
@@ -95,6 +98,22 @@ class Steering:
         self.recent.clear()
         self.passed_over.clear()
         self.restored_before = True
+
+    def rolled_back(self, root: Node, state: Any, kept: Step | None) -> None:
+        """Make ``root`` stand at a committed ``state`` again (torchft): the run goes on.
+
+        Unlike a restore, the runs of the steps before it stay known (not of those rolled
+        back), with ``kept`` (the last step committed: a roll back before it may have dropped
+        it), and whether the loader was restored (steps to come may be quarantined).
+        """
+        recent, restored = list(self.recent), self.restored_before
+        root.restore(state)
+        self.restored(state)
+        self.recent.extend(s for s in recent if s[0] < self.requests.delivered)
+        last = self.recent[-1][0] if self.recent else -1
+        if kept is not None and last < kept[0] < self.requests.delivered:
+            self.recent.append(kept)
+        self.restored_before = restored
 
     def state(self, fetched_ahead: int) -> str:
         """The record as a state holds it, ``fetched_ahead`` deliveries back.

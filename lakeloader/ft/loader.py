@@ -24,7 +24,9 @@ from lakeloader.loader_args import has_len
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.requests import Requests
 from lakeloader.state.tracker import ReaderStateTracker, ReaderView
+from lakeloader.steering import Step
 from lakeloader.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class FaultTolerantLoader:
         self._taken = 0  # steps taken from ``_it``
         self._over = False  # the pass is over at the committed state
         self._issued: Issued | None = None
+        self._kept: Step | None = None  # the last step committed (a roll back may drop it)
         self._observer: Callable[..., None] | None = None  # the ledger's Ledger.step
         self._journal = DeliveryJournal()  # steps committed before an observer came
         self.participants = 0
@@ -142,7 +145,8 @@ class FaultTolerantLoader:
             steps = getattr(it, "num_steps", None)  # None: a pass whose end is not known
             over = steps is not None and self._taken >= steps
             runs = tuple(self._runs) if rank == 0 else ()  # the ledger's: once per step
-            step = self._inner._steering.recent[-1]  # its number and runs (not the skipped)
+            # its number (steps handed over, less it) and runs (not of the steps skipped)
+            step = (Requests.of_state(self._at).delivered - 1, self._inner.root.last_runs())
             self._issued = Issued(self.manager.current_step(), self._at, over, runs, step)
             self.participants, self.participating_rank = participants, rank
             self.step_rows = sum(r.stop - r.start for r in step[1])
@@ -155,7 +159,8 @@ class FaultTolerantLoader:
         if was != (rank, participants):
             logger.info("re-sliced: rank %d of %d groups (was %d of %d)", rank, participants, *was)
             inner.close()  # its pass, and its workers, were of the other slice
-            inner._placement, self._at = (rank, participants), None
+            inner._reslice(rank, participants)
+            self._at = None
             self._at_committed(f"rank {rank} of {participants} groups")
         else:
             self._at_committed()
@@ -166,22 +171,17 @@ class FaultTolerantLoader:
     def _at_committed(self, where: str = "the rolled back step's slice") -> None:
         """Make the DataLoader stand at the committed state (rolling a step back).
 
-        Its steering keeps the committed steps for ``quarantine_step`` (not the rolled back
-        ones), and whether a checkpoint was restored (steps to come may be quarantined).
+        ``quarantine_step`` keeps knowing the committed steps (see ``Steering.rolled_back``).
         """
         if self._at is self._committed:
             return
-        steering = self._inner._steering
-        recent, restored = list(steering.recent), steering.restored_before
         try:
-            self._inner.load_state_dict(self._committed)
+            self._inner._roll_back(self._committed, self._kept)
         except StateMismatchError as exc:
             raise StateMismatchError(
                 f"the committed state cannot be restored at {where}: {exc}. Every replica "
                 "group must read the same dataset with the same settings"
             ) from exc
-        steering.recent.extend(s for s in recent if s[0] < steering.requests.delivered)
-        steering.restored_before = restored
         self._at, self._it = self._committed, None
 
     def _settle(self, *, rollback: bool) -> None:
@@ -196,10 +196,7 @@ class FaultTolerantLoader:
                 f"handed one out (at step {issued.at_step}): take one batch per step"
             )
         if step > issued.at_step:
-            self._committed, self._over = issued.after, issued.over
-            recent = self._inner._steering.recent  # a barrier may have rolled it out of there
-            if not recent or recent[-1][0] < issued.step[0]:
-                recent.append(issued.step)
+            self._committed, self._over, self._kept = issued.after, issued.over, issued.step
         elif not rollback:
             return  # it may commit yet
         self._record(issued.runs, committed=step > issued.at_step)
@@ -268,7 +265,8 @@ class FaultTolerantLoader:
             self._settle(rollback=True)
             self._at_committed()
             entries = self._inner.quarantine_step(step)
-            self._inner._close_iterator(f"quarantine_step({step})")  # a step to come, too
+            if step >= Requests.of_state(self._committed).delivered:  # to come: end its pass
+                self._inner._close_iterator(f"quarantine_step({step})")  # (a delivered one's is)
             self._committed = self._at = self._inner.state_dict()
             self._it = None
             return entries
@@ -333,6 +331,7 @@ class FaultTolerantLoader:
             self._inner.restore_checkpoint(ckpt, coordinator)
             self._committed = self._at = self._inner.state_dict()
             self._it, self._issued, self._over = None, None, False
+            self._kept = None  # the steps before the checkpoint are not known
             self._journal.take_steps()  # what came before is not this attempt's history
 
     def observe_steps(self, observer: Callable[..., None]) -> None:

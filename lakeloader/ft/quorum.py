@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lakeloader.state.journal import DeliveredRun
+from lakeloader.steering import Step
 
 
 class QuorumManager(Protocol):
@@ -48,4 +49,4 @@ class Issued:
     after: dict[str, Any]
     over: bool
     runs: tuple[DeliveredRun, ...]
-    step: tuple[int, tuple[DeliveredRun, ...]]
+    step: Step
