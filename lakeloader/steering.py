@@ -100,11 +100,9 @@ class Steering:
         self.restored_before = True
 
     def rolled_back(self, root: Node, state: Any, kept: Step | None) -> None:
-        """Make ``root`` stand at a committed ``state`` again (torchft): the run goes on.
+        """Make ``root`` stand at a committed ``state`` again (torchft): not a restore.
 
-        Unlike a restore, the runs of the steps before it stay known (not of those rolled
-        back), with ``kept`` (the last step committed: a roll back before it may have dropped
-        it), and whether the loader was restored (steps to come may be quarantined).
+        Known stay the steps before it, ``kept`` (the last committed), and ``restored_before``.
         """
         recent, restored = list(self.recent), self.restored_before
         root.restore(state)

@@ -145,7 +145,6 @@ class FaultTolerantLoader:
             steps = getattr(it, "num_steps", None)  # None: a pass whose end is not known
             over = steps is not None and self._taken >= steps
             runs = tuple(self._runs) if rank == 0 else ()  # the ledger's: once per step
-            # its number (steps handed over, less it) and runs (not of the steps skipped)
             step = (Requests.of_state(self._at).delivered - 1, self._inner.root.last_runs())
             self._issued = Issued(self.manager.current_step(), self._at, over, runs, step)
             self.participants, self.participating_rank = participants, rank
@@ -162,17 +161,13 @@ class FaultTolerantLoader:
             inner._reslice(rank, participants)
             self._at = None
             self._at_committed(f"rank {rank} of {participants} groups")
-        else:
-            self._at_committed()
+        self._at_committed()
         if self._it is None:
             self._it, self._taken = iter(self._inner), 0
         return self._it
 
     def _at_committed(self, where: str = "the rolled back step's slice") -> None:
-        """Make the DataLoader stand at the committed state (rolling a step back).
-
-        ``quarantine_step`` keeps knowing the committed steps (see ``Steering.rolled_back``).
-        """
+        """Make the DataLoader stand at the committed state (see ``Steering.rolled_back``)."""
         if self._at is self._committed:
             return
         try:

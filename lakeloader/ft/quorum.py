@@ -41,8 +41,7 @@ class Issued:
         after: The DataLoader's state after it (the committed state if it commits).
         over: Whether the pass is over after it.
         runs: Its global spans, for the ledger (none unless this group was participant 0).
-        step: Its number among the batches handed over in the run, and its runs (every
-            group's: ``quarantine_step`` of it, once committed).
+        step: Its number and runs (every group's: ``quarantine_step`` of it, once committed).
     """
 
     at_step: int
