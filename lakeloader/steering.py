@@ -102,7 +102,7 @@ class Steering:
     def rolled_back(self, root: Node, state: Any, kept: Step | None) -> None:
         """Make ``root`` stand at a committed ``state`` again (torchft): not a restore.
 
-        Known stay the steps before it, ``kept`` (the last committed), and ``restored_before``.
+        The steps before it stay known, with ``kept`` (the last committed), and ``restored_before``.
         """
         recent, restored = list(self.recent), self.restored_before
         root.restore(state)
