@@ -100,9 +100,10 @@ class Steering:
         self.restored_before = True
 
     def rolled_back(self, root: Node, state: Any, kept: Step | None) -> None:
-        """Make ``root`` stand at a committed ``state`` again (torchft): not a restore.
+        """Make ``root`` stand at a committed ``state`` again (torchft).
 
-        The steps before it stay known, with ``kept`` (the last committed), and ``restored_before``.
+        It restores the state but keeps the known steps before it, with ``kept`` (the last
+        committed), and ``restored_before``.
         """
         recent, restored = list(self.recent), self.restored_before
         root.restore(state)

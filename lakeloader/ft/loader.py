@@ -95,7 +95,9 @@ class FaultTolerantLoader:
         self._taken = 0  # steps taken from ``_it``
         self._over = False  # the pass is over at the committed state
         self._issued: Issued | None = None
-        self._kept: Step | None = None  # the last step committed (a roll back may drop it)
+        #: The last step committed, put back (once) by the next roll back if a barrier's
+        #: roll back dropped it.
+        self._kept: Step | None = None
         self._observer: Callable[..., None] | None = None  # the ledger's Ledger.step
         self._journal = DeliveryJournal()  # steps committed before an observer came
         self.participants = 0
@@ -177,7 +179,7 @@ class FaultTolerantLoader:
                 f"the committed state cannot be restored at {where}: {exc}. Every replica "
                 "group must read the same dataset with the same settings"
             ) from exc
-        self._at, self._it = self._committed, None
+        self._at, self._it, self._kept = self._committed, None, None
 
     def _settle(self, *, rollback: bool) -> None:
         """Commit the issued step if the count moved past it; else (``rollback``) drop it."""
