@@ -68,9 +68,10 @@ def slot_sources(weights: MixWeights, seed: int, first: int, count: int) -> np.n
     index = np.arange(first, first + count, dtype=np.uint64)
     theta = _rng(seed, 0x4D4958).integers(0, 2**64, dtype=np.uint64)  # the seed's offset
     with np.errstate(over="ignore"):  # wrapping is the point: arithmetic modulo 2**64
-        x = index * GOLDEN_STEP + theta
+        index *= GOLDEN_STEP  # in place: a chunk's slots are megabytes, each new array faults
+        index += theta
     ends = np.cumsum(weights.shares)[:-1] * _ONE  # the sources' shares of [0, 2**64)
-    return count_reached(x, np.minimum(ends, _ONE - 1).astype(np.uint64), scan_up_to=8)
+    return count_reached(index, np.minimum(ends, _ONE - 1).astype(np.uint64), scan_up_to=8)
 
 
 @dataclass(frozen=True)
@@ -223,11 +224,16 @@ def draw_parts(
     lo, hi = rank_bounds(size, world_size, rank)
     width = hi - lo
     step_of = np.arange(steps, dtype=np.int64)[:, None] * S
-    full = np.bincount((step_of + drawn).ravel(), minlength=steps * S).reshape(steps, S)
-    after_step = cursor.counts_of(names) + np.cumsum(full, axis=0)
-    ahead = np.bincount((step_of + drawn[:, :lo]).ravel(), minlength=steps * S).reshape(steps, S)
     share = drawn[:, lo:hi]
-    mine = np.bincount((step_of + share).ravel(), minlength=steps * S).reshape(steps, S)
+    keyed = (step_of + share).ravel()  # each row of the shares' (step, source)
+    mine = np.bincount(keyed, minlength=steps * S).reshape(steps, S)
+    if width == size:  # one rank: its shares are the batches
+        full, ahead = mine, np.zeros_like(mine)
+    else:
+        full = np.bincount((step_of + drawn).ravel(), minlength=steps * S).reshape(steps, S)
+        before = (step_of + drawn[:, :lo]).ravel()
+        ahead = np.bincount(before, minlength=steps * S).reshape(steps, S)
+    after_step = cursor.counts_of(names) + np.cumsum(full, axis=0)
     first = after_step - full + ahead  # each (step, source)'s first offset in the share
     k, s = np.nonzero(mine)  # (step, source) pairs with rows, step-major as the sort below
     start, count = first[k, s], mine[k, s]
@@ -242,8 +248,7 @@ def draw_parts(
     lo_off = np.maximum(start[part], base)
     hi_off = np.minimum((start + count)[part], end)
     kept = hi_off > lo_off  # a followed lake's empty increments hold no part
-    keys = _small((step_of + share).ravel(), steps * S)
-    order = np.argsort(keys, kind="stable")
+    order = np.argsort(_small(keyed, steps * S), kind="stable")
     table = PartTable(
         shares=share,
         step=k[part][kept],

@@ -164,11 +164,10 @@ class MixtureIterator(PassIterator):
                 specs = [None] * len(idx)
             _, first = np.unique(positions, return_index=True)  # each piece once, in step order
             store.request(positions[np.sort(first)])
-            at = table.at[expand_runs(offsets[idx], lengths[idx], 1)]
-            where = _dests(at, starts, stops, plan.num_partitions)
+            where = _dests(table.at, offsets[idx], starts, stops, plan.num_partitions)
             if rows is not None:
                 arena = store.arena_starts(positions)[piece] + row
-                rows.reshape(-1)[np.repeat(table.step[idx], lengths[idx]) * width + where] = arena
+                rows.reshape(-1)[np.repeat(table.step[idx] * width, lengths[idx]) + where] = arena
             ends, cuts = np.cumsum(per_part).tolist(), np.cumsum(lengths[idx]).tolist()
             p0 = r0 = 0
             columns = zip(
@@ -223,16 +222,14 @@ class MixtureIterator(PassIterator):
 
 
 def _dests(
-    at: np.ndarray, starts: np.ndarray, stops: np.ndarray, num_partitions: int
+    at: np.ndarray, base: np.ndarray, starts: np.ndarray, stops: np.ndarray, num_partitions: int
 ) -> np.ndarray:
     """Where each row of each part (partition-major in its range) goes in its share.
 
-    ``at`` holds, part after part, where each position of the part's range goes; so does the
-    result, for the rows in the order a part's build gives them.
+    ``at[base[i]:]`` holds where each position of part ``i``'s range goes; the result holds it
+    for the rows of the parts, part after part, in the order a part's build gives them.
     """
     first, counts = batch_runs(starts, stops, num_partitions)
     slots = expand_runs(first.ravel(), counts.ravel(), num_partitions)
-    lengths = stops - starts
-    base = np.cumsum(lengths) - lengths
-    where: np.ndarray = at[slots - np.repeat(starts - base, lengths)]
+    where: np.ndarray = at[slots - np.repeat(starts - base, stops - starts)]
     return where
