@@ -13,6 +13,7 @@ numbers are printed (``pytest -s``) and in the assertion messages. Then, in this
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -66,6 +67,26 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def _semaphores_in_use() -> set[Path]:
+    """The named semaphores that a living process has mapped, whoever it is: another test's,
+    run meanwhile by another pytest-xdist worker, must not be unlinked under it. (A mapping
+    names the file glibc made the semaphore in before linking it to its name: compared by
+    inode.)"""
+    inodes: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        inodes |= {line.split()[4] for line in text.splitlines() if " /dev/shm/sem." in line}
+    used = set()
+    for sem in SHM.glob("sem.mp-*"):
+        with contextlib.suppress(OSError):
+            if str(sem.stat().st_ino) in inodes:
+                used.add(sem)
+    return used
 
 
 def _launch_env() -> dict[str, str]:
@@ -127,7 +148,7 @@ def _train(
         while _group_alive(child.pid):
             time.sleep(0.01)
         if killed:  # the SIGKILL took the spawned ranks' resource tracker: their semaphores stay
-            for left in set(SHM.glob("sem.mp-*")) - semaphores:
+            for left in set(SHM.glob("sem.mp-*")) - semaphores - _semaphores_in_use():
                 left.unlink(missing_ok=True)
     return Path(shutil.copy(out / "ckpt" / "last.ckpt", out / f"{tag}.ckpt"))
 
