@@ -161,9 +161,10 @@ class FaultTolerantLoader:
             logger.info("re-sliced: rank %d of %d groups (was %d of %d)", rank, participants, *was)
             inner.close()  # its pass, and its workers, were of the other slice
             inner._reslice(rank, participants)
-            self._at = None
+            self._at = None  # the committed state is restored on the new slice
             self._at_committed(f"rank {rank} of {participants} groups")
-        self._at_committed()
+        else:
+            self._at_committed()
         if self._it is None:
             self._it, self._taken = iter(self._inner), 0
         return self._it
