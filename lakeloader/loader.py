@@ -382,7 +382,7 @@ class DataLoader(TorchNames):
 
     def _roll_back(self, state: dict[str, Any], kept: Step | None) -> None:
         """Stand at FaultTolerantLoader's committed ``state`` (see ``Steering.rolled_back``)."""
-        self._steering.rolled_back(self.root, state, kept)
+        self._steering.rolled_back(lambda: self.load_state_dict(state), kept)
 
     # ------------------------------------------------------------------ resources
     def _ensure_pool(self) -> WorkerPool:

@@ -99,15 +99,14 @@ class Steering:
         self.passed_over.clear()
         self.restored_before = True
 
-    def rolled_back(self, root: Node, state: Any, kept: Step | None) -> None:
-        """Make ``root`` stand at a committed ``state`` again (torchft).
+    def rolled_back(self, restore: Callable[[], None], kept: Step | None) -> None:
+        """Stand at a committed state again (torchft): ``restore`` is the loader's restore.
 
-        It restores the state but keeps the known steps before it, with ``kept`` (the last
-        committed), and ``restored_before``.
+        The steps known before that state stay known, with ``kept`` (the last committed), and
+        ``restored_before`` stays as it was.
         """
         recent, restored = list(self.recent), self.restored_before
-        root.restore(state)
-        self.restored(state)
+        restore()
         self.recent.extend(s for s in recent if s[0] < self.requests.delivered)
         last = self.recent[-1][0] if self.recent else -1
         if kept is not None and last < kept[0] < self.requests.delivered:
