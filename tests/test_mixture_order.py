@@ -13,6 +13,7 @@ from lakeloader.order.mixture import (
     MixCursor,
     MixDraw,
     MixWeights,
+    PartTable,
     _epoch_of,
     draw_parts,
     epoch_first,
@@ -205,7 +206,19 @@ def test_drawing_and_cutting_at_once_equals_taking_then_cutting(c: Chunk) -> Non
     for rank in range(world):
         want = part_table(draw, rows, steps, world, rank)
         got, got_after, totals = draw_parts(c.cursor, w, seed, steps, size, rows, world, rank)
-        for field in ("shares", "step", "source", "epoch", "start", "stop", "at"):
+        for field in ("shares", "step", "source", "epoch", "start", "stop"):
             assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+        # the rows of each part: the oracle lays them out part after part, draw_parts by source
+        lengths = (got.stop - got.start).tolist()
+        assert _part_rows(got) == _part_rows(want)
+        spans = zip(got.at_start.tolist(), lengths, strict=True)
+        used = sorted(i for a, n in spans for i in range(a, a + n))
+        assert used == list(range(len(got.at)))  # each entry of ``at`` in one part, once
         assert got_after == after
         assert totals[-1].tolist() == [after.counts[n] for n in w.names]
+
+
+def _part_rows(table: PartTable) -> list[list[int]]:
+    """Where each part's rows stand in its share, part by part (whatever ``at``'s layout)."""
+    spans = zip(table.at_start.tolist(), (table.stop - table.start).tolist(), strict=True)
+    return [table.at[a : a + n].tolist() for a, n in spans]

@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import fsspec
@@ -84,9 +85,9 @@ class Snapshot:
     row_filter: str | None = None
     increment: Increment | None = None
 
-    @property
+    @cached_property
     def num_rows(self) -> int:
-        """Rows in the whole lake."""
+        """Rows in the whole lake (counted once: ``len(dataset)`` is asked for at every step)."""
         return sum(f.num_rows for f in self.files)
 
     @property

@@ -158,6 +158,9 @@ class MixtureNode(CursorNode):
         self.mixture = self.dataset = mixture
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
+        #: The topology of the pass under way (``begin``), and this rank's rows of its steps.
+        self._pass_topology = host.topology
+        self._share_rows = 0
         self._readers = {n: ds.reader() for n, ds in mixture.sources.items()}
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = {n: SourceStream(ds) for n, ds in mixture.sources.items()}
@@ -244,6 +247,10 @@ class MixtureNode(CursorNode):
             pool = self._pool_for(self._readers.values())
         state = self._mixed
         cursor = MixCursor(state.slot, state.counts)
+        # the pass's topology, fixed for it: what each delivery's runs are over
+        self._pass_topology = topology = self.host.topology
+        lo, hi = rank_bounds(topology.global_batch, topology.world_size, topology.rank)
+        self._share_rows = hi - lo
         sources = res.take_carried()
         if not isinstance(sources, Stores) or sources.at != cursor:
             if sources is not None:
@@ -255,7 +262,7 @@ class MixtureNode(CursorNode):
             self.mixture,
             cursor,
             self.steps_left(),
-            self.host.topology,
+            topology,
             opts,
             sources,
             pool if build else None,
@@ -314,16 +321,16 @@ class MixtureNode(CursorNode):
     def _delivered(
         self, cursor: MixCursor, skipped: tuple[QuarantineEntry, ...], lost: int
     ) -> None:
-        """The only place the position moves: a batch was handed over."""
+        """The only place the position moves: a batch was handed over (in the pass begun)."""
         before = self._stored.counts if self._cursor is None else self._cursor.counts
         self._cursor = cursor  # the state is made of it when asked for (not at every step)
-        topology, runs = self.host.topology, []
+        topology, runs = self._pass_topology, []
         for name, stream in self._streams.items():
             first, stop = before.get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, topology)
-        lo, hi = rank_bounds(topology.global_batch, topology.world_size, topology.rank)
         at = cursor.slot - self._stored.epoch_start
-        self.tracker.delivered(Delivery(at, hi - lo - lost, False, (), lost), runs=runs)
+        delivery = Delivery(at, self._share_rows - lost, False, (), lost)
+        self.tracker.delivered(delivery, runs=runs)
         if skipped:
             self.add_quarantine(skipped)
 

@@ -94,12 +94,12 @@ class MixCursor:
         sources = slot_sources(weights, seed, self.slot, count)
         names = weights.names
         # Each slot's offset: its source's count so far plus its rank among that source's slots.
-        order = np.argsort(_small(sources, len(names)), kind="stable")
-        drawn = np.bincount(sources, minlength=len(names))
-        first = np.cumsum(drawn) - drawn  # where each source's slots start in ``order``
         base = self.counts_of(names)
+        drawn = np.zeros(len(names), dtype=np.int64)
         offsets = np.empty(count, dtype=np.int64)
-        offsets[order] = np.arange(count, dtype=np.int64) - np.repeat(first - base, drawn)
+        for source, slots in enumerate(_by_source(sources, len(names))):
+            offsets[slots] = np.arange(base[source], base[source] + len(slots), dtype=np.int64)
+            drawn[source] = len(slots)
         return MixDraw(sources, offsets), self.after(count, names, base + drawn)
 
     def counts_of(self, names: Sequence[str]) -> np.ndarray:
@@ -161,18 +161,14 @@ def epoch_first(rows: Sequence[Spans], sources: np.ndarray, epochs: np.ndarray) 
     return out
 
 
-def _small(keys: np.ndarray, bound: int) -> np.ndarray:
-    """``keys`` (all below ``bound``) in the smallest unsigned type that holds them.
+def _by_source(sources: np.ndarray, count: int) -> list[np.ndarray]:
+    """Where each of ``count`` sources stands in ``sources`` (flattened), in order: no sort.
 
-    numpy sorts 8- and 16-bit keys stably by radix, in linear time.
-
-    >>> _small(np.array([3, 1]), 300).dtype
-    dtype('uint16')
+    >>> [a.tolist() for a in _by_source(np.array([[1, 0], [0, 2]]), 3)]
+    [[1, 2], [0], [3]]
     """
-    for dtype in (np.uint8, np.uint16):
-        if bound <= np.iinfo(dtype).max + 1:
-            return keys.astype(dtype)
-    return keys
+    flat = sources.ravel()
+    return [np.flatnonzero(flat == source) for source in range(count)]
 
 
 @dataclass(frozen=True)
@@ -187,7 +183,10 @@ class PartTable:
         source: Its source (an index into the names).
         epoch: Its source's epoch.
         start: Its first position in its source's epoch's order (``stop``: one past its last).
-        at: Where its rows stand in their share, all parts end to end (``stop - start`` each).
+        at: Where each row stands in its share, laid out by source (each source's rows of
+            every step in slot order, the sources one after the other), so that no sort
+            makes it: a part's rows are ``at[at_start : at_start + stop - start]``.
+        at_start: Where each part's rows begin in ``at``.
     """
 
     shares: np.ndarray
@@ -197,6 +196,7 @@ class PartTable:
     start: np.ndarray
     stop: np.ndarray
     at: np.ndarray
+    at_start: np.ndarray
 
 
 def draw_parts(
@@ -212,8 +212,9 @@ def draw_parts(
     """Draw ``steps`` global batches of ``size`` slots and cut a rank's shares into parts.
 
     A part's range comes from its source's count before it, its rows (in slot order) from
-    one stable sort of the share's slots by (step, source). ``rows`` says where each source's
-    epochs start in its stream (:data:`Spans`; a followed lake's must reach past the draws).
+    where its source's slots stand in the shares (:attr:`PartTable.at`). ``rows`` says where
+    each source's epochs start in its stream (:data:`Spans`; a followed lake's must reach past
+    the draws).
 
     Returns:
         The parts; the cursor after the batches; and, after each step, each source's count
@@ -248,7 +249,11 @@ def draw_parts(
     lo_off = np.maximum(start[part], base)
     hi_off = np.minimum((start + count)[part], end)
     kept = hi_off > lo_off  # a followed lake's empty increments hold no part
-    order = np.argsort(_small(keyed, steps * S), kind="stable")
+    # ``at`` by source, then step: where each (step, source)'s rows begin in it
+    per_source = mine.sum(axis=0)
+    block = np.cumsum(mine, axis=0) - mine + (np.cumsum(per_source) - per_source)
+    at = np.concatenate(_by_source(share, S))  # flat: step * width + place in the share
+    at -= np.repeat(np.tile(np.arange(steps, dtype=np.int64) * width, S), mine.T.ravel())
     table = PartTable(
         shares=share,
         step=k[part][kept],
@@ -256,6 +261,7 @@ def draw_parts(
         epoch=epoch[kept],
         start=(lo_off - base)[kept],
         stop=(hi_off - base)[kept],
-        at=order % max(width, 1),
+        at=at,
+        at_start=(block[k, s][part] + lo_off - start[part])[kept],
     )
     return table, cursor.after(steps * size, names, after_step[-1]), after_step

@@ -144,7 +144,6 @@ class MixtureIterator(PassIterator):
         )
         width = table.shares.shape[1]
         lengths = table.stop - table.start
-        offsets = np.cumsum(lengths) - lengths  # of each part's rows in ``table.at``
         keys = table.source * (int(table.epoch.max()) + 1) + table.epoch
         rows = np.full((count, width), -1, dtype=np.int64) if self._builder.fast else None
         made: dict[int, Part] = {}
@@ -164,7 +163,7 @@ class MixtureIterator(PassIterator):
                 specs = [None] * len(idx)
             _, first = np.unique(positions, return_index=True)  # each piece once, in step order
             store.request(positions[np.sort(first)])
-            where = _dests(table.at, offsets[idx], starts, stops, plan.num_partitions)
+            where = _dests(table.at, table.at_start[idx], starts, stops, plan.num_partitions)
             if rows is not None:
                 arena = store.arena_starts(positions)[piece] + row
                 rows.reshape(-1)[np.repeat(table.step[idx] * width, lengths[idx]) + where] = arena
