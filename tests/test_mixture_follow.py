@@ -77,3 +77,21 @@ def test_appended_rows_arrive_once_across_a_resume_on_datasets_made_anew(tmp_pat
         assert len(ids) == counts[name] > 55, f"{name}: the appended increments arrived"
         whole = [n for n in (30, 55, 75) if n <= len(ids)]  # increments drawn to their end
         assert set(range(whole[-1])) <= set(ids) <= set(range(lakes[name].rows)), name
+
+
+def test_a_state_taken_before_the_first_batch_resumes(tmp_path: Path) -> None:
+    """The first state names each followed source's increment, as every later one does."""
+    lakes = {n: Lake(tmp_path, n) for n in BASE}
+    for lake in lakes.values():
+        lake.add(30)
+    with ll.DataLoader(mixture(lakes), batch_size=4) as first:
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["sources"]["web"].get("increment") is not None
+    resumed = make_loaders(mixture(lakes), 2, batch_size=3)
+    for loader in resumed:
+        loader.load_state_dict(state)  # it raised StateMismatchError (increment None vs [...])
+    fresh = make_loaders(mixture(lakes), 2, batch_size=3)
+    seen, want = ([i for b in global_batches(ls) for i in b] for ls in (resumed, fresh))
+    for loader in [*resumed, *fresh]:
+        loader.close()
+    assert seen == want and len(seen) == len(set(seen)) > 0

@@ -40,7 +40,7 @@ from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
-from lakeloader.recovery.mixture_resume import records, resume_mixture
+from lakeloader.recovery.mixture_resume import resume_mixture
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry
@@ -167,7 +167,9 @@ class MixtureNode(CursorNode):
         self._streams_known()
         #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
-        self._mixed = first_state(mixture, records(mixture), host.topology.to_dict())
+        # each source's record as a resume finds it again (a followed lake's names its increment)
+        sources = stream_records(self._streams, {})
+        self._mixed = first_state(mixture, sources, host.topology.to_dict())
 
     @property
     def _mixed(self) -> MixtureState:

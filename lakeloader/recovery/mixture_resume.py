@@ -23,14 +23,6 @@ class MixtureResumption:
     changes: tuple[str, ...]
 
 
-def records(mixture: Mixture) -> dict[str, SourceRecord]:
-    """What each source of ``mixture`` is, as a state records it."""
-    return {
-        name: SourceRecord(ds.fingerprint, ds.config_hash, len(ds))
-        for name, ds in mixture.sources.items()
-    }
-
-
 def resume_mixture(
     saved: MixtureState,
     mixture: Mixture,
@@ -58,9 +50,10 @@ def resume_mixture(
         if not was.same_source(cur):
             raise StateMismatchError(
                 f"mixture source {name!r} is not the one saved: saved snapshot {was.fingerprint} "
-                f"(config {was.config}, {was.rows} rows), now {cur.fingerprint} (config "
-                f"{cur.config}, {cur.rows} rows). Resume with the same snapshot and order "
-                "settings for this source, or give it another name to start it afresh"
+                f"(config {was.config}, {was.rows} rows, increment {was.increment}), now "
+                f"{cur.fingerprint} (config {cur.config}, {cur.rows} rows, increment "
+                f"{cur.increment}). Resume with the same snapshot and order settings for this "
+                "source, or give it another name to start it afresh"
             )
     changes = [
         f"source {n!r} added (starts at its first row)"
