@@ -35,7 +35,10 @@ def _failing_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _touch_init(worker_id: int) -> None:
-    Path(os.environ["LL_TEST_INIT_DIR"], f"w{worker_id}-{os.getpid()}").touch()
+    info = torch.utils.data.get_worker_info()  # set before the init, as torch's workers do
+    assert info is not None and info.seed == torch.initial_seed()
+    name = f"w{worker_id}-{info.id}-{info.num_workers}-{os.getpid()}"
+    Path(os.environ["LL_TEST_INIT_DIR"], name).touch()
 
 
 def test_default_batch_is_a_dict_of_tensors_with_file_dtypes(dataset: ll.LakeDataset) -> None:
@@ -73,8 +76,8 @@ def test_worker_init_fn_and_persistent_workers(
     )
     for _ in range(2):
         assert sum(b["id"].numel() for b in loader) == LAYOUT_ROWS
-    started = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
-    assert started == ["w0", "w1"], "persistent workers start once, and each runs the init"
+    started = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir())
+    assert started == ["w0-0-2", "w1-1-2"], "persistent workers start once, each runs the init"
     loader.close()
 
 

@@ -86,6 +86,7 @@ class WorkerPool:
     ) -> None:
         self._setup = setup
         self._ctx: Any = context if isinstance(context, BaseContext) else mp.get_context(context)
+        self._size = num_workers  # what each worker's torch.utils.data.get_worker_info() says
         self._slots = [self._start(i) for i in range(num_workers)]
         self._sentinels = self._watch()
         self._collecting = 0  # collect() calls under way (see all_alive)
@@ -104,7 +105,7 @@ class WorkerPool:
         building = self._ctx.Value("q", IDLE, lock=False)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(worker_id, self._setup, task_reader, writer, building),
+            args=(worker_id, self._size, self._setup, task_reader, writer, building),
             name=f"lakeloader-worker-{worker_id}",
             daemon=True,
         )

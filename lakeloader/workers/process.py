@@ -21,6 +21,7 @@ from typing import Any, TextIO, TypeAlias
 import numpy as np
 import pyarrow as pa
 import torch
+import torch.utils.data._utils.worker as torch_worker
 
 from lakeloader.cache.arena import ArenaHandle, FileMap
 from lakeloader.cache.decode import DecodeJob, UnitDecoder, UnitRef
@@ -256,10 +257,17 @@ def _round_trips(exc: BaseException) -> bool:
 
 
 def worker_main(
-    worker_id: int, setup: WorkerSetup, tasks: Connection, results: Connection, building: Any
+    worker_id: int,
+    num_workers: int,
+    setup: WorkerSetup,
+    tasks: Connection,
+    results: Connection,
+    building: Any,
 ) -> None:
     """A worker's life: set up as torch's DataLoader does, then do tasks until told to stop.
 
+    ``torch.utils.data.get_worker_info()`` gives the worker's id, ``num_workers`` and seed, as
+    in torch's workers (its ``dataset`` is None: the loader, not the dataset, plans the work).
     A ``None`` task asks it to exit; answers and log records go to ``results``; ``building`` is
     a shared cell that holds the key of the task under way, read by the pool on a death.
     """
@@ -272,6 +280,12 @@ def worker_main(
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(np.random.SeedSequence(seed).generate_state(4))
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=worker_id,
+            num_workers=num_workers,
+            seed=seed,
+            dataset=None,  # type: ignore[arg-type]
+        )
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(worker_id)
         worker = _Worker(setup, worker_id, results)
