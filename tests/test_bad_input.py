@@ -292,3 +292,28 @@ def test_a_remote_file_too_short_or_not_parquet_says_which(data: bytes, why: str
     with pytest.raises(ll.LakeDataError, match=rf"f\.parquet: not a Parquet file: {why}"):
         read_footer(fs, "/bad-input/f.parquet", len(data), ll.RetryPolicy())
     fs.rm("/bad-input", recursive=True)
+
+
+def test_a_mixture_s_later_epochs_skip_a_quarantined_unit_without_reading(tmp_path: Path) -> None:
+    """A unit found bad in one epoch of a source is not read again in its later epochs."""
+    _nan_lake(tmp_path / "bad")
+    write_lake(tmp_path / "good", [[ROWS]])
+    bad_reads: list[int] = []
+
+    def counting(table: pa.Table) -> bool | str:
+        verdict = _no_nan(table)
+        if verdict is not True:
+            bad_reads.append(table.num_rows)
+        return verdict
+
+    def source(name: str) -> ll.LakeDataset:
+        folder = tmp_path / name
+        return ll.LakeDataset(folder, on_error="skip", validate=counting, num_partitions=1)
+
+    mixture = ll.Mixture({"bad": source("bad"), "good": source("good")}, {"bad": 3, "good": 1})
+    with ll.DataLoader(mixture, batch_size=100) as loader:  # about 6 epochs of "bad" a pass
+        for _ in range(4):
+            list(loader)
+        epochs = loader.state_dict()["sources"]["bad"]["epoch"]
+    # read where it was found, and in an epoch planned before (units are requested ahead)
+    assert epochs >= 5 and len(bad_reads) <= 2, f"read {len(bad_reads)} times in {epochs} epochs"

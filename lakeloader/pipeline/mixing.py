@@ -195,6 +195,8 @@ class MixtureIterator(PassIterator):
         batch, skipped, lost = self._builder.build(self._next_deliver, step, self._planned)
         self._next_deliver += 1
         self._delivered(step.cursor, skipped, lost)
+        if skipped:  # the sources' later epochs skip them unread
+            self._stores.learn(skipped)
         self._release(step.cursor)
         if self._next_deliver >= self.num_steps:  # the sources go on: the next pass may take them
             self._finalizer.detach()

@@ -13,6 +13,7 @@ import functools
 import shutil
 import tempfile
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -150,6 +151,13 @@ class Stores:
     def schema(self) -> pa.Schema:
         """The columns read (the same for every leaf)."""
         return self.leaves[0].reader.schema
+
+    def learn(self, entries: Sequence[QuarantineEntry]) -> None:
+        """Units found quarantined: every epoch opened from now on skips them without reading."""
+        for i, leaf in enumerate(self.leaves):
+            new = tuple(e for e in entries if not any(k.covers(*e.key) for k in leaf.known))
+            if new:
+                self.leaves[i] = leaf._replace(known=leaf.known + new)
 
     def get(self, leaf: int, epoch: int) -> Store:
         """The store of ``epoch`` of ``leaf``, opened on first use."""
