@@ -531,3 +531,19 @@ class Const:
 
     def __call__(self, _: dict[str, Any]) -> dict[str, Any]:
         return self.row
+
+
+def _fails(row: dict[str, Any]) -> dict[str, Any]:
+    raise ValueError(f"bad row {row['id']}")
+
+
+def test_a_transform_s_own_error_names_the_unit_it_counted(lakes: Lakes) -> None:
+    """The user's error comes unchanged, with a note naming the file and row group."""
+    ds = ll.LakeDataset(
+        lakes.uri("web"), columns=["id", "text"], transform=_fails, packing=ll.Packing("tokens", L)
+    )
+    with pytest.raises(ValueError, match="bad row") as caught, ll.DataLoader(ds, batch_size=4) as x:
+        next(iter(x))
+    (note,) = caught.value.__notes__
+    assert "row transform counting the tokens of" in note
+    assert str(lakes.uri("web")) in note and ".parquet row group " in note

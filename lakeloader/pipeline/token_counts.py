@@ -87,7 +87,16 @@ def _counted(ds: LakeDataset) -> np.ndarray:
             raise
         if ds.transform is not None:
             seeds = slot_seeds(ds.config.seed, 0, starts[u] + np.arange(len(table), dtype=np.int64))
-            lists = transform_rows(to_rows(table), ds.transform, seeds)
+            try:
+                lists = transform_rows(to_rows(table), ds.transform, seeds)
+            except Exception as exc:  # the user's own error, told where it came from
+                path = url_of(ds.fs, ds.snapshot.files[int(units.file_index[u])].path)
+                note = (
+                    f"lakeloader: raised by the row transform counting the tokens of {path} row "
+                    f"group {int(units.row_group[u])} (rows from {int(units.row_start[u])})"
+                )
+                getattr(exc, "add_note", logger.error)(note)  # Python 3.10: logged
+                raise
             _, offsets = row_lists(lists, packing.column)
         else:  # a null list holds no token
             _, offsets = arrow_lists(table.column(packing.column), packing.column)
