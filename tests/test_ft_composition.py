@@ -544,3 +544,18 @@ def test_backfilled_steps_keep_their_size_as_groups_come_and_go(
     wanted = [len(shares) * B for shares, _ in groups.committed]
     assert bad and sizes[:-1] == wanted[:-1]  # every step but the last whole, quarantine or not
     assert len(ids) == len(set(ids)) and set(ids) == lake.ids - bad
+
+
+def test_a_loader_closes_as_a_context_and_has_the_dataloader_s_counters(
+    lakes: dict[str, Lake],
+) -> None:
+    light = Lighthouse()
+    quorum = Quorum(light)
+    light.members = [quorum]
+    ds = lake_dataset(lakes["main"], on_error="skip")
+    with ll.FaultTolerantLoader(ds, quorum, B, num_workers=1) as loader:
+        assert len(next(loader)["id"]) == B
+        assert loader.stats()["units_decoded"] > 0 and loader.quarantine == []
+        pool = loader._inner._pool
+        assert pool is not None and pool.num_workers == 1
+    assert loader._inner._pool is None, "the with block closed its workers"

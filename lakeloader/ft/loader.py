@@ -387,8 +387,23 @@ class FaultTolerantLoader:
         """The DataLoader's ``drop_last`` (a short last step of a pass is not taken)."""
         return self._inner.drop_last
 
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far (see ``DataLoader.quarantine``)."""
+        return self._inner.quarantine
+
+    def stats(self) -> dict[str, int]:
+        """The DataLoader's counters (see ``DataLoader.stats``)."""
+        return self._inner.stats()
+
     def close(self) -> None:
         """Stop the DataLoader's workers and threads."""
         with self._lock:
             self._inner.close()
             self._it = None
+
+    def __enter__(self) -> FaultTolerantLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
