@@ -21,7 +21,7 @@ Planning (1 M units)
       manifest (the pinned snapshot, written once per snapshot, not per checkpoint) is shown
       apart, with the time to rebuild the snapshot from it;
     - recovery, as one rank does it after a restart (ranks do it in parallel, each for
-      itself): parse the state (msgpack, ``LoaderState.from_dict``, ``check_matches``), plan
+      itself): parse the state (msgpack, ``formats.read``, ``check_matches``), plan
       the epoch (``make_units`` + ``plan_epoch``), then reassign: the ``batch_specs`` of the
       next ``8 x 2`` steps (each worker's first two tasks at prefetch factor 2) and the
       ``release_slots`` of their pieces. Best of ``--reps``.
@@ -63,6 +63,7 @@ from lakeloader.lake.manifest import from_manifest, pack_manifest, unpack_manife
 from lakeloader.lake.snapshot import Snapshot, assemble_snapshot
 from lakeloader.order import batches as lb
 from lakeloader.order import plan as lp
+from lakeloader.state.formats import LAKE, read
 from lakeloader.state.loader_state import LoaderState, config_hash
 from lakeloader.topology import Topology
 
@@ -196,7 +197,7 @@ def _state(snapshot: Snapshot, plan: lp.EpochPlan, ranks: int, position: int) ->
 def recover(snapshot: Snapshot, blob: bytes, ranks: int, rank: int) -> dict[str, float]:
     """What one rank does to resume: parse the state, plan the epoch, reassign its steps."""
     t0 = time.perf_counter()
-    state = LoaderState.from_dict(msgpack.unpackb(blob, raw=False))
+    state = read(msgpack.unpackb(blob, raw=False), LAKE)
     state.check_matches(snapshot.fingerprint, order_config())
     t1 = time.perf_counter()
     plan = _plan(snapshot, state.epoch)

@@ -27,7 +27,8 @@ import torch
 import lakeloader as ll
 from lakeloader.order.mixture import MixWeights, slot_sources
 from lakeloader.randomness import slot_seeds
-from lakeloader.state.packed_state import PackedMixtureState, PackedState
+from lakeloader.state.formats import PACKED, PACKED_MIXTURE, read
+from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 from tests.conftest import damage_row_group
 from tests.oracles import PackedSample, packed_epoch, packed_steps
@@ -390,9 +391,9 @@ def quarantine(state: dict[str, Any]) -> set[tuple[str, str, int]]:
     """The (lake, file, row group) of each unit in a state's quarantine."""
     entries: tuple[QuarantineEntry, ...]
     if state["kind"] == "packed":
-        entries = PackedState.from_dict(state, per_epoch=1).quarantine
+        entries = read(state, PACKED, per_epoch=1).quarantine
     else:
-        entries = PackedMixtureState.from_dict(state).mixture.quarantine
+        entries = read(state, PACKED_MIXTURE).quarantine
     return {(Path(q.path).parent.name, Path(q.path).name, q.row_group) for q in entries}
 
 
@@ -484,10 +485,10 @@ def test_states_keep_their_quarantine_and_old_states_have_none() -> None:
     b = QuarantineEntry("b.parquet", 2, 5, 5, "rejected")
     one = PackedState("f", "c", 24).with_quarantine([b, a]).with_quarantine([a])
     assert one.quarantine == (a, b)
-    assert PackedState.from_dict(one.to_dict(), per_epoch=10) == one
+    assert read(one.to_dict(), PACKED, per_epoch=10) == one
     old = one.to_dict()
     del old["quarantine"]  # as lakeloader wrote it before packed streams skipped units
-    assert PackedState.from_dict(old, per_epoch=10) == PackedState("f", "c", 24)
+    assert read(old, PACKED, per_epoch=10) == PackedState("f", "c", 24)
 
 
 def test_a_lake_with_no_token_is_refused(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import lakeloader as ll
 import lakeloader.order.plan as lp
+from lakeloader.state.formats import LAKE, read
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery
 from lakeloader.state.view import first_units
@@ -67,12 +68,12 @@ def test_state_round_trip_and_restore(dataset: ll.LakeDataset) -> None:
     t.delivered(Delivery(30, 30, False, (), 0))
     state = t.state(dataset.fingerprint, dataset.config.to_dict(), len(dataset))
     assert state.config_hash == dataset.config_hash
-    again = type(state).from_dict(roundtrip(state.to_dict()))
+    again = read(roundtrip(state.to_dict()), LAKE)
     assert again == state and again.topology == ll.Topology(1, 0, 0, 10)
     fresh = _tracker(batch=7, world=3)
     fresh.restore(again)
     assert (fresh.epoch, fresh.position) == (0, 30)
-    done = type(state).from_dict({**state.to_dict(), "position": LAYOUT_ROWS})
+    done = read({**state.to_dict(), "position": LAYOUT_ROWS}, LAKE)
     fresh.restore(done)
     assert (fresh.epoch, fresh.position) == (1, 0), "a finished epoch resumes with the next"
 

@@ -17,6 +17,7 @@ import msgpack
 from lakeloader.checkpoint.training import MALFORMED, TrainingRecord, check_version
 from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.lake.snapshot import Snapshot
+from lakeloader.state.formats import LAKE, read
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.topology import Topology
 
@@ -223,7 +224,7 @@ class StateRecord:
                 keys = ("step", "library_version", "created")  # it kept no topology
                 d = {**d, "context": {k: d[k] for k in keys if k in d} | {"topology": None}}
             else:  # a lake's: its state checked now, its manifest the one COMMIT names
-                LoaderState.from_dict(d["loader"])
+                read(d["loader"], LAKE)
                 lake = {
                     "manifests": {ROOT: root_manifest},
                     "sources": {ROOT: d["context"]["source"]},
@@ -275,7 +276,7 @@ class Checkpoint:
         Raises:
             StateFormatError: If the checkpoint holds another kind of state (named).
         """
-        return LoaderState.from_dict(self.state_dict)
+        return read(self.state_dict, LAKE)
 
     @property
     def snapshot(self) -> Snapshot:

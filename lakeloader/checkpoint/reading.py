@@ -24,7 +24,7 @@ from lakeloader.errors import CheckpointError, StateFormatError
 from lakeloader.io.fetch import url_of
 from lakeloader.lake.manifest import from_manifest, unpack_manifest
 from lakeloader.lake.snapshot import Snapshot
-from lakeloader.state.loader_state import LoaderState
+from lakeloader.state.formats import LAKE, read
 
 
 def read_checkpoint(folders: CheckpointFolders, step: int) -> Checkpoint:
@@ -96,7 +96,7 @@ def _lake(record: StateRecord, manifests: dict[str, dict[str, Any]]) -> Snapshot
     manifest = manifests.get(ROOT)
     if manifest is None:
         return None
-    state = LoaderState.from_dict(dict(record.state))
+    state = read(record.state, LAKE)
     snapshot = from_manifest(manifest, state.config.get("columns"))
     if snapshot.fingerprint != state.fingerprint:
         raise CheckpointError(

@@ -14,8 +14,8 @@ from lakeloader.cli.inspect import head_info, head_pairs, quarantine_text
 from lakeloader.cli.tables import format_pairs, format_table, lake_url
 from lakeloader.errors import StateFormatError
 from lakeloader.order.mixture import MixWeights
+from lakeloader.state.formats import MIXTURE, PACKED, PACKED_MIXTURE, read
 from lakeloader.state.mixture_state import MixtureState
-from lakeloader.state.packed_state import PackedMixtureState, PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 
 
@@ -35,11 +35,11 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
         if kind == "packed":
             return {**head, **_packed(state, ckpt)}
         if kind == "packed-mixture":
-            mixture = _mixture(PackedMixtureState.from_dict(state).mixture, ckpt, "samples")
+            mixture = _mixture(read(state, PACKED_MIXTURE), ckpt, "samples")
             for name in ("pass", "pass_rows", "pass_rows_done"):  # an endless stream: no pass
                 del mixture[name]
             return {**head, **mixture}
-        return {**head, **_mixture(MixtureState.from_dict(state), ckpt, "rows")}
+        return {**head, **_mixture(read(state, MIXTURE), ckpt, "rows")}
     except StateFormatError as exc:
         raise StateFormatError(f"{ckpt.path}: {exc}") from exc
 
@@ -47,14 +47,14 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
 def _packed(state: dict[str, Any], ckpt: Checkpoint) -> dict[str, Any]:
     """A packed state's samples; a version 1 state's epoch instead (read at its start only)."""
     old = state.get("version") == 1
-    read = PackedState.from_dict(state, per_epoch=1 if old else 0)  # old: samples is the epoch
+    at = read(state, PACKED, per_epoch=1)  # version 1: its samples are its epoch
     return {
         "version": state.get("version"),
-        "fingerprint": read.fingerprint,
-        "config_hash": read.config,
-        "samples": None if old else read.samples,
-        "epoch": read.samples if old else None,
-        "quarantine": _quarantine(read.quarantine, ckpt),
+        "fingerprint": at.fingerprint,
+        "config_hash": at.config,
+        "samples": None if old else at.samples,
+        "epoch": at.samples if old else None,
+        "quarantine": _quarantine(at.quarantine, ckpt),
         "lake": ckpt.sources.get("lake"),
     }
 

@@ -30,6 +30,7 @@ from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
+from lakeloader.state.formats import LAKE, read
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
@@ -244,7 +245,7 @@ class LakeNode(Node):
         if saved is None:
             self.resume(RecoveryCoordinator().resume_state(state, self._base))
             return
-        parsed = LoaderState.from_dict(state)
+        parsed = read(state, LAKE)
         base = on_increment(self._base, saved)
         parsed.check_matches(base.fingerprint, base.config.to_dict())
         self.resume(Resumption(parsed, dataset=base))

@@ -41,6 +41,7 @@ from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.mixture_resume import resume_mixture
+from lakeloader.state.formats import MIXTURE, read
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry
@@ -63,14 +64,12 @@ class CursorNode(Node):
     _exact = False
     #: What the cursor's slots are, as the log names them.
     _slots = "slot"
+    #: The format of its states (a state, or a list of every rank's: quarantines merged).
+    _format = MIXTURE
 
     def _counting(self) -> tuple[Callable[[LakeDataset], int], Callable[[LakeDataset], str] | None]:
         """An epoch's offsets, and a source's configuration in its record (None: order's hash)."""
         return len, None
-
-    def _parse(self, state_dict: Any) -> MixtureState:
-        """The cursor of a saved state."""
-        raise NotImplementedError
 
     def _resumed(self, state: MixtureState) -> None:
         """Stand at ``state`` (the mixture and its streams are the resumed ones)."""
@@ -81,7 +80,7 @@ class CursorNode(Node):
 
         A packed mixture's: any rank's state, or a list of every rank's.
         """
-        self._resume(self._parse(state_dict), {})
+        self._resume(read(state_dict, self._format), {})
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint, each source whose lake changed mapped onto its lake of now.
@@ -89,7 +88,7 @@ class CursorNode(Node):
         See ``RecoveryCoordinator.resume_source`` (``LakeChangedError`` under
         ``on_lake_change="error"``).
         """
-        saved, sources, moved = self._parse(dict(ckpt.state_dict)), self.mixture.sources, {}
+        saved, sources, moved = read(ckpt.state_dict, self._format), self.mixture.sources, {}
         size, config = self._counting()
         for name in sorted(set(sources) & set(saved.sources)):
             live, count, record = sources[name], saved.counts.get(name, 0), saved.sources[name]
@@ -354,9 +353,6 @@ class MixtureNode(CursorNode):
         """Whether any source's epochs are known one by one, and whether any follows its lake."""
         self.varies = any(stream.varies for stream in self._streams.values())
         self.follows = any(stream.follows for stream in self._streams.values())
-
-    def _parse(self, state_dict: Any) -> MixtureState:
-        return MixtureState.from_dict(state_dict)
 
     def _resumed(self, state: MixtureState) -> None:
         self.tracker.record.restored()

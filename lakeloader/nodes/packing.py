@@ -45,10 +45,11 @@ from lakeloader.pipeline.packed_parts import (
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.token_counts import token_counts
 from lakeloader.recovery.coordinator import RecoveryCoordinator
+from lakeloader.state.formats import PACKED, PACKED_MIXTURE, read
 from lakeloader.state.journal import DeliveredRun
-from lakeloader.state.loader_state import config_hash, every_rank
+from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState, SourceRecord
-from lakeloader.state.packed_state import PackedMixtureState, PackedState
+from lakeloader.state.packed_state import PackedState, packed_mixture_dict
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import RECENT_STEPS, Delivery, ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
@@ -251,8 +252,7 @@ class PackingNode(Node):
 
     def _parsed(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> PackedState:
         """A state (or every rank's), their quarantines merged."""
-        per_epoch = self._samples_of(self.dataset)
-        return every_rank(state_dict, lambda s: PackedState.from_dict(s, per_epoch))
+        return read(state_dict, PACKED, self._samples_of(self.dataset))
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint, on the lake of now (see ``coordinator.resume_source``)."""
@@ -359,6 +359,7 @@ class PackedMixtureNode(CursorNode, PackingNode):
     what = "packed mixture"
     _exact = True
     _slots = "sample"
+    _format = PACKED_MIXTURE
 
     def _init(self, dataset: Any) -> None:
         """Take the mixture in."""
@@ -403,10 +404,6 @@ class PackedMixtureNode(CursorNode, PackingNode):
         self._mixed = self._mixed.with_quarantine(entries)
         self.tracker.quarantine = self._mixed.quarantine
 
-    def _parse(self, state_dict: Any) -> MixtureState:
-        """The cursor of a state (or of every rank's), their quarantines merged."""
-        return every_rank(state_dict, lambda s: PackedMixtureState.from_dict(s).mixture)
-
     def _resumed(self, state: MixtureState) -> None:
         self._mixed = dataclasses.replace(state, topology=self._topology())
         self._restored()
@@ -417,4 +414,4 @@ class PackedMixtureNode(CursorNode, PackingNode):
     def state(self, fetched_ahead: int = 0) -> dict[str, Any]:
         """The samples' cursor: plain types, the same on every rank."""
         refuse_fetched_ahead(fetched_ahead, "a packed mixture")
-        return PackedMixtureState(self._mixed).to_dict()
+        return packed_mixture_dict(self._mixed)

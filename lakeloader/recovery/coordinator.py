@@ -22,6 +22,7 @@ from lakeloader.recovery.lake_changes import (
     lost_units,
 )
 from lakeloader.recovery.reassign import Reassignment, reassign
+from lakeloader.state.formats import LAKE, read
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.mixture_state import SourceRecord
 
@@ -86,7 +87,7 @@ class RecoveryCoordinator:
             StateMismatchError: If it belongs to another snapshot or configuration than the
                 dataset that its epoch runs on.
         """
-        return _checked(LoaderState.from_dict(state), dataset)
+        return _checked(read(state, LAKE), dataset)
 
     def resume(self, ckpt: Checkpoint, live: LakeDataset) -> Resumption:
         """The resumption of a checkpoint on the lake that ``live`` sees now.

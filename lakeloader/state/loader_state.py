@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import Field, dataclass, replace
 from typing import Any, ClassVar, Final, TypeVar
 
 import msgpack
 
-from lakeloader.errors import StateFormatError, StateMismatchError
+from lakeloader.errors import StateMismatchError
 from lakeloader.state.quarantine import QuarantineEntry, merge
 from lakeloader.topology import Topology
 
@@ -30,42 +30,9 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(packed).hexdigest()[:16]
 
 
-def format_version(
-    data: Any,
-    kind: str,
-    versions: tuple[int, ...],
-    refusal: str,
-    remedy: str = "load it with the lakeloader that wrote it",
-) -> int:
-    """The version of a state of ``kind``, one of ``versions``.
-
-    Raises:
-        StateFormatError: ``refusal`` if it is not a state of ``kind``; the versions read and
-            ``remedy`` if its version is another.
-    """
-    if not isinstance(data, Mapping) or data.get("kind") != kind:
-        raise StateFormatError(refusal)
-    version = data.get("version")
-    if version not in versions:
-        reads = " to ".join(str(v) for v in sorted({versions[0], versions[-1]}))
-        raise StateFormatError(
-            f"a {kind!r} state of version {version!r} is not supported: this lakeloader reads "
-            f"versions {reads}; {remedy}"
-        )
-    return int(version)
-
-
 def quarantine_json(entries: Iterable[QuarantineEntry]) -> str:
     """A state's quarantine: one JSON string, so ``torch.distributed.checkpoint`` sees one value."""
     return json.dumps([q.to_dict() for q in entries])
-
-
-def quarantine_of(value: Any) -> tuple[QuarantineEntry, ...]:
-    """Read :func:`quarantine_json`'s string back (a list of dicts: a version 1 lake state's)."""
-    entries = json.loads(value) if isinstance(value, str) else value
-    if not isinstance(entries, list):
-        raise TypeError(f"quarantine must be a list of entries, got {type(entries).__name__}")
-    return tuple(QuarantineEntry.from_dict(q) for q in entries)
 
 
 class Quarantined:
@@ -83,15 +50,6 @@ class Quarantined:
 
 
 Q = TypeVar("Q", bound=Quarantined)
-
-
-def every_rank(
-    given: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-    parse: Callable[[Mapping[str, Any]], Q],
-) -> Q:
-    """A state (or the first of a list of every rank's), with all their quarantines merged."""
-    states = [parse(s) for s in ([given] if isinstance(given, Mapping) else given)]
-    return states[0].with_quarantine(q for s in states for q in s.quarantine)
 
 
 @dataclass(frozen=True)
@@ -137,31 +95,6 @@ class LoaderState(Quarantined):
             "topology": self.topology.to_dict(),
             "quarantine": quarantine_json(self.quarantine),
         }
-
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> LoaderState:
-        """Parse a dict made by :meth:`to_dict` (possibly after a msgpack or JSON trip).
-
-        Raises:
-            StateFormatError: If it is not a lakeloader state or has an unknown version.
-        """
-        what = type(state).__name__
-        refusal = f"not a lakeloader state (expected kind={LAKE_KIND!r}); got a {what}"
-        format_version(state, LAKE_KIND, (1, LAKE_VERSION), refusal)
-        try:
-            return cls(
-                fingerprint=str(state["fingerprint"]),
-                config_hash=str(state["config_hash"]),
-                config=dict(state["config"]),
-                epoch=int(state["epoch"]),
-                position=int(state["position"]),
-                rows_dropped=int(state["rows_dropped"]),
-                num_rows=int(state["num_rows"]),
-                topology=Topology.from_dict(state["topology"]),
-                quarantine=quarantine_of(state["quarantine"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateFormatError(f"malformed lakeloader state: {exc!r}") from exc
 
     def check_matches(self, fingerprint: str, config: dict[str, Any]) -> None:
         """Refuse a state of another lake snapshot or another configuration.

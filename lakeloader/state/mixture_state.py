@@ -6,14 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from lakeloader.errors import StateFormatError
-from lakeloader.state.loader_state import (
-    Quarantined,
-    config_hash,
-    format_version,
-    quarantine_json,
-    quarantine_of,
-)
+from lakeloader.state.loader_state import Quarantined, config_hash, quarantine_json
 from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a mixture state.
@@ -140,13 +133,7 @@ class MixtureState(Quarantined):
         return self.slot - self.epoch_start >= self.epoch_rows
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types (what ``DataLoader.state_dict()`` returns for a mixture).
-
-        >>> s = MixtureState(0, 8, {"a": 5, "b": 3}, (WeightChange(0, {"a": 1.0, "b": 1.0}),),
-        ...                  0, 0, 100, {"a": SourceRecord("f", "c", 50)})
-        >>> MixtureState.from_dict(s.to_dict()) == s
-        True
-        """
+        """Plain types (what ``DataLoader.state_dict()`` returns for a mixture)."""
         # version 2: a source record names the epoch it stands in (``start``, ``from_epoch``: a
         # lake grew at a resume), which an older lakeloader refuses to misread
         return {
@@ -167,46 +154,3 @@ class MixtureState(Quarantined):
             "topology": dict(self.topology),
             "quarantine": quarantine_json(self.quarantine),
         }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MixtureState:
-        """Read a state back.
-
-        Raises:
-            StateFormatError: If it is not a mixture state of a known version, or is malformed.
-        """
-        refusal = (
-            "not a mixture state (no kind='mixture'): a single lake's state cannot be "
-            "loaded into a loader over a Mixture, nor the other way round"
-        )
-        format_version(data, MIXTURE_KIND, (1, 2), refusal)
-        try:
-            history = tuple(
-                WeightChange(int(c["start"]), {str(k): float(v) for k, v in c["weights"].items()})
-                for c in data["history"]
-            )
-            sources = {
-                str(name): SourceRecord(
-                    str(r["fingerprint"]),
-                    str(r["config"]),
-                    int(r["rows"]),
-                    r.get("increment"),
-                    int(r.get("start", 0)),
-                    int(r.get("from_epoch", 0)),
-                )
-                for name, r in data["sources"].items()
-            }
-            return cls(
-                seed=int(data["seed"]),
-                slot=int(data["slot"]),
-                counts={str(k): int(v) for k, v in data["counts"].items()},
-                history=history,
-                epoch=int(data["epoch"]),
-                epoch_start=int(data["epoch_start"]),
-                epoch_rows=int(data["epoch_rows"]),
-                sources=sources,
-                topology={str(k): int(v) for k, v in data.get("topology", {}).items()},
-                quarantine=quarantine_of(data.get("quarantine", "[]")),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateFormatError(f"malformed mixture state: {exc!r}") from exc

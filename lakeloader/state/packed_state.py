@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from lakeloader.errors import StateFormatError
-from lakeloader.state.loader_state import (
-    Quarantined,
-    format_version,
-    quarantine_json,
-    quarantine_of,
-)
+from lakeloader.state.loader_state import Quarantined, quarantine_json
 from lakeloader.state.mixture_state import MixtureState, epoch_start_keys
 from lakeloader.state.quarantine import QuarantineEntry
 
@@ -79,84 +72,11 @@ class PackedState(Quarantined):
             **epoch_start_keys(self.increment, self.start, self.from_epoch),
         }
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], per_epoch: int) -> PackedState:
-        """Read a state back (``per_epoch``: samples in an epoch, to read a version 1 state).
 
-        Raises:
-            StateFormatError: If it is not a packed state, of an unknown version, malformed,
-                or a version 1 state in the middle of an epoch.
-        """
-        refusal = (
-            "not a packed state (no kind='packed'): a packed loader loads only the states "
-            "of packed loaders"
-        )
-        version = format_version(data, PACKED_KIND, (1, 2, PACKED_EPOCH_VERSION), refusal)
-        try:
-            quarantine = quarantine_of(data.get("quarantine", "[]"))
-            if version == 1:
-                samples = _epoch_start(data["partitions"]) * per_epoch
-            else:
-                samples = int(data["samples"])
-            increment = data.get("increment")
-            return cls(
-                str(data["fingerprint"]),
-                str(data["config"]),
-                samples,
-                quarantine,
-                None if increment is None else list(increment),
-                int(data.get("start", 0)),
-                int(data.get("from_epoch", 0)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateFormatError(f"malformed packed state: {exc!r}") from exc
-
-
-def _epoch_start(partitions: Mapping[str, Any]) -> int:
-    """The epoch a version 1 state's partitions all start at (one taken mid-epoch is refused)."""
-    at = {(int(x[0]), int(x[1]), int(x[2])) for x in partitions.values()}
-    if len(at) != 1 or next(iter(at))[1:] != (0, 0):
-        raise StateFormatError(
-            "a packed state of version 1 (per-partition packing) taken in the middle of an "
-            f"epoch (partitions at (epoch, row, token) {sorted(at)[:4]}...): today's packing "
-            "orders samples otherwise, so it resumes only from an epoch's start; resume from a "
-            "checkpoint taken at one, or finish the epoch with the lakeloader that wrote it"
-        )
-    return next(iter(at))[0]
-
-
-@dataclass(frozen=True)
-class PackedMixtureState:
-    """A packed mixture's position: the samples' cursor (a mixture's state, in samples)."""
-
-    mixture: MixtureState
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types."""
-        return {
-            "kind": PACKED_MIXTURE_KIND,
-            "version": PACKED_STATE_VERSION,
-            "mixture": self.mixture.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PackedMixtureState:
-        """Read a state back (version 1 is refused: see the remedy).
-
-        Raises:
-            StateFormatError: If it is not a packed mixture's state of this version.
-        """
-        refusal = (
-            "not a packed mixture's state (no kind='packed-mixture'): a loader over a "
-            "packed Mixture loads only the states of such loaders"
-        )
-        remedy = (
-            "version 1 (rounds of per-partition packing) cannot continue in today's order of "
-            "samples; resume from the start of the run's data, or finish it with the "
-            "lakeloader that wrote it"
-        )
-        format_version(data, PACKED_MIXTURE_KIND, (PACKED_STATE_VERSION,), refusal, remedy)
-        try:
-            return cls(MixtureState.from_dict(data["mixture"]))
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise StateFormatError(f"malformed packed mixture state: {exc!r}") from exc
+def packed_mixture_dict(mixture: MixtureState) -> dict[str, Any]:
+    """A packed mixture's state: its samples' cursor (a mixture's state, in samples)."""
+    return {
+        "kind": PACKED_MIXTURE_KIND,
+        "version": PACKED_STATE_VERSION,
+        "mixture": mixture.to_dict(),
+    }

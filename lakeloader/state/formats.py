@@ -1,0 +1,209 @@
+"""Every state lakeloader writes or wrote, read into today's states: the one table of formats.
+
+A state is plain data with a ``kind`` and a ``version``: a lake's (a :class:`LoaderState`), a
+mixture's (a :class:`MixtureState`), a packed lake's (a :class:`PackedState`), a packed
+mixture's (its cursor, a :class:`MixtureState` under ``"mixture"``). Each row of the table
+(:data:`LAKE`, :data:`MIXTURE`, :data:`PACKED`, :data:`PACKED_MIXTURE`) names the versions read,
+the words that refuse another kind and the pure function that reads one; :func:`read` is the one
+way a state is read (the nodes, checkpoints, the recovery coordinator, ``lakeloader inspect``).
+The states write themselves (``to_dict``), in the newest version that says what they hold.
+
+>>> s = MixtureState(0, 8, {"a": 5, "b": 3}, (WeightChange(0, {"a": 1.0, "b": 1.0}),),
+...                  0, 0, 100, {"a": SourceRecord("f", "c", 50)})
+>>> read(s.to_dict(), MIXTURE) == s
+True
+>>> read({"kind": "packed", "version": 9}, PACKED)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+lakeloader.errors.StateFormatError: a 'packed' state of version 9 ... reads versions 1 to 3; ...
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+from lakeloader.errors import StateFormatError
+from lakeloader.state.loader_state import LAKE_KIND, LoaderState
+from lakeloader.state.mixture_state import MIXTURE_KIND, MixtureState, SourceRecord, WeightChange
+from lakeloader.state.packed_state import PACKED_KIND, PACKED_MIXTURE_KIND, PackedState
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.topology import Topology
+
+S = TypeVar("S", LoaderState, MixtureState, PackedState)
+
+
+@dataclass(frozen=True)
+class Format(Generic[S]):
+    """One kind of state as read: a row of the table.
+
+    Attributes:
+        kind: Its ``"kind"``.
+        versions: The versions read.
+        refusal: Why a value of another kind is refused (``{what}``: the type given).
+        name: What a malformed one is called.
+        parse: Reads one of the kind: ``(state, its version, samples in a packed epoch)``.
+        remedy: What to do with a version not read.
+    """
+
+    kind: str
+    versions: tuple[int, ...]
+    refusal: str
+    name: str
+    parse: Callable[[Mapping[str, Any], int, int], S]
+    remedy: str = "load it with the lakeloader that wrote it"
+
+
+def read(given: Any, form: Format[S], per_epoch: int = 0) -> S:
+    """A state of ``form``'s kind; of a list of every rank's, the first with every quarantine.
+
+    ``per_epoch``: samples in an epoch of a packed lake (a version 1 packed state counts epochs).
+
+    Raises:
+        StateFormatError: If it is not a state of the kind, is of a version not read (with the
+            remedy), is malformed, or is a version 1 packed state taken in the middle of an epoch.
+    """
+    if not isinstance(given, list | tuple) or not given:
+        return _one(given, form, per_epoch)
+    states = [_one(s, form, per_epoch) for s in given]
+    return states[0].with_quarantine(q for s in states for q in s.quarantine)
+
+
+def _one(data: Any, form: Format[S], per_epoch: int) -> S:
+    if not isinstance(data, Mapping) or data.get("kind") != form.kind:
+        raise StateFormatError(form.refusal.format(what=type(data).__name__))
+    version = data.get("version")
+    if version not in form.versions:
+        reads = " to ".join(str(v) for v in sorted({form.versions[0], form.versions[-1]}))
+        raise StateFormatError(
+            f"a {form.kind!r} state of version {version!r} is not supported: this lakeloader "
+            f"reads versions {reads}; {form.remedy}"
+        )
+    try:
+        return form.parse(data, int(version), per_epoch)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StateFormatError(f"malformed {form.name}: {exc!r}") from exc
+
+
+def _quarantine(value: Any) -> tuple[QuarantineEntry, ...]:
+    """A state's quarantine: a JSON string (a version 1 lake state's: a list of dicts)."""
+    entries = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(entries, list):
+        raise TypeError(f"quarantine must be a list of entries, got {type(entries).__name__}")
+    return tuple(QuarantineEntry.from_dict(q) for q in entries)
+
+
+def _lake(d: Mapping[str, Any], version: int, per_epoch: int) -> LoaderState:
+    """Versions 1 and 2 differ only in the quarantine's encoding."""
+    return LoaderState(
+        fingerprint=str(d["fingerprint"]),
+        config_hash=str(d["config_hash"]),
+        config=dict(d["config"]),
+        epoch=int(d["epoch"]),
+        position=int(d["position"]),
+        rows_dropped=int(d["rows_dropped"]),
+        num_rows=int(d["num_rows"]),
+        topology=Topology.from_dict(d["topology"]),
+        quarantine=_quarantine(d["quarantine"]),
+    )
+
+
+def _mixture(d: Mapping[str, Any], version: int, per_epoch: int) -> MixtureState:
+    """Version 2's source records may name the epoch they stand in (``start``, ``from_epoch``)."""
+    history = tuple(
+        WeightChange(int(c["start"]), {str(k): float(v) for k, v in c["weights"].items()})
+        for c in d["history"]
+    )
+    sources = {
+        str(name): SourceRecord(
+            str(r["fingerprint"]),
+            str(r["config"]),
+            int(r["rows"]),
+            r.get("increment"),
+            int(r.get("start", 0)),
+            int(r.get("from_epoch", 0)),
+        )
+        for name, r in d["sources"].items()
+    }
+    return MixtureState(
+        seed=int(d["seed"]),
+        slot=int(d["slot"]),
+        counts={str(k): int(v) for k, v in d["counts"].items()},
+        history=history,
+        epoch=int(d["epoch"]),
+        epoch_start=int(d["epoch_start"]),
+        epoch_rows=int(d["epoch_rows"]),
+        sources=sources,
+        topology={str(k): int(v) for k, v in d.get("topology", {}).items()},
+        quarantine=_quarantine(d.get("quarantine", "[]")),
+    )
+
+
+def _packed(d: Mapping[str, Any], version: int, per_epoch: int) -> PackedState:
+    """Version 1 (per-partition packing) is read at an epoch's start only; 3 names its epoch."""
+    quarantine = _quarantine(d.get("quarantine", "[]"))
+    samples = _epoch_start(d["partitions"]) * per_epoch if version == 1 else int(d["samples"])
+    increment = d.get("increment")
+    return PackedState(
+        str(d["fingerprint"]),
+        str(d["config"]),
+        samples,
+        quarantine,
+        None if increment is None else list(increment),
+        int(d.get("start", 0)),
+        int(d.get("from_epoch", 0)),
+    )
+
+
+def _epoch_start(partitions: Mapping[str, Any]) -> int:
+    """The epoch a version 1 state's partitions all start at (one taken mid-epoch is refused)."""
+    at = {(int(x[0]), int(x[1]), int(x[2])) for x in partitions.values()}
+    if len(at) != 1 or next(iter(at))[1:] != (0, 0):
+        raise StateFormatError(
+            "a packed state of version 1 (per-partition packing) taken in the middle of an "
+            f"epoch (partitions at (epoch, row, token) {sorted(at)[:4]}...): today's packing "
+            "orders samples otherwise, so it resumes only from an epoch's start; resume from a "
+            "checkpoint taken at one, or finish the epoch with the lakeloader that wrote it"
+        )
+    return next(iter(at))[0]
+
+
+def _packed_mixture(d: Mapping[str, Any], version: int, per_epoch: int) -> MixtureState:
+    """Version 2: the samples' cursor, a mixture's state (version 1 is refused)."""
+    return _one(d["mixture"], MIXTURE, 0)
+
+
+LAKE: Final = Format(
+    LAKE_KIND,
+    (1, 2),
+    f"not a lakeloader state (expected kind={LAKE_KIND!r}); got a {{what}}",
+    "lakeloader state",
+    _lake,
+)
+MIXTURE: Final = Format(
+    MIXTURE_KIND,
+    (1, 2),
+    "not a mixture state (no kind='mixture'): a single lake's state cannot be loaded into a "
+    "loader over a Mixture, nor the other way round",
+    "mixture state",
+    _mixture,
+)
+PACKED: Final = Format(
+    PACKED_KIND,
+    (1, 2, 3),
+    "not a packed state (no kind='packed'): a packed loader loads only the states of packed "
+    "loaders",
+    "packed state",
+    _packed,
+)
+PACKED_MIXTURE: Final = Format(
+    PACKED_MIXTURE_KIND,
+    (2,),
+    "not a packed mixture's state (no kind='packed-mixture'): a loader over a packed Mixture "
+    "loads only the states of such loaders",
+    "packed mixture state",
+    _packed_mixture,
+    "version 1 (rounds of per-partition packing) cannot continue in today's order of samples; "
+    "resume from the start of the run's data, or finish it with the lakeloader that wrote it",
+)
