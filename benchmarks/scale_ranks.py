@@ -121,9 +121,7 @@ def threaded_barriers(sizes: tuple[int, ...], reps: int) -> list[dict[str, Any]]
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg
 
-    from lakeloader.checkpoint.barrier import confirm_same_position
-    from lakeloader.state.loader_state import LoaderState
-    from lakeloader.topology import Topology
+    from lakeloader.checkpoint.barrier import Stand, confirm_same_position
 
     def flat(position: Any) -> None:  # what the barrier was: every rank's stand on every rank
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -134,9 +132,7 @@ def threaded_barriers(sizes: tuple[int, ...], reps: int) -> list[dict[str, Any]]
     rows = []
     try:
         for n in sizes:
-            position = LoaderState(
-                "f" * 32, "c" * 16, {}, 3, 123_456, 0, 10**9, Topology(n, 0, 8, 1024)
-            )
+            position = Stand("f" * 32, "c" * 16, 3, 123_456, ())
             row: dict[str, Any] = {"ranks": n}
             calls = {"barrier": lambda p: confirm_same_position(p, None)}
             if n <= FLAT_UP_TO:

@@ -20,11 +20,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from lakeloader.checkpoint.barrier import confirm_same_position
+from lakeloader.checkpoint.barrier import Stand, confirm_same_position
 from lakeloader.errors import CheckpointError
-from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
-from lakeloader.topology import Topology
 
 WORLD_SIZE = 2
 DEADLINE = 60.0  # seconds for the whole group (it takes about three)
@@ -41,45 +39,35 @@ def _state(
     epoch: int = 3,
     fingerprint: str = "f" * 32,
     quarantine: tuple[QuarantineEntry, ...] = (),
-) -> LoaderState:
-    return LoaderState(
-        fingerprint=fingerprint,
-        config_hash="c" * 16,
-        config={},
-        epoch=epoch,
-        position=position,
-        rows_dropped=0,
-        num_rows=1000,
-        topology=Topology(WORLD_SIZE, 0, 0, 48),
-        quarantine=quarantine,
-    )
+) -> Stand:
+    return Stand(fingerprint, "c" * 16, epoch, position, quarantine)
 
 
-def _agree(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+def _agree(rank: int) -> tuple[Stand, CheckpointError | None]:
     return _state(quarantine=tuple(MINE[rank])), None
 
 
-def _other_position(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+def _other_position(rank: int) -> tuple[Stand, CheckpointError | None]:
     return _state(position=96 + 48 * rank), None
 
 
-def _other_epoch(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+def _other_epoch(rank: int) -> tuple[Stand, CheckpointError | None]:
     return _state(epoch=3 + rank), None
 
 
-def _other_lake(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+def _other_lake(rank: int) -> tuple[Stand, CheckpointError | None]:
     return _state(fingerprint="f" * 32 if rank == 0 else "e" * 32), None
 
 
-def _failed_on_rank_1(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+def _failed_on_rank_1(rank: int) -> tuple[Stand, CheckpointError | None]:
     return _state(), CheckpointError("disk full") if rank == 1 else None
 
 
-def _failed_everywhere(rank: int) -> tuple[LoaderState, CheckpointError | None]:
+def _failed_everywhere(rank: int) -> tuple[Stand, CheckpointError | None]:
     return _state(), CheckpointError(f"disk {rank} full")
 
 
-SCENARIOS: dict[str, Callable[[int], tuple[LoaderState, CheckpointError | None]]] = {
+SCENARIOS: dict[str, Callable[[int], tuple[Stand, CheckpointError | None]]] = {
     "agree": _agree,
     "other_position": _other_position,
     "other_epoch": _other_epoch,

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from lakeloader.errors import CheckpointError
-from lakeloader.state.loader_state import LoaderState
-from lakeloader.state.mixture_state import MixtureState
-from lakeloader.state.packed_state import PackedState
 from lakeloader.state.quarantine import QuarantineEntry
 
-#: Where a loader stands (its ``barrier_position()``): a lake's, a mixture's or a packed one's.
-Position: TypeAlias = LoaderState | MixtureState | PackedState
 
-#: Where one rank stands at the barrier (what it all-gathers): its rank, (fingerprint, config
-#: hash, epoch, position), its previous save's error, its quarantine.
-_Stand = tuple[int, tuple[str, str, int, int], str | None, tuple[QuarantineEntry, ...]]
+class Stand(NamedTuple):
+    """Where a loader stands, as the barrier compares it across ranks (``barrier_position()``).
+
+    Attributes:
+        fingerprint: Of the snapshot it reads (a mixture's: a digest of its sources').
+        config_hash: Of what orders it (a packed lake's: and its packing; a mixture's: its
+            seed, weights and sources' settings).
+        epoch: The epoch (a mixture's pass; 0 for a packed lake, whose samples count epochs).
+        position: Where in it (a mixture's slot; a packed stream's samples).
+        quarantine: This rank's units skipped for good.
+    """
+
+    fingerprint: str
+    config_hash: str
+    epoch: int
+    position: int
+    quarantine: tuple[QuarantineEntry, ...]
+
+
+#: The name ``loader.py`` and ``ft/loader.py`` know a :class:`Stand` by.
+Position = Stand
 
 
 def confirm_same_position(
-    state: Position, error: CheckpointError | None
+    stand: Stand, error: CheckpointError | None
 ) -> list[QuarantineEntry] | None:
     """Check that every rank stands at the same position and that no earlier save failed.
 
@@ -39,20 +52,19 @@ def confirm_same_position(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    where = (str(state.fingerprint), str(state.config_hash), int(state.epoch), int(state.position))
-    quarantine = tuple(state.quarantine)
-    if _all_alike(_digest(where), _digest(quarantine), error is not None):
-        return list(quarantine)  # every rank's is this one
-    mine: _Stand = (dist.get_rank(), where, None if error is None else str(error), quarantine)
+    if _all_alike(_digest(stand[:4]), _digest(stand.quarantine), error is not None):
+        return list(stand.quarantine)  # every rank's is this one
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    stands: list[_Stand] = gathered
-    failed = [(rank, failure) for rank, _, failure, _ in stands if failure is not None]
+    dist.all_gather_object(
+        gathered, (dist.get_rank(), stand, None if error is None else str(error))
+    )
+    stands: list[tuple[int, Stand, str | None]] = gathered
+    failed = [(rank, failure) for rank, _, failure in stands if failure is not None]
     if failed and error is None:
         raise CheckpointError(f"the previous background save failed on rank(s) {failed}")
     groups: dict[tuple[str, str, int, int], list[int]] = {}
-    for rank, at, _, _ in stands:
-        groups.setdefault(at, []).append(rank)
+    for rank, at, _ in stands:
+        groups.setdefault(at[:4], []).append(rank)
     if len(groups) > 1:
         lake = len({w[:2] for w in groups}) > 1
         detail = "; ".join(
@@ -64,7 +76,7 @@ def confirm_same_position(
             f"ranks disagree on the loader position, refusing to save: {detail}. Every rank "
             "must call save() after the same number of steps, on the same lake and config"
         )
-    return [entry for *_, entries in stands for entry in entries]
+    return [entry for _, at, _ in stands for entry in at.quarantine]
 
 
 def _digest(value: object) -> int:

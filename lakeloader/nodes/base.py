@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
-from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import ROOT, Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import ReadCounters, UnitReader
@@ -151,7 +151,7 @@ class Node:
         return list(self.tracker.quarantine)
 
     # --------------------------------------------- what a CheckpointManager calls
-    def barrier_position(self) -> Position:
+    def barrier_position(self) -> Stand:
         """What the checkpoint barrier compares across ranks."""
         raise NotImplementedError
 

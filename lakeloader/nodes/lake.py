@@ -16,6 +16,7 @@ from typing import Any
 
 from lakeloader.cache.decode import UnitDecoder
 from lakeloader.cache.packed import RowLayout
+from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
@@ -214,7 +215,7 @@ class LakeNode(Node):
                 position was set, or they reach back before the increment a followed lake
                 began or resumed in.
         """
-        state = self.barrier_position(fetched_ahead).to_dict()
+        state = self._position(fetched_ahead).to_dict()
         if self._base.follow:
             increment = self._epoch_dataset(state["epoch"]).snapshot.increment
             state[INCREMENT_KEY] = None if increment is None else increment.to_list()
@@ -284,13 +285,15 @@ class LakeNode(Node):
         }
 
     # --------------------------------------------- what a CheckpointManager calls
-    def barrier_position(self, back: int = 0) -> LoaderState:
-        """What the checkpoint barrier compares across ranks (with this rank's quarantine).
-
-        ``back``: stand this many delivered steps back (``ReaderStateTracker.before``).
-        """
+    def _position(self, back: int = 0) -> LoaderState:
+        """The state, this many delivered steps back (``ReaderStateTracker.before``)."""
         ds = self._epoch_dataset(self.tracker.before(back)[0])
         return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds), back=back)
+
+    def barrier_position(self) -> Stand:
+        """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
+        s = self._position()
+        return Stand(s.fingerprint, s.config_hash, s.epoch, s.position, s.quarantine)
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint, on the lake of now (see ``RecoveryCoordinator.resume``)."""

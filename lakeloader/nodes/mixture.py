@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
-from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
@@ -43,6 +43,7 @@ from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.recovery.mixture_resume import resume_mixture
 from lakeloader.state.formats import MIXTURE, read
 from lakeloader.state.journal import DeliveredRun
+from lakeloader.state.loader_state import config_hash
 from lakeloader.state.mixture_state import MixtureState
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery, ReaderStateTracker, ReaderView
@@ -125,9 +126,17 @@ class CursorNode(Node):
         for change in resumed.changes:
             logger.info("%s resumed at %s %d: %s", self.what, self._slots, saved.slot, change)
 
-    def barrier_position(self) -> Position:
-        """What the checkpoint barrier compares across ranks: the cursor (the same on all)."""
-        return self._mixed
+    def barrier_position(self) -> Stand:
+        """What the checkpoint barrier compares across ranks: the cursor (the same on all).
+
+        Its digests: of the sources' snapshots; of the seed, weights and sources' settings.
+        """
+        at = self._mixed
+        weights = [[c.start, sorted(c.weights.items())] for c in at.history]
+        sources = sorted((n, r.config) for n, r in at.sources.items())
+        order = config_hash({"seed": at.seed, "history": weights, "sources": sources})
+        lakes = config_hash({n: r.fingerprint for n, r in at.sources.items()})
+        return Stand(lakes, order, at.epoch, at.slot, at.quarantine)
 
     def checkpoint_datasets(self) -> dict[str, LakeDataset]:
         """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
@@ -287,9 +287,10 @@ class PackingNode(Node):
         self._moved(MixCursor(saved.samples, {ONLY: saved.samples}), [])
         self._restored()
 
-    def barrier_position(self) -> Position:
+    def barrier_position(self) -> Stand:
         """What the checkpoint barrier compares across ranks: snapshot, packing, samples."""
-        return self._state
+        at = self._state
+        return Stand(at.fingerprint, at.config, 0, at.samples, at.quarantine)
 
     def units_behind(self, runs: Iterable[DeliveredRun], reason: str) -> list[QuarantineEntry]:
         """The units whose tokens these runs' samples took, each of its source's epoch."""

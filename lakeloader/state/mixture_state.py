@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from lakeloader.state.loader_state import Quarantined, config_hash, quarantine_json
+from lakeloader.state.loader_state import Quarantined, quarantine_json
 from lakeloader.state.quarantine import QuarantineEntry
 
 #: The ``kind`` of a mixture state.
@@ -109,23 +109,6 @@ class MixtureState(Quarantined):
     sources: Mapping[str, SourceRecord]
     topology: Mapping[str, int] = field(default_factory=dict)
     quarantine: tuple[QuarantineEntry, ...] = ()
-
-    @property
-    def fingerprint(self) -> str:
-        """A digest of the sources' snapshots (what the checkpoint barrier compares)."""
-        return config_hash({n: r.fingerprint for n, r in self.sources.items()})
-
-    @property
-    def config_hash(self) -> str:
-        """A digest of what orders the mixture: seed, weights, sources' order settings."""
-        weights = [[c.start, sorted(c.weights.items())] for c in self.history]
-        sources = sorted((n, r.config) for n, r in self.sources.items())
-        return config_hash({"seed": self.seed, "history": weights, "sources": sources})
-
-    @property
-    def position(self) -> int:
-        """The global slot reached (:attr:`slot`)."""
-        return self.slot
 
     @property
     def epoch_done(self) -> bool:

@@ -43,21 +43,6 @@ class PackedState(Quarantined):
     start: int = 0
     from_epoch: int = 0
 
-    @property
-    def config_hash(self) -> str:
-        """The hash of the order configuration and the packing (what the barrier compares)."""
-        return self.config
-
-    @property
-    def epoch(self) -> int:
-        """0: the barrier compares the samples, which count the epochs too."""
-        return 0
-
-    @property
-    def position(self) -> int:
-        """Samples delivered (the same on every rank)."""
-        return self.samples
-
     def to_dict(self) -> dict[str, Any]:
         """Plain types."""
         return {
