@@ -248,15 +248,11 @@ class PackingNode(Node):
 
     def restore(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Continue from a state (any rank's; a list of every rank's is taken too)."""
-        self._restore(self._parsed(state_dict), None)
-
-    def _parsed(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> PackedState:
-        """A state (or every rank's), their quarantines merged."""
-        return read(state_dict, PACKED, self._samples_of(self.dataset))
+        self._restore(read(state_dict, PACKED, self._samples_of(self.dataset)), None)
 
     def restore_checkpoint(self, ckpt: Checkpoint, coordinator: RecoveryCoordinator) -> None:
         """Continue from a checkpoint, on the lake of now (see ``coordinator.resume_source``)."""
-        saved = self._parsed(dict(ckpt.state_dict))
+        saved = read(ckpt.state_dict, PACKED, self._samples_of(self.dataset))
         size, count = self._samples_of, saved.samples
         at = coordinator.resume_source(
             ckpt, ONLY, self.dataset, _record(saved), count, size, self._config, exact=True
