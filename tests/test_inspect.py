@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import lakeloader as ll
+from lakeloader.cli.inspect import requested
 from lakeloader.cli.main import main
 from tests.conftest import LAYOUT, LAYOUT_ROWS, make_loaders
 from tests.oracles import first_need_units
@@ -374,3 +375,18 @@ def test_an_unknown_creation_time_and_version_are_null_in_json_for_every_kind(ki
     ckpt = dataclasses.replace(ckpt, context=context)
     info = inspect_checkpoint(ckpt) if kind == "plain" else inspect_kind(ckpt, [ckpt.step])
     assert info["created"] is None and info["library_version"] is None
+
+
+def test_the_requests_read_the_quarantine_of_every_kind_and_version() -> None:
+    """A version 1 lake state keeps its quarantine as a list (not a JSON string), a packed
+    mixture's is its cursor's: ``quarantine_step``'s units are found in both."""
+    step = {"path": "a.parquet", "row_group": 0, "row_start": 0, "num_rows": 3}
+    entries = [{**step, "reason": "quarantine_step(4)"}, {**step, "reason": "bad page"}]
+    v1 = {"kind": "lakeloader.loader_state", "version": 1, "quarantine": entries}
+    packed = {
+        "kind": "packed-mixture",
+        "version": 2,
+        "mixture": {"quarantine": json.dumps(entries)},
+    }
+    for state in (v1, packed):
+        assert requested(state)["quarantined_steps"] == entries[:1]

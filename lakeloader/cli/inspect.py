@@ -6,7 +6,6 @@ From the checkpoint alone (the lake is never touched), as plain dicts (JSON-read
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from lakeloader.order.plan import (
     virtual_to_piece,
 )
 from lakeloader.pipeline.backfill import backfill_view
+from lakeloader.state.formats import quarantine_in
 from lakeloader.state.requests import QUARANTINE_STEP, Requests
 from lakeloader.state.tracker import ReaderStateTracker
 from lakeloader.state.view import rank_dict
@@ -347,14 +347,12 @@ def requested(state: dict[str, Any]) -> dict[str, Any]:
     ``quarantine_step()`` quarantined; ``steps_to_quarantine``: steps it named still to come.
     """
     requests = Requests.of_state(state)
-    within = state.get("mixture", state)  # a packed mixture's quarantine is its mixture's
-    entries = json.loads(within.get("quarantine") or "[]")
     return {
         "steps_delivered": requests.delivered,
         "steps_skipped": {"done": requests.skipped, "pending": requests.pending},
         "steps_to_quarantine": [named for _, named in requests.bad_steps],
         "quarantined_steps": [
-            q for q in entries if str(q.get("reason", "")).startswith(QUARANTINE_STEP)
+            q.to_dict() for q in quarantine_in(state) if q.reason.startswith(QUARANTINE_STEP)
         ],
     }
 

@@ -86,6 +86,11 @@ def _one(data: Any, form: Format[S], per_epoch: int) -> S:
         raise StateFormatError(f"malformed {form.name}: {exc!r}") from exc
 
 
+def quarantine_in(state: Mapping[str, Any]) -> tuple[QuarantineEntry, ...]:
+    """The quarantine alone, of any kind and version of state (a packed mixture's: its cursor's)."""
+    return _quarantine(state.get("mixture", state).get("quarantine") or "[]")
+
+
 def _quarantine(value: Any) -> tuple[QuarantineEntry, ...]:
     """A state's quarantine: a JSON string (a version 1 lake state's: a list of dicts)."""
     entries = json.loads(value) if isinstance(value, str) else value
