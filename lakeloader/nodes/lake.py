@@ -41,9 +41,6 @@ from lakeloader.workers.process import WorkerSetup
 
 logger = logging.getLogger(__name__)
 
-#: The state key of the increment a followed lake's position is in.
-INCREMENT_KEY = "follow_increment"
-
 
 class LakeNode(Node):
     """A lake, followed or not (see the module docstring)."""
@@ -215,11 +212,7 @@ class LakeNode(Node):
                 position was set, or they reach back before the increment a followed lake
                 began or resumed in.
         """
-        state = self._position(fetched_ahead).to_dict()
-        if self._base.follow:
-            increment = self._epoch_dataset(state["epoch"]).snapshot.increment
-            state[INCREMENT_KEY] = None if increment is None else increment.to_list()
-        return state
+        return self._position(fetched_ahead).to_dict()
 
     def _epoch_dataset(self, epoch: int) -> LakeDataset:
         """The dataset ``epoch`` runs on, also before a pass of it began.
@@ -242,12 +235,11 @@ class LakeNode(Node):
 
         A followed lake's state whose increment the lake no longer holds: ``StateMismatchError``.
         """
-        saved = state.get(INCREMENT_KEY) if self._base.follow else None
-        if saved is None:
+        parsed = read(state, LAKE)
+        if not self._base.follow or parsed.increment is None:
             self.resume(RecoveryCoordinator().resume_state(state, self._base))
             return
-        parsed = read(state, LAKE)
-        base = on_increment(self._base, saved)
+        base = on_increment(self._base, parsed.increment)
         parsed.check_matches(base.fingerprint, base.config.to_dict())
         self.resume(Resumption(parsed, dataset=base))
 
@@ -286,9 +278,12 @@ class LakeNode(Node):
 
     # --------------------------------------------- what a CheckpointManager calls
     def _position(self, back: int = 0) -> LoaderState:
-        """The state, this many delivered steps back (``ReaderStateTracker.before``)."""
+        """The state ``back`` steps delivered back (a followed lake's names its increment)."""
         ds = self._epoch_dataset(self.tracker.before(back)[0])
-        return self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds), back=back)
+        state = self.tracker.state(ds.fingerprint, ds.config.to_dict(), len(ds), back=back)
+        if self._base.follow and ds.snapshot.increment is not None:
+            state = dataclasses.replace(state, increment=ds.snapshot.increment.to_list())
+        return state
 
     def barrier_position(self) -> Stand:
         """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""

@@ -100,7 +100,8 @@ def _quarantine(value: Any) -> tuple[QuarantineEntry, ...]:
 
 
 def _lake(d: Mapping[str, Any], version: int, per_epoch: int) -> LoaderState:
-    """Versions 1 and 2 differ only in the quarantine's encoding."""
+    """Versions 1 and 2 differ only in the quarantine's encoding; a followed lake's adds one key."""
+    increment = d.get("follow_increment")
     return LoaderState(
         fingerprint=str(d["fingerprint"]),
         config_hash=str(d["config_hash"]),
@@ -111,6 +112,7 @@ def _lake(d: Mapping[str, Any], version: int, per_epoch: int) -> LoaderState:
         num_rows=int(d["num_rows"]),
         topology=Topology.from_dict(d["topology"]),
         quarantine=_quarantine(d["quarantine"]),
+        increment=None if increment is None else list(increment),
     )
 
 

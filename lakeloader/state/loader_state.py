@@ -63,6 +63,8 @@ class LoaderState(Quarantined):
         rows_dropped: Rows of the epoch dropped by ``drop_last`` (counted, never silent).
         num_rows: Rows in the epoch (N), for reports.
         topology: The topology the state was taken under (information, not a constraint).
+        increment: A followed lake's: the marks of the increment its epoch is (written as
+            ``follow_increment``), else None.
     """
 
     fingerprint: str
@@ -74,6 +76,7 @@ class LoaderState(Quarantined):
     num_rows: int
     topology: Topology
     quarantine: tuple[QuarantineEntry, ...] = ()
+    increment: list[Any] | None = None
 
     @property
     def at_epoch_end(self) -> bool:
@@ -94,6 +97,7 @@ class LoaderState(Quarantined):
             "num_rows": self.num_rows,
             "topology": self.topology.to_dict(),
             "quarantine": quarantine_json(self.quarantine),
+            **({} if self.increment is None else {"follow_increment": self.increment}),
         }
 
     def check_matches(self, fingerprint: str, config: dict[str, Any]) -> None:
