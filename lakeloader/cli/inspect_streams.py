@@ -32,9 +32,9 @@ def inspect_kind(ckpt: Checkpoint, steps_available: list[int]) -> dict[str, Any]
         "extra_type": type(ckpt.extra).__name__,
     }
     try:
-        if kind == "packed":
+        if kind == PACKED.kind:
             return {**head, **_packed(state, ckpt)}
-        if kind == "packed-mixture":
+        if kind == PACKED_MIXTURE.kind:
             mixture = _mixture(read(state, PACKED_MIXTURE), ckpt, "samples")
             for name in ("pass", "pass_rows", "pass_rows_done"):  # an endless stream: no pass
                 del mixture[name]
@@ -119,7 +119,7 @@ def _mixture(state: MixtureState, ckpt: Checkpoint, unit: str) -> dict[str, Any]
 def render_kind_text(info: dict[str, Any]) -> str:
     """The readable report of a dict from :func:`inspect_kind` (ending in a newline)."""
     common = head_pairs(info)
-    if info["kind"] == "packed":
+    if info["kind"] == PACKED.kind:
         if info["samples"] is None:
             where = f"the start of epoch {info['epoch']} (a version 1 state)"
         else:
@@ -130,7 +130,7 @@ def render_kind_text(info: dict[str, Any]) -> str:
         pairs = [*common, ("lake", info["lake"] or "-"), ("fingerprint", info["fingerprint"])]
         pairs += [("config hash", info["config_hash"]), ("samples", where)]
         return "\n\n".join([format_pairs(pairs), *quarantine_text(info["quarantine"])]) + "\n"
-    unit, packed = info["unit"], info["kind"] == "packed-mixture"
+    unit, packed = info["unit"], info["kind"] == PACKED_MIXTURE.kind
     pairs = [*common, ("mixture", f"{len(info['sources'])} sources, seed {info['seed']}")]
     if packed:
         pairs += [("samples drawn", info["slot"])]
