@@ -24,14 +24,12 @@ from lakeloader.lake.following import CaughtUpError
 from lakeloader.loader_args import warn_cpu_contention, warn_partitions
 from lakeloader.nodes.base import Host, Node, make_setup, read_counts, row_units
 from lakeloader.nodes.carried import carried_step
-from lakeloader.nodes.streams import on_increment
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.pipeline.backfill import Backfill, backfill_tracker, backfill_view, finisher
 from lakeloader.pipeline.iterator import EpochIterator
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.recovery.coordinator import RecoveryCoordinator, Resumption
-from lakeloader.state.formats import LAKE, read
 from lakeloader.state.journal import DeliveredRun
 from lakeloader.state.loader_state import LoaderState
 from lakeloader.state.quarantine import QuarantineEntry
@@ -235,13 +233,7 @@ class LakeNode(Node):
 
         A followed lake's state whose increment the lake no longer holds: ``StateMismatchError``.
         """
-        parsed = read(state, LAKE)
-        if not self._base.follow or parsed.increment is None:
-            self.resume(RecoveryCoordinator().resume_state(state, self._base))
-            return
-        base = on_increment(self._base, parsed.increment)
-        parsed.check_matches(base.fingerprint, base.config.to_dict())
-        self.resume(Resumption(parsed, dataset=base))
+        self.resume(RecoveryCoordinator().resume_state(state, self._base))
 
     def resume(self, resumption: Resumption) -> None:
         """Apply what the recovery coordinator decided (the one way a position is restored)."""

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 
 from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import UnitReader
-from lakeloader.lake.following import increment_at
-from lakeloader.lake.increments import Increment
 from lakeloader.mixture import Mixture
 from lakeloader.order.mixture import MixCursor, Spans
+from lakeloader.recovery.coordinator import on_increment
 from lakeloader.state.journal import DeliveredRun, epoch_runs
 from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 from lakeloader.topology import Topology
@@ -180,20 +178,6 @@ class SourceStream:
         """Drop the increments wholly before offset ``count`` (every rank is past them)."""
         while len(self.known) > 1 and self.known[1][1] <= count:
             self.known.pop(0)
-
-
-def on_increment(dataset: LakeDataset, marks: list[Any]) -> LakeDataset:
-    """The followed lake's increment that ``marks`` (``Increment.to_list()``) name, found again.
-
-    Raises:
-        StateMismatchError: If the lake no longer holds that increment.
-    """
-    increment = Increment.from_list(marks)
-    if dataset.snapshot.increment == increment:
-        return dataset
-    return dataset.on_increment(
-        *increment_at(dataset.source, increment, dataset.increment_request())
-    )
 
 
 def pinned_datasets(

@@ -9,6 +9,8 @@ from typing import Any
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeChangedError, StateMismatchError
+from lakeloader.lake.following import increment_at
+from lakeloader.lake.increments import Increment
 from lakeloader.lake.manifest import from_manifest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.tables.sources import checkpoint_source
@@ -82,12 +84,19 @@ class RecoveryCoordinator:
     def resume_state(self, state: dict[str, Any], dataset: LakeDataset) -> Resumption:
         """The resumption of a bare state (``DataLoader.load_state_dict``) on ``dataset``.
 
+        A followed lake's goes on in the increment it names, found again by its marks.
+
         Raises:
             StateFormatError: If the dict is not a lakeloader state of a known version.
             StateMismatchError: If it belongs to another snapshot or configuration than the
-                dataset that its epoch runs on.
+                dataset that its epoch runs on, or the lake no longer holds its increment.
         """
-        return _checked(read(state, LAKE), dataset)
+        saved = read(state, LAKE)
+        if dataset.follow is None or saved.increment is None:
+            return _checked(saved, dataset)
+        base = on_increment(dataset, saved.increment)
+        saved.check_matches(base.fingerprint, base.config.to_dict())
+        return Resumption(saved, dataset=base)
 
     def resume(self, ckpt: Checkpoint, live: LakeDataset) -> Resumption:
         """The resumption of a checkpoint on the lake that ``live`` sees now.
@@ -214,6 +223,20 @@ def _lake_diff(pinned: Snapshot, live: LakeDataset) -> LakeDiff:
     # a table's old version keeps files that its newer versions no longer list; a followed
     # lake lists its newest increment, not the pinned one
     return check_files(live.fs, pinned.files)
+
+
+def on_increment(dataset: LakeDataset, marks: list[Any]) -> LakeDataset:
+    """The followed lake's increment that ``marks`` (``Increment.to_list()``) name, found again.
+
+    Raises:
+        StateMismatchError: If the lake no longer holds that increment.
+    """
+    increment = Increment.from_list(marks)
+    if dataset.snapshot.increment == increment:
+        return dataset
+    return dataset.on_increment(
+        *increment_at(dataset.source, increment, dataset.increment_request())
+    )
 
 
 def _checked(saved: LoaderState, dataset: LakeDataset) -> Resumption:

@@ -4,16 +4,13 @@ A state is plain data with a ``kind`` and a ``version``. Each row of the table (
 :data:`MIXTURE`, :data:`PACKED`, :data:`PACKED_MIXTURE`) names the versions read, the words that
 refuse another kind and the pure function that reads one; :func:`read` is the one way a state is
 read (the nodes, checkpoints, the recovery coordinator, ``lakeloader inspect``). The states
-write themselves (``to_dict``), in the oldest version that says what they hold:
+write themselves (``to_dict``), in the oldest version that says what they hold::
 
-===========================  ========  ======================================  ============
-kind                         reads     writes                                  read into
-===========================  ========  ======================================  ============
-``lakeloader.loader_state``  1, 2      2 (followed: ``follow_increment`` too)  LoaderState
-``mixture``                  1, 2      2 if a source names its epoch, else 1   MixtureState
-``packed``                   1, 2, 3   3 if its lake grew at a resume, else 2  PackedState
-``packed-mixture``           2         2 (1 is refused, with what to do)       MixtureState
-===========================  ========  ======================================  ============
+    kind                     reads    writes                                  read into
+    lakeloader.loader_state  1, 2     2 (followed: follow_increment too)      LoaderState
+    mixture                  1, 2     2 if a source names its epoch, else 1   MixtureState
+    packed                   1, 2, 3  3 if its lake grew at a resume, else 2  PackedState
+    packed-mixture           2        2 (1 is refused, with what to do)       MixtureState
 
 >>> s = MixtureState(0, 8, {"a": 5, "b": 3}, (WeightChange(0, {"a": 1.0, "b": 1.0}),),
 ...                  0, 0, 100, {"a": SourceRecord("f", "c", 50)})

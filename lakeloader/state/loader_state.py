@@ -36,10 +36,7 @@ def quarantine_json(entries: Iterable[QuarantineEntry]) -> str:
 
 
 class Quarantined:
-    """What every state but a packed mixture's (it wraps a MixtureState) has: a quarantine.
-
-    Its entries are units skipped for good (``on_error="skip"``, ``validate=``), merged, sorted.
-    """
+    """What every state has: a quarantine, of units skipped for good, merged and sorted."""
 
     __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
     quarantine: tuple[QuarantineEntry, ...]
