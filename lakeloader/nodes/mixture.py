@@ -79,7 +79,7 @@ class CursorNode(Node):
     def restore(self, state_dict: Any) -> None:
         """Continue from a state taken under any topology, with this mixture's weights.
 
-        A packed mixture's: any rank's state, or a list of every rank's.
+        Any rank's state, or a list of every rank's (their quarantines merged).
         """
         self._resume(read(state_dict, self._format), {})
 
