@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import PartitionWarning as PartitionWarning  # its home before errors
@@ -345,7 +345,7 @@ class DataLoader(TorchNames):
         return self.root.quarantine
 
     # --------------------------------------------- what a CheckpointManager calls
-    def barrier_position(self) -> Position:
+    def barrier_position(self) -> Stand:
         """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
         return self.root.barrier_position()
 

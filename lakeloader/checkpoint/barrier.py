@@ -31,10 +31,6 @@ class Stand(NamedTuple):
     quarantine: tuple[QuarantineEntry, ...]
 
 
-#: The name ``loader.py`` and ``ft/loader.py`` know a :class:`Stand` by.
-Position = Stand
-
-
 def confirm_same_position(
     stand: Stand, error: CheckpointError | None
 ) -> list[QuarantineEntry] | None:

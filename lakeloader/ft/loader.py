@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from lakeloader.checkpoint.barrier import Position
+from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
@@ -298,7 +298,7 @@ class FaultTolerantLoader:
             self._committed, self._over = state, over
         logger.info("loader state from a peer, at step %s (pass over: %s)", step, over)
 
-    def barrier_position(self) -> Position:
+    def barrier_position(self) -> Stand:
         """The committed position, as the checkpoint barrier compares it across ranks."""
         with self._lock:
             self._settle(rollback=False)

@@ -45,7 +45,7 @@ class Format(Generic[S]):
     Attributes:
         kind: Its ``"kind"``.
         versions: The versions read.
-        refusal: Why a value of another kind is refused (``{what}``: the type given).
+        refusal: Why a value of another kind is refused (the kind given is added).
         name: What a malformed one is called.
         parse: Reads one of the kind: ``(state, its version, samples in a packed epoch)``.
         remedy: What to do with a version not read.
@@ -76,7 +76,8 @@ def read(given: Any, form: Format[S], per_epoch: int = 0) -> S:
 
 def _one(data: Any, form: Format[S], per_epoch: int) -> S:
     if not isinstance(data, Mapping) or data.get("kind") != form.kind:
-        raise StateFormatError(form.refusal.format(what=type(data).__name__))
+        found = f"kind {data.get('kind')!r}" if isinstance(data, Mapping) else type(data).__name__
+        raise StateFormatError(f"{form.refusal} (given: {found})")
     version = data.get("version")
     if version not in form.versions:
         reads = " to ".join(str(v) for v in sorted({form.versions[0], form.versions[-1]}))
@@ -188,7 +189,8 @@ def _packed_mixture(d: Mapping[str, Any], version: int, per_epoch: int) -> Mixtu
 LAKE: Final = Format(
     LAKE_KIND,
     (1, 2),
-    f"not a lakeloader state (expected kind={LAKE_KIND!r}); got a {{what}}",
+    f"not a lakeloader state (expected kind={LAKE_KIND!r}): load a state into a loader over "
+    "what took it",
     "lakeloader state",
     _lake,
 )
