@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 import lakeloader as ll
+from lakeloader.cli.main import main as cli
 from tests.conftest import global_batches, make_loaders
 
 FAST = ll.Follow(poll_interval=0.01, timeout=0.05)
@@ -95,3 +97,23 @@ def test_a_state_taken_before_the_first_batch_resumes(tmp_path: Path) -> None:
     for loader in [*resumed, *fresh]:
         loader.close()
     assert seen == want and len(seen) == len(set(seen)) > 0
+
+
+def test_inspect_shows_each_followed_source_s_increment_and_lag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lakes = {n: Lake(tmp_path, n) for n in BASE}
+    for lake in lakes.values():
+        lake.add(30)
+    with ll.CheckpointManager(tmp_path / "ckpt") as ckpt, ll.DataLoader(mixture(lakes), 4) as x:
+        next(iter(x))
+        ckpt.save(1, x)
+    lakes["web"].add(25)
+    lakes["web"].add(5)
+    assert cli(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    details = json.loads(capsys.readouterr().out)["lake_details"]
+    lags = {name: d["increment"]["lag"] for name, d in details.items()}
+    assert lags["web"] == {"increments": 1, "files": 2, "rows": 30, "capped": False}
+    assert lags["code"] == {"increments": 0, "files": 0, "rows": 0, "capped": False}
+    assert cli(["inspect", str(tmp_path / "ckpt")]) == 0
+    assert "lag of web  " in capsys.readouterr().out

@@ -8,6 +8,8 @@ from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.training import CodeVersion
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.increments import Increment, SourceRequest
+from lakeloader.lake.manifest import from_manifest
+from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import FolderSource, Growing
 from lakeloader.lake.tables.delta import DeltaSource
 from lakeloader.lake.tables.options import delta_options, fsspec_options
@@ -16,36 +18,52 @@ from lakeloader.lake.tables.options import delta_options, fsspec_options
 MAX_LAG_INCREMENTS = 10_000
 
 
-def lake_details(
+def leaf_details(
     ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool, retry: RetryPolicy
+) -> dict[str, dict[str, Any]]:
+    """:func:`lake_details` of each lake a checkpoint pins (a mixture's sources, a packed lake)."""
+    return {
+        leaf: lake_details(from_manifest(manifest), ckpt.sources[leaf], storage_options, lag, retry)
+        for leaf, manifest in sorted(ckpt.manifests.items())
+    }
+
+
+def lake_details(
+    snap: Snapshot, given: Any, storage_options: dict[str, Any], lag: bool, retry: RetryPolicy
 ) -> dict[str, Any]:
-    """The table version, the filter and, for a followed lake, its increment and lag."""
-    snap, inc = ckpt.snapshot, ckpt.snapshot.increment
-    increment = None
+    """The table version, the filter and, for a followed lake, its increment and lag.
+
+    ``given``: what the lake's dataset was given as source.
+    """
+    inc, increment = snap.increment, None
     if inc is not None:
         increment = {
             "index": inc.index,
             "increments_consumed": inc.index,
             "mark": [inc.upto.position, inc.upto.path],
-            "lag": _lag(ckpt, inc, storage_options, retry) if lag else None,
+            "lag": _lag(snap, given, inc, storage_options, retry) if lag else None,
         }
     table = None if snap.table is None else snap.table.describe()
     return {"table": table, "filter": snap.row_filter, "increment": increment}
 
 
 def _lag(
-    ckpt: Checkpoint, after: Increment, storage_options: dict[str, Any], retry: RetryPolicy
+    snap: Snapshot,
+    given: Any,
+    after: Increment,
+    storage_options: dict[str, Any],
+    retry: RetryPolicy,
 ) -> dict[str, Any]:
     """Files and rows appended after an increment (the increments that would follow it).
 
     Counting stops after :data:`MAX_LAG_INCREMENTS` increments; ``capped`` then says so.
     """
     source: Growing
-    if ckpt.snapshot.table is not None and ckpt.snapshot.table.format == "delta":
+    if snap.table is not None and snap.table.format == "delta":
         options = tuple(sorted(delta_options(storage_options).items()))
-        source = DeltaSource(ckpt.snapshot.table.location, None, options)
+        source = DeltaSource(snap.table.location, None, options)
     else:
-        source = FolderSource.of(ckpt.source)
+        source = FolderSource.of(given)
     request = SourceRequest(fsspec_options(storage_options), None, False, retry, False, "skip")
     files = rows = increments = 0
     now: Increment | None = after
@@ -63,9 +81,10 @@ def _lag(
     return {"increments": increments, "files": files, "rows": rows, "capped": capped}
 
 
-def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
-    """The report's lines for :func:`lake_details` (none for a plain folder)."""
-    lines = [(key, details[key]) for key in ("table", "filter") if details[key]]
+def render_details(details: dict[str, Any], of: str = "") -> list[tuple[str, str]]:
+    """The report's lines for :func:`lake_details` (none for a plain folder); ``of``: its leaf."""
+    name = f" of {of}" if of else ""
+    lines = [(key + name, details[key]) for key in ("table", "filter") if details[key]]
     inc = details["increment"]
     if inc is not None:
         lag, behind = inc["lag"], "-"
@@ -76,7 +95,7 @@ def render_details(details: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{lag['increments']:,}{more} increments appended after this one"
             )
         consumed = f"{inc['index']:,} ({inc['increments_consumed']:,} consumed before it)"
-        lines += [("increment", consumed), ("lag", behind)]
+        lines += [("increment" + name, consumed), ("lag" + name, behind)]
     return lines
 
 

@@ -27,7 +27,12 @@ from lakeloader.cli.inspect import (
     requested,
     requested_text,
 )
-from lakeloader.cli.inspect_follow import lake_details, render_details, render_training
+from lakeloader.cli.inspect_follow import (
+    lake_details,
+    leaf_details,
+    render_details,
+    render_training,
+)
 from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
 from lakeloader.cli.parser import UsageError, parse
 from lakeloader.cli.tables import format_pairs, format_table, full_urls, record_table, to_json
@@ -212,9 +217,12 @@ def _cmd_inspect(args: argparse.Namespace) -> Result:
     found = open_checkpoint(args.checkpoint, args.step, options, retry)
     ckpt = found.checkpoint
     _warn_skipped(args, found.skipped)
+    lag = not args.no_lag
     if ckpt.lake is None:  # per source or partition: no topology to map onto
         info = inspect_kind(ckpt, found.steps)
-        head, lines, end = render_kind_text(info), [], ""
+        info["lake_details"] = leaves = leaf_details(ckpt, options, lag, retry)
+        lines = [line for leaf, d in leaves.items() for line in render_details(d, leaf)]
+        head, end = render_kind_text(info), ""
     else:
         info = inspect_checkpoint(
             ckpt,
@@ -225,7 +233,8 @@ def _cmd_inspect(args: argparse.Namespace) -> Result:
             num_workers=args.num_workers,
             batch_size=args.batch_size,
         )
-        info["lake_details"] = details = lake_details(ckpt, options, not args.no_lag, retry)
+        details = lake_details(ckpt.snapshot, ckpt.source, options, lag, retry)
+        info["lake_details"] = details
         head, lines, end = render_text(info), render_details(details), "\n"
     info["skipped_damaged"] = found.skipped
     info["training"] = None if ckpt.training is None else ckpt.training.to_dict()
