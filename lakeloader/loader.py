@@ -258,8 +258,8 @@ class DataLoader(TorchNames):
     def load_state_dict(self, state_dict: Any) -> None:
         """Continue from a state taken under any world size, worker count or batch size.
 
-        A packed stream takes any one rank's state (every rank's is the same; a list of them
-        is taken too).
+        It takes any one rank's state, or a list of every rank's of one step (their
+        quarantines merged).
 
         Raises:
             StateFormatError: If it is not a state of this kind of loader, of a known version.

@@ -86,7 +86,7 @@ def test_a_version_not_read_names_the_versions_read(form: Format[Any], reads: st
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_missing_key_is_malformed_and_named(kind: str) -> None:
-    written, form, _ = KINDS[kind]
+    written, form = json.loads(json.dumps(KINDS[kind][0])), KINDS[kind][1]  # a copy to break
     inner = written.get("mixture", written)
     del inner["seed" if "seed" in inner else "fingerprint"]
     with pytest.raises(StateFormatError, match=r"^malformed .*KeyError\('(seed|fingerprint)'\)"):
@@ -94,7 +94,27 @@ def test_a_missing_key_is_malformed_and_named(kind: str) -> None:
 
 
 def test_every_ranks_states_are_read_as_the_first_with_all_quarantines() -> None:
-    ranks = [PACKED_STATE.to_dict(), PackedState("f", "c", 24, (B, A)).to_dict()]
+    ranks = [PACKED_STATE.to_dict(), PackedState("f", "c", 24, (B, A), None, 20, 2).to_dict()]
     assert read(ranks, PACKED) == PackedState("f", "c", 24, (A, B), None, 20, 2)
     lakes = [LAKE_STATE.with_quarantine([B]).to_dict(), LAKE_STATE.with_quarantine([A]).to_dict()]
     assert read(lakes, LAKE).quarantine == (A, B)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_states_of_ranks_at_other_steps_or_none_are_refused(kind: str) -> None:
+    data, form, _ = KINDS[kind]
+    moved = json.loads(json.dumps(data))
+    where = moved.get("mixture", moved)
+    key = next(k for k in ("position", "slot", "samples") if k in where)
+    where[key] += 1
+    with pytest.raises(StateFormatError, match=r"not every rank's of one step: the first at .*"):
+        read([data, moved], form)
+    with pytest.raises(StateFormatError, match=r"\(given: an empty list of states\)$"):
+        read([], form)
+
+
+@pytest.mark.parametrize("marks", [[1], "x.parquet", 5, {}])
+def test_a_followed_lake_s_increment_must_be_its_marks(marks: Any) -> None:
+    data = {**FOLLOWED.to_dict(), "follow_increment": marks}
+    with pytest.raises(StateFormatError, match=r"malformed lakeloader state.*is not a list of"):
+        read(data, LAKE)

@@ -31,6 +31,11 @@ class Stand(NamedTuple):
     quarantine: tuple[QuarantineEntry, ...]
 
 
+#: What one rank all-gathers: its rank, (fingerprint, config hash, epoch, position), its
+#: previous save's error, its quarantine.
+_Gathered = tuple[int, tuple[str, str, int, int], str | None, tuple[QuarantineEntry, ...]]
+
+
 def confirm_same_position(
     stand: Stand, error: CheckpointError | None
 ) -> list[QuarantineEntry] | None:
@@ -48,19 +53,19 @@ def confirm_same_position(
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _all_alike(_digest(stand[:4]), _digest(stand.quarantine), error is not None):
+    where = (str(stand.fingerprint), str(stand.config_hash), int(stand.epoch), int(stand.position))
+    if _all_alike(_digest(where), _digest(stand.quarantine), error is not None):
         return list(stand.quarantine)  # every rank's is this one
+    mine = (dist.get_rank(), where, None if error is None else str(error), stand.quarantine)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(
-        gathered, (dist.get_rank(), stand, None if error is None else str(error))
-    )
-    stands: list[tuple[int, Stand, str | None]] = gathered
-    failed = [(rank, failure) for rank, _, failure in stands if failure is not None]
+    dist.all_gather_object(gathered, mine)  # plain values: what every release gathers
+    stands: list[_Gathered] = gathered
+    failed = [(rank, failure) for rank, _, failure, _ in stands if failure is not None]
     if failed and error is None:
         raise CheckpointError(f"the previous background save failed on rank(s) {failed}")
     groups: dict[tuple[str, str, int, int], list[int]] = {}
-    for rank, at, _ in stands:
-        groups.setdefault(at[:4], []).append(rank)
+    for rank, at, _, _ in stands:
+        groups.setdefault(at, []).append(rank)
     if len(groups) > 1:
         lake = len({w[:2] for w in groups}) > 1
         detail = "; ".join(
@@ -72,7 +77,7 @@ def confirm_same_position(
             f"ranks disagree on the loader position, refusing to save: {detail}. Every rank "
             "must call save() after the same number of steps, on the same lake and config"
         )
-    return [entry for _, at, _ in stands for entry in at.quarantine]
+    return [entry for *_, entries in stands for entry in entries]
 
 
 def _digest(value: object) -> int:

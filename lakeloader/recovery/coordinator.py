@@ -81,8 +81,10 @@ class RecoveryCoordinator:
         check_policy(on_lake_change)
         self.on_lake_change: LakeChangePolicy = on_lake_change
 
-    def resume_state(self, state: dict[str, Any], dataset: LakeDataset) -> Resumption:
+    def resume_state(self, state: Any, dataset: LakeDataset) -> Resumption:
         """The resumption of a bare state (``DataLoader.load_state_dict``) on ``dataset``.
+
+        ``state``: a lake's state, or a list of every rank's of one step.
 
         A followed lake's goes on in the increment it names, found again by its marks.
 

@@ -23,6 +23,7 @@ lakeloader.errors.StateFormatError: a 'packed' state of version 9 ... reads vers
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -68,10 +69,39 @@ def read(given: Any, form: Format[S], per_epoch: int = 0) -> S:
         StateFormatError: If it is not a state of the kind, is of a version not read (with the
             remedy), is malformed, or is a version 1 packed state taken in the middle of an epoch.
     """
-    if not isinstance(given, list | tuple) or not given:
+    if not isinstance(given, list | tuple):
         return _one(given, form, per_epoch)
+    if not given:
+        raise StateFormatError(f"{form.refusal} (given: an empty list of states)")
     states = [_one(s, form, per_epoch) for s in given]
+    for i, state in enumerate(states[1:], 1):
+        if _where(state) != _where(states[0]):
+            at = [", ".join(f"{k} {getattr(s, k)}" for k in _AT if hasattr(s, k)) for s in states]
+            raise StateFormatError(
+                f"the {form.name}s given are not every rank's of one step: the first at {at[0]}, "
+                f"number {i} at {at[i]} (or of another snapshot or configuration); give the "
+                "states that all ranks took at one step"
+            )
     return states[0].with_quarantine(q for s in states for q in s.quarantine)
+
+
+#: What a refusal of states of different steps names of each.
+_AT = ("epoch", "position", "slot", "samples")
+
+
+def _where(state: Any) -> Any:
+    """What every rank's state of one step holds alike: all but its quarantine and topology."""
+    fields: dict[str, Any] = {"quarantine": ()}
+    if hasattr(state, "topology"):
+        fields["topology"] = {}
+    return dataclasses.replace(state, **fields)
+
+
+def _marks(value: Any) -> list[Any] | None:
+    """A followed lake's increment marks, as a state holds them (None: it does not follow)."""
+    if value is not None and not (isinstance(value, list | tuple) and len(value) >= 3):
+        raise ValueError(f"increment {value!r} is not a list of its marks")
+    return None if value is None else list(value)
 
 
 def _one(data: Any, form: Format[S], per_epoch: int) -> S:
@@ -117,7 +147,7 @@ def _lake(d: Mapping[str, Any], version: int, per_epoch: int) -> LoaderState:
         num_rows=int(d["num_rows"]),
         topology=Topology.from_dict(d["topology"]),
         quarantine=_quarantine(d["quarantine"]),
-        increment=None if increment is None else list(increment),
+        increment=_marks(increment),
     )
 
 
@@ -162,7 +192,7 @@ def _packed(d: Mapping[str, Any], version: int, per_epoch: int) -> PackedState:
         str(d["config"]),
         samples,
         quarantine,
-        None if increment is None else list(increment),
+        _marks(increment),
         int(d.get("start", 0)),
         int(d.get("from_epoch", 0)),
     )
