@@ -117,3 +117,18 @@ def test_inspect_shows_each_followed_source_s_increment_and_lag(
     assert lags["code"] == {"increments": 0, "files": 0, "rows": 0, "capped": False}
     assert cli(["inspect", str(tmp_path / "ckpt")]) == 0
     assert "lag of web  " in capsys.readouterr().out
+
+
+def test_a_first_state_without_increments_still_loads(tmp_path: Path) -> None:
+    """Before c58f634 a first state named no followed source's increment: nothing was drawn."""
+    lakes = {n: Lake(tmp_path, n) for n in BASE}
+    for lake in lakes.values():
+        lake.add(30)
+    with ll.DataLoader(mixture(lakes), batch_size=4) as first:
+        state = first.state_dict()
+        want = [b["id"].tolist() for b in first]
+    for record in state["sources"].values():  # as that release wrote it
+        record.pop("increment"), record.update(start=0, from_epoch=0)
+    with ll.DataLoader(mixture(lakes), batch_size=4) as resumed:
+        resumed.load_state_dict(state)
+        assert [b["id"].tolist() for b in resumed] == want

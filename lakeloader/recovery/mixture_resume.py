@@ -47,6 +47,8 @@ def resume_mixture(
         )
     for name in sorted((set(now) & set(saved.sources)) - moved):
         was, cur = saved.sources[name], now[name]
+        if not saved.counts.get(name, 0) and was.increment is None:  # an older first state
+            was = replace(was, increment=cur.increment)  # named no followed lake's increment
         if not was.same_source(cur):
             raise StateMismatchError(
                 f"mixture source {name!r} is not the one saved: saved snapshot {was.fingerprint} "
