@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,15 @@ class LoaderOptions:
             raise ValueError(
                 "restart_on_iter=True (every iter() one whole pass) and endless=True (one "
                 "iter() for every epoch) exclude each other: choose one"
+            )
+        for name in ("collate_fn", "worker_init_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be callable or None, got {getattr(self, name)!r}")
+        context = self.multiprocessing_context
+        if isinstance(context, str) and context not in mp.get_all_start_methods():
+            raise ValueError(  # as torch's DataLoader says at once
+                f"multiprocessing_context {context!r} is not a start method here: use one of "
+                f"{mp.get_all_start_methods()}, a multiprocessing context, or None"
             )
         if self.io_threads < 1 or self.cache_bytes < 1:
             raise ValueError(

@@ -207,12 +207,15 @@ def test_no_budget_warning_when_a_step_fits(dataset: ll.LakeDataset) -> None:
         ({"persistent_workers": True}, "need num_workers > 0"),
         ({"rank": 3, "world_size": 2}, "rank 3 is not in"),
         ({"in_order": False}, "in_order=False"),
+        ({"multiprocessing_context": "bogus"}, "'bogus' is not a start method here: use one of"),
+        ({"collate_fn": 3}, "collate_fn must be callable or None, got 3"),
+        ({"worker_init_fn": "f"}, "worker_init_fn must be callable or None, got 'f'"),
     ],
 )
 def test_unsupported_or_invalid_arguments(
     dataset: ll.LakeDataset, kwargs: dict[str, Any], match: str
 ) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         ll.DataLoader(dataset, **{"batch_size": 4, **kwargs})
 
 
