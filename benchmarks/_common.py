@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
@@ -94,9 +95,10 @@ def pinned_tree(src: str) -> tuple[Path, dict[str, Any]]:
 
     ``src="worktree"``: the repository itself. Otherwise a git revision (``HEAD``): its
     ``lakeloader/`` is exported with ``git archive`` (read-only for the repository) next to a
-    copy of this ``benchmarks/`` folder, under ``/tmp``; children started there with ``-m``
-    import that lakeloader, whatever is being edited in the work tree meanwhile. ``tests/`` is
-    copied too: the object stores' launchers (``tests/stores.py``) serve the benchmarks.
+    copy of this ``benchmarks/`` folder, under ``/tmp`` (removed at exit); children started
+    there with ``-m`` import that lakeloader, whatever is being edited in the work tree
+    meanwhile. ``tests/`` is copied too: the object stores' launchers (``tests/stores.py``)
+    serve the benchmarks.
     """
     dirty = subprocess.run(
         ["git", "status", "--short", "lakeloader"], cwd=ROOT, capture_output=True, text=True
@@ -109,6 +111,7 @@ def pinned_tree(src: str) -> tuple[Path, dict[str, Any]]:
         ["git", "rev-parse", "--short", src], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
     folder = Path(f"/tmp/lakeloader-bench-src-{commit}")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # nothing left in /tmp after
     if not (folder / "lakeloader" / "__init__.py").exists():
         folder.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(
