@@ -95,6 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="rows per group per step")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of 'compute' a step")
     p.add_argument("--kill-at-step", type=int, default=20, help="--demo: kill group 1 here")
+    p.add_argument("--join-after", type=Path, help="start, then join once this file exists")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--verbose", action="store_true", help="torchft's INFO logs (RUST_LOG=info)")
     args = p.parse_args(argv)
@@ -110,6 +111,8 @@ def replica(args: argparse.Namespace) -> None:
     log = Log(args.log_dir / f"replica{args.replica_id}.jsonl", replica=args.replica_id)
     model = make_model()
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    while args.join_after is not None and not args.join_after.exists():
+        time.sleep(0.02)  # started (imports done) ahead of its turn: it joins at once
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=TIMEOUT),
@@ -236,7 +239,7 @@ def demo(args: argparse.Namespace) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def launch(rid: str) -> None:
+    def launch(rid: str, *extra: str) -> None:
         cmd = [
             sys.executable,
             __file__,
@@ -254,6 +257,7 @@ def demo(args: argparse.Namespace) -> int:
             str(args.batch_size),
             "--step-sleep",
             str(args.step_sleep),
+            *extra,
         ]
         with (args.log_dir / f"replica{rid}.out").open("wb") as out:
             procs[rid] = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -275,6 +279,8 @@ def demo(args: argparse.Namespace) -> int:
         killed_at = time.time()
         procs["1"].send_signal(signal.SIGKILL)
         procs["1"].wait()
+        go = args.log_dir / "replacement-joins"
+        launch("3", "--join-after", str(go))  # its start-up overlaps the survivors' recovery
         first = wait_for(
             "the survivors' next commit",
             lambda: [
@@ -287,7 +293,7 @@ def demo(args: argparse.Namespace) -> int:
         )
         recovery = min(r["time"] for r in first) - killed_at
         joined_at = time.time()
-        launch("3")
+        go.touch()
         taking_part = wait_for(
             "the replacement taking part",
             lambda: [r for r in steps("3") if r["committed"] and r["participants"] == 3],
