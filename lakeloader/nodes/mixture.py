@@ -166,9 +166,8 @@ class MixtureNode(CursorNode):
         self.mixture = self.dataset = mixture
         self._cursor: MixCursor | None = None
         self._stored: MixtureState
-        #: The topology of the pass under way (``begin``), and this rank's rows of its steps.
+        #: The topology of the pass under way (``begin``): what its deliveries are over.
         self._pass_topology = host.topology
-        self._share_rows = 0
         self._readers = {n: ds.reader() for n, ds in mixture.sources.items()}
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = {n: SourceStream(ds) for n, ds in mixture.sources.items()}
@@ -257,10 +256,7 @@ class MixtureNode(CursorNode):
             pool = self._pool_for(self._readers.values())
         state = self._mixed
         cursor = MixCursor(state.slot, state.counts)
-        # the pass's topology, fixed for it: what each delivery's runs are over
-        self._pass_topology = topology = self.host.topology
-        lo, hi = rank_bounds(topology.global_batch, topology.world_size, topology.rank)
-        self._share_rows = hi - lo
+        self._pass_topology = topology = self.host.topology  # fixed for the pass
         sources = res.take_carried()
         if not isinstance(sources, Stores) or sources.at != cursor:
             if sources is not None:
@@ -338,9 +334,9 @@ class MixtureNode(CursorNode):
         for name, stream in self._streams.items():
             first, stop = before.get(name, 0), cursor.counts.get(name, 0)
             runs += stream.runs(first, stop, name, topology)
+        lo, hi = rank_bounds(topology.global_batch, topology.world_size, topology.rank)
         at = cursor.slot - self._stored.epoch_start
-        delivery = Delivery(at, self._share_rows - lost, False, (), lost)
-        self.tracker.delivered(delivery, runs=runs)
+        self.tracker.delivered(Delivery(at, hi - lo - lost, False, (), lost), runs=runs)
         if skipped:
             self.add_quarantine(skipped)
 

@@ -348,9 +348,10 @@ class PackedIterator(PassIterator):
             epoch.skipped.clear()
         for source, entries in enumerate(found):
             if entries:
-                leaf = self._stores.leaves[source]
-                self._stores.leaves[source] = leaf._replace(known=leaf.known + tuple(entries))
-                check_some_unit_left(self._sources[source].dataset, leaf.known + tuple(entries))
+                self._stores.learn(entries, source)
+                check_some_unit_left(
+                    self._sources[source].dataset, self._stores.leaves[source].known
+                )
         return [tuple(f) for f in found]
 
     def _release(self) -> None:

@@ -152,12 +152,16 @@ class Stores:
         """The columns read (the same for every leaf)."""
         return self.leaves[0].reader.schema
 
-    def learn(self, entries: Sequence[QuarantineEntry]) -> None:
-        """Units found quarantined: every epoch opened from now on skips them without reading."""
-        for i, leaf in enumerate(self.leaves):
-            new = tuple(e for e in entries if not any(k.covers(*e.key) for k in leaf.known))
+    def learn(self, entries: Sequence[QuarantineEntry], leaf: int | None = None) -> None:
+        """Units found quarantined: every epoch opened from now on skips them without reading.
+
+        ``leaf``: the one lake they are of (None: every leaf is told).
+        """
+        for i in range(len(self.leaves)) if leaf is None else (leaf,):
+            known = self.leaves[i].known
+            new = tuple(e for e in entries if not any(k.covers(*e.key) for k in known))
             if new:
-                self.leaves[i] = leaf._replace(known=leaf.known + new)
+                self.leaves[i] = self.leaves[i]._replace(known=known + new)
 
     def get(self, leaf: int, epoch: int) -> Store:
         """The store of ``epoch`` of ``leaf``, opened on first use."""
