@@ -168,7 +168,6 @@ class CheckpointManager:
             self.folders.uncommit(folder)  # invisible before any rank writes into the folder
         captured = capture(
             step,
-            folder,
             url_of(self.fs, folder),
             model=model,
             optimizer=optimizer,

@@ -18,7 +18,6 @@ from typing import Any, Final
 import msgpack
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from lakeloader.errors import CheckpointError
 
@@ -115,30 +114,24 @@ class RngState:
         """Parse :meth:`to_dict`'s output.
 
         Raises:
-            CheckpointError: If the layout version is unknown or a field is malformed.
+            CheckpointError: If the layout version is unknown.
+            KeyError, TypeError, ValueError: If a field is malformed (:data:`MALFORMED`).
         """
-        if d.get("version") != RNG_STATE_VERSION:
-            raise CheckpointError(
-                f"generator states of version {d.get('version')!r}; this lakeloader reads "
-                f"version {RNG_STATE_VERSION}"
-            )
-        try:
-            version, words, gauss = d["python"]
-            name, keys, pos, has_gauss, cached = d["numpy"]
-            return cls(
-                python=(int(version), tuple(int(w) for w in words), gauss),
-                numpy=(
-                    str(name),
-                    np.frombuffer(keys, dtype=np.uint32).copy(),
-                    int(pos),
-                    int(has_gauss),
-                    float(cached),
-                ),
-                torch=bytes(d["torch"]),
-                cuda=tuple(bytes(s) for s in d["cuda"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"generator states are malformed ({exc!r})") from exc
+        check_version("generators' record", d.get("version"), RNG_STATE_VERSION)
+        version, words, gauss = d["python"]
+        name, keys, pos, has_gauss, cached = d["numpy"]
+        return cls(
+            python=(int(version), tuple(int(w) for w in words), gauss),
+            numpy=(
+                str(name),
+                np.frombuffer(keys, dtype=np.uint32).copy(),
+                int(pos),
+                int(has_gauss),
+                float(cached),
+            ),
+            torch=bytes(d["torch"]),
+            cuda=tuple(bytes(s) for s in d["cuda"]),
+        )
 
 
 def _tensor(data: bytes) -> torch.Tensor:
@@ -272,34 +265,3 @@ class TrainingRecord:
             "rng_ranks": len(self.rng),
             "rng_cuda_devices": max((len(r.cuda) for r in self.rng), default=0),
         }
-
-
-def gather_rng() -> tuple[RngState, ...]:
-    """Every rank's generators on rank 0, in rank order; this rank's elsewhere.
-
-    A collective under torch.distributed (a gather: only rank 0 writes them).
-    """
-    mine = RngState.capture()
-    if not (dist.is_available() and dist.is_initialized()):
-        return (mine,)
-    rank0 = dist.get_rank() == 0
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return tuple(gathered) if gathered is not None else (mine,)
-
-
-def restore_rng(record: TrainingRecord, rank: int) -> None:
-    """Give this rank the generators it had when the checkpoint was saved.
-
-    A rank the saving run did not have (the world grew) keeps its own, with a log line.
-    """
-    if rank >= len(record.rng):
-        logger.info(
-            "rank %d: the checkpoint of step %d holds the generators of %d rank(s); this "
-            "rank keeps its own",
-            rank,
-            record.step,
-            len(record.rng),
-        )
-        return
-    record.rng[rank].restore()

@@ -7,6 +7,7 @@ loader's position).
 from __future__ import annotations
 
 import contextlib
+import logging
 import posixpath
 import warnings
 from collections.abc import Iterator, Mapping
@@ -20,14 +21,10 @@ import torch.distributed as dist
 from lakeloader._version import __version__
 from lakeloader.checkpoint.layout import sha256
 from lakeloader.checkpoint.store import CheckpointStore
-from lakeloader.checkpoint.training import (
-    TRAINING_FILE,
-    CodeVersion,
-    TrainingRecord,
-    gather_rng,
-    restore_rng,
-)
+from lakeloader.checkpoint.training import TRAINING_FILE, CodeVersion, RngState, TrainingRecord
 from lakeloader.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 # torch.distributed.checkpoint is imported where it is used: importing it costs about a second
 # (DTensor, sympy), which every process importing lakeloader (the CLI, each worker) would pay.
@@ -83,13 +80,12 @@ class Captured:
     """What :func:`capture` took: the training record, and the weights being written.
 
     Attributes:
-        record: The training record (rank 0 writes it).
-        weights: The weights folder's path, or None without a model.
+        record: The training record (rank 0 writes it; the weights folder is there if it
+            holds a model).
         pending: The future of an asynchronous weights save, or None.
     """
 
     record: TrainingRecord
-    weights: str | None
     pending: Future[Any] | None
 
     def parts(self, store: CheckpointStore, folder: str) -> dict[str, tuple[int, str]]:
@@ -103,20 +99,20 @@ class Captured:
         store.makedirs(folder)
         store.put(posixpath.join(folder, TRAINING_FILE), data)
         out = {TRAINING_FILE: (len(data), sha256(data))}
-        if self.weights is None:
+        if not self.record.model:
             return out
-        for path, size in store.sizes(self.weights).items():
+        weights = posixpath.join(folder, WEIGHTS_DIR)
+        for path, size in store.sizes(weights).items():
             name = posixpath.relpath(path, folder)
             digest = sha256(store.cat(path)) if name.endswith(DCP_METADATA) else ""
             out[name] = (size, digest)
         if posixpath.join(WEIGHTS_DIR, DCP_METADATA) not in out:
-            raise CheckpointError(f"DCP wrote no {DCP_METADATA} in {self.weights}")
+            raise CheckpointError(f"DCP wrote no {DCP_METADATA} in {weights}")
         return out
 
 
 def capture(
     step: int,
-    folder: str,
     url: str,
     *,
     model: torch.nn.Module | None,
@@ -129,19 +125,25 @@ def capture(
 ) -> Captured:
     """Gather generators and write (or start writing) the weights: a collective on every rank.
 
-    ``folder`` is the step folder (a path of the checkpoint's filesystem), ``url`` its URL (what
-    DCP's writer opens). With ``asynchronous`` DCP copies the weights to memory and writes them
-    in the background (``async_save``), its collectives on ``async_group``.
+    Every rank's generators are gathered to rank 0, in rank order (only rank 0 writes them).
+    ``url`` is the step folder's URL (what DCP's writer opens). With ``asynchronous`` DCP copies
+    the weights to memory and writes them in the background (``async_save``), its collectives
+    on ``async_group``.
 
     Raises:
         CheckpointError: If an optimizer is given without its model.
     """
     if optimizer is not None and model is None:
         raise CheckpointError("save(optimizer=...) needs the optimizer's model= too")
+    rng: tuple[RngState, ...] = (RngState.capture(),)
     world = dist.get_world_size() if _distributed() else 1
+    if _distributed():
+        gathered: list[Any] | None = [None] * world if process_rank() == 0 else None
+        dist.gather_object(rng[0], gathered, dst=0)
+        rng = tuple(gathered) if gathered is not None else rng
     record = TrainingRecord(
         step=step,
-        rng=gather_rng(),
+        rng=rng,
         torch_version=str(torch.__version__),
         library_version=__version__,
         code=code,
@@ -151,21 +153,20 @@ def capture(
         optimizer=optimizer is not None,
     )
     if model is None:
-        return Captured(record, None, None)
+        return Captured(record, None)
     from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
-    weights = posixpath.join(folder, WEIGHTS_DIR)
     state = _weights_state(model, optimizer)
     writer = _storage(posixpath.join(url, WEIGHTS_DIR), storage_options, "Writer")
     if not asynchronous:
         with _single_process():
             save(state, storage_writer=writer, no_dist=not _distributed())
-        return Captured(record, weights, None)
+        return Captured(record, None)
     single: dict[str, Any] = {} if _distributed() else {"no_dist": True}
     response: Any = async_save(state, storage_writer=writer, process_group=async_group, **single)
     # a Future, or (torch >= 2.9, with an async stager) a response holding the upload's; it
     # completes on every rank once the whole folder is written
-    return Captured(record, weights, getattr(response, "upload_completion", response))
+    return Captured(record, getattr(response, "upload_completion", response))
 
 
 def check_parts(store: CheckpointStore, folder: str, parts: Mapping[str, tuple[int, str]]) -> None:
@@ -199,6 +200,8 @@ def restore(
 ) -> None:
     """Load the weights (collective under torch.distributed, resharding) and this rank's generators.
 
+    A rank the saving run did not have (the world grew) keeps its generators, with a log line.
+
     Raises:
         CheckpointError: If model or optimizer state is asked for and the checkpoint has none.
     """
@@ -225,5 +228,16 @@ def restore(
         else:
             model_sd, optim_sd = state["model"], state["optimizer"]
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    if rng and record is not None:
-        restore_rng(record, process_rank())
+    if not rng or record is None:
+        return
+    rank = process_rank()
+    if rank < len(record.rng):
+        record.rng[rank].restore()
+        return
+    logger.info(
+        "rank %d: the checkpoint of step %d holds the generators of %d rank(s); this "
+        "rank keeps its own",
+        rank,
+        record.step,
+        len(record.rng),
+    )
