@@ -96,15 +96,14 @@ class CheckpointFolders:
         manifest: tuple[str, str],
         parts: Mapping[str, tuple[int, str]],
     ) -> None:
-        """Write a step's state, then its ``COMMIT`` listing every part; prune."""
+        """Write a step's state, then its ``COMMIT`` listing every part; prune.
+
+        The folder is there, emptied (:meth:`uncommit`) before any rank wrote into it.
+        """
         folder = self.step_folder(step)
-        commit = posixpath.join(folder, COMMIT_FILE)
-        if self.store.exists(commit):
-            self.store.rm(commit)  # invisible first, then overwrite
-        self.store.makedirs(folder)
         self.store.put(posixpath.join(folder, STATE_FILE), payload)
         marker = CommitRecord(step, len(payload), sha256(payload), *manifest, parts=parts)
-        self.store.put(commit, marker.to_bytes())
+        self.store.put(posixpath.join(folder, COMMIT_FILE), marker.to_bytes())
         size = len(payload) + sum(n for n, _ in parts.values())
         logger.info("checkpoint of step %d written to %s (%d bytes)", step, folder, size)
         self.prune(step)

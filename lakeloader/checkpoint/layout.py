@@ -289,7 +289,8 @@ class Checkpoint:
         if self.lake is None:
             raise CheckpointError(
                 f"{self.path} pins no single lake: it holds a {self.state_dict.get('kind')!r} "
-                f"state over {sorted(self.manifests)}"
+                f"state over the lakes {dict(self.sources)}: build the datasets on them and "
+                "load the checkpoint into a DataLoader over those"
             )
         return self.lake
 

@@ -349,12 +349,7 @@ class CheckpointManager:
         """
         coordinator = RecoveryCoordinator(on_lake_change)
         ckpt = self.load_checkpoint(step)
-        if ckpt.lake is None:
-            raise CheckpointError(
-                f"{ckpt.path} holds a {ckpt.state_dict.get('kind')!r} state over the lakes "
-                f"{dict(ckpt.sources)}, not one lake's: build the datasets on them and load "
-                "the checkpoint into a DataLoader over those"
-            )
+        ckpt.snapshot  # noqa: B018  (raises CheckpointError unless it pins one lake)
         return coordinator.pinned_dataset(ckpt, {"storage_options": storage_options, **settings})
 
     def __enter__(self) -> CheckpointManager:
