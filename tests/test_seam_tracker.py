@@ -22,7 +22,7 @@ import lakeloader.order.plan as lp
 from lakeloader.state.formats import LAKE, read
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery
-from lakeloader.state.view import first_units
+from lakeloader.state.view import first_units, rank_dict
 from tests.conftest import LAYOUT_ROWS, roundtrip
 from tests.oracles import first_need_units
 
@@ -196,7 +196,7 @@ def test_decoding_workers_do_what_the_view_says(lake: Path, tmp_path: Path) -> N
         assert w.role == "decode" and w.at is not None
         j = first_id[int(base[rg_index[w.at.file_index, w.at.row_group]]) + w.at.row_offset]
         assert j == w.worker, "worker k decodes the k-th unit first"
-        plain = w.to_dict()  # what inspect --json prints for it
+        plain = rank_dict(w)  # what inspect --json prints for it
         assert plain["file"] == w.at.file and plain["row_offset"] == w.at.row_offset
 
 

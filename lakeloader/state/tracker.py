@@ -278,18 +278,12 @@ class ReaderStateTracker:
             quarantine=self.quarantine,
         )
 
-    def view(
-        self,
-        plan: EpochPlan,
-        snapshot: Snapshot,
-        skipped: Iterable[QuarantineEntry] = (),
-    ) -> ReaderView:
+    def view(self, plan: EpochPlan, snapshot: Snapshot) -> ReaderView:
         """What a loader continuing from here does first: each rank's share, each worker's task.
 
         Args:
             plan: The plan of this epoch.
             snapshot: Its snapshot.
-            skipped: Units skipped besides the quarantine and :attr:`lost`.
         """
         n, g = plan.num_rows, self.position
         remaining = max(0, n - g - self.rows_dropped)
@@ -311,7 +305,7 @@ class ReaderStateTracker:
                     self.topology,
                     steps=steps,
                     workers_build=self.workers_build,
-                    skipped=(*self.quarantine, *self.lost, *skipped),
+                    skipped=(*self.quarantine, *self.lost),
                 )
             ),
         )

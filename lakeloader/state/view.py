@@ -102,10 +102,6 @@ class WorkerView:
     rows: int
     at: Location | None
 
-    def to_dict(self) -> dict[str, object]:
-        """Plain types, the location's fields inline (None when it has none)."""
-        return rank_dict(self)
-
 
 def rank_dict(view: RankView | WorkerView) -> dict[str, object]:
     """A rank's or a worker's view as plain types, the location's fields inline (None without)."""
