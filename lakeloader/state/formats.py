@@ -136,7 +136,6 @@ def _quarantine(value: Any) -> tuple[QuarantineEntry, ...]:
 
 def _lake(d: Mapping[str, Any], version: int, per_epoch: int) -> LoaderState:
     """Versions 1 and 2 differ only in the quarantine's encoding; a followed lake's adds one key."""
-    increment = d.get("follow_increment")
     return LoaderState(
         fingerprint=str(d["fingerprint"]),
         config_hash=str(d["config_hash"]),
@@ -147,7 +146,7 @@ def _lake(d: Mapping[str, Any], version: int, per_epoch: int) -> LoaderState:
         num_rows=int(d["num_rows"]),
         topology=Topology.from_dict(d["topology"]),
         quarantine=_quarantine(d["quarantine"]),
-        increment=_marks(increment),
+        increment=_marks(d.get("follow_increment")),
     )
 
 
@@ -184,15 +183,13 @@ def _mixture(d: Mapping[str, Any], version: int, per_epoch: int) -> MixtureState
 
 def _packed(d: Mapping[str, Any], version: int, per_epoch: int) -> PackedState:
     """Version 1 (per-partition packing) is read at an epoch's start only; 3 names its epoch."""
-    quarantine = _quarantine(d.get("quarantine", "[]"))
     samples = _epoch_start(d["partitions"]) * per_epoch if version == 1 else int(d["samples"])
-    increment = d.get("increment")
     return PackedState(
         str(d["fingerprint"]),
         str(d["config"]),
         samples,
-        quarantine,
-        _marks(increment),
+        _quarantine(d.get("quarantine", "[]")),
+        _marks(d.get("increment")),
         int(d.get("start", 0)),
         int(d.get("from_epoch", 0)),
     )
