@@ -17,7 +17,7 @@ from lakeloader.checkpoint.barrier import Stand
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.dataset import LakeDataset
 from lakeloader.errors import PartitionWarning as PartitionWarning  # its home before errors
-from lakeloader.loader_args import TorchNames, check_unsupported
+from lakeloader.loader_args import RootViews, TorchNames, check_unsupported
 from lakeloader.mixture import Mixture
 from lakeloader.nodes import as_node
 from lakeloader.options import (
@@ -32,14 +32,13 @@ from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import Runs
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.requests import REQUESTS_KEY
-from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.steering import Endless, Steered, Steering, Step
 from lakeloader.workers.pool import WorkerPool
 
 L = TypeVar("L", bound="DataLoader")
 
 
-class DataLoader(TorchNames):
+class DataLoader(TorchNames, RootViews):
     """Streams batches of a :class:`LakeDataset`, deterministically and resumably.
 
     Args:
@@ -159,7 +158,6 @@ class DataLoader(TorchNames):
         self._placement = (rank, world_size)
         self.topology  # noqa: B018  (explicit arguments are checked now)
         self._res = LoaderResources(self)
-        #: What it reads: a lake, a followed lake, a mixture or a packed stream.
         self.root = as_node(self, dataset)
         self._steering = Steering()  # what the training loop asks of the order
         if restart_on_iter and self.root.what != "lake":
@@ -167,21 +165,6 @@ class DataLoader(TorchNames):
                 f"restart_on_iter=True needs a LakeDataset: a {self.root.what} cannot be "
                 "rewound to its start at every iter()"
             )
-
-    @property
-    def dataset(self) -> Any:
-        """What the loader reads: the dataset given (a followed lake's increment under way)."""
-        return self.root.dataset
-
-    @property
-    def tracker(self) -> ReaderStateTracker:
-        """The reader-state tracker: the position, the steps delivered, the quarantine.
-
-        A lake's position is its epoch and the global rows of it delivered; a mixture's, its
-        pass and the rows of it; a packed stream's, the samples delivered. Where that leaves
-        every rank, worker and source is :meth:`view`.
-        """
-        return self.root.tracker
 
     def __len__(self) -> int:
         """Steps in a whole pass for this topology (as torch's ``len(loader)``).
@@ -268,37 +251,6 @@ class DataLoader(TorchNames):
         self.root.restore(state_dict)
         self._steering.restored(state_dict)
 
-    def view(self) -> ReaderView:
-        """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
-
-        Each rank's share of the next step, and what each worker of each rank builds or
-        decodes first: files, row groups and row offsets, derived from the position alone
-        (nothing is read, no worker is started).
-
-        A mixture's or a packed stream's says where each rank's share and each source stands
-        (``sources``: its epoch, the rows or samples of it given, the location of its next
-        one), not what each worker does first (their work is dealt as it is planned).
-
-        Example:
-            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-            >>> from lakeloader import DataLoader, LakeDataset
-            >>> tmp = tempfile.TemporaryDirectory(); path = f"{tmp.name}/a.parquet"
-            >>> pq.write_table(pa.table({"id": range(10)}), path, row_group_size=5)
-            >>> ds = LakeDataset(tmp.name, shuffle=False, max_unit_rows=5)
-            >>> loader = DataLoader(ds, batch_size=4, num_workers=2)
-            >>> next(iter(loader))["id"].tolist()
-            [0, 1, 2, 3]
-            >>> view = loader.view()
-            >>> view.epoch, view.position, view.steps_remaining, view.ranks[0].rows
-            (0, 4, 2, 4)
-            >>> at = view.ranks[0].at; at.file == path, at.row_group, at.row_offset
-            (True, 0, 4)
-            >>> [(w.worker, w.role, w.at.row_group, w.at.row_offset) for w in view.workers]
-            [(0, 'decode', 0, 0), (1, 'decode', 1, 0)]
-            >>> loader.close(); tmp.cleanup()
-        """
-        return self.root.view()
-
     def steps_left(self) -> int:
         """Global steps left in the epoch under way, for the topology of now.
 
@@ -339,11 +291,6 @@ class DataLoader(TorchNames):
         """
         return self._steering.quarantine_step(self.root, step)
 
-    @property
-    def quarantine(self) -> list[QuarantineEntry]:
-        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
-        return self.root.quarantine
-
     # --------------------------------------------- what a CheckpointManager calls
     def barrier_position(self) -> Stand:
         """What the checkpoint barrier compares across ranks (with this rank's quarantine)."""
@@ -370,11 +317,6 @@ class DataLoader(TorchNames):
     def observe_steps(self, observer: Callable[[Runs], None]) -> None:
         """Tell ``observer`` of every step delivered (each source's runs of rows or samples)."""
         self.root.observe_steps(observer)
-
-    @property
-    def workers_build(self) -> bool:
-        """Whether workers build batches (a transform or collate_fn) rather than decode."""
-        return self.root.workers_build
 
     def _reslice(self, rank: int, world_size: int) -> None:
         """Place the next pass on ``rank`` of ``world_size`` (FaultTolerantLoader: per quorum)."""

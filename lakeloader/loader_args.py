@@ -1,11 +1,14 @@
-"""A loader's arguments: torch's names for them, what is refused, what is only warned of."""
+"""A loader's arguments: torch's names for them, what is refused, what is only warned of.
+
+:class:`RootViews` is what a loader (a DataLoader, a FaultTolerantLoader) tells of its node.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +17,12 @@ from lakeloader.errors import CpuContentionWarning, PartitionWarning, warn_user
 from lakeloader.mixture import Mixture
 from lakeloader.options import LoaderOptions
 from lakeloader.pipeline.collate import Collate
+from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.topology import Topology
+
+if TYPE_CHECKING:
+    from lakeloader.nodes.base import Node
 
 
 class EpochSampler:
@@ -108,6 +116,69 @@ class TorchNames:
     def global_batch_size(self) -> int:
         """Rows all ranks together consume in one step."""
         return self.topology.global_batch
+
+
+class RootViews:
+    """What a loader tells of the node it reads, its ``root`` (see :mod:`lakeloader.nodes`)."""
+
+    #: What it reads: a lake, a followed lake, a mixture or a packed stream.
+    root: Node
+
+    @property
+    def dataset(self) -> Any:
+        """What the loader reads: the dataset given (a followed lake's increment under way)."""
+        return self.root.dataset
+
+    @property
+    def tracker(self) -> ReaderStateTracker:
+        """The reader-state tracker: the position, the steps delivered, the quarantine.
+
+        A lake's position is its epoch and the global rows of it delivered; a mixture's, its
+        pass and the rows of it; a packed stream's, the samples delivered. Where that leaves
+        every rank, worker and source is :meth:`view`.
+        """
+        return self.root.tracker
+
+    def view(self) -> ReaderView:
+        """Where the position leaves every rank and worker (see :mod:`lakeloader.state.view`).
+
+        Each rank's share of the next step, and what each worker of each rank builds or
+        decodes first: files, row groups and row offsets, derived from the position alone
+        (nothing is read, no worker is started).
+
+        A mixture's or a packed stream's says where each rank's share and each source stands
+        (``sources``: its epoch, the rows or samples of it given, the location of its next
+        one), not what each worker does first (their work is dealt as it is planned).
+
+        Example:
+            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> from lakeloader import DataLoader, LakeDataset
+            >>> tmp = tempfile.TemporaryDirectory(); path = f"{tmp.name}/a.parquet"
+            >>> pq.write_table(pa.table({"id": range(10)}), path, row_group_size=5)
+            >>> ds = LakeDataset(tmp.name, shuffle=False, max_unit_rows=5)
+            >>> loader = DataLoader(ds, batch_size=4, num_workers=2)
+            >>> next(iter(loader))["id"].tolist()
+            [0, 1, 2, 3]
+            >>> view = loader.view()
+            >>> view.epoch, view.position, view.steps_remaining, view.ranks[0].rows
+            (0, 4, 2, 4)
+            >>> at = view.ranks[0].at; at.file == path, at.row_group, at.row_offset
+            (True, 0, 4)
+            >>> [(w.worker, w.role, w.at.row_group, w.at.row_offset) for w in view.workers]
+            [(0, 'decode', 0, 0), (1, 'decode', 1, 0)]
+            >>> loader.close(); tmp.cleanup()
+        """
+        return self.root.view()
+
+    @property
+    def quarantine(self) -> list[QuarantineEntry]:
+        """Units skipped so far (``on_error="skip"``), sorted; merged across ranks at saves."""
+        return self.root.quarantine
+
+    @property
+    def workers_build(self) -> bool:
+        """Whether workers build batches (a transform or collate_fn) rather than decode."""
+        return self.root.workers_build
 
 
 def has_len(loader: object) -> bool:

@@ -20,12 +20,11 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import StateMismatchError
 from lakeloader.ft.quorum import Issued, QuorumManager
 from lakeloader.loader import DataLoader
-from lakeloader.loader_args import has_len
+from lakeloader.loader_args import RootViews, has_len
 from lakeloader.recovery.coordinator import RecoveryCoordinator
 from lakeloader.state.journal import DeliveredRun, DeliveryJournal
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.requests import Requests
-from lakeloader.state.tracker import ReaderStateTracker, ReaderView
 from lakeloader.steering import Step
 from lakeloader.topology import Topology
 
@@ -38,7 +37,7 @@ STATE_KEY = "lakeloader"
 STEP_KEY, OVER_KEY = "ft_step", "ft_pass_over"
 
 
-class FaultTolerantLoader:
+class FaultTolerantLoader(RootViews):
     """Steps of any DataLoader source for torchft replica groups: state moves only on commit.
 
     Args:
@@ -59,6 +58,8 @@ class FaultTolerantLoader:
         participants: The last step's participants.
         participating_rank: This group's rank among them (None: not taking part).
         step_rows: The last step's global rows (samples, packed).
+        root: The DataLoader's root node: ``dataset``, ``tracker``, ``view()``, ``quarantine``
+            and ``workers_build`` tell of it where the last step left it, committed or not.
 
     Raises:
         ValueError: If ``rank`` or ``world_size`` is passed.
@@ -87,6 +88,7 @@ class FaultTolerantLoader:
         self._runs: list[DeliveredRun] = []  # the global spans of the step being taken
         #: The one DataLoader, re-placed on each step's slice (its rank among participants).
         self._inner = DataLoader(dataset, batch_size, rank=0, world_size=1, **loader_kwargs)
+        self.root = self._inner.root
         self._inner.observe_steps(self._runs.extend)
         #: The DataLoader's state after the last committed step, and the state it stands at.
         self._committed: dict[str, Any] = self._inner.state_dict()
@@ -344,30 +346,6 @@ class FaultTolerantLoader:
                 observer(runs)
 
     @property
-    def workers_build(self) -> bool:
-        """Whether the DataLoader's workers build batches rather than decode."""
-        return self._inner.workers_build
-
-    @property
-    def dataset(self) -> Any:
-        """What the DataLoader reads (a followed lake's increment under way)."""
-        return self._inner.dataset
-
-    @property
-    def root(self) -> Any:
-        """The DataLoader's root node (see :mod:`lakeloader.nodes`)."""
-        return self._inner.root
-
-    @property
-    def tracker(self) -> ReaderStateTracker:
-        """The DataLoader's tracker (where the last step left it, committed or not)."""
-        return self._inner.tracker
-
-    def view(self) -> ReaderView:
-        """Where the last step left this group's slice (see ``DataLoader.view``)."""
-        return self._inner.view()
-
-    @property
     def topology(self) -> Topology:
         """The last step's slice: this group's rank among its participants, and their count."""
         return self._inner.topology
@@ -386,11 +364,6 @@ class FaultTolerantLoader:
     def drop_last(self) -> bool:
         """The DataLoader's ``drop_last`` (a short last step of a pass is not taken)."""
         return self._inner.drop_last
-
-    @property
-    def quarantine(self) -> list[QuarantineEntry]:
-        """Units skipped so far (see ``DataLoader.quarantine``)."""
-        return self._inner.quarantine
 
     def stats(self) -> dict[str, int]:
         """The DataLoader's counters (see ``DataLoader.stats``)."""
