@@ -323,8 +323,19 @@ class DataLoader(TorchNames, RootViews):
         self._placement = (rank, world_size)
 
     def _roll_back(self, state: dict[str, Any], kept: Step | None) -> None:
-        """Stand at FaultTolerantLoader's committed ``state`` (see ``Steering.rolled_back``)."""
-        self._steering.rolled_back(lambda: self.load_state_dict(state), kept)
+        """Stand at FaultTolerantLoader's committed ``state`` again.
+
+        The steps known before that state stay known, with ``kept`` (the last committed), and
+        ``restored_before`` stays as it was.
+        """
+        steering = self._steering
+        recent, restored = list(steering.recent), steering.restored_before
+        self.load_state_dict(state)
+        steering.recent.extend(s for s in recent if s[0] < steering.requests.delivered)
+        last = steering.recent[-1][0] if steering.recent else -1
+        if kept is not None and last < kept[0] < steering.requests.delivered:
+            steering.recent.append(kept)
+        steering.restored_before = restored
 
     # ------------------------------------------------------------------ resources
     def _ensure_pool(self) -> WorkerPool:

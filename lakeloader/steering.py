@@ -99,20 +99,6 @@ class Steering:
         self.passed_over.clear()
         self.restored_before = True
 
-    def rolled_back(self, restore: Callable[[], None], kept: Step | None) -> None:
-        """Stand at a committed state again (torchft): ``restore`` is the loader's restore.
-
-        The steps known before that state stay known, with ``kept`` (the last committed), and
-        ``restored_before`` stays as it was.
-        """
-        recent, restored = list(self.recent), self.restored_before
-        restore()
-        self.recent.extend(s for s in recent if s[0] < self.requests.delivered)
-        last = self.recent[-1][0] if self.recent else -1
-        if kept is not None and last < kept[0] < self.requests.delivered:
-            self.recent.append(kept)
-        self.restored_before = restored
-
     def state(self, fetched_ahead: int) -> str:
         """The record as a state holds it, ``fetched_ahead`` deliveries back.
 

@@ -172,7 +172,7 @@ class FaultTolerantLoader(RootViews):
         return self._it
 
     def _at_committed(self, where: str = "the rolled back step's slice") -> None:
-        """Make the DataLoader stand at the committed state (see ``Steering.rolled_back``)."""
+        """Make the DataLoader stand at the committed state (see ``DataLoader._roll_back``)."""
         if self._at is self._committed:
             return
         try:
