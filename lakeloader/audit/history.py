@@ -201,8 +201,10 @@ def audit(entries: Iterable[Entry], head_step: int, head_attempt: str) -> AuditR
         mine = [s for s in committed if s.stream == stream]
         began = _began(stream, origin, mine, unverified)
         stand = head.streams.get(stream) if head is not None else None
-        verdicts = _verdicts(stream, mine, [s for s in others if s.stream == stream], stand, began)
-        problems += _problems(stream, mine, verdicts, stand, began)
+        verdicts, found = _verdicts(
+            stream, mine, [s for s in others if s.stream == stream], stand, began
+        )
+        problems += found
         epochs += verdicts
     return AuditReport(
         head_step,
@@ -249,46 +251,20 @@ def _began(
     return first
 
 
-def _problems(
-    stream: str,
-    committed: list[StepEntry],
-    epochs: list[EpochVerdict],
-    head: tuple[int, int] | None,
-    origin: tuple[int, int] | None,
-) -> list[str]:
-    """What contradicts exactly-once in a stream besides missing and doubled positions."""
-    problems = []
-    sizes: dict[int, set[int]] = defaultdict(set)
-    for s in committed:
-        sizes[s.epoch].add(s.num_rows)
-    for epoch, rows in sorted(sizes.items()):
-        if len(rows) > 1:
-            problems.append(
-                f"{epoch_name(stream, epoch)}: its committed steps disagree on its rows "
-                f"({sorted(rows)}): the epoch was restarted on a changed lake "
-                "(on_lake_change='restart_epoch')"
-            )
-    if head is not None and origin is not None:
-        present = {e.epoch for e in epochs}
-        for epoch in range(origin[0], head[0] + (1 if head[1] else 0)):
-            if epoch not in present:
-                problems.append(
-                    f"{epoch_name(stream, epoch)}: no committed step, yet the head is past it"
-                )
-    return problems
-
-
 def _verdicts(
     stream: str,
     committed: list[StepEntry],
     others: list[StepEntry],
     head: tuple[int, int] | None,
     origin: tuple[int, int] | None,
-) -> list[EpochVerdict]:
-    """Each epoch's verdict from a stream's committed steps and its steps outside the history.
+) -> tuple[list[EpochVerdict], list[str]]:
+    """Each epoch's verdict from a stream's steps, and what else contradicts exactly-once.
 
+    The verdicts come from the stream's committed steps and its steps outside the history; the
+    problems are what contradicts exactly-once besides missing and doubled positions.
     ``head`` and ``origin`` are where the head checkpoint stands and where the recorded history
-    begins (epoch, position): the head's epoch must reach exactly its position.
+    begins (epoch, position): the head's epoch must reach exactly its position, and every
+    epoch from the origin's to the head's must have a committed step.
     """
     by_epoch: dict[int, list[StepEntry]] = defaultdict(list)
     for s in committed:
@@ -296,9 +272,16 @@ def _verdicts(
     last_epoch = max(by_epoch, default=-1)
     if head is not None and head[0] > last_epoch and last_epoch >= 0:
         last_epoch = head[0]  # the checkpoint stands past the last step's epoch
-    out = []
+    out, problems = [], []
     for epoch in sorted(by_epoch):
         mine = sorted(by_epoch[epoch], key=lambda s: (s.start, s.stop))
+        rows = sorted({s.num_rows for s in mine})
+        if len(rows) > 1:
+            problems.append(
+                f"{epoch_name(stream, epoch)}: its committed steps disagree on its rows "
+                f"({rows}): the epoch was restarted on a changed lake "
+                "(on_lake_change='restart_epoch')"
+            )
         begin = origin[1] if origin is not None and origin[0] == epoch else 0
         unrecorded = (Span(epoch, 0, begin),) if begin else ()
         reached, missing, doubled, covered = begin, [], [], []
@@ -340,7 +323,13 @@ def _verdicts(
                 tuple(_merge([Span(epoch, s.start, s.stop) for s in mine if s.skipped])),
             )
         )
-    return out
+    if head is not None and origin is not None:
+        for epoch in range(origin[0], head[0] + (1 if head[1] else 0)):
+            if epoch not in by_epoch:
+                problems.append(
+                    f"{epoch_name(stream, epoch)}: no committed step, yet the head is past it"
+                )
+    return out, problems
 
 
 def _split(outside: list[Span], covered: list[Span]) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
