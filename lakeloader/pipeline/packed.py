@@ -117,11 +117,8 @@ class PackedIterator(PassIterator):
             )
         self._stores = Stores(
             [
-                Leaf(first, s.reader if first is s.dataset else first.reader(), s.known, recipe)
+                Leaf(s.dataset, s.reader, s.known, BatchRecipe(lists=s.dataset.list_format))
                 for s in sources
-                for first, recipe in [
-                    (s.stream.known[0][2], BatchRecipe(lists=s.dataset.list_format))
-                ]
             ],
             dataclasses.replace(options, io_threads=max(1, min(options.io_threads, cores() - 1))),
             Topology(1, 0, 0, options.batch_size),
@@ -141,8 +138,7 @@ class PackedIterator(PassIterator):
         #: Each stream's first token that no step planned has reached, by (source, epoch).
         self._front: dict[tuple[int, int], np.ndarray] = {}
         self._planned: deque[PlannedStep] = deque()
-        self._plan_cursor, self._steps_planned, self._steps_done = cursor, 0, 0
-        self._options = options
+        self._plan_cursor = cursor
         #: Bytes the units requested and not let go hold, about (see ``_plan_ahead``).
         self._held_bytes = 0
         self._sample_keys = [
@@ -187,7 +183,7 @@ class PackedIterator(PassIterator):
         near = itertools.islice(self._planned, AHEAD_STEPS + 1)
         keys = {key for step in near for key in step.units}
         held = self._last_use
-        budget = min(self._options.cache_bytes, 2 * sum(held[k][1] for k in keys))
+        budget = min(self._budget, 2 * sum(held[k][1] for k in keys))
         chunks = 0  # more while the next step would wait for its units anyway
         while self._held_bytes < budget and (chunks == 0 or not self._ready(self._planned[0])):
             if not self._plan_steps(PLAN_STEPS, may_wait=False) or chunks > MAX_CHUNKS:
@@ -252,10 +248,10 @@ class PackedIterator(PassIterator):
                     self._epoch(*key[:2]).request(key[2])
                     nbytes = self._unit_bytes(*key)
                     self._held_bytes += nbytes
-                self._last_use[key] = (self._steps_planned, nbytes)
+                self._last_use[key] = (self._next_plan, nbytes)
             after = cursor.after((step + 1) * G, names, drawn[step])
             self._planned.append(PlannedStep(after, share, by_epoch, units))
-            self._steps_planned += 1
+            self._next_plan += 1
         self._plan_cursor = self._planned[-1].after
         return True
 
@@ -295,7 +291,7 @@ class PackedIterator(PassIterator):
         if self._source_key is not None:
             columns[self._source_key] = share.source.copy()
         batch = finish_payload(self._payload(columns, share), self._recipe)
-        self._steps_done += 1
+        self._next_deliver += 1
         skips = self._skipped()
         padding = int(np.count_nonzero(pads))
         self._delivered(cursor, skips, n * L - padding, padding)
@@ -359,7 +355,7 @@ class PackedIterator(PassIterator):
 
         Epochs that hold no unit are closed.
         """
-        done = self._steps_done - 1
+        done = self._next_deliver - 1
         gone = [k for k, (step, _) in self._last_use.items() if step <= done and self._passed(*k)]
         by_epoch: dict[tuple[int, int], list[int]] = {}
         for source, epoch, pos in gone:
