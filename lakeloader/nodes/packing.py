@@ -195,7 +195,7 @@ class PackingNode(Node):
         return decoding_setup(self.host, [(self.dataset, reader, layout)], self.dataset.config.seed)
 
     def _delivered(
-        self, cursor: MixCursor, skipped: list[tuple[QuarantineEntry, ...]], tokens: int, pads: int
+        self, cursor: MixCursor, skipped: list[QuarantineEntry], tokens: int, pads: int
     ) -> None:
         """The only place the position moves: a batch was handed over."""
         self._tokens, self._padding = self._tokens + tokens, self._padding + pads
@@ -206,7 +206,7 @@ class PackingNode(Node):
             runs += stream.runs(first, stop, name, topo)
         lo, hi = rank_bounds(topo.global_batch, topo.world_size, topo.rank)
         self.tracker.delivered(Delivery(cursor.slot, hi - lo, False, (), 0), runs=runs)
-        self._moved(cursor, [q for found in skipped for q in found])
+        self._moved(cursor, skipped)
         self.tracker.epoch = self.epoch
 
     def _counted(self) -> Mapping[str, int]:

@@ -66,9 +66,6 @@ UNIT_BYTES_PER_TOKEN: Final = 8
 #: Threads that make decoded units into tokens (one when worker processes decode).
 TOKEN_THREADS: Final = 2
 
-#: The units each source found skipped in a step: one tuple per source.
-Skips = list[tuple[QuarantineEntry, ...]]
-
 
 class PackedIterator(PassIterator):
     """Endless iterator over one rank's packed batches, from one source or a mixture's.
@@ -83,7 +80,7 @@ class PackedIterator(PassIterator):
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
         pool: The DataLoader's workers, which decode the rows; None: this process's threads.
-        delivered: Told the cursor, the units each source found skipped, and the tokens and
+        delivered: Told the cursor, the units found skipped (source by source), and the tokens and
             padding handed out, after each batch handed over.
         recipe: The loader's ``collate_fn`` and the ``batch_transform``; a row transform is its
             source's.
@@ -102,7 +99,7 @@ class PackedIterator(PassIterator):
         options: LoaderOptions,
         unit_dir: str,
         pool: WorkerPool | None,
-        delivered: Callable[[MixCursor, Skips, int, int], None],
+        delivered: Callable[[MixCursor, list[QuarantineEntry], int, int], None],
         recipe: BatchRecipe,
         source_key: str | None = None,
     ) -> None:
@@ -336,8 +333,8 @@ class PackedIterator(PassIterator):
         samples = [{n: t[i] for n, t in tensors.items()} for i in range(len(share))]
         return rows_payload(samples, recipe, seeds)
 
-    def _skipped(self) -> Skips:
-        """The units each source found skipped since the last step (known to later epochs)."""
+    def _skipped(self) -> list[QuarantineEntry]:
+        """The units found skipped since the last step, source by source (known to later epochs)."""
         found: list[list[QuarantineEntry]] = [[] for _ in self._sources]
         for (source, _), epoch in self._epochs.items():
             found[source] += epoch.skipped
@@ -348,7 +345,7 @@ class PackedIterator(PassIterator):
                 check_some_unit_left(
                     self._sources[source].dataset, self._stores.leaves[source].known
                 )
-        return [tuple(f) for f in found]
+        return [entry for entries in found for entry in entries]
 
     def _release(self) -> None:
         """Let go of the units that no step planned needs and whose streams have passed them.
