@@ -35,7 +35,6 @@ from lakeloader.nodes.views import packed_view
 from lakeloader.order.mixture import MixCursor, MixWeights
 from lakeloader.order.packing import TokenStream
 from lakeloader.order.plan import rank_bounds
-from lakeloader.pipeline.collate import BatchTransform
 from lakeloader.pipeline.packed import PackedIterator
 from lakeloader.pipeline.packed_parts import (
     PackedSource,
@@ -154,18 +153,10 @@ class PackingNode(Node):
         return stream.epoch_of(max(at, 0))
 
     def begin(self) -> Iterator[Any]:
-        """The endless stream of samples from where the state stands."""
-        return self._begin([self._source(ONLY)], self.dataset.batch_transform)
-
-    def _begin(
-        self,
-        sources: list[PackedSource],
-        batch_transform: BatchTransform | None,
-        source_key: str | None = None,
-    ) -> Iterator[Any]:
-        """A pass over ``sources`` from the cursor: this rank's :class:`PackedIterator`."""
+        """The endless stream of samples from the cursor: this rank's :class:`PackedIterator`."""
         host, res, packing = self.host, self.host._res, self.dataset.packing
         cursor, weights, seed = self._drawn()
+        sources = [self._source(name) for name in weights.names]
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
         self._pass_topology = host.topology  # the pass's: what each delivery's runs are over
@@ -182,11 +173,15 @@ class PackingNode(Node):
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
             self._pool_for(s.reader for s in sources) if decode else None,
             self._delivered,
-            BatchRecipe(None, host.options.collate_fn, batch_transform),
-            source_key,
+            BatchRecipe(None, host.options.collate_fn, self.dataset.batch_transform),
+            self._source_key(),
         )
         res.iterator = it
         return it
+
+    def _source_key(self) -> str | None:
+        """The batch's key of each sample's source (a packed Mixture's), or None."""
+        return None
 
     def worker_setup(self) -> WorkerSetup:
         """Workers that decode the lake's units."""
@@ -387,10 +382,8 @@ class PackedMixtureNode(CursorNode, PackingNode):
         at, mix = self._mixed, self.mixture
         return MixCursor(at.slot, at.counts), mix.weights, mix.seed
 
-    def begin(self) -> Iterator[Any]:
-        """The endless stream of samples from where the cursor stands."""
-        sources = [self._source(n) for n in self.mixture.names]
-        return self._begin(sources, self.mixture.batch_transform, self.mixture.source_key)
+    def _source_key(self) -> str | None:
+        return self.mixture.source_key
 
     def _moved(self, cursor: MixCursor, skipped: list[QuarantineEntry]) -> None:
         self._mixed = moved_to(self._mixed, self._streams, cursor, self._packing_hash)
