@@ -17,8 +17,9 @@ from fsspec.core import url_to_fs
 from lakeloader._version import __version__
 from lakeloader.audit.ledger import Ledger
 from lakeloader.checkpoint.barrier import confirm_same_position
-from lakeloader.checkpoint.folders import CheckpointFolders, agreed_checkpoint, newest_usable
+from lakeloader.checkpoint.folders import CheckpointFolders
 from lakeloader.checkpoint.layout import ROOT, Checkpoint, CheckpointContext, StateRecord
+from lakeloader.checkpoint.reading import agreed_checkpoint, newest_usable, read_checkpoint
 from lakeloader.checkpoint.store import CheckpointStore
 from lakeloader.checkpoint.training import CodeVersion, code_version
 from lakeloader.checkpoint.whole import capture, process_rank, restore
@@ -245,7 +246,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: If it is missing, incomplete, truncated or corrupt.
         """
-        return self.folders.read(step)
+        return read_checkpoint(self.folders, step)
 
     def load_checkpoint(self, step: int | None = None) -> Checkpoint:
         """The newest usable checkpoint (or the given step), falling back past corrupt ones.

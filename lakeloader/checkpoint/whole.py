@@ -10,7 +10,7 @@ import contextlib
 import logging
 import posixpath
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final
@@ -167,6 +167,26 @@ def capture(
     # a Future, or (torch >= 2.9, with an async stager) a response holding the upload's; it
     # completes on every rank once the whole folder is written
     return Captured(record, getattr(response, "upload_completion", response))
+
+
+def check_parts(store: CheckpointStore, folder: str, parts: Mapping[str, tuple[int, str]]) -> None:
+    """Check that every part ``COMMIT`` lists is there, whole (sizes; digests where given).
+
+    Raises:
+        CheckpointError: Naming the first part missing, torn or overwritten.
+    """
+    if not parts:
+        return
+    sizes = store.sizes(folder)
+    for name, (size, digest) in sorted(parts.items()):
+        path = posixpath.join(folder, name)
+        found = sizes.get(path)
+        if found is None:
+            raise CheckpointError(f"{name} is missing (COMMIT lists it, {size} bytes)")
+        if found != size:
+            raise CheckpointError(f"{name} is {found} bytes, its COMMIT says {size}: torn")
+        if digest and sha256(store.cat(path)) != digest:
+            raise CheckpointError(f"{name} does not match the SHA-256 its COMMIT records")
 
 
 def restore(

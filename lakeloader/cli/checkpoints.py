@@ -9,9 +9,9 @@ import dataclasses
 import posixpath
 from typing import Any
 
-from lakeloader.checkpoint.folders import newest_usable
 from lakeloader.checkpoint.layout import STEP_DIR_RE, Checkpoint, split_checkpoint_path
 from lakeloader.checkpoint.manager import CheckpointManager
+from lakeloader.checkpoint.reading import newest_usable
 from lakeloader.cli.tables import full_urls
 from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
