@@ -119,11 +119,11 @@ class CursorNode(Node):
             for n, ds in mixture.sources.items()
         }
         now = stream_records(streams, {}, config)
-        resumed = resume_mixture(saved, mixture, now, frozenset(moved))
+        state, changes = resume_mixture(saved, mixture, now, frozenset(moved))
         self.mixture = self.dataset = mixture  # a re-sliced loader is made on it, too
         self._streams = streams
-        self._resumed(resumed.state)
-        for change in resumed.changes:
+        self._resumed(state)
+        for change in changes:
             logger.info("%s resumed at %s %d: %s", self.what, self._slots, saved.slot, change)
 
     def barrier_position(self) -> Stand:

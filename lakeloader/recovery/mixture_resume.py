@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from lakeloader.errors import StateMismatchError
 from lakeloader.mixture import Mixture
@@ -10,31 +10,22 @@ from lakeloader.order.mixture import MixWeights
 from lakeloader.state.mixture_state import MixtureState, SourceRecord, WeightChange
 
 
-@dataclass(frozen=True)
-class MixtureResumption:
-    """What a resume of a mixture does.
-
-    Attributes:
-        state: The state to continue from (sources, counts and history of the mixture now).
-        changes: What differs from the saved mixture, in words (logged by the loader).
-    """
-
-    state: MixtureState
-    changes: tuple[str, ...]
-
-
 def resume_mixture(
     saved: MixtureState,
     mixture: Mixture,
     now: dict[str, SourceRecord],
     moved: frozenset[str],
-) -> MixtureResumption:
+) -> tuple[MixtureState, tuple[str, ...]]:
     """Map ``saved`` onto ``mixture``.
 
     ``now``: what each source is as the state would record it (a followed lake's: the
     increment the saved record names, found again).
     ``moved``: the sources whose lake changed since a checkpoint, which the recovery
     coordinator mapped onto the lake of now (``RecoveryCoordinator.resume_source``).
+
+    Returns:
+        The state to continue from (sources, counts and history of the mixture now), and
+        what differs from the saved mixture, in words (logged by the loader).
 
     Raises:
         StateMismatchError: If the mixture's seed differs, or a source present in both reads
@@ -74,4 +65,4 @@ def resume_mixture(
     state = replace(
         saved, counts=counts, history=history, sources=now, epoch_rows=mixture.epoch_rows
     )
-    return MixtureResumption(state, tuple(changes))
+    return state, tuple(changes)
