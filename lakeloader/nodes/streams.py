@@ -145,18 +145,12 @@ class SourceStream:
             return epoch_runs(first, stop, self.size(self.known[0][2]), name, topology)
         out = []
         while first < stop:
-            epoch, start, rows = self._epoch_at(first)
+            epoch, start, ds = self.holding(first)
+            rows = self.size(ds)
             end = min(stop, start + rows)
             out.append(DeliveredRun(epoch, first - start, end - start, rows, topology, stream=name))
             first = end
         return out
-
-    def _epoch_at(self, offset: int) -> tuple[int, int, int]:
-        """The epoch holding ``offset``: its number, first offset and rows."""
-        for epoch, start, ds in self.known:
-            if start <= offset < start + self.size(ds):
-                return epoch, start, self.size(ds)
-        raise ValueError(f"offset {offset} is past the increments known of {self.known[0][2]!r}")
 
     def locate(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The epoch of each offset (known: :meth:`cover` first), and its place in it."""
