@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from lakeloader.cache.packed import RowLayout
@@ -34,7 +34,7 @@ from lakeloader.nodes.streams import (
     stream_records,
 )
 from lakeloader.nodes.views import mixture_view
-from lakeloader.order.mixture import MixCursor, Spans
+from lakeloader.order.mixture import MixCursor
 from lakeloader.order.plan import rank_bounds
 from lakeloader.pipeline.mixing import MixtureIterator
 from lakeloader.pipeline.recipe import BatchRecipe
@@ -171,7 +171,6 @@ class MixtureNode(CursorNode):
         self._readers = {n: ds.reader() for n, ds in mixture.sources.items()}
         #: Each source's stream of rows (a followed lake's increments), in the names' order.
         self._streams = {n: SourceStream(ds) for n, ds in mixture.sources.items()}
-        self._streams_known()
         #: The pass under way (epoch, rows of it delivered); its record of steps, for the audit.
         self.tracker = ReaderStateTracker(host.topology, drop_last=False)
         # each source's record as a resume finds it again (a followed lake's names its increment)
@@ -183,7 +182,8 @@ class MixtureNode(CursorNode):
         """The position: the last state set, moved to the cursor of the last batch delivered."""
         if self._cursor is not None:
             cursor, self._cursor = self._cursor, None
-            streams = self._streams if self.varies else {}  # else the records never change
+            varies = any(stream.varies for stream in self._streams.values())
+            streams = self._streams if varies else {}  # else the records never change
             self._stored = moved_to(self._stored, streams, cursor)
         return self._stored
 
@@ -192,19 +192,6 @@ class MixtureNode(CursorNode):
         self._stored, self._cursor = state, None
         self.tracker.epoch, self.tracker.position = state.epoch, state.slot - state.epoch_start
         self.tracker.quarantine = state.quarantine
-
-    def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
-        """See ``Streams.cover``: a followed source waits for its lake only when ``wait``.
-
-        Raises:
-            CaughtUpError: If a followed source's lake gives no more rows in time.
-        """
-        pairs = list(zip(self._streams.values(), counts, strict=True))
-        if not wait and not all(stream.covers(int(count) - 1) for stream, count in pairs):
-            return None
-        for stream, count in pairs:
-            stream.cover(int(count) - 1)
-        return [stream.spans() for stream in self._streams.values()]
 
     def pass_steps(self) -> int:
         """Steps in a whole pass over the mixture for this topology."""
@@ -275,7 +262,7 @@ class MixtureNode(CursorNode):
             self._recipe(),
             self._delivered,
             res.carry,
-            self,
+            list(self._streams.values()),
         )
         res.iterator = it
         return it
@@ -354,14 +341,8 @@ class MixtureNode(CursorNode):
         refuse_fetched_ahead(fetched_ahead, "a mixture")
         return self._mixed.to_dict()
 
-    def _streams_known(self) -> None:
-        """Whether any source's epochs are known one by one, and whether any follows its lake."""
-        self.varies = any(stream.varies for stream in self._streams.values())
-        self.follows = any(stream.follows for stream in self._streams.values())
-
     def _resumed(self, state: MixtureState) -> None:
         self.tracker.record.restored()
-        self._streams_known()
         self._follow_streams()
         self._mixed = dataclasses.replace(state, topology=self.host.topology.to_dict())
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -35,23 +35,8 @@ from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
 
-
-class Streams(Protocol):
-    """Where a mixture's sources' epochs start (see ``MixtureIterator``'s ``streams``)."""
-
-    #: Whether a source waits for its lake's increments (steps are then planned one by one).
-    follows: bool
-    #: Whether a source's epochs are known one by one (its spans change as it goes on).
-    varies: bool
-
-    def cover(self, counts: Sequence[int], wait: bool) -> list[Spans] | None:
-        """Each source's spans, holding its rows below ``counts`` (in the order of the names).
-
-        None: they do not, and ``wait`` is False (the step delivered next does not need them).
-
-        Raises:
-            CaughtUpError: If a followed source's lake gives no more rows in time.
-        """
+if TYPE_CHECKING:
+    from lakeloader.nodes.streams import SourceStream
 
 
 logger = logging.getLogger(__name__)
@@ -73,8 +58,9 @@ class MixtureIterator(PassIterator):
             quarantined and the rows of this rank they held.
         ended: Told the sources' passes when this pass ended at its last step (they can go on);
             a pass ended otherwise closes them.
-        streams: Where each source's epochs start in its stream, covering the draws to come
-            (when a followed lake gives no more rows, the pass ends after the steps planned).
+        streams: Each source's stream (in the order of the names): where its epochs start,
+            covering the draws to come (a followed source waits for its lake only for the step
+            delivered next; when it gives no more rows, the pass ends after the steps planned).
     """
 
     num_steps: int
@@ -93,11 +79,15 @@ class MixtureIterator(PassIterator):
         recipe: BatchRecipe,
         delivered: Callable[[MixCursor, tuple[QuarantineEntry, ...], int], None],
         ended: Callable[[Stores], None],
-        streams: Streams,
+        streams: Sequence[SourceStream],
     ) -> None:
         self._mixture, self._topology = mixture, topology
         self._delivered, self._ended = delivered, ended
         self._streams = streams
+        #: Whether a source waits for its lake's increments (steps are then planned one by one).
+        self._follows = any(stream.follows for stream in streams)
+        #: Whether a source's epochs are known one by one (its spans change as it goes on).
+        self._varies = any(stream.varies for stream in streams)
         self._spans: list[Spans] = []
         self._caught_up = False
         self._planned_cursor = cursor
@@ -107,7 +97,7 @@ class MixtureIterator(PassIterator):
         super().__init__(num_steps, options.cache_bytes, self._builder, sources)
 
     def _plan_more(self) -> bool:
-        chunk = 1 if self._streams.follows else PLAN_CHUNK  # wait for no more than a step
+        chunk = 1 if self._follows else PLAN_CHUNK  # wait for no more than a step
         try:  # False: the increments known end before (planned once they are needed)
             return self._plan_chunk(min(chunk, self.num_steps - self._next_plan))
         except CaughtUpError as caught:
@@ -122,16 +112,19 @@ class MixtureIterator(PassIterator):
         """
         topo, size, names = self._topology, self._topology.global_batch, self._mixture.names
         before = self._planned_cursor
-        if self._streams.varies or not self._spans:  # a lake's epochs: n rows each, always
+        if self._varies or not self._spans:  # a lake's epochs: n rows each, always
             drawn = slot_sources(
                 self._mixture.weights, self._mixture.seed, before.slot, count * size
             )
             ahead = np.bincount(drawn, minlength=len(names))
-            need = [before.counts.get(n, 0) + ahead[i] for i, n in enumerate(names)]
-            spans = self._streams.cover(need, wait=self._next_plan == self._next_deliver)
-            if spans is None:
+            last = [before.counts.get(n, 0) + int(ahead[i]) - 1 for i, n in enumerate(names)]
+            pairs = list(zip(self._streams, last, strict=True))
+            wait = self._next_plan == self._next_deliver  # the step delivered next needs them
+            if not wait and not all(stream.covers(at) for stream, at in pairs):
                 return False
-            self._spans = spans
+            for stream, at in pairs:
+                stream.cover(at)  # a followed source waits for its lake
+            self._spans = [stream.spans() for stream in self._streams]
         table, after, totals = draw_parts(
             before,
             self._mixture.weights,
