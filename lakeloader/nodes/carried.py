@@ -17,8 +17,10 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import pyarrow as pa
 
-from lakeloader.cache.decode import DecodeJob, Held, UnitDecoder, UnitRef
+from lakeloader.cache.decode import DecodeJob, Held, UnitDecoder
 from lakeloader.cache.packed import Packed
+from lakeloader.cache.screening import screen
+from lakeloader.cache.store import UnitOpener
 from lakeloader.dataset import LakeDataset
 from lakeloader.nodes.base import Host
 from lakeloader.order.batches import range_specs
@@ -28,7 +30,7 @@ from lakeloader.pipeline.recipe import BatchRecipe, build_payload, finish_payloa
 from lakeloader.randomness import slot_seeds
 from lakeloader.signals import main_thread_only
 from lakeloader.state.journal import DeliveredRun
-from lakeloader.state.quarantine import QuarantineEntry, drop_pieces
+from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.state.tracker import Delivery, ReaderStateTracker
 
 logger = logging.getLogger(__name__)
@@ -88,12 +90,6 @@ def _decode(
     return decoder.decode(DecodeJob(position, file_index, rg, row_start, rows, -1, None), None)
 
 
-def _packed(ref: UnitRef) -> Packed:
-    """A unit decoded without an arena, as a batch is built from it."""
-    assert isinstance(ref.table, pa.Table), "decoded in this process, without an IPC file"
-    return Packed(None, (), ref.table, ref.where)
-
-
 def carried_step(node: Following) -> Any:
     """The step that opens the next increment with this one's tail (None: no tail).
 
@@ -141,13 +137,13 @@ def _read(node: Following, part: _Part) -> _Read:
     threads = max(1, min(node.host.options.io_threads, len(spec.positions)))
     with ThreadPoolExecutor(threads, initializer=main_thread_only) as pool:
         held = list(pool.map(lambda p: _decode(decoder, plan, int(p), known), spec.positions))
-    bad = [isinstance(h, QuarantineEntry) for h in held]
-    take = drop_pieces(spec.take, plan.piece_rows(spec.positions).tolist(), bad)
-    kept = np.flatnonzero(~np.asarray(bad, dtype=bool)[spec.inverse])
+    screened = screen(spec, held, plan, None, len(decoder.reader.schema))
+    keep = screened.kept
+    kept = np.arange(part.stop - part.start) if keep is None else np.flatnonzero(keep)
     slots = batch_slots(part.start, part.stop, plan.num_partitions)[kept]
-    units = [_packed(h) for h in held if isinstance(h, UnitRef)]
-    skipped = tuple(h for h in held if isinstance(h, QuarantineEntry))
-    return _Read(units, take, kept, slot_seeds(plan.seed, plan.epoch, slots), skipped)
+    units = UnitOpener().open(screened.refs, None)  # decoded here: no arena, no IPC file
+    seeds = slot_seeds(plan.seed, plan.epoch, slots)
+    return _Read(units, screened.take, kept, seeds, screened.skipped)
 
 
 def _assemble(
