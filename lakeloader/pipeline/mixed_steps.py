@@ -2,8 +2,8 @@
 
 A step (:class:`MixedStep`) is parts, each a slot range of one source epoch's order read from
 that epoch's :class:`~lakeloader.pipeline.stores.Store`: one gather of arena rows where every
-column is packed and no user code runs; else each part is screened by its store and the
-columns gathered part by part (or, on the row path, the parts' units built as one batch).
+column is packed and no user code runs; else each part is screened by its store, the columns
+every part has in the arena gathered at once, and the parts' units built as one batch.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from lakeloader.pipeline.recipe import (
     BatchRecipe,
     Sources,
     build_payload,
-    columns_payload,
     finish_payload,
 )
 from lakeloader.pipeline.stores import Store, Stores
@@ -62,9 +61,10 @@ class Part(NamedTuple):
 class _Mixed(NamedTuple):
     """A step's parts laid end to end, as one batch is built from them.
 
-    ``take`` indexes the concatenation of ``refs`` (part after part) in batch order; ``extra``
-    is the source of each row (as a column) and the sources' row transforms; ``skipped``, the
-    units found quarantined, held ``lost`` rows of this rank.
+    ``ready`` holds the columns every part has in the arena (gathered, in batch order); ``take``
+    indexes the concatenation of ``refs`` (part after part) in batch order, for the others;
+    ``extra`` is the source of each row (as a column) and the sources' row transforms;
+    ``skipped``, the units found quarantined, held ``lost`` rows of this rank.
     """
 
     refs: list[UnitRef]
@@ -73,17 +73,7 @@ class _Mixed(NamedTuple):
     extra: tuple[dict[str, np.ndarray], Sources]
     skipped: tuple[QuarantineEntry, ...]
     lost: int
-
-
-#: A step's parts screened (see ``MixedBuilder._screen_parts``).
-_Screens = tuple[
-    list[tuple[Store, Screened]],
-    np.ndarray,
-    list[np.ndarray],
-    np.ndarray,
-    tuple[QuarantineEntry, ...],
-    int,
-]
+    ready: dict[str, Any]
 
 
 class MixedStep(NamedTuple):
@@ -117,8 +107,6 @@ class MixedBuilder:
         self._recipe, self._options = recipe, options
         self._schema = sources.schema
         self._layout, self._arena = sources.layout, sources.arena
-        #: Rows go one by one through a source's transform or the collate_fn.
-        self._rows_path = recipe.rows_path or any(leaf.recipe.transform for leaf in sources.leaves)
         packed = self._layout is not None and len(self._layout.names) == len(self._schema)
         #: Every column packed into the arena and no user code: a step is one gather.
         self.fast = self._arena is not None and packed and not recipe.user_code
@@ -153,27 +141,16 @@ class MixedBuilder:
                 return finish_payload((COLUMNS, columns), self._recipe), (), 0
         if self._builds is not None:
             return self._built(index, step, upcoming)
-        if self._rows_path:
-            mixed = self._mixed(step, views=True)
-            units = self._opener.open(mixed.refs, arena_rows(self._arena))
-            payload = build_payload(
-                units, mixed.take, self._schema, self._recipe, {}, mixed.seeds, *mixed.extra
-            )
-            return finish_payload(payload, self._recipe), mixed.skipped, mixed.lost
-        screens, kept, places, seeds, skipped, lost = self._screen_parts(step)
-        columns = self._columns(screens, places, len(kept))
-        columns[key] = sources[kept]
-        payload = columns_payload(columns, self._recipe, seeds)
-        return finish_payload(payload, self._recipe), skipped, lost
+        mixed = self._mixed(step, views=True)
+        units = self._opener.open(mixed.refs, arena_rows(self._arena)) if mixed.refs else []
+        args = (self._schema, self._recipe, mixed.ready, mixed.seeds, *mixed.extra)
+        payload = build_payload(units, mixed.take, *args)
+        return finish_payload(payload, self._recipe), mixed.skipped, mixed.lost
 
-    def _screen_parts(
-        self, step: MixedStep, views: bool = True, deadline: float | None = None
-    ) -> _Screens:
-        """The step's parts screened by their stores (without quarantined units).
+    def _mixed(self, step: MixedStep, views: bool, deadline: float | None = None) -> _Mixed:
+        """The step's parts screened by their stores (without quarantined units), laid end to end.
 
-        Returns:
-            Each part's store and screened units, the share's rows left (sorted), where each
-            part's rows go among them, each row's seed, the units skipped and the rows they held.
+        ``views``: whether string columns may come from their views in the arena.
         """
         screens: list[tuple[Store, Screened]] = []
         dests, part_seeds = [], []
@@ -192,23 +169,20 @@ class MixedBuilder:
         seeds = np.empty(len(kept), dtype=np.uint64)
         for place, part_seed in zip(places, part_seeds, strict=True):
             seeds[place] = part_seed
-        skipped = tuple(q for _, screened in screens for q in screened.skipped)
-        lost = sum(screened.lost for _, screened in screens)
-        return screens, kept, places, seeds, skipped, lost
-
-    def _mixed(self, step: MixedStep, views: bool, deadline: float | None = None) -> _Mixed:
-        """The step's parts screened and laid end to end: one batch's units, rows and seeds."""
-        screens, kept, places, seeds, skipped, lost = self._screen_parts(step, views, deadline)
+        ready = self._ready(screens, places, len(kept))
         take = np.empty(len(kept), dtype=np.int64)
         of = np.empty(len(kept), dtype=np.int64)
         refs: list[UnitRef] = []
         for part, (_, screened), place in zip(step.parts, screens, places, strict=True):
-            take[place] = screened.take + sum(r.num_rows for r in refs)
+            if len(ready) < len(self._schema):  # the Arrow path takes the other columns
+                take[place] = screened.take + sum(r.num_rows for r in refs)
+                refs += screened.refs
             of[place] = part.pair[0]
-            refs += screened.refs
         transforms = tuple(leaf.recipe.transform for leaf in self._sources.leaves)
         extra = {self._mixture.source_key: step.sources.astype(np.int64)[kept]}
-        return _Mixed(refs, take, seeds, (extra, Sources(of, transforms)), skipped, lost)
+        skipped = tuple(q for _, screened in screens for q in screened.skipped)
+        lost = sum(screened.lost for _, screened in screens)
+        return _Mixed(refs, take, seeds, (extra, Sources(of, transforms)), skipped, lost, ready)
 
     def _built(
         self, index: int, step: MixedStep, upcoming: Sequence[MixedStep]
@@ -270,41 +244,28 @@ class MixedBuilder:
     def _describe(self, index: int) -> tuple[str, str]:
         return f"step {index} of a pass over {self._mixture!r}", ""
 
-    def _columns(
-        self,
-        screens: list[tuple[Store, Screened]],
-        dests: list[np.ndarray],
-        size: int,
+    def _ready(
+        self, screens: list[tuple[Store, Screened]], dests: list[np.ndarray], size: int
     ) -> dict[str, Any]:
-        """The parts' columns in slot order: packed rows gathered at once, others by part."""
-        columns: dict[str, Any] = {}
-        done: tuple[str, ...] = ()
+        """The columns every part has in the arena, in slot order: their rows gathered at once."""
         layout = self._layout
-        if (
-            self._arena is not None
-            and layout is not None
-            and all(s.rows is not None for _, s in screens)
-        ):
-            packed = _common([s.names for _, s in screens])
-            views = _common([s.views for _, s in screens])
-            rows = np.empty(size, dtype=np.int64)
-            for (_, screened), dest in zip(screens, dests, strict=True):
-                assert screened.rows is not None
-                rows[dest] = screened.rows
-            gathered = gather_packed(self._arena.records, rows, layout, packed + views)
-            columns.update((name, gathered[name]) for name in packed)
-            if views:  # each source's views point into its own buffers
-                resolved = []
-                for (store, _), dest in zip(screens, dests, strict=True):
-                    ready = {name: gathered[name][dest] for name in views}
-                    store.builder.resolve_views(ready, views)
-                    resolved.append(ready)
-                columns.update(merge_columns(resolved, dests, size))
-            done = packed + views
-        if len(done) < len(self._schema):
-            parts = [store.builder.arrow_columns(s, done) for store, s in screens]
-            columns.update(merge_columns(parts, dests, size))
-        return {name: columns[name] for name in self._schema.names}
+        if self._arena is None or layout is None or any(s.rows is None for _, s in screens):
+            return {}
+        packed = _common([s.names for _, s in screens])
+        views = _common([s.views for _, s in screens])
+        rows = np.empty(size, dtype=np.int64)
+        for (_, screened), dest in zip(screens, dests, strict=True):
+            assert screened.rows is not None
+            rows[dest] = screened.rows
+        ready = gather_packed(self._arena.records, rows, layout, packed + views)
+        if views:  # each source's views point into its own buffers
+            resolved = []
+            for (store, _), dest in zip(screens, dests, strict=True):
+                part = {name: ready[name][dest] for name in views}
+                store.builder.resolve_views(part, views)
+                resolved.append(part)
+            ready.update(merge_columns(resolved, dests, size))
+        return ready
 
     def close(self, wait: bool) -> None:
         """Stop handing steps to the workers; cancel those queued."""
