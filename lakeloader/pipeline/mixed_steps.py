@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from lakeloader.cache.decode import UnitRef
 from lakeloader.cache.packed import gather_packed
@@ -25,7 +26,6 @@ from lakeloader.options import LoaderOptions
 from lakeloader.order.batches import BatchSpec, range_specs
 from lakeloader.order.mixture import MixCursor
 from lakeloader.pipeline.builders import arena_rows, timed_out
-from lakeloader.pipeline.merge import merge_columns
 from lakeloader.pipeline.recipe import (
     COLUMNS,
     BatchRecipe,
@@ -264,7 +264,7 @@ class MixedBuilder:
                 part = {name: ready[name][dest] for name in views}
                 store.builder.resolve_views(part, views)
                 resolved.append(part)
-            ready.update(merge_columns(resolved, dests, size))
+            ready.update((n, _placed([r[n] for r in resolved], dests, size)) for n in views)
         return ready
 
     def close(self, wait: bool) -> None:
@@ -279,3 +279,23 @@ def _common(names: list[tuple[str, ...]]) -> tuple[str, ...]:
         return names[0]
     shared = set(names[0]).intersection(*names[1:])
     return tuple(n for n in names[0] if n in shared)
+
+
+def _placed(parts: list[Any], dests: list[np.ndarray], size: int) -> Any:
+    """One column of ``size`` rows: row ``r`` of part ``j`` goes to row ``dests[j][r]``.
+
+    The parts' values are lists of Python values, or Arrow arrays where Python cannot hold
+    them (see collate.python_values); ``dests`` together are a permutation of ``range(size)``.
+    """
+    if isinstance(parts[0], list):
+        rows: list[Any] = [None] * size
+        for values, dest in zip(parts, dests, strict=True):
+            for at, item in zip(dest.tolist(), values, strict=True):
+                rows[at] = item
+        return rows
+    whole = pa.concat_arrays(
+        [v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v for v in parts]
+    )
+    where = np.empty(size, dtype=np.int64)
+    where[np.concatenate(dests)] = np.arange(size)
+    return whole.take(pa.array(where))
