@@ -13,12 +13,12 @@ from lakeloader.audit.ledger import LEDGER_DIR, read_entries
 from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.manager import CheckpointManager
 from lakeloader.cli.checkpoints import find_checkpoint
-from lakeloader.cli.inspect import rebuild_plan, requested, unit_offsets
+from lakeloader.cli.inspect import rebuild_plan, requested
 from lakeloader.cli.tables import format_pairs, format_table, full_urls, lake_url
 from lakeloader.errors import CheckpointError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
-from lakeloader.order.plan import slots_to_virtual
+from lakeloader.state.view import locate
 
 #: Positions of each missing or doubled span located in the lake (file, row group, row).
 LOCATED = 3
@@ -39,8 +39,9 @@ def run_audit(
     Raises:
         CheckpointError: If the run has no ledger, or a ledger with no complete entry.
     """
-    manager = CheckpointManager(url, storage_options=storage_options, retry=retry, ledger=False)
-    try:
+    with CheckpointManager(
+        url, storage_options=storage_options, retry=retry, ledger=False
+    ) as manager:
         found = find_checkpoint(manager)
         ckpt = found.checkpoint
         if ckpt.training is None:
@@ -51,8 +52,6 @@ def run_audit(
         entries, torn = read_entries(manager.store, manager.root)
         if not entries:
             raise CheckpointError(_no_entries(manager, url, torn, ckpt))
-    finally:
-        manager.close()
     report = audit(entries, ckpt.step, ckpt.training.attempt)
     info = _plain(report, [full_urls(t, url) for t in torn], ckpt)
     info["skipped_damaged"] = found.skipped
@@ -122,12 +121,11 @@ def _locate(ckpt: Checkpoint, epoch: int, num_rows: int, spans: tuple[Span, ...]
     if plan.num_rows != num_rows:
         return []
     slots = np.concatenate([np.arange(s.start, min(s.stop, s.start + LOCATED)) for s in spans])
-    units, offsets = unit_offsets(plan, slots_to_virtual(plan, slots))
-    out = []
-    for slot, unit, offset in np.stack([slots, units, offsets], 1).tolist():
-        where = lake_url(ckpt.source, ckpt.snapshot.files[plan.units.file_index[unit]].path)
-        out.append(f"position {slot}: {where} row group {plan.units.row_group[unit]} row {offset}")
-    return out
+    return [
+        f"position {at.slot}: {lake_url(ckpt.source, at.file)} row group {at.row_group} "
+        f"row {at.row_offset}"
+        for at in locate(plan, ckpt.snapshot, slots)
+    ]
 
 
 def render_audit_text(info: dict[str, Any]) -> str:

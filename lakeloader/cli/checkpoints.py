@@ -52,11 +52,10 @@ def open_checkpoint(
     root, folder_step = split_checkpoint_path(path)
     if folder_step is not None and step is not None and step != folder_step:
         raise CheckpointError(f"{path} is the checkpoint of step {folder_step}, not {step}")
-    manager = CheckpointManager(root, storage_options=storage_options, retry=retry, ledger=False)
-    try:
+    with CheckpointManager(
+        root, storage_options=storage_options, retry=retry, ledger=False
+    ) as manager:
         return find_checkpoint(manager, folder_step if folder_step is not None else step)
-    finally:
-        manager.close()
 
 
 def find_checkpoint(manager: CheckpointManager, step: int | None = None) -> Found:

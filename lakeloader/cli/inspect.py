@@ -85,13 +85,6 @@ def _virtual_of_every_slot(plan: EpochPlan) -> np.ndarray:
     return out
 
 
-def unit_offsets(plan: EpochPlan, virtual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For virtual rows of a plan: their units, and their row offsets inside the row group."""
-    piece, row = virtual_to_piece(plan, virtual)
-    unit = plan.piece_unit[piece]
-    return unit, plan.units.row_start[unit] + plan.piece_start[piece] + row
-
-
 def row_ranges(
     plan: EpochPlan, snapshot: Snapshot, position: int, deliver_stop: int
 ) -> list[dict[str, Any]]:
@@ -110,7 +103,9 @@ def row_ranges(
     first_rg = np.concatenate([[0], np.cumsum(per_file)])
     rg_index = np.arange(len(rg_rows)) - first_rg[rg_file]
     rg_base = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
-    unit, offset = unit_offsets(plan, _virtual_of_every_slot(plan))
+    piece, row = virtual_to_piece(plan, _virtual_of_every_slot(plan))
+    unit = plan.piece_unit[piece]
+    offset = plan.units.row_start[unit] + plan.piece_start[piece] + row
     flat_rg = first_rg[plan.units.file_index[unit]] + plan.units.row_group[unit]
     lake_row = rg_base[flat_rg] + offset
     category = np.full(n, _REMAINING, dtype=np.int8)
