@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lakeloader.checkpoint.layout import Checkpoint
 from lakeloader.checkpoint.training import CodeVersion
 from lakeloader.io.retry import RetryPolicy
 from lakeloader.lake.increments import Increment, SourceRequest
-from lakeloader.lake.manifest import from_manifest
 from lakeloader.lake.snapshot import Snapshot
 from lakeloader.lake.source import FolderSource, Growing
 from lakeloader.lake.tables.delta import DeltaSource
@@ -16,16 +14,6 @@ from lakeloader.lake.tables.options import delta_options, fsspec_options
 
 #: Increments looked ahead at most for the lag (a Delta table gives one per commit).
 MAX_LAG_INCREMENTS = 10_000
-
-
-def leaf_details(
-    ckpt: Checkpoint, storage_options: dict[str, Any], lag: bool, retry: RetryPolicy
-) -> dict[str, dict[str, Any]]:
-    """:func:`lake_details` of each lake a checkpoint pins (a mixture's sources, a packed lake)."""
-    return {
-        leaf: lake_details(from_manifest(manifest), ckpt.sources[leaf], storage_options, lag, retry)
-        for leaf, manifest in sorted(ckpt.manifests.items())
-    }
 
 
 def lake_details(

@@ -27,12 +27,7 @@ from lakeloader.cli.inspect import (
     requested,
     requested_text,
 )
-from lakeloader.cli.inspect_follow import (
-    lake_details,
-    leaf_details,
-    render_details,
-    render_training,
-)
+from lakeloader.cli.inspect_follow import lake_details, render_details, render_training
 from lakeloader.cli.inspect_streams import inspect_kind, render_kind_text
 from lakeloader.cli.parser import UsageError, parse
 from lakeloader.cli.tables import format_pairs, format_table, full_urls, record_table, to_json
@@ -40,6 +35,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.errors import LakeError, StorageRetryWarning, StoreUnavailableError
 from lakeloader.io.fetch import url_of
 from lakeloader.io.retry import RetryPolicy
+from lakeloader.lake.manifest import from_manifest
 from lakeloader.lake.tables.sources import table_kind
 from lakeloader.order.plan import steps_in_epoch
 from lakeloader.units import human_bytes
@@ -220,7 +216,10 @@ def _cmd_inspect(args: argparse.Namespace) -> Result:
     lag = not args.no_lag
     if ckpt.lake is None:  # per source or partition: no topology to map onto
         info = inspect_kind(ckpt, found.steps)
-        info["lake_details"] = leaves = leaf_details(ckpt, options, lag, retry)
+        info["lake_details"] = leaves = {  # each lake it pins: a mixture's sources, a packed lake
+            leaf: lake_details(from_manifest(manifest), ckpt.sources[leaf], options, lag, retry)
+            for leaf, manifest in sorted(ckpt.manifests.items())
+        }
         lines = [line for leaf, d in leaves.items() for line in render_details(d, leaf)]
         head, end = render_kind_text(info), ""
     else:
