@@ -106,9 +106,12 @@ def tokenize(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_fields(batch: dict[str, Any]) -> dict[str, Any]:
-    """``b = 3 input_ids``, and each sample's seed (as int64)."""
+    """``b = 3 input_ids``, each sample's seed (as int64), and the id of the DataLoader worker
+    that ran it (-1: the training process)."""
     seeds = torch.from_numpy(ll.row_seeds().view(np.int64).copy())
-    return {**batch, "b": batch["input_ids"] * 3, "seed": seeds}
+    info = torch.utils.data.get_worker_info()
+    worker = torch.full_like(seeds, -1 if info is None else info.id)
+    return {**batch, "b": batch["input_ids"] * 3, "seed": seeds, "worker": worker}
 
 
 def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -232,7 +235,8 @@ def run(
     workers: int = 0,
 ) -> tuple[Got, list[dict[str, Any]]]:
     """Every rank in lockstep for ``steps`` steps (ranks in order in each), and each rank's
-    state after."""
+    state after. With user code, it ran in the workers if there are any (in each of them),
+    else in the training process."""
     kw: dict[str, Any] = {"batch_size": batch, "world_size": world, "num_workers": workers}
     if s.batch_code:
         kw["collate_fn"] = stack
@@ -241,7 +245,7 @@ def run(
         for loader in loaders:
             loader.load_state_dict(state)
     its = [iter(x) for x in loaders]
-    sources, samples, seeds = [], [], []
+    sources, samples, seeds, ran_in = [], [], [], set()
     for _ in range(steps):
         for it in its:
             share = next(it)
@@ -249,6 +253,7 @@ def run(
                 assert torch.equal(share["b"], share["input_ids"] * 3)  # the batch_transform's
                 assert torch.equal(share["c"], share["input_ids"] * 5)  # the collate_fn's
                 assert share["n"].tolist() == [batch] * batch  # one call with the rank's samples
+                ran_in |= set(share["worker"].tolist())
             fields = ("input_ids", "position_ids", "pad_mask")
             samples.append(np.stack([share[k] for k in fields], 1).astype(np.int64))
             sources.append(share.get("source", torch.zeros(batch, dtype=torch.int64)).numpy())
@@ -256,6 +261,8 @@ def run(
     out = [x.state_dict() for x in loaders]
     for x in loaders:
         x.close()
+    if s.batch_code:
+        assert ran_in == (set(range(workers)) if steps >= workers and workers else {-1}), ran_in
     return Got(np.concatenate(sources), np.concatenate(samples), np.concatenate(seeds)), out
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import lakeloader as ll
 from tests.conftest import damage_row_group, wait_dead
@@ -203,3 +204,85 @@ def test_passes_of_a_mixture_built_by_workers_go_on_one_after_the_other(lakes: P
     ):
         for _ in range(3):  # three passes, each a new iter() over the stores the last one left
             assert [b["id"].tolist() for b in built] == [b["id"].tolist() for b in alone]
+
+
+KILL_MARKER = "LAKELOADER_TEST_KILL_MARKER"
+
+
+def _pids_stacked(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A collate_fn: the samples stacked, and the process that collated them."""
+    out = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    return {**out, "collated_by": os.getpid()}
+
+
+def _with_pid(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch_transform: the batch, the process that ran it and each sample's seed. The
+    first worker to run it with ``KILL_MARKER`` set and absent makes it, then SIGKILLs itself."""
+    marker = os.environ.get(KILL_MARKER)
+    if marker and torch.utils.data.get_worker_info() is not None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {**batch, "pid": os.getpid(), "seeds": ll.row_seeds().tolist()}
+
+
+@pytest.mark.parametrize("collate", [None, _pids_stacked])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_packed_stream_s_user_code_runs_in_its_workers(
+    lakes: Path,
+    collate: Any,
+    mixed: bool,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """The collate_fn and batch_transform of a packed lake or mixture run in the workers (as
+    a lake's do), a worker SIGKILLed while it builds has that build done again by its
+    replacement, and the batches, seeds included, are those that no worker gives."""
+
+    def stream() -> ll.LakeDataset | ll.Mixture:
+        packing = ll.Packing("tokens", L, eos_id=EOS, pad_id=0)
+        if not mixed:
+            return ll.LakeDataset(
+                lakes / "web",
+                seed=3,
+                num_partitions=C,
+                window=64,
+                packing=packing,
+                batch_transform=_with_pid,
+            )
+        sources = {
+            n: ll.LakeDataset(lakes / n, columns=["tokens"], seed=3, num_partitions=C, window=64)
+            for n in ("web", "code")
+        }
+        return ll.Mixture(
+            sources, {"web": 0.5, "code": 0.5}, seed=9, packing=packing, batch_transform=_with_pid
+        )
+
+    def run(**kw: Any) -> list[dict[str, Any]]:
+        with ll.DataLoader(stream(), batch_size=8, collate_fn=collate, **kw) as loader:
+            return list(itertools.islice(loader, 30))
+
+    alone = run()
+    monkeypatch.setenv(KILL_MARKER, str(tmp_path / "killed"))
+    with pytest.warns(ll.WorkerWarning, match="exit code -9"):
+        built = run(num_workers=2, prefetch_factor=2)
+    assert len(built) == len(alone) == 30
+    for got, want in zip(built, alone, strict=True):
+        assert set(got) == set(want)
+        for key in ("input_ids", "position_ids", "pad_mask", "source"):
+            if key in want:
+                assert torch.equal(got[key], want[key]), key
+        assert got["seeds"] == want["seeds"]
+    assert {b["pid"] for b in alone} == {os.getpid()}
+    pids = {b["pid"] for b in built}
+    assert os.getpid() not in pids and len(pids) >= 2, "built by the workers"
+    if collate is not None:
+        assert {b["collated_by"] for b in built} == pids
+    assert any(
+        re.search(r"died with exit code -9; .* the packed batch of step \d+", r.getMessage())
+        for r in caplog.records
+    ), "a build the dead worker held was done again"

@@ -230,14 +230,18 @@ def make_setup(
 
 
 def decoding_setup(
-    host: Host, sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout | None]], seed: int
+    host: Host,
+    sources: Sequence[tuple[LakeDataset, UnitReader, RowLayout | None]],
+    seed: int,
+    recipe: BatchRecipe | None = None,
 ) -> WorkerSetup:
     """Workers that decode the units of ``sources`` (a task names its source by index).
 
-    Each is packed by its layout (the one its unit store packs by).
+    Each is packed by its layout (the one its unit store packs by); ``recipe``: what they
+    run on packed samples (see :class:`~lakeloader.workers.process.SamplesTask`).
     """
     decoders = (UnitDecoder(r, layout, ds.on_error, ds.validate) for ds, r, layout in sources)
-    return make_setup(host, sources[0][1].schema, seed, decoders=tuple(decoders))
+    return make_setup(host, sources[0][1].schema, seed, recipe, decoders=tuple(decoders))
 
 
 def read_counts(counters: Iterable[ReadCounters]) -> dict[str, int]:

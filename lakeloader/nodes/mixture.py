@@ -142,10 +142,10 @@ class CursorNode(Node):
         """The snapshots a checkpoint pins: one per source, of the epoch its count stands in."""
         return pinned_datasets(self._streams, self._mixed.counts, self.mixture.sources)
 
-    def _decoding(self, layout: RowLayout | None) -> WorkerSetup:
+    def _decoding(self, layout: RowLayout | None, recipe: BatchRecipe | None = None) -> WorkerSetup:
         """Workers that decode every source's units (a task names its source by index)."""
         sources = [(ds, self._readers[n], layout) for n, ds in self.mixture.sources.items()]
-        return decoding_setup(self.host, sources, self.mixture.seed)
+        return decoding_setup(self.host, sources, self.mixture.seed, recipe)
 
 
 class MixtureNode(CursorNode):

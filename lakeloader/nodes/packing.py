@@ -63,8 +63,9 @@ class PackingNode(Node):
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
     units of a lake read from one snapshot for good (else, and for a followed lake's
-    increments or a saved epoch on a pinned snapshot, this process's ``io_threads`` do);
-    samples are cut, and the user's code run, in this process.
+    increments or a saved epoch on a pinned snapshot, this process's ``io_threads`` do), and
+    run the user's code (``collate_fn``, ``batch_transform``) on the samples this process
+    cuts; a row ``transform`` runs in this process.
     """
 
     what = "packed stream"
@@ -173,7 +174,7 @@ class PackingNode(Node):
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
             self._pool_for(s.reader for s in sources) if decode else None,
             self._delivered,
-            BatchRecipe(None, host.options.collate_fn, self.dataset.batch_transform),
+            self._recipe(),
             self._source_key(),
         )
         res.iterator = it
@@ -183,11 +184,15 @@ class PackingNode(Node):
         """The batch's key of each sample's source (a packed Mixture's), or None."""
         return None
 
+    def _recipe(self) -> BatchRecipe:
+        """What is run on each step's samples: the ``collate_fn`` and ``batch_transform``."""
+        return BatchRecipe(None, self.host.options.collate_fn, self.dataset.batch_transform)
+
     def worker_setup(self) -> WorkerSetup:
-        """Workers that decode the lake's units."""
-        reader = self._readers[ONLY]
-        layout = arena_layout([self.dataset], reader)
-        return decoding_setup(self.host, [(self.dataset, reader, layout)], self.dataset.config.seed)
+        """Workers that decode the lake's units and run the user's code on the samples."""
+        reader, ds = self._readers[ONLY], self.dataset
+        layout, recipe = arena_layout([ds], reader), self._recipe()
+        return decoding_setup(self.host, [(ds, reader, layout)], ds.config.seed, recipe)
 
     def _delivered(
         self, cursor: MixCursor, skipped: list[QuarantineEntry], tokens: int, pads: int
@@ -374,9 +379,10 @@ class PackedMixtureNode(CursorNode, PackingNode):
         return 0
 
     def worker_setup(self) -> WorkerSetup:
-        """Workers that decode every source's units (a task names its source by index)."""
+        """Workers that decode every source's units and run the user's code on the samples."""
         mix = self.mixture
-        return self._decoding(arena_layout(list(mix.sources.values()), self._readers[mix.names[0]]))
+        layout = arena_layout(list(mix.sources.values()), self._readers[mix.names[0]])
+        return self._decoding(layout, self._recipe())
 
     def _drawn(self) -> tuple[MixCursor, MixWeights, int]:
         at, mix = self._mixed, self.mixture

@@ -38,7 +38,7 @@ from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.workers.dispatch import BUILD, Dispatcher
 from lakeloader.workers.pool import WorkerPool
 from lakeloader.workers.process import Task
-from lakeloader.workers.shipping import Shipped, receive
+from lakeloader.workers.shipping import built
 
 
 class Part(NamedTuple):
@@ -196,14 +196,7 @@ class MixedBuilder:
         if index not in self._sent:
             self._submit(index, step, deadline)  # waits for its units (and raises their error)
         future, skipped, lost = self._sent.pop(index)
-        try:
-            kind, value = future.result(max(0.0, deadline - time.monotonic()) if deadline else None)
-        except FutureTimeout:
-            raise RuntimeError(
-                f"DataLoader timed out after {timeout} seconds waiting for step {index} of pass "
-                f"{self._mixture!r} from its worker"
-            ) from None
-        payload = kind, receive(value) if isinstance(value, Shipped) else value
+        payload = built(future, deadline, timeout, f"step {index} of pass {self._mixture!r}")
         return finish_payload(payload, self._recipe), skipped, lost
 
     def _top_up(self, under_way: int, upcoming: Sequence[MixedStep]) -> None:

@@ -3,9 +3,10 @@
 :class:`PackedIterator` draws each step's samples (placed by :mod:`lakeloader.order.packing`),
 takes this rank's share, requests the units they lie in ahead of use and copies each sample's
 tokens out of them. A skipped unit's tokens come as padding, so no other sample moves. The
-user's code (``collate_fn``, ``batch_transform``) runs in the loader's process; sample ``n``
-of source ``name`` has seed ``slot_seeds(its dataset's seed, crc32(name), n)`` (``name`` is
-``"lake"`` for one lake).
+user's code (``collate_fn``, ``batch_transform``) runs in the DataLoader's workers if it has
+any (each step's samples are cut here and sent, several steps ahead), else in the loader's
+process. Sample ``n`` of source ``name`` has seed ``slot_seeds(its dataset's seed,
+crc32(name), n)`` (``name`` is ``"lake"`` for one lake).
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from multiprocessing.pool import ThreadPool
 from typing import Any, Final
 
 import numpy as np
-import torch
 
 from lakeloader.lake.following import CaughtUpError
 from lakeloader.options import LoaderOptions, cores
@@ -32,6 +34,7 @@ from lakeloader.pipeline.iterator import PassIterator
 from lakeloader.pipeline.packed_parts import (
     PackedSource,
     PlannedStep,
+    StepCut,
     arena_layout,
     check_some_unit_left,
     token_stream,
@@ -40,9 +43,8 @@ from lakeloader.pipeline.recipe import (
     COLUMNS,
     BatchRecipe,
     Payload,
-    columns_payload,
     finish_payload,
-    rows_payload,
+    samples_payload,
 )
 from lakeloader.pipeline.stores import Leaf, Stores
 from lakeloader.pipeline.token_counts import check_count
@@ -52,6 +54,8 @@ from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
+from lakeloader.workers.process import SamplesTask
+from lakeloader.workers.shipping import built
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,8 @@ class PackedIterator(PassIterator):
         topology: The loader's topology (its ``batch_size`` counts samples).
         options: The loader's options.
         unit_dir: The loader's folder for decoded units.
-        pool: The DataLoader's workers, which decode the rows; None: this process's threads.
+        pool: The DataLoader's workers, which decode the rows and run the user's code on the
+            samples; None: this process's threads.
         delivered: Told the cursor, the units found skipped (source by source), and the tokens and
             padding handed out, after each batch handed over.
         recipe: The loader's ``collate_fn`` and the ``batch_transform``; a row transform is its
@@ -128,6 +133,11 @@ class PackedIterator(PassIterator):
         #: Make decoded units into tokens ahead of their use (daemon threads).
         threads = TOKEN_THREADS if pool is None else 1
         self._threads = ThreadPool(threads, initializer=main_thread_only)
+        #: The workers that run the user's code on the samples cut (those that decode), if
+        #: any, and the steps sent to them, oldest first.
+        self._builds = self._stores.workers if recipe.user_code else None
+        self._building: deque[tuple[int, StepCut, Future[Any]]] = deque()
+        self._ahead, self._timeout = options.num_workers * options.prefetch, options.timeout
         super().__init__(None, options.cache_bytes, _TokenThreads(self._threads), self._stores)
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: Each unit held: the last step (by count of steps planned) that needs it, its bytes.
@@ -258,7 +268,43 @@ class PackedIterator(PassIterator):
         return int(ends[pos] - (ends[pos - 1] if pos else 0)) * UNIT_BYTES_PER_TOKEN
 
     def _deliver(self) -> Any:
-        if not self._planned:  # caught up with a followed lake
+        if self._builds is None:
+            cut = self._cut()
+            batch = finish_payload(self._payload(cut), self._recipe)
+        else:
+            batch, cut = self._built()
+        self._delivered(cut.cursor, cut.skips, cut.tokens, cut.padding)
+        return batch
+
+    def _built(self) -> tuple[Any, StepCut]:
+        """The next step's batch from the workers; steps whose units are in are sent ahead."""
+        assert self._builds is not None
+        deadline = time.monotonic() + self._timeout if self._timeout else None
+        self._builds.dispatcher.reap()
+        if not self._building:
+            self._send()  # waits for its units; StopIteration when no step is planned
+        while len(self._building) < self._ahead and self._planned and self._ready(self._planned[0]):
+            self._send()
+        key, cut, future = self._building.popleft()
+        what = f"the packed batch of step {key} of the pass"
+        payload = built(future, deadline, self._timeout, what)
+        return finish_payload(payload, self._recipe), cut
+
+    def _send(self) -> None:
+        """Cut the next step's samples and send them to a worker."""
+        assert self._builds is not None
+        cut, key, stores = self._cut(), self._next_deliver, self._stores
+        seeds = self._seeds(cut.share)
+
+        def make(task_key: int) -> SamplesTask:
+            return SamplesTask(stores.generation, task_key, cut.columns, seeds, stores.dir)
+
+        self._building.append((key, cut, self._builds.build(key, make)))
+
+    def _cut(self) -> StepCut:
+        """The next step planned: its samples copied out of their units, units let go."""
+        if not self._planned:  # caught up with a followed lake: the pass ends
+            self.close()
             raise StopIteration
         cursor, share, by_epoch, _ = self._planned.popleft()
         L, n = self._packing.seq_len, len(share)
@@ -287,13 +333,11 @@ class PackedIterator(PassIterator):
         columns = {"input_ids": tokens, "position_ids": positions, "pad_mask": pads}
         if self._source_key is not None:
             columns[self._source_key] = share.source.copy()
-        batch = finish_payload(self._payload(columns, share), self._recipe)
         self._next_deliver += 1
         skips = self._skipped()
         padding = int(np.count_nonzero(pads))
-        self._delivered(cursor, skips, n * L - padding, padding)
         self._release()
-        return batch
+        return StepCut(cursor, share, columns, skips, n * L - padding, padding)
 
     def _copy(self, epoch: EpochTokens, runs: np.ndarray, out: tuple[Any, ...]) -> None:
         """Copy each run's tokens ``[start, stop)`` of an epoch to ``at`` of the flat batch.
@@ -318,20 +362,19 @@ class PackedIterator(PassIterator):
             if unit.padding:
                 out[2][t0:t1] = True
 
-    def _payload(self, columns: dict[str, np.ndarray], share: Share) -> Payload:
-        """The batch through the user's code: the ``collate_fn`` and the ``batch_transform``."""
-        recipe = self._recipe
-        if not recipe.user_code:
-            return COLUMNS, columns
+    def _payload(self, cut: StepCut) -> Payload:
+        """The batch through the user's code in this process (no worker builds)."""
+        if not self._recipe.user_code:
+            return COLUMNS, cut.columns
+        return samples_payload(cut.columns, self._recipe, self._seeds(cut.share))
+
+    def _seeds(self, share: Share) -> np.ndarray:
+        """Each sample's seed: ``slot_seeds`` of its source's seed and name, at its offset."""
         seeds = np.empty(len(share), dtype=np.uint64)
         for source, (seed, key) in enumerate(self._sample_keys):
             mine = share.source == source
             seeds[mine] = slot_seeds(seed, key, share.offset[mine])
-        if recipe.collate_fn is None:
-            return columns_payload(columns, recipe, seeds)
-        tensors = {name: torch.from_numpy(value) for name, value in columns.items()}
-        samples = [{n: t[i] for n, t in tensors.items()} for i in range(len(share))]
-        return rows_payload(samples, recipe, seeds)
+        return seeds
 
     def _skipped(self) -> list[QuarantineEntry]:
         """The units found skipped since the last step, source by source (known to later epochs)."""
@@ -381,8 +424,9 @@ class PackedIterator(PassIterator):
         return self._stores.held_bytes() + sum(e.nbytes for e in list(self._epochs.values()))
 
     def close(self, wait: bool = True, ended_by: str | None = None) -> None:
-        """Stop decoding; drop every epoch's units (idempotent)."""
+        """Stop decoding and building; drop every epoch's units (idempotent)."""
         self._epochs.clear()
+        self._building.clear()
         super().close(wait, ended_by)
 
 

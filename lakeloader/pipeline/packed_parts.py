@@ -51,6 +51,17 @@ class PlannedStep(NamedTuple):
     units: list[tuple[int, int, int]]
 
 
+class StepCut(NamedTuple):
+    """A step's samples cut from their units, and what its delivery tells the node."""
+
+    cursor: MixCursor
+    share: Share
+    columns: dict[str, np.ndarray]
+    skips: list[QuarantineEntry]
+    tokens: int
+    padding: int
+
+
 def token_stream(dataset: LakeDataset, epoch: int, counts: np.ndarray, seq_len: int) -> TokenStream:
     """Where the tokens of ``epoch`` of ``dataset`` lie (``counts``: its units', path order)."""
     return TokenStream.of(counts[dataset.plan(epoch).order], dataset.config.num_partitions, seq_len)

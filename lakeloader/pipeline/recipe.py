@@ -13,6 +13,7 @@ from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
+import torch
 from torch.utils.data import default_collate
 
 from lakeloader.cache.packed import Packed
@@ -140,6 +141,21 @@ def rows_payload(rows: list[Any], recipe: BatchRecipe, seeds: np.ndarray) -> Pay
     if recipe.batch_transform is None:
         return COLLATED, batch
     return _batch_transformed(batch, recipe.batch_transform, seeds)
+
+
+def samples_payload(
+    columns: dict[str, np.ndarray], recipe: BatchRecipe, seeds: np.ndarray
+) -> Payload:
+    """Packed samples through the user's code, in a worker or in the loader's process.
+
+    The ``collate_fn`` gets one dict of tensors a sample; without one, the columns go on as
+    they are (to the ``batch_transform`` if there is one). ``seeds``: each sample's.
+    """
+    if recipe.collate_fn is None:
+        return columns_payload(columns, recipe, seeds)
+    tensors = {name: torch.from_numpy(value) for name, value in columns.items()}
+    samples = [{n: t[i] for n, t in tensors.items()} for i in range(len(seeds))]
+    return rows_payload(samples, recipe, seeds)
 
 
 def _batch_transformed(batch: Any, transform: BatchTransform, seeds: np.ndarray) -> Payload:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Final
+from functools import partial
+from typing import Any, Final
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.topology import Topology
 from lakeloader.workers.dispatch import DECODE, Dispatcher
 from lakeloader.workers.pool import WorkerPool
-from lakeloader.workers.process import DecodeTask
+from lakeloader.workers.process import DecodeTask, Work
 
 #: Rows an arena starts with at most (address space only; it grows if the budget needs more).
 ARENA_START_ROWS: Final = 1 << 24
@@ -53,7 +55,8 @@ class PassSpec:
 class WorkerDecodes:
     """Decodes in the DataLoader's worker processes, for every unit store of a pass.
 
-    A task's key is the store's number times :data:`STORE_KEYS` plus the unit's position.
+    A task's key is the store's number times :data:`STORE_KEYS` plus the unit's position; a
+    packed step's samples, built by the same workers (:meth:`build`), have keys below 0.
     """
 
     def __init__(self, pool: WorkerPool, options: LoaderOptions, generation: int) -> None:
@@ -64,11 +67,19 @@ class WorkerDecodes:
         )
 
     def _describe(self, key: int) -> tuple[str, str]:
+        if key < 0:
+            return f"the packed batch of step {-1 - key} of the pass (building it)", ""
         store, position = divmod(key, STORE_KEYS)
         return self._stores[store][0].describe(np.array([position]))[0], ""
 
     def _count(self, key: int, counts: tuple[int, int, int]) -> None:
-        self._stores[key // STORE_KEYS][1].add(*counts)
+        if key >= 0:
+            self._stores[key // STORE_KEYS][1].add(*counts)
+
+    def build(self, step: int, make: Callable[[int], Work]) -> Future[Any]:
+        """Have a worker build the batch of a pass's ``step``; ``make`` makes the task of a key."""
+        key = -1 - step
+        return self.dispatcher.submit(key, partial(make, key))
 
     def register(self, store: UnitStore, counters: ReadCounters) -> int:
         """Number a store of the pass: the first key of its units."""

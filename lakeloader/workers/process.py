@@ -29,7 +29,7 @@ from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import UnitOpener
 from lakeloader.errors import LakeError, LakeWarning
 from lakeloader.io.retry import describe
-from lakeloader.pipeline.recipe import BatchRecipe, Sources, build_payload
+from lakeloader.pipeline.recipe import BatchRecipe, Sources, build_payload, samples_payload
 from lakeloader.signals import process_receives
 from lakeloader.workers.shipping import ship
 
@@ -115,8 +115,19 @@ class DecodeTask:
     decoder: int = 0
 
 
+@dataclass(frozen=True)
+class SamplesTask:
+    """Build one batch of packed samples already cut: the user's code runs on them."""
+
+    generation: int
+    step: int
+    columns: dict[str, np.ndarray]
+    seeds: np.ndarray
+    outbox: str
+
+
 #: Anything handed to a worker.
-Work: TypeAlias = "Task | DecodeTask"
+Work: TypeAlias = "Task | DecodeTask | SamplesTask"
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,14 @@ class _Worker:
     def run(self, task: Work) -> None:
         """Do a task and answer it."""
         try:
-            result = self._decode(task) if isinstance(task, DecodeTask) else self._build(task)
+            if isinstance(task, DecodeTask):
+                result = self._decode(task)
+            elif isinstance(task, SamplesTask):
+                kind, batch = samples_payload(task.columns, self._setup.recipe, task.seeds)
+                payload = kind, ship(batch, task.outbox)
+                result = Result(task.generation, task.step, self._id, payload=payload)
+            else:
+                result = self._build(task)
         except Exception as exc:
             result = self._failed(task, exc)
         with self._lock:

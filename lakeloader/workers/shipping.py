@@ -11,7 +11,10 @@ import dataclasses
 import itertools
 import mmap
 import os
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -152,3 +155,19 @@ def receive(shipped: Shipped) -> Any:
         return _WALK
 
     return _rebuild(shipped.tree, leaf)
+
+
+def built(future: Future[Any], deadline: float | None, timeout: float, what: str) -> Any:
+    """A worker's answer to a build, its batch received: a payload ``(kind, batch)``.
+
+    Raises:
+        RuntimeError: If it is not in by ``deadline`` (``time.monotonic()``; None: no limit),
+            the loader's ``timeout`` seconds after it was asked for: names ``what`` it was.
+    """
+    try:
+        kind, value = future.result(max(0.0, deadline - time.monotonic()) if deadline else None)
+    except FutureTimeout:
+        raise RuntimeError(
+            f"DataLoader timed out after {timeout} seconds waiting for {what} from its worker"
+        ) from None
+    return kind, receive(value) if isinstance(value, Shipped) else value
