@@ -12,6 +12,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,20 +42,40 @@ class Lake:
         os.utime(path, (stamp, stamp))
         self.rows, self.files = self.rows + rows, self.files + 1
 
-    def dataset(self) -> ll.LakeDataset:
-        return ll.LakeDataset(self.root, follow=FAST, seed=4, num_partitions=2, window=8)
+    def dataset(self, **kw: Any) -> ll.LakeDataset:
+        return ll.LakeDataset(self.root, follow=FAST, seed=4, num_partitions=2, window=8, **kw)
 
 
-def mixture(lakes: dict[str, Lake]) -> ll.Mixture:
-    sources = {n: lake.dataset() for n, lake in lakes.items()}
+class DecodedBy:
+    """A ``validate`` that logs the process that decodes each unit and its first id (``pid
+    id`` lines), and keeps every unit."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = str(log)
+
+    def __call__(self, table: pa.Table) -> bool:
+        with open(self.log, "a") as fh:
+            fh.write(f"{os.getpid()} {table['id'][0].as_py()}\n")
+        return True
+
+
+def mixture(lakes: dict[str, Lake], **kw: Any) -> ll.Mixture:
+    sources = {n: lake.dataset(**kw) for n, lake in lakes.items()}
     return ll.Mixture(sources, {"web": 0.5, "code": 0.5}, seed=3, epoch_rows=10_000)
 
 
-def test_appended_rows_arrive_once_across_a_resume_on_datasets_made_anew(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_appended_rows_arrive_once_across_a_resume_on_datasets_made_anew(
+    tmp_path: Path, workers: int
+) -> None:
+    """With workers, the workers decode every increment (its decoder goes with each task)."""
     lakes = {n: Lake(tmp_path, n) for n in BASE}
     for lake in lakes.values():
         lake.add(30)
-    loaders = make_loaders(mixture(lakes), 2, batch_size=4)
+    log = tmp_path / "decoded.log"
+    loaders = make_loaders(
+        mixture(lakes, validate=DecodedBy(log)), 2, batch_size=4, num_workers=workers
+    )
     seen = [i for b in global_batches(loaders) for i in b]
     assert 0 < len(seen) <= 60, "the pass ends when a source has no more rows"
     for lake in lakes.values():
@@ -79,6 +100,10 @@ def test_appended_rows_arrive_once_across_a_resume_on_datasets_made_anew(tmp_pat
         assert len(ids) == counts[name] > 55, f"{name}: the appended increments arrived"
         whole = [n for n in (30, 55, 75) if n <= len(ids)]  # increments drawn to their end
         assert set(range(whole[-1])) <= set(ids) <= set(range(lakes[name].rows)), name
+    decoded = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    assert {i % 1_000_000 for _, i in decoded} & set(range(30, 55)), "increment 1 decoded"
+    by = {pid for pid, _ in decoded}
+    assert (os.getpid() not in by and len(by) >= 2) if workers else by == {os.getpid()}
 
 
 def test_a_state_taken_before_the_first_batch_resumes(tmp_path: Path) -> None:

@@ -39,9 +39,25 @@ class Lake:
         os.utime(path, (stamp, stamp))
         self.rows, self.files = self.rows + rows, self.files + 1
 
-    def dataset(self) -> ll.LakeDataset:
+    def dataset(self, **kw: Any) -> ll.LakeDataset:
         packing = ll.Packing("tokens", L, eos_id=EOS)
-        return ll.LakeDataset(self.root, follow=FAST, seed=4, num_partitions=3, packing=packing)
+        return ll.LakeDataset(
+            self.root, follow=FAST, seed=4, num_partitions=3, packing=packing, **kw
+        )
+
+
+class DecodedBy:
+    """A ``validate`` that logs the process that decodes each unit and the unit's first row
+    (``pid row`` lines), and keeps every unit."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = str(log)
+
+    def __call__(self, table: pa.Table) -> bool:
+        rows = [t // 32 for ts in table["tokens"].to_pylist() for t in ts[:1]]
+        with open(self.log, "a") as fh:
+            fh.write(f"{os.getpid()} {min(rows, default=-1)}\n")
+        return True
 
 
 def tokens_of(i: int) -> list[int]:
@@ -85,16 +101,28 @@ def test_appended_tokens_arrive_once_across_a_resume_on_a_dataset_made_anew(tmp_
     assert np.count_nonzero(np.array(seen) == EOS) <= lake.rows
 
 
-def test_worker_processes_leave_a_followed_lakes_increments_to_the_loader(tmp_path: Path) -> None:
-    """With ``num_workers``, an increment's units are decoded by the loader's threads: the
-    workers' readers know the first increment's files only (they read the wrong file)."""
-    lake = Lake(tmp_path / "lake")
-    lake.add(40)
-    with ll.DataLoader(lake.dataset(), batch_size=3, num_workers=2) as loader:
-        seen = take([loader])
-        lake.add(30)  # increment 1
-        seen += take([loader])
+def test_worker_processes_decode_a_followed_lakes_increments(tmp_path: Path) -> None:
+    """With ``num_workers``, the workers decode every increment's units (its decoder, a reader
+    of the increment's files, goes with each task), with the batches no worker gives."""
+
+    def run(name: str, workers: int) -> tuple[list[Any], set[int]]:
+        lake, log = Lake(tmp_path / name), tmp_path / f"{name}.log"
+        lake.add(40)
+        ds = lake.dataset(validate=DecodedBy(log))
+        with ll.DataLoader(ds, batch_size=3, num_workers=workers) as loader:
+            seen = take([loader])
+            lake.add(30)  # increment 1
+            seen += take([loader])
+            pool = set(loader._pool.pids()) if loader._pool is not None else set()
+        decoded = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+        assert {pid for pid, row in decoded if row >= 40}, "increment 1's units were decoded"
+        assert {pid for pid, _ in decoded} == (pool or {os.getpid()})
+        return seen, pool
+
+    seen, pool = run("lake", 2)
+    assert len(pool) == 2 and os.getpid() not in pool
+    assert seen == run("alone", 0)[0]
     body = [t for t in seen if t != EOS]
     assert max(Counter(body).values()) == 1, "no token twice"
-    want = {t for i in range(lake.rows) for t in tokens_of(i)}
+    want = {t for i in range(70) for t in tokens_of(i)}
     assert set(body) <= want and len(want - set(body)) < 3 * L, "increment 1's tokens arrived"

@@ -153,10 +153,11 @@ class MixtureNode(CursorNode):
 
     Every batch holds ``mixture.source_key``: the source of each row, an index into
     ``mixture.names``. With ``num_workers > 0``, worker processes decode every source's row
-    groups, or build the batches where the user's code runs (a ``transform``, a
-    ``collate_fn``, a ``batch_transform``). A pass that ends at its last step leaves its
-    sources' decoded row groups to the next pass (released by ``close()``,
-    ``load_state_dict()``, or when the loader is collected).
+    groups (a followed source's increments too; a lake that grew since a checkpoint: its
+    saved epoch's rest in this process's threads), or build the batches where the user's
+    code runs (a ``transform``, a ``collate_fn``, a ``batch_transform``). A pass that ends at
+    its last step leaves its sources' decoded row groups to the next pass (released by
+    ``close()``, ``load_state_dict()``, or when the loader is collected).
     """
 
     what = "mixture"
@@ -234,13 +235,14 @@ class MixtureNode(CursorNode):
             self._mixed = _next_pass(self._mixed)
         res, opts = self.host._res, self.host.options
         self._follow_streams()
-        # workers decode only sources that read one snapshot for good: a task names a file by
-        # its place in the snapshot its worker knows
+        # a task names a file by its place in the snapshot its worker knows: workers are set
+        # up with the snapshots the sources stand on (a followed source's increments come with
+        # each task: they do not restart the workers)
         build = self.workers_build
-        decode = not build and all(stream.plain for stream in self._streams.values())
         pool = self.host._ensure_pool() if build else None
-        if opts.num_workers and decode:
-            pool = self._pool_for(self._readers.values())
+        if opts.num_workers and not build:
+            streams = self._streams
+            pool = self._pool_for(r for n, r in self._readers.items() if not streams[n].follows)
         state = self._mixed
         cursor = MixCursor(state.slot, state.counts)
         self._pass_topology = topology = self.host.topology  # fixed for the pass
@@ -250,7 +252,7 @@ class MixtureNode(CursorNode):
                 sources.close()
             unit_dir = res.unit_folder(opts.cache_dir, opts.cache_bytes)
             whole = Topology(1, 0, 0, opts.batch_size)
-            sources = Stores(self._leaves(), opts, whole, unit_dir, pool, self._layout(), decode)
+            sources = Stores(self._leaves(), opts, whole, unit_dir, pool, self._layout(), not build)
         it = MixtureIterator(
             self.mixture,
             cursor,

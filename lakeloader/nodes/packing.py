@@ -62,10 +62,10 @@ class PackingNode(Node):
     """Packed samples of a :class:`~lakeloader.LakeDataset` (see the module docstring).
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
-    units of a lake read from one snapshot for good (else, and for a followed lake's
-    increments or a saved epoch on a pinned snapshot, this process's ``io_threads`` do), and
-    run the user's code (``collate_fn``, ``batch_transform``) on the samples this process
-    cuts; a row ``transform`` runs in this process.
+    units (a followed lake's increments too; a saved epoch on the snapshot a checkpoint pinned,
+    of a lake that grew since, is decoded by this process's ``io_threads``), and run the
+    user's code (``collate_fn``, ``batch_transform``) on the samples this process cuts; a row
+    ``transform`` runs in this process.
     """
 
     what = "packed stream"
@@ -161,8 +161,11 @@ class PackingNode(Node):
         host._close_iterator("a newer iter(loader)")
         assert packing is not None
         self._pass_topology = host.topology  # the pass's: what each delivery's runs are over
-        # workers decode only sources that read one snapshot for good (``SourceStream.plain``)
-        decode = host.options.num_workers and all(s.stream.plain for s in sources)
+        # the workers are set up with the snapshots the sources stand on (a followed source's
+        # increments come with each task: they do not restart the workers)
+        pool = None
+        if host.options.num_workers:
+            pool = self._pool_for(s.reader for s in sources if not s.stream.follows)
         it = PackedIterator(
             sources,
             packing,
@@ -172,7 +175,7 @@ class PackingNode(Node):
             self._pass_topology,
             host.options,
             res.unit_folder(host.options.cache_dir, host.options.cache_bytes),
-            self._pool_for(s.reader for s in sources) if decode else None,
+            pool,
             self._delivered,
             self._recipe(),
             self._source_key(),

@@ -53,11 +53,6 @@ class SourceStream:
         #: ``(epoch, first offset, dataset)`` of each increment known, in order.
         self.known: list[tuple[int, int, LakeDataset]] = [(first, start, at)]
 
-    @property
-    def plain(self) -> bool:
-        """Whether it reads one snapshot from its first epoch known on (workers may decode it)."""
-        return not self.follows and self.known[0][2].grows_at is None
-
     def reader(self, current: UnitReader) -> UnitReader:
         """A reader of the snapshot the stream stands on: ``current``, or a new one.
 

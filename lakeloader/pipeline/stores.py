@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import pickle
 import shutil
 import tempfile
 import weakref
@@ -36,6 +38,8 @@ from lakeloader.signals import main_thread_only
 from lakeloader.state.quarantine import QuarantineEntry
 from lakeloader.topology import Topology
 from lakeloader.workers.pool import WorkerPool
+
+logger = logging.getLogger(__name__)
 
 
 class Leaf(NamedTuple):
@@ -183,11 +187,13 @@ class Stores:
                 layout=self.layout,
                 recipe=recipe,
             )
+            decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
             decodes: Decodes
-            if self.workers is not None:
-                decodes = StoreDecodes(self.workers, leaf)
-            else:
-                decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
+            if self.workers is not None and ds.follow is not None and _pickles(decoder, ds):
+                decodes = StoreDecodes(self.workers, decoder)  # the increment's, with each task
+            elif self.workers is not None and ds is first and first.grows_at is None:
+                decodes = StoreDecodes(self.workers, leaf)  # the snapshot they were set up with
+            else:  # a lake that grew: the pinned epoch's rest, then the lake of now
                 # bound to the arena, not to self: what the finaliser holds must not keep self alive
                 records = functools.partial(arena_rows, self.arena)
                 decodes = LocalDecodes(decoder, budget, records, self._threads)
@@ -245,3 +251,13 @@ def _close(
     if arena is not None:
         arena.close()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pickles(decoder: UnitDecoder, dataset: LakeDataset) -> bool:
+    """Whether a decoder can go to the workers with a task (a ``validate`` may not pickle)."""
+    try:
+        pickle.dumps(decoder)
+    except Exception as exc:
+        logger.info("the loader's threads decode %r: its decoder does not pickle: %s", dataset, exc)
+        return False
+    return True

@@ -13,7 +13,7 @@ from typing import Any, Final
 import numpy as np
 
 from lakeloader.cache.arena import Arena
-from lakeloader.cache.decode import DecodeJob, Held
+from lakeloader.cache.decode import DecodeJob, Held, UnitDecoder
 from lakeloader.cache.packed import RowLayout
 from lakeloader.cache.store import Screening, UnitStore
 from lakeloader.io.prefetch import Pending
@@ -90,10 +90,11 @@ class WorkerDecodes:
 class StoreDecodes:
     """One unit store's decodes through the pass's :class:`WorkerDecodes`.
 
-    ``decoder``: the index of the store's decoder among the workers'.
+    ``decoder``: the index of the store's decoder among the workers', or the decoder itself,
+    sent with each task (a snapshot the workers were not set up with).
     """
 
-    def __init__(self, workers: WorkerDecodes, decoder: int) -> None:
+    def __init__(self, workers: WorkerDecodes, decoder: int | UnitDecoder) -> None:
         self._workers = workers
         self._decoder = decoder
         self._arena: Arena | None = None

@@ -106,13 +106,17 @@ class Task:
 
 @dataclass(frozen=True)
 class DecodeTask:
-    """Decode one unit into the loader's arena; ``decoder`` indexes the setup's decoders."""
+    """Decode one unit into the loader's arena.
+
+    ``decoder``: the index of a decoder of the setup, or the decoder itself, of a snapshot the
+    workers were not set up with (a followed lake's increment: it comes with each task).
+    """
 
     generation: int
     step: int
     job: DecodeJob
     arena: ArenaHandle | None
-    decoder: int = 0
+    decoder: int | UnitDecoder = 0
 
 
 @dataclass(frozen=True)
@@ -247,8 +251,11 @@ class _Worker:
         return Result(task.generation, task.step, self._id, payload=payload)
 
     def _decode(self, task: DecodeTask) -> Result:
-        decoder = self._decoders.get(task.decoder)
-        if decoder is None:  # a copy with a filesystem of its own, made from its pickle
+        if isinstance(task.decoder, UnitDecoder):  # unpickled here: its filesystem is its own
+            decoder = task.decoder
+        elif task.decoder in self._decoders:
+            decoder = self._decoders[task.decoder]
+        else:  # a copy with a filesystem of its own, made from its pickle
             decoder = copy.copy(self._setup.decoders[task.decoder])
             decoder.reader = decoder.reader.with_fs(pickle.loads(pickle.dumps(decoder.reader.fs)))
             self._decoders[task.decoder] = decoder
