@@ -317,3 +317,37 @@ def test_a_mixture_s_later_epochs_skip_a_quarantined_unit_without_reading(tmp_pa
         epochs = loader.state_dict()["sources"]["bad"]["epoch"]
     # read where it was found, and in an epoch planned before (units are requested ahead)
     assert epochs >= 5 and len(bad_reads) <= 2, f"read {len(bad_reads)} times in {epochs} epochs"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mixture_whose_sources_pack_other_columns_delivers_up_to_the_null(
+    tmp_path: Path, workers: int
+) -> None:
+    """A source whose int column holds a null keeps its units out of the arena, the other
+    source's units are packed: each mixed step still gets every row (it crashed on the first
+    step), up to the step holding the null, whose error names its file and row group."""
+
+    def lakes(last: int | None) -> ll.Mixture:
+        root = tmp_path / f"last-{last}"
+        for name, ids in (("web", list(range(100))), ("code", [*range(1000, 1099), last])):
+            (root / name).mkdir(parents=True)
+            table = pa.table({"id": pa.array(ids, pa.int64())})
+            pq.write_table(table, root / name / "a.parquet", row_group_size=50)
+        sources = {n: ll.LakeDataset(root / n, shuffle=False) for n in ("web", "code")}
+        return ll.Mixture(sources, {"web": 0.5, "code": 0.5})
+
+    def batches(mix: ll.Mixture) -> tuple[list[list[int]], str]:
+        out: list[list[int]] = []
+        with ll.DataLoader(mix, batch_size=4, num_workers=workers) as loader:
+            try:
+                for batch in loader:
+                    out.append(batch["id"].tolist())
+            except ll.NullValuesError as exc:
+                return out, str(exc)
+        return out, ""
+
+    got, error = batches(lakes(None))
+    want, none = batches(lakes(1099))
+    assert none == "" and len(want) == 50
+    assert got == want[: len(got)] and len(got) == 49, "every step up to the null's"
+    assert "last-None/code/a.parquet, row group 1" in error and "null" in error

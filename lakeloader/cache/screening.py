@@ -48,11 +48,14 @@ def screen(
     layout: RowLayout | None,
     num_columns: int,
     use_views: bool = True,
+    whole: bool = False,
 ) -> Screened:
     """Screen one step: ``held`` is what the store holds for each unit of ``spec.positions``.
 
     ``layout`` is None when there is no arena; without ``use_views`` string columns take the
-    Arrow path, not their views in the arena.
+    Arrow path, not their views in the arena. ``whole``: keep the units and rows for the Arrow
+    path even when every column is in the arena (a mixture's part, whose other parts may need
+    a column that this one has packed).
     """
     refs = [h for h in held if isinstance(h, UnitRef)]
     skipped: tuple[QuarantineEntry, ...] = ()
@@ -73,7 +76,7 @@ def screen(
     if names:
         starts = [h.start if isinstance(h, UnitRef) else -1 for h in held]
         rows = np.asarray(starts, dtype=np.int64)[inverse] + row
-    if len(names) + len(views) == num_columns:  # nothing is left for the Arrow path
+    if len(names) + len(views) == num_columns and not whole:  # nothing left for the Arrow path
         refs, take = [], take[:0]
     return Screened(refs, take, rows, names, views, skipped, lost, keep)
 

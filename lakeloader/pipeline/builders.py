@@ -79,13 +79,18 @@ class LocalBuilder:
         return slot_seeds(plan.seed, plan.epoch, slots)
 
     def screened(
-        self, step: BatchSpec, deadline: float | None = None, views: bool = True
+        self,
+        step: BatchSpec,
+        deadline: float | None = None,
+        views: bool = True,
+        whole: bool = False,
     ) -> Screened:
         """The step's units without quarantined ones, its rows renumbered to match.
 
         Waits for the units until ``deadline`` (``time.monotonic()``; None: the loader's
         ``timeout`` from now). ``views``: whether string columns may come from their views in
-        the arena (only this process holds the buffers they point into).
+        the arena (only this process holds the buffers they point into); ``whole``: see
+        :func:`~lakeloader.cache.screening.screen`.
 
         Raises:
             RuntimeError: If the units are not decoded within the loader's ``timeout``.
@@ -99,7 +104,7 @@ class LocalBuilder:
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise timed_out(spec, step.step) from None
         layout = spec.layout if self._space.arena is not None else None
-        return screen(step, held, spec.plan, layout, len(self._schema), views)
+        return screen(step, held, spec.plan, layout, len(self._schema), views, whole)
 
     def build(self, step: BatchSpec) -> Payload:
         """Build a step's payload here."""

@@ -160,7 +160,7 @@ class MixedBuilder:
             if spec is None:  # planned as one gather, but not every column came back packed
                 bounds = np.array([part.start]), np.array([part.stop])
                 (spec,) = range_specs(store.spec.plan, np.zeros(1, np.int64), *bounds)
-            screened = store.builder.screened(spec, deadline, views)
+            screened = store.builder.screened(spec, deadline, views, whole=True)
             screens.append((store, screened))
             dests.append(part.dest if screened.kept is None else part.dest[screened.kept])
             part_seeds.append(store.builder.seeds(spec, screened))
