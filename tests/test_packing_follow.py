@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -126,3 +128,19 @@ def test_worker_processes_decode_a_followed_lakes_increments(tmp_path: Path) -> 
     assert max(Counter(body).values()) == 1, "no token twice"
     want = {t for i in range(70) for t in tokens_of(i)}
     assert set(body) <= want and len(want - set(body)) < 3 * L, "increment 1's tokens arrived"
+
+
+def test_a_pass_that_catches_up_with_the_lake_stops_its_threads(tmp_path: Path) -> None:
+    """When a followed lake gives no more, the pass ends and closes (its token and io threads
+    stop), as a mixture's does: they lived on until the next iter() or close()."""
+    lake = Lake(tmp_path / "lake")
+    lake.add(40)
+    with ll.DataLoader(lake.dataset(), batch_size=3) as loader:
+        before = set(threading.enumerate())
+        it = iter(loader)  # held: not closed by being collected
+        steps = sum(1 for _ in it)
+        deadline = time.monotonic() + 5
+        while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert steps > 0 and not left, left
+        del it
