@@ -209,6 +209,18 @@ def test_passes_of_a_mixture_built_by_workers_go_on_one_after_the_other(lakes: P
 KILL_MARKER = "LAKELOADER_TEST_KILL_MARKER"
 
 
+def _kill_once_in_a_worker() -> None:
+    """With ``KILL_MARKER`` set and absent, the first worker to call it makes the marker and
+    SIGKILLs itself (so that the work it was given is done again by its replacement)."""
+    marker = os.environ.get(KILL_MARKER)
+    if marker and torch.utils.data.get_worker_info() is not None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _pids_stacked(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """A collate_fn: the samples stacked, and the process that collated them."""
     out = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
@@ -218,14 +230,7 @@ def _pids_stacked(samples: list[dict[str, Any]]) -> dict[str, Any]:
 def _with_pid(batch: dict[str, Any]) -> dict[str, Any]:
     """A batch_transform: the batch, the process that ran it and each sample's seed. The
     first worker to run it with ``KILL_MARKER`` set and absent makes it, then SIGKILLs itself."""
-    marker = os.environ.get(KILL_MARKER)
-    if marker and torch.utils.data.get_worker_info() is not None:
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            pass
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
+    _kill_once_in_a_worker()
     return {**batch, "pid": os.getpid(), "seeds": ll.row_seeds().tolist()}
 
 
@@ -286,3 +291,50 @@ def test_a_packed_stream_s_user_code_runs_in_its_workers(
         re.search(r"died with exit code -9; .* the packed batch of step \d+", r.getMessage())
         for r in caplog.records
     ), "a build the dead worker held was done again"
+
+
+class LoggedRetokenize:
+    """A row transform that keeps a row's tokens and logs the process it runs in (``pid``
+    lines); with ``KILL_MARKER`` set and absent, the first worker to run it makes the marker,
+    then SIGKILLs itself."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = str(log)
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        _kill_once_in_a_worker()
+        with open(self.log, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        return {"tokens": torch.as_tensor(row["tokens"], dtype=torch.int64)}
+
+
+def test_a_packed_stream_s_row_transform_runs_in_its_workers(
+    lakes: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With workers, the row transform that makes a packed lake's tokens runs in them (the
+    token counts at the start are the loader's), a worker SIGKILLed while making a unit's
+    tokens has that done again, and the samples are those that no worker gives."""
+
+    def run(name: str, **kw: Any) -> tuple[list[list[int]], set[int]]:
+        log = tmp_path / f"{name}.log"
+        packing = ll.Packing("tokens", L, eos_id=EOS, pad_id=0)
+        ds = ll.LakeDataset(
+            lakes / "web",
+            seed=3,
+            num_partitions=C,
+            window=64,
+            packing=packing,
+            transform=LoggedRetokenize(log),
+        )
+        with ll.DataLoader(ds, batch_size=8, **kw) as loader:
+            log.write_text("")  # the token counts read every unit here first
+            got = [ids_of(b) for b in itertools.islice(loader, 40)]
+        return got, {int(line) for line in log.read_text().split()}
+
+    alone, ran_alone = run("alone")
+    assert ran_alone == {os.getpid()}
+    monkeypatch.setenv(KILL_MARKER, str(tmp_path / "killed"))
+    with pytest.warns(ll.WorkerWarning, match="exit code -9"):
+        built, ran = run("workers", num_workers=2, prefetch_factor=2)
+    assert built == alone
+    assert os.getpid() not in ran and len(ran) >= 2, "the transform ran in the workers"

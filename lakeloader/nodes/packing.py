@@ -63,9 +63,9 @@ class PackingNode(Node):
 
     ``batch_size`` counts samples. With ``num_workers > 0``, worker processes decode the
     units (a followed lake's increments too; a saved epoch on the snapshot a checkpoint pinned,
-    of a lake that grew since, is decoded by this process's ``io_threads``), and run the
-    user's code (``collate_fn``, ``batch_transform``) on the samples this process cuts; a row
-    ``transform`` runs in this process.
+    of a lake that grew since, is decoded by this process's ``io_threads``), make them into
+    tokens with the row ``transform`` if there is one, and run the user's code
+    (``collate_fn``, ``batch_transform``) on the samples this process cuts.
     """
 
     what = "packed stream"

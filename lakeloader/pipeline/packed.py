@@ -67,7 +67,7 @@ PLAN_STEPS: Final = 16
 MAX_CHUNKS: Final = 256
 #: Bytes a unit requested holds per token, about: decoded, then made into tokens and positions.
 UNIT_BYTES_PER_TOKEN: Final = 8
-#: Threads that make decoded units into tokens (one when worker processes decode).
+#: Threads that make decoded units into tokens (without workers).
 TOKEN_THREADS: Final = 2
 
 
@@ -130,14 +130,17 @@ class PackedIterator(PassIterator):
             workers_decode=True,
         )
         self._epochs: dict[tuple[int, int], EpochTokens] = {}
-        #: Make decoded units into tokens ahead of their use (daemon threads).
-        threads = TOKEN_THREADS if pool is None else 1
+        #: Make decoded units into tokens ahead of their use (daemon threads); with workers,
+        #: one, or one per unit handed to them ahead (each waits for one) if they transform.
+        transforms = any(s.dataset.transform is not None for s in sources)
+        ahead = options.num_workers * options.prefetch
+        threads = TOKEN_THREADS if pool is None else (ahead if transforms else 1)
         self._threads = ThreadPool(threads, initializer=main_thread_only)
         #: The workers that run the user's code on the samples cut (those that decode), if
         #: any, and the steps sent to them, oldest first.
         self._builds = self._stores.workers if recipe.user_code else None
         self._building: deque[tuple[int, StepCut, Future[Any]]] = deque()
-        self._ahead, self._timeout = options.num_workers * options.prefetch, options.timeout
+        self._ahead, self._timeout = ahead, options.timeout
         super().__init__(None, options.cache_bytes, _TokenThreads(self._threads), self._stores)
         self._streams: dict[tuple[int, int], TokenStream] = {}
         #: Each unit held: the last step (by count of steps planned) that needs it, its bytes.
@@ -171,7 +174,13 @@ class PackedIterator(PassIterator):
             ds = self._sources[source].stream.dataset(epoch)
             store, stream = self._stores.get(source, epoch), self._stream(source, epoch)
             self._epochs[key] = EpochTokens(
-                store, stream, self._packing, ds.transform, partial(check_count, ds), self._threads
+                store,
+                stream,
+                self._packing,
+                ds.transform,
+                partial(check_count, ds),
+                self._threads,
+                self._stores.workers,
             )
         return self._epochs[key]
 
@@ -268,9 +277,12 @@ class PackedIterator(PassIterator):
         return int(ends[pos] - (ends[pos - 1] if pos else 0)) * UNIT_BYTES_PER_TOKEN
 
     def _deliver(self) -> Any:
-        if self._builds is None:
-            cut = self._cut()
-            batch = finish_payload(self._payload(cut), self._recipe)
+        if self._builds is None:  # the user's code, if any, runs here
+            cut, recipe = self._cut(), self._recipe
+            payload: Payload = (COLUMNS, cut.columns)
+            if recipe.user_code:
+                payload = samples_payload(cut.columns, recipe, self._seeds(cut.share))
+            batch = finish_payload(payload, recipe)
         else:
             batch, cut = self._built()
         self._delivered(cut.cursor, cut.skips, cut.tokens, cut.padding)
@@ -299,7 +311,8 @@ class PackedIterator(PassIterator):
         def make(task_key: int) -> SamplesTask:
             return SamplesTask(stores.generation, task_key, cut.columns, seeds, stores.dir)
 
-        self._building.append((key, cut, self._builds.build(key, make)))
+        what = f"the packed batch of step {key} of the pass"
+        self._building.append((key, cut, self._builds.run(what, make)))
 
     def _cut(self) -> StepCut:
         """The next step planned: its samples copied out of their units, units let go."""
@@ -361,12 +374,6 @@ class PackedIterator(PassIterator):
             out[1][t0:t1] = unit.positions[lo:hi]
             if unit.padding:
                 out[2][t0:t1] = True
-
-    def _payload(self, cut: StepCut) -> Payload:
-        """The batch through the user's code in this process (no worker builds)."""
-        if not self._recipe.user_code:
-            return COLUMNS, cut.columns
-        return samples_payload(cut.columns, self._recipe, self._seeds(cut.share))
 
     def _seeds(self, share: Share) -> np.ndarray:
         """Each sample's seed: ``slot_seeds`` of its source's seed and name, at its offset."""

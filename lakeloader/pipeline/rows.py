@@ -11,6 +11,7 @@ import torch
 
 from lakeloader.cache.arrays import blocking_nulls, fixed_shape, is_ragged_type, ragged_numpy
 from lakeloader.cache.packed import Packed, Selection, gather_arrow, select, tensor_numpy
+from lakeloader.errors import ColumnNotFoundError
 from lakeloader.pipeline.collate import Transform, python_values, to_tensor, unit_parts
 from lakeloader.randomness import drawing
 
@@ -75,3 +76,35 @@ def transform_rows(rows: list[Any], transform: Transform, seeds: np.ndarray) -> 
             draws.row = i  # an attribute, not a call: this loop runs once per row
             out.append(transform(row))
     return out
+
+
+def row_lists(rows: Sequence[Any], column: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each transformed row's ``column`` (integers): values end to end, and offsets.
+
+    Raises:
+        ColumnNotFoundError: If a transformed row has no ``column``.
+        TypeError: If it is not a 1-D list, array or tensor of integers.
+    """
+    lists = []
+    for row in rows:
+        try:
+            value = row[column]
+        except (KeyError, TypeError, IndexError):
+            raise ColumnNotFoundError(
+                f"the transform's row has no packing column {column!r} (it gave "
+                f"{type(row).__name__} {list(row) if isinstance(row, dict) else ''}): return "
+                "a dict holding the row's token ids under it"
+            ) from None
+        array = np.asarray(value)
+        if array.size == 0:
+            array = array.astype(np.int64).reshape(0)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(
+                f"packing needs the transform's {column!r} to be a 1-D list, array or tensor "
+                f"of integers; it gave {type(value).__name__} of dtype {array.dtype} and shape "
+                f"{array.shape}"
+            )
+        lists.append(array)
+    lengths = np.fromiter((len(a) for a in lists), dtype=np.int64, count=len(lists))
+    values = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
+    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

@@ -72,7 +72,7 @@ class Store:
         decodes: Decodes,
         shares_tables: bool,
     ) -> None:
-        self.spec = spec
+        self.spec, self.schema = spec, reader.schema
         self.dir = tempfile.mkdtemp(prefix="epoch-", dir=folder)
         self.arena = arena
         remote = isinstance(decodes, StoreDecodes)  # else the loader's threads decode

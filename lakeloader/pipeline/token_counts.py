@@ -14,8 +14,8 @@ import numpy as np
 from lakeloader.errors import LakeDataError
 from lakeloader.io.fetch import column_chunks, read_footer, url_of
 from lakeloader.io.per_file import per_file
-from lakeloader.pipeline.rows import to_rows, transform_rows
-from lakeloader.pipeline.unit_tokens import arrow_lists, row_lists
+from lakeloader.pipeline.rows import row_lists, to_rows, transform_rows
+from lakeloader.pipeline.unit_tokens import arrow_lists
 from lakeloader.randomness import slot_seeds
 
 if TYPE_CHECKING:

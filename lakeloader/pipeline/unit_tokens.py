@@ -7,7 +7,8 @@ source's ``transform`` made; a skipped unit gives padding in the place of its to
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable
 from multiprocessing.pool import AsyncResult, ThreadPool
 from typing import Any, NamedTuple
 
@@ -15,16 +16,19 @@ import numpy as np
 import pyarrow as pa
 
 from lakeloader.cache.arrays import one_array
-from lakeloader.errors import ColumnNotFoundError
+from lakeloader.cache.screening import Screened
 from lakeloader.order.batches import BatchSpec, range_specs
 from lakeloader.order.packing import TokenStream, separated
 from lakeloader.packing import Packing
 from lakeloader.pipeline.collate import Transform
 from lakeloader.pipeline.recipe import COLUMNS
-from lakeloader.pipeline.rows import transform_rows
+from lakeloader.pipeline.rows import row_lists, transform_rows
 from lakeloader.pipeline.stores import Store
+from lakeloader.pipeline.workspace import WorkerDecodes
 from lakeloader.randomness import slot_seeds
 from lakeloader.state.quarantine import QuarantineEntry
+from lakeloader.workers.process import TokensTask
+from lakeloader.workers.shipping import built
 
 
 class UnitTokens(NamedTuple):
@@ -47,7 +51,9 @@ class EpochTokens:
         stream: Where the epoch's units' tokens lie.
         check: Called with each unit read: (unit, tokens got, tokens counted, epoch).
         threads: Where a unit requested is made into tokens once it is decoded (without a
-            row ``transform``, which runs in the caller's thread).
+            row ``transform``, which runs in the caller's thread, unless ``workers`` run it).
+        workers: The DataLoader's workers that decode the units, or None; they run the row
+            ``transform`` too (:class:`~lakeloader.workers.process.TokensTask`).
     """
 
     def __init__(
@@ -58,9 +64,11 @@ class EpochTokens:
         transform: Transform | None,
         check: Any,
         threads: ThreadPool,
+        workers: WorkerDecodes | None = None,
     ) -> None:
         self._store, self.stream, self._packing = store, stream, packing
         self._transform, self._check, self._threads = transform, check, threads
+        self._workers = workers
         self.plan = store.spec.plan
         self._specs: dict[int, BatchSpec] = {}
         self._units: dict[int, UnitTokens] = {}
@@ -76,7 +84,7 @@ class EpochTokens:
         (spec,) = range_specs(self.plan, at, self.plan.offsets[at], self.plan.offsets[at + 1])
         self._store.store.request(spec.positions)
         self._specs[pos] = spec
-        if self._transform is None:
+        if self._transform is None or self._workers is not None:
             self._made[pos] = self._threads.apply_async(self._read, (spec, pos))
 
     def unit(self, pos: int) -> UnitTokens:
@@ -122,15 +130,21 @@ class EpochTokens:
         builder, packing = self._store.builder, self._packing
         ends = self.stream.ends
         expected = int(ends[pos] - (ends[pos - 1] if pos else 0))
-        screened = builder.screened(spec)
+        remote = self._transform is not None and self._workers is not None
+        # the workers open the unit's files: no views into this process's buffers
+        screened = builder.screened(spec, views=not remote, whole=remote)
         if screened.skipped:
             pads = np.full(expected, packing.pad_id, dtype=np.int64)
             return UnitTokens(pads, np.zeros(expected, dtype=np.int64), True), screened.skipped
+        made: tuple[np.ndarray, np.ndarray] | None = None
         if self._transform is not None:
             slots = spec.slot_start + np.arange(spec.num_rows, dtype=np.int64)
             seeds = slot_seeds(self.plan.seed, self.plan.epoch, slots)
-            rows = transform_rows(builder.rows(screened), self._transform, seeds)
-            values, offsets = row_lists(rows, packing.column)
+            if remote:
+                made = self._made_by_workers(spec, screened, seeds)
+            else:
+                rows = transform_rows(builder.rows(screened), self._transform, seeds)
+                values, offsets = row_lists(rows, packing.column)
         elif (units := builder.units(screened)) and packing.column in units[0].table.column_names:
             # the unit's rows in file order: its Arrow column as it is
             values, offsets = arrow_lists(units[0].table[packing.column], packing.column)
@@ -146,10 +160,40 @@ class EpochTokens:
             values = value.reshape(-1)
             offsets = np.arange(len(value) + 1, dtype=np.int64) * value.shape[1]
             builder.skipped.pop(spec.step)
-        tokens, positions = separated(values, offsets, packing.eos_id)
+        tokens, positions = made or separated(values, offsets, packing.eos_id)
         self._check(int(self.plan.order[pos]), len(tokens), expected, self.plan.epoch)
         self._store.store.drop(spec.positions)  # its tokens are all it is needed for now
         return UnitTokens(tokens, positions, False), ()
+
+    def _made_by_workers(
+        self, spec: BatchSpec, screened: Screened, seeds: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A unit's tokens and positions, made by a worker (the row ``transform`` runs there)."""
+        assert self._workers is not None
+        workers, store, spec_of = self._workers, self._store, self._store.spec
+        arena, what = store.arena, "the tokens of " + store.store.describe(spec.positions)[0]
+
+        def make(key: int) -> TokensTask:
+            handle = arena.handle if arena is not None and screened.rows is not None else None
+            return TokensTask(
+                workers.generation,
+                key,
+                screened.refs,
+                screened.take,
+                seeds,
+                store.dir,
+                arena=handle,
+                schema=store.schema,
+                transform=self._transform,
+                column=self._packing.column,
+                eos_id=self._packing.eos_id,
+                layout=spec_of.layout,
+            )
+
+        timeout = spec_of.options.timeout
+        deadline = time.monotonic() + timeout if timeout else None
+        _, (tokens, positions) = built(workers.run(what, make), deadline, timeout, what)
+        return tokens, positions
 
 
 def arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -166,35 +210,3 @@ def arrow_lists(col: pa.ChunkedArray, column: str) -> tuple[np.ndarray, np.ndarr
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         raise TypeError(f"packing needs a list column of integers; {column!r} is {arr.type}")
     return arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy()
-
-
-def row_lists(rows: Sequence[Any], column: str) -> tuple[np.ndarray, np.ndarray]:
-    """Each transformed row's ``column`` (integers): values end to end, and offsets.
-
-    Raises:
-        ColumnNotFoundError: If a transformed row has no ``column``.
-        TypeError: If it is not a 1-D list, array or tensor of integers.
-    """
-    lists = []
-    for row in rows:
-        try:
-            value = row[column]
-        except (KeyError, TypeError, IndexError):
-            raise ColumnNotFoundError(
-                f"the transform's row has no packing column {column!r} (it gave "
-                f"{type(row).__name__} {list(row) if isinstance(row, dict) else ''}): return "
-                "a dict holding the row's token ids under it"
-            ) from None
-        array = np.asarray(value)
-        if array.size == 0:
-            array = array.astype(np.int64).reshape(0)
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-            raise TypeError(
-                f"packing needs the transform's {column!r} to be a 1-D list, array or tensor "
-                f"of integers; it gave {type(value).__name__} of dtype {array.dtype} and shape "
-                f"{array.shape}"
-            )
-        lists.append(array)
-    lengths = np.fromiter((len(a) for a in lists), dtype=np.int64, count=len(lists))
-    values = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
-    return values, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

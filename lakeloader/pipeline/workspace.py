@@ -55,20 +55,24 @@ class PassSpec:
 class WorkerDecodes:
     """Decodes in the DataLoader's worker processes, for every unit store of a pass.
 
-    A task's key is the store's number times :data:`STORE_KEYS` plus the unit's position; a
-    packed step's samples, built by the same workers (:meth:`build`), have keys below 0.
+    A task's key is the store's number times :data:`STORE_KEYS` plus the unit's position;
+    other work of the pass through the same workers (:meth:`run`: a packed step's samples, a
+    unit's tokens) has keys below 0.
     """
 
     def __init__(self, pool: WorkerPool, options: LoaderOptions, generation: int) -> None:
         self.generation = generation
         self._stores: list[tuple[UnitStore, ReadCounters]] = []
+        #: What each piece of other work under way is (by its key), and how many were given.
+        self._others: dict[int, str] = {}
+        self._issued = 0
         self.dispatcher = Dispatcher(
             pool, DECODE, options.cache_bytes, options.prefetch_factor, self._describe, self._count
         )
 
     def _describe(self, key: int) -> tuple[str, str]:
         if key < 0:
-            return f"the packed batch of step {-1 - key} of the pass (building it)", ""
+            return self._others.get(key, "work of the pass"), ""
         store, position = divmod(key, STORE_KEYS)
         return self._stores[store][0].describe(np.array([position]))[0], ""
 
@@ -76,10 +80,14 @@ class WorkerDecodes:
         if key >= 0:
             self._stores[key // STORE_KEYS][1].add(*counts)
 
-    def build(self, step: int, make: Callable[[int], Work]) -> Future[Any]:
-        """Have a worker build the batch of a pass's ``step``; ``make`` makes the task of a key."""
-        key = -1 - step
-        return self.dispatcher.submit(key, partial(make, key))
+    def run(self, what: str, make: Callable[[int], Work]) -> Future[Any]:
+        """Have a worker do ``what`` (so messages name it); ``make`` makes its task of a key."""
+        self._issued += 1
+        key = -self._issued
+        self._others[key] = what
+        future = self.dispatcher.submit(key, partial(make, key))
+        future.add_done_callback(lambda _: self._others.pop(key, None))
+        return future
 
     def register(self, store: UnitStore, counters: ReadCounters) -> int:
         """Number a store of the pass: the first key of its units."""

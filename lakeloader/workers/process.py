@@ -29,7 +29,9 @@ from lakeloader.cache.packed import RowLayout, gather_packed
 from lakeloader.cache.store import UnitOpener
 from lakeloader.errors import LakeError, LakeWarning
 from lakeloader.io.retry import describe
+from lakeloader.order.packing import separated
 from lakeloader.pipeline.recipe import BatchRecipe, Sources, build_payload, samples_payload
+from lakeloader.pipeline.rows import gather_rows, row_lists, transform_rows
 from lakeloader.signals import process_receives
 from lakeloader.workers.shipping import ship
 
@@ -130,8 +132,23 @@ class SamplesTask:
     outbox: str
 
 
+@dataclass(frozen=True)
+class TokensTask(Task):
+    """Make a decoded unit's rows (a :class:`Task`'s) into tokens with a row ``transform``.
+
+    Each row goes through ``transform`` (with its seed of ``seeds``); the rows' ``column`` is
+    laid end to end with ``eos_id`` after each row. ``layout``: the arena's rows, if any.
+    """
+
+    schema: pa.Schema | None = None
+    transform: Any = None
+    column: str = ""
+    eos_id: int | None = None
+    layout: RowLayout | None = None
+
+
 #: Anything handed to a worker.
-Work: TypeAlias = "Task | DecodeTask | SamplesTask"
+Work: TypeAlias = "Task | DecodeTask | SamplesTask | TokensTask"
 
 
 @dataclass(frozen=True)
@@ -210,6 +227,8 @@ class _Worker:
         try:
             if isinstance(task, DecodeTask):
                 result = self._decode(task)
+            elif isinstance(task, TokensTask):
+                result = self._tokens(task)
             elif isinstance(task, SamplesTask):
                 kind, batch = samples_payload(task.columns, self._setup.recipe, task.seeds)
                 payload = kind, ship(batch, task.outbox)
@@ -248,6 +267,15 @@ class _Worker:
             units, task.take, schema, recipe, ready, task.seeds, task.extra, task.sources
         )
         payload = kind, ship(batch, task.outbox)
+        return Result(task.generation, task.step, self._id, payload=payload)
+
+    def _tokens(self, task: TokensTask) -> Result:
+        units = self._opener.open(task.refs, self._records(task.arena, task.layout))
+        rows = gather_rows(units, task.take, task.schema or self._setup.schema)
+        made = separated(
+            *row_lists(transform_rows(rows, task.transform, task.seeds), task.column), task.eos_id
+        )
+        payload = "tokens", ship(made, task.outbox)
         return Result(task.generation, task.step, self._id, payload=payload)
 
     def _decode(self, task: DecodeTask) -> Result:
