@@ -338,3 +338,28 @@ def test_a_packed_stream_s_row_transform_runs_in_its_workers(
         built, ran = run("workers", num_workers=2, prefetch_factor=2)
     assert built == alone
     assert os.getpid() not in ran and len(ran) >= 2, "the transform ran in the workers"
+
+
+def _always_killed(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch_transform that SIGKILLs every worker that runs it."""
+    if torch.utils.data.get_worker_info() is not None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return batch
+
+
+def test_a_packed_build_that_kills_every_worker_is_given_up(lakes: Path) -> None:
+    """The first packed step sent to the workers kills each worker that builds it: after
+    MAX_ATTEMPTS it is given up with an error naming it, not sent again for ever."""
+    packing = ll.Packing("tokens", L, eos_id=EOS, pad_id=0)
+    ds = ll.LakeDataset(
+        lakes / "web", seed=3, num_partitions=C, packing=packing, batch_transform=_always_killed
+    )
+    with (
+        pytest.warns(ll.WorkerWarning, match="exit code -9"),
+        ll.DataLoader(ds, batch_size=8, num_workers=2, timeout=120) as loader,
+        pytest.raises(
+            ll.WorkerError,
+            match="packed batch of step 1 of the pass killed its worker 3 times; giving up",
+        ),
+    ):
+        next(iter(loader))

@@ -218,7 +218,7 @@ class WorkerPool:
             self._drain(slot, results)
             self._count_start_death(worker, slot)
             step: int | None = int(slot.building.value)
-            if step not in slot.owed:  # idle (keys are never negative), or of an abandoned pass
+            if step not in slot.owed:  # idle (IDLE is in no owed work), or of an abandoned pass
                 step = None
             proc = slot.process
             deaths.append(Death(worker, proc.pid, proc.exitcode, list(slot.owed.values()), step))
