@@ -6,6 +6,7 @@ audited in tests/test_torchrun.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from lakeloader.audit.history import Span, audit
 from lakeloader.audit.records import Entry, SaveEntry, StartEntry, StepEntry
 from lakeloader.cli.main import main as cli
 from tests.conftest import double_a_step, layout_dataset
+
+SPAN_KEYS = ("missing", "doubled", "unrecorded", "replayed", "uncommitted", "skipped")
 
 
 @st.composite
@@ -118,6 +121,42 @@ def test_a_doubled_or_missing_step_is_caught(
     assert any(getattr(e, found) for e in report.epochs) or whole_epoch_gone
 
 
+@settings(max_examples=60, deadline=None)  # quick: _in_history audits once a step
+@given(runs(), st.data())
+def test_consecutive_steps_delivered_again_are_one_doubled_span(
+    run: tuple[list[Entry], int, str, int, int], data: st.DataObject
+) -> None:
+    entries, head_step, head_attempt, _, _ = run
+    steps = [e for e in entries if isinstance(e, StepEntry)]
+    committed = sorted(
+        (e for e in steps if _in_history(entries, e, head_step, head_attempt)),
+        key=lambda e: (e.epoch, e.start),
+    )
+    first = data.draw(st.integers(0, len(committed) - 1))
+    epoch = committed[first].epoch
+    last = data.draw(
+        st.integers(first, max(i for i, e in enumerate(committed) if e.epoch == epoch))
+    )
+    seq = max(e.seq for e in steps if e.attempt == head_attempt)
+    again = [  # the head attempt delivered steps first..last once more, in order
+        StepEntry(head_attempt, seq + 1 + i, *_span_of(v))
+        for i, v in enumerate(committed[first : last + 1])
+    ]
+    moved = seq + len(again)
+    entries = [_moved(e, moved, head_step, head_attempt) for e in entries] + again
+    report = audit(entries, head_step, head_attempt)
+    span = Span(epoch, committed[first].start, committed[last].stop)
+    assert [(e.epoch, e.doubled) for e in report.epochs if e.doubled] == [(epoch, (span,))]
+    for e in report.epochs:  # every span list sorted and merged
+        for key in SPAN_KEYS:
+            spans = getattr(e, key)
+            assert all(a.stop < b.start for a, b in itertools.pairwise(spans)), (key, spans)
+
+
+def _span_of(step: StepEntry) -> tuple[int, int, int, int, int, int]:
+    return (step.epoch, step.start, step.stop, step.num_rows, step.world_size, step.batch_size)
+
+
 def _in_history(entries: list[Entry], step: StepEntry, head_step: int, head_attempt: str) -> bool:
     """Whether the audit misses ``step`` when its entry is dropped (it is in the history)."""
     return not audit([e for e in entries if e is not step], head_step, head_attempt).ok
@@ -189,6 +228,7 @@ def test_audit_command_on_a_crash_and_a_resize(
     start, stop = double_a_step(tmp_path / "ckpt", 1)
     assert cli(["audit", ckpt_dir]) == 1
     text = capsys.readouterr().out
-    assert f"ERROR epoch 1: positions [{start}, {stop}) trained on twice" in text
+    errors = [line for line in text.splitlines() if line.startswith("ERROR")]
+    assert errors == [f"ERROR epoch 1: positions [{start}, {stop}) trained on twice"]
     assert "row group" in text and "NOT exactly once" in text
     dead.close()

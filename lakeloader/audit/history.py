@@ -34,6 +34,8 @@ class Span:
 class EpochVerdict:
     """What the audit found in one epoch.
 
+    Its span lists are sorted and merged (spans that touch or overlap are one span).
+
     Attributes:
         trained: Rows of the committed history (each counted once per step).
         complete: Whether the committed history reaches the epoch's end.
@@ -313,8 +315,8 @@ def _verdicts(
                 sum(s.stop - s.start for s in mine if not s.skipped),
                 later or tail == 0,
                 dropped,
-                tuple(missing),
-                tuple(doubled),
+                tuple(_merge(missing)),  # a run doubled by steps one after another, or
+                tuple(_merge(doubled)),  # by them and by the head's position, is one span
                 unrecorded,
                 replayed,
                 uncommitted,
@@ -351,7 +353,7 @@ def _split(outside: list[Span], covered: list[Span]) -> tuple[tuple[Span, ...], 
 
 
 def _merge(spans: list[Span]) -> list[Span]:
-    """The union of spans of one epoch, as sorted disjoint spans."""
+    """The union of spans of one epoch, as sorted spans that neither overlap nor touch."""
     out: list[Span] = []
     for s in sorted(spans, key=lambda s: s.start):
         if out and s.start <= out[-1].stop:
