@@ -20,6 +20,7 @@ from lakeloader.dataset import LakeDataset
 from lakeloader.io.reader import ReadCounters, UnitReader
 from lakeloader.options import LoaderOptions
 from lakeloader.order.plan import slot_units
+from lakeloader.pipeline.collate import Transform
 from lakeloader.pipeline.recipe import BatchRecipe
 from lakeloader.pipeline.resources import LoaderResources
 from lakeloader.recovery.coordinator import RecoveryCoordinator
@@ -223,10 +224,12 @@ def make_setup(
     recipe: BatchRecipe | None = None,
     layout: RowLayout | None = None,
     decoders: tuple[UnitDecoder, ...] = (),
+    transforms: tuple[Transform | None, ...] = (),
 ) -> WorkerSetup:
     """What ``host``'s workers need on the topology of now (see :class:`WorkerSetup`)."""
     init, recipe = host.options.worker_init_fn, BatchRecipe() if recipe is None else recipe
-    return WorkerSetup(schema, layout, recipe, init, seed, host.topology.rank, decoders)
+    rank = host.topology.rank
+    return WorkerSetup(schema, layout, recipe, init, seed, rank, decoders, transforms)
 
 
 def decoding_setup(
@@ -240,8 +243,9 @@ def decoding_setup(
     Each is packed by its layout (the one its unit store packs by); ``recipe``: what they
     run on packed samples (see :class:`~lakeloader.workers.process.SamplesTask`).
     """
-    decoders = (UnitDecoder(r, layout, ds.on_error, ds.validate) for ds, r, layout in sources)
-    return make_setup(host, sources[0][1].schema, seed, recipe, decoders=tuple(decoders))
+    decoders = tuple(UnitDecoder(r, layout, ds.on_error, ds.validate) for ds, r, layout in sources)
+    transforms = tuple(ds.transform for ds, _, _ in sources)
+    return make_setup(host, sources[0][1].schema, seed, recipe, None, decoders, transforms)
 
 
 def read_counts(counters: Iterable[ReadCounters]) -> dict[str, int]:

@@ -310,7 +310,9 @@ class MixtureNode(CursorNode):
     def worker_setup(self) -> WorkerSetup:
         """Workers that build the mixed batches, or decode every source's units."""
         if self.workers_build:
-            return make_setup(self.host, self._reader().schema, self.mixture.seed, self._recipe())
+            transforms = tuple(ds.transform for ds in self.mixture.sources.values())
+            reader, seed = self._reader(), self.mixture.seed
+            return make_setup(self.host, reader.schema, seed, self._recipe(), transforms=transforms)
         return self._decoding(self._layout())
 
     def _delivered(

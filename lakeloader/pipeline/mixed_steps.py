@@ -228,7 +228,7 @@ class MixedBuilder:
                 mixed.seeds,
                 stores.dir,
                 extra=extra,
-                sources=sources,
+                source_of=sources.of,
             )
 
         assert self._builds is not None

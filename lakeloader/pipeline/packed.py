@@ -181,6 +181,7 @@ class PackedIterator(PassIterator):
                 partial(check_count, ds),
                 self._threads,
                 self._stores.workers,
+                source,
             )
         return self._epochs[key]
 

@@ -53,7 +53,8 @@ class EpochTokens:
         threads: Where a unit requested is made into tokens once it is decoded (without a
             row ``transform``, which runs in the caller's thread, unless ``workers`` run it).
         workers: The DataLoader's workers that decode the units, or None; they run the row
-            ``transform`` too (:class:`~lakeloader.workers.process.TokensTask`).
+            ``transform`` too (:class:`~lakeloader.workers.process.TokensTask`: theirs of
+            ``source``, the source's index in the pass).
     """
 
     def __init__(
@@ -65,10 +66,11 @@ class EpochTokens:
         check: Any,
         threads: ThreadPool,
         workers: WorkerDecodes | None = None,
+        source: int = 0,
     ) -> None:
         self._store, self.stream, self._packing = store, stream, packing
         self._transform, self._check, self._threads = transform, check, threads
-        self._workers = workers
+        self._workers, self._source = workers, source
         self.plan = store.spec.plan
         self._specs: dict[int, BatchSpec] = {}
         self._units: dict[int, UnitTokens] = {}
@@ -184,7 +186,7 @@ class EpochTokens:
                 store.dir,
                 arena=handle,
                 schema=store.schema,
-                transform=self._transform,
+                source=self._source,
                 column=self._packing.column,
                 eos_id=self._packing.eos_id,
                 layout=spec_of.layout,

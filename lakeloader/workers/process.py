@@ -30,6 +30,7 @@ from lakeloader.cache.store import UnitOpener
 from lakeloader.errors import LakeError, LakeWarning
 from lakeloader.io.retry import describe
 from lakeloader.order.packing import separated
+from lakeloader.pipeline.collate import Transform
 from lakeloader.pipeline.recipe import BatchRecipe, Sources, build_payload, samples_payload
 from lakeloader.pipeline.rows import gather_rows, row_lists, transform_rows
 from lakeloader.signals import process_receives
@@ -53,6 +54,9 @@ class WorkerSetup:
         seed: The dataset's seed (worker ``i`` is seeded with ``worker_seed(seed, rank, i)``).
         decoders: One per source read (a mixture's in order), named by a
             :class:`DecodeTask`'s index; empty when workers only build batches.
+        transforms: Each source's row ``transform`` (or None), in the same order: a mixed
+            :class:`Task`'s ``source_of`` and a :class:`TokensTask`'s ``source`` index it (so
+            that a transform is not pickled with each task: under fork, it never is).
     """
 
     schema: pa.Schema
@@ -62,6 +66,7 @@ class WorkerSetup:
     seed: int
     rank: int
     decoders: tuple[UnitDecoder, ...] = ()
+    transforms: tuple[Transform | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,8 @@ class Task:
         rows: Arena row of each batch row (None: nothing packed), for the packed ``names``.
         arena: The arena's handle as it was when the task was sent, or None.
         extra: Columns computed, in batch order (a mixture's source of each row), or None.
-        sources: A mixed batch's rows' sources and their transforms, or None.
+        source_of: A mixed batch's rows' sources (indices into the setup's ``transforms``), or
+            None.
     """
 
     generation: int
@@ -103,7 +109,7 @@ class Task:
     names: tuple[str, ...] = ()
     arena: ArenaHandle | None = None
     extra: Mapping[str, np.ndarray] | None = None
-    sources: Sources | None = None
+    source_of: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -136,12 +142,13 @@ class SamplesTask:
 class TokensTask(Task):
     """Make a decoded unit's rows (a :class:`Task`'s) into tokens with a row ``transform``.
 
-    Each row goes through ``transform`` (with its seed of ``seeds``); the rows' ``column`` is
-    laid end to end with ``eos_id`` after each row. ``layout``: the arena's rows, if any.
+    Each row goes through the setup's transform of ``source`` (with its seed of ``seeds``);
+    the rows' ``column`` is laid end to end with ``eos_id`` after each row. ``layout``: the
+    arena's rows, if any.
     """
 
     schema: pa.Schema | None = None
-    transform: Any = None
+    source: int = 0
     column: str = ""
     eos_id: int | None = None
     layout: RowLayout | None = None
@@ -263,8 +270,11 @@ class _Worker:
         if records is not None and task.rows is not None and layout is not None:
             ready = gather_packed(records, task.rows, layout, task.names)
         units = self._opener.open(task.refs, records)
+        sources = (
+            None if task.source_of is None else Sources(task.source_of, self._setup.transforms)
+        )
         kind, batch = build_payload(
-            units, task.take, schema, recipe, ready, task.seeds, task.extra, task.sources
+            units, task.take, schema, recipe, ready, task.seeds, task.extra, sources
         )
         payload = kind, ship(batch, task.outbox)
         return Result(task.generation, task.step, self._id, payload=payload)
@@ -272,9 +282,10 @@ class _Worker:
     def _tokens(self, task: TokensTask) -> Result:
         units = self._opener.open(task.refs, self._records(task.arena, task.layout))
         rows = gather_rows(units, task.take, task.schema or self._setup.schema)
-        made = separated(
-            *row_lists(transform_rows(rows, task.transform, task.seeds), task.column), task.eos_id
-        )
+        transform = self._setup.transforms[task.source]
+        assert transform is not None, "tokens are made in a worker only with a transform"
+        rows = transform_rows(rows, transform, task.seeds)
+        made = separated(*row_lists(rows, task.column), task.eos_id)
         payload = "tokens", ship(made, task.outbox)
         return Result(task.generation, task.step, self._id, payload=payload)
 
