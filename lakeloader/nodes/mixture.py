@@ -252,7 +252,8 @@ class MixtureNode(CursorNode):
                 sources.close()
             unit_dir = res.unit_folder(opts.cache_dir, opts.cache_bytes)
             whole = Topology(1, 0, 0, opts.batch_size)
-            sources = Stores(self._leaves(), opts, whole, unit_dir, pool, self._layout(), not build)
+            layout = self._layout()
+            sources = Stores(self._leaves(), opts, whole, unit_dir, pool, layout, not build, True)
         it = MixtureIterator(
             self.mixture,
             cursor,

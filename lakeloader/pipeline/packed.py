@@ -128,6 +128,7 @@ class PackedIterator(PassIterator):
             pool,
             arena_layout([s.dataset for s in sources], sources[0].reader),
             workers_decode=True,
+            increments_by_task=True,
         )
         self._epochs: dict[tuple[int, int], EpochTokens] = {}
         #: Make decoded units into tokens ahead of their use (daemon threads); with workers,

@@ -112,6 +112,9 @@ class Stores:
         layout: How rows are packed into the arena (the same for every leaf), or None: rows
             go to the user's code and nothing is packed.
         workers_decode: Whether the workers decode (else, with a pool, they build batches).
+        increments_by_task: Whether a followed lake's increments go to the workers with each
+            task's decoder (a mixture's and a packed stream's: their workers are set up once,
+            not per increment as a lake's).
     """
 
     def __init__(
@@ -123,8 +126,9 @@ class Stores:
         pool: WorkerPool | None,
         layout: RowLayout | None,
         workers_decode: bool,
+        increments_by_task: bool = False,
     ) -> None:
-        self.leaves, self.layout = leaves, layout
+        self.leaves, self.layout, self._by_task = leaves, layout, increments_by_task
         self._options, self._topology = options, topology
         self.dir = tempfile.mkdtemp(prefix="pass-", dir=unit_dir)
         self.arena: Arena | None = None
@@ -189,11 +193,13 @@ class Stores:
             )
             decoder = UnitDecoder(reader, self.layout, ds.on_error, ds.validate)
             decodes: Decodes
-            if self.workers is not None and ds.follow is not None and _pickles(decoder, ds):
+            by_task = self._by_task and ds.follow is not None
+            plain = ds is first and first.grows_at is None
+            if self.workers is not None and by_task and _pickles(decoder, ds):
                 decodes = StoreDecodes(self.workers, decoder)  # the increment's, with each task
-            elif self.workers is not None and ds is first and first.grows_at is None:
+            elif self.workers is not None and not by_task and plain:
                 decodes = StoreDecodes(self.workers, leaf)  # the snapshot they were set up with
-            else:  # a lake that grew: the pinned epoch's rest, then the lake of now
+            else:  # a lake that grew (its pinned epoch's rest, then the lake of now), or no pickle
                 # bound to the arena, not to self: what the finaliser holds must not keep self alive
                 records = functools.partial(arena_rows, self.arena)
                 decodes = LocalDecodes(decoder, budget, records, self._threads)
