@@ -389,3 +389,36 @@ def test_transforms_that_do_not_pickle_run_in_forked_workers(lakes: Path, kind: 
 
     alone = batches(make(), 20)
     assert batches(make(), 20, num_workers=2, multiprocessing_context="fork") == alone
+
+
+def _fails_on_row_1034(row: dict[str, Any]) -> dict[str, Any]:
+    """Fails on web's id 1034: its file 2, row 234, in row group 4."""
+    if row["id"] == 1034:
+        raise ValueError("the user's transform failed on row 1034")
+    return row
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_transform_failing_in_a_worker_names_the_units_of_its_step(
+    lakes: Path, mixed: bool
+) -> None:
+    """The worker's error names the step's units (file, row group, rows), a lake's as a
+    mixture's, with the user's traceback (a mixture's named the step only)."""
+
+    def source(name: str) -> ll.LakeDataset:
+        return ll.LakeDataset(
+            lakes / name, columns=["id"], seed=3, num_partitions=C, transform=_fails_on_row_1034
+        )
+
+    ds: Any = source("web")
+    if mixed:
+        ds = ll.Mixture({n: source(n) for n in ("web", "code")}, {"web": 0.5, "code": 0.5}, seed=9)
+    with (
+        ll.DataLoader(ds, batch_size=32, num_workers=2) as loader,
+        pytest.raises(ll.WorkerError) as info,
+    ):
+        for _ in loader:
+            pass
+    message = str(info.value)
+    assert "failed on row 1034" in message and "(its units: " in message
+    assert "web/part-2.parquet, row group 4, rows [" in message, message[:600]

@@ -114,6 +114,8 @@ class MixedBuilder:
         self._builds: Dispatcher | None = None
         #: Steps handed to the workers (by index in the pass): the build, what it skipped.
         self._sent: dict[int, tuple[Future[Any], tuple[QuarantineEntry, ...], int]] = {}
+        #: Those steps as planned (their units named in the workers' errors).
+        self._steps: dict[int, MixedStep] = {}
         self._ahead = 0
         if pool is not None:
             self._builds = Dispatcher(pool, BUILD, 1, options.prefetch_factor, self._describe)
@@ -197,6 +199,7 @@ class MixedBuilder:
             self._submit(index, step, deadline)  # waits for its units (and raises their error)
         future, skipped, lost = self._sent.pop(index)
         payload = built(future, deadline, timeout, f"step {index} of pass {self._mixture!r}")
+        del self._steps[index]  # named in its error until it is in
         return finish_payload(payload, self._recipe), skipped, lost
 
     def _top_up(self, under_way: int, upcoming: Sequence[MixedStep]) -> None:
@@ -232,10 +235,14 @@ class MixedBuilder:
             )
 
         assert self._builds is not None
+        self._steps[index] = step
         self._sent[index] = (self._builds.submit(index, make), mixed.skipped, mixed.lost)
 
     def _describe(self, index: int) -> tuple[str, str]:
-        return f"step {index} of a pass over {self._mixture!r}", ""
+        step, open_ = self._steps.get(index), self._sources.open
+        parts = [(open_.get(p.pair), p) for p in (step.parts if step else ())]  # this thread's
+        units = [u for store, p in parts if store for u in store.store.describe(p.positions)]
+        return f"step {index} of a pass over {self._mixture!r}", "; ".join(units)
 
     def _ready(
         self, screens: list[tuple[Store, Screened]], dests: list[np.ndarray], size: int

@@ -227,8 +227,10 @@ class Dispatcher:
                 result.exception.__cause__ = result.cause
                 item.future.set_exception(result.exception)
             elif result.error is not None:
-                what = f"{self._kind.verb} {self._describe(item.key)[0]}"
-                error = WorkerError(f"worker {result.worker} failed to {what}:\n{result.error}")
+                what, detail = self._describe(item.key)
+                what += f" (its units: {detail})" if detail else ""
+                head = f"worker {result.worker} failed to {self._kind.verb} {what}"
+                error = WorkerError(f"{head}:\n{result.error}")
                 item.future.set_exception(error)
             else:
                 item.future.set_result(result.payload)
