@@ -140,7 +140,7 @@ class PackedIterator(PassIterator):
         #: The workers that run the user's code on the samples cut (those that decode), if
         #: any, and the steps sent to them, oldest first.
         self._builds = self._stores.workers if recipe.user_code else None
-        self._building: deque[tuple[int, StepCut, Future[Any]]] = deque()
+        self._building: deque[tuple[str, StepCut, Future[Any]]] = deque()
         self._ahead, self._timeout = ahead, options.timeout
         super().__init__(None, options.cache_bytes, _TokenThreads(self._threads), self._stores)
         self._streams: dict[tuple[int, int], TokenStream] = {}
@@ -299,8 +299,7 @@ class PackedIterator(PassIterator):
             self._send()  # waits for its units; StopIteration when no step is planned
         while len(self._building) < self._ahead and self._planned and self._ready(self._planned[0]):
             self._send()
-        key, cut, future = self._building.popleft()
-        what = f"the packed batch of step {key} of the pass"
+        what, cut, future = self._building.popleft()
         payload = built(future, deadline, self._timeout, what)
         return finish_payload(payload, self._recipe), cut
 
@@ -313,8 +312,8 @@ class PackedIterator(PassIterator):
         def make(task_key: int) -> SamplesTask:
             return SamplesTask(stores.generation, task_key, cut.columns, seeds, stores.dir)
 
-        what = f"the packed batch of step {key} of the pass"
-        self._building.append((key, cut, self._builds.run(what, make)))
+        what = f"the packed batch of step {key} of the pass"  # named in its errors
+        self._building.append((what, cut, self._builds.run(what, make)))
 
     def _cut(self) -> StepCut:
         """The next step planned: its samples copied out of their units, units let go."""
